@@ -1,0 +1,408 @@
+"""Train the bundled demo checkpoint: a small PLE decoder on the Python standard library.
+
+The corpus is text every machine with Python has offline: the standard library's own ``.py``
+files (``sysconfig.get_paths()["stdlib"]``; site-packages and test directories are skipped,
+files are taken in sorted path order up to a byte cap). The split is by file: every
+``HELDOUT_EVERY``-th file is held out and never trained on. A prefix of the held-out text is
+written to ``heldout.txt`` for calibration and accuracy reports.
+
+Steps, all deterministic for a given seed, Python build and library versions:
+
+1. a byte-level BPE tokenizer (``tokenizers``; vocab 1024; ``<|endoftext|>`` = 0 is bos and
+   eos, ``<|pad|>`` = 1) trained on the train split, saved as ``tokenizer.json``;
+2. a :class:`~kiln.plugins.native.model.PLEDecoder` trained on random windows of the train
+   token stream (files joined by ``<|endoftext|>``) with AdamW and a cosine schedule, on the CPU;
+   the PLE tables get a larger learning rate and no weight decay so that they move clearly
+   away from their identity initialisation;
+3. held-out perplexity on the first ``EVAL_WINDOWS`` windows of ``heldout.txt``;
+4. ``config.json``, ``model.safetensors`` (fp32; the tied LM head is stored once, as
+   ``embed.weight``) and ``training.json`` (the facts of the run).
+
+Usage::
+
+    python -m kiln.demo.train --out demo/checkpoint [--steps N] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sysconfig
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import tokenizers
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch import Tensor, nn
+
+from kiln.plugins.native.config import (
+    MLPKind,
+    NativeConfig,
+    NormKind,
+    NormPosition,
+    PLEConfig,
+    PLEPlacement,
+    PositionKind,
+)
+from kiln.plugins.native.model import PLEDecoder
+
+__all__ = ["Corpus", "build_corpus", "train_tokenizer", "demo_config", "main"]
+
+EOS = "<|endoftext|>"  # id 0: bos and eos
+PAD = "<|pad|>"  # id 1
+VOCAB_SIZE = 1024
+SEQ_LEN = 256
+CORPUS_CAP_BYTES = 12_000_000  # total text taken from the standard library
+MAX_FILE_BYTES = 300_000  # skips generated data modules such as pydoc_data/topics.py
+HELDOUT_EVERY = 20  # every 20th selected file is held out
+HELDOUT_TXT_BYTES = 256_000  # size cap of heldout.txt
+SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+EVAL_WINDOWS = 64
+EVAL_BATCH = 16
+NUM_THREADS = 2
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The selected standard-library files, split by file."""
+
+    root: Path
+    train: list[tuple[str, str]]  # (path relative to root, text)
+    heldout: list[tuple[str, str]]
+
+    @staticmethod
+    def size(files: Sequence[tuple[str, str]]) -> int:
+        return sum(len(text.encode("utf-8")) for _, text in files)
+
+
+def build_corpus(cap_bytes: int = CORPUS_CAP_BYTES) -> Corpus:
+    """Standard-library ``.py`` files in sorted order up to ``cap_bytes``, split by file."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(
+        p
+        for p in root.rglob("*.py")
+        if not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]) and not p.name.startswith("test_")
+    )
+    selected: list[tuple[str, str]] = []
+    total = 0
+    for path in paths:
+        try:
+            raw = path.read_bytes()
+            text = raw.decode("utf-8").replace("\r\n", "\n")
+        except (OSError, UnicodeDecodeError):
+            continue  # unreadable or not UTF-8: skipped, deterministically
+        if not text.strip() or len(raw) > MAX_FILE_BYTES:
+            continue
+        if total + len(raw) > cap_bytes:
+            break
+        selected.append((path.relative_to(root).as_posix(), text))
+        total += len(raw)
+    if len(selected) < 2 * HELDOUT_EVERY:
+        raise SystemExit(f"only {len(selected)} usable standard-library files under {root}; cannot build the corpus")
+    train = [f for i, f in enumerate(selected) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
+    heldout = [f for i, f in enumerate(selected) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
+    return Corpus(root, train, heldout)
+
+
+def heldout_text(files: Sequence[tuple[str, str]], cap_bytes: int = HELDOUT_TXT_BYTES) -> str:
+    """Whole held-out files joined by a blank line, cut at a line boundary under ``cap_bytes``."""
+    text = "\n\n".join(t.rstrip("\n") + "\n" for _, t in files)
+    data = text.encode("utf-8")[:cap_bytes]
+    cut = data.rfind(b"\n")
+    return data[: cut + 1].decode("utf-8")
+
+
+def train_tokenizer(texts: Sequence[str]) -> Tokenizer:
+    """Byte-level BPE with ``<|endoftext|>`` (0) and ``<|pad|>`` (1)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=[EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    if tok.token_to_id(EOS) != 0 or tok.token_to_id(PAD) != 1 or tok.get_vocab_size() != VOCAB_SIZE:
+        raise SystemExit("tokenizer training produced unexpected special-token ids or vocab size")
+    return tok
+
+
+def demo_config() -> NativeConfig:
+    """The demo model: about 1.1 M parameters, 4.4 MB of fp32 weights."""
+    return NativeConfig(
+        vocab_size=VOCAB_SIZE,
+        d_model=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=320,
+        mlp=MLPKind.SWIGLU,
+        norm=NormKind.RMSNORM,
+        norm_position=NormPosition.PRE,
+        position=PositionKind.ROPE,
+        ple=PLEConfig(
+            enabled=True,
+            max_positions=SEQ_LEN,
+            placement=PLEPlacement.RESIDUAL,
+            bounded=False,
+            projection=False,
+        ),
+        tie_embeddings=True,
+        bias=False,
+        max_context=SEQ_LEN,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+    )
+
+
+def token_stream(tok: Tokenizer, texts: Sequence[str]) -> Tensor:
+    """All texts tokenized and joined, each followed by ``<|endoftext|>``; int64 ``[N]``."""
+    ids: list[int] = []
+    for enc in tok.encode_batch(list(texts), add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(0)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def init_weights(model: PLEDecoder) -> None:
+    """GPT-2 style: N(0, 0.02) for embeddings and projections, residual outputs scaled by
+    1/sqrt(2 * n_layers); norms stay at one and the PLE tables at zero (the identity)."""
+    residual_std = 0.02 / math.sqrt(2 * model.cfg.n_layers)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module is not model.lm_head:
+            std = residual_std if name.endswith(("o_proj", "fc2")) else 0.02
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+    nn.init.normal_(model.embed.weight, std=0.02)
+
+
+def param_groups(model: PLEDecoder, lr: float, ple_lr_mult: float, weight_decay: float) -> list[dict[str, Any]]:
+    """Matrices decay; norms don't; PLE tables get ``ple_lr_mult`` times the LR and no decay."""
+    decay, no_decay, ple = [], [], []
+    for name, p in model.named_parameters():  # a tied parameter is listed once
+        if ".ple.ple." in name:
+            ple.append(p)
+        elif p.ndim >= 2:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "lr_mult": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "lr_mult": 1.0},
+        {"params": ple, "weight_decay": 0.0, "lr_mult": ple_lr_mult},
+    ]
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 10 % of ``lr``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def lm_loss(model: PLEDecoder, windows: Tensor) -> Tensor:
+    """Mean next-token cross-entropy over ``windows`` ``[B, S + 1]``."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    batch, seq = inputs.shape
+    mask = torch.ones(batch, seq, dtype=torch.int64)
+    positions = torch.arange(seq, dtype=torch.int64).expand(batch, seq)
+    logits, _ = model(inputs, mask, positions)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@torch.no_grad()
+def heldout_perplexity(model: PLEDecoder, ids: Tensor, windows: int = EVAL_WINDOWS) -> tuple[float, int]:
+    """Per-token perplexity over the first ``windows`` non-overlapping windows of ``ids``."""
+    n = min(windows, (len(ids) - 1) // SEQ_LEN)
+    if n == 0:
+        raise SystemExit("held-out text is too short for one evaluation window")
+    chunks = torch.stack([ids[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1] for i in range(n)])
+    model.eval()
+    total = 0.0
+    for start in range(0, n, EVAL_BATCH):
+        batch = chunks[start : start + EVAL_BATCH]
+        total += float(lm_loss(model, batch)) * batch.shape[0]
+    model.train()
+    return math.exp(total / n), n * SEQ_LEN
+
+
+def ple_stats(model: PLEDecoder) -> list[dict[str, float]]:
+    """Per layer, max |a| and max |b| of the PLE table (scale and shift halves)."""
+    out = []
+    for layer in model.layers:
+        assert layer.ple is not None
+        table = layer.ple.ple.table.weight.detach()
+        a, b = table.split(model.cfg.d_model, dim=-1)
+        out.append({"max_abs_a": float(a.abs().max()), "max_abs_b": float(b.abs().max()),
+                    "rms_a": float(a.pow(2).mean().sqrt()), "rms_b": float(b.pow(2).mean().sqrt())})
+    return out
+
+
+@torch.no_grad()
+def greedy(model: PLEDecoder, tok: Tokenizer, prompt: str, new_tokens: int) -> str:
+    """Greedy continuation of ``prompt`` (with the KV cache), decoded to text."""
+    model.eval()
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    x = torch.tensor([ids], dtype=torch.int64)
+    past = None
+    out = list(ids)
+    for _ in range(new_tokens):
+        if len(out) >= model.cfg.max_context:
+            break
+        total = len(out)
+        seq = x.shape[1]
+        mask = torch.ones(1, total, dtype=torch.int64)
+        positions = torch.arange(total - seq, total, dtype=torch.int64)[None, :]
+        logits, past = model(x, mask, positions, past, last_logits_only=True)
+        nxt = int(logits[0, -1].argmax())
+        out.append(nxt)
+        x = torch.tensor([[nxt]], dtype=torch.int64)
+    model.train()
+    return tok.decode(out)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kiln.demo.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "checkpoint", help="checkpoint directory")
+    parser.add_argument("--steps", type=int, default=1800, help="optimizer steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=16, help=f"windows of {SEQ_LEN} tokens per step")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--ple-lr-mult", type=float, default=3.0, help="PLE-table learning-rate multiplier")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--log-every", type=int, default=25)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(NUM_THREADS)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+
+    corpus = build_corpus()
+    heldout = heldout_text(corpus.heldout)
+    (out / "heldout.txt").write_text(heldout, encoding="utf-8")
+    print(
+        f"corpus {corpus.root}: {len(corpus.train)} train files ({Corpus.size(corpus.train):,} B), "
+        f"{len(corpus.heldout)} held-out files ({Corpus.size(corpus.heldout):,} B); "
+        f"heldout.txt {len(heldout.encode()):,} B",
+        flush=True,
+    )
+
+    tok = train_tokenizer([text for _, text in corpus.train])
+    tok.save(str(out / "tokenizer.json"))
+    train_ids = token_stream(tok, [text for _, text in corpus.train])
+    eval_ids = torch.tensor(tok.encode(heldout, add_special_tokens=False).ids, dtype=torch.int64)
+    print(f"tokenizer: {len(train_ids):,} train tokens, {len(eval_ids):,} heldout.txt tokens", flush=True)
+
+    cfg = demo_config()
+    model = PLEDecoder(cfg)
+    init_weights(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    groups = param_groups(model, args.lr, args.ple_lr_mult, args.weight_decay)
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(args.seed)
+    offsets = torch.arange(SEQ_LEN + 1)
+    print(f"model: {n_params:,} parameters; {args.steps} steps of {args.batch_size}x{SEQ_LEN} tokens", flush=True)
+
+    train_started = time.perf_counter()
+    losses: list[float] = []
+    model.train()
+    for step in range(args.steps):
+        lr = lr_at(step, args.steps, args.lr, args.warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr * group["lr_mult"]
+        starts = torch.randint(0, len(train_ids) - SEQ_LEN - 1, (args.batch_size,), generator=gen)
+        loss = lm_loss(model, train_ids[starts[:, None] + offsets])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if (step + 1) % args.log_every == 0 or step == 0:
+            elapsed = time.perf_counter() - train_started
+            recent = sum(losses[-args.log_every :]) / len(losses[-args.log_every :])
+            print(f"step {step + 1}/{args.steps} loss {recent:.4f} lr {lr:.2e} {elapsed / (step + 1):.3f} s/step "
+                  f"elapsed {elapsed:.0f} s", flush=True)
+    train_seconds = time.perf_counter() - train_started
+
+    ppl, eval_tokens = heldout_perplexity(model, eval_ids)
+    stats = ple_stats(model)
+    sample = greedy(model, tok, "def ", 40)
+    tail = losses[-50:]
+    print(f"held-out perplexity {ppl:.3f} over {eval_tokens} tokens", flush=True)
+    print(f"PLE max|a| {max(s['max_abs_a'] for s in stats):.4f} max|b| {max(s['max_abs_b'] for s in stats):.4f}", flush=True)
+    print(f"sample: {sample!r}", flush=True)
+
+    cfg.save(out / "config.json")
+    save_model(model, str(out / "model.safetensors"))
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600
+    facts: dict[str, Any] = {
+        "command": "python -m kiln.demo.train " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"
+        ),
+        "seed": args.seed,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": SEQ_LEN,
+        "tokens_seen": args.steps * args.batch_size * SEQ_LEN,
+        "optimizer": {"kind": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": args.weight_decay,
+                      "ple_lr_mult": args.ple_lr_mult, "ple_weight_decay": 0.0, "warmup": args.warmup,
+                      "schedule": "linear warm-up, cosine to 10%", "grad_clip": 1.0},
+        "train_loss_last50": sum(tail) / len(tail),
+        "train_loss_first": losses[0],
+        "train_seconds": round(train_seconds, 1),
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "param_count": n_params,
+        "heldout_perplexity": ppl,
+        "heldout_eval": {"source": "heldout.txt", "windows": eval_tokens // SEQ_LEN, "window_tokens": SEQ_LEN,
+                         "tokens": eval_tokens, "note": "first non-overlapping windows, no bos, positions 0..255"},
+        "ple": {"max_abs_a": max(s["max_abs_a"] for s in stats), "max_abs_b": max(s["max_abs_b"] for s in stats),
+                "layers": stats},
+        "corpus": {
+            "source": "Python standard library .py files (sysconfig stdlib path), sorted, "
+                      f"skipping {sorted(SKIP_DIRS)} dirs, test_*.py and files > {MAX_FILE_BYTES} B",
+            "python": platform.python_version(),
+            "cap_bytes": CORPUS_CAP_BYTES,
+            "heldout_every": HELDOUT_EVERY,
+            "train_files": len(corpus.train),
+            "train_bytes": Corpus.size(corpus.train),
+            "train_tokens": len(train_ids),
+            "heldout_files": len(corpus.heldout),
+            "heldout_bytes": Corpus.size(corpus.heldout),
+            "heldout_txt_bytes": len(heldout.encode("utf-8")),
+            "heldout_txt_tokens": len(eval_ids),
+            "heldout_txt_first_files": [name for name, _ in corpus.heldout[:5]],
+        },
+        "sample": {"prompt": "def ", "greedy_new_tokens": 40, "text": sample},
+        "versions": {"torch": torch.__version__, "tokenizers": tokenizers.__version__,
+                     "safetensors": safetensors.__version__, "python": platform.python_version()},
+        "num_threads": NUM_THREADS,
+    }
+    (out / "training.json").write_text(json.dumps(facts, indent=2) + "\n")
+    sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    print(f"wrote {out}: {sizes} total {sum(sizes.values()):,} B", flush=True)
+
+
+if __name__ == "__main__":
+    main()

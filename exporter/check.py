@@ -1,0 +1,132 @@
+"""Parity of an export directory's graphs against the PyTorch model (run by ``kiln export`` at
+its end and by ``kiln check DIR``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from torch import nn
+
+from kiln.errors import ArtifactError, CheckpointError
+from kiln.exporter import manifest as manifest_mod
+from kiln.exporter.artifacts import sha256_file
+from kiln.exporter.io_contract import GraphKind
+from kiln.exporter.options import ExportOptions, LogitsMode, PLEExtendMode, PLETables
+from kiln.exporter.parity import (
+    TOLERANCES,
+    ParityResult,
+    generation_parity,
+    greedy,
+    make_prompts,
+    tensor_parity,
+)
+from kiln.exporter.ple import FoldedPLE, fold_ple, ple_sublayers
+from kiln.exporter.progress import NullProgress, Progress
+from kiln.exporter.reference import prepare_reference, table_feeds
+from kiln.exporter.runners import OrtRunner, TorchRunner
+from kiln.plugins import load_model
+from kiln.plugins.base import DecoderSpec
+
+__all__ = ["run_parity", "parity_plan", "check_dir"]
+
+
+def parity_plan(max_context: int, max_batch: int, tokens: int) -> tuple[list[int], list[int], int]:
+    """Prompt lengths for batch 1 and for the left-padded batch, and the number of steps, so
+    that prompt + generated tokens fit the exported context."""
+    longest = max(2, min(12, max_context // 4))
+    steps = max(1, min(tokens, max_context - longest))
+    single = [longest]
+    padded = [longest, max(1, longest - 4), max(1, longest - 7)][: max(1, min(3, max_batch))]
+    return single, padded, steps
+
+
+def run_parity(
+    reference: nn.Module,
+    spec: DecoderSpec,
+    graphs: dict[GraphKind, Path],
+    *,
+    precision: str,
+    max_context: int,
+    max_batch: int,
+    tokens: int,
+    last_logits_only: bool,
+    extra_feeds: dict[str, np.ndarray] | None = None,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> ParityResult:
+    """Tensor parity of every graph, then greedy generation through prefill + decode and
+    through model.onnx, for batch 1 and a left-padded batch."""
+    progress = progress or NullProgress()
+    tolerance = TOLERANCES[precision]
+    torch_runner = TorchRunner(reference, spec.n_layers, last_logits_only)
+    result = ParityResult(backend="onnxruntime", precision=precision, tolerance=tolerance)
+    single, padded, steps = parity_plan(max_context, max_batch, tokens)
+    batches = [make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)]
+    with OrtRunner(graphs, extra_feeds=extra_feeds) as ort_runner, progress.stage("parity", total=1 + 2 * len(batches)) as bar:
+        result.tensors = tensor_parity(torch_runner, ort_runner, spec, tolerance, seed)
+        bar.advance()
+        for prompts in batches:
+            reference_run = greedy(torch_runner, spec, prompts, steps)
+            for unified in (False, True):
+                result.generation.append(
+                    generation_parity(
+                        torch_runner,
+                        ort_runner,
+                        spec,
+                        prompts,
+                        steps,
+                        tolerance,
+                        unified=unified,
+                        kv_dtype=np.dtype(np.float32),
+                        reference_run=reference_run,
+                    )
+                )
+                bar.advance()
+    return result
+
+
+def check_dir(directory: Path, model: str | Path | None = None, progress: Progress | None = None) -> ParityResult:
+    """Re-run parity on an export directory against its checkpoint (or ``model``)."""
+    progress = progress or NullProgress()
+    manifest = manifest_mod.read(directory)
+    ref = model if model is not None else manifest["checkpoint"]["reference"]
+    if ref is None:
+        raise ArtifactError(f"{directory}: the manifest does not name its checkpoint; pass --model")
+    with progress.stage("load checkpoint"):
+        loaded = load_model(ref)
+    recorded = manifest["checkpoint"]["files"]
+    found = {p.name: sha256_file(p) for p in loaded.files}
+    if recorded != found:
+        changed = sorted(k for k in set(recorded) | set(found) if recorded.get(k) != found.get(k))
+        raise CheckpointError(f"{ref}: checkpoint files {changed} differ from the ones {directory} was exported from")
+    ple = manifest["export"]["ple"] or {}
+    options = ExportOptions(
+        max_batch=manifest["limits"]["max_batch"],
+        max_context=manifest["limits"]["max_context"],
+        logits=LogitsMode(manifest["export"]["logits"]),
+        ple_extend=ple.get("rows") if ple.get("extend_mode") else None,
+        ple_extend_mode=PLEExtendMode(ple.get("extend_mode") or "clamp"),
+        ple_tables=PLETables(ple.get("tables", "constant")),
+    )
+    reference = prepare_reference(loaded, options)
+    extra = None
+    if options.ple_tables is PLETables.INPUT:
+        folded = fold_ple(reference)
+        extra = table_feeds([(m.scale, m.shift) for _, m in ple_sublayers(folded) if isinstance(m, FoldedPLE)])
+    graphs = {kind: directory / manifest["graphs"][kind.value]["file"] for kind in GraphKind}
+    for path in graphs.values():
+        if not path.is_file():
+            raise ArtifactError(f"{path}: graph file missing")
+    return run_parity(
+        reference,
+        loaded.spec,
+        graphs,
+        precision=manifest["precision"],
+        max_context=options.max_context or loaded.spec.max_context,
+        max_batch=options.max_batch,
+        tokens=options.parity_tokens,
+        last_logits_only=options.last_logits_only,
+        extra_feeds=extra,
+        progress=progress,
+    )

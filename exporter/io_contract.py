@@ -1,0 +1,112 @@
+"""The I/O contract of kiln's graphs (design.md section 4): every name and dim name comes from here.
+
+Names follow the Hugging Face / ONNX Runtime GenAI convention; KV layout is BNSH
+``[batch, n_kv_heads, seq, head_dim]``. Dims: ``batch``, ``seq``, ``past_seq``, ``total_seq``
+(= past_seq + seq).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kiln.plugins.base import DecoderSpec
+
+__all__ = [
+    "GraphKind",
+    "TensorSpec",
+    "GraphIO",
+    "graph_io",
+    "past_names",
+    "present_names",
+    "ple_table_names",
+    "BATCH",
+    "SEQ",
+    "PAST_SEQ",
+    "TOTAL_SEQ",
+]
+
+BATCH, SEQ, PAST_SEQ, TOTAL_SEQ = "batch", "seq", "past_seq", "total_seq"
+Dim = str | int
+
+
+class GraphKind(str, enum.Enum):
+    PREFILL = "prefill"  # no past inputs; presents hold the prompt's keys and values
+    DECODE = "decode"  # one new token; past grows by one
+    UNIFIED = "model"  # seq >= 1, past_seq >= 0: the single graph ONNX Runtime GenAI wants
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name: int64, float32, float16
+    dims: tuple[Dim, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.dims)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphIO:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    return f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    return f"present.{layer}.key", f"present.{layer}.value"
+
+
+def ple_table_names(index: int) -> tuple[str, str]:
+    """Graph inputs of the folded PLE tables of the ``index``-th PLE sub-layer (``--ple-tables input``)."""
+    return f"ple.{index}.scale", f"ple.{index}.shift"
+
+
+def graph_io(
+    spec: DecoderSpec,
+    kind: GraphKind,
+    *,
+    last_logits_only: bool = False,
+    kv_dtype: str = "float32",
+    logits_dtype: str = "float32",
+    ple_tables: tuple[tuple[int, int], ...] = (),
+) -> GraphIO:
+    """The inputs and outputs of one graph, in order.
+
+    ``ple_tables`` lists the ``(rows, d_model)`` shape of each PLE sub-layer's tables when they
+    are graph inputs (``--ple-tables input``); empty when they are constants.
+    """
+    seq: Dim = 1 if kind is GraphKind.DECODE else SEQ
+    mask_len = SEQ if kind is GraphKind.PREFILL else TOTAL_SEQ
+    kv_len = SEQ if kind is GraphKind.PREFILL else TOTAL_SEQ
+    logits_len: Dim = 1 if (last_logits_only and kind is GraphKind.PREFILL) else seq
+    kv = (spec.n_kv_heads, spec.head_dim)
+
+    inputs = [
+        TensorSpec("input_ids", "int64", (BATCH, seq)),
+        TensorSpec("attention_mask", "int64", (BATCH, mask_len)),
+        TensorSpec("position_ids", "int64", (BATCH, seq)),
+    ]
+    if kind is not GraphKind.PREFILL:
+        for i in range(spec.n_layers):
+            for name in past_names(i):
+                inputs.append(TensorSpec(name, kv_dtype, (BATCH, kv[0], PAST_SEQ, kv[1])))
+    for i, shape in enumerate(ple_tables):
+        for name in ple_table_names(i):
+            inputs.append(TensorSpec(name, kv_dtype, shape))
+    outputs = [TensorSpec("logits", logits_dtype, (BATCH, logits_len, spec.vocab_size))]
+    for i in range(spec.n_layers):
+        for name in present_names(i):
+            outputs.append(TensorSpec(name, kv_dtype, (BATCH, kv[0], kv_len, kv[1])))
+    return GraphIO(tuple(inputs), tuple(outputs))

@@ -1,0 +1,39 @@
+"""Pass: turn the folded PLE tables from constants into graph inputs (``--ple-tables input``).
+
+Serving stacks that swap position tables without rebuilding an engine feed them as inputs
+``ple.{i}.scale`` / ``ple.{i}.shift``. The tables are found by content (the exporter is free to
+rename initializers), so the pass cannot pick up a different tensor of the same shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+from torch import Tensor
+
+from kiln.errors import ExportError
+from kiln.exporter.io_contract import ple_table_names
+
+__all__ = ["ple_tables_to_inputs"]
+
+
+def ple_tables_to_inputs(model: ir.Model, tables: Sequence[tuple[Tensor, Tensor]]) -> ir.Model:
+    """Replace the initializer holding each table by a graph input, in place."""
+    graph = model.graph
+    by_content: dict[bytes, ir.Value] = {}
+    for value in graph.initializers.values():
+        if value.const_value is not None and len(value.const_value.shape) == 2:
+            by_content.setdefault(value.const_value.tobytes(), value)
+    for i, pair in enumerate(tables):
+        for name, table in zip(ple_table_names(i), pair, strict=True):
+            data = np.ascontiguousarray(table.detach().numpy()).tobytes()
+            value = by_content.get(data)
+            if value is None:
+                raise ExportError(f"--ple-tables input: the folded table {name} is not a constant of the traced graph")
+            graph.initializers.pop(value.name)  # type: ignore[arg-type]
+            value.const_value = None
+            value.name = name
+            graph.inputs.append(value)
+    return model

@@ -1,0 +1,122 @@
+"""``export``: checkpoint -> folded module -> three ONNX graphs sharing one weights file ->
+parity -> manifest and reports, staged in a temporary directory and renamed into place."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import onnx_ir as ir
+
+from kiln.errors import ParityError
+from kiln.exporter import manifest as manifest_mod
+from kiln.exporter.artifacts import staged_output
+from kiln.exporter.check import run_parity
+from kiln.exporter.io_contract import GraphKind, graph_io
+from kiln.exporter.options import ExportOptions, PLETables
+from kiln.exporter.parity import ParityResult
+from kiln.exporter.passes import apply_contract, name_nodes, ple_tables_to_inputs
+from kiln.exporter.ple import FoldedPLE, check_folding, fold_ple, ple_sublayers
+from kiln.exporter.reference import prepare_reference, resolve_limits, table_feeds
+from kiln.exporter.progress import NullProgress, Progress
+from kiln.exporter.report import write_parity_reports
+from kiln.exporter.trace import trace_graph
+from kiln.exporter.weights import write_shared_weights
+from kiln.plugins import LoadedModel, load_model
+
+__all__ = ["ExportResult", "export", "export_loaded", "ONNX_DIR"]
+
+ONNX_DIR = "onnx"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    out: Path
+    manifest: dict[str, object]
+    parity: ParityResult
+
+
+def export(model: str | Path, out: Path, options: ExportOptions, progress: Progress | None = None) -> ExportResult:
+    progress = progress or NullProgress()
+    with progress.stage("load checkpoint"):
+        loaded = load_model(model)
+    return export_loaded(loaded, out, options, progress, model_ref=str(model))
+
+
+def export_loaded(
+    loaded: LoadedModel, out: Path, options: ExportOptions, progress: Progress | None = None, model_ref: str | None = None
+) -> ExportResult:
+    progress = progress or NullProgress()
+    spec = loaded.spec
+    max_context = resolve_limits(loaded, options)
+    with staged_output(out, options.force) as tmp:
+        reference = prepare_reference(loaded, options)
+        with progress.stage("fold PLE"):
+            folded = fold_ple(reference)
+            fold_checks = check_folding(reference, folded)
+        tables = [(m.scale, m.shift) for _, m in ple_sublayers(folded) if isinstance(m, FoldedPLE)]
+        table_shapes = tuple(tuple(t.shape) for t, _ in tables) if options.ple_tables is PLETables.INPUT else ()
+
+        models: dict[str, ir.Model] = {}
+        with progress.stage("trace graphs", total=len(GraphKind)) as bar:
+            for kind in GraphKind:
+                io_spec = graph_io(spec, kind, last_logits_only=options.last_logits_only, ple_tables=table_shapes)  # type: ignore[arg-type]
+                model = trace_graph(
+                    folded,
+                    kind,
+                    io_spec,
+                    n_layers=spec.n_layers,
+                    vocab=spec.vocab_size,
+                    opset=options.opset,
+                    last_logits_only=options.last_logits_only,
+                    max_batch=options.max_batch,
+                    max_context=max_context,
+                )
+                if table_shapes:
+                    ple_tables_to_inputs(model, tables)
+                apply_contract(model, io_spec, kind)
+                name_nodes(model)
+                models[kind.value] = model
+                bar.advance()
+
+        onnx_dir = tmp / ONNX_DIR
+        onnx_dir.mkdir()
+        graphs: dict[GraphKind, Path] = {}
+        with progress.stage("write graphs + weights"):
+            weights = write_shared_weights(models, onnx_dir)
+            for kind in GraphKind:
+                graphs[kind] = onnx_dir / f"{kind.value}.onnx"
+                ir.save(models[kind.value], graphs[kind])
+            del models
+            if loaded.tokenizer is not None:
+                shutil.copyfile(loaded.tokenizer, onnx_dir / "tokenizer.json")
+
+        parity = run_parity(
+            reference,
+            spec,
+            graphs,
+            precision="fp32",
+            max_context=max_context,
+            max_batch=options.max_batch,
+            tokens=options.parity_tokens,
+            last_logits_only=options.last_logits_only,
+            extra_feeds=table_feeds(tables) if table_shapes else None,
+            progress=progress,
+        )
+        parity.extra["ple_folding"] = [dataclasses.asdict(c) for c in fold_checks]
+        write_parity_reports(parity, tmp / "reports")
+        if not parity.passed:
+            raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
+        manifest = manifest_mod.build(
+            tmp,
+            loaded,
+            options,
+            max_context=max_context,
+            weights=weights,
+            table_shapes=table_shapes,
+            parity=parity,
+            model_ref=model_ref,
+        )
+        manifest_mod.write(tmp, manifest)
+    return ExportResult(out=out, manifest=manifest, parity=parity)

@@ -1,0 +1,97 @@
+"""Runners: one small interface over every backend that executes kiln's graphs.
+
+A runner executes one graph of the contract on a feed dict of numpy arrays and returns its
+outputs by name. ``TorchRunner`` runs the PyTorch model itself (the reference);
+``OrtRunner`` runs the exported ONNX files through polygraphy's ONNX Runtime runner. The
+parity code drives any runner the same way, so a TensorRT runner drops in beside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from kiln.exporter.io_contract import GraphKind, past_names, present_names
+from kiln.exporter.trace import GraphModule
+
+__all__ = ["Runner", "TorchRunner", "OrtRunner", "Feeds"]
+
+Feeds = dict[str, np.ndarray]
+
+
+class Runner(Protocol):
+    name: str
+
+    def graphs(self) -> tuple[GraphKind, ...]:
+        """The graphs this runner can execute."""
+        ...
+
+    def run(self, kind: GraphKind, feeds: Feeds) -> Feeds: ...
+
+
+class TorchRunner:
+    """The PyTorch model, called through the same flat contract the graphs were traced from."""
+
+    name = "torch"
+
+    def __init__(self, module: nn.Module, n_layers: int, last_logits_only: bool = False) -> None:
+        self._wrappers = {kind: GraphModule(module, kind, n_layers, last_logits_only).eval() for kind in GraphKind}
+        self._n_layers = n_layers
+
+    def graphs(self) -> tuple[GraphKind, ...]:
+        return tuple(GraphKind)
+
+    @torch.no_grad()
+    def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
+        wrapper = self._wrappers[kind]
+        ids, mask, pos = (torch.from_numpy(feeds[n]) for n in ("input_ids", "attention_mask", "position_ids"))
+        past = None
+        if kind is not GraphKind.PREFILL:
+            past = [torch.from_numpy(feeds[n]) for i in range(self._n_layers) for n in past_names(i)]
+        outs = wrapper(ids, mask, pos, past)
+        names = ["logits"] + [n for i in range(self._n_layers) for n in present_names(i)]
+        return {n: t.numpy() for n, t in zip(names, outs, strict=True)}
+
+
+class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
+    """ONNX Runtime (CPU) over ``{kind: path}``; sessions exist only while the runner is active."""
+
+    name = "onnxruntime"
+
+    def __init__(self, paths: dict[GraphKind, Path], threads: int | None = None, extra_feeds: Feeds | None = None) -> None:
+        self._paths = paths
+        self._extra = dict(extra_feeds or {})  # inputs fed to every run (e.g. PLE tables)
+        self._threads = threads
+        self._runners: dict[GraphKind, object] = {}
+
+    def graphs(self) -> tuple[GraphKind, ...]:
+        return tuple(self._paths)
+
+    def __enter__(self) -> OrtRunner:
+        import onnxruntime as ort
+        from polygraphy.backend.onnxrt import OnnxrtRunner
+
+        for kind, path in self._paths.items():
+            opts = ort.SessionOptions()
+            if self._threads:
+                opts.intra_op_num_threads = self._threads
+            opts.log_severity_level = 3
+            session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            runner = OnnxrtRunner(session, name=f"onnxruntime:{kind.value}")
+            runner.activate()
+            self._runners[kind] = runner
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for runner in self._runners.values():
+            runner.deactivate()  # type: ignore[attr-defined]
+        self._runners.clear()
+
+    def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
+        runner = self._runners[kind]
+        return dict(runner.infer({**feeds, **self._extra}, check_inputs=False))  # type: ignore[attr-defined]

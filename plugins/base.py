@@ -1,0 +1,70 @@
+"""What a model family gives the exporter.
+
+A family knows how to recognise and load one kind of checkpoint and hands back a
+``LoadedModel``: a ``torch.nn.Module`` that follows the decoder contract plus a ``DecoderSpec``
+with the numbers the exporter needs. The exporter never looks inside a family.
+
+The decoder contract (every family's module implements it)::
+
+    module(input_ids [B, S] int64, attention_mask [B, past + S] int64, position_ids [B, S] int64,
+           past_key_values: list[(key, value)] | None, last_logits_only: bool = False)
+        -> (logits [B, S or 1, vocab] float, presents: list[(key, value)])
+
+with keys and values ``[B, n_kv_heads, past + S, head_dim]`` (BNSH).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from torch import nn
+
+__all__ = ["DecoderSpec", "LoadedModel", "ModelFamily"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    """The shape of a decoder as the exporter sees it."""
+
+    family: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int  # longest context the model supports (positions 0 .. max_context - 1)
+    ple_positions: int | None = None  # rows of the PLE tables, when the model has PLE
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the family's own config, for the manifest
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    module: nn.Module  # in eval mode, float32, on the CPU
+    spec: DecoderSpec
+    source: Path  # the checkpoint directory or file it came from
+    tokenizer: Path | None = None  # a tokenizer.json beside the checkpoint, when there is one
+    files: tuple[Path, ...] = ()  # the checkpoint files that were read (hashed for caches and the manifest)
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """One model family: registered in ``kiln.plugins`` or through the ``kiln.plugins`` entry-point group."""
+
+    name: str
+    description: str
+
+    def claims(self, config: dict[str, Any]) -> bool:
+        """True when a checkpoint's ``config.json`` belongs to this family."""
+        ...
+
+    def load(self, path: Path) -> LoadedModel:
+        """Load and validate a checkpoint; raise ``CheckpointError``/``ConfigError`` naming the problem."""
+        ...
+
+    def tiny(self, seed: int) -> LoadedModel:
+        """A tiny randomly initialised model of this family, for tests."""
+        ...

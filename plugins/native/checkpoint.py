@@ -1,0 +1,109 @@
+"""Reading checkpoint weights safely and checking them against a module.
+
+Weights come from ``model.safetensors`` (preferred) or a ``.pt``/``.bin`` file read with
+``torch.load(weights_only=True)``: a pickle that would construct anything but tensors is refused
+and its code never runs.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from kiln.errors import CheckpointError
+
+__all__ = ["WEIGHT_FILES", "find_weights", "read_state_dict", "apply_state_dict"]
+
+WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
+
+
+def find_weights(path: Path) -> Path:
+    """The weights file of a checkpoint directory, or the file itself."""
+    if path.is_file():
+        return path
+    for name in WEIGHT_FILES:
+        if (path / name).is_file():
+            return path / name
+    raise CheckpointError(f"{path}: no weights file; expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def read_state_dict(weights: Path) -> dict[str, Tensor]:
+    """Tensors by name, without executing any code from the file."""
+    if weights.suffix == ".safetensors":
+        try:
+            return load_file(weights)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{weights}: not a readable safetensors file ({_first_line(exc)})") from None
+    if weights.suffix in (".pt", ".pth", ".bin"):
+        try:
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(
+                f"{weights}: refused to unpickle: the file holds objects other than tensors "
+                f"({_first_line(exc)}); kiln never runs code from a checkpoint: convert it to safetensors"
+            ) from None
+        except (RuntimeError, EOFError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{weights}: not a readable PyTorch file ({_first_line(exc)})") from None
+        if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+            state = state["state_dict"]
+        if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+            raise CheckpointError(f"{weights}: expected a dict of tensors (a state_dict)")
+        return state
+    raise CheckpointError(f"{weights}: unknown weights format {weights.suffix!r}; use .safetensors")
+
+
+def apply_state_dict(module: nn.Module, state: dict[str, Tensor], source: Path) -> None:
+    """Copy ``state`` into ``module``, naming every missing, unexpected, mis-shaped, non-float or
+    non-finite tensor in one error."""
+    expected = _expected_tensors(module)
+    aliases = {alias for _, names in expected.values() for alias in names}
+    problems: list[str] = []
+    chosen: dict[str, str] = {}  # canonical name -> the key in `state` that provides it
+    for name, (_, names) in expected.items():
+        present = [n for n in names if n in state]
+        if present:
+            chosen[name] = present[0]
+    missing = sorted(name for name in expected if name not in chosen)
+    unexpected = sorted(key for key in state if key not in aliases)
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    for name, key in sorted(chosen.items()):
+        tensor, want = state[key], expected[name][0]
+        if tuple(tensor.shape) != tuple(want.shape):
+            problems.append(f"{key} has shape {list(tensor.shape)}, the config needs {list(want.shape)}")
+        elif not tensor.dtype.is_floating_point:
+            problems.append(f"{key} has dtype {tensor.dtype}, expected a floating-point tensor")
+        elif not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            problems.append(f"{key} has {bad} non-finite values (NaN or Inf)")
+    if problems:
+        raise CheckpointError(f"{source}: weights do not match the config: " + "; ".join(problems))
+    with torch.no_grad():
+        for name, key in chosen.items():
+            expected[name][0].copy_(state[key].to(torch.float32))
+
+
+def _expected_tensors(module: nn.Module) -> dict[str, tuple[Tensor, list[str]]]:
+    """Persistent parameters and buffers by first name, with every name the same tensor goes by
+    (a tied LM head is stored once, under either name, as safetensors requires)."""
+    out: dict[str, tuple[Tensor, list[str]]] = {}
+    first: dict[int, str] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            out[first[id(tensor)]][1].append(name)
+            continue
+        first[id(tensor)] = name
+        out[name] = (tensor, [name])
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
