@@ -18,6 +18,7 @@ import copy
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kiln.errors import ExportError
@@ -38,7 +39,7 @@ class FoldedPLE(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, tables: tuple[Tensor, Tensor] | None = None) -> Tensor:
         scale, shift = tables if tables is not None else (self.scale, self.shift)
-        s, b = scale[positions], shift[positions]  # [B, S, d] each
+        s, b = F.embedding(positions, scale), F.embedding(positions, shift)  # Gather: [B, S, d] each
         if self.pre:
             return x + self.norm.normalize(x) * s + b
         return self.norm(x * s + b)

@@ -1,6 +1,6 @@
 """Pass: name every node after the PyTorch module that produced it, then drop exporter metadata.
 
-``/layers.0/attn/q_proj/MatMul`` maps straight back to ``model.layers[0].attn.q_proj``; the
+``/layers.0.attn.q_proj/MatMul`` maps straight back to ``model.get_submodule("layers.0.attn.q_proj")``; the
 precision policy, the sensitivity search and the reports all speak these names.
 
 The torch exporter stores stack traces (absolute source paths), FX node text and class
@@ -19,28 +19,29 @@ import onnx_ir as ir
 __all__ = ["name_nodes"]
 
 _SCOPES = "pkg.torch.onnx.name_scopes"
-_WRAPPER_SCOPES = ("", "model")  # GraphModule (root) and its .model attribute
+_WRAPPED = "model."  # GraphModule wraps the decoder as .model
 
 
-def _module_path(node: ir.Node) -> list[str]:
+def _module_path(node: ir.Node) -> str:
+    """The qualified name of the innermost module, e.g. ``layers.0.attn.q_proj`` ("" at the root)."""
     raw = node.metadata_props.get(_SCOPES)
     if not raw:
-        return []
+        return ""
     try:
         scopes = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        return []
-    scopes = [str(s) for s in scopes][:-1]  # the last scope is the FX node, not a module
-    while scopes and scopes[0] in _WRAPPER_SCOPES:
-        scopes = scopes[1:]
-    return scopes
+        return ""
+    # scopes are cumulative qualified names, root first; the last one is the FX node itself
+    modules = [str(s) for s in scopes[:-1] if str(s).startswith(_WRAPPED)]
+    return modules[-1][len(_WRAPPED) :] if modules else ""
 
 
 def name_nodes(model: ir.Model) -> ir.Model:
-    """Rename nodes ``/<module path>/<OpType>[_k]`` and clear metadata, in place."""
+    """Rename nodes ``/<module qualified name>/<OpType>[_k]`` and clear metadata, in place."""
     seen: Counter[str] = Counter()
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        base = "/" + "/".join([*_module_path(node), node.op_type])
+        path = _module_path(node)
+        base = f"/{path}/{node.op_type}" if path else f"/{node.op_type}"
         count = seen[base]
         seen[base] += 1
         node.name = base if count == 0 else f"{base}_{count}"

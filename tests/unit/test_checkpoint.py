@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from kiln_testing import edit_config, tiny_config, write_checkpoint
+from safetensors.torch import load_file, save_file
+
+from kiln.errors import CheckpointError, ConfigError
+from kiln.plugins import load_model
+from kiln.plugins.native import random_model
+
+
+def test_loads_and_matches_weights(tiny_ckpt: Path) -> None:
+    loaded = load_model(tiny_ckpt)
+    want = random_model(tiny_config(), 0)
+    for name, tensor in want.state_dict().items():
+        assert torch.equal(loaded.module.state_dict()[name], tensor), name
+    assert loaded.spec.family == "native" and loaded.spec.n_kv_heads == 2 and loaded.spec.head_dim == 8
+
+
+def test_missing_and_unexpected_keys_are_all_named(tiny_ckpt: Path) -> None:
+    state = load_file(tiny_ckpt / "model.safetensors")
+    del state["layers.0.attn.q_proj.weight"], state["final_norm.weight"]
+    state["layers.9.extra"] = torch.zeros(2)
+    save_file(state, tiny_ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        load_model(tiny_ckpt)
+    msg = str(err.value)
+    assert "missing keys ['final_norm.weight', 'layers.0.attn.q_proj.weight']" in msg
+    assert "unexpected keys ['layers.9.extra']" in msg
+
+
+def test_shape_mismatch_and_non_finite_are_named(tiny_ckpt: Path) -> None:
+    state = load_file(tiny_ckpt / "model.safetensors")
+    state["layers.1.mlp.fc2.weight"] = torch.zeros(32, 65)
+    state["layers.0.attn.k_proj.weight"][0, 0] = float("nan")
+    state["embed.weight"][3, 3] = float("inf")
+    save_file(state, tiny_ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        load_model(tiny_ckpt)
+    msg = str(err.value)
+    assert "layers.1.mlp.fc2.weight has shape [32, 65], the config needs [32, 64]" in msg
+    assert "layers.0.attn.k_proj.weight has 1 non-finite values (NaN or Inf)" in msg
+    assert "embed.weight has 1 non-finite values" in msg
+
+
+def test_integer_weights_refused(tiny_ckpt: Path) -> None:
+    state = load_file(tiny_ckpt / "model.safetensors")
+    state["final_norm.weight"] = torch.ones(32, dtype=torch.int32)
+    save_file(state, tiny_ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match="final_norm.weight has dtype torch.int32, expected a floating-point tensor"):
+        load_model(tiny_ckpt)
+
+
+def test_truncated_safetensors(tiny_ckpt: Path) -> None:
+    path = tiny_ckpt / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file"):
+        load_model(tiny_ckpt)
+
+
+def test_config_contradicting_weights(tiny_ckpt: Path) -> None:
+    edit_config(tiny_ckpt, d_ff=96)
+    with pytest.raises(CheckpointError, match=r"layers.0.mlp.fc1.weight has shape \[64, 32\], the config needs \[96, 32\]"):
+        load_model(tiny_ckpt)
+
+
+def test_invalid_config_value_names_the_file(tiny_ckpt: Path) -> None:
+    edit_config(tiny_ckpt, n_heads=5)
+    with pytest.raises(ConfigError, match=r"config.json: d_model \(32\) must be divisible by n_heads \(5\)"):
+        load_model(tiny_ckpt)
+
+
+def test_unknown_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architecture": "resnet"}')
+    with pytest.raises(CheckpointError, match="unknown architecture 'resnet'; supported families: native"):
+        load_model(tmp_path)
+
+
+def test_missing_weights_and_paths(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no such checkpoint file or directory"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        load_model(tmp_path)
+    tiny_config().save(tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="no weights file; expected one of model.safetensors, model.pt, pytorch_model.bin"):
+        load_model(tmp_path)
+
+
+def test_pt_state_dict_is_loaded_without_pickle_code(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    cfg.save(tmp_path / "config.json")
+    torch.save(random_model(cfg, 0).state_dict(), tmp_path / "model.pt")
+    assert load_model(tmp_path).spec.n_layers == 2
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_with_code_is_refused_and_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    tiny_config().save(tmp_path / "config.json")
+    with open(tmp_path / "model.pt", "wb") as f:
+        pickle.dump({"embed.weight": _Payload(marker)}, f)
+    with pytest.raises(CheckpointError) as err:
+        load_model(tmp_path)
+    assert "refused to unpickle" in str(err.value) and "convert it to safetensors" in str(err.value)
+    assert not marker.exists()
+
+
+def test_tied_head_saved_under_either_name(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    model = random_model(cfg, 1)
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "embed.weight"}
+    write_checkpoint(tmp_path, cfg)
+    save_file(state, tmp_path / "model.safetensors")  # lm_head.weight instead of embed.weight
+    loaded = load_model(tmp_path)
+    assert torch.equal(loaded.module.embed.weight, model.embed.weight)
