@@ -126,6 +126,27 @@ def check(directory: Path, model: str | None, as_json: bool) -> None:
 
 @main.command()
 @click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_reports_errors
+def verify(directory: Path, as_json: bool) -> None:
+    """Recompute every sha256 in the manifest; exit 0 only when every file matches."""
+    from kiln.exporter.verify import verify_dir
+
+    result = verify_dir(directory)
+    if as_json:
+        click.echo(json.dumps({"ok": result.ok, "checked": result.checked, "problems": result.problems()}, indent=2))
+    elif result.ok:
+        click.echo(f"{directory}: all {result.checked} files match manifest.json")
+    else:
+        click.echo(f"{directory}: {len(result.problems())} differences from manifest.json:")
+        for problem in result.problems():
+            click.echo(f"  {problem}")
+    if not result.ok:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--prefill-seq", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--past", type=click.IntRange(min=1), default=256, show_default=True, help="Past length of the decode step.")
 @click.option("--runs", type=click.IntRange(min=3), default=30, show_default=True, help="Timed runs per measurement (median reported).")

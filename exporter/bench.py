@@ -21,6 +21,7 @@ from kiln.errors import BenchError
 from kiln.exporter import manifest as manifest_mod
 from kiln.exporter.io_contract import GraphKind, past_names
 from kiln.exporter.runners import TorchRunner
+from kiln.exporter.verify import require_verified
 from kiln.plugins import load_model
 from kiln.plugins.base import DecoderSpec
 
@@ -75,7 +76,7 @@ def _interleaved(calls: dict[str, Callable[[], object]], runs: int, pause: float
 
 
 def run_bench(directory: Path, options: BenchOptions) -> dict[str, Any]:
-    manifest = manifest_mod.read(directory)
+    manifest = require_verified(directory)
     ref = manifest["checkpoint"]["reference"]
     if ref is None:
         raise BenchError(f"{directory}: the manifest does not name its checkpoint")

@@ -25,6 +25,7 @@ from kiln.exporter.ple import FoldedPLE, fold_ple, ple_sublayers
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.reference import prepare_reference, table_feeds
 from kiln.exporter.runners import OrtRunner, TorchRunner
+from kiln.exporter.verify import require_verified
 from kiln.plugins import load_model
 from kiln.plugins.base import DecoderSpec
 
@@ -89,7 +90,7 @@ def run_parity(
 def check_dir(directory: Path, model: str | Path | None = None, progress: Progress | None = None) -> ParityResult:
     """Re-run parity on an export directory against its checkpoint (or ``model``)."""
     progress = progress or NullProgress()
-    manifest = manifest_mod.read(directory)
+    manifest = require_verified(directory)
     ref = model if model is not None else manifest["checkpoint"]["reference"]
     if ref is None:
         raise ArtifactError(f"{directory}: the manifest does not name its checkpoint; pass --model")

@@ -22,7 +22,7 @@ from kiln.exporter.reference import prepare_reference, resolve_limits, table_fee
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.report import write_parity_reports
 from kiln.exporter.trace import trace_graph
-from kiln.exporter.weights import write_shared_weights
+from kiln.exporter.weights import SharedWeightsWriter
 from kiln.plugins import LoadedModel, load_model
 
 __all__ = ["ExportResult", "export", "export_loaded", "ONNX_DIR"]
@@ -58,8 +58,11 @@ def export_loaded(
         tables = [(m.scale, m.shift) for _, m in ple_sublayers(folded) if isinstance(m, FoldedPLE)]
         table_shapes = tuple(tuple(t.shape) for t, _ in tables) if options.ple_tables is PLETables.INPUT else ()
 
-        models: dict[str, ir.Model] = {}
-        with progress.stage("trace graphs", total=len(GraphKind)) as bar:
+        onnx_dir = tmp / ONNX_DIR
+        onnx_dir.mkdir()
+        graphs: dict[GraphKind, Path] = {}
+        # one graph at a time: trace, pass, move its weights into the shared file, save, drop
+        with progress.stage("trace + write graphs", total=len(GraphKind)) as bar, SharedWeightsWriter(onnx_dir) as writer:
             for kind in GraphKind:
                 io_spec = graph_io(spec, kind, last_logits_only=options.last_logits_only, ple_tables=table_shapes)  # type: ignore[arg-type]
                 model = trace_graph(
@@ -77,20 +80,14 @@ def export_loaded(
                     ple_tables_to_inputs(model, tables)
                 apply_contract(model, io_spec, kind)
                 name_nodes(model)
-                models[kind.value] = model
-                bar.advance()
-
-        onnx_dir = tmp / ONNX_DIR
-        onnx_dir.mkdir()
-        graphs: dict[GraphKind, Path] = {}
-        with progress.stage("write graphs + weights"):
-            weights = write_shared_weights(models, onnx_dir)
-            for kind in GraphKind:
+                writer.externalize(model)
                 graphs[kind] = onnx_dir / f"{kind.value}.onnx"
-                ir.save(models[kind.value], graphs[kind])
-            del models
-            if loaded.tokenizer is not None:
-                shutil.copyfile(loaded.tokenizer, onnx_dir / "tokenizer.json")
+                ir.save(model, graphs[kind])
+                del model
+                bar.advance()
+            weights = writer.close()
+        if loaded.tokenizer is not None:
+            shutil.copyfile(loaded.tokenizer, onnx_dir / "tokenizer.json")
 
         parity = run_parity(
             reference,

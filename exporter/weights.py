@@ -9,14 +9,14 @@ a protobuf above a small threshold, so graphs over 2 GB of weights work the same
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
-from collections.abc import Mapping
 from pathlib import Path
 
 import onnx_ir as ir
 
-__all__ = ["WEIGHTS_FILE", "SharedWeights", "write_shared_weights"]
+__all__ = ["WEIGHTS_FILE", "SharedWeights", "SharedWeightsWriter"]
 
 WEIGHTS_FILE = "weights.bin"
 _ALIGN = 64  # bytes; keeps every tensor aligned for memory mapping
@@ -31,32 +31,43 @@ class SharedWeights:
     references: int  # initializers, over all graphs, that point into it
 
 
-def write_shared_weights(
-    models: Mapping[str, ir.Model], directory: Path, *, inline_limit: int = _INLINE_LIMIT
-) -> SharedWeights:
-    """Move every initializer of ``models`` larger than ``inline_limit`` bytes into one file in
-    ``directory``, written once per distinct content; each graph then references it."""
-    path = directory / WEIGHTS_FILE
-    offsets: dict[bytes, tuple[int, int]] = {}
-    references = 0
-    with open(path, "wb") as f:
-        for name in sorted(models):
-            for value in models[name].graph.initializers.values():
-                tensor = value.const_value
-                if tensor is None or tensor.nbytes < inline_limit:
-                    continue
-                data = tensor.tobytes()
-                key = hashlib.sha256(f"{tensor.dtype}:{tuple(tensor.shape)}".encode() + data).digest()
-                if key not in offsets:
-                    offset = f.tell()
-                    pad = -offset % _ALIGN
-                    f.write(b"\0" * pad)
-                    offsets[key] = (offset + pad, len(data))
-                    f.write(data)
-                offset, length = offsets[key]
-                value.const_value = ir.ExternalTensor(
-                    WEIGHTS_FILE, offset, length, tensor.dtype, shape=ir.Shape(tensor.shape), name=value.name or "", base_dir=directory
-                )
-                references += 1
-        size = f.tell()
-    return SharedWeights(path, len(offsets), size, references)
+class SharedWeightsWriter(contextlib.AbstractContextManager["SharedWeightsWriter"]):
+    """Writes ``weights.bin`` graph by graph: ``externalize(model)`` moves a graph's large
+    initializers into the file (each distinct content once) and points the graph at them, so a
+    traced graph's in-memory weight copies can be dropped before the next graph is traced."""
+
+    def __init__(self, directory: Path, *, inline_limit: int = _INLINE_LIMIT) -> None:
+        self.directory = directory
+        self.path = directory / WEIGHTS_FILE
+        self._inline_limit = inline_limit
+        self._offsets: dict[bytes, tuple[int, int]] = {}
+        self._references = 0
+        self._file = open(self.path, "wb")  # noqa: SIM115 (closed in __exit__/close)
+
+    def externalize(self, model: ir.Model) -> None:
+        for value in model.graph.initializers.values():
+            tensor = value.const_value
+            if tensor is None or tensor.nbytes < self._inline_limit:
+                continue
+            data = tensor.tobytes()
+            key = hashlib.sha256(f"{tensor.dtype}:{tuple(tensor.shape)}".encode() + data).digest()
+            if key not in self._offsets:
+                offset = self._file.tell()
+                pad = -offset % _ALIGN
+                self._file.write(b"\0" * pad)
+                self._offsets[key] = (offset + pad, len(data))
+                self._file.write(data)
+            offset, length = self._offsets[key]
+            value.const_value = ir.ExternalTensor(
+                WEIGHTS_FILE, offset, length, tensor.dtype, shape=ir.Shape(tensor.shape), name=value.name or "", base_dir=self.directory
+            )
+            self._references += 1
+
+    def close(self) -> SharedWeights:
+        size = self._file.tell()
+        self._file.close()
+        return SharedWeights(self.path, len(self._offsets), size, self._references)
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._file.closed:
+            self._file.close()

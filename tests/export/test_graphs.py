@@ -156,3 +156,31 @@ def test_exports_are_byte_identical(tmp_path: Path) -> None:
     b = export(ckpt, tmp_path / "b", ExportOptions(parity_tokens=4)).manifest["files"]
     for rel in ("onnx/prefill.onnx", "onnx/decode.onnx", "onnx/model.onnx", "onnx/weights.bin"):
         assert a[rel] == b[rel], rel
+
+
+def test_verify_lists_every_difference(exported: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    copy = tmp_path / "copy"
+    shutil.copytree(exported, copy)
+    ok = CliRunner().invoke(main, ["verify", str(copy)])
+    assert ok.exit_code == 0 and "all 7 files match manifest.json" in ok.stdout
+    with open(copy / "onnx" / "weights.bin", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x01\x02")
+    (copy / "reports" / "parity.png").unlink()
+    (copy / "onnx" / "extra.onnx").write_bytes(b"")
+    bad = CliRunner().invoke(main, ["verify", str(copy)])
+    assert bad.exit_code == 1
+    assert bad.stdout.splitlines()[1:] == [
+        "  missing: reports/parity.png",
+        "  changed (sha256 differs): onnx/weights.bin",
+        "  unexpected: onnx/extra.onnx",
+    ]
+    checked = CliRunner().invoke(main, ["check", str(copy)])
+    assert checked.exit_code == 1
+    assert "files differ from manifest.json: missing: reports/parity.png; changed (sha256 differs): onnx/weights.bin" in checked.stderr

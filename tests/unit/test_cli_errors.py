@@ -1,0 +1,96 @@
+"""Bad input through the CLI: one line on stderr naming the file and the problem, exit code 1,
+no traceback, and no output directory left behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from kiln_testing import edit_config
+
+from kiln.cli import main
+
+
+def _run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _assert_one_line_error(code: int, stderr: str, *fragments: str) -> None:
+    assert code == 1, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_unknown_architecture(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"architectures": ["BertModel"]}')
+    code, _, err = _run("export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--json")
+    _assert_one_line_error(code, err, str(ckpt), "unknown architecture ['BertModel']", "supported families: native")
+    assert not (tmp_path / "out").exists()
+
+
+def test_invalid_config_value(tiny_ckpt: Path, tmp_path: Path) -> None:
+    edit_config(tiny_ckpt, norm_position="middle")
+    code, _, err = _run("export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out"), "--json")
+    _assert_one_line_error(code, err, "config.json", "norm_position must be one of pre, post, found 'middle'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_checkpoint(tmp_path: Path) -> None:
+    code, _, err = _run("export", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "out"), "--json")
+    _assert_one_line_error(code, err, "nope: no such checkpoint file or directory")
+
+
+def test_corrupted_weights(tiny_ckpt: Path, tmp_path: Path) -> None:
+    (tiny_ckpt / "model.safetensors").write_bytes(b"\x00" * 64)
+    code, _, err = _run("export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out"), "--json")
+    _assert_one_line_error(code, err, "model.safetensors: not a readable safetensors file")
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupted_config(tiny_ckpt: Path, tmp_path: Path) -> None:
+    (tiny_ckpt / "config.json").write_text("{not json")
+    code, _, err = _run("export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out"), "--json")
+    _assert_one_line_error(code, err, "config.json: not valid JSON")
+
+
+def test_non_empty_output_directory(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = _run("export", "--model", str(tiny_ckpt), "--out", str(out), "--json")
+    _assert_one_line_error(code, err, str(out), "not empty; pass --force")
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]  # no temporary litter
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [("--max-batch", "0", "0 is not in the range x>=1"), ("--logits", "first", "'first' is not one of 'all', 'last'")],
+)
+def test_option_validation(tmp_path: Path, option: str, value: str, message: str) -> None:
+    code, _, err = _run("export", "--out", str(tmp_path / "o"), option, value)
+    assert code == 2 and message in err
+
+
+def test_opset_out_of_range(tiny_ckpt: Path, tmp_path: Path) -> None:
+    code, _, err = _run("export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out"), "--opset", "12")
+    _assert_one_line_error(code, err, "--opset must be between 18 and 23, found 12")
+
+
+def test_check_without_manifest(tmp_path: Path) -> None:
+    code, _, err = _run("check", str(tmp_path))
+    _assert_one_line_error(code, err, "no manifest.json; is this a kiln export directory?")
+
+
+def test_check_unknown_manifest_version(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text('{"manifest_version": 99}')
+    code, _, err = _run("check", str(tmp_path))
+    _assert_one_line_error(code, err, "manifest_version 99 is not supported")
