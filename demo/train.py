@@ -248,8 +248,14 @@ def ple_stats(model: PLEDecoder) -> list[dict[str, float]]:
         assert layer.ple is not None
         table = layer.ple.ple.table.weight.detach()
         a, b = table.split(model.cfg.d_model, dim=-1)
-        out.append({"max_abs_a": float(a.abs().max()), "max_abs_b": float(b.abs().max()),
-                    "rms_a": float(a.pow(2).mean().sqrt()), "rms_b": float(b.pow(2).mean().sqrt())})
+        out.append(
+            {
+                "max_abs_a": float(a.abs().max()),
+                "max_abs_b": float(b.abs().max()),
+                "rms_a": float(a.pow(2).mean().sqrt()),
+                "rms_b": float(b.pow(2).mean().sqrt()),
+            }
+        )
     return out
 
 
@@ -351,7 +357,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     sample = greedy(model, tok, "def ", 40)
     tail = losses[-50:]
     print(f"held-out perplexity {ppl:.3f} over {eval_tokens} tokens", flush=True)
-    print(f"PLE max|a| {max(s['max_abs_a'] for s in stats):.4f} max|b| {max(s['max_abs_b'] for s in stats):.4f}", flush=True)
+    max_a, max_b = max(s["max_abs_a"] for s in stats), max(s["max_abs_b"] for s in stats)
+    print(f"PLE max|a| {max_a:.4f} max|b| {max_b:.4f}", flush=True)
     print(f"sample: {sample!r}", flush=True)
 
     cfg.save(out / "config.json")
@@ -377,8 +384,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "heldout_perplexity": ppl,
         "heldout_eval": {"source": "heldout.txt", "windows": eval_tokens // SEQ_LEN, "window_tokens": SEQ_LEN,
                          "tokens": eval_tokens, "note": "first non-overlapping windows, no bos, positions 0..255"},
-        "ple": {"max_abs_a": max(s["max_abs_a"] for s in stats), "max_abs_b": max(s["max_abs_b"] for s in stats),
-                "layers": stats},
+        "ple": {"max_abs_a": max_a, "max_abs_b": max_b, "layers": stats},
         "corpus": {
             "source": "Python standard library .py files (sysconfig stdlib path), sorted, "
                       f"skipping {sorted(SKIP_DIRS)} dirs, test_*.py and files > {MAX_FILE_BYTES} B",

@@ -12,7 +12,7 @@ from kiln.errors import ArtifactError, CheckpointError
 from kiln.exporter import manifest as manifest_mod
 from kiln.exporter.artifacts import sha256_file
 from kiln.exporter.io_contract import GraphKind
-from kiln.exporter.options import ExportOptions, LogitsMode, PLEExtendMode, PLETables
+from kiln.exporter.options import ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
 from kiln.exporter.parity import (
     TOLERANCES,
     ParityResult,
@@ -60,12 +60,13 @@ def run_parity(
     through model.onnx, for batch 1 and a left-padded batch."""
     progress = progress or NullProgress()
     tolerance = TOLERANCES[precision]
+    kv_dtype = np.dtype(np.float16 if precision == "fp16" else np.float32)
     torch_runner = TorchRunner(reference, spec.n_layers, last_logits_only)
     result = ParityResult(backend="onnxruntime", precision=precision, tolerance=tolerance)
     single, padded, steps = parity_plan(max_context, max_batch, tokens)
     batches = [make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)]
     with OrtRunner(graphs, extra_feeds=extra_feeds) as ort_runner, progress.stage("parity", total=1 + 2 * len(batches)) as bar:
-        result.tensors = tensor_parity(torch_runner, ort_runner, spec, tolerance, seed)
+        result.tensors = tensor_parity(torch_runner, ort_runner, spec, tolerance, seed, kv_dtype)
         bar.advance()
         for prompts in batches:
             reference_run = greedy(torch_runner, spec, prompts, steps)
@@ -79,7 +80,7 @@ def run_parity(
                         steps,
                         tolerance,
                         unified=unified,
-                        kv_dtype=np.dtype(np.float32),
+                        kv_dtype=kv_dtype,
                         reference_run=reference_run,
                     )
                 )
@@ -109,12 +110,13 @@ def check_dir(directory: Path, model: str | Path | None = None, progress: Progre
         ple_extend=ple.get("rows") if ple.get("extend_mode") else None,
         ple_extend_mode=PLEExtendMode(ple.get("extend_mode") or "clamp"),
         ple_tables=PLETables(ple.get("tables", "constant")),
+        precision=Precision(manifest["precision"]),
     )
     reference = prepare_reference(loaded, options)
     extra = None
     if options.ple_tables is PLETables.INPUT:
         folded = fold_ple(reference)
-        extra = table_feeds([(m.scale, m.shift) for _, m in ple_sublayers(folded) if isinstance(m, FoldedPLE)])
+        extra = table_feeds([(m.scale, m.shift) for _, m in ple_sublayers(folded) if isinstance(m, FoldedPLE)], options.precision.kv_dtype)
     graphs = {kind: directory / manifest["graphs"][kind.value]["file"] for kind in GraphKind}
     for path in graphs.values():
         if not path.is_file():

@@ -17,7 +17,8 @@ from kiln import __version__
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts import hash_tree, sha256_file
 from kiln.exporter.io_contract import GraphKind, graph_io
-from kiln.exporter.options import ExportOptions
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.precision import Fp16Policy
 from kiln.exporter.parity import ParityResult
 from kiln.exporter.weights import SharedWeights
 from kiln.plugins import LoadedModel
@@ -49,16 +50,20 @@ def build(
     table_shapes: tuple[tuple[int, int], ...],
     parity: ParityResult,
     model_ref: str | None,
+    kept_fp32: dict[str, dict[str, list[str]]],
 ) -> dict[str, Any]:
     spec = loaded.spec
     graphs: dict[str, Any] = {}
     for kind in GraphKind:
-        io_spec = graph_io(spec, kind, last_logits_only=options.last_logits_only, ple_tables=table_shapes)
+        io_spec = graph_io(spec, kind, last_logits_only=options.last_logits_only, ple_tables=table_shapes, kv_dtype=options.precision.kv_dtype)
         graphs[kind.value] = {
             "file": f"onnx/{kind.value}.onnx",
             "inputs": [t.to_dict() for t in io_spec.inputs],
             "outputs": [t.to_dict() for t in io_spec.outputs],
         }
+        if kind.value in kept_fp32:
+            graphs[kind.value]["fp32_nodes"] = kept_fp32[kind.value]["nodes"]
+            graphs[kind.value]["fp32_ple_tables"] = kept_fp32[kind.value]["tables"]
     tokenizer = "onnx/tokenizer.json" if (root / "onnx" / "tokenizer.json").is_file() else None
     return {
         "manifest_version": MANIFEST_VERSION,
@@ -77,11 +82,12 @@ def build(
             "eos_token_id": spec.eos_token_id,
             "pad_token_id": spec.pad_token_id,
         },
-        "precision": "fp32",
-        "kv_cache": {"layout": "BNSH", "dims": ["batch", "n_kv_heads", "seq", "head_dim"], "dtype": "float32"},
+        "precision": options.precision.value,
+        "kv_cache": {"layout": "BNSH", "dims": ["batch", "n_kv_heads", "seq", "head_dim"], "dtype": options.precision.kv_dtype},
         "limits": {"max_batch": options.max_batch, "max_context": max_context},
         "export": {
             "opset": options.opset,
+            "keep_fp32": list(Fp16Policy().widened(options.keep_fp32).keep) if options.precision is Precision.FP16 else [],
             "logits": options.logits.value,
             "ple": None
             if spec.ple_positions is None

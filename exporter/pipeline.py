@@ -14,9 +14,10 @@ from kiln.exporter import manifest as manifest_mod
 from kiln.exporter.artifacts import staged_output
 from kiln.exporter.check import run_parity
 from kiln.exporter.io_contract import GraphKind, graph_io
-from kiln.exporter.options import ExportOptions, PLETables
+from kiln.exporter.options import ExportOptions, PLETables, Precision
 from kiln.exporter.parity import ParityResult
 from kiln.exporter.passes import apply_contract, name_nodes, ple_tables_to_inputs
+from kiln.exporter.precision import Fp16Policy, convert_to_fp16
 from kiln.exporter.ple import FoldedPLE, check_folding, fold_ple, ple_sublayers
 from kiln.exporter.reference import prepare_reference, resolve_limits, table_feeds
 from kiln.exporter.progress import NullProgress, Progress
@@ -61,10 +62,13 @@ def export_loaded(
         onnx_dir = tmp / ONNX_DIR
         onnx_dir.mkdir()
         graphs: dict[GraphKind, Path] = {}
+        policy = Fp16Policy().widened(options.keep_fp32)
+        kept_fp32: dict[str, dict[str, list[str]]] = {}
         # one graph at a time: trace, pass, move its weights into the shared file, save, drop
         with progress.stage("trace + write graphs", total=len(GraphKind)) as bar, SharedWeightsWriter(onnx_dir) as writer:
             for kind in GraphKind:
                 io_spec = graph_io(spec, kind, last_logits_only=options.last_logits_only, ple_tables=table_shapes)  # type: ignore[arg-type]
+                final_io = graph_io(spec, kind, last_logits_only=options.last_logits_only, ple_tables=table_shapes, kv_dtype=options.precision.kv_dtype)  # type: ignore[arg-type]
                 model = trace_graph(
                     folded,
                     kind,
@@ -80,6 +84,10 @@ def export_loaded(
                     ple_tables_to_inputs(model, tables)
                 apply_contract(model, io_spec, kind)
                 name_nodes(model)
+                if options.precision is Precision.FP16:
+                    model, fp16 = convert_to_fp16(model, policy)
+                    apply_contract(model, final_io, kind)
+                    kept_fp32[kind.value] = {"nodes": list(fp16.kept_fp32), "tables": list(fp16.fp32_tables)}
                 writer.externalize(model)
                 graphs[kind] = onnx_dir / f"{kind.value}.onnx"
                 ir.save(model, graphs[kind])
@@ -93,14 +101,16 @@ def export_loaded(
             reference,
             spec,
             graphs,
-            precision="fp32",
+            precision=options.precision.value,
             max_context=max_context,
             max_batch=options.max_batch,
             tokens=options.parity_tokens,
             last_logits_only=options.last_logits_only,
-            extra_feeds=table_feeds(tables) if table_shapes else None,
+            extra_feeds=table_feeds(tables, options.precision.kv_dtype) if table_shapes else None,
             progress=progress,
         )
+        if kept_fp32:
+            parity.extra["kept_fp32"] = kept_fp32
         parity.extra["ple_folding"] = [dataclasses.asdict(c) for c in fold_checks]
         write_parity_reports(parity, tmp / "reports")
         if not parity.passed:
@@ -114,6 +124,7 @@ def export_loaded(
             table_shapes=table_shapes,
             parity=parity,
             model_ref=model_ref,
+            kept_fp32=kept_fp32,
         )
         manifest_mod.write(tmp, manifest)
     return ExportResult(out=out, manifest=manifest, parity=parity)

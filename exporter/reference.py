@@ -34,9 +34,13 @@ def resolve_limits(loaded: LoadedModel, options: ExportOptions) -> int:
     return context
 
 
-def table_feeds(tables: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, np.ndarray]:
+def table_feeds(tables: list[tuple[torch.Tensor, torch.Tensor]], dtype: str = "float32") -> dict[str, np.ndarray]:
     """The folded PLE tables as feeds, for graphs exported with ``--ple-tables input``."""
-    return {name: t.detach().numpy() for i, pair in enumerate(tables) for name, t in zip(ple_table_names(i), pair, strict=True)}
+    return {
+        name: t.detach().numpy().astype(dtype)
+        for i, pair in enumerate(tables)
+        for name, t in zip(ple_table_names(i), pair, strict=True)
+    }
 
 
 def prepare_reference(loaded: LoadedModel, options: ExportOptions) -> torch.nn.Module:

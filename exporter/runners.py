@@ -51,8 +51,8 @@ class TorchRunner:
         wrapper = self._wrappers[kind]
         ids, mask, pos = (torch.from_numpy(feeds[n]) for n in ("input_ids", "attention_mask", "position_ids"))
         past = None
-        if kind is not GraphKind.PREFILL:
-            past = [torch.from_numpy(feeds[n]) for i in range(self._n_layers) for n in past_names(i)]
+        if kind is not GraphKind.PREFILL:  # the reference computes in fp32 whatever the graphs' KV dtype
+            past = [torch.from_numpy(feeds[n]).float() for i in range(self._n_layers) for n in past_names(i)]
         outs = wrapper(ids, mask, pos, past)
         names = ["logits"] + [n for i in range(self._n_layers) for n in present_names(i)]
         return {n: t.numpy() for n, t in zip(names, outs, strict=True)}

@@ -8,11 +8,12 @@ and its code never runs.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import Tensor, nn
 
 from kiln.errors import CheckpointError
@@ -32,13 +33,37 @@ def find_weights(path: Path) -> Path:
     raise CheckpointError(f"{path}: no weights file; expected one of {', '.join(WEIGHT_FILES)}")
 
 
-def read_state_dict(weights: Path) -> dict[str, Tensor]:
+class _SafetensorsState(Mapping[str, Tensor]):
+    """A safetensors file as a read-only mapping that reads one tensor at a time, so loading a
+    checkpoint never holds a second full copy of its weights."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        try:
+            self._file = safe_open(str(path), framework="pt")
+            self._keys = list(self._file.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None
+
+    def __getitem__(self, key: str) -> Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        try:
+            return self._file.get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{self._path}: tensor {key} is unreadable ({_first_line(exc)})") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def read_state_dict(weights: Path) -> Mapping[str, Tensor]:
     """Tensors by name, without executing any code from the file."""
     if weights.suffix == ".safetensors":
-        try:
-            return load_file(weights)
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"{weights}: not a readable safetensors file ({_first_line(exc)})") from None
+        return _SafetensorsState(weights)
     if weights.suffix in (".pt", ".pth", ".bin"):
         try:
             state = torch.load(weights, map_location="cpu", weights_only=True)
@@ -57,7 +82,7 @@ def read_state_dict(weights: Path) -> dict[str, Tensor]:
     raise CheckpointError(f"{weights}: unknown weights format {weights.suffix!r}; use .safetensors")
 
 
-def apply_state_dict(module: nn.Module, state: dict[str, Tensor], source: Path) -> None:
+def apply_state_dict(module: nn.Module, state: Mapping[str, Tensor], source: Path) -> None:
     """Copy ``state`` into ``module``, naming every missing, unexpected, mis-shaped, non-float or
     non-finite tensor in one error."""
     expected = _expected_tensors(module)
@@ -75,7 +100,7 @@ def apply_state_dict(module: nn.Module, state: dict[str, Tensor], source: Path) 
     if unexpected:
         problems.append(f"unexpected keys {unexpected}")
     for name, key in sorted(chosen.items()):
-        tensor, want = state[key], expected[name][0]
+        tensor, want = state[key], expected[name][0]  # one tensor in memory at a time
         if tuple(tensor.shape) != tuple(want.shape):
             problems.append(f"{key} has shape {list(tensor.shape)}, the config needs {list(want.shape)}")
         elif not tensor.dtype.is_floating_point:
@@ -83,11 +108,12 @@ def apply_state_dict(module: nn.Module, state: dict[str, Tensor], source: Path) 
         elif not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
             problems.append(f"{key} has {bad} non-finite values (NaN or Inf)")
+        elif not problems:
+            with torch.no_grad():
+                want.copy_(tensor.to(torch.float32))
+        del tensor
     if problems:
         raise CheckpointError(f"{source}: weights do not match the config: " + "; ".join(problems))
-    with torch.no_grad():
-        for name, key in chosen.items():
-            expected[name][0].copy_(state[key].to(torch.float32))
 
 
 def _expected_tensors(module: nn.Module) -> dict[str, tuple[Tensor, list[str]]]:

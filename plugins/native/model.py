@@ -209,13 +209,17 @@ class DecoderLayer(nn.Module):
 
 def causal_padding_mask(attention_mask: Tensor, seq: int) -> Tensor:
     """``[B, 1, seq, total]`` bool: query i (at absolute index past + i) may see key j when
-    ``j <= past + i`` and key j is not padding."""
+    ``j <= past + i`` and key j is not padding. Every query also sees itself, so the row of a
+    padding query is never fully masked: a fully masked row would be a softmax over -inf (NaN
+    in fp16, where the mask constant saturates), and the NaN would reach real tokens through
+    the padding's keys and values (0 * NaN). Real queries see themselves anyway."""
     total = attention_mask.shape[1]
     past = total - seq
     q_idx = torch.arange(seq, device=attention_mask.device) + past
     k_idx = torch.arange(total, device=attention_mask.device)
     causal = k_idx[None, :] <= q_idx[:, None]  # [seq, total]
-    return causal[None, None, :, :] & attention_mask.bool()[:, None, None, :]
+    itself = k_idx[None, :] == q_idx[:, None]  # [seq, total]
+    return (causal[None, None, :, :] & attention_mask.bool()[:, None, None, :]) | itself[None, None, :, :]
 
 
 class PLEDecoder(nn.Module):
