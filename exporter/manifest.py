@@ -51,6 +51,7 @@ def build(
     parity: ParityResult,
     model_ref: str | None,
     kept_fp32: dict[str, dict[str, list[str]]],
+    policy: Fp16Policy,
 ) -> dict[str, Any]:
     spec = loaded.spec
     graphs: dict[str, Any] = {}
@@ -87,7 +88,7 @@ def build(
         "limits": {"max_batch": options.max_batch, "max_context": max_context},
         "export": {
             "opset": options.opset,
-            "keep_fp32": list(Fp16Policy().widened(options.keep_fp32).keep) if options.precision is Precision.FP16 else [],
+            "keep_fp32": list(policy.keep) if options.precision is Precision.FP16 else [],
             "logits": options.logits.value,
             "ple": None
             if spec.ple_positions is None

@@ -17,7 +17,9 @@ from kiln.exporter.io_contract import GraphKind, graph_io
 from kiln.exporter.options import ExportOptions, PLETables, Precision
 from kiln.exporter.parity import ParityResult
 from kiln.exporter.passes import apply_contract, name_nodes, ple_tables_to_inputs
+from kiln.exporter.parity import TOLERANCES
 from kiln.exporter.precision import Fp16Policy, convert_to_fp16
+from kiln.exporter.precision.sensitivity import search_against_reference
 from kiln.exporter.ple import FoldedPLE, check_folding, fold_ple, ple_sublayers
 from kiln.exporter.reference import prepare_reference, resolve_limits, table_feeds
 from kiln.exporter.progress import NullProgress, Progress
@@ -64,28 +66,38 @@ def export_loaded(
         graphs: dict[GraphKind, Path] = {}
         policy = Fp16Policy().widened(options.keep_fp32)
         kept_fp32: dict[str, dict[str, list[str]]] = {}
+        def traced(kind: GraphKind) -> ir.Model:
+            """The fp32 graph of ``kind``, with the contract's I/O and module-named nodes."""
+            io_spec = graph_io(spec, kind, last_logits_only=options.last_logits_only, ple_tables=table_shapes)
+            model = trace_graph(
+                folded,
+                kind,
+                io_spec,
+                n_layers=spec.n_layers,
+                vocab=spec.vocab_size,
+                opset=options.opset,
+                last_logits_only=options.last_logits_only,
+                max_batch=options.max_batch,
+                max_context=max_context,
+            )
+            if table_shapes:
+                ple_tables_to_inputs(model, tables)
+            apply_contract(model, io_spec, kind)
+            return name_nodes(model)
+
+        sensitivity = None
+        if options.auto_keep_fp32:
+            with progress.stage("fp16 sensitivity search"):
+                sensitivity = search_against_reference(reference, spec, traced(GraphKind.UNIFIED), policy, TOLERANCES["fp16"].logits_atol)
+                policy = policy.widened(tuple(g.rule for g in sensitivity.groups))
+
         # one graph at a time: trace, pass, move its weights into the shared file, save, drop
         with progress.stage("trace + write graphs", total=len(GraphKind)) as bar, SharedWeightsWriter(onnx_dir) as writer:
             for kind in GraphKind:
-                io_spec = graph_io(spec, kind, last_logits_only=options.last_logits_only, ple_tables=table_shapes)  # type: ignore[arg-type]
-                final_io = graph_io(spec, kind, last_logits_only=options.last_logits_only, ple_tables=table_shapes, kv_dtype=options.precision.kv_dtype)  # type: ignore[arg-type]
-                model = trace_graph(
-                    folded,
-                    kind,
-                    io_spec,
-                    n_layers=spec.n_layers,
-                    vocab=spec.vocab_size,
-                    opset=options.opset,
-                    last_logits_only=options.last_logits_only,
-                    max_batch=options.max_batch,
-                    max_context=max_context,
-                )
-                if table_shapes:
-                    ple_tables_to_inputs(model, tables)
-                apply_contract(model, io_spec, kind)
-                name_nodes(model)
+                model = traced(kind)
                 if options.precision is Precision.FP16:
                     model, fp16 = convert_to_fp16(model, policy)
+                    final_io = graph_io(spec, kind, last_logits_only=options.last_logits_only, ple_tables=table_shapes, kv_dtype="float16")
                     apply_contract(model, final_io, kind)
                     kept_fp32[kind.value] = {"nodes": list(fp16.kept_fp32), "tables": list(fp16.fp32_tables)}
                 writer.externalize(model)
@@ -111,6 +123,8 @@ def export_loaded(
         )
         if kept_fp32:
             parity.extra["kept_fp32"] = kept_fp32
+        if sensitivity is not None:
+            parity.extra["fp16_sensitivity"] = dataclasses.asdict(sensitivity)
         parity.extra["ple_folding"] = [dataclasses.asdict(c) for c in fold_checks]
         write_parity_reports(parity, tmp / "reports")
         if not parity.passed:
@@ -125,6 +139,7 @@ def export_loaded(
             parity=parity,
             model_ref=model_ref,
             kept_fp32=kept_fp32,
+            policy=policy,
         )
         manifest_mod.write(tmp, manifest)
     return ExportResult(out=out, manifest=manifest, parity=parity)

@@ -34,10 +34,12 @@ __all__ = [
     "check_engine_compat",
     "write_records",
     "read_records",
+    "update_manifest",
 ]
 
 ENGINES_JSON = "engines/engines.json"
 ENGINES_VERSION = 1
+_ENGINES_PREFIX = "engines/"
 _CROSS_MAJOR = {(8, 10), (10, 11)}  # version-compatible plans across majors (11.4.1 support matrix)
 _AMPERE = (8, 0)
 
@@ -118,9 +120,11 @@ def compat_problems(engine_record: Mapping[str, Any], runtime_info: RuntimeInfo)
     if engine_record.get("version_compatible"):
         same_or_allowed = bool(built_v and here_v) and (built_v[0] == here_v[0] or (built_v[0], here_v[0]) in _CROSS_MAJOR)
         if not (same_or_allowed and here_v >= built_v):
+            major = built_v[0] if built_v else "?"
+            later = "".join(f" or any {to}.x" for frm, to in sorted(_CROSS_MAJOR) if frm == major)
             problems.append(
                 f"{name} is a version-compatible engine built by TensorRT {built}: it needs TensorRT {built} or a later "
-                f"{built_v[0] if built_v else '?'}.x (or 11.x for a 10.x engine), found TensorRT {here}; rebuild it here with kiln build"
+                f"{major}.x{later}, found TensorRT {here}; rebuild it here with kiln build"
             )
     elif built_v != here_v:
         problems.append(
@@ -180,3 +184,29 @@ def read_records(directory: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("engines_version") != ENGINES_VERSION or not isinstance(data.get("engines"), dict):
         raise ArtifactError(f"{path}: not an engines.json of version {ENGINES_VERSION}; rebuild with kiln build {directory}")
     return data
+
+
+def update_manifest(directory: Path, records: Mapping[str, EngineRecord] | None) -> dict[str, Any]:
+    """Record the files under ``engines/`` (sha256) in ``manifest.json`` so that ``kiln verify``
+    still passes, and, after a build (``records``), the engines with their TensorRT, CUDA and GPU
+    under ``manifest["engines"]``; without engines.json that entry is dropped. Returns the manifest."""
+    from kiln.exporter import manifest as manifest_mod
+    from kiln.exporter.artifacts import hash_tree
+
+    manifest = manifest_mod.read(directory)
+    files = {k: v for k, v in manifest.get("files", {}).items() if not k.startswith(_ENGINES_PREFIX)}
+    engines_dir = directory / _ENGINES_PREFIX.rstrip("/")
+    if engines_dir.is_dir():
+        files.update({f"{_ENGINES_PREFIX}{rel}": digest for rel, digest in hash_tree(engines_dir).items()})
+    manifest["files"] = dict(sorted(files.items()))
+    if not (directory / ENGINES_JSON).is_file():
+        manifest.pop("engines", None)  # no (or a failed) build: nothing to record
+    elif records:
+        first = next(iter(records.values())).built_with
+        manifest["engines"] = {
+            "record": ENGINES_JSON,
+            **first.to_dict(),
+            "files": {kind: r.file for kind, r in records.items()},
+        }
+    manifest_mod.write(directory, manifest)
+    return manifest

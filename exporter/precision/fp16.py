@@ -38,6 +38,31 @@ def _wide_tables(graph: ir.Graph) -> list[str]:
     return names
 
 
+def _drop_cast_round_trips(graph: ir.Graph) -> int:
+    """Remove ``Cast(to fp16) -> Cast(to fp32)`` pairs, in place.
+
+    The converter wraps every kept node in Casts (fp16 in, fp32 compute, fp16 out), so between
+    two kept nodes a value goes fp32 -> fp16 -> fp32: an fp32 island would still round (and
+    overflow) through fp16 at each of its edges. ONNX Runtime removes such pairs when it
+    optimises; a strongly typed TensorRT build honours them. Wiring the second Cast's
+    consumers to the first Cast's fp32 input keeps the island in fp32 as the policy means."""
+    removed = 0
+    for node in list(graph):
+        if node.op_type != "Cast" or node.attributes.get_int("to") != ir.DataType.FLOAT16:
+            continue
+        source = node.inputs[0]
+        if source is None or source.dtype != ir.DataType.FLOAT:
+            continue
+        for user, _ in list(node.outputs[0].uses()):
+            if user.op_type == "Cast" and user.attributes.get_int("to") == ir.DataType.FLOAT and not user.outputs[0].is_graph_output():
+                user.outputs[0].replace_all_uses_with(source)
+                graph.remove(user, safe=True)
+                removed += 1
+        if not node.outputs[0].uses() and not node.outputs[0].is_graph_output():
+            graph.remove(node, safe=True)
+    return removed
+
+
 def convert_to_fp16(model: ir.Model, policy: Fp16Policy) -> tuple[ir.Model, Fp16Result]:
     """A new fp16 model; the input model must not be used afterwards."""
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
@@ -54,4 +79,14 @@ def convert_to_fp16(model: ir.Model, policy: Fp16Policy) -> tuple[ir.Model, Fp16
         op_block_list=list(DEFAULT_OP_BLOCK_LIST),
         node_block_list=block,
     )
-    return ir.serde.deserialize_model(converted), Fp16Result(tuple(kept), tuple(tables))
+    result = ir.serde.deserialize_model(converted)
+    _drop_cast_round_trips(result.graph)
+    # the converter appends its Cast nodes at the end of the node list; ONNX (and TensorRT's
+    # parser) need a topologically sorted graph, ONNX Runtime alone would not notice
+    result.graph.sort()
+    # initializers the converter left in fp32 (inputs of kept nodes) keep a stale fp16 value
+    # type in value_info, which strict shape inference and TensorRT's parser reject
+    for value in result.graph.initializers.values():
+        if value.const_value is not None:
+            value.dtype = value.const_value.dtype
+    return result, Fp16Result(tuple(kept), tuple(tables))

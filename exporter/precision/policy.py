@@ -3,13 +3,15 @@
 A rule is one of:
 - an op type (``Softmax``): every node of that type;
 - a node name (``/layers.0.attn/MatMul``): that node;
-- a module name ending in ``/`` (``/layers.0.attn.rotary/``): every node of that module;
+- a module name between slashes (``/layers.0.mlp/``): the nodes of exactly that module, not of
+  its submodules (``/layers.0.mlp.fc1/`` is another module; ``/`` alone: nodes outside any);
 - a module suffix starting with ``*.`` (``*.rotary``): every node of every module so named.
 
 The default policy keeps norm statistics, softmax and rotary angles in fp32 (the final logits
 are kept fp32 at the graph output). Nodes whose float inputs all come from kept nodes or
-constants are kept too (the ``eps`` Add between ReduceMean and Sqrt of an RMSNorm, say), so a
-rule names the start of a statistic, not every node of it.
+constants, are element-wise and sit in the same module as one of those are kept too (the
+``eps`` Add between ReduceMean and Sqrt of an RMSNorm, say), so a rule names the start of a
+statistic, not every node of it; propagation never crosses into another module.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import onnx_ir as ir
 
 from kiln.errors import ConfigError
 
-__all__ = ["Fp16Policy", "DEFAULT_KEEP_FP32", "resolve_kept_nodes"]
+__all__ = ["Fp16Policy", "DEFAULT_KEEP_FP32", "resolve_kept_nodes", "rule_matches"]
 
 DEFAULT_KEEP_FP32: tuple[str, ...] = (
     "LayerNormalization",  # mean/variance over d_model
@@ -33,6 +35,7 @@ DEFAULT_KEEP_FP32: tuple[str, ...] = (
 )
 
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Sqrt", "Reciprocal", "Pow", "Neg", "Exp", "Log", "Abs"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +51,12 @@ def _module(node: ir.Node) -> str:
     return name[1 : name.rfind("/")] if name.startswith("/") and name.count("/") >= 2 else ""
 
 
-def _matches(rule: str, node: ir.Node) -> bool:
+def rule_matches(rule: str, node: ir.Node) -> bool:
     if rule.startswith("*."):
         module = _module(node)
         return module == rule[2:] or module.endswith(rule[1:])
     if rule.endswith("/"):
-        return (node.name or "").startswith(rule)
+        return _module(node) == rule[1:-1]
     if rule.startswith("/"):
         return node.name == rule
     return node.op_type == rule
@@ -65,19 +68,24 @@ def resolve_kept_nodes(graph: ir.Graph, policy: Fp16Policy) -> list[str]:
     nodes = list(graph)
     kept: set[str] = set()
     for rule in policy.keep:
-        hits = [n for n in nodes if _matches(rule, n)]
+        hits = [n for n in nodes if rule_matches(rule, n)]
         if not hits and (rule.startswith("/")):
             raise ConfigError(f"--keep-fp32 {rule}: no node of the {graph.name} graph has that name (node names look like /layers.0.attn/Softmax)")
         kept.update(n.name for n in hits if n.name)
     changed = True
-    while changed:  # propagate through nodes fed only by kept nodes and constants
+    while changed:  # propagate to element-wise nodes of the same module fed only by kept nodes and constants
         changed = False
         for node in nodes:
-            if node.name in kept or not node.outputs or not any(o.dtype in _FLOATS for o in node.outputs):
+            if node.name in kept or node.op_type not in _ELEMENTWISE or not any(o.dtype in _FLOATS for o in node.outputs):
                 continue
             producers = [v.producer() for v in node.inputs if v is not None and v.dtype in _FLOATS and v.const_value is None]
             real = [p for p in producers if p is not None and p.op_type != "Constant"]
-            if real and all(p.name in kept for p in real) and len(real) == len(producers):
+            if (
+                real
+                and len(real) == len(producers)
+                and all(p.name in kept for p in real)
+                and any(_module(p) == _module(node) for p in real)
+            ):
                 kept.add(node.name)  # type: ignore[arg-type]
                 changed = True
     return [n.name for n in nodes if n.name in kept]  # type: ignore[misc]

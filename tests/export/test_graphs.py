@@ -39,6 +39,7 @@ def test_graph_io_follows_the_contract(exported: Path) -> None:
         for value, tensor in zip([*model.graph.input, *model.graph.output], [*want.inputs, *want.outputs], strict=True):
             assert _dims(value) == list(tensor.dims), value.name
         assert model.opset_import[0].version == 19
+        onnx.checker.check_model(exported / "onnx" / f"{kind.value}.onnx", full_check=True)  # typed, sorted, valid
 
 
 def test_one_weights_file_shared_by_all_graphs(exported: Path) -> None:

@@ -1,0 +1,126 @@
+"""``TrtRunner``: kiln's runner interface (``exporter/runners.py``) over the built engines.
+
+Each engine is deserialized with ``trt.Runtime(logger).deserialize_cuda_engine(plan)`` and run by
+polygraphy's ``polygraphy.backend.trt.TrtRunner`` (0.53.6: ``activate()`` creates the execution
+context and a CUDA stream; ``infer(feed_dict, check_inputs=False)`` calls
+``context.set_input_shape(name, shape)``, ``context.set_tensor_address(name, ptr)`` per input,
+an output allocator per output, then ``context.execute_async_v3(stream)``, copies the outputs to
+host and synchronizes; ``deactivate()`` frees its buffers). Its host output buffers are reused by
+the next ``infer``, so ``run`` returns copies. Each engine has one optimization profile (index 0,
+the default), so no profile is selected.
+
+Before loading, every engine is checked against this machine's TensorRT and GPU
+(``records.check_engine_compat``) and its sha256 against engines.json. Not run in kiln's CPU CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kiln.errors import ArtifactError, EngineError
+from kiln.exporter.artifacts import sha256_file
+from kiln.exporter.engine import compat
+from kiln.exporter.engine.build import TrtLog, make_logger, load_tensorrt
+from kiln.exporter.engine.device import current_runtime
+from kiln.exporter.engine.profiles import ENGINE_GRAPHS
+from kiln.exporter.engine.records import check_engine_compat, read_records
+from kiln.exporter.io_contract import GraphKind
+
+if TYPE_CHECKING:
+    import tensorrt as trt_types
+
+__all__ = ["TrtRunner"]
+
+Feeds = dict[str, np.ndarray]
+
+
+class TrtRunner(contextlib.AbstractContextManager["TrtRunner"]):
+    """TensorRT engines over ``{kind: plan path}``; engines and contexts exist only while active."""
+
+    name = "tensorrt"
+
+    def __init__(
+        self,
+        engines: Mapping[GraphKind, Path],
+        records: Mapping[GraphKind, Mapping[str, Any]] | None = None,
+        extra_feeds: Feeds | None = None,
+    ) -> None:
+        self._paths = dict(engines)
+        self._records = dict(records or {})  # engines.json entries: checked against this machine
+        self._extra = dict(extra_feeds or {})  # inputs fed to every run (e.g. PLE tables)
+        self._runners: dict[GraphKind, Any] = {}
+        self._outputs: dict[GraphKind, tuple[str, ...]] = {}
+        self._keep: list[Any] = []  # logger and runtime outlive the engines
+
+    @classmethod
+    def from_directory(cls, directory: Path, extra_feeds: Feeds | None = None) -> TrtRunner:
+        """The engines of ``DIR/engines/engines.json``, after checking their sha256."""
+        data = read_records(directory)
+        engines: dict[GraphKind, Path] = {}
+        records: dict[GraphKind, Mapping[str, Any]] = {}
+        for kind in ENGINE_GRAPHS:
+            record = data["engines"].get(kind.value)
+            if not isinstance(record, dict):
+                raise ArtifactError(f"{directory}: engines.json has no {kind.value} engine; rebuild with kiln build {directory}")
+            path = directory / str(record["file"])
+            if not path.is_file():
+                raise ArtifactError(f"{path}: engine file missing; rebuild with kiln build {directory}")
+            if sha256_file(path) != record.get("sha256"):
+                raise ArtifactError(f"{path}: sha256 differs from engines.json; rebuild with kiln build {directory}")
+            engines[kind], records[kind] = path, record
+        return cls(engines, records, extra_feeds)
+
+    def graphs(self) -> tuple[GraphKind, ...]:
+        return tuple(self._paths)
+
+    def __enter__(self) -> TrtRunner:
+        load_tensorrt()  # one clear error where it is missing
+        import tensorrt as trt
+        from polygraphy.backend.trt import TrtRunner as PolygraphyTrtRunner  # type: ignore[import-untyped]  # no py.typed
+
+        if self._records:
+            here = current_runtime(trt)
+            for record in self._records.values():
+                check_engine_compat(record, here)
+        log = TrtLog()
+        logger = make_logger(log)
+        runtime: trt_types.Runtime = trt.Runtime(logger)
+        if any(r.get("version_compatible") for r in self._records.values()):
+            compat.allow_host_code(runtime)  # only plans kiln built and recorded
+        self._keep = [logger, runtime]
+        try:
+            for kind, path in self._paths.items():
+                engine: trt_types.ICudaEngine | None = runtime.deserialize_cuda_engine(path.read_bytes())  # None on failure
+                if engine is None:
+                    raise EngineError(f"{path}: TensorRT cannot load this engine: {log.last_error()}")
+                self._outputs[kind] = tuple(
+                    name
+                    for name in (engine.get_tensor_name(i) for i in range(engine.num_io_tensors))
+                    if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT
+                )
+                runner = PolygraphyTrtRunner(engine, name=f"tensorrt:{kind.value}")
+                runner.activate()
+                self._runners[kind] = runner
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for runner in self._runners.values():
+            runner.deactivate()
+        self._runners.clear()
+        self._outputs.clear()
+        self._keep.clear()
+
+    def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
+        runner = self._runners.get(kind)
+        if runner is None:
+            raise EngineError(f"the TensorRT runner has no active {kind.value} engine (use it inside a with block)")
+        outputs = runner.infer({**feeds, **self._extra}, check_inputs=False)
+        return {name: np.array(outputs[name], copy=True) for name in self._outputs[kind]}

@@ -1,0 +1,166 @@
+"""``--auto-keep-fp32``: find a small set of modules that must stay fp32 for fp16 parity.
+
+Candidates are the modules of the unified graph (a group is every node named
+``/<module>/...``, so a found group applies to all three graphs). Bisection: if keeping every
+candidate in fp32 does not meet the tolerance, nothing can; otherwise halve the candidates and
+keep the half that suffices, and when neither half suffices alone, find what each half needs
+given the other (delta debugging). Each evaluation converts the graph with the candidate set
+kept, runs it with ONNX's reference evaluator (true fp16 arithmetic, see ``evaluate``) and
+compares its logits with PyTorch's.
+
+The result names modules and their nodes, each with the logit error that putting it back in
+fp16 causes (the rest of the found set staying fp32), so a user can map it to the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from torch import nn
+
+from kiln.errors import ExportError
+from kiln.exporter.io_contract import GraphKind, past_names
+from kiln.exporter.parity import tensor_feeds
+from kiln.exporter.precision.fp16 import convert_to_fp16
+from kiln.exporter.precision.policy import Fp16Policy, resolve_kept_nodes, rule_matches
+from kiln.exporter.runners import TorchRunner
+from kiln.plugins.base import DecoderSpec
+
+__all__ = ["SensitiveGroup", "SensitivityResult", "find_fp32_groups", "module_groups", "search_against_reference"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SensitiveGroup:
+    rule: str  # "/layers.1.mlp.fc1/": a module rule for --keep-fp32
+    nodes: tuple[str, ...]
+    error_in_fp16: float  # max logit error when this group alone goes back to fp16
+
+
+@dataclasses.dataclass(frozen=True)
+class SensitivityResult:
+    tolerance: float
+    error_default: float  # with the default policy only
+    error_found: float  # with the found groups kept too
+    evaluations: int
+    groups: tuple[SensitiveGroup, ...]
+
+
+def module_groups(graph: ir.Graph, skip: set[str]) -> dict[str, list[str]]:
+    """Float-computing nodes by the module they sit in, ``/<module>/`` -> node names, in graph order."""
+    groups: dict[str, list[str]] = {}
+    for node in graph:
+        name = node.name or ""
+        if name in skip or not name.startswith("/") or not any(o.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16) for o in node.outputs):
+            continue
+        groups.setdefault(name[: name.rfind("/") + 1], []).append(name)
+    return groups
+
+
+def find_fp32_groups(
+    fp32_graph: onnx.ModelProto,
+    policy: Fp16Policy,
+    evaluate: Callable[[Path], float],
+    tolerance: float,
+    kind: GraphKind = GraphKind.UNIFIED,
+) -> SensitivityResult:
+    """``evaluate(path)`` runs an fp16 graph and returns its max logit error against PyTorch.
+    ``fp32_graph`` holds its weights in memory (each evaluation converts a fresh copy)."""
+    base = ir.serde.deserialize_model(fp32_graph)
+    kept = set(resolve_kept_nodes(base.graph, policy))
+    candidates = list(module_groups(base.graph, kept))
+    graph_nodes = [n for n in base.graph if n.name and n.name not in kept]
+
+    def nodes(rule: str) -> tuple[str, ...]:
+        return tuple(n.name for n in graph_nodes if rule_matches(rule, n))  # type: ignore[misc]
+
+    cache: dict[frozenset[str], float] = {}
+
+    def error(rules: Sequence[str]) -> float:
+        key = frozenset(rules)
+        if key not in cache:
+            model = ir.serde.deserialize_model(fp32_graph)
+            converted, _ = convert_to_fp16(model, policy.widened(tuple(sorted(rules))))
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / f"{kind.value}.onnx"
+                ir.save(converted, path, external_data="weights.bin")
+                cache[key] = evaluate(path)
+        return cache[key]
+
+    def passes(rules: Sequence[str]) -> bool:
+        e = error(rules)
+        return bool(np.isfinite(e)) and e <= tolerance
+
+    def bisect(cands: list[str], keep: list[str]) -> list[str]:
+        if passes(keep):
+            return []
+        if len(cands) == 1:
+            return cands
+        half = len(cands) // 2
+        first, second = cands[:half], cands[half:]
+        if passes(keep + first):
+            return bisect(first, keep)
+        if passes(keep + second):
+            return bisect(second, keep)
+        need_first = bisect(first, keep + second)
+        return need_first + bisect(second, keep + need_first)
+
+    default_error = error([])
+    if passes([]):
+        return SensitivityResult(tolerance, default_error, default_error, len(cache), ())
+    if not passes(candidates):
+        raise ExportError(
+            f"--auto-keep-fp32: even with every module in fp32 the logit error is {error(candidates):.3g} "
+            f"(tolerance {tolerance:g}); the fp16 graph's inputs/outputs themselves lose too much"
+        )
+    found = bisect(candidates, [])
+    groups = tuple(
+        SensitiveGroup(rule, nodes(rule), error([r for r in found if r != rule])) for rule in found
+    )
+    return SensitivityResult(tolerance, default_error, error(found), len(cache), groups)
+
+
+def search_against_reference(
+    reference: nn.Module,
+    spec: DecoderSpec,
+    fp32_unified: ir.Model,
+    policy: Fp16Policy,
+    tolerance: float,
+    seed: int = 0,
+) -> SensitivityResult:
+    """``find_fp32_groups`` on the unified graph, judged by its logits against the PyTorch
+    ``reference`` on a prefill-shaped and a decode-shaped input (left-padded, non-empty past)."""
+    from onnx.reference import ReferenceEvaluator
+
+    torch_runner = TorchRunner(reference, spec.n_layers)
+    feeds16 = [tensor_feeds(spec, GraphKind.UNIFIED, seed, np.dtype(np.float16)), _prefill_as_unified(spec, seed)]
+    wants = [torch_runner.run(GraphKind.UNIFIED, f)["logits"] for f in feeds16]
+
+    def evaluate(path: Path) -> float:
+        # ONNX's reference evaluator, not ONNX Runtime: on x86 CPUs ONNX Runtime has no fp16
+        # kernels for MatMul and most element-wise ops, so it runs them in fp32 between Casts
+        # and drops the Cast pairs in between; an fp16 overflow never shows. The reference
+        # evaluator rounds every op's output to fp16, as a GPU does.
+        session = ReferenceEvaluator(str(path))
+        worst = 0.0
+        for feeds, want in zip(feeds16, wants, strict=True):
+            with np.errstate(all="ignore"):
+                got = session.run(["logits"], feeds)[0]
+            diff = np.abs(got.astype(np.float64) - want)
+            worst = max(worst, float(diff.max()) if np.isfinite(diff).all() else float("inf"))
+        return worst
+
+    return find_fp32_groups(ir.serde.serialize_model(fp32_unified), policy, evaluate, tolerance)
+
+
+def _prefill_as_unified(spec: DecoderSpec, seed: int) -> dict[str, np.ndarray]:
+    feeds = tensor_feeds(spec, GraphKind.PREFILL, seed)
+    empty = np.zeros((2, spec.n_kv_heads, 0, spec.head_dim), dtype=np.float16)
+    feeds.update({name: empty for i in range(spec.n_layers) for name in past_names(i)})
+    return feeds

@@ -1,0 +1,217 @@
+"""``genai_config.json`` (and ``tokenizer_config.json``) for ONNX Runtime GenAI beside ``model.onnx``.
+
+The format is the one ``src/config.cpp`` of microsoft/onnxruntime-genai parses (its JSON
+elements reject unknown keys, so nothing else is written):
+
+- ``model.type = "decoder"``: the generic decoder-only LLM type (``ModelType::IsLLM`` in
+  ``src/models/model_type.h``); ``model.decoder`` names ``model.onnx`` and its I/O, with the KV
+  names as ``%d`` templates over the layer index.
+- ``search.past_present_share_buffer = false``: kiln's graphs grow the cache with ``Concat``
+  (``present`` = ``past`` + new), they do not write into a preallocated ``max_length`` buffer.
+- ``search.do_sample = false``: greedy, so generation is deterministic and comparable.
+
+How GenAI builds the inputs (``src/models/position_inputs.cpp``, checked against 0.18.0): it pads a
+batch on the *right* with ``pad_token_id``, derives ``attention_mask`` (0 for trailing pads) and
+``position_ids`` (the column index of each real token) from the token ids, and keeps the padded
+slots in the KV cache, masked out. kiln's graphs honour both inputs, so this gives the same tokens
+as kiln's left-padded reference. A prompt whose *last* tokens equal ``pad_token_id`` loses them
+to the mask, and with a batch of more than one, *leading* pad ids are treated as real tokens.
+
+Graphs exported with ``--ple-tables input`` take the PLE tables as inputs that GenAI does not
+know; feed them once per generator with ``generator.set_model_input(name, table)``.
+
+The tokenizer (onnxruntime-extensions, ``operators/tokenizer/tokenizer_jsconfig.hpp``) needs a
+``tokenizer_config.json`` beside ``tokenizer.json``; its ``tokenizer_class`` picks the
+implementation. Only BPE ``tokenizer.json`` files (byte-level or not) are mapped here, to the
+generic ``PreTrainedTokenizerFast``; for any other model type no ``tokenizer_config.json`` is
+written and GenAI runs on token ids only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import ArtifactError
+from kiln.exporter.io_contract import past_names, present_names
+
+__all__ = [
+    "GENAI_CONFIG",
+    "TOKENIZER_CONFIG",
+    "MODEL_TYPE",
+    "PAST_KEY_TEMPLATE",
+    "PAST_VALUE_TEMPLATE",
+    "PRESENT_KEY_TEMPLATE",
+    "PRESENT_VALUE_TEMPLATE",
+    "genai_config",
+    "tokenizer_config",
+    "write_genai_config",
+]
+
+GENAI_CONFIG = "genai_config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+MODEL_TYPE = "decoder"
+# GenAI's %d templates for kiln's KV names; _check_io proves they agree with io_contract for every layer.
+PAST_KEY_TEMPLATE = "past_key_values.%d.key"
+PAST_VALUE_TEMPLATE = "past_key_values.%d.value"
+PRESENT_KEY_TEMPLATE = "present.%d.key"
+PRESENT_VALUE_TEMPLATE = "present.%d.value"
+_UNIFIED = "model"  # the manifest's key of the unified graph (GraphKind.UNIFIED)
+_TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # onnxruntime-extensions: BPE, generic model name "PreTrained"
+
+
+def _check_io(manifest: Mapping[str, Any]) -> None:
+    """model.onnx must have every tensor GenAI binds by name; otherwise one ``ArtifactError``."""
+    graph = manifest["graphs"][_UNIFIED]
+    inputs = {t["name"] for t in graph["inputs"]}
+    outputs = {t["name"] for t in graph["outputs"]}
+    n_layers = int(manifest["model"]["n_layers"])
+    wanted_in = {"input_ids", "attention_mask", "position_ids"}
+    wanted_out = {"logits"}
+    for i in range(n_layers):
+        key, value = past_names(i)
+        if (PAST_KEY_TEMPLATE % i, PAST_VALUE_TEMPLATE % i) != (key, value) or (PRESENT_KEY_TEMPLATE % i, PRESENT_VALUE_TEMPLATE % i) != present_names(i):
+            raise AssertionError(f"GenAI name templates disagree with kiln.exporter.io_contract at layer {i}")  # a kiln bug
+        wanted_in.update((key, value))
+        wanted_out.update(present_names(i))
+    missing = sorted(wanted_in - inputs) + sorted(wanted_out - outputs)
+    if missing:
+        raise ArtifactError(
+            f"genai: {graph['file']} lacks {missing[:4]} that ONNX Runtime GenAI binds by name; re-export the directory with this kiln"
+        )
+
+
+def genai_config(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``genai_config.json`` of an export, from its manifest alone."""
+    _check_io(manifest)
+    model = manifest["model"]
+    config = manifest.get("config", {})
+    n_kv, head_dim = int(model["n_kv_heads"]), int(model["head_dim"])
+    heads = int(config.get("n_heads", n_kv))  # family config; GenAI only uses num_key_value_heads
+    hidden = int(config.get("d_model", heads * head_dim))
+    context = int(manifest["limits"]["max_context"])
+    tokens: dict[str, int] = {}
+    if model.get("bos_token_id") is not None:
+        tokens["bos_token_id"] = int(model["bos_token_id"])
+    if model.get("eos_token_id") is not None:
+        tokens["eos_token_id"] = int(model["eos_token_id"])  # absent: generation runs to max_length
+    # absent pad id: 0, as kiln.exporter.parity.left_pad does
+    tokens["pad_token_id"] = int(model["pad_token_id"]) if model.get("pad_token_id") is not None else 0
+    return {
+        "model": {
+            "type": MODEL_TYPE,
+            **tokens,
+            "context_length": context,
+            "vocab_size": int(model["vocab_size"]),
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": Path(manifest["graphs"][_UNIFIED]["file"]).name,
+                "head_size": head_dim,
+                "hidden_size": hidden,
+                "num_attention_heads": heads,
+                "num_key_value_heads": n_kv,
+                "num_hidden_layers": int(model["n_layers"]),
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "position_ids": "position_ids",
+                    "past_key_names": PAST_KEY_TEMPLATE,
+                    "past_value_names": PAST_VALUE_TEMPLATE,
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": PRESENT_KEY_TEMPLATE,
+                    "present_value_names": PRESENT_VALUE_TEMPLATE,
+                },
+            },
+        },
+        "search": {
+            "do_sample": False,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "min_length": 0,
+            "max_length": context,
+            "past_present_share_buffer": False,
+            "top_k": 1,
+            "top_p": 1.0,
+            "temperature": 1.0,
+            "repetition_penalty": 1.0,
+            "length_penalty": 1.0,
+            "no_repeat_ngram_size": 0,
+            "early_stopping": True,
+        },
+    }
+
+
+def _token_text(tokenizer: Mapping[str, Any], token_id: int | None) -> str | None:
+    """The text of a token id: an added (special) token first, else the model's vocabulary."""
+    if token_id is None:
+        return None
+    for added in tokenizer.get("added_tokens") or []:
+        if added.get("id") == token_id:
+            return str(added["content"])
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        for text, index in vocab.items():
+            if index == token_id:
+                return str(text)
+    return None
+
+
+def tokenizer_config(tokenizer: Mapping[str, Any], manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A minimal ``tokenizer_config.json`` for a parsed ``tokenizer.json``; None unless it is BPE.
+
+    ``add_bos_token``/``add_eos_token`` are false: what the tokenizer adds is what its own
+    ``post_processor`` says, which onnxruntime-extensions reads from ``tokenizer.json`` too.
+    """
+    model_node = tokenizer.get("model") or {}
+    if model_node.get("type") != "BPE":
+        return None
+    ids = manifest["model"]
+    config: dict[str, Any] = {"tokenizer_class": _TOKENIZER_CLASS}
+    for key, token_id in (("bos_token", ids.get("bos_token_id")), ("eos_token", ids.get("eos_token_id")), ("pad_token", ids.get("pad_token_id"))):
+        text = _token_text(tokenizer, token_id)
+        if text is not None:
+            config[key] = text
+    if model_node.get("unk_token") is not None:
+        config["unk_token"] = str(model_node["unk_token"])
+    config.update(
+        {
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": int(manifest["limits"]["max_context"]),
+        }
+    )
+    return config
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> Path:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def write_genai_config(onnx_dir: Path, manifest: dict[str, Any]) -> list[Path]:
+    """Write ``genai_config.json`` beside ``model.onnx`` in ``onnx_dir`` (and ``tokenizer_config.json``
+    beside the manifest's ``tokenizer.json`` when it is BPE); return the files written.
+
+    The manifest is only read. Its ``files`` map does not list these files until it is re-hashed.
+    """
+    model_file = Path(manifest["graphs"][_UNIFIED]["file"]).name
+    if not (onnx_dir / model_file).is_file():
+        raise ArtifactError(f"genai: {onnx_dir / model_file} does not exist; write genai_config.json into the directory that holds {model_file}")
+    written = [_write_json(onnx_dir / GENAI_CONFIG, genai_config(manifest))]
+    if manifest.get("tokenizer"):
+        tok_path = onnx_dir / Path(manifest["tokenizer"]).name
+        if not tok_path.is_file():
+            raise ArtifactError(f"genai: the manifest names the tokenizer {manifest['tokenizer']} but {tok_path} does not exist; re-export the directory")
+        try:
+            tokenizer = json.loads(tok_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ArtifactError(f"genai: {tok_path} is not valid JSON ({exc}); replace it with the checkpoint's tokenizer.json") from None
+        tok_config = tokenizer_config(tokenizer, manifest)
+        if tok_config is not None:
+            written.append(_write_json(onnx_dir / TOKENIZER_CONFIG, tok_config))
+    return written

@@ -1,0 +1,396 @@
+"""A Triton Inference Server model repository, ``DIR/triton/``, from an export's manifest.
+
+Models (every name, dtype and shape comes from ``manifest.json``):
+
+- ``NAME`` (``platform: "onnxruntime_onnx"``) serves ``model.onnx`` with sequence batching and
+  implicit state: Triton keeps ``present.{i}.key/value`` of one request and feeds it back as
+  ``past_key_values.{i}.key/value`` of the next request of the same sequence, starting from a zero
+  initial state with a past length of 0. The graph and its external weights sit in
+  ``NAME/1/model.onnx/`` (a directory holding ``model.onnx`` and the weights file), where the
+  backend resolves external data.
+- ``NAME_prefill`` and ``NAME_decode`` (``platform: "tensorrt_plan"``), when
+  ``engines/prefill.plan`` and ``engines/decode.plan`` exist: stateless, dynamic batching; the
+  client carries the KV tensors.
+
+Facts from Triton's sources that this relies on (triton-inference-server/common
+``protobuf/model_config.proto``, core ``src/backend_model.cc`` and
+``src/sequence_batch_scheduler/sequence_batch_scheduler.cc``, onnxruntime_backend
+``src/onnxruntime.cc``, server ``qa/common/gen_qa_implicit_models.py``):
+
+- with ``max_batch_size > 0`` every dim list (inputs, outputs, states, initial states) excludes
+  the batch dim; ``dynamic_batching`` and ``sequence_batching`` are one oneof;
+- every sequence control is optional, and a ``control_input`` names a *model input* that receives
+  the control value; the ONNX Runtime backend refuses a control whose input the graph lacks. kiln's
+  graphs have no such input, so no control inputs are configured: Triton itself resets the state to
+  ``initial_state`` when a request carries the ``sequence_start`` flag;
+- an input with a variable dim and no ``allow_ragged_batch`` is batched only with requests of the
+  same shape, so requests in one batch share their prompt and past lengths;
+- ``initial_state`` dims may not be -1; a dim of 0 passes that check, but whether the server and
+  backend accept a zero-length initial state at run time is unverified (no server here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import ArtifactError
+from kiln.exporter import manifest as manifest_mod
+from kiln.exporter.artifacts import hash_tree
+from kiln.exporter.io_contract import BATCH, PAST_SEQ, GraphKind, past_names, present_names
+from kiln.exporter.verify import require_verified
+
+__all__ = [
+    "TRITON_DIR",
+    "ENGINE_FILES",
+    "TRITON_DTYPES",
+    "TritonModel",
+    "triton_dims",
+    "triton_models",
+    "render_pbtxt",
+    "write_triton_repo",
+]
+
+TRITON_DIR = "triton"
+ENGINE_FILES = {GraphKind.PREFILL: "engines/prefill.plan", GraphKind.DECODE: "engines/decode.plan"}
+TRITON_DTYPES = {
+    "bool": "TYPE_BOOL",
+    "int8": "TYPE_INT8",
+    "uint8": "TYPE_UINT8",
+    "int32": "TYPE_INT32",
+    "int64": "TYPE_INT64",
+    "float16": "TYPE_FP16",
+    "bfloat16": "TYPE_BF16",
+    "float32": "TYPE_FP32",
+    "float64": "TYPE_FP64",
+}
+IDLE_MICROSECONDS = 60_000_000  # a sequence (and its KV state) is dropped after 60 s without a request
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class _Enum(str):
+    """A protobuf enum value: written bare, not quoted."""
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, _Enum):
+        return str(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(f"no protobuf text for {value!r}")
+
+
+def render_pbtxt(message: Mapping[str, Any], indent: int = 0) -> str:
+    """Protobuf text format of a nested mapping: mappings are messages, lists are repeated fields."""
+    pad = "  " * indent
+    lines: list[str] = []
+    for key, value in message.items():
+        if isinstance(value, Mapping):
+            lines.append(f"{pad}{key} {{")
+            lines.append(render_pbtxt(value, indent + 1))
+            lines.append(f"{pad}}}")
+        elif isinstance(value, list) and value and isinstance(value[0], Mapping):
+            lines.append(f"{pad}{key} [")
+            for i, item in enumerate(value):
+                lines.append(f"{pad}  {{")
+                lines.append(render_pbtxt(item, indent + 2))
+                lines.append(f"{pad}  }}{',' if i < len(value) - 1 else ''}")
+            lines.append(f"{pad}]")
+        elif isinstance(value, list):
+            lines.append(f"{pad}{key}: [ {', '.join(_scalar(v) for v in value)} ]")
+        else:
+            lines.append(f"{pad}{key}: {_scalar(value)}")
+    return "\n".join(line for line in lines if line)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonModel:
+    """One model of the repository: its ``config.pbtxt`` and the files of version 1."""
+
+    name: str
+    config: dict[str, Any]
+    files: dict[str, Path]  # path under NAME/1/ -> source file in the export directory
+    comment: str = ""
+
+    def config_text(self) -> str:
+        header = "".join(f"# {line}\n" if line else "#\n" for line in self.comment.splitlines())
+        return header + render_pbtxt(self.config) + "\n"
+
+
+def _dtype(tensor: Mapping[str, Any], graph: str) -> _Enum:
+    try:
+        return _Enum(TRITON_DTYPES[tensor["dtype"]])
+    except KeyError:
+        raise ArtifactError(f"triton: {graph}: {tensor['name']} has dtype {tensor['dtype']!r}, which has no Triton data type") from None
+
+
+def triton_dims(tensor: Mapping[str, Any], graph: str) -> list[int]:
+    """The dims Triton wants with ``max_batch_size > 0``: the batch dim dropped, named dims as -1."""
+    shape = tensor["shape"]
+    if not shape or shape[0] != BATCH:
+        raise ArtifactError(
+            f"triton: {graph}: {tensor['name']} has shape {shape} without a leading {BATCH!r} dim, which Triton cannot batch"
+            " (with --ple-tables input the tables are such inputs; re-export with --ple-tables constant to serve with Triton)"
+        )
+    return [d if isinstance(d, int) else -1 for d in shape[1:]]
+
+
+def _io(tensors: Iterable[Mapping[str, Any]], graph: str) -> list[dict[str, Any]]:
+    return [{"name": t["name"], "data_type": _dtype(t, graph), "dims": triton_dims(t, graph)} for t in tensors]
+
+
+def _graph(manifest: Mapping[str, Any], kind: GraphKind) -> tuple[str, dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    graph = manifest["graphs"][kind.value]
+    return graph["file"], {t["name"]: t for t in graph["inputs"]}, {t["name"]: t for t in graph["outputs"]}
+
+
+def _states(manifest: Mapping[str, Any], file: str, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> list[dict[str, Any]]:
+    states = []
+    for layer in range(int(manifest["model"]["n_layers"])):
+        for past, present in zip(past_names(layer), present_names(layer), strict=True):
+            if past not in inputs or present not in outputs:
+                raise ArtifactError(f"triton: {file} lacks {past if past not in inputs else present}; re-export the directory with this kiln")
+            p_in, p_out = inputs[past], outputs[present]
+            dims, out_dims = triton_dims(p_in, file), triton_dims(p_out, file)
+            if dims != out_dims or p_in["dtype"] != p_out["dtype"]:
+                raise ArtifactError(f"triton: {file}: {past} ({p_in['dtype']} {dims}) and {present} ({p_out['dtype']} {out_dims}) must match to be one state")
+            initial = [0 if d == PAST_SEQ else d for d in p_in["shape"][1:]]
+            if not all(isinstance(d, int) for d in initial):
+                raise ArtifactError(f"triton: {file}: {past} has shape {p_in['shape']}; only its {PAST_SEQ!r} dim may vary")
+            dtype = _dtype(p_in, file)
+            states.append(
+                {
+                    "input_name": past,
+                    "output_name": present,
+                    "data_type": dtype,
+                    "dims": dims,
+                    "initial_state": [{"data_type": dtype, "dims": initial, "zero_data": True, "name": "empty_cache"}],
+                }
+            )
+    return states
+
+
+def _ort_model(directory: Path, manifest: Mapping[str, Any], name: str) -> TritonModel:
+    import onnx  # a core dependency; only the graph (no weights) is read
+
+    file, inputs, outputs = _graph(manifest, GraphKind.UNIFIED)
+    states = _states(manifest, file, inputs, outputs)
+    state_inputs = {s["input_name"] for s in states}
+    state_outputs = {s["output_name"] for s in states}
+    graph_path = directory / file
+    proto = onnx.load(str(graph_path), load_external_data=False)
+    locations = sorted(
+        {e.value for init in proto.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL for e in init.external_data if e.key == "location"}
+    )
+    files = {f"model.onnx/{graph_path.name}": graph_path}
+    for location in locations:
+        source = graph_path.parent / location
+        if Path(location).is_absolute() or ".." in Path(location).parts or not source.is_file():
+            raise ArtifactError(f"triton: {file} keeps weights in {location!r}, which is not a file beside it; re-export the directory")
+        files[f"model.onnx/{location}"] = source
+    config = {
+        "name": name,
+        "platform": "onnxruntime_onnx",
+        "max_batch_size": int(manifest["limits"]["max_batch"]),
+        "input": _io([t for n, t in inputs.items() if n not in state_inputs], file),
+        "output": _io([t for n, t in outputs.items() if n not in state_outputs], file),
+        "sequence_batching": {
+            "max_sequence_idle_microseconds": IDLE_MICROSECONDS,
+            "direct": {},
+            "state": states,
+        },
+        "instance_group": [{"kind": _Enum("KIND_AUTO"), "count": 1}],
+    }
+    comment = (
+        f"kiln: {file} with its KV cache as implicit state (Triton feeds present.N.* back as past_key_values.N.*).\n"
+        "Send sequence_start on a sequence's first request: Triton then feeds the zero initial state\n"
+        "(past length 0). Whether the server accepts a zero-length initial dim is unverified.\n"
+        "No control_input: each names a model input, and the graph has none for sequence controls."
+    )
+    return TritonModel(name, config, files, comment)
+
+
+def _trt_model(directory: Path, manifest: Mapping[str, Any], name: str, kind: GraphKind) -> TritonModel:
+    file, inputs, outputs = _graph(manifest, kind)
+    config = {
+        "name": f"{name}_{kind.value}",
+        "platform": "tensorrt_plan",
+        "max_batch_size": int(manifest["limits"]["max_batch"]),
+        "input": _io(inputs.values(), file),
+        "output": _io(outputs.values(), file),
+        "dynamic_batching": {},
+        "instance_group": [{"kind": _Enum("KIND_GPU"), "count": 1, "profile": ["0"]}],
+    }
+    comment = f"kiln: {ENGINE_FILES[kind]}, built from {file}; stateless, the client carries the KV tensors."
+    return TritonModel(config["name"], config, {"model.plan": directory / ENGINE_FILES[kind]}, comment)
+
+
+def _engines(directory: Path) -> bool:
+    present = {kind: (directory / path).is_file() for kind, path in ENGINE_FILES.items()}
+    if any(present.values()) and not all(present.values()):
+        missing = [ENGINE_FILES[k] for k, ok in present.items() if not ok]
+        raise ArtifactError(f"triton: {directory} has {' and '.join(ENGINE_FILES[k] for k, ok in present.items() if ok)} but not {missing[0]}; run kiln build {directory}")
+    return all(present.values())
+
+
+def triton_models(directory: Path, manifest: Mapping[str, Any], name: str) -> list[TritonModel]:
+    """The models of the repository: ``NAME`` (ONNX Runtime) and, with engines, ``NAME_prefill``/``NAME_decode``."""
+    if not _NAME.match(name):
+        raise ArtifactError(f"triton: model name {name!r} must start with a letter or digit and hold only letters, digits, '_', '.' and '-'")
+    models = [_ort_model(directory, manifest, name)]
+    if _engines(directory):
+        models += [_trt_model(directory, manifest, name, kind) for kind in (GraphKind.PREFILL, GraphKind.DECODE)]
+    return models
+
+
+def _shape(dims: Sequence[int]) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"
+
+
+def _readme(manifest: Mapping[str, Any], models: Sequence[TritonModel]) -> str:
+    ort = models[0].config
+    layers = int(manifest["model"]["n_layers"])
+    kv_dtype = manifest["kv_cache"]["dtype"]
+    states = ort["sequence_batching"]["state"]
+    first = states[0]
+    out: list[str] = [
+        f"# Triton model repository for {ort['name']}",
+        "",
+        "Written by `kiln triton` from `manifest.json`; every name, data type and shape below is the",
+        "manifest's. Start the server with `tritonserver --model-repository <this folder>`. Shapes are",
+        f"given as the client sends them, batch first; `max_batch_size` is {ort['max_batch_size']}, so the",
+        "dims in `config.pbtxt` leave the batch dim out. -1 is a dim the client chooses.",
+        "",
+        f"## `{ort['name']}`: ONNX Runtime, KV cache kept by the server",
+        "",
+        f"`{ort['name']}/1/model.onnx/` holds the graph and its weights file. The KV cache is implicit state:",
+        f"after each request Triton keeps `present.{{i}}.key`/`present.{{i}}.value` and feeds them back as",
+        f"`past_key_values.{{i}}.key`/`past_key_values.{{i}}.value` (i = 0..{layers - 1}, {kv_dtype},",
+        f"shape per sequence {_shape(first['dims'])} without the batch dim) on the next request of the same sequence.",
+        "The states (input <- output):",
+        "",
+    ]
+    out += [f"- `{s['input_name']}` <- `{s['output_name']}`: {s['data_type']}, {_shape(s['dims'])}" for s in states]
+    out += [
+        "",
+        "Inputs the client sends on every request:",
+        "",
+    ]
+    out += [f"- `{t['name']}`: {t['data_type']}, [batch, {', '.join(map(str, t['dims']))}]" for t in ort["input"]]
+    out += ["", "Outputs:", ""]
+    out += [f"- `{t['name']}`: {t['data_type']}, [batch, {', '.join(map(str, t['dims']))}]" for t in ort["output"]]
+    out += [
+        "",
+        "Driving one sequence (pick a correlation id, e.g. 42; the gRPC or HTTP client's `infer` takes",
+        "`sequence_id`, `sequence_start` and `sequence_end`):",
+        "",
+        "1. Prefill: one request with `sequence_start=True`, `input_ids` = the P prompt ids ([1, P] int64),",
+        "   `attention_mask` = ones [1, P], `position_ids` = [[0, 1, ..., P-1]]. Triton feeds the zero",
+        f"   initial state (past length 0, dims {_shape(first['initial_state'][0]['dims'])}). The next token is the argmax of",
+        "   `logits[0, -1]`.",
+        "2. Decode, step t = 1, 2, ...: `input_ids` = [[next token]], `attention_mask` = ones [1, P + t]",
+        "   (the whole context including this token), `position_ids` = [[P + t - 1]], same `sequence_id`,",
+        "   `sequence_start=False`. Repeat until an end token or the context limit",
+        f"   ({manifest['limits']['max_context']} tokens in all).",
+        "3. Send `sequence_end=True` on the last request so that Triton frees the sequence's state",
+        f"   (an idle sequence is dropped after {IDLE_MICROSECONDS // 1_000_000} s, `max_sequence_idle_microseconds`).",
+        "",
+        "Requests of different sequences are batched only when their tensors have the same shapes (Triton",
+        "does not batch variable-shape inputs of different shapes unless ragged batching is enabled).",
+        "A batch of prompts can also be sent as one sequence: left-pad them to one length with",
+        "`attention_mask` 0 on the padding and `position_ids` counting real tokens only (0 on padding).",
+        "",
+        "Unverified (no Triton server was available when this was written): that the server accepts a",
+        "zero-length initial state dim. If it refuses it, keep the cache in the client instead (the",
+        "TensorRT models that `kiln build` makes possible, or `model.onnx` run by the client with",
+        "`past_key_values.*` as ordinary inputs).",
+    ]
+    for model in models[1:]:
+        cfg = model.config
+        out += [
+            "",
+            f"## `{cfg['name']}`: TensorRT, stateless, dynamic batching",
+            "",
+            f"`{cfg['name']}/1/model.plan`; instance group KIND_GPU with optimization profile 0.",
+            "",
+            "Inputs:",
+            "",
+        ]
+        out += [f"- `{t['name']}`: {t['data_type']}, [batch, {', '.join(map(str, t['dims']))}]" for t in cfg["input"]]
+        out += ["", "Outputs:", ""]
+        out += [f"- `{t['name']}`: {t['data_type']}, [batch, {', '.join(map(str, t['dims']))}]" for t in cfg["output"]]
+    if len(models) > 1:
+        prefill, decode = models[1].config["name"], models[2].config["name"]
+        out += [
+            "",
+            "## Driving the TensorRT models",
+            "",
+            f"1. `{prefill}` with `input_ids`, `attention_mask` (ones [1, P]) and `position_ids` ([[0..P-1]]);",
+            "   keep every `present.{i}.key`/`present.{i}.value` output ([1, kv heads, P, head dim]).",
+            f"2. `{decode}` with `input_ids` [[next token]], `attention_mask` ones [1, P + t], `position_ids`",
+            "   [[P + t - 1]] and the previous step's `present.{i}.*` sent as `past_key_values.{i}.*`; its",
+            "   `present.{i}.*` outputs are one position longer. Repeat.",
+        ]
+    return "\n".join(out) + "\n"
+
+
+def _place(source: Path, target: Path) -> None:
+    """A hard link when the filesystem allows it (no copy of the weights), else a copy."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+def write_triton_repo(directory: Path, name: str) -> list[Path]:
+    """Write ``directory/triton/`` for a verified export, replacing any earlier one; return its files.
+
+    The repository is built in a temporary folder beside it and renamed into place; afterwards the
+    manifest's ``files`` lists the new files, so ``kiln verify`` still passes.
+    """
+    directory = Path(directory)
+    manifest = require_verified(directory)
+    models = triton_models(directory, manifest, name)
+    target = directory / TRITON_DIR
+    if target.exists() and not target.is_dir():
+        raise ArtifactError(f"triton: {target} exists and is not a directory; remove it")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{TRITON_DIR}.tmp-", dir=directory))
+    old: Path | None = None
+    try:
+        os.chmod(tmp, 0o755)
+        for model in models:
+            (tmp / model.name).mkdir()
+            (tmp / model.name / "config.pbtxt").write_text(model.config_text())
+            for rel, source in model.files.items():
+                _place(source, tmp / model.name / "1" / rel)
+        (tmp / "README.md").write_text(_readme(manifest, models))
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{TRITON_DIR}.old-", dir=directory))
+            os.replace(target, old / TRITON_DIR)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if old is not None:  # put the previous repository back
+                os.replace(old / TRITON_DIR, target)
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(old)
+    manifest["files"] = hash_tree(directory, exclude=(manifest_mod.MANIFEST,))
+    manifest_mod.write(directory, manifest)
+    return sorted(p for p in target.rglob("*") if p.is_file())

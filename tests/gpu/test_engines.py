@@ -1,0 +1,152 @@
+"""GPU tier: build both TensorRT engines of a tiny export and check them against PyTorch.
+
+Skipped with the reason where ``tensorrt`` is not importable (a ``tensorrt`` of type stubs only
+counts as not importable) or no CUDA device is visible. Parity is driven exactly as
+``kiln.exporter.check.run_parity`` drives ONNX Runtime: tensor parity of every engine, then
+teacher-forced greedy generation through prefill + decode for batch 1 and a left-padded batch
+(there is no engine for model.onnx, so the unified path is not run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from kiln_testing import tiny_config, write_checkpoint
+
+from kiln.errors import EngineError
+from kiln.exporter.check import parity_plan
+from kiln.exporter.engine import BuildOptions, TrtRunner, build_command
+from kiln.exporter.engine.build import build_engine, load_tensorrt
+from kiln.exporter.engine.device import current_runtime
+from kiln.exporter.engine.profiles import EngineProfile, InputShape, engine_profiles
+from kiln.exporter.engine.records import RuntimeInfo, check_engine_compat
+from kiln.exporter.io_contract import GraphKind
+from kiln.exporter.options import ExportOptions
+from kiln.exporter.parity import TOLERANCES, generation_parity, greedy, make_prompts, tensor_parity
+from kiln.exporter.pipeline import export
+from kiln.exporter.reference import prepare_reference
+from kiln.exporter.runners import TorchRunner
+from kiln.exporter.verify import verify_dir
+from kiln.plugins import load_model
+
+
+def _unavailable() -> str | None:
+    try:
+        trt = load_tensorrt()
+    except EngineError as exc:
+        return f"tensorrt is not importable: {exc}"
+    try:
+        current_runtime(trt)
+    except Exception as exc:  # no libcudart, no driver or no device
+        return f"no CUDA device: {exc}"
+    return None
+
+
+REASON = _unavailable()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+
+PRECISIONS = ["fp32", "fp16", "int8+fp16"]
+MAX_BATCH = 4
+TOKENS = 8
+
+
+def _export_options(precision: str) -> ExportOptions:
+    """fp32, or the precision variant where the exporter has one (and a parity tolerance for it)."""
+    if precision == "fp32":
+        return ExportOptions(parity_tokens=TOKENS, max_batch=MAX_BATCH)
+    fields = {f.name: f for f in dataclasses.fields(ExportOptions)}
+    if "precision" not in fields or precision not in TOLERANCES:
+        pytest.skip("precision variants not built yet")
+    try:
+        value = type(getattr(ExportOptions(), "precision"))(precision)
+    except ValueError:
+        pytest.skip("precision variants not built yet")
+    variant: dict[str, Any] = {"precision": value}
+    return ExportOptions(parity_tokens=TOKENS, max_batch=MAX_BATCH, **variant)
+
+
+@pytest.fixture(scope="module", params=PRECISIONS)
+def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    precision: str = request.param
+    options = _export_options(precision)
+    root = tmp_path_factory.mktemp(f"engines-{precision}")
+    ckpt = write_checkpoint(root / "ckpt", tiny_config())
+    directory = export(ckpt, root / "export", options).out
+    summary = build_command(directory, BuildOptions(workspace=1 << 30, opt_batch=2))
+    return {"precision": precision, "ckpt": ckpt, "dir": directory, "options": options, "summary": summary}
+
+
+def test_engines_and_records(built: dict[str, Any]) -> None:
+    import tensorrt as trt
+
+    directory: Path = built["dir"]
+    here = current_runtime(trt)
+    record = json.loads((directory / "engines" / "engines.json").read_text())
+    manifest = json.loads((directory / "manifest.json").read_text())
+    profiles = {p.kind.value: p for p in engine_profiles(manifest, BuildOptions(opt_batch=2))}
+    for kind in ("prefill", "decode"):
+        entry = record["engines"][kind]
+        assert (directory / entry["file"]).is_file() and entry["file"] == f"engines/{kind}.plan"
+        assert entry["tensorrt"] == trt.__version__ and entry["compute_capability"] == here.compute_capability
+        assert entry["gpu"] == here.gpu and entry["strongly_typed"] is True and entry["tf32"] is False
+        assert entry["profiles"] == [profiles[kind].shapes()]
+        check_engine_compat(entry, here)
+        with pytest.raises(EngineError, match="needs a GPU of that compute capability"):
+            check_engine_compat(entry, dataclasses.replace(here, compute_capability="1.0"))
+    assert (directory / "engines" / "trtexec.sh").is_file()
+    assert manifest["engines"]["compute_capability"] == here.compute_capability
+    assert verify_dir(directory).ok, verify_dir(directory).problems()
+
+
+def test_tensor_and_generation_parity(built: dict[str, Any]) -> None:
+    options: ExportOptions = built["options"]
+    loaded = load_model(str(built["ckpt"]))
+    spec = loaded.spec
+    reference = prepare_reference(loaded, options)
+    tolerance = TOLERANCES[built["precision"]]
+    torch_runner = TorchRunner(reference, spec.n_layers, options.last_logits_only)
+    manifest = json.loads((built["dir"] / "manifest.json").read_text())
+    limits, kv_dtype = manifest["limits"], np.dtype(manifest["kv_cache"]["dtype"])
+    single, padded, steps = parity_plan(limits["max_context"], limits["max_batch"], TOKENS)
+    with TrtRunner.from_directory(built["dir"]) as trt_runner:
+        assert trt_runner.graphs() == (GraphKind.PREFILL, GraphKind.DECODE)
+        checks = tensor_parity(torch_runner, trt_runner, spec, tolerance, kv_dtype=kv_dtype)
+        assert checks and all(c.passed for c in checks), [c for c in checks if not c.passed]
+        for seed, lengths in enumerate((single, padded)):
+            prompts = make_prompts(spec, lengths, seed)
+            reference_run = greedy(torch_runner, spec, prompts, steps)
+            result = generation_parity(
+                torch_runner, trt_runner, spec, prompts, steps, tolerance, unified=False, kv_dtype=kv_dtype, reference_run=reference_run
+            )
+            assert result.passed, result
+
+
+def test_runner_outside_with_block(built: dict[str, Any]) -> None:
+    runner = TrtRunner.from_directory(built["dir"])
+    with pytest.raises(EngineError, match="inside a with block"):
+        runner.run(GraphKind.PREFILL, {})
+
+
+def test_parser_error_names_the_node(tmp_path: Path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    import tensorrt as trt
+
+    node = helper.make_node("NoSuchOp", ["x"], ["y"], name="mystery_node")
+    graph = helper.make_graph(
+        [node], "bad", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])]
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), tmp_path / "bad.onnx")
+    profile = EngineProfile(GraphKind.PREFILL, "bad.onnx", "engines/bad.plan", (InputShape("x", "float32", (1, 4), (1, 4), (1, 4)),))
+    here: RuntimeInfo = current_runtime(trt)
+    with pytest.raises(EngineError) as info:
+        build_engine(tmp_path, profile, BuildOptions(), here)
+    message = str(info.value)
+    assert "bad.onnx: TensorRT's ONNX parser failed: node 'mystery_node' (NoSuchOp):" in message
+    assert "\n" not in message

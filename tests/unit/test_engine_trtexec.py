@@ -1,0 +1,195 @@
+"""engines/trtexec.sh: the exact trtexec command of each engine, and the no-TensorRT path of
+``kiln build`` (writes the script, says in one line that TensorRT is missing)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kiln_testing import tiny_config
+
+from kiln.errors import ConfigError, EngineError
+from kiln.exporter import manifest as manifest_mod
+from kiln.exporter.artifacts import hash_tree
+from kiln.exporter.engine import BuildOptions, HardwareCompat, build_command
+from kiln.exporter.engine.build import load_tensorrt
+from kiln.exporter.engine.options import MIB
+from kiln.exporter.engine.profiles import engine_profiles
+from kiln.exporter.engine.trtexec import render_script, trtexec_args, trtexec_command, write_script
+from kiln.exporter.io_contract import GraphKind, graph_io
+from kiln.exporter.verify import verify_dir
+from kiln.plugins.native import spec_of
+
+
+def manifest(max_batch: int = 8, max_context: int = 48, tables: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
+    spec = spec_of(tiny_config())
+    graphs = {}
+    for kind in GraphKind:
+        io = graph_io(spec, kind, ple_tables=tables)
+        graphs[kind.value] = {"file": f"onnx/{kind.value}.onnx", "inputs": [t.to_dict() for t in io.inputs], "outputs": [t.to_dict() for t in io.outputs]}
+    return {"manifest_version": 1, "precision": "fp32", "limits": {"max_batch": max_batch, "max_context": max_context}, "graphs": graphs}
+
+
+def export_dir(root: Path, m: dict[str, Any] | None = None) -> Path:
+    """A directory that passes kiln verify: placeholder graphs and a manifest hashing them."""
+    directory = root / "export"
+    (directory / "onnx").mkdir(parents=True)
+    for kind in GraphKind:
+        (directory / "onnx" / f"{kind.value}.onnx").write_bytes(f"placeholder {kind.value}".encode())
+    m = m or manifest()
+    m["files"] = hash_tree(directory)
+    manifest_mod.write(directory, m)
+    return directory
+
+
+PREFILL = (
+    "trtexec --onnx=onnx/prefill.onnx --saveEngine=engines/prefill.plan"
+    " --minShapes=input_ids:1x1,attention_mask:1x1,position_ids:1x1"
+    " --optShapes=input_ids:1x24,attention_mask:1x24,position_ids:1x24"
+    " --maxShapes=input_ids:8x48,attention_mask:8x48,position_ids:8x48"
+    " --timingCacheFile=engines/timing.cache --memPoolSize=workspace:4096M --builderOptimizationLevel=3"
+    " --stronglyTyped --noTF32 --hardwareCompatibilityLevel=none --skipInference"
+)
+DECODE = (
+    "trtexec --onnx=onnx/decode.onnx --saveEngine=engines/decode.plan"
+    " --minShapes=input_ids:1x1,attention_mask:1x2,position_ids:1x1,past_key_values.0.key:1x2x1x8,"
+    "past_key_values.0.value:1x2x1x8,past_key_values.1.key:1x2x1x8,past_key_values.1.value:1x2x1x8"
+    " --optShapes=input_ids:1x1,attention_mask:1x24,position_ids:1x1,past_key_values.0.key:1x2x23x8,"
+    "past_key_values.0.value:1x2x23x8,past_key_values.1.key:1x2x23x8,past_key_values.1.value:1x2x23x8"
+    " --maxShapes=input_ids:8x1,attention_mask:8x48,position_ids:8x1,past_key_values.0.key:8x2x47x8,"
+    "past_key_values.0.value:8x2x47x8,past_key_values.1.key:8x2x47x8,past_key_values.1.value:8x2x47x8"
+    " --timingCacheFile=engines/timing.cache --memPoolSize=workspace:4096M --builderOptimizationLevel=3"
+    " --stronglyTyped --noTF32 --hardwareCompatibilityLevel=none --skipInference"
+)
+
+
+def test_default_commands_exactly() -> None:
+    prefill, decode = engine_profiles(manifest(), BuildOptions())
+    assert trtexec_command(prefill, BuildOptions()) == PREFILL
+    assert trtexec_command(decode, BuildOptions()) == DECODE
+
+
+def test_options_become_flags() -> None:
+    prefill, _ = engine_profiles(manifest(), BuildOptions())
+    options = BuildOptions(
+        workspace=512 * MIB, opt_level=5, hardware_compat=HardwareCompat.AMPERE_PLUS, version_compatible=True, refittable=True
+    )
+    assert trtexec_args(prefill, options)[5:] == [
+        "--timingCacheFile=engines/timing.cache",
+        "--memPoolSize=workspace:512M",
+        "--builderOptimizationLevel=5",
+        "--stronglyTyped",
+        "--noTF32",
+        "--hardwareCompatibilityLevel=ampere+",
+        "--versionCompatible",
+        "--refit",
+        "--skipInference",
+    ]
+    same_cc = trtexec_args(prefill, BuildOptions(hardware_compat=HardwareCompat.SAME_CC, workspace=3 * 1024 * 1024 + 1024))
+    assert "--hardwareCompatibilityLevel=sameComputeCapability" in same_cc
+    assert "--memPoolSize=workspace:3073K" in same_cc
+
+
+def test_ple_table_inputs_are_named_with_their_fixed_shape() -> None:
+    _, decode = engine_profiles(manifest(tables=((48, 32), (48, 32))), BuildOptions())
+    args = trtexec_args(decode, BuildOptions())
+    for which in ("--minShapes=", "--optShapes=", "--maxShapes="):
+        shapes = next(a for a in args if a.startswith(which))
+        assert shapes.endswith(",ple.0.scale:48x32,ple.0.shift:48x32,ple.1.scale:48x32,ple.1.shift:48x32")
+
+
+def test_unsafe_input_name_is_refused() -> None:
+    m = manifest()
+    m["graphs"]["prefill"]["inputs"][0]["name"] = "input:ids"
+    prefill, _ = engine_profiles(m, BuildOptions())
+    with pytest.raises(ConfigError, match="cannot be written as a trtexec shape"):
+        trtexec_args(prefill, BuildOptions())
+
+
+def test_script_text(tmp_path: Path) -> None:
+    profiles = engine_profiles(manifest(), BuildOptions())
+    text = render_script(profiles, BuildOptions())
+    lines = text.splitlines()
+    assert lines[0] == "#!/usr/bin/env bash"
+    assert "set -euo pipefail" in lines
+    assert 'cd "$(dirname "$0")/.."' in lines
+    assert any("--stronglyTyped is for TensorRT 10.x" in line for line in lines)
+    assert any("no-op" in line for line in lines)
+    commands = [line for line in text.replace(" \\\n  ", " ").splitlines() if line.startswith("trtexec")]
+    assert commands == [PREFILL, DECODE]
+    assert "/" + str(tmp_path).strip("/") not in text  # no absolute paths
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_written_script_is_executable_and_relative(tmp_path: Path) -> None:
+    directory = export_dir(tmp_path)
+    profiles = engine_profiles(manifest(), BuildOptions())
+    path = write_script(directory, profiles, BuildOptions(timing_cache=directory / "engines" / "tc.bin"))
+    assert path == directory / "engines" / "trtexec.sh"
+    assert os.stat(path).st_mode & stat.S_IXUSR
+    text = path.read_text()
+    assert "--timingCacheFile=engines/tc.bin" in text and str(directory) not in text
+    outside = write_script(directory, profiles, BuildOptions(timing_cache=tmp_path / "shared.cache")).read_text()
+    assert "--timingCacheFile=engines/timing.cache" in outside  # a cache outside DIR does not travel with it
+
+
+def test_script_runs_from_the_export_directory(tmp_path: Path) -> None:
+    """With a stand-in trtexec on PATH, the script calls it once per engine from DIR."""
+    directory = export_dir(tmp_path)
+    script = write_script(directory, engine_profiles(manifest(), BuildOptions()), BuildOptions())
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "trtexec"
+    fake.write_text('#!/usr/bin/env bash\necho "$PWD $*" >> "$TRTEXEC_LOG"\n')
+    fake.chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TRTEXEC_LOG": str(log)}
+    subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, check=True)
+    calls = log.read_text().splitlines()
+    assert calls == [f"{directory} {PREFILL[len('trtexec '):]}", f"{directory} {DECODE[len('trtexec '):]}"]
+
+
+def _one_line_engine_error(exc: EngineError, *fragments: str) -> None:
+    text = str(exc)
+    assert "\n" not in text
+    assert text.startswith("engine: TensorRT is not installed")
+    for fragment in fragments:
+        assert fragment in text
+
+
+def test_without_tensorrt_the_script_is_written_and_one_line_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt -> ImportError
+    directory = export_dir(tmp_path)
+    with pytest.raises(EngineError) as info:
+        build_command(directory, BuildOptions())
+    _one_line_engine_error(info.value, "pip install tensorrt", "NVIDIA GPU", "bash engines/trtexec.sh", str(directory / "engines" / "trtexec.sh"))
+    script = directory / "engines" / "trtexec.sh"
+    assert script.is_file() and os.stat(script).st_mode & stat.S_IXUSR
+    assert not (directory / "engines" / "prefill.plan").exists()
+    result = verify_dir(directory)  # the manifest now records the script: kiln verify still passes
+    assert result.ok, result.problems()
+    assert "engines/trtexec.sh" in manifest_mod.read(directory)["files"]
+    with pytest.raises(EngineError):  # and a second run over the same directory does the same
+        build_command(directory, BuildOptions(opt_batch=2))
+    assert "--optShapes=input_ids:2x24" in script.read_text() and verify_dir(directory).ok
+
+
+def test_type_stubs_alone_are_not_tensorrt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tensorrt-stubs installs tensorrt/__init__.pyi, which imports as an empty namespace package."""
+    stub = types.ModuleType("tensorrt")
+    stub.__path__ = ["/site-packages/tensorrt"]
+    monkeypatch.setitem(sys.modules, "tensorrt", stub)
+    with pytest.raises(EngineError) as info:
+        load_tensorrt()
+    _one_line_engine_error(info.value, "has no Builder", "pip install tensorrt")
+
+
+def test_importing_the_package_does_not_import_tensorrt() -> None:
+    code = "import sys, kiln.exporter.engine, kiln.exporter.engine.runner, kiln.exporter.engine.build; assert 'tensorrt' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
