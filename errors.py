@@ -15,6 +15,7 @@ __all__ = [
     "ParityError",
     "ArtifactError",
     "BenchError",
+    "EngineError",
 ]
 
 
@@ -61,3 +62,9 @@ class BenchError(KilnError):
     """A benchmark could not run."""
 
     stage = "bench"
+
+
+class EngineError(KilnError):
+    """A TensorRT engine could not be built, loaded or run (or TensorRT is missing)."""
+
+    stage = "engine"
