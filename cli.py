@@ -156,6 +156,56 @@ def verify(directory: Path, as_json: bool) -> None:
 
 @main.command()
 @click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--workspace", default="4G", show_default=True, help="Size of TensorRT's workspace memory pool (e.g. 4G, 512M).")
+@click.option("--opt-level", type=click.IntRange(0, 5), default=3, show_default=True, help="Builder optimization level: 0 builds fastest, 5 searches longest.")
+@click.option("--timing-cache", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Timing cache file, loaded if it exists and saved back. Default: DIR/engines/timing.cache.")
+@click.option("--hardware-compat", type=click.Choice(["none", "ampere+", "same-cc"]), default="none", show_default=True, help="GPUs the engines run on: this compute capability, Ampere and newer, or any of this compute capability.")
+@click.option("--version-compatible", is_flag=True, help="Engines that also run on later TensorRT versions (may be slower).")
+@click.option("--refittable", is_flag=True, help="Engines whose weights can be replaced without a rebuild.")
+@click.option("--opt-batch", type=click.IntRange(min=1), default=None, help="Batch size TensorRT tunes for. Default: 1.")
+@click.option("--opt-context", type=click.IntRange(min=1), default=None, help="Context (past + new tokens) TensorRT tunes for. Default: max_context / 2.")
+@click.option("--json", "as_json", is_flag=True, help="Print the engines record as JSON.")
+@_reports_errors
+def build(
+    directory: Path,
+    workspace: str,
+    opt_level: int,
+    timing_cache: Path | None,
+    hardware_compat: str,
+    version_compatible: bool,
+    refittable: bool,
+    opt_batch: int | None,
+    opt_context: int | None,
+    as_json: bool,
+) -> None:
+    """Build the TensorRT engines of an export directory (engines/prefill.plan, engines/decode.plan).
+
+    engines/trtexec.sh, the equivalent trtexec commands, is written first, also where TensorRT is not installed."""
+    from kiln.exporter.engine import BuildOptions, HardwareCompat, build_command, parse_size
+
+    options = BuildOptions(
+        workspace=parse_size(workspace),
+        opt_level=opt_level,
+        timing_cache=timing_cache,
+        hardware_compat=HardwareCompat(hardware_compat),
+        version_compatible=version_compatible,
+        refittable=refittable,
+        opt_batch=opt_batch,
+        opt_context=opt_context,
+    )
+    result = build_command(directory, options)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    engines = list(result["engines"].values())
+    click.echo(
+        f"wrote {', '.join(e['file'] for e in engines)} in {directory} (TensorRT {engines[0]['tensorrt']}, {engines[0]['gpu']}, "
+        f"compute capability {engines[0]['compute_capability']}); record in {result['record']}, trtexec commands in {result['trtexec']}"
+    )
+
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--prefill-seq", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--past", type=click.IntRange(min=1), default=256, show_default=True, help="Past length of the decode step.")
 @click.option("--runs", type=click.IntRange(min=3), default=30, show_default=True, help="Timed runs per measurement (median reported).")

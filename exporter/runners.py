@@ -68,6 +68,7 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
         self._extra = dict(extra_feeds or {})  # inputs fed to every run (e.g. PLE tables)
         self._threads = threads
         self._runners: dict[GraphKind, object] = {}
+        self._shared = _SharedInitializers()
 
     def graphs(self) -> tuple[GraphKind, ...]:
         return tuple(self._paths)
@@ -81,6 +82,11 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
             if self._threads:
                 opts.intra_op_num_threads = self._threads
             opts.log_severity_level = 3
+            # one memory-mapped copy of the weights for all sessions, not one copy each;
+            # prepacking would make a private copy of every MatMul weight again
+            opts.add_session_config_entry("session.disable_prepacking", "1")
+            for name, value in self._shared.initializers(path).items():
+                opts.add_initializer(name, value)
             session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
             runner = OnnxrtRunner(session, name=f"onnxruntime:{kind.value}")
             runner.activate()
@@ -91,7 +97,41 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
         for runner in self._runners.values():
             runner.deactivate()  # type: ignore[attr-defined]
         self._runners.clear()
+        self._shared = _SharedInitializers()
 
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
         runner = self._runners[kind]
         return dict(runner.infer({**feeds, **self._extra}, check_inputs=False))  # type: ignore[attr-defined]
+
+
+class _SharedInitializers:
+    """OrtValues over memory maps of the external weights files, one per distinct initializer
+    name. kiln's graphs name each weight identically in every graph (``weights/...``), so the
+    sessions of prefill, decode and model.onnx read the same pages instead of three copies."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, np.memmap] = {}
+        self._values: dict[tuple[Path, str], object] = {}
+
+    def initializers(self, graph: Path) -> dict[str, object]:
+        import onnx
+        from onnx.helper import tensor_dtype_to_np_dtype
+        from onnxruntime import OrtValue
+
+        model = onnx.load(str(graph), load_external_data=False)
+        out: dict[str, object] = {}
+        for init in model.graph.initializer:
+            if init.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in init.external_data}
+            file = (graph.parent / info["location"]).resolve()
+            key = (file, init.name)
+            if key not in self._values:
+                if file not in self._maps:
+                    self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+                dtype = np.dtype(tensor_dtype_to_np_dtype(init.data_type))
+                offset = int(info.get("offset", 0))
+                array = np.ndarray(tuple(init.dims), dtype=dtype, buffer=self._maps[file], offset=offset)
+                self._values[key] = OrtValue.ortvalue_from_numpy(array)
+            out[init.name] = self._values[key]
+        return out
