@@ -37,7 +37,7 @@ class BenchOptions:
     pause_s: float = 0.002  # between calls, so one backend's tail does not bleed into the next
 
 
-def _feeds(spec: DecoderSpec, kind: GraphKind, seq: int, past: int) -> dict[str, np.ndarray]:
+def _feeds(spec: DecoderSpec, kind: GraphKind, seq: int, past: int, kv_dtype: str = "float32") -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     feeds = {
         "input_ids": rng.integers(0, spec.vocab_size, size=(1, seq), dtype=np.int64),
@@ -47,7 +47,7 @@ def _feeds(spec: DecoderSpec, kind: GraphKind, seq: int, past: int) -> dict[str,
     if kind is not GraphKind.PREFILL:
         for i in range(spec.n_layers):
             for name in past_names(i):
-                feeds[name] = rng.standard_normal((1, spec.n_kv_heads, past, spec.head_dim)).astype(np.float32)
+                feeds[name] = rng.standard_normal((1, spec.n_kv_heads, past, spec.head_dim)).astype(kv_dtype)
     return feeds
 
 
@@ -89,12 +89,12 @@ def run_bench(directory: Path, options: BenchOptions) -> dict[str, Any]:
     torch_runner = TorchRunner(loaded.module, spec.n_layers)
     rows: dict[str, dict[str, float]] = {}
     for kind, s, p in ((GraphKind.PREFILL, seq, 0), (GraphKind.DECODE, 1, past)):
-        feeds = _feeds(spec, kind, s, p)
+        feeds = _feeds(spec, kind, s, p, manifest["kv_cache"]["dtype"])
         session = _session(directory / manifest["graphs"][kind.value]["file"], options.threads)
         rows[kind.value] = _interleaved(
             {
                 "pytorch eager": lambda k=kind, f=feeds: torch_runner.run(k, f),
-                "onnxruntime": lambda s=session, f=feeds: s.run(None, f),
+                f"onnxruntime {manifest['precision']}": lambda s=session, f=feeds: s.run(None, f),
             },
             options.runs,
             options.pause_s,

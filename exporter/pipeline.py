@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from kiln.errors import ParityError
 from kiln.exporter import manifest as manifest_mod
-from kiln.exporter.artifacts import staged_output
+from kiln.exporter.artifacts import hash_tree, staged_output
 from kiln.exporter.check import run_parity
 from kiln.exporter.io_contract import GraphKind, graph_io
 from kiln.exporter.options import ExportOptions, PLETables, Precision
@@ -24,6 +24,7 @@ from kiln.exporter.ple import FoldedPLE, check_folding, fold_ple, ple_sublayers
 from kiln.exporter.reference import prepare_reference, resolve_limits, table_feeds
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.report import write_parity_reports
+from kiln.exporter.serving import write_genai_config
 from kiln.exporter.trace import trace_graph
 from kiln.exporter.weights import SharedWeightsWriter
 from kiln.plugins import LoadedModel, load_model
@@ -141,5 +142,7 @@ def export_loaded(
             kept_fp32=kept_fp32,
             policy=policy,
         )
+        write_genai_config(tmp / ONNX_DIR, manifest)  # beside model.onnx, so it is hashed too
+        manifest["files"] = hash_tree(tmp, exclude=(manifest_mod.MANIFEST,))
         manifest_mod.write(tmp, manifest)
     return ExportResult(out=out, manifest=manifest, parity=parity)

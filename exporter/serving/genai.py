@@ -189,7 +189,10 @@ def tokenizer_config(tokenizer: Mapping[str, Any], manifest: Mapping[str, Any]) 
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> Path:
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    try:
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    except OSError as exc:
+        raise ArtifactError(f"genai: could not write {path} ({exc}); check the permissions and free space of {path.parent}") from exc
     return path
 
 

@@ -223,8 +223,9 @@ def _ort_model(directory: Path, manifest: Mapping[str, Any], name: str) -> Trito
 
 def _trt_model(directory: Path, manifest: Mapping[str, Any], name: str, kind: GraphKind) -> TritonModel:
     file, inputs, outputs = _graph(manifest, kind)
+    model_name = f"{name}_{kind.value}"
     config = {
-        "name": f"{name}_{kind.value}",
+        "name": model_name,
         "platform": "tensorrt_plan",
         "max_batch_size": int(manifest["limits"]["max_batch"]),
         "input": _io(inputs.values(), file),
@@ -233,7 +234,7 @@ def _trt_model(directory: Path, manifest: Mapping[str, Any], name: str, kind: Gr
         "instance_group": [{"kind": _Enum("KIND_GPU"), "count": 1, "profile": ["0"]}],
     }
     comment = f"kiln: {ENGINE_FILES[kind]}, built from {file}; stateless, the client carries the KV tensors."
-    return TritonModel(config["name"], config, {"model.plan": directory / ENGINE_FILES[kind]}, comment)
+    return TritonModel(model_name, config, {"model.plan": directory / ENGINE_FILES[kind]}, comment)
 
 
 def _engines(directory: Path) -> bool:
@@ -366,6 +367,17 @@ def write_triton_repo(directory: Path, name: str) -> list[Path]:
     target = directory / TRITON_DIR
     if target.exists() and not target.is_dir():
         raise ArtifactError(f"triton: {target} exists and is not a directory; remove it")
+    try:
+        _write_repo(directory, target, manifest, models)
+    except OSError as exc:
+        raise ArtifactError(f"triton: could not write {target} ({exc}); check the permissions and free space of {directory}") from exc
+    manifest["files"] = hash_tree(directory, exclude=(manifest_mod.MANIFEST,))
+    manifest_mod.write(directory, manifest)
+    return sorted(p for p in target.rglob("*") if p.is_file())
+
+
+def _write_repo(directory: Path, target: Path, manifest: Mapping[str, Any], models: Sequence[TritonModel]) -> None:
+    """Build the repository in a temporary folder beside ``target``, then rename it into place."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{TRITON_DIR}.tmp-", dir=directory))
     old: Path | None = None
     try:
@@ -388,9 +400,6 @@ def write_triton_repo(directory: Path, name: str) -> list[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
+        if old is not None and target.is_dir():  # else the previous repository is only in `old`: keep it
             with contextlib.suppress(OSError):
                 shutil.rmtree(old)
-    manifest["files"] = hash_tree(directory, exclude=(manifest_mod.MANIFEST,))
-    manifest_mod.write(directory, manifest)
-    return sorted(p for p in target.rglob("*") if p.is_file())

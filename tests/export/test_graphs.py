@@ -44,7 +44,7 @@ def test_graph_io_follows_the_contract(exported: Path) -> None:
 
 def test_one_weights_file_shared_by_all_graphs(exported: Path) -> None:
     onnx_dir = exported / "onnx"
-    assert sorted(p.name for p in onnx_dir.iterdir()) == ["decode.onnx", "model.onnx", "prefill.onnx", "weights.bin"]
+    assert sorted(p.name for p in onnx_dir.iterdir()) == ["decode.onnx", "genai_config.json", "model.onnx", "prefill.onnx", "weights.bin"]
     spans: dict[str, set[tuple[str, str]]] = {}
     for kind in GraphKind:
         model = onnx.load(onnx_dir / f"{kind.value}.onnx", load_external_data=False)
@@ -93,7 +93,7 @@ def test_manifest_hashes_and_limits(exported: Path) -> None:
     assert manifest["limits"] == {"max_batch": 4, "max_context": 48}
     assert manifest["kv_cache"]["layout"] == "BNSH"
     assert set(manifest["files"]) == {
-        "onnx/decode.onnx", "onnx/model.onnx", "onnx/prefill.onnx", "onnx/weights.bin",
+        "onnx/decode.onnx", "onnx/genai_config.json", "onnx/model.onnx", "onnx/prefill.onnx", "onnx/weights.bin",
         "reports/parity.json", "reports/parity.md", "reports/parity.png",
     }
     for rel, digest in manifest["files"].items():
@@ -169,7 +169,7 @@ def test_verify_lists_every_difference(exported: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(exported, copy)
     ok = CliRunner().invoke(main, ["verify", str(copy)])
-    assert ok.exit_code == 0 and "all 7 files match manifest.json" in ok.stdout
+    assert ok.exit_code == 0 and "all 8 files match manifest.json" in ok.stdout
     with open(copy / "onnx" / "weights.bin", "r+b") as f:
         f.seek(100)
         f.write(b"\x01\x02")

@@ -38,8 +38,13 @@ TEXT = "def read_config(path):\n    with open(path) as f:\n"
 def _export(root: Path, options: ExportOptions) -> Path:
     out = root / "out"
     manifest = export("demo", out, options).manifest
-    written = write_genai_config(out / "onnx", manifest)
+    # kiln export writes both beside model.onnx and hashes them in the manifest
+    assert {"onnx/genai_config.json", "onnx/tokenizer_config.json"} <= set(manifest["files"])
+    written = write_genai_config(out / "onnx", manifest)  # idempotent: rewriting gives the same files
     assert [p.name for p in written] == ["genai_config.json", "tokenizer_config.json"]
+    from kiln.exporter.artifacts import sha256_file
+
+    assert all(manifest["files"][f"onnx/{p.name}"] == sha256_file(p) for p in written)
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
+from kiln_testing import tiny_config, write_checkpoint
 
 model_config_pb2 = pytest.importorskip(
     "tritonclient.grpc.model_config_pb2", reason='tritonclient is a test dependency (pip install "tritonclient[grpc]")'
@@ -52,9 +53,11 @@ def fp32_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def fp16_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("triton16") / "out"
-    export("demo", out, ExportOptions(precision=Precision.FP16, logits=LogitsMode.LAST, max_batch=4, parity_tokens=8))
-    return out
+    """The tiny test model (faster to export than the demo): fp16, --logits last, --max-batch 4."""
+    root = tmp_path_factory.mktemp("triton16")
+    ckpt = write_checkpoint(root / "ckpt", tiny_config())
+    export(ckpt, root / "out", ExportOptions(precision=Precision.FP16, logits=LogitsMode.LAST, max_batch=4, parity_tokens=4))
+    return root / "out"
 
 
 def _copy(export_dir: Path, tmp_path: Path) -> Path:
@@ -101,6 +104,7 @@ def _check_against_graph(config: Any, graph_path: Path) -> None:
         assert (_dtype(tensor.data_type), list(tensor.dims)) == (dtype, _debatched(dims)), tensor.name
         seen_outputs.add(tensor.name)
     for state in config.sequence_batching.state:
+        assert state.output_name == state.input_name.replace("past_key_values.", "present.", 1)  # same layer, key to key
         in_dtype, in_dims = inputs[state.input_name]
         out_dtype, out_dims = outputs[state.output_name]
         assert _dtype(state.data_type) == in_dtype == out_dtype
@@ -223,11 +227,15 @@ def test_tensorrt_models_from_placeholder_engines(fp16_export: Path, tmp_path: P
         assert [t.name for t in config.output] == [t["name"] for t in graph["outputs"]]
         _check_against_graph(config, directory / graph["file"])
         assert (repo / f"demo_{kind}" / "1" / "model.plan").read_bytes() == f"placeholder {kind} engine".encode()
+    model = manifest["model"]
+    kv, head_dim = model["n_kv_heads"], model["head_dim"]
     prefill = _parse(repo / "demo_prefill" / "config.pbtxt")
-    assert list(prefill.output[0].dims) == [1, 1024]  # --logits last
+    assert list(prefill.output[0].dims) == [1, model["vocab_size"]]  # --logits last
+    assert {(_dtype(t.data_type), tuple(t.dims)) for t in prefill.output[1:]} == {("TYPE_FP16", (kv, -1, head_dim))}
     decode = _parse(repo / "demo_decode" / "config.pbtxt")
     assert [list(t.dims) for t in decode.input[:3]] == [[1], [-1], [1]]
-    assert {(_dtype(t.data_type), tuple(t.dims)) for t in decode.input[3:]} == {("TYPE_FP16", (2, -1, 32))}
+    assert {(_dtype(t.data_type), tuple(t.dims)) for t in decode.input[3:]} == {("TYPE_FP16", (kv, -1, head_dim))}
+    assert len(decode.input) == 3 + 2 * model["n_layers"]
     readme = (repo / "README.md").read_text()
     assert "`demo_prefill`" in readme and "`demo_decode`" in readme
     assert verify_dir(directory).ok

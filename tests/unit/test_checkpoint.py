@@ -125,3 +125,13 @@ def test_tied_head_saved_under_either_name(tmp_path: Path) -> None:
     save_file(state, tmp_path / "model.safetensors")  # lm_head.weight instead of embed.weight
     loaded = load_model(tmp_path)
     assert torch.equal(loaded.module.embed.weight, model.embed.weight)
+
+
+@pytest.mark.parametrize("field", ["weights_file", "tokenizer_file"])
+def test_config_paths_are_never_followed(tiny_ckpt: Path, field: str) -> None:
+    """kiln reads no file name from a config: the weights are model.safetensors (or model.pt /
+    pytorch_model.bin) and the tokenizer tokenizer.json, inside the checkpoint directory. A config
+    that tries to point elsewhere is refused as an unknown key."""
+    edit_config(tiny_ckpt, **{field: "../../outside/secret.safetensors"})
+    with pytest.raises(ConfigError, match=rf"unknown config keys \['{field}'\]"):
+        load_model(tiny_ckpt)
