@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "CheckpointError",
     "ExportError",
+    "CalibrationError",
     "ParityError",
     "ArtifactError",
     "BenchError",
@@ -44,6 +45,12 @@ class ExportError(KilnError):
     """Tracing, PLE folding or an ONNX graph pass failed."""
 
     stage = "export"
+
+
+class CalibrationError(KilnError):
+    """Calibration data is missing, unreadable or does not fit the model."""
+
+    stage = "calibration"
 
 
 class ParityError(KilnError):

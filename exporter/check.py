@@ -3,7 +3,9 @@ its end and by ``kiln check DIR``)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from torch import nn
@@ -24,7 +26,7 @@ from kiln.exporter.parity import (
 from kiln.exporter.ple import FoldedPLE, fold_ple, ple_sublayers
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.reference import prepare_reference, table_feeds
-from kiln.exporter.runners import OrtRunner, TorchRunner
+from kiln.exporter.runners import OrtRunner, Runner, TorchRunner
 from kiln.exporter.verify import require_verified
 from kiln.plugins import load_model
 from kiln.plugins.base import DecoderSpec
@@ -45,36 +47,37 @@ def parity_plan(max_context: int, max_batch: int, tokens: int) -> tuple[list[int
 def run_parity(
     reference: nn.Module,
     spec: DecoderSpec,
-    graphs: dict[GraphKind, Path],
+    candidate: Runner,
     *,
     precision: str,
     max_context: int,
     max_batch: int,
     tokens: int,
     last_logits_only: bool,
-    extra_feeds: dict[str, np.ndarray] | None = None,
     seed: int = 0,
     progress: Progress | None = None,
 ) -> ParityResult:
-    """Tensor parity of every graph, then greedy generation through prefill + decode and
-    through model.onnx, for batch 1 and a left-padded batch."""
+    """Tensor parity of every graph the (active) ``candidate`` runs, then greedy generation
+    through prefill + decode and, where the candidate has it, through model.onnx, for batch 1
+    and a left-padded batch."""
     progress = progress or NullProgress()
     tolerance = TOLERANCES[precision]
-    kv_dtype = np.dtype(np.float16 if precision == "fp16" else np.float32)
+    kv_dtype = np.dtype(Precision(precision).kv_dtype)
     torch_runner = TorchRunner(reference, spec.n_layers, last_logits_only)
-    result = ParityResult(backend="onnxruntime", precision=precision, tolerance=tolerance)
+    result = ParityResult(backend=candidate.name, precision=precision, tolerance=tolerance)
     single, padded, steps = parity_plan(max_context, max_batch, tokens)
     batches = [make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)]
-    with OrtRunner(graphs, extra_feeds=extra_feeds) as ort_runner, progress.stage("parity", total=1 + 2 * len(batches)) as bar:
-        result.tensors = tensor_parity(torch_runner, ort_runner, spec, tolerance, seed, kv_dtype)
+    paths = [False, True] if GraphKind.UNIFIED in candidate.graphs() else [False]
+    with progress.stage("parity", total=1 + len(paths) * len(batches)) as bar:
+        result.tensors = tensor_parity(torch_runner, candidate, spec, tolerance, seed, kv_dtype)
         bar.advance()
         for prompts in batches:
             reference_run = greedy(torch_runner, spec, prompts, steps)
-            for unified in (False, True):
+            for unified in paths:
                 result.generation.append(
                     generation_parity(
                         torch_runner,
-                        ort_runner,
+                        candidate,
                         spec,
                         prompts,
                         steps,
@@ -88,10 +91,18 @@ def run_parity(
     return result
 
 
-def check_dir(directory: Path, model: str | Path | None = None, progress: Progress | None = None) -> ParityResult:
-    """Re-run parity on an export directory against its checkpoint (or ``model``)."""
+def check_dir(
+    directory: Path, model: str | Path | None = None, progress: Progress | None = None, backend: str = "onnxruntime"
+) -> ParityResult:
+    """Re-run parity on an export directory against its checkpoint (or ``model``), on ONNX
+    Runtime (the ONNX graphs) or TensorRT (``backend="tensorrt"``: the engines of ``kiln build``,
+    refused when built by another TensorRT version or for another compute capability)."""
     progress = progress or NullProgress()
     manifest = require_verified(directory)
+    if backend == "tensorrt":  # before loading anything: are there engines at all?
+        from kiln.exporter.engine.records import read_records
+
+        read_records(directory)
     ref = model if model is not None else manifest["checkpoint"]["reference"]
     if ref is None:
         raise ArtifactError(f"{directory}: the manifest does not name its checkpoint; pass --model")
@@ -110,26 +121,32 @@ def check_dir(directory: Path, model: str | Path | None = None, progress: Progre
         ple_extend=ple.get("rows") if ple.get("extend_mode") else None,
         ple_extend_mode=PLEExtendMode(ple.get("extend_mode") or "clamp"),
         ple_tables=PLETables(ple.get("tables", "constant")),
-        precision=Precision(manifest["precision"]),
-    )
+    )  # the export's graph options; its precision is the manifest's (the graphs already carry it)
+    precision = Precision(manifest["precision"])
     reference = prepare_reference(loaded, options)
     extra = None
     if options.ple_tables is PLETables.INPUT:
         folded = fold_ple(reference)
-        extra = table_feeds([(m.scale, m.shift) for _, m in ple_sublayers(folded) if isinstance(m, FoldedPLE)], options.precision.kv_dtype)
+        extra = table_feeds([(m.scale, m.shift) for _, m in ple_sublayers(folded) if isinstance(m, FoldedPLE)], precision.kv_dtype)
     graphs = {kind: directory / manifest["graphs"][kind.value]["file"] for kind in GraphKind}
     for path in graphs.values():
         if not path.is_file():
             raise ArtifactError(f"{path}: graph file missing")
-    return run_parity(
-        reference,
-        loaded.spec,
-        graphs,
-        precision=manifest["precision"],
-        max_context=options.max_context or loaded.spec.max_context,
-        max_batch=options.max_batch,
-        tokens=options.parity_tokens,
-        last_logits_only=options.last_logits_only,
-        extra_feeds=extra,
-        progress=progress,
-    )
+    if backend == "tensorrt":
+        from kiln.exporter.engine import TrtRunner
+
+        candidate: contextlib.AbstractContextManager[Any] = TrtRunner.from_directory(directory, extra_feeds=extra)
+    else:
+        candidate = OrtRunner(graphs, extra_feeds=extra)
+    with candidate as runner:
+        return run_parity(
+            reference,
+            loaded.spec,
+            runner,
+            precision=precision.value,
+            max_context=options.max_context or loaded.spec.max_context,
+            max_batch=options.max_batch,
+            tokens=options.parity_tokens,
+            last_logits_only=options.last_logits_only,
+            progress=progress,
+        )

@@ -17,7 +17,7 @@ from kiln import __version__
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts import hash_tree, sha256_file
 from kiln.exporter.io_contract import GraphKind, graph_io
-from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.options import ExportOptions
 from kiln.exporter.precision import Fp16Policy
 from kiln.exporter.parity import ParityResult
 from kiln.exporter.weights import SharedWeights
@@ -52,6 +52,8 @@ def build(
     model_ref: str | None,
     kept_fp32: dict[str, dict[str, list[str]]],
     policy: Fp16Policy,
+    int8_nodes: dict[str, list[str]],
+    calibration: dict[str, Any] | None,
 ) -> dict[str, Any]:
     spec = loaded.spec
     graphs: dict[str, Any] = {}
@@ -62,6 +64,8 @@ def build(
             "inputs": [t.to_dict() for t in io_spec.inputs],
             "outputs": [t.to_dict() for t in io_spec.outputs],
         }
+        if kind.value in int8_nodes:
+            graphs[kind.value]["int8_nodes"] = int8_nodes[kind.value]
         if kind.value in kept_fp32:
             graphs[kind.value]["fp32_nodes"] = kept_fp32[kind.value]["nodes"]
             graphs[kind.value]["fp32_ple_tables"] = kept_fp32[kind.value]["tables"]
@@ -88,7 +92,8 @@ def build(
         "limits": {"max_batch": options.max_batch, "max_context": max_context},
         "export": {
             "opset": options.opset,
-            "keep_fp32": list(policy.keep) if options.precision is Precision.FP16 else [],
+            "keep_fp32": list(policy.keep) if options.precision.has_fp16 else [],
+            "calibration": calibration,
             "logits": options.logits.value,
             "ple": None
             if spec.ple_positions is None

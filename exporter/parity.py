@@ -42,12 +42,16 @@ class Tolerance:
     logits_atol: float  # max abs error of logits
     kv_atol: float  # max abs error of present keys/values
     min_cosine: float  # of each output, flattened
+    min_token_match: float = 1.0  # teacher-forced argmax agreement; 1.0: any non-tie difference fails
 
 
 TOLERANCES = {
     "fp32": Tolerance(logits_atol=1e-4, kv_atol=1e-4, min_cosine=0.999999),
     # fp16 weights, activations and KV (10-bit mantissa) against fp32 PyTorch
     "fp16": Tolerance(logits_atol=5e-2, kv_atol=2e-2, min_cosine=0.9999),
+    # int8 MatMuls: an approximation by design; judged by agreement, not by exact tokens
+    "int8": Tolerance(logits_atol=1.5, kv_atol=1.0, min_cosine=0.99, min_token_match=0.9),
+    "int8+fp16": Tolerance(logits_atol=1.5, kv_atol=1.0, min_cosine=0.99, min_token_match=0.9),
 }
 
 
@@ -90,9 +94,14 @@ class ParityResult:
         return all(t.passed for t in self.tensors) and all(g.passed for g in self.generation)
 
     def failures(self) -> list[str]:
-        out = [f"{t.graph}:{t.output} max abs {t.max_abs:.3g} > {t.atol:g}" for t in self.tensors if not t.passed]
+        tol = self.tolerance
+        out = [
+            f"{t.graph}:{t.output} max abs {t.max_abs:.3g} (tolerance {t.atol:g}), cosine {t.cosine:.6f} (at least {tol.min_cosine:g})"
+            for t in self.tensors
+            if not t.passed
+        ]
         out += [
-            f"generation via {g.path} (batch {g.batch}) diverges at step {g.first_divergence}"
+            f"generation via {g.path} (batch {g.batch}): token match {g.token_match_rate:.3f}, first divergence at step {g.first_divergence}"
             for g in self.generation
             if not g.passed
         ]
@@ -218,7 +227,7 @@ def generation_parity(
         first_divergence=first,
         ties=ties,
         per_step_max_abs=tuple(float(x) for x in per_step),
-        passed=first is None,
+        passed=first is None if tolerance.min_token_match >= 1.0 else float(1.0 - mismatch.mean()) >= tolerance.min_token_match,
     )
 
 
@@ -236,8 +245,12 @@ def _compare(graph: str, name: str, want: np.ndarray, got: np.ndarray, atol: flo
     return TensorCheck(graph, name, max_abs, max_rel, cosine, top1, atol, passed)
 
 
-def tensor_feeds(spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dtype = np.dtype(np.float32)) -> Feeds:
-    """Inputs for one graph: batch 2, the first row left-padded, a non-empty past where allowed."""
+def tensor_feeds(
+    spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dtype = np.dtype(np.float32), reference: Runner | None = None
+) -> Feeds:
+    """Inputs for one graph: batch 2, the first row left-padded, a non-empty past where allowed.
+    With a ``reference`` runner the past is the keys/values it computes for random past tokens
+    (what a graph sees in use); without one, random normal values."""
     rng = np.random.default_rng(seed)
     seq = {GraphKind.PREFILL: 7, GraphKind.DECODE: 1, GraphKind.UNIFIED: 4}[kind]
     past = {GraphKind.PREFILL: 0, GraphKind.DECODE: 9, GraphKind.UNIFIED: 6}[kind]
@@ -252,9 +265,18 @@ def tensor_feeds(spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dty
     }
     if kind is not GraphKind.PREFILL:
         shape = (2, spec.n_kv_heads, past, spec.head_dim)
+        presents = None
+        if reference is not None:
+            prompt = {
+                "input_ids": rng.integers(0, spec.vocab_size, size=(2, past), dtype=np.int64),
+                "attention_mask": mask[:, :past],
+                "position_ids": pos_all[:, :past].astype(np.int64),
+            }
+            presents = reference.run(GraphKind.PREFILL, prompt)
         for i in range(spec.n_layers):
-            for name in past_names(i):
-                feeds[name] = rng.standard_normal(shape).astype(kv_dtype)
+            for name, present in zip(past_names(i), (f"present.{i}.key", f"present.{i}.value"), strict=True):
+                value = presents[present] if presents is not None else rng.standard_normal(shape)
+                feeds[name] = np.asarray(value).astype(kv_dtype)
     return feeds
 
 
@@ -263,7 +285,7 @@ def tensor_parity(
 ) -> list[TensorCheck]:
     checks: list[TensorCheck] = []
     for kind in candidate.graphs():
-        feeds = tensor_feeds(spec, kind, seed, kv_dtype)
+        feeds = tensor_feeds(spec, kind, seed, kv_dtype, reference)
         want = reference.run(kind, feeds)
         got = candidate.run(kind, feeds)
         for name, value in want.items():

@@ -11,19 +11,22 @@ import onnx_ir as ir
 
 from kiln.errors import ParityError
 from kiln.exporter import manifest as manifest_mod
-from kiln.exporter.artifacts import hash_tree, staged_output
+from kiln.calibration import Calibration
+from kiln.exporter.artifacts import hash_tree, sha256_file, staged_output
 from kiln.exporter.check import run_parity
 from kiln.exporter.io_contract import GraphKind, graph_io
-from kiln.exporter.options import ExportOptions, PLETables, Precision
+from kiln.exporter.options import ExportOptions, PLETables
 from kiln.exporter.parity import ParityResult
 from kiln.exporter.passes import apply_contract, name_nodes, ple_tables_to_inputs
 from kiln.exporter.parity import TOLERANCES
 from kiln.exporter.precision import Fp16Policy, convert_to_fp16
+from kiln.exporter.precision.int8 import DEFAULT_INT8_FLOAT, Int8Policy, quantize_int8
 from kiln.exporter.precision.sensitivity import search_against_reference
 from kiln.exporter.ple import FoldedPLE, check_folding, fold_ple, ple_sublayers
 from kiln.exporter.reference import prepare_reference, resolve_limits, table_feeds
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.report import write_parity_reports
+from kiln.exporter.runners import OrtRunner, TorchRunner
 from kiln.exporter.serving import write_genai_config
 from kiln.exporter.trace import trace_graph
 from kiln.exporter.weights import SharedWeightsWriter
@@ -86,6 +89,33 @@ def export_loaded(
             apply_contract(model, io_spec, kind)
             return name_nodes(model)
 
+        calibration = None
+        int8_nodes: dict[str, list[str]] = {}
+        int8_policy = Int8Policy(() if options.int8_all_matmuls else DEFAULT_INT8_FLOAT + options.int8_float)
+        if options.precision.has_int8:
+            assert options.calib_data is not None
+            calibration = Calibration.prepare(
+                options.calib_data,
+                spec=spec,
+                tokenizer=loaded.tokenizer,
+                weights_sha256=sha256_file(loaded.files[1]) if len(loaded.files) > 1 else "",
+                samples=options.calib_samples,
+                method=options.calib_method,
+                percentile=options.calib_percentile,
+                context=max_context,
+                graph_settings={
+                    "opset": options.opset,
+                    "logits": options.logits.value,
+                    "ple_extend": options.ple_extend,
+                    "ple_extend_mode": options.ple_extend_mode.value,
+                    "ple_tables": options.ple_tables.value,
+                },
+                cache_dir=options.calib_cache,
+            )
+            if calibration.cache_hit:
+                progress.note(f"calibration: reusing cached ranges {options.calib_cache}/{calibration.key}.json")
+        calib_runner = TorchRunner(reference, spec.n_layers, options.last_logits_only)
+
         sensitivity = None
         if options.auto_keep_fp32:
             with progress.stage("fp16 sensitivity search"):
@@ -96,7 +126,10 @@ def export_loaded(
         with progress.stage("trace + write graphs", total=len(GraphKind)) as bar, SharedWeightsWriter(onnx_dir) as writer:
             for kind in GraphKind:
                 model = traced(kind)
-                if options.precision is Precision.FP16:
+                if calibration is not None:
+                    ranges = calibration.ranges_for(kind, model, spec, calib_runner)
+                    model, int8_nodes[kind.value] = quantize_int8(model, ranges, int8_policy)
+                if options.precision.has_fp16:
                     model, fp16 = convert_to_fp16(model, policy)
                     final_io = graph_io(spec, kind, last_logits_only=options.last_logits_only, ple_tables=table_shapes, kv_dtype="float16")
                     apply_contract(model, final_io, kind)
@@ -107,23 +140,27 @@ def export_loaded(
                 del model
                 bar.advance()
             weights = writer.close()
+        calibration_info = calibration.finish(tmp / "calibration") if calibration is not None else None
         if loaded.tokenizer is not None:
             shutil.copyfile(loaded.tokenizer, onnx_dir / "tokenizer.json")
 
-        parity = run_parity(
-            reference,
-            spec,
-            graphs,
-            precision=options.precision.value,
-            max_context=max_context,
-            max_batch=options.max_batch,
-            tokens=options.parity_tokens,
-            last_logits_only=options.last_logits_only,
-            extra_feeds=table_feeds(tables, options.precision.kv_dtype) if table_shapes else None,
-            progress=progress,
-        )
+        with OrtRunner(graphs, extra_feeds=table_feeds(tables, options.precision.kv_dtype) if table_shapes else None) as runtime:
+            parity = run_parity(
+                reference,
+                spec,
+                runtime,
+                precision=options.precision.value,
+                max_context=max_context,
+                max_batch=options.max_batch,
+                tokens=options.parity_tokens,
+                last_logits_only=options.last_logits_only,
+                progress=progress,
+            )
         if kept_fp32:
             parity.extra["kept_fp32"] = kept_fp32
+        if calibration_info is not None:
+            parity.extra["calibration"] = calibration_info
+            parity.extra["int8_nodes"] = int8_nodes
         if sensitivity is not None:
             parity.extra["fp16_sensitivity"] = dataclasses.asdict(sensitivity)
         parity.extra["ple_folding"] = [dataclasses.asdict(c) for c in fold_checks]
@@ -141,6 +178,8 @@ def export_loaded(
             model_ref=model_ref,
             kept_fp32=kept_fp32,
             policy=policy,
+            int8_nodes=int8_nodes,
+            calibration=calibration_info,
         )
         write_genai_config(tmp / ONNX_DIR, manifest)  # beside model.onnx, so it is hashed too
         manifest["files"] = hash_tree(tmp, exclude=(manifest_mod.MANIFEST,))

@@ -185,3 +185,15 @@ def test_verify_lists_every_difference(exported: Path, tmp_path: Path) -> None:
     checked = CliRunner().invoke(main, ["check", str(copy)])
     assert checked.exit_code == 1
     assert "files differ from manifest.json: missing: reports/parity.png; changed (sha256 differs): onnx/weights.bin" in checked.stderr
+
+
+def test_check_trt_backend_without_engines(exported: Path) -> None:
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    result = CliRunner().invoke(main, ["check", str(exported), "--backend", "trt"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: artifacts: {exported}: no engines/engines.json; run kiln build {exported} on a machine with TensorRT"
+    ]

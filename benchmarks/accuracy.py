@@ -1,0 +1,94 @@
+"""Accuracy of an export's graphs on held-out text, against the PyTorch model in fp32.
+
+For each 256-token window of the demo's held-out text (stdlib files never trained on), runs
+``model.onnx`` (empty past) on ONNX Runtime and the PyTorch model, and reports per-token
+perplexity of each, top-1 next-token agreement with PyTorch, and, for free-running greedy
+generation from prompts cut from the text, how many tokens match PyTorch's before the first
+difference. Run by hand:
+
+    python benchmarks/accuracy.py build/demo build/demo16 [--windows 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from tokenizers import Tokenizer
+
+from kiln.exporter.io_contract import GraphKind, past_names
+from kiln.exporter.parity import greedy
+from kiln.exporter.runners import OrtRunner, TorchRunner
+from kiln.plugins import load_model, resolve_checkpoint
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dirs", nargs="+", type=Path)
+    parser.add_argument("--windows", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=8)
+    args = parser.parse_args()
+
+    ckpt = resolve_checkpoint("demo")
+    loaded = load_model("demo")
+    spec = loaded.spec
+    ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode((ckpt / "heldout.txt").read_text()).ids
+    win = 256
+    # from the END of heldout.txt: int8 exports calibrate on its beginning (kiln takes the first windows)
+    tail = ids[len(ids) - args.windows * win :]
+    windows = [np.array(tail[i * win : (i + 1) * win], dtype=np.int64)[None] for i in range(args.windows)]
+    torch_runner = TorchRunner(loaded.module, spec.n_layers)
+    prompts = [tail[700 * k : 700 * k + 32] for k in range(args.prompts)]
+    ref_tokens = [greedy(torch_runner, spec, [p], 64)[0][0] for p in prompts]
+
+    rows = {}
+    with torch.no_grad():
+        ref_logits = [loaded.module(torch.from_numpy(w), torch.ones_like(torch.from_numpy(w)), torch.arange(win)[None])[0].numpy() for w in windows]
+    for name, logits_of in [("pytorch fp32", None)] + [(str(d), d) for d in args.dirs]:
+        nll, agree, count = 0.0, 0, 0
+        session = None
+        if logits_of is not None:
+            manifest = json.loads((logits_of / "manifest.json").read_text())
+            kv = manifest["kv_cache"]["dtype"]
+            session = ort.InferenceSession(str(logits_of / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+        for w, ref in zip(windows, ref_logits, strict=True):
+            if session is None:
+                logits = ref
+            else:
+                feeds = {"input_ids": w, "attention_mask": np.ones_like(w), "position_ids": np.arange(win, dtype=np.int64)[None]}
+                empty = np.zeros((1, spec.n_kv_heads, 0, spec.head_dim), dtype=kv)
+                feeds.update({n: empty for i in range(spec.n_layers) for n in past_names(i)})
+                logits = session.run(["logits"], feeds)[0]
+            lp = _log_softmax(logits[0, :-1])
+            nll -= lp[np.arange(win - 1), w[0, 1:]].sum()
+            agree += int((logits[0].argmax(-1) == ref[0].argmax(-1)).sum())
+            count += win - 1
+        row = {"perplexity": float(np.exp(nll / count)), "top1_agreement": agree / (count + len(windows))}
+        if logits_of is not None:
+            graphs = {k: logits_of / "onnx" / f"{k.value}.onnx" for k in (GraphKind.PREFILL, GraphKind.DECODE)}
+            with OrtRunner(graphs) as runner:
+                lengths = []
+                for p, want in zip(prompts, ref_tokens, strict=True):
+                    got = greedy(runner, spec, [p], 64, kv_dtype=np.dtype(kv))[0][0]
+                    diff = np.nonzero(got != want)[0]
+                    lengths.append(int(diff[0]) if diff.size else 64)
+            row["greedy_match_length"] = lengths
+        rows[name] = row
+    base = rows["pytorch fp32"]["perplexity"]
+    for row in rows.values():
+        row["perplexity_change_pct"] = 100 * (row["perplexity"] / base - 1)
+    print(json.dumps({"windows": args.windows, "tokens_per_window": win, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

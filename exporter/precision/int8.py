@@ -1,0 +1,118 @@
+"""Pass: explicit int8 quantization (QuantizeLinear/DequantizeLinear) of MatMul/Gemm inputs in
+the form TensorRT's explicit quantization accepts (design.md section 5):
+
+- weights symmetric per output channel (a MatMul's B is ``[K, N]``: axis 1), activations
+  symmetric per tensor;
+- int8 zero points that are all zero, strictly positive scales;
+- the LM head and the attention-score MatMuls (``*.attn``: QK^T and PV) stay in float by
+  default.
+
+The Q/DQ insertion is ONNX Runtime's ``QDQQuantizer``, fed with ranges kiln calibrated (and
+cached) itself; ``check_qdq`` then proves the rules on the result, so a quantizer version that
+wrote something else fails the export instead of a TensorRT build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from kiln.errors import ExportError
+from kiln.exporter.precision.policy import rule_matches
+
+__all__ = ["Int8Policy", "DEFAULT_INT8_FLOAT", "quantize_int8", "check_qdq", "MIN_INT8_OPSET"]
+
+MIN_INT8_OPSET = 19  # fp16 scales (int8 + fp16) need QuantizeLinear/DequantizeLinear-19
+DEFAULT_INT8_FLOAT: tuple[str, ...] = ("/lm_head/", "*.attn")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Policy:
+    keep_float: tuple[str, ...] = DEFAULT_INT8_FLOAT  # rules as in precision.policy
+
+
+def quantize_int8(model: ir.Model, ranges: dict[str, tuple[float, float]], policy: Int8Policy) -> tuple[ir.Model, list[str]]:
+    """A new model with Q/DQ before the inputs of every MatMul/Gemm the policy does not keep in
+    float, and the names of the quantized nodes."""
+    from onnxruntime.quantization import QuantType
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
+    from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
+
+    if model.opset_imports.get("", 0) < MIN_INT8_OPSET:
+        raise ExportError(f"--int8 needs --opset {MIN_INT8_OPSET} or later, found {model.opset_imports.get('', 0)}")
+    targets = [
+        n.name
+        for n in model.graph
+        if n.op_type in ("MatMul", "Gemm") and n.name and not any(rule_matches(r, n) for r in policy.keep_float)
+    ]
+    data = {name: TensorData(lowest=np.float32(lo), highest=np.float32(hi)) for name, (lo, hi) in ranges.items()}
+    proto = ir.serde.serialize_model(model)
+    del model
+    quantizer = QDQQuantizer(
+        proto,
+        True,  # per_channel
+        False,  # reduce_range
+        QuantType.QInt8,
+        QuantType.QInt8,
+        TensorsData(CalibrationMethod.MinMax, data),
+        targets,
+        [],
+        ["MatMul", "Gemm"],
+        {
+            "ActivationSymmetric": True,
+            "WeightSymmetric": True,
+            "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
+            "DedicatedQDQPair": False,
+        },
+    )
+    quantized = ir.serde.deserialize_model(quantizer.quantize_model())
+    quantized.graph.sort()
+    for value in quantized.graph.initializers.values():
+        if value.const_value is not None:
+            value.dtype = value.const_value.dtype
+    check_qdq(ir.serde.serialize_model(quantized))
+    return quantized, targets
+
+
+def _const(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
+    for init in graph.initializer:
+        if init.name == name:
+            return onnx.numpy_helper.to_array(init)
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output[0] == name:
+            return onnx.numpy_helper.to_array(node.attribute[0].t)
+    return None
+
+
+def check_qdq(model: onnx.ModelProto) -> None:
+    """TensorRT's rules for explicit quantization, or an ``ExportError`` naming the node."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < MIN_INT8_OPSET:
+        raise ExportError(f"Q/DQ graph has opset {opset}; int8 needs {MIN_INT8_OPSET} or later")
+    graph = model.graph
+    initializers = {i.name for i in graph.initializer}
+    for node in graph.node:
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        scale = _const(graph, node.input[1])
+        if scale is None:
+            raise ExportError(f"{node.name}: the scale is not a constant")
+        if not (np.isfinite(scale).all() and (scale > 0).all()):
+            raise ExportError(f"{node.name}: scales must be finite and > 0, found min {scale.min()}")
+        if len(node.input) > 2 and node.input[2]:
+            zero = _const(graph, node.input[2])
+            if zero is None or zero.dtype != np.int8 or zero.any():
+                raise ExportError(f"{node.name}: the zero point must be an int8 constant of zeros")
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        weight = node.op_type == "DequantizeLinear" and node.input[0] in initializers
+        if scale.ndim == 1 and scale.size > 1:
+            if not weight:
+                raise ExportError(f"{node.name}: activations must be quantized per tensor, found a scale of {scale.size}")
+            w = _const(graph, node.input[0])
+            if w is None or w.ndim != 2 or axis not in (1, -1) or w.shape[1] != scale.size:
+                raise ExportError(f"{node.name}: a per-channel weight scale must run along the output channels (axis 1 of [K, N])")
+        elif scale.ndim > 1:
+            raise ExportError(f"{node.name}: scale must be a scalar or 1-D, found shape {scale.shape}")

@@ -1,0 +1,185 @@
+"""--int8: explicit Q/DQ in the form TensorRT accepts, calibrated on real data, with caches."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from kiln_testing import tiny_config, write_checkpoint
+
+from kiln.calibration import mse_threshold
+from kiln.cli import main
+from kiln.errors import CalibrationError, ConfigError
+from kiln.exporter.check import check_dir
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.pipeline import export
+from kiln.exporter.precision.int8 import check_qdq
+
+
+def _ids(path: Path, n: int = 4000, vocab: int = 101, seed: int = 0) -> Path:
+    # token ids with structure (a repeating walk), not uniform noise
+    rng = np.random.default_rng(seed)
+    ids = (np.cumsum(rng.integers(1, 4, size=n)) % vocab).astype(np.int64)
+    np.save(path, ids)
+    return path
+
+
+def _int8(tmp: Path, **changes: object) -> ExportOptions:
+    fields: dict[str, object] = dict(
+        precision=Precision.INT8, calib_data=str(_ids(tmp / "calib.npy")), calib_samples=8, calib_cache=tmp / "cache", parity_tokens=16
+    )
+    fields.update(changes)
+    return ExportOptions(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def int8_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("int8")
+    ckpt = write_checkpoint(root / "ckpt", tiny_config())
+    export(ckpt, root / "out", _int8(root))
+    return root / "out"
+
+
+def _producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    return {o: n for n in model.graph.node for o in n.output}
+
+
+def test_qdq_structure(int8_export: Path) -> None:
+    for kind in ("prefill", "decode", "model"):
+        path = int8_export / "onnx" / f"{kind}.onnx"
+        onnx.checker.check_model(path, full_check=True)
+        model = onnx.load(path)
+        check_qdq(model)  # zero points int8 zeros, scales > 0, per-channel only on weights along N
+        assert model.opset_import[0].version >= 19
+        inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+        producers = _producers(model)
+        nodes = {n.name: n for n in model.graph.node}
+        q_proj = nodes["/layers.0.attn.q_proj/MatMul"]
+        act, weight = (producers[i] for i in q_proj.input)
+        assert act.op_type == weight.op_type == "DequantizeLinear"
+        assert inits[act.input[1]].shape == ()  # activation: per tensor
+        assert inits[weight.input[0]].dtype == np.int8 and inits[weight.input[1]].shape == (inits[weight.input[0]].shape[1],)
+        assert next(a.i for a in weight.attribute if a.name == "axis") == 1
+        for name in ("/lm_head/MatMul", "/layers.0.attn/MatMul", "/layers.0.attn/MatMul_1"):
+            assert all(producers.get(i) is None or producers[i].op_type != "DequantizeLinear" for i in nodes[name].input), name
+
+
+def test_manifest_parity_and_check(int8_export: Path) -> None:
+    manifest = json.loads((int8_export / "manifest.json").read_text())
+    assert manifest["precision"] == "int8" and manifest["kv_cache"]["dtype"] == "float32"
+    quantized = manifest["graphs"]["decode"]["int8_nodes"]
+    assert "/layers.1.mlp.fc2/MatMul" in quantized and "/lm_head/MatMul" not in quantized
+    assert manifest["export"]["calibration"]["settings"]["method"] == "max"
+    report = json.loads((int8_export / "reports" / "parity.json").read_text())
+    assert report["passed"] and report["tolerance"]["min_token_match"] == 0.9
+    assert all(g["token_match_rate"] >= 0.9 for g in report["generation"])
+    assert check_dir(int8_export).passed
+
+
+def test_legacy_trt_cache(int8_export: Path) -> None:
+    text = (int8_export / "calibration" / "decode.trt-calibration.cache").read_text().splitlines()
+    assert text[0] == "TRT-101300-EntropyCalibration2"
+    ranges = json.loads((int8_export / "reports" / "parity.json").read_text())["calibration"]
+    assert ranges["cache"] == "written"
+    cache = json.loads(next((int8_export.parent / "cache").glob("*.json")).read_text())
+    for line in text[1:]:
+        m = re.fullmatch(r"(.+): ([0-9a-f]{8})", line)
+        assert m, line
+        lo, hi = cache["ranges"]["decode"][m.group(1)]
+        assert struct.unpack(">f", bytes.fromhex(m.group(2)))[0] == pytest.approx(max(abs(lo), abs(hi)) / 127, rel=1e-6)
+
+
+def test_cache_reused_and_invalidated(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
+    first = export(ckpt, tmp_path / "a", _int8(tmp_path, parity_tokens=4)).manifest["export"]["calibration"]
+    again = export(ckpt, tmp_path / "b", _int8(tmp_path, parity_tokens=4)).manifest["export"]["calibration"]
+    assert (first["cache"], again["cache"], again["key"]) == ("written", "reused", first["key"])
+    other = export(ckpt, tmp_path / "c", _int8(tmp_path, parity_tokens=4, calib_method="percentile")).manifest["export"]["calibration"]
+    assert other["cache"] == "written" and other["key"] != first["key"]
+    other_data = _ids(tmp_path / "other.npy", seed=1)
+    data = export(ckpt, tmp_path / "d", _int8(tmp_path, parity_tokens=4, calib_data=str(other_data))).manifest["export"]["calibration"]
+    assert data["cache"] == "written" and data["key"] not in (first["key"], other["key"])
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 3
+
+
+@pytest.mark.parametrize("method", ["entropy", "mse"])
+def test_int8_fp16_demo_with_other_methods(tmp_path: Path, method: str) -> None:
+    """On the trained demo model with its held-out text (clipping methods assume trained
+    activations; a random tiny model has none of their outliers)."""
+    from kiln.plugins import resolve_checkpoint
+
+    text = resolve_checkpoint("demo") / "heldout.txt"
+    options = _int8(tmp_path, precision=Precision.INT8_FP16, calib_method=method, calib_data=str(text), calib_samples=32, parity_tokens=64)
+    result = export("demo", tmp_path / "out", options)
+    assert result.parity.passed and result.manifest["precision"] == "int8+fp16"
+    model = onnx.load(tmp_path / "out" / "onnx" / "decode.onnx")
+    check_qdq(model)
+    scales = [i for i in model.graph.initializer if i.name.endswith("_scale")]
+    assert scales and all(i.data_type == onnx.TensorProto.FLOAT16 for i in scales)  # DQ outputs fp16
+
+
+def test_all_matmuls(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
+    manifest = export(ckpt, tmp_path / "out", _int8(tmp_path, int8_all_matmuls=True, parity_tokens=4)).manifest
+    assert "/lm_head/MatMul" in manifest["graphs"]["decode"]["int8_nodes"]
+
+
+def test_mse_threshold_trades_clipping_for_rounding() -> None:
+    edges = np.linspace(0, 100, 101)
+    hist = np.zeros(100)
+    hist[:10] = 100_000  # a million values up to 10: rounding error over them dominates
+    hist[99] = 1  # one outlier near 100: clipping it costs less than coarse steps for all
+    assert 10 <= mse_threshold(hist, edges) < 30
+    hist[:10] = 100  # a thousand values: now clipping the outlier costs more than the rounding
+    assert mse_threshold(hist, edges) >= 99.0  # keeps (nearly) the whole range
+
+
+def _error(*args: str) -> str:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr
+    return lines[-1]
+
+
+def test_bad_calibration_inputs(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
+    out = str(tmp_path / "out")
+    base = ["export", "--model", str(ckpt), "--out", out, "--int8", "--json", "--calib-cache", str(tmp_path / "cache")]
+    assert "--int8 needs --calib-data" in _error(*base)
+    (tmp_path / "empty.npy").write_bytes(b"")
+    np.save(tmp_path / "empty.npy", np.zeros(0, dtype=np.int64))
+    assert "the calibration data is empty" in _error(*base, "--calib-data", str(tmp_path / "empty.npy"))
+    np.save(tmp_path / "big.npy", np.array([1, 2, 500, 3]))
+    assert "1 token ids are outside the vocabulary [0, 101) (e.g. 500)" in _error(*base, "--calib-data", str(tmp_path / "big.npy"))
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x\n")
+    assert "text calibration data needs the checkpoint's tokenizer.json" in _error(*base, "--calib-data", str(tmp_path / "text.txt"))
+    assert "calibration data file not found" in _error(*base, "--calib-data", str(tmp_path / "nope.txt"))
+    bad = CliRunner().invoke(main, [*base, "--calib-data", "synthetic", "--calib-method", "kl"])
+    assert bad.exit_code == 2 and "'kl' is not one of 'max', 'percentile', 'entropy', 'mse'" in bad.stderr
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    with pytest.raises(ConfigError, match="--calib-method must be one of max, percentile, entropy, mse, found 'kl'"):
+        ExportOptions(precision=Precision.INT8, calib_data="synthetic", calib_method="kl")
+    with pytest.raises(ConfigError, match="only apply to --int8 exports"):
+        ExportOptions(calib_data="synthetic")
+
+
+def test_tokenizer_that_does_not_match(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["def f(x): return x * 2\n" * 50], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
+    tok.save(str(ckpt / "tokenizer.json"))
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x\n" * 20)
+    with pytest.raises(CalibrationError, match=r"the tokenizer has \d+ tokens but the model's vocabulary has 101"):
+        export(ckpt, tmp_path / "out", _int8(tmp_path, calib_data=str(tmp_path / "text.txt")))
+    assert not (tmp_path / "out").exists()
