@@ -253,18 +253,19 @@ def build(
 
 
 @main.command()
-@click.argument("directory", type=click.Path(path_type=Path))
+@click.argument("directories", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--prefill-seq", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--past", type=click.IntRange(min=1), default=256, show_default=True, help="Past length of the decode step.")
 @click.option("--runs", type=click.IntRange(min=3), default=30, show_default=True, help="Timed runs per measurement (median reported).")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @_reports_errors
-def bench(directory: Path, prefill_seq: int, past: int, runs: int, threads: int, as_json: bool) -> None:
-    """Prefill and decode-step latency at batch 1: PyTorch eager vs ONNX Runtime."""
+def bench(directories: tuple[Path, ...], prefill_seq: int, past: int, runs: int, threads: int, as_json: bool) -> None:
+    """Prefill and decode-step latency at batch 1: PyTorch eager vs ONNX Runtime, one row per
+    export directory (e.g. the fp32, fp16 and int8 exports of one checkpoint)."""
     from kiln.exporter.bench import BenchOptions, render, run_bench
 
-    result = run_bench(directory, BenchOptions(prefill_seq=prefill_seq, past=past, runs=runs, threads=threads))
+    result = run_bench(list(directories), BenchOptions(prefill_seq=prefill_seq, past=past, runs=runs, threads=threads))
     click.echo(json.dumps(result, indent=2) if as_json else render(result))
 
 

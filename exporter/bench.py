@@ -1,4 +1,5 @@
-"""``kiln bench``: prefill and decode-step latency at batch 1, PyTorch eager vs ONNX Runtime.
+"""``kiln bench``: prefill and decode-step latency at batch 1, PyTorch eager vs ONNX Runtime
+(one row per export directory: fp32, fp16, int8 variants of one checkpoint side by side).
 
 The machine is shared and noisy, so the backends are measured interleaved (one call of each in
 turn), ONNX Runtime's spinning threads are switched off, and medians over many runs are
@@ -75,32 +76,39 @@ def _interleaved(calls: dict[str, Callable[[], object]], runs: int, pause: float
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def run_bench(directory: Path, options: BenchOptions) -> dict[str, Any]:
-    manifest = require_verified(directory)
-    ref = manifest["checkpoint"]["reference"]
+def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
+    """PyTorch eager and every directory's graphs on ONNX Runtime (e.g. fp32, fp16, int8
+    exports of one checkpoint), measured interleaved."""
+    manifests = [require_verified(d) for d in directories]
+    first = manifests[0]
+    for directory, manifest in zip(directories[1:], manifests[1:], strict=True):
+        if manifest["checkpoint"]["files"] != first["checkpoint"]["files"]:
+            raise BenchError(f"{directory}: exported from another checkpoint than {directories[0]}; bench compares exports of one model")
+    ref = first["checkpoint"]["reference"]
     if ref is None:
-        raise BenchError(f"{directory}: the manifest does not name its checkpoint")
+        raise BenchError(f"{directories[0]}: the manifest does not name its checkpoint")
     loaded = load_model(ref)
     spec = loaded.spec
-    limit = manifest["limits"]["max_context"]
+    limit = min(m["limits"]["max_context"] for m in manifests)
     seq = min(options.prefill_seq, limit)
     past = min(options.past, limit - 1)
     torch.set_num_threads(options.threads)
     torch_runner = TorchRunner(loaded.module, spec.n_layers)
+    labels = [f"onnxruntime {m['precision']}" for m in manifests]
+    if len(set(labels)) < len(labels):
+        labels = [f"{label} ({d.name})" for label, d in zip(labels, directories, strict=True)]
     rows: dict[str, dict[str, float]] = {}
     for kind, s, p in ((GraphKind.PREFILL, seq, 0), (GraphKind.DECODE, 1, past)):
-        feeds = _feeds(spec, kind, s, p, manifest["kv_cache"]["dtype"])
-        session = _session(directory / manifest["graphs"][kind.value]["file"], options.threads)
-        rows[kind.value] = _interleaved(
-            {
-                "pytorch eager": lambda k=kind, f=feeds: torch_runner.run(k, f),
-                f"onnxruntime {manifest['precision']}": lambda s=session, f=feeds: s.run(None, f),
-            },
-            options.runs,
-            options.pause_s,
-        )
+        calls: dict[str, Callable[[], object]] = {
+            "pytorch eager": lambda k=kind, f=_feeds(spec, kind, s, p): torch_runner.run(k, f),
+        }
+        for label, directory, manifest in zip(labels, directories, manifests, strict=True):
+            feeds = _feeds(spec, kind, s, p, manifest["kv_cache"]["dtype"])
+            session = _session(directory / manifest["graphs"][kind.value]["file"], options.threads)
+            calls[label] = lambda s=session, f=feeds: s.run(None, f)
+        rows[kind.value] = _interleaved(calls, options.runs, options.pause_s)
     return {
-        "directory": str(directory),
+        "directories": [str(d) for d in directories],
         "batch": 1,
         "prefill_seq": seq,
         "decode_past": past,

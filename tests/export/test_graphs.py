@@ -197,3 +197,22 @@ def test_check_trt_backend_without_engines(exported: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"error: artifacts: {exported}: no engines/engines.json; run kiln build {exported} on a machine with TensorRT"
     ]
+
+
+def test_bench_runs_and_reports_every_row(exported: Path, tmp_path: Path) -> None:
+    """Measurement only (no timing is asserted): the table has a row per backend and sane values."""
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    result = CliRunner().invoke(main, ["bench", str(exported), "--runs", "3", "--prefill-seq", "16", "--past", "8", "--json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["prefill_seq"] == 16 and data["decode_past"] == 8
+    for graph in ("prefill", "decode"):
+        assert set(data["median_ms"][graph]) == {"pytorch eager", "onnxruntime fp32"}
+        assert all(v > 0 for v in data["median_ms"][graph].values())
+    other = write_checkpoint(tmp_path / "other", tiny_config(), seed=5)
+    export(other, tmp_path / "other-out", ExportOptions(parity_tokens=2))
+    bad = CliRunner().invoke(main, ["bench", str(exported), str(tmp_path / "other-out"), "--runs", "3"])
+    assert bad.exit_code == 1 and "exported from another checkpoint than" in bad.stderr

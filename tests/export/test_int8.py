@@ -183,3 +183,15 @@ def test_tokenizer_that_does_not_match(tmp_path: Path) -> None:
     with pytest.raises(CalibrationError, match=r"the tokenizer has \d+ tokens but the model's vocabulary has 101"):
         export(ckpt, tmp_path / "out", _int8(tmp_path, calib_data=str(tmp_path / "text.txt")))
     assert not (tmp_path / "out").exists()
+
+
+def test_int8_manifests_match_the_schema(int8_export: Path) -> None:
+    from importlib import resources
+
+    from jsonschema import Draft202012Validator
+
+    schema = json.loads((resources.files("kiln.exporter") / "manifest.schema.json").read_text())
+    manifest = json.loads((int8_export / "manifest.json").read_text())
+    Draft202012Validator(schema).validate(manifest)
+    broken = {**manifest, "export": {**manifest["export"], "calibration": None}}
+    assert list(Draft202012Validator(schema).iter_errors(broken))  # int8 without calibration is invalid
