@@ -4,6 +4,7 @@ its end and by ``kiln check DIR``)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,6 @@ import numpy as np
 from torch import nn
 
 from kiln.errors import ArtifactError, CheckpointError
-from kiln.exporter import manifest as manifest_mod
 from kiln.exporter.artifacts import sha256_file
 from kiln.exporter.io_contract import GraphKind
 from kiln.exporter.options import ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
@@ -21,12 +21,13 @@ from kiln.exporter.parity import (
     generation_parity,
     greedy,
     make_prompts,
+    tensor_feeds,
     tensor_parity,
 )
 from kiln.exporter.ple import FoldedPLE, fold_ple, ple_sublayers
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.reference import prepare_reference, table_feeds
-from kiln.exporter.runners import OrtRunner, Runner, TorchRunner
+from kiln.exporter.runners import OrtRunner, RecordingRunner, Runner, TorchRunner
 from kiln.exporter.verify import require_verified
 from kiln.plugins import load_model
 from kiln.plugins.base import DecoderSpec
@@ -47,37 +48,55 @@ def parity_plan(max_context: int, max_batch: int, tokens: int) -> tuple[list[int
 def run_parity(
     reference: nn.Module,
     spec: DecoderSpec,
-    candidate: Runner,
+    candidate: Callable[[], contextlib.AbstractContextManager[Runner]],
+    graphs: tuple[GraphKind, ...],
     *,
     precision: str,
     max_context: int,
     max_batch: int,
     tokens: int,
     last_logits_only: bool,
+    release_reference: Callable[[], None] | None = None,
     seed: int = 0,
     progress: Progress | None = None,
 ) -> ParityResult:
-    """Tensor parity of every graph the (active) ``candidate`` runs, then greedy generation
-    through prefill + decode and, where the candidate has it, through model.onnx, for batch 1
-    and a left-padded batch."""
+    """Tensor parity of ``graphs`` on the runner that ``candidate()`` opens, then greedy
+    generation through prefill + decode and (when ``graphs`` has it) model.onnx, for batch 1
+    and a left-padded batch.
+
+    Every PyTorch output is computed first and recorded; ``release_reference`` (if given) then
+    frees the model's weights before the runtime loads its own, so the two never sit in memory
+    together; the comparisons replay the recorded outputs.
+    """
     progress = progress or NullProgress()
     tolerance = TOLERANCES[precision]
     kv_dtype = np.dtype(Precision(precision).kv_dtype)
-    torch_runner = TorchRunner(reference, spec.n_layers, last_logits_only)
-    result = ParityResult(backend=candidate.name, precision=precision, tolerance=tolerance)
+    recorder = RecordingRunner(TorchRunner(reference, spec.n_layers, last_logits_only))
     single, padded, steps = parity_plan(max_context, max_batch, tokens)
     batches = [make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)]
-    paths = [False, True] if GraphKind.UNIFIED in candidate.graphs() else [False]
-    with progress.stage("parity", total=1 + len(paths) * len(batches)) as bar:
-        result.tensors = tensor_parity(torch_runner, candidate, spec, tolerance, seed, kv_dtype)
-        bar.advance()
+    paths = [False, True] if GraphKind.UNIFIED in graphs else [False]
+    with progress.stage("parity: PyTorch reference", total=len(graphs) + len(batches)) as bar:
+        for kind in graphs:
+            recorder.run(kind, tensor_feeds(spec, kind, seed, kv_dtype, recorder))
+            bar.advance()
+        reference_runs = []
         for prompts in batches:
-            reference_run = greedy(torch_runner, spec, prompts, steps)
+            reference_runs.append(greedy(recorder, spec, prompts, steps))
+            bar.advance()
+    recorder.freeze()
+    del reference
+    if release_reference is not None:
+        release_reference()
+    with candidate() as runner, progress.stage("parity", total=1 + len(paths) * len(batches)) as bar:
+        result = ParityResult(backend=runner.name, precision=precision, tolerance=tolerance)
+        result.tensors = tensor_parity(recorder, runner, spec, tolerance, seed, kv_dtype)
+        bar.advance()
+        for prompts, reference_run in zip(batches, reference_runs, strict=True):
             for unified in paths:
                 result.generation.append(
                     generation_parity(
-                        torch_runner,
-                        candidate,
+                        recorder,
+                        runner,
                         spec,
                         prompts,
                         steps,
@@ -135,18 +154,25 @@ def check_dir(
     if backend == "tensorrt":
         from kiln.exporter.engine import TrtRunner
 
-        candidate: contextlib.AbstractContextManager[Any] = TrtRunner.from_directory(directory, extra_feeds=extra)
+        def candidate() -> contextlib.AbstractContextManager[Any]:
+            return TrtRunner.from_directory(directory, extra_feeds=extra)
+
+        kinds: tuple[GraphKind, ...] = (GraphKind.PREFILL, GraphKind.DECODE)
     else:
-        candidate = OrtRunner(graphs, extra_feeds=extra)
-    with candidate as runner:
-        return run_parity(
-            reference,
-            loaded.spec,
-            runner,
-            precision=precision.value,
-            max_context=options.max_context or loaded.spec.max_context,
-            max_batch=options.max_batch,
-            tokens=options.parity_tokens,
-            last_logits_only=options.last_logits_only,
-            progress=progress,
-        )
+
+        def candidate() -> contextlib.AbstractContextManager[Any]:
+            return OrtRunner(graphs, extra_feeds=extra)
+
+        kinds = tuple(graphs)
+    return run_parity(
+        reference,
+        loaded.spec,
+        candidate,
+        kinds,
+        precision=precision.value,
+        max_context=options.max_context or loaded.spec.max_context,
+        max_batch=options.max_batch,
+        tokens=options.parity_tokens,
+        last_logits_only=options.last_logits_only,
+        progress=progress,
+    )

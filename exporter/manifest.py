@@ -15,6 +15,7 @@ from typing import Any
 
 from kiln import __version__
 from kiln.errors import ArtifactError
+from kiln.jsonfile import read_json_object
 from kiln.exporter.artifacts import hash_tree, sha256_file
 from kiln.exporter.io_contract import GraphKind, graph_io
 from kiln.exporter.options import ExportOptions
@@ -125,14 +126,7 @@ def read(root: Path) -> dict[str, Any]:
     path = root / MANIFEST
     if not root.is_dir():
         raise ArtifactError(f"{root}: not a directory")
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ArtifactError(f"{root}: no {MANIFEST}; is this a kiln export directory?") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{path}: expected a JSON object")
+    data = read_json_object(path, ArtifactError, f"{root}: no {MANIFEST}; is this a kiln export directory?")
     version = data.get("manifest_version")
     if version != MANIFEST_VERSION:
         raise ArtifactError(f"{path}: manifest_version {version!r} is not supported (this kiln reads version {MANIFEST_VERSION}); re-export with this kiln")

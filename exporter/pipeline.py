@@ -4,10 +4,13 @@ parity -> manifest and reports, staged in a temporary directory and renamed into
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx_ir as ir
+import torch
 
 from kiln.errors import ParityError
 from kiln.exporter import manifest as manifest_mod
@@ -48,12 +51,30 @@ def export(model: str | Path, out: Path, options: ExportOptions, progress: Progr
     progress = progress or NullProgress()
     with progress.stage("load checkpoint"):
         loaded = load_model(model)
-    return export_loaded(loaded, out, options, progress, model_ref=str(model))
+    return export_loaded(loaded, out, options, progress, model_ref=str(model), release_reference=True)
+
+
+def release_weights(module: torch.nn.Module) -> Callable[[], None]:
+    """A callback that frees ``module``'s weights (it is unusable afterwards)."""
+
+    def release() -> None:
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            tensor.data = torch.empty(0, dtype=tensor.dtype)
+
+    return release
 
 
 def export_loaded(
-    loaded: LoadedModel, out: Path, options: ExportOptions, progress: Progress | None = None, model_ref: str | None = None
+    loaded: LoadedModel,
+    out: Path,
+    options: ExportOptions,
+    progress: Progress | None = None,
+    model_ref: str | None = None,
+    release_reference: bool = False,
 ) -> ExportResult:
+    """Export ``loaded``. With ``release_reference`` its weights are freed once parity has its
+    PyTorch outputs (``export`` does this: it loaded the model itself), so a big model's
+    weights and the runtime's never sit in memory together; ``loaded`` is unusable afterwards."""
     progress = progress or NullProgress()
     spec = loaded.spec
     max_context = resolve_limits(loaded, options)
@@ -144,18 +165,20 @@ def export_loaded(
         if loaded.tokenizer is not None:
             shutil.copyfile(loaded.tokenizer, onnx_dir / "tokenizer.json")
 
-        with OrtRunner(graphs, extra_feeds=table_feeds(tables, options.precision.kv_dtype) if table_shapes else None) as runtime:
-            parity = run_parity(
-                reference,
-                spec,
-                runtime,
-                precision=options.precision.value,
-                max_context=max_context,
-                max_batch=options.max_batch,
-                tokens=options.parity_tokens,
-                last_logits_only=options.last_logits_only,
-                progress=progress,
-            )
+        parity_feeds = table_feeds(tables, options.precision.kv_dtype) if table_shapes else None
+        parity = run_parity(
+            reference,
+            spec,
+            lambda: OrtRunner(graphs, extra_feeds=parity_feeds),
+            tuple(graphs),
+            precision=options.precision.value,
+            max_context=max_context,
+            max_batch=options.max_batch,
+            tokens=options.parity_tokens,
+            last_logits_only=options.last_logits_only,
+            release_reference=release_weights(reference) if release_reference else None,
+            progress=progress,
+        )
         if kept_fp32:
             parity.extra["kept_fp32"] = kept_fp32
         if calibration_info is not None:

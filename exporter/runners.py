@@ -9,6 +9,7 @@ parity code drives any runner the same way, so a TensorRT runner drops in beside
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from pathlib import Path
 from typing import Protocol
 
@@ -19,7 +20,7 @@ from torch import nn
 from kiln.exporter.io_contract import GraphKind, past_names, present_names
 from kiln.exporter.trace import GraphModule
 
-__all__ = ["Runner", "TorchRunner", "OrtRunner", "Feeds"]
+__all__ = ["Runner", "TorchRunner", "OrtRunner", "RecordingRunner", "Feeds"]
 
 Feeds = dict[str, np.ndarray]
 
@@ -56,6 +57,40 @@ class TorchRunner:
         outs = wrapper(ids, mask, pos, past)
         names = ["logits"] + [n for i in range(self._n_layers) for n in present_names(i)]
         return {n: t.numpy() for n, t in zip(names, outs, strict=True)}
+
+
+class RecordingRunner:
+    """Records another runner's outputs by graph and inputs; once frozen it only replays them,
+    so the runner it wraps (and the model behind it) can be released."""
+
+    def __init__(self, inner: Runner) -> None:
+        self.name = inner.name
+        self._inner: Runner | None = inner
+        self._graphs = inner.graphs()
+        self._recorded: dict[bytes, Feeds] = {}
+
+    def graphs(self) -> tuple[GraphKind, ...]:
+        return self._graphs
+
+    @staticmethod
+    def _key(kind: GraphKind, feeds: Feeds) -> bytes:
+        h = hashlib.sha256(kind.value.encode())
+        for name in sorted(feeds):
+            array = np.ascontiguousarray(feeds[name])
+            h.update(f"{name}:{array.dtype}:{array.shape}".encode())
+            h.update(array.tobytes())
+        return h.digest()
+
+    def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
+        key = self._key(kind, feeds)
+        if key not in self._recorded:
+            if self._inner is None:
+                raise RuntimeError(f"no recorded {self.name} output for these {kind.value} inputs (the recording is frozen)")
+            self._recorded[key] = self._inner.run(kind, feeds)
+        return self._recorded[key]
+
+    def freeze(self) -> None:
+        self._inner = None
 
 
 class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):

@@ -8,12 +8,12 @@ instance or a zero-argument callable returning one).
 
 from __future__ import annotations
 
-import json
 from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
 from kiln.errors import CheckpointError
+from kiln.jsonfile import read_json_object
 from kiln.plugins.base import DecoderSpec, LoadedModel, ModelFamily
 
 __all__ = [
@@ -75,15 +75,8 @@ def resolve_checkpoint(model: str | Path) -> Path:
 def read_config(path: Path) -> dict[str, Any]:
     """The ``config.json`` of a checkpoint directory (or beside a checkpoint file)."""
     cfg_path = (path if path.is_dir() else path.parent) / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{cfg_path}: config.json not found; a checkpoint is a directory with config.json and model.safetensors") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{cfg_path}: expected a JSON object, found {type(raw).__name__}")
-    return raw
+    missing = f"{cfg_path}: config.json not found; a checkpoint is a directory with config.json and model.safetensors"
+    return read_json_object(cfg_path, CheckpointError, missing)
 
 
 def load_model(model: str | Path) -> LoadedModel:

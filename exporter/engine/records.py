@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ArtifactError, EngineError
+from kiln.jsonfile import read_json_object
 from kiln.exporter.engine.compat import version_tuple
 from kiln.exporter.engine.options import HardwareCompat
 
@@ -175,13 +176,8 @@ def write_records(directory: Path, records: Mapping[str, EngineRecord], build_op
 def read_records(directory: Path) -> dict[str, Any]:
     """The parsed ``engines.json`` of an export directory, or one clear error."""
     path = directory / ENGINES_JSON
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ArtifactError(f"{directory}: no {ENGINES_JSON}; run kiln build {directory} on a machine with TensorRT") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict) or data.get("engines_version") != ENGINES_VERSION or not isinstance(data.get("engines"), dict):
+    data = read_json_object(path, ArtifactError, f"{directory}: no {ENGINES_JSON}; run kiln build {directory} on a machine with TensorRT")
+    if data.get("engines_version") != ENGINES_VERSION or not isinstance(data.get("engines"), dict):
         raise ArtifactError(f"{path}: not an engines.json of version {ENGINES_VERSION}; rebuild with kiln build {directory}")
     return data
 

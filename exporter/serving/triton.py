@@ -276,7 +276,7 @@ def _readme(manifest: Mapping[str, Any], models: Sequence[TritonModel]) -> str:
         f"## `{ort['name']}`: ONNX Runtime, KV cache kept by the server",
         "",
         f"`{ort['name']}/1/model.onnx/` holds the graph and its weights file. The KV cache is implicit state:",
-        f"after each request Triton keeps `present.{{i}}.key`/`present.{{i}}.value` and feeds them back as",
+        "after each request Triton keeps `present.{i}.key`/`present.{i}.value` and feeds them back as",
         f"`past_key_values.{{i}}.key`/`past_key_values.{{i}}.value` (i = 0..{layers - 1}, {kv_dtype},",
         f"shape per sequence {_shape(first['dims'])} without the batch dim) on the next request of the same sequence.",
         "The states (input <- output):",

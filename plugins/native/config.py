@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ConfigError
+from kiln.jsonfile import read_json_object
 
 __all__ = [
     "MLPKind",
@@ -175,14 +176,7 @@ class NativeConfig:
 
     @classmethod
     def load(cls, path: Path) -> NativeConfig:
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+        raw = read_json_object(path, ConfigError, f"{path}: config file not found")
         try:
             return cls.from_dict(raw)
         except ConfigError as exc:
