@@ -146,6 +146,21 @@ def export(
 
 
 @main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the families as JSON.")
+@_reports_errors
+def plugins(as_json: bool) -> None:
+    """List the model families kiln finds (built in and from the kiln.plugins entry points)."""
+    from kiln.plugins import families
+
+    found = [{"name": f.name, "description": f.description, "module": type(f).__module__} for f in families()]
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    for family in found:
+        click.echo(f"{family['name']:<10} {family['description']}  [{family['module']}]")
+
+
+@main.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--model", "model", default=None, help="Checkpoint to compare against (default: the one in the manifest).")
 @click.option("--backend", type=click.Choice(["onnxruntime", "trt"]), default="onnxruntime", show_default=True, help="Check the ONNX graphs on ONNX Runtime, or the engines of kiln build on TensorRT.")

@@ -53,7 +53,12 @@ def _load_entry_points() -> None:
     _ENTRY_POINTS_LOADED = True
     for ep in metadata.entry_points(group="kiln.plugins"):
         obj = ep.load()
-        family = obj() if callable(obj) and not isinstance(obj, ModelFamily) else obj
+        family = obj
+        if not isinstance(obj, ModelFamily) and callable(obj):
+            try:
+                family = obj()
+            except Exception:  # third-party code: any failure means "not a family factory"
+                family = None
         if not isinstance(family, ModelFamily):
             raise CheckpointError(f"entry point {ep.name!r} ({ep.value}) does not provide a kiln ModelFamily")
         register(family)
@@ -92,9 +97,11 @@ def load_model(model: str | Path) -> LoadedModel:
 
 
 def _register_builtins() -> None:
+    from kiln.plugins.hf import HF
     from kiln.plugins.native import NATIVE
 
     register(NATIVE)
+    register(HF)
 
 
 _register_builtins()

@@ -77,7 +77,7 @@ def test_invalid_config_value_names_the_file(tiny_ckpt: Path) -> None:
 
 def test_unknown_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architecture": "resnet"}')
-    with pytest.raises(CheckpointError, match="unknown architecture 'resnet'; supported families: native"):
+    with pytest.raises(CheckpointError, match="unknown architecture 'resnet'; supported families: hf, native"):
         load_model(tmp_path)
 
 

@@ -32,8 +32,23 @@ def test_unknown_architecture(tmp_path: Path) -> None:
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"architectures": ["BertModel"]}')
     code, _, err = _run("export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--json")
-    _assert_one_line_error(code, err, str(ckpt), "unknown architecture ['BertModel']", "supported families: native")
+    _assert_one_line_error(code, err, str(ckpt), "unsupported Hugging Face architecture 'BertModel'", "supported: GPT2LMHeadModel, LlamaForCausalLM")
     assert not (tmp_path / "out").exists()
+
+
+def test_unknown_architecture_without_hf_keys(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"architecture": "resnet"}')
+    code, _, err = _run("export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--json")
+    _assert_one_line_error(code, err, str(ckpt), "unknown architecture 'resnet'; supported families: hf, native")
+
+
+def test_plugins_lists_the_families() -> None:
+    code, out, _ = _run("plugins")
+    assert code == 0
+    assert "native" in out and "kiln-ple-decoder" in out
+    assert "hf" in out and "LlamaForCausalLM" in out and "GPT2LMHeadModel" in out
 
 
 def test_invalid_config_value(tiny_ckpt: Path, tmp_path: Path) -> None:
