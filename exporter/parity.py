@@ -206,13 +206,12 @@ def generation_parity(
     ref_tokens, ref_logits = reference_run or greedy(reference, spec, prompts, steps)
     _, cand_logits = greedy(candidate, spec, prompts, steps, unified=unified, forced=ref_tokens, kv_dtype=kv_dtype)
     cand_tokens = cand_logits.argmax(-1).T  # [B, steps]
-    ref_choice = ref_tokens
-    mismatch = cand_tokens != ref_choice
+    mismatch = cand_tokens != ref_tokens
     rows, cols = np.nonzero(mismatch)
     ties = 0
     first: int | None = None
     for b, t in zip(rows, cols, strict=True):
-        margin = ref_logits[t, b, ref_choice[b, t]] - ref_logits[t, b, cand_tokens[b, t]]
+        margin = ref_logits[t, b, ref_tokens[b, t]] - ref_logits[t, b, cand_tokens[b, t]]
         if margin <= 2 * tolerance.logits_atol:
             ties += 1
         elif first is None or t < first:

@@ -259,6 +259,11 @@ def _shape(dims: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in dims) + "]"
 
 
+def _tensor_lines(tensors: Sequence[Mapping[str, Any]]) -> list[str]:
+    """README lines for config tensors (their dims exclude the batch dim)."""
+    return [f"- `{t['name']}`: {t['data_type']}, [batch, {', '.join(map(str, t['dims']))}]" for t in tensors]
+
+
 def _readme(manifest: Mapping[str, Any], models: Sequence[TritonModel]) -> str:
     ort = models[0].config
     layers = int(manifest["model"]["n_layers"])
@@ -288,9 +293,9 @@ def _readme(manifest: Mapping[str, Any], models: Sequence[TritonModel]) -> str:
         "Inputs the client sends on every request:",
         "",
     ]
-    out += [f"- `{t['name']}`: {t['data_type']}, [batch, {', '.join(map(str, t['dims']))}]" for t in ort["input"]]
+    out += _tensor_lines(ort["input"])
     out += ["", "Outputs:", ""]
-    out += [f"- `{t['name']}`: {t['data_type']}, [batch, {', '.join(map(str, t['dims']))}]" for t in ort["output"]]
+    out += _tensor_lines(ort["output"])
     out += [
         "",
         "Driving one sequence (pick a correlation id, e.g. 42; the gRPC or HTTP client's `infer` takes",
@@ -328,9 +333,9 @@ def _readme(manifest: Mapping[str, Any], models: Sequence[TritonModel]) -> str:
             "Inputs:",
             "",
         ]
-        out += [f"- `{t['name']}`: {t['data_type']}, [batch, {', '.join(map(str, t['dims']))}]" for t in cfg["input"]]
+        out += _tensor_lines(cfg["input"])
         out += ["", "Outputs:", ""]
-        out += [f"- `{t['name']}`: {t['data_type']}, [batch, {', '.join(map(str, t['dims']))}]" for t in cfg["output"]]
+        out += _tensor_lines(cfg["output"])
     if len(models) > 1:
         prefill, decode = models[1].config["name"], models[2].config["name"]
         out += [
