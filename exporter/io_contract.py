@@ -2,7 +2,14 @@
 
 Names follow the Hugging Face / ONNX Runtime GenAI convention; KV layout is BNSH
 ``[batch, n_kv_heads, seq, head_dim]``. Dims: ``batch``, ``seq``, ``past_seq``, ``total_seq``
-(= past_seq + seq).
+(= past_seq + seq), and ``encoder_seq`` for cross-attention decoders.
+
+Cross-attention decoders (``spec.encoder_dim`` set): prefill also takes ``encoder_hidden_states``
+``[batch, encoder_seq, encoder_dim]`` and returns every layer's cross-attention keys and values
+once, as ``present.{i}.cross_key/.cross_value`` ``[batch, n_kv_heads, encoder_seq, head_dim]``;
+decode and the unified graph take them back as ``past_key_values.{i}.cross_key/.cross_value``
+and never return them (they do not grow). This is the split ONNX Runtime GenAI's encoder-decoder
+models use (an init graph computes the cross cache; the decoder graph only reads it).
 """
 
 from __future__ import annotations
@@ -19,6 +26,11 @@ __all__ = [
     "graph_io",
     "past_names",
     "present_names",
+    "cross_past_names",
+    "cross_present_names",
+    "carried_cache",
+    "ENCODER_STATES",
+    "ENC_SEQ",
     "ple_table_names",
     "BATCH",
     "SEQ",
@@ -26,7 +38,8 @@ __all__ = [
     "TOTAL_SEQ",
 ]
 
-BATCH, SEQ, PAST_SEQ, TOTAL_SEQ = "batch", "seq", "past_seq", "total_seq"
+BATCH, SEQ, PAST_SEQ, TOTAL_SEQ, ENC_SEQ = "batch", "seq", "past_seq", "total_seq", "encoder_seq"
+ENCODER_STATES = "encoder_hidden_states"
 Dim = str | int
 
 
@@ -68,6 +81,26 @@ def present_names(layer: int) -> tuple[str, str]:
     return f"present.{layer}.key", f"present.{layer}.value"
 
 
+def cross_past_names(layer: int) -> tuple[str, str]:
+    return f"past_key_values.{layer}.cross_key", f"past_key_values.{layer}.cross_value"
+
+
+def cross_present_names(layer: int) -> tuple[str, str]:
+    return f"present.{layer}.cross_key", f"present.{layer}.cross_value"
+
+
+def carried_cache(spec: DecoderSpec) -> list[tuple[str, str]]:
+    """``(past input, present output)`` pairs a caller carries from one step to the next, in
+    input order: per layer the self-attention key and value, then (cross-attention decoders) the
+    cross-attention key and value that only prefill returns."""
+    pairs: list[tuple[str, str]] = []
+    for i in range(spec.n_layers):
+        pairs += zip(past_names(i), present_names(i), strict=True)
+        if spec.encoder_dim is not None:
+            pairs += zip(cross_past_names(i), cross_present_names(i), strict=True)
+    return pairs
+
+
 def ple_table_names(index: int) -> tuple[str, str]:
     """Graph inputs of the folded PLE tables of the ``index``-th PLE sub-layer (``--ple-tables input``)."""
     return f"ple.{index}.scale", f"ple.{index}.shift"
@@ -98,10 +131,13 @@ def graph_io(
         TensorSpec("attention_mask", "int64", (BATCH, mask_len)),
         TensorSpec("position_ids", "int64", (BATCH, seq)),
     ]
+    cross = spec.encoder_dim is not None
+    if cross and kind is GraphKind.PREFILL:
+        inputs.append(TensorSpec(ENCODER_STATES, kv_dtype, (BATCH, ENC_SEQ, spec.encoder_dim)))
     if kind is not GraphKind.PREFILL:
-        for i in range(spec.n_layers):
-            for name in past_names(i):
-                inputs.append(TensorSpec(name, kv_dtype, (BATCH, kv[0], PAST_SEQ, kv[1])))
+        for past, _ in carried_cache(spec):
+            length = ENC_SEQ if ".cross_" in past else PAST_SEQ
+            inputs.append(TensorSpec(past, kv_dtype, (BATCH, kv[0], length, kv[1])))
     for i, shape in enumerate(ple_tables):
         for name in ple_table_names(i):
             inputs.append(TensorSpec(name, kv_dtype, shape))
@@ -109,4 +145,7 @@ def graph_io(
     for i in range(spec.n_layers):
         for name in present_names(i):
             outputs.append(TensorSpec(name, kv_dtype, (BATCH, kv[0], kv_len, kv[1])))
+        if cross and kind is GraphKind.PREFILL:
+            for name in cross_present_names(i):
+                outputs.append(TensorSpec(name, kv_dtype, (BATCH, kv[0], ENC_SEQ, kv[1])))
     return GraphIO(tuple(inputs), tuple(outputs))

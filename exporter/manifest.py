@@ -87,6 +87,7 @@ def build(
             "bos_token_id": spec.bos_token_id,
             "eos_token_id": spec.eos_token_id,
             "pad_token_id": spec.pad_token_id,
+            "encoder_dim": spec.encoder_dim,
         },
         "precision": options.precision.value,
         "kv_cache": {"layout": "BNSH", "dims": ["batch", "n_kv_heads", "seq", "head_dim"], "dtype": options.precision.kv_dtype},

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.exporter.io_contract import GraphKind, past_names
+from kiln.exporter.io_contract import ENCODER_STATES, GraphKind, carried_cache, past_names
 from kiln.exporter.runners import Feeds, Runner
 from kiln.plugins.base import DecoderSpec
 
@@ -34,6 +34,7 @@ __all__ = [
     "greedy",
     "make_prompts",
     "left_pad",
+    "encoder_states",
 ]
 
 
@@ -139,15 +140,24 @@ def make_prompts(spec: DecoderSpec, lengths: Sequence[int], seed: int) -> list[l
     return [rng.choice(allowed, size=n).tolist() for n in lengths]
 
 
+def encoder_states(spec: DecoderSpec, batch: int, seed: int = 0, length: int = 6, dtype: np.dtype = np.dtype(np.float32)) -> np.ndarray | None:
+    """Deterministic stand-in encoder output ``[batch, length, encoder_dim]`` for a cross-attention
+    decoder (None for any other): what parity feeds every backend alike."""
+    if spec.encoder_dim is None:
+        return None
+    return np.random.default_rng(seed).standard_normal((batch, length, spec.encoder_dim)).astype(dtype)
+
+
 def _empty_past(spec: DecoderSpec, batch: int, dtype: np.dtype) -> Feeds:
     shape = (batch, spec.n_kv_heads, 0, spec.head_dim)
     return {name: np.zeros(shape, dtype=dtype) for i in range(spec.n_layers) for name in past_names(i)}
 
 
-def _with_past(feeds: Feeds, outputs: Feeds, spec: DecoderSpec) -> Feeds:
-    for i in range(spec.n_layers):
-        for past, present in zip(past_names(i), (f"present.{i}.key", f"present.{i}.value"), strict=True):
-            feeds[past] = outputs[present]
+def _carry(feeds: Feeds, outputs: Feeds, previous: Feeds, spec: DecoderSpec) -> Feeds:
+    """The next step's feeds: each past from this step's present, or (the cross cache, which
+    only prefill returns) from the previous step's feeds."""
+    for past, present in carried_cache(spec):
+        feeds[past] = outputs[present] if present in outputs else previous[past]
     return feeds
 
 
@@ -165,13 +175,24 @@ def greedy(
 
     Returns the tokens ``[B, steps]`` and the last-position logits of every step
     ``[steps, B, vocab]`` (float32). With ``forced``, those tokens are fed instead of the argmax.
+    A cross-attention decoder reads ``encoder_states(spec, B)``; the unified graph takes the
+    cross cache as an input (like decode), so that path starts from the runner's own prefill
+    graph's cross cache, as a user of model.onnx would.
     """
     pad = spec.pad_token_id if spec.pad_token_id is not None else 0
     ids, mask, pos = left_pad(prompts, pad)
     batch = ids.shape[0]
     feeds: Feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+    encoder = encoder_states(spec, batch)
+    if encoder is not None:
+        feeds[ENCODER_STATES] = encoder.astype(kv_dtype)
     if unified:
-        feeds.update(_empty_past(spec, batch, kv_dtype))
+        first_feeds = {**feeds, **_empty_past(spec, batch, kv_dtype)}
+        if encoder is not None:
+            prefill = runner.run(GraphKind.PREFILL, feeds)
+            del first_feeds[ENCODER_STATES]
+            first_feeds.update({past: prefill[present].astype(kv_dtype) for past, present in carried_cache(spec) if ".cross_" in past})
+        feeds = first_feeds
     first = GraphKind.UNIFIED if unified else GraphKind.PREFILL
     step_kind = GraphKind.UNIFIED if unified else GraphKind.DECODE
     tokens = np.zeros((batch, steps), dtype=np.int64)
@@ -186,7 +207,8 @@ def greedy(
             break
         pos = pos[:, -1:] + 1
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
-        feeds = _with_past({"input_ids": token[:, None].astype(np.int64), "attention_mask": mask, "position_ids": pos}, outputs, spec)
+        step_feeds: Feeds = {"input_ids": token[:, None].astype(np.int64), "attention_mask": mask, "position_ids": pos}
+        feeds = _carry(step_feeds, outputs, feeds, spec)
         outputs = runner.run(step_kind, feeds)
     return tokens, logits_per_step
 
@@ -262,8 +284,10 @@ def tensor_feeds(
         "attention_mask": mask,
         "position_ids": pos_all[:, past:].astype(np.int64),
     }
+    encoder = encoder_states(spec, 2, seed, dtype=kv_dtype)
+    if kind is GraphKind.PREFILL and encoder is not None:
+        feeds[ENCODER_STATES] = encoder
     if kind is not GraphKind.PREFILL:
-        shape = (2, spec.n_kv_heads, past, spec.head_dim)
         presents = None
         if reference is not None:
             prompt = {
@@ -271,11 +295,13 @@ def tensor_feeds(
                 "attention_mask": mask[:, :past],
                 "position_ids": pos_all[:, :past].astype(np.int64),
             }
+            if encoder is not None:
+                prompt[ENCODER_STATES] = encoder
             presents = reference.run(GraphKind.PREFILL, prompt)
-        for i in range(spec.n_layers):
-            for name, present in zip(past_names(i), (f"present.{i}.key", f"present.{i}.value"), strict=True):
-                value = presents[present] if presents is not None else rng.standard_normal(shape)
-                feeds[name] = np.asarray(value).astype(kv_dtype)
+        for name, present in carried_cache(spec):
+            length = encoder.shape[1] if encoder is not None and ".cross_" in name else past
+            value = presents[present] if presents is not None else rng.standard_normal((2, spec.n_kv_heads, length, spec.head_dim))
+            feeds[name] = np.asarray(value).astype(kv_dtype)
     return feeds
 
 

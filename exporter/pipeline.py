@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx_ir as ir
 import torch
 
-from kiln.errors import ParityError
+from kiln.errors import ConfigError, ParityError
 from kiln.exporter import manifest as manifest_mod
 from kiln.calibration import Calibration
 from kiln.exporter.artifacts import hash_tree, sha256_file, staged_output
@@ -77,6 +77,11 @@ def export_loaded(
     weights and the runtime's never sit in memory together; ``loaded`` is unusable afterwards."""
     progress = progress or NullProgress()
     spec = loaded.spec
+    if spec.encoder_dim is not None and options.precision.has_int8:
+        raise ConfigError(
+            "--int8 is not supported for cross-attention decoders yet: calibration needs encoder_hidden_states"
+            " samples, which kiln's calibration data formats do not carry; export --fp16 or fp32"
+        )
     max_context = resolve_limits(loaded, options)
     with staged_output(out, options.force) as tmp:
         reference = prepare_reference(loaded, options)
@@ -204,7 +209,8 @@ def export_loaded(
             int8_nodes=int8_nodes,
             calibration=calibration_info,
         )
-        write_genai_config(tmp / ONNX_DIR, manifest)  # beside model.onnx, so it is hashed too
+        if spec.encoder_dim is None:  # GenAI's decoder-only models have no way to feed a cross cache
+            write_genai_config(tmp / ONNX_DIR, manifest)  # beside model.onnx, so it is hashed too
         manifest["files"] = hash_tree(tmp, exclude=(manifest_mod.MANIFEST,))
         manifest_mod.write(tmp, manifest)
     return ExportResult(out=out, manifest=manifest, parity=parity)

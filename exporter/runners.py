@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kiln.exporter.io_contract import GraphKind, past_names, present_names
+from kiln.exporter.io_contract import ENCODER_STATES, GraphKind, cross_past_names, cross_present_names, past_names, present_names
 from kiln.exporter.trace import GraphModule
 
 __all__ = ["Runner", "TorchRunner", "OrtRunner", "RecordingRunner", "Feeds"]
@@ -41,21 +41,27 @@ class TorchRunner:
     name = "torch"
 
     def __init__(self, module: nn.Module, n_layers: int, last_logits_only: bool = False) -> None:
-        self._wrappers = {kind: GraphModule(module, kind, n_layers, last_logits_only).eval() for kind in GraphKind}
-        self._n_layers = n_layers
+        self._module, self._n_layers, self._last = module, n_layers, last_logits_only
 
     def graphs(self) -> tuple[GraphKind, ...]:
         return tuple(GraphKind)
 
     @torch.no_grad()
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
-        wrapper = self._wrappers[kind]
+        # a cross-attention decoder shows itself by its inputs: encoder states or a cross cache
+        cross = ENCODER_STATES in feeds or cross_past_names(0)[0] in feeds
+        wrapper = GraphModule(self._module, kind, self._n_layers, self._last, cross).eval()
         ids, mask, pos = (torch.from_numpy(feeds[n]) for n in ("input_ids", "attention_mask", "position_ids"))
-        past = None
-        if kind is not GraphKind.PREFILL:  # the reference computes in fp32 whatever the graphs' KV dtype
-            past = [torch.from_numpy(feeds[n]).float() for i in range(self._n_layers) for n in past_names(i)]
-        outs = wrapper(ids, mask, pos, past)
-        names = ["logits"] + [n for i in range(self._n_layers) for n in present_names(i)]
+        # the reference computes in fp32 whatever the graphs' float I/O dtype
+        if kind is GraphKind.PREFILL:
+            extra = torch.from_numpy(feeds[ENCODER_STATES]).float() if cross else None
+        else:
+            names = [n for i in range(self._n_layers) for n in (*past_names(i), *(cross_past_names(i) if cross else ()))]
+            extra = [torch.from_numpy(feeds[n]).float() for n in names]
+        outs = wrapper(ids, mask, pos, extra)
+        names = ["logits"]
+        for i in range(self._n_layers):
+            names += [*present_names(i), *(cross_present_names(i) if cross and kind is GraphKind.PREFILL else ())]
         return {n: t.numpy() for n, t in zip(names, outs, strict=True)}
 
 

@@ -30,27 +30,37 @@ from torch import Tensor, nn
 from torch.export import Dim
 
 from kiln.errors import ExportError
-from kiln.exporter.io_contract import GraphIO, GraphKind
+from kiln.exporter.io_contract import ENC_SEQ, ENCODER_STATES, PAST_SEQ, GraphIO, GraphKind
 
 __all__ = ["GraphModule", "trace_graph", "example_inputs"]
 
-_EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST = 2, 3, 5
+_EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST, _EXAMPLE_ENC = 2, 3, 5, 4
 
 
 class GraphModule(nn.Module):
-    """The decoder contract with a flat KV list ``[k0, v0, k1, v1, ...]`` in and out."""
+    """The decoder contract with flat tensors in and out, in the contract's order: the past as
+    ``[k0, v0, k1, v1, ...]`` (``[k0, v0, ck0, cv0, ...]`` with cross-attention, whose cross
+    keys/values only prefill returns), and ``encoder_hidden_states`` after the first three
+    inputs of a cross-attention prefill."""
 
-    def __init__(self, model: nn.Module, kind: GraphKind, n_layers: int, last_logits_only: bool) -> None:
+    def __init__(self, model: nn.Module, kind: GraphKind, n_layers: int, last_logits_only: bool, cross: bool = False) -> None:
         super().__init__()
-        self.model, self.kind, self.n_layers = model, kind, n_layers
+        self.model, self.kind, self.n_layers, self.cross = model, kind, n_layers, cross
         self.last_logits_only = last_logits_only and kind is GraphKind.PREFILL
 
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, past: list[Tensor] | None = None
-    ) -> tuple[Tensor, ...]:
-        pkv = [(past[2 * i], past[2 * i + 1]) for i in range(self.n_layers)] if past is not None else None
-        logits, presents = self.model(input_ids, attention_mask, position_ids, pkv, self.last_logits_only)
-        return (logits, *[t for kv in presents for t in kv])
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, extra: object = None) -> tuple[Tensor, ...]:
+        past: list[Tensor] | None = None
+        encoder: Tensor | None = None
+        if self.kind is GraphKind.PREFILL:
+            encoder = extra  # type: ignore[assignment]
+        else:
+            past = extra  # type: ignore[assignment]
+        per_layer = 4 if self.cross else 2
+        pkv = [tuple(past[per_layer * i : per_layer * (i + 1)]) for i in range(self.n_layers)] if past is not None else None
+        kwargs = {"encoder_hidden_states": encoder} if self.cross else {}
+        logits, presents = self.model(input_ids, attention_mask, position_ids, pkv, self.last_logits_only, **kwargs)
+        returned = per_layer if self.kind is GraphKind.PREFILL else 2  # the cross cache never grows
+        return (logits, *[t for kv in presents for t in kv[:returned]])
 
 
 def example_inputs(io_spec: GraphIO, kind: GraphKind, vocab: int) -> tuple[object, ...]:
@@ -63,21 +73,29 @@ def example_inputs(io_spec: GraphIO, kind: GraphKind, vocab: int) -> tuple[objec
     mask = torch.ones(batch, past + seq, dtype=torch.int64)
     pos = torch.arange(past, past + seq).expand(batch, seq).contiguous()
     if kind is GraphKind.PREFILL:
+        enc = [t for t in io_spec.inputs if t.name == ENCODER_STATES]
+        if enc:
+            return (ids, mask, pos, torch.randn(batch, _EXAMPLE_ENC, int(enc[0].dims[2]), generator=gen))
         return (ids, mask, pos)
     kv = [t for t in io_spec.inputs if t.name.startswith("past_key_values.")]
-    cache = [torch.randn(batch, int(t.dims[1]), past, int(t.dims[3]), generator=gen) for t in kv]
+    length = {PAST_SEQ: past, ENC_SEQ: _EXAMPLE_ENC}
+    cache = [torch.randn(batch, int(t.dims[1]), length[str(t.dims[2])], int(t.dims[3]), generator=gen) for t in kv]
     return (ids, mask, pos, cache)
 
 
-def _dynamic_shapes(kind: GraphKind, n_kv: int, max_batch: int, max_context: int) -> tuple[object, ...]:
+def _dynamic_shapes(kind: GraphKind, io_spec: GraphIO, max_batch: int, max_context: int) -> tuple[object, ...]:
     batch = Dim("batch", min=1, max=max(max_batch, _EXAMPLE_BATCH))
     seq = Dim("seq", min=1, max=max(max_context, _EXAMPLE_SEQ))
+    # the encoder's length is bounded by max_context too (TensorRT profiles need a bound)
+    enc = Dim("encoder_seq", min=1, max=max(max_context, _EXAMPLE_ENC))
     ids = {0: batch} if kind is GraphKind.DECODE else {0: batch, 1: seq}
     if kind is GraphKind.PREFILL:
-        return (ids, {0: batch, 1: seq}, ids)
+        shapes: tuple[object, ...] = (ids, {0: batch, 1: seq}, ids)
+        return (*shapes, {0: batch, 1: enc}) if any(t.name == ENCODER_STATES for t in io_spec.inputs) else shapes
     past = Dim("past_seq", min=0, max=max(max_context, _EXAMPLE_PAST))
     total = past + 1 if kind is GraphKind.DECODE else Dim.AUTO
-    return (ids, {0: batch, 1: total}, ids, [{0: batch, 2: past}] * n_kv)
+    kv = [t for t in io_spec.inputs if t.name.startswith("past_key_values.")]
+    return (ids, {0: batch, 1: total}, ids, [{0: batch, 2: enc if t.dims[2] == ENC_SEQ else past} for t in kv])
 
 
 @contextlib.contextmanager
@@ -110,16 +128,16 @@ def trace_graph(
 ) -> ir.Model:
     """Trace one graph to an in-memory ONNX model with the contract's I/O names (PLE table
     inputs are added afterwards by a pass; ``passes.apply_contract`` then checks the whole I/O)."""
-    wrapper = GraphModule(module, kind, n_layers, last_logits_only).eval()
+    cross = any(".cross_" in t.name for t in (*io_spec.inputs, *io_spec.outputs))
+    wrapper = GraphModule(module, kind, n_layers, last_logits_only, cross).eval()
     args = example_inputs(io_spec, kind, vocab)
-    n_kv = 2 * n_layers if kind is not GraphKind.PREFILL else 0
     try:
         with _quiet(), torch.no_grad():
             program = torch.onnx.export(
                 wrapper,
                 args,
                 dynamo=True,
-                dynamic_shapes=_dynamic_shapes(kind, n_kv, max_batch, max_context),
+                dynamic_shapes=_dynamic_shapes(kind, io_spec, max_batch, max_context),
                 input_names=[n for n in io_spec.input_names if not n.startswith("ple.")],
                 output_names=io_spec.output_names,
                 opset_version=opset,

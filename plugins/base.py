@@ -7,10 +7,15 @@ with the numbers the exporter needs. The exporter never looks inside a family.
 The decoder contract (every family's module implements it)::
 
     module(input_ids [B, S] int64, attention_mask [B, past + S] int64, position_ids [B, S] int64,
-           past_key_values: list[(key, value)] | None, last_logits_only: bool = False)
+           past_key_values: list[(key, value)] | None, last_logits_only: bool = False,
+           encoder_hidden_states: [B, E, encoder_dim] float | None = None)
         -> (logits [B, S or 1, vocab] float, presents: list[(key, value)])
 
-with keys and values ``[B, n_kv_heads, past + S, head_dim]`` (BNSH).
+with keys and values ``[B, n_kv_heads, past + S, head_dim]`` (BNSH). A cross-attention decoder
+(``DecoderSpec.encoder_dim`` set) takes ``encoder_hidden_states`` when it has no past and returns
+per layer ``(key, value, cross_key, cross_value)``, the cross-attention keys and values
+``[B, n_kv_heads, E, head_dim]`` computed from the encoder states; with a past it takes the same
+four tensors per layer back and computes nothing from the encoder again.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class DecoderSpec:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    encoder_dim: int | None = None  # width of encoder_hidden_states; set when the decoder has cross-attention
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the family's own config, for the manifest
 
 

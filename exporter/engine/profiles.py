@@ -20,7 +20,7 @@ from typing import Any
 
 from kiln.errors import ArtifactError, ConfigError
 from kiln.exporter.engine.options import BuildOptions
-from kiln.exporter.io_contract import BATCH, PAST_SEQ, SEQ, TOTAL_SEQ, GraphKind
+from kiln.exporter.io_contract import BATCH, ENC_SEQ, PAST_SEQ, SEQ, TOTAL_SEQ, GraphKind
 
 __all__ = ["ENGINE_GRAPHS", "DimRange", "InputShape", "EngineProfile", "dim_ranges", "engine_profile", "engine_profiles"]
 
@@ -80,13 +80,15 @@ def dim_ranges(kind: GraphKind, limits: Mapping[str, Any], options: BuildOptions
     if opt_context > max_context:
         raise ConfigError(f"--opt-context {opt_context} is larger than the export's max_context {max_context}; pass at most {max_context}")
     batch = DimRange(1, opt_batch, max_batch)
+    encoder = DimRange(1, opt_context, max_context)  # cross-attention decoders: encoder_seq <= max_context (trace bound)
     if kind is GraphKind.PREFILL:
         seq = DimRange(1, opt_context, max_context)
-        return {BATCH: batch, SEQ: seq, TOTAL_SEQ: seq}  # no past: the mask spans the prompt
+        return {BATCH: batch, SEQ: seq, TOTAL_SEQ: seq, ENC_SEQ: encoder}  # no past: the mask spans the prompt
     if kind is GraphKind.DECODE:
         past_opt = min(max(opt_context - 1, 1), max_context - 1)
         past = DimRange(1, past_opt, max_context - 1)
-        return {BATCH: batch, SEQ: DimRange(1, 1, 1), PAST_SEQ: past, TOTAL_SEQ: DimRange(2, past_opt + 1, max_context)}
+        total = DimRange(2, past_opt + 1, max_context)
+        return {BATCH: batch, SEQ: DimRange(1, 1, 1), PAST_SEQ: past, TOTAL_SEQ: total, ENC_SEQ: encoder}
     raise ArtifactError(f"no TensorRT engine is built for the {kind.value} graph; only prefill and decode")
 
 

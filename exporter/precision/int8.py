@@ -26,7 +26,7 @@ from kiln.exporter.precision.policy import rule_matches
 __all__ = ["Int8Policy", "DEFAULT_INT8_FLOAT", "quantize_int8", "check_qdq", "MIN_INT8_OPSET"]
 
 MIN_INT8_OPSET = 19  # fp16 scales (int8 + fp16) need QuantizeLinear/DequantizeLinear-19
-DEFAULT_INT8_FLOAT: tuple[str, ...] = ("/lm_head/", "*.attn")
+DEFAULT_INT8_FLOAT: tuple[str, ...] = ("/lm_head/", "*.attn", "*.cross_attn")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ import onnx_ir as ir
 from torch import nn
 
 from kiln.errors import ExportError
-from kiln.exporter.io_contract import GraphKind, past_names
+from kiln.exporter.io_contract import ENCODER_STATES, GraphKind, carried_cache
 from kiln.exporter.parity import tensor_feeds
 from kiln.exporter.precision.fp16 import convert_to_fp16
 from kiln.exporter.precision.policy import Fp16Policy, resolve_kept_nodes, rule_matches
@@ -160,7 +160,11 @@ def search_against_reference(
 
 
 def _prefill_as_unified(spec: DecoderSpec, seed: int) -> dict[str, np.ndarray]:
-    feeds = tensor_feeds(spec, GraphKind.PREFILL, seed)
+    """A prompt through the unified graph: an empty self-attention past (and, for a
+    cross-attention decoder, a cross cache, which the unified graph takes as an input)."""
+    feeds = tensor_feeds(spec, GraphKind.PREFILL, seed, np.dtype(np.float16))
+    feeds.pop(ENCODER_STATES, None)
+    with_past = tensor_feeds(spec, GraphKind.UNIFIED, seed, np.dtype(np.float16))
     empty = np.zeros((2, spec.n_kv_heads, 0, spec.head_dim), dtype=np.float16)
-    feeds.update({name: empty for i in range(spec.n_layers) for name in past_names(i)})
+    feeds.update({past: with_past[past] if ".cross_" in past else empty for past, _ in carried_cache(spec)})
     return feeds

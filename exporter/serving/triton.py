@@ -249,6 +249,11 @@ def triton_models(directory: Path, manifest: Mapping[str, Any], name: str) -> li
     """The models of the repository: ``NAME`` (ONNX Runtime) and, with engines, ``NAME_prefill``/``NAME_decode``."""
     if not _NAME.match(name):
         raise ArtifactError(f"triton: model name {name!r} must start with a letter or digit and hold only letters, digits, '_', '.' and '-'")
+    if manifest["model"].get("encoder_dim") is not None:
+        raise ArtifactError(
+            "triton: cross-attention decoders are not supported yet (the ensemble would need encoder_hidden_states"
+            " and a cross cache that is written once); serve prefill.onnx and decode.onnx from your own host"
+        )
     models = [_ort_model(directory, manifest, name)]
     if _engines(directory):
         models += [_trt_model(directory, manifest, name, kind) for kind in (GraphKind.PREFILL, GraphKind.DECODE)]

@@ -27,6 +27,7 @@ def spec_of(cfg: NativeConfig) -> DecoderSpec:
         bos_token_id=cfg.bos_token_id,
         eos_token_id=cfg.eos_token_id,
         pad_token_id=cfg.pad_token_id,
+        encoder_dim=cfg.d_model if cfg.cross_attention else None,
         config=cfg.to_dict(),
     )
 

@@ -83,6 +83,7 @@ class NativeConfig:
     position: PositionKind = PositionKind.ROPE
     rope_theta: float = 10000.0
     ple: PLEConfig = dataclasses.field(default_factory=PLEConfig)
+    cross_attention: bool = False  # attend to encoder_hidden_states [B, E, d_model] after self-attention
     tie_embeddings: bool = True
     bias: bool = False
     max_context: int = 512
@@ -166,7 +167,7 @@ class NativeConfig:
         ):
             if name in data:
                 data[name] = _enum(kind, name, data[name])
-        for flag in ("tie_embeddings", "bias"):
+        for flag in ("tie_embeddings", "bias", "cross_attention"):
             if flag in data and not isinstance(data[flag], bool):
                 raise ConfigError(f"{flag} must be true or false, found {data[flag]!r}")
         for name in ("norm_eps", "rope_theta"):

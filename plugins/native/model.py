@@ -3,6 +3,7 @@
 A decoder layer updates the hidden state ``x`` in residual steps (the seed's "state pipeline"):
 
     x = x + SelfAttention(norm(x))          tokens exchange information (KV-cached)
+    x = x + CrossAttention(norm(x), enc)    optional: tokens read the encoder's output
     x = x + PLE(norm(x), position)          a per-position linear correction
     x = x + MLP(norm(x))                    a per-token non-linear projection
 
@@ -30,6 +31,8 @@ __all__ = [
     "PositionLinearEmbedding",
     "PLESubLayer",
     "Attention",
+    "CrossAttention",
+    "attend",
     "MLP",
     "DecoderLayer",
     "PLEDecoder",
@@ -37,6 +40,7 @@ __all__ = [
 ]
 
 KV = tuple[Tensor, Tensor]
+LayerCache = tuple[Tensor, ...]  # (key, value), or (key, value, cross_key, cross_value) with cross-attention
 
 
 class Norm(nn.Module):
@@ -148,17 +152,51 @@ class Attention(nn.Module):
         if past is not None:
             k = torch.cat((past[0], k), dim=2)  # [B, n_kv, past + S, hd]
             v = torch.cat((past[1], v), dim=2)
-        present = (k, v)
-        if self.n_kv != self.n_heads:
-            # [B, n_kv, T, hd] -> [B, H, T, hd]: each KV head serves n_heads / n_kv query heads
-            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.hd))  # [B, H, S, T]
+        return self.o_proj(attend(q, k, v, allowed)), (k, v)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None) -> Tensor:
+    """Scaled dot-product attention of ``q`` [B, H, S, hd] over ``k``/``v`` [B, n_kv, T, hd]
+    (each KV head serves H / n_kv query heads), keys masked where ``allowed`` is False;
+    returns [B, S, H*hd]."""
+    B, H, S, hd = q.shape
+    if k.shape[1] != H:
+        # [B, n_kv, T, hd] -> [B, H, T, hd]
+        k = k.repeat_interleave(H // k.shape[1], dim=1)
+        v = v.repeat_interleave(H // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))  # [B, H, S, T]
+    if allowed is not None:
         scores = torch.where(allowed, scores, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v)  # [B, H, S, hd]
-        out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.hd)  # [B, S, H*hd]
-        return self.o_proj(out), present
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v)  # [B, H, S, hd]
+    return out.transpose(1, 2).reshape(B, S, H * hd)  # [B, S, H*hd]
+
+
+class CrossAttention(nn.Module):
+    """Grouped-query attention from the decoder's tokens to the encoder's output: no causal
+    mask (every token sees the whole source, as the seed insists), no rotary. Its keys and
+    values depend only on the encoder states, so they are computed once (``project``) and
+    then read at every step."""
+
+    def __init__(self, cfg: NativeConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.hd, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.hd, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.hd, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.n_heads * self.hd, cfg.d_model, bias=cfg.bias)
+
+    def project(self, encoder_states: Tensor) -> KV:
+        """Cross keys and values [B, n_kv, E, hd] of encoder states [B, E, d]."""
+        B, E, _ = encoder_states.shape
+        k = self.k_proj(encoder_states).view(B, E, self.n_kv, self.hd).transpose(1, 2)
+        v = self.v_proj(encoder_states).view(B, E, self.n_kv, self.hd).transpose(1, 2)
+        return k, v
+
+    def forward(self, x: Tensor, cross_kv: KV) -> Tensor:
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.n_heads, self.hd).transpose(1, 2)
+        return self.o_proj(attend(q, cross_kv[0], cross_kv[1], None))
 
 
 class MLP(nn.Module):
@@ -183,6 +221,8 @@ class DecoderLayer(nn.Module):
         self.pre = cfg.norm_position is NormPosition.PRE
         self.attn_norm = Norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
+        self.cross_norm = Norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.cross_attention else None
+        self.cross_attn = CrossAttention(cfg) if cfg.cross_attention else None
         self.mlp_norm = Norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
         self.ple = PLESubLayer(cfg) if cfg.ple.enabled else None
@@ -193,14 +233,29 @@ class DecoderLayer(nn.Module):
             x = self.ple(x, positions)
         return x
 
-    def forward(self, x: Tensor, allowed: Tensor, positions: Tensor, past: KV | None) -> tuple[Tensor, KV]:
+    def forward(
+        self, x: Tensor, allowed: Tensor, positions: Tensor, past: LayerCache | None, encoder_states: Tensor | None
+    ) -> tuple[Tensor, LayerCache]:
         x = self._ple(x, positions, PLEPlacement.BEFORE_ATTENTION)
+        self_past = (past[0], past[1]) if past is not None else None
         if self.pre:
-            h, present = self.attn(self.attn_norm(x), allowed, positions, past)
+            h, present = self.attn(self.attn_norm(x), allowed, positions, self_past)
             x = x + h
         else:
-            h, present = self.attn(x, allowed, positions, past)
+            h, present = self.attn(x, allowed, positions, self_past)
             x = self.attn_norm(x + h)
+        if self.cross_attn is not None and self.cross_norm is not None:
+            if past is not None:
+                cross_kv = (past[2], past[3])  # computed once, by the first call
+            elif encoder_states is not None:
+                cross_kv = self.cross_attn.project(encoder_states)
+            else:
+                raise ValueError("a cross-attention decoder needs encoder_hidden_states on its first call")
+            if self.pre:
+                x = x + self.cross_attn(self.cross_norm(x), cross_kv)
+            else:
+                x = self.cross_norm(x + self.cross_attn(x, cross_kv))
+            present = (*present, *cross_kv)
         x = self._ple(x, positions, PLEPlacement.RESIDUAL)
         x = x + self.mlp(self.mlp_norm(x)) if self.pre else self.mlp_norm(x + self.mlp(x))
         x = self._ple(x, positions, PLEPlacement.AFTER_MLP)
@@ -242,17 +297,19 @@ class PLEDecoder(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor,
         position_ids: Tensor,
-        past_key_values: list[KV] | None = None,
+        past_key_values: list[LayerCache] | None = None,
         last_logits_only: bool = False,
-    ) -> tuple[Tensor, list[KV]]:
+        encoder_hidden_states: Tensor | None = None,
+    ) -> tuple[Tensor, list[LayerCache]]:
         seq = input_ids.shape[1]
         x = self.embed(input_ids)  # [B, S, d]
         if self.pos_embed is not None:
             x = x + self.pos_embed(position_ids)
         allowed = causal_padding_mask(attention_mask, seq)
-        presents: list[KV] = []
+        presents: list[LayerCache] = []
         for i, layer in enumerate(self.layers):
-            x, present = layer(x, allowed, position_ids, past_key_values[i] if past_key_values else None)
+            past = past_key_values[i] if past_key_values else None
+            x, present = layer(x, allowed, position_ids, past, encoder_hidden_states)
             presents.append(present)
         if self.final_norm is not None:
             x = self.final_norm(x)

@@ -20,6 +20,7 @@ MATRIX: dict[str, dict[str, Any]] = {
     "bounded-projected-mqa": dict(n_kv_heads=1, ple={"bounded": True, "projection": True}),
     "no-ple-learned-layernorm": dict(ple={"enabled": False}, position="learned", norm="layernorm"),
     "pre-layernorm-swiglu-bias-after-mlp": dict(norm="layernorm", bias=True, ple={"placement": "after_mlp"}),
+    "cross-attention-gelu-learned-mqa": dict(cross_attention=True, mlp="gelu", position="learned", n_kv_heads=1),
 }
 
 
@@ -58,6 +59,7 @@ def test_matrix_covers_every_option() -> None:
     assert {c.position for c in configs} == set(PositionKind)
     assert {c.ple.placement for c in configs if c.ple.enabled} == set(PLEPlacement)
     assert {c.ple.bounded for c in configs} == {True, False}
+    assert {c.cross_attention for c in configs} == {True, False}
     assert {c.ple.projection for c in configs} == {True, False}
     assert {c.ple.enabled for c in configs} == {True, False}
     assert {c.tie_embeddings for c in configs} == {True, False}

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.exporter.check import parity_plan
-from kiln.exporter.io_contract import GraphKind, graph_io
+from kiln.exporter.io_contract import GraphKind, carried_cache, graph_io
 from kiln.exporter.parity import left_pad
 from kiln.plugins.native import spec_of
 from kiln_testing import tiny_config
@@ -29,6 +29,28 @@ def test_graph_io_names_and_dims() -> None:
     assert graph_io(spec, GraphKind.UNIFIED, last_logits_only=True).outputs[0].dims == ("batch", "seq", 101)
     tables = graph_io(spec, GraphKind.DECODE, ple_tables=((48, 32), (48, 32)))
     assert tables.input_names[-4:] == ["ple.0.scale", "ple.0.shift", "ple.1.scale", "ple.1.shift"]
+
+
+def test_cross_attention_graph_io() -> None:
+    spec = spec_of(tiny_config(cross_attention=True))
+    assert spec.encoder_dim == 32
+    prefill = graph_io(spec, GraphKind.PREFILL, kv_dtype="float16")
+    assert prefill.input_names == ["input_ids", "attention_mask", "position_ids", "encoder_hidden_states"]
+    assert prefill.inputs[3].dims == ("batch", "encoder_seq", 32) and prefill.inputs[3].dtype == "float16"
+    assert prefill.output_names[1:5] == ["present.0.key", "present.0.value", "present.0.cross_key", "present.0.cross_value"]
+    assert prefill.outputs[3].dims == ("batch", 2, "encoder_seq", 8)
+    for kind in (GraphKind.DECODE, GraphKind.UNIFIED):
+        io = graph_io(spec, kind)
+        assert io.input_names[3:7] == ["past_key_values.0.key", "past_key_values.0.value", "past_key_values.0.cross_key", "past_key_values.0.cross_value"]
+        assert io.inputs[4].dims == ("batch", 2, "past_seq", 8) and io.inputs[5].dims == ("batch", 2, "encoder_seq", 8)
+        assert io.output_names == ["logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value"]
+    assert carried_cache(spec)[:4] == [
+        ("past_key_values.0.key", "present.0.key"),
+        ("past_key_values.0.value", "present.0.value"),
+        ("past_key_values.0.cross_key", "present.0.cross_key"),
+        ("past_key_values.0.cross_value", "present.0.cross_value"),
+    ]
+    assert len(carried_cache(spec_of(tiny_config()))) == 4
 
 
 def test_left_pad_positions() -> None:
