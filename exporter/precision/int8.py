@@ -4,8 +4,7 @@ the form TensorRT's explicit quantization accepts (design.md section 5):
 - weights symmetric per output channel (a MatMul's B is ``[K, N]``: axis 1), activations
   symmetric per tensor;
 - int8 zero points that are all zero, strictly positive scales;
-- the LM head and the attention-score MatMuls (``*.attn``: QK^T and PV) stay in float by
-  default.
+- the LM head and the attention-score MatMuls (QK^T and PV) stay in float by default.
 
 The Q/DQ insertion is ONNX Runtime's ``QDQQuantizer``, fed with ranges kiln calibrated (and
 cached) itself; ``check_qdq`` then proves the rules on the result, so a quantizer version that
@@ -23,15 +22,24 @@ import onnx_ir as ir
 from kiln.errors import ExportError
 from kiln.exporter.precision.policy import rule_matches
 
-__all__ = ["Int8Policy", "DEFAULT_INT8_FLOAT", "quantize_int8", "check_qdq", "MIN_INT8_OPSET"]
+__all__ = ["Int8Policy", "DEFAULT_INT8_FLOAT", "int8_targets", "quantize_int8", "check_qdq", "MIN_INT8_OPSET"]
 
 MIN_INT8_OPSET = 19  # fp16 scales (int8 + fp16) need QuantizeLinear/DequantizeLinear-19
-DEFAULT_INT8_FLOAT: tuple[str, ...] = ("/lm_head/", "*.attn", "*.cross_attn")
+# module-suffix rules, so that they hold for every family: kiln's `lm_head`/`layers.N.attn`,
+# Hugging Face's `model.lm_head`/`model.layers.N.self_attn` (Llama, Qwen2, Mistral) and
+# `transformer.h.N.attn` (GPT-2); only MatMuls of these modules themselves (QK^T, PV, the
+# head), not of their projections (`...attn.q_proj` is another module)
+DEFAULT_INT8_FLOAT: tuple[str, ...] = ("*.lm_head", "*.attn", "*.self_attn", "*.cross_attn")
 
 
 @dataclasses.dataclass(frozen=True)
 class Int8Policy:
     keep_float: tuple[str, ...] = DEFAULT_INT8_FLOAT  # rules as in precision.policy
+
+
+def int8_targets(graph: ir.Graph, policy: Int8Policy) -> list[str]:
+    """Names of the MatMul/Gemm nodes the policy quantizes, in graph order."""
+    return [n.name for n in graph if n.op_type in ("MatMul", "Gemm") and n.name and not any(rule_matches(r, n) for r in policy.keep_float)]
 
 
 def quantize_int8(model: ir.Model, ranges: dict[str, tuple[float, float]], policy: Int8Policy) -> tuple[ir.Model, list[str]]:
@@ -43,11 +51,7 @@ def quantize_int8(model: ir.Model, ranges: dict[str, tuple[float, float]], polic
 
     if model.opset_imports.get("", 0) < MIN_INT8_OPSET:
         raise ExportError(f"--int8 needs --opset {MIN_INT8_OPSET} or later, found {model.opset_imports.get('', 0)}")
-    targets = [
-        n.name
-        for n in model.graph
-        if n.op_type in ("MatMul", "Gemm") and n.name and not any(rule_matches(r, n) for r in policy.keep_float)
-    ]
+    targets = int8_targets(model.graph, policy)
     data = {name: TensorData(lowest=np.float32(lo), highest=np.float32(hi)) for name, (lo, hi) in ranges.items()}
     proto = ir.serde.serialize_model(model)
     del model

@@ -75,3 +75,27 @@ def test_unsupported_architecture_lists_the_supported(tmp_path: Path) -> None:
         f"checkpoint: {tmp_path}: unsupported Hugging Face architecture 'BertForMaskedLM'; "
         "supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
     )
+
+
+def test_int8_keeps_the_head_and_attention_scores_float(tmp_path: Path) -> None:
+    """The default int8 rules are module suffixes that hold for Hugging Face names too
+    (``model.lm_head``, ``model.layers.N.self_attn``, GPT-2's ``transformer.h.N.attn``), not
+    only for the native family's: checked on the real traced graphs."""
+    import onnx_ir as ir
+
+    from kiln.exporter.pipeline import export_loaded
+    from kiln.exporter.precision.int8 import Int8Policy, int8_targets
+
+    for arch, quantized_names, kept_names in (
+        ("LlamaForCausalLM", ["layers.0.self_attn.q_proj/MatMul", "layers.1.mlp.down_proj/MatMul"], ["layers.0.self_attn/MatMul", "layers.0.self_attn/MatMul_1"]),
+        ("GPT2LMHeadModel", ["h.0.attn.c_attn/Gemm", "h.1.mlp.c_proj/Gemm"], ["h.0.attn/MatMul", "h.0.attn/MatMul_1"]),
+    ):
+        export_loaded(tiny_model(arch, seed=1), tmp_path / arch, ExportOptions(parity_tokens=4))
+        graph = ir.load(tmp_path / arch / "onnx" / "decode.onnx").graph
+        targets = int8_targets(graph, Int8Policy())
+        matmuls = [n.name for n in graph if n.op_type in ("MatMul", "Gemm")]
+        for suffix in quantized_names:
+            assert sum(t.endswith(suffix) for t in targets) == 1, (arch, suffix, targets)
+        for suffix in [*kept_names, "lm_head/MatMul"]:
+            assert sum(m.endswith(suffix) for m in matmuls) == 1, (arch, suffix, matmuls)
+            assert not any(t.endswith(suffix) for t in targets), (arch, suffix)
