@@ -128,9 +128,8 @@ class Rotary(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-class Attention(nn.Module):
-    """Causal grouped-query self-attention with a BNSH KV cache, written out (no SDPA) so
-    that every score MatMul and Softmax is a named node the precision passes can find."""
+class Projections(nn.Module):
+    """The query, key, value and output projections of a grouped-query attention."""
 
     def __init__(self, cfg: NativeConfig) -> None:
         super().__init__()
@@ -139,6 +138,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.hd, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.hd, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_heads * self.hd, cfg.d_model, bias=cfg.bias)
+
+
+class Attention(Projections):
+    """Causal grouped-query self-attention with a BNSH KV cache, written out (no SDPA) so
+    that every score MatMul and Softmax is a named node the precision passes can find."""
+
+    def __init__(self, cfg: NativeConfig) -> None:
+        super().__init__(cfg)
         self.rotary = Rotary(self.hd, cfg.rope_theta) if cfg.position is PositionKind.ROPE else None
 
     def forward(self, x: Tensor, allowed: Tensor, positions: Tensor, past: KV | None) -> tuple[Tensor, KV]:
@@ -172,19 +179,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None) -> Tensor:
     return out.transpose(1, 2).reshape(B, S, H * hd)  # [B, S, H*hd]
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(Projections):
     """Grouped-query attention from the decoder's tokens to the encoder's output: no causal
     mask (every token sees the whole source, as the seed insists), no rotary. Its keys and
     values depend only on the encoder states, so they are computed once (``project``) and
     then read at every step."""
-
-    def __init__(self, cfg: NativeConfig) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.hd, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.hd, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.hd, bias=cfg.bias)
-        self.o_proj = nn.Linear(cfg.n_heads * self.hd, cfg.d_model, bias=cfg.bias)
 
     def project(self, encoder_states: Tensor) -> KV:
         """Cross keys and values [B, n_kv, E, hd] of encoder states [B, E, d]."""
