@@ -1,0 +1,73 @@
+"""The memory roofline of a decode step: weight bytes read per step over the machine's read bandwidth.
+
+At batch 1 a decode step reads every weight once and does ~2 flops per weight byte-ish, so on a
+CPU it is bound by memory bandwidth: ``weights_bytes / bandwidth`` is the fastest it can be.
+Reporting ``limit / measured`` says how much of that a graph achieves, independently of how
+noisy the absolute numbers are.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["read_bandwidth", "weights_bytes_per_step"]
+
+
+def read_bandwidth(threads: int = 2, mib: int = 512, repeats: int = 7) -> float:
+    """Best memory read bandwidth (bytes/s) of ``repeats`` sums over a ``mib`` MiB array, split
+    across ``threads`` threads (numpy releases the GIL in reductions), like a 2-thread runtime.
+    The array is far larger than any cache, so this is DRAM bandwidth."""
+    data = np.ones(mib * 2**20 // 8, dtype=np.float64)
+    chunks = np.array_split(data, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(np.sum, chunks))  # touch every page once
+        for _ in range(repeats):
+            start = time.perf_counter()
+            list(pool.map(np.sum, chunks))
+            best = min(best, time.perf_counter() - start)
+    return data.nbytes / best
+
+
+def weights_bytes_per_step(graph: Path, tokens: int = 1) -> int:
+    """Bytes of initializers (inline and external data) one call with ``tokens`` new tokens reads.
+
+    A table only gathered from (the token embedding) contributes the rows gathered, not its
+    size; everything else (MatMul weights, norms, the LM head) is read whole. Constants created
+    by ``Constant`` nodes are small and ignored."""
+    import onnx
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    model = onnx.load(str(graph), load_external_data=False)
+    consumers: dict[str, set[tuple[str, int]]] = defaultdict(set)
+    for node in _all_nodes(model.graph):
+        for slot, name in enumerate(node.input):
+            consumers[name].add((node.op_type, slot))
+    total = 0
+    for init in model.graph.initializer:
+        dims = tuple(init.dims)
+        itemsize = np.dtype(tensor_dtype_to_np_dtype(init.data_type)).itemsize if init.data_type != onnx.TensorProto.INT4 else 0.5
+        use = consumers.get(init.name, set())
+        if use and all(op == "Gather" and slot == 0 for op, slot in use) and len(dims) >= 2:
+            total += int(np.prod(dims[1:]) * itemsize * tokens)
+        else:
+            total += int(np.prod(dims, dtype=np.int64) * itemsize)
+    return total
+
+
+def _all_nodes(graph: object) -> list[object]:
+    """Nodes of a graph and of its subgraphs (If/Loop/Scan bodies)."""
+    import onnx
+
+    nodes = []
+    for node in graph.node:  # type: ignore[attr-defined]
+        nodes.append(node)
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                nodes.extend(_all_nodes(attr.g))
+    return nodes
