@@ -17,20 +17,20 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-CONFIG = dict(
-    vocab_size=8000,
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=4608,  # room for the 4096-token past sweep plus a prompt
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+CONFIG = {
+    "vocab_size": 8000,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 4608,  # room for the 4096-token past sweep plus a prompt
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 TEXT = Path(__file__).resolve().parents[1] / "demo" / "checkpoint" / "heldout.txt"

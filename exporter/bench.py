@@ -12,6 +12,7 @@ every tool's naming. The past-length sweep and plot live in bench_sweep. Timings
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -116,11 +117,11 @@ def _torch_calls(kiln_dirs: list[DecoderDir], sizes: dict[str, Sizes], threads: 
     loaded = load_model(ref)
     torch.set_num_threads(threads)
     runner = TorchRunner(loaded.module, loaded.spec.n_layers)
-    calls = {}
+    calls: dict[str, Callable[[], object]] = {}
     for kind in (GraphKind.PREFILL, GraphKind.DECODE):
         graph = kiln_dirs[0].prefill if kind is GraphKind.PREFILL else kiln_dirs[0].decode
         feeds = build_feeds(declared_inputs(session(graph, threads)), sizes[kind.value], vocab=loaded.spec.vocab_size)
-        calls[kind.value] = lambda k=kind, f=feeds: runner.run(k, f)
+        calls[kind.value] = functools.partial(runner.run, kind, feeds)
     return calls
 
 
@@ -154,6 +155,9 @@ def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
     for label, d in zip(labels, decoders, strict=True):
         for kind, graph in (("prefill", d.prefill), ("decode", d.decode)):
             calls[kind][label] = Timed(d, graph, sessions[graph], sizes[kind], vocab_of(sessions[graph], d))
+    # bandwidth is measured before and after the timings and the best kept: on a shared machine
+    # a single measurement taken while a neighbour streams memory understates the limit
+    bandwidth = read_bandwidth(options.threads) if options.roofline else 0.0
     rows = {kind: interleaved(c, options.runs, options.pause_s) for kind, c in calls.items()}
     result: dict[str, Any] = {
         "directories": [
@@ -171,7 +175,7 @@ def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
         "tools": manifest_mod.tool_versions(),
     }
     if options.roofline:
-        bandwidth = read_bandwidth(options.threads)
+        bandwidth = max(bandwidth, read_bandwidth(options.threads))
         result["read_bandwidth_gb_s"] = bandwidth / 1e9
         result["roofline"] = {
             e["label"]: (e["weights_bytes_per_step"] / bandwidth * 1e3) / rows["decode"][e["label"]] for e in result["directories"]

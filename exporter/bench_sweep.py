@@ -8,6 +8,7 @@ residual say whether "linear" actually holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ def sweep(decoders: list[DecoderDir], labels: list[str], sessions: dict[Path, An
     medians: dict[str, list[float]] = {label: [] for label in labels}
     runs = []
     for past in pasts:
-        calls = {}
+        calls: dict[str, Callable[[], object]] = {}
         for label, d in zip(labels, decoders, strict=True):
             sess = sessions[d.decode]
             calls[label] = Timed(d, d.decode, sess, Sizes(seq=1, past=past), vocab_of(sess, d))

@@ -130,6 +130,7 @@ def build_feeds(
         role = roles.get(decl.name) or _role(decl.name)
         kv = role == "other" and bool(_KV.search(decl.name))
         shape = tuple(resolve_dim(d, sizes, kv_buffer=kv, where=f"input {decl.name}") for d in decl.dims)
+        value: np.ndarray
         if role == "input_ids":
             value = rng.integers(0, vocab, size=shape)
         elif role == "attention_mask":

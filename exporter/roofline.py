@@ -12,13 +12,14 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 __all__ = ["read_bandwidth", "weights_bytes_per_step"]
 
 
-def read_bandwidth(threads: int = 2, mib: int = 512, repeats: int = 7) -> float:
+def read_bandwidth(threads: int = 2, mib: int = 256, repeats: int = 15) -> float:
     """Best memory read bandwidth (bytes/s) of ``repeats`` sums over a ``mib`` MiB array, split
     across ``threads`` threads (numpy releases the GIL in reductions), like a 2-thread runtime.
     The array is far larger than any cache, so this is DRAM bandwidth."""
@@ -45,6 +46,7 @@ def weights_bytes_per_step(graph: Path, tokens: int = 1) -> int:
 
     model = onnx.load(str(graph), load_external_data=False)
     consumers: dict[str, set[tuple[str, int]]] = defaultdict(set)
+    node: Any
     for node in _all_nodes(model.graph):
         for slot, name in enumerate(node.input):
             consumers[name].add((node.op_type, slot))
@@ -60,12 +62,12 @@ def weights_bytes_per_step(graph: Path, tokens: int = 1) -> int:
     return total
 
 
-def _all_nodes(graph: object) -> list[object]:
+def _all_nodes(graph: Any) -> list[Any]:
     """Nodes of a graph and of its subgraphs (If/Loop/Scan bodies)."""
     import onnx
 
     nodes = []
-    for node in graph.node:  # type: ignore[attr-defined]
+    for node in graph.node:
         nodes.append(node)
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:

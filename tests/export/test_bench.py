@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 from kiln_testing import tiny_config, write_checkpoint
@@ -230,8 +229,11 @@ def test_bench_cli_side_by_side_with_sweep(kiln_dir: Path, optimum_dir: Path, ge
 def test_bench_cli_errors(kiln_dir: Path, optimum_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     code, _, err = _run("bench", str(tmp_path / "empty"))
-    assert code == 1 and err.strip().splitlines() == [f"error: bench: {tmp_path / 'empty'}: no manifest.json, genai_config.json or model.onnx; "
-                                                      "expected a kiln export directory or an ONNX decoder directory (Optimum, ONNX Runtime GenAI builder)"]
+    want = (
+        f"error: bench: {tmp_path / 'empty'}: no manifest.json, genai_config.json or model.onnx; "
+        "expected a kiln export directory or an ONNX decoder directory (Optimum, ONNX Runtime GenAI builder)"
+    )
+    assert code == 1 and err.strip().splitlines() == [want]
     code, _, err = _run("bench", str(optimum_dir), "--runs", "3")
     assert code == 1 and "a PyTorch row needs a kiln export directory whose manifest names its checkpoint; pass --no-torch" in err
     code, _, err = _run("bench", str(kiln_dir), "--sweep", "8,x")
