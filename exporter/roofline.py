@@ -16,23 +16,44 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["read_bandwidth", "weights_bytes_per_step"]
+__all__ = ["BandwidthProbe", "read_bandwidth", "weights_bytes_per_step"]
+
+
+class BandwidthProbe:
+    """One call reads a ``mib`` MiB array (8x the 32 MiB L3 of the development machine, so DRAM)
+    with ``threads`` threads, like a 2-thread runtime; numpy releases the GIL in reductions.
+    Timed interleaved with the decode steps, its median is the bandwidth under the same load
+    as theirs, which is what a roofline fraction on a shared machine must be divided by."""
+
+    def __init__(self, threads: int = 2, mib: int = 256) -> None:
+        self._data = np.ones(mib * 2**20 // 8, dtype=np.float64)
+        self._chunks = np.array_split(self._data, threads)
+        self._pool = ThreadPoolExecutor(threads)
+        self()  # touch every page once
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._data.nbytes)
+
+    def __call__(self) -> None:
+        list(self._pool.map(np.sum, self._chunks))
+
+    def close(self) -> None:
+        self._pool.shutdown()
 
 
 def read_bandwidth(threads: int = 2, mib: int = 256, repeats: int = 15) -> float:
-    """Best memory read bandwidth (bytes/s) of ``repeats`` sums over a ``mib`` MiB array, split
-    across ``threads`` threads (numpy releases the GIL in reductions), like a 2-thread runtime.
-    The array is far larger than any cache, so this is DRAM bandwidth."""
-    data = np.ones(mib * 2**20 // 8, dtype=np.float64)
-    chunks = np.array_split(data, threads)
+    """Best read bandwidth (bytes/s) of ``repeats`` probe calls."""
+    probe = BandwidthProbe(threads, mib)
     best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(np.sum, chunks))  # touch every page once
+    try:
         for _ in range(repeats):
             start = time.perf_counter()
-            list(pool.map(np.sum, chunks))
+            probe()
             best = min(best, time.perf_counter() - start)
-    return data.nbytes / best
+    finally:
+        probe.close()
+    return probe.nbytes / best
 
 
 def weights_bytes_per_step(graph: Path, tokens: int = 1) -> int:
