@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from kiln.exporter.decoder_dirs import DecoderDir
 from kiln.exporter.graph_feeds import Sizes
 
-__all__ = ["sweep", "fit_line", "render_sweep", "plot_sweep", "runs_at"]
+__all__ = ["fit_line", "plot_sweep", "render_sweep", "runs_at", "sweep"]
 
 
 def runs_at(past: int, runs: int) -> int:
@@ -44,7 +43,7 @@ def fit_line(pasts: list[int], ms: list[float]) -> dict[str, float]:
 def sweep(decoders: list[DecoderDir], labels: list[str], sessions: dict[Path, Any], options: Any) -> dict[str, Any]:
     """Decode-step medians of every directory at every past in ``options.sweep``, interleaved
     across directories at each past."""
-    from kiln.exporter.bench import Timed, vocab_of, interleaved
+    from kiln.exporter.bench import Timed, interleaved, vocab_of
 
     pasts = sorted(set(options.sweep))
     medians: dict[str, list[float]] = {label: [] for label in labels}

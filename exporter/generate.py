@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-
 from kiln.errors import GenerateError
 from kiln.exporter.io_contract import past_names, present_names
 from kiln.exporter.verify import require_verified
 
-__all__ = ["Generation", "Generator", "KvStrategy", "ConcatKv", "load_tokenizer", "parse_ids"]
+__all__ = ["ConcatKv", "Generation", "Generator", "KvStrategy", "load_tokenizer", "parse_ids"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +50,14 @@ class Generation:
 
 
 class KvStrategy(Protocol):
-    """How KV tensors move from one step's outputs to the next step's inputs."""
+    """How KV tensors move from one step's outputs to the next step's inputs. A shared-buffer
+    strategy would allocate ``[1, n_kv, capacity, head_dim]`` OrtValues once and bind each as
+    both ``past_*`` input and ``present_*`` output in ``bind``, ignoring ``previous``."""
+
+    @property
+    def presents(self) -> list[str]:
+        """Output names of the KV, in the order they are bound after ``logits``."""
+        ...
 
     def bind(self, binding: Any, previous: dict[str, Any]) -> None:
         """Bind past inputs (from ``previous`` outputs by name) and present outputs."""
@@ -78,7 +84,7 @@ class ConcatKv:
 class Generator:
     """The prefill and decode sessions of one verified kiln export directory, batch 1."""
 
-    def __init__(self, directory: Path, threads: int = 2) -> None:
+    def __init__(self, directory: Path, threads: int = 2, kv: KvStrategy | None = None) -> None:
         from kiln.exporter.bench import session
 
         manifest = require_verified(directory)
@@ -92,7 +98,7 @@ class Generator:
         self.eos = manifest["model"]["eos_token_id"]
         self._prefill = session(directory / graphs["prefill"]["file"], threads)
         self._decode = session(directory / graphs["decode"]["file"], threads)
-        self._kv = ConcatKv(int(manifest["model"]["n_layers"]))
+        self._kv: KvStrategy = kv or ConcatKv(int(manifest["model"]["n_layers"]))
         self._vocab = int(manifest["model"]["vocab_size"])
         self._kv_dtype = np.dtype(manifest["kv_cache"]["dtype"])
 

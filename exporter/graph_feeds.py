@@ -16,10 +16,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
-
 from kiln.errors import BenchError
 
-__all__ = ["Sizes", "InputDecl", "resolve_dim", "declared_inputs", "build_feeds"]
+__all__ = ["InputDecl", "Sizes", "build_feeds", "declared_inputs", "resolve_dim"]
 
 
 @dataclasses.dataclass(frozen=True)
