@@ -23,11 +23,7 @@ from kiln.errors import BenchError
 from kiln.exporter import manifest as manifest_mod
 from kiln.exporter.decoder_dirs import DecoderDir, open_decoder_dir
 from kiln.exporter.graph_feeds import Sizes, build_feeds, declared_inputs
-from kiln.exporter.roofline import (
-    BandwidthProbe,
-    read_bandwidth,
-    weights_bytes_per_step,
-)
+from kiln.exporter.roofline import BandwidthProbe, read_bandwidth, weights_bytes_per_step
 
 __all__ = ["BenchOptions", "Timed", "interleaved", "render", "run_bench", "session", "vocab_of"]
 
@@ -111,6 +107,7 @@ def vocab_of(sess: Any, decoder: DecoderDir) -> int:
 
 def _torch_calls(kiln_dirs: list[DecoderDir], sizes: dict[str, Sizes], threads: int) -> dict[str, Callable[[], object]]:
     import torch
+
     from kiln.exporter.io_contract import GraphKind
     from kiln.exporter.runners import TorchRunner
     from kiln.plugins import load_model

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kiln.exporter.decoder_dirs import DecoderDir
 from kiln.exporter.graph_feeds import Sizes
 

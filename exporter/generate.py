@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
 from kiln.errors import GenerateError
 from kiln.exporter.io_contract import past_names, present_names
 from kiln.exporter.verify import require_verified

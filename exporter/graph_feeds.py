@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+
 from kiln.errors import BenchError
 
 __all__ = ["InputDecl", "Sizes", "build_feeds", "declared_inputs", "resolve_dim"]
