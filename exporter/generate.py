@@ -101,7 +101,6 @@ class Generator:
         self._decode = session(directory / graphs["decode"]["file"], threads)
         self._kv: KvStrategy = kv or ConcatKv(int(manifest["model"]["n_layers"]))
         self._vocab = int(manifest["model"]["vocab_size"])
-        self._kv_dtype = np.dtype(manifest["kv_cache"]["dtype"])
 
     def run(
         self,
