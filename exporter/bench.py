@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -156,6 +157,7 @@ def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
     for label, d in zip(labels, decoders, strict=True):
         for kind, graph in (("prefill", d.prefill), ("decode", d.decode)):
             calls[kind][label] = Timed(d, graph, sessions[graph], sizes[kind], vocab_of(sessions[graph], d))
+    load_before = os.getloadavg()[0]
     probe = BandwidthProbe(options.threads) if options.roofline else None
     if probe is not None:  # timed among the decode steps, under the same load as they are
         calls["decode"][_PROBE] = probe
@@ -173,6 +175,7 @@ def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
         "threads": options.threads,
         "runs": options.runs,
         "median_ms": rows,
+        "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, before and after: how shared the machine was
         "tools": manifest_mod.tool_versions(),
     }
     if probe is not None:
@@ -208,7 +211,8 @@ def render(result: dict[str, Any]) -> str:
     roof = result.get("roofline", {})
     weights = {e["label"]: e["weights_bytes_per_step"] for e in result["directories"]}
     lines = [
-        f"batch 1, {result['threads']} threads, median of {result['runs']} interleaved runs; ratios: time / time of {base}",
+        f"batch 1, {result['threads']} threads, median of {result['runs']} interleaved runs; ratios: time / time of {base}"
+        + (" (load average {:.1f} -> {:.1f})".format(*result["load_average"]) if "load_average" in result else ""),
     ]
     if "read_bandwidth_gb_s" in result:
         lines.append(

@@ -221,6 +221,7 @@ def test_bench_cli_side_by_side_with_sweep(kiln_dir: Path, optimum_dir: Path, ge
     assert set(data["median_ms"]["decode"]) == labels | {"pytorch eager"}
     assert data["baseline"] == "kiln fp32 (kiln)" and data["decode_past"] == 6 and data["prefill_seq"] == 8
     assert set(data["roofline"]) == labels and data["read_bandwidth_gb_s"] > 0 and data["read_bandwidth_best_gb_s"] > 0
+    assert len(data["load_average"]) == 2 and "load average" in stdout
     assert data["sweep"]["pasts"] == [4, 8, 16] and set(data["sweep"]["fit"]) == labels
     assert Path(data["sweep"]["plot"]) == out.with_suffix(".png") and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "| kiln fp32 (kiln) |" in stdout and "slope ms/1k past" in stdout
