@@ -267,21 +267,112 @@ def build(
     )
 
 
+def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:
+    if not value:
+        return ()
+    try:
+        out = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, found {value!r}") from None
+    if not out or min(out) < 0:
+        raise click.BadParameter(f"expected non-negative integers, found {value!r}")
+    return out
+
+
 @main.command()
 @click.argument("directories", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--compare", "compare", multiple=True, type=click.Path(path_type=Path), help="Also time this ONNX decoder directory (Optimum's model.onnx, GenAI builder output, another kiln export). Repeatable.")
 @click.option("--prefill-seq", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--past", type=click.IntRange(min=1), default=256, show_default=True, help="Past length of the decode step.")
 @click.option("--runs", type=click.IntRange(min=3), default=30, show_default=True, help="Timed runs per measurement (median reported).")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--sweep", callback=_int_list, default=None, metavar="P1,P2,...", help="Also time the decode step at these past lengths; fits ms per 1k past tokens.")
+@click.option("--sweep-runs", type=click.IntRange(min=3), default=15, show_default=True, help="Runs per sweep point up to past 512 (fewer beyond).")
+@click.option("--no-torch", is_flag=True, help="No PyTorch eager row (for directories without a loadable checkpoint).")
+@click.option("--no-roofline", is_flag=True, help="Skip the memory-bandwidth measurement.")
+@click.option("--out", "out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Write the JSON result here (and the sweep plot beside it, .png).")
+@click.option("--plot", "plot", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Where to write the sweep plot (default: --out with .png).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of tables.")
 @_reports_errors
-def bench(directories: tuple[Path, ...], prefill_seq: int, past: int, runs: int, threads: int, as_json: bool) -> None:
-    """Prefill and decode-step latency at batch 1: PyTorch eager vs ONNX Runtime, one row per
-    export directory (e.g. the fp32, fp16 and int8 exports of one checkpoint)."""
+def bench(
+    directories: tuple[Path, ...],
+    compare: tuple[Path, ...],
+    prefill_seq: int,
+    past: int,
+    runs: int,
+    threads: int,
+    sweep: tuple[int, ...],
+    sweep_runs: int,
+    no_torch: bool,
+    no_roofline: bool,
+    out: Path | None,
+    plot: Path | None,
+    as_json: bool,
+) -> None:
+    """Prefill and decode-step latency at batch 1 on ONNX Runtime CPU, interleaved: kiln export
+    directories and --compare peers side by side (ratios vs the first), PyTorch eager, the
+    roofline fraction of each decode step, and optionally a past-length sweep with a plot."""
     from kiln.exporter.bench import BenchOptions, render, run_bench
 
-    result = run_bench(list(directories), BenchOptions(prefill_seq=prefill_seq, past=past, runs=runs, threads=threads))
+    options = BenchOptions(
+        prefill_seq=prefill_seq, past=past, runs=runs, threads=threads, torch=not no_torch,
+        roofline=not no_roofline, sweep=sweep, sweep_runs=sweep_runs,
+    )
+    result = run_bench([*directories, *compare], options)
+    if "sweep" in result and (plot or out):
+        from kiln.exporter.bench_sweep import plot_sweep
+
+        result["sweep"]["plot"] = str(plot_sweep(result["sweep"], plot or out.with_suffix(".png")))  # type: ignore[union-attr]
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
     click.echo(json.dumps(result, indent=2) if as_json else render(result))
+
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--prompt", default=None, help="Text to continue (tokenized with the export's tokenizer.json).")
+@click.option("--ids", default=None, metavar="ID,ID,...", help="Token ids to continue, instead of --prompt.")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print tokens, text and speeds as JSON.")
+@_reports_errors
+def generate(directory: Path, prompt: str | None, ids: str | None, max_new_tokens: int, ignore_eos: bool, threads: int, as_json: bool) -> None:
+    """Greedy generation through an export's prefill + decode graphs on ONNX Runtime (IOBinding:
+    the KV cache stays in OrtValues between steps); prints the text and tokens/s."""
+    from kiln.errors import GenerateError
+    from kiln.exporter.generate import Generator, load_tokenizer, parse_ids
+
+    if (prompt is None) == (ids is None):
+        raise GenerateError("give exactly one of --prompt TEXT or --ids 1,2,3")
+    generator = Generator(directory, threads)
+    tokenizer = None
+    if prompt is not None:
+        if not prompt.strip():
+            raise GenerateError("the prompt is empty: give some text")
+        tokenizer = load_tokenizer(directory, generator.manifest)
+        prompt_ids = tokenizer.encode(prompt).ids
+    else:
+        prompt_ids = parse_ids(ids)  # type: ignore[arg-type]
+    result = generator.run(prompt_ids, max_new_tokens, stop_at_eos=not ignore_eos)
+    text = tokenizer.decode(list(result.tokens)) if tokenizer is not None else None
+    summary = {
+        "prompt_ids": list(result.prompt),
+        "tokens": list(result.tokens),
+        "text": text,
+        "prefill_tokens_per_s": result.prefill_tokens_per_s,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+    }
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    click.echo((prompt or "") + (text if text is not None else " ".join(map(str, result.tokens))))
+    click.echo(
+        f"prefill: {len(result.prompt)} tokens at {result.prefill_tokens_per_s:.1f} tokens/s; "
+        f"decode: {len(result.tokens) - 1} tokens at {result.decode_tokens_per_s:.1f} tokens/s",
+        err=True,
+    )
 
 
 if __name__ == "__main__":

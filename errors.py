@@ -17,6 +17,7 @@ __all__ = [
     "ArtifactError",
     "BenchError",
     "EngineError",
+    "GenerateError",
 ]
 
 
@@ -75,3 +76,9 @@ class EngineError(KilnError):
     """A TensorRT engine could not be built, loaded or run (or TensorRT is missing)."""
 
     stage = "engine"
+
+
+class GenerateError(KilnError):
+    """Text generation through exported graphs could not run (bad prompt, ids, or directory)."""
+
+    stage = "generate"

@@ -1,0 +1,187 @@
+"""``kiln generate``: greedy text generation through an export's prefill and decode graphs on
+ONNX Runtime, with IOBinding so the KV cache never goes through numpy between steps.
+
+Each step's ``present.*`` outputs stay OrtValues and are bound as the next step's ``past_*``
+inputs; the attention mask is a view of one preallocated row of ones; logits are the only
+output copied out (to take the argmax). What this does NOT avoid: kiln's portable decode graph
+computes ``present = Concat(past, new)``, so the graph itself allocates and writes the whole
+cache every step (O(past) bytes per token). Only a graph whose past and present share one
+fixed-capacity buffer (ONNX Runtime's GroupQueryAttention, the ``--target ort`` graphs) avoids
+that; :class:`KvStrategy` is the seam where such a graph plugs in (bind the same buffer as past
+input and present output once, and let the mask carry the length). It is not built here.
+
+Parity: with ``forced`` tokens and ``keep_logits`` the loop is teacher-forced and returns every
+step's logits, so it can stand in for ``parity.greedy`` as the candidate side of a generation
+check through the exact code path users run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from kiln.errors import GenerateError
+from kiln.exporter.io_contract import past_names, present_names
+from kiln.exporter.verify import require_verified
+
+__all__ = ["ConcatKv", "Generation", "Generator", "KvStrategy", "load_tokenizer", "parse_ids"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]  # new tokens, greedy (or forced)
+    prefill_s: float  # the prompt's forward pass and first token
+    decode_s: float  # all decode steps together
+    logits: np.ndarray | None = None  # [steps, vocab] float32, with keep_logits
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.prompt) / self.prefill_s if self.prefill_s > 0 else float("inf")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = len(self.tokens) - 1  # the first new token comes from the prefill
+        return steps / self.decode_s if steps and self.decode_s > 0 else 0.0
+
+
+class KvStrategy(Protocol):
+    """How KV tensors move from one step's outputs to the next step's inputs. A shared-buffer
+    strategy would allocate ``[1, n_kv, capacity, head_dim]`` OrtValues once and bind each as
+    both ``past_*`` input and ``present_*`` output in ``bind``, ignoring ``previous``."""
+
+    @property
+    def presents(self) -> list[str]:
+        """Output names of the KV, in the order they are bound after ``logits``."""
+        ...
+
+    def bind(self, binding: Any, previous: dict[str, Any]) -> None:
+        """Bind past inputs (from ``previous`` outputs by name) and present outputs."""
+        ...
+
+
+class ConcatKv:
+    """For graphs that grow the cache with Concat: the runtime allocates each step's presents
+    (total length); they are bound, as OrtValues, as the next step's pasts."""
+
+    def __init__(self, n_layers: int) -> None:
+        self._pairs = [(past, present) for i in range(n_layers) for past, present in zip(past_names(i), present_names(i), strict=True)]
+
+    @property
+    def presents(self) -> list[str]:
+        return [present for _, present in self._pairs]
+
+    def bind(self, binding: Any, previous: dict[str, Any]) -> None:
+        for past, present in self._pairs:
+            binding.bind_ortvalue_input(past, previous[present])
+            binding.bind_output(present, "cpu")
+
+
+class Generator:
+    """The prefill and decode sessions of one verified kiln export directory, batch 1."""
+
+    def __init__(self, directory: Path, threads: int = 2, kv: KvStrategy | None = None) -> None:
+        from kiln.exporter.bench import session
+
+        manifest = require_verified(directory)
+        ple = manifest["export"].get("ple")
+        if ple and ple.get("tables") == "input":
+            raise GenerateError(f"{directory}: exported with --ple-tables input; kiln generate runs graphs with the tables as constants")
+        graphs = manifest["graphs"]
+        self.directory = directory
+        self.manifest = manifest
+        self.max_context = int(manifest["limits"]["max_context"])
+        self.eos = manifest["model"]["eos_token_id"]
+        self._prefill = session(directory / graphs["prefill"]["file"], threads)
+        self._decode = session(directory / graphs["decode"]["file"], threads)
+        self._kv: KvStrategy = kv or ConcatKv(int(manifest["model"]["n_layers"]))
+        self._vocab = int(manifest["model"]["vocab_size"])
+
+    def run(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        stop_at_eos: bool = True,
+        forced: Sequence[int] | None = None,
+        keep_logits: bool = False,
+    ) -> Generation:
+        from onnxruntime import OrtValue
+
+        if not prompt:
+            raise GenerateError("the prompt is empty: give at least one token")
+        if max_new_tokens < 1:
+            raise GenerateError(f"--max-new-tokens must be at least 1, found {max_new_tokens}")
+        if len(prompt) + max_new_tokens - 1 > self.max_context:
+            raise GenerateError(f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceed the export's context limit {self.max_context}")
+        if any(not 0 <= t < self._vocab for t in prompt):
+            raise GenerateError(f"token ids must be in [0, {self._vocab}); found {[t for t in prompt if not 0 <= t < self._vocab][:5]}")
+        n = len(prompt)
+        mask = np.ones((1, n + max_new_tokens), dtype=np.int64)  # views of it are every step's mask
+        logits_out = OrtValue.ortvalue_from_shape_and_type([1, 1, self._vocab], np.float32)
+        kept: list[np.ndarray] = []
+        tokens: list[int] = []
+
+        def take(logits: np.ndarray) -> int:
+            row = logits.reshape(-1, self._vocab)[-1].astype(np.float32)
+            if keep_logits:
+                kept.append(row.copy())
+            step = len(tokens)
+            tokens.append(int(forced[step]) if forced is not None else int(row.argmax()))
+            return tokens[-1]
+
+        start = time.perf_counter()
+        binding = self._prefill.io_binding()
+        binding.bind_cpu_input("input_ids", np.asarray([prompt], dtype=np.int64))
+        binding.bind_cpu_input("attention_mask", mask[:, :n])
+        binding.bind_cpu_input("position_ids", np.arange(n, dtype=np.int64)[None, :])
+        binding.bind_output("logits", "cpu")
+        for name in self._kv.presents:
+            binding.bind_output(name, "cpu")
+        self._prefill.run_with_iobinding(binding)
+        outputs = dict(zip(["logits", *self._kv.presents], binding.get_outputs(), strict=True))
+        token = take(outputs["logits"].numpy())
+        prefill_s = time.perf_counter() - start
+
+        start = time.perf_counter()
+        binding = self._decode.io_binding()
+        binding.bind_ortvalue_output("logits", logits_out)
+        for step in range(1, max_new_tokens):
+            if stop_at_eos and token == self.eos:
+                break
+            total = n + step
+            binding.bind_cpu_input("input_ids", np.asarray([[token]], dtype=np.int64))
+            binding.bind_cpu_input("attention_mask", mask[:, :total])
+            binding.bind_cpu_input("position_ids", np.asarray([[total - 1]], dtype=np.int64))
+            self._kv.bind(binding, outputs)
+            self._decode.run_with_iobinding(binding)
+            outputs = dict(zip(["logits", *self._kv.presents], binding.get_outputs(), strict=True))
+            token = take(logits_out.numpy())
+        decode_s = time.perf_counter() - start
+        return Generation(tuple(prompt), tuple(tokens), prefill_s, decode_s, np.stack(kept) if keep_logits else None)
+
+
+def load_tokenizer(directory: Path, manifest: dict[str, Any]) -> Any:
+    """The export's tokenizer (``manifest['tokenizer']``), or a GenerateError saying to pass ids."""
+    from tokenizers import Tokenizer
+
+    rel = manifest.get("tokenizer")
+    if not rel or not (directory / rel).is_file():
+        raise GenerateError(f"{directory}: the export has no tokenizer.json (its checkpoint had none); pass token ids with --ids")
+    return Tokenizer.from_file(str(directory / rel))
+
+
+def parse_ids(text: str) -> list[int]:
+    """``"1,2, 3"`` -> ``[1, 2, 3]``; a GenerateError on anything else."""
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise GenerateError(f"--ids: expected comma-separated integers, found {text!r}") from None
+    if not ids:
+        raise GenerateError("--ids is empty: give at least one token id")
+    return ids
