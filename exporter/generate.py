@@ -92,6 +92,8 @@ class Generator:
         ple = manifest["export"].get("ple")
         if ple and ple.get("tables") == "input":
             raise GenerateError(f"{directory}: exported with --ple-tables input; kiln generate runs graphs with the tables as constants")
+        if manifest["model"].get("encoder_dim") is not None:
+            raise GenerateError(f"{directory}: a cross-attention decoder needs its encoder's output (encoder_hidden_states); kiln generate has no encoder to run")
         graphs = manifest["graphs"]
         self.directory = directory
         self.manifest = manifest

@@ -30,7 +30,7 @@ class Sizes:
     seq: int  # new tokens this call
     past: int  # tokens already in the cache
     batch: int = 1
-    encoder: int = 0  # encoder_seq of cross-attention models
+    encoder: int = 64  # encoder_seq of cross-attention models (at least 1: their graphs are traced for 1..max_context)
     capacity: int | None = None  # None: past inputs hold exactly ``past`` tokens
     named: tuple[tuple[str, int], ...] = ()  # tool-specific dims with a fixed size (GenAI's kv_cache_dim = head size)
 

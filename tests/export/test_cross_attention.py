@@ -161,3 +161,13 @@ def test_engine_profiles_bound_the_encoder_length(cross_export: Path) -> None:
     shapes = {s.name: (s.min, s.opt, s.max) for s in decode.inputs}
     assert shapes["past_key_values.1.cross_key"] == ((1, 2, 1, 8), (1, 2, 16, 8), (4, 2, 48, 8))
     assert shapes["past_key_values.1.key"] == ((1, 2, 1, 8), (1, 2, 15, 8), (4, 2, 47, 8))
+
+
+def test_bench_feeds_the_encoder_and_generate_refuses(cross_export: Path) -> None:
+    bench = CliRunner().invoke(main, ["bench", str(cross_export), "--runs", "3", "--prefill-seq", "8", "--past", "8", "--no-roofline", "--json"])
+    assert bench.exit_code == 0, bench.output
+    result = json.loads(bench.output)
+    assert result["median_ms"]["decode"] and all(v > 0 for v in result["median_ms"]["decode"].values())
+    generate = CliRunner().invoke(main, ["generate", str(cross_export), "--ids", "3,4,5"])
+    assert generate.exit_code != 0
+    assert "a cross-attention decoder needs its encoder's output (encoder_hidden_states); kiln generate has no encoder to run" in generate.output
