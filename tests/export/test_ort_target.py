@@ -1,0 +1,164 @@
+"""``--target ort``: ONNX Runtime-target graphs beside the portable ones, really run by ONNX
+Runtime, checked for fp32 parity (tensors and greedy generation, left-padded batches included)
+exactly like the portable graphs, with the rewrite asserted on the graphs themselves."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from jsonschema import Draft202012Validator
+
+from kiln.cli import main
+from kiln.errors import ConfigError
+from kiln.exporter.check import check_dir
+from kiln.exporter.io_contract import GraphKind
+from kiln.exporter.options import ExportOptions, Precision, Target
+from kiln.exporter.pipeline import ExportResult, export
+from kiln.exporter.targets.ort_int8 import pack_int8_blocks
+from kiln.exporter.verify import verify_dir
+
+PARITY_TOKENS = 12
+
+
+def _ops(path: Path) -> Counter[str]:
+    model = onnx.load(str(path), load_external_data=False)
+    return Counter(n.op_type for n in model.graph.node)
+
+
+def _const_weight_matmuls(path: Path) -> int:
+    model = onnx.load(str(path), load_external_data=False)
+    constants = {t.name for t in model.graph.initializer}
+    return sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in constants)
+
+
+def _assert_ort_checked(result: ExportResult, precision: str) -> None:
+    parity = result.parity
+    assert parity.passed, parity.failures()
+    assert parity.extra["targets"]["ort"]["precision"] == precision and parity.extra["targets"]["ort"]["passed"]
+    checked = {t.graph for t in parity.tensors}
+    assert {"prefill.ort", "decode.ort", "model.ort"} <= checked
+    runs = {(g.path, g.batch) for g in parity.generation}
+    # batch 1 and the left-padded batch of 3, through prefill + decode and through model.onnx
+    assert {("ort:prefill+decode", 1), ("ort:prefill+decode", 3), ("ort:model", 1), ("ort:model", 3)} <= runs
+
+
+def _assert_rewritten(out: Path, n_layers: int, n_norms: int) -> None:
+    onnx_dir = out / "onnx"
+    for kind in (GraphKind.PREFILL, GraphKind.DECODE):
+        path = onnx_dir / f"{kind.value}.ort.onnx"
+        ops = _ops(path)
+        assert ops["GroupQueryAttention"] == n_layers and ops["RotaryEmbedding"] == 2 * n_layers, ops
+        assert ops["Softmax"] == 0 and ops["Neg"] == 0, ops  # the portable core and rotate_half are gone
+        # GQA writes the presents, and nothing reads them back (repeat_kv is gone)
+        nodes = onnx.load(str(path), load_external_data=False).graph.node
+        makers = {out: n.op_type for n in nodes for out in n.output if out.startswith("present.")}
+        assert set(makers.values()) == {"GroupQueryAttention"} and len(makers) == 2 * n_layers
+        assert not [i for n in nodes for i in n.input if i.startswith("present.")]
+        assert ops["SimplifiedLayerNormalization"] == n_norms and ops["Pow"] == 0 and ops["Reciprocal"] == 0, ops
+    # model.onnx keeps portable attention (GQA's CPU kernel refuses batch > 1 with a past and seq > 1)
+    unified = _ops(onnx_dir / "model.ort.onnx")
+    assert unified["GroupQueryAttention"] == 0 and unified["Softmax"] == n_layers
+    assert unified["SimplifiedLayerNormalization"] == n_norms
+    # the portable graphs are untouched: standard ops only
+    for kind in GraphKind:
+        model = onnx.load(str(onnx_dir / f"{kind.value}.onnx"), load_external_data=False)
+        assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+        assert _ops(onnx_dir / f"{kind.value}.onnx")["Softmax"] == n_layers
+
+
+def _assert_manifest(out: Path, precision: str) -> dict:
+    manifest = json.loads((out / "manifest.json").read_text())
+    schema = json.loads((Path(__file__).parents[2] / "exporter" / "manifest.schema.json").read_text())
+    errors = [e.message for e in Draft202012Validator(schema).iter_errors(manifest)]
+    assert not errors, errors
+    ort = manifest["targets"]["ort"]
+    assert ort["precision"] == precision
+    assert {g["file"] for g in ort["graphs"].values()} == {f"onnx/{k.value}.ort.onnx" for k in GraphKind}
+    assert ort["weights"]["file"] in manifest["files"]
+    for graph in ort["graphs"].values():
+        assert graph["file"] in manifest["files"]
+    assert verify_dir(out).ok
+    return manifest
+
+
+def test_native_ort_target_fp32(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = export(tiny_ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, parity_tokens=PARITY_TOKENS))
+    _assert_ort_checked(result, "fp32")
+    # fp32 tolerances, as for the portable graphs
+    assert all(t.atol == 1e-4 for t in result.parity.tensors if t.graph.endswith(".ort"))
+    # 2 layers x (attention norm, PLE norm, MLP norm) + the final norm
+    _assert_rewritten(out, n_layers=2, n_norms=7)
+    manifest = _assert_manifest(out, "fp32")
+    assert manifest["targets"]["ort"]["graphs"]["decode"]["fused_attention_layers"] == [0, 1]
+    assert manifest["precision"] == "fp32" and manifest["graphs"]["decode"]["file"] == "onnx/decode.onnx"
+
+    # kiln check re-runs parity on both sets of graphs
+    checked = check_dir(out)
+    assert checked.passed and {"decode", "decode.ort"} <= {t.graph for t in checked.tensors}
+
+
+def test_hf_llama_ort_target_fp32(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from kiln.plugins.hf import tiny_model
+
+    ckpt = tmp_path / "ckpt"
+    tiny_model("LlamaForCausalLM", seed=1).module.model.save_pretrained(ckpt, safe_serialization=True)
+    out = tmp_path / "out"
+    result = export(ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, parity_tokens=PARITY_TOKENS))
+    _assert_ort_checked(result, "fp32")
+    _assert_rewritten(out, n_layers=2, n_norms=5)
+    _assert_manifest(out, "fp32")
+
+
+def test_native_ort_int8(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = export(tiny_ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, ort_int8=True, parity_tokens=PARITY_TOKENS))
+    _assert_ort_checked(result, "int8")
+    manifest = _assert_manifest(out, "int8")
+    assert manifest["precision"] == "fp32"  # the portable graphs stay fp32
+    for kind in GraphKind:
+        path = out / "onnx" / f"{kind.value}.ort.onnx"
+        # 2 layers x (q, k, v, o, gate, fc1, fc2) + the LM head
+        assert _ops(path)["MatMulNBits"] == 15 and _const_weight_matmuls(path) == 0
+        assert _const_weight_matmuls(out / "onnx" / f"{kind.value}.onnx") == 15
+        assert len(manifest["targets"]["ort"]["graphs"][kind.value]["int8_nodes"]) == 15
+    # the three ORT graphs share one copy of the int8 weights
+    assert manifest["targets"]["ort"]["weights"]["bytes"] < (out / "onnx" / "weights.bin").stat().st_size
+
+
+def test_int8_blocks_round_trip() -> None:
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((70, 5)).astype(np.float32)  # K not a multiple of the block
+    packed, scales = pack_int8_blocks(weight, 32)
+    assert packed.shape == (5, 3, 32) and packed.dtype == np.uint8 and scales.shape == (5, 3)
+    restored = ((packed.astype(np.float32) - 128) * scales[..., None]).reshape(5, 96)[:, :70].T
+    assert np.abs(restored - weight).max() <= scales.max() / 2 + 1e-7
+    assert np.all(packed.reshape(5, 96)[:, 70:] == 128)  # padding quantizes to zero
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(ort_int8=True), "--ort-int8 only applies to --target ort"),
+        (dict(target=Target.ORT, precision=Precision.FP16), "--target ort rewrites the fp32 graphs and cannot be combined with --fp16/--int8 (found fp16)"),
+        (dict(target=Target.ORT, precision=Precision.INT8, calib_data="synthetic"), "(found int8); for int8 on ONNX Runtime use --target ort --ort-int8"),
+    ],
+)
+def test_bad_combinations_refused(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        ExportOptions(**options)
+    assert message in str(info.value)
+
+
+def test_cli_refuses_ort_int8_without_target(tiny_ckpt: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out"), "--ort-int8"])
+    assert result.exit_code == 1
+    assert "error: config: --ort-int8 only applies to --target ort" in result.output
+    assert not (tmp_path / "out").exists()
