@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["constant", "scalar_of", "producer", "single_consumer", "skip_casts"]
+__all__ = ["constant", "copy_type", "scalar_of", "producer", "single_consumer", "skip_casts"]
 
 
 def constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
@@ -56,3 +56,11 @@ def skip_casts(value: ir.Value) -> ir.Value:
         value = node.inputs[0]
         node = value.producer()
     return value
+
+
+def copy_type(dst: ir.Value, src: ir.Value) -> None:
+    """Give ``dst`` the dtype and shape of ``src`` when it has them (setting a None dtype would
+    serialize as an invalid tensor type)."""
+    if src.dtype is not None:
+        dst.dtype = src.dtype
+        dst.shape = src.shape

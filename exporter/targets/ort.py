@@ -6,8 +6,9 @@ contrib kernels into ``onnx/<kind>.ort.onnx``:
 
 - attention -> ``RotaryEmbedding`` + ``GroupQueryAttention`` (prefill and decode; see
   ``ort_attention`` for why model.onnx keeps its portable attention),
-- RMSNorm -> ``SimplifiedLayerNormalization`` (the session fuses the residual Add into
-  ``SkipSimplifiedLayerNormalization`` itself),
+- q/k/v projections -> one MatMul on the concatenated weight and a Split,
+- RMSNorm -> ``SimplifiedLayerNormalization``, with the residual Add before it
+  ``SkipSimplifiedLayerNormalization``,
 - with ``int8``: every constant-weight MatMul -> ``MatMulNBits`` (8 bits, weight-only).
 
 The copies sit in the same directory as the portable graphs because ONNX Runtime refuses
@@ -31,7 +32,7 @@ from kiln.errors import ExportError
 from kiln.exporter.io_contract import GraphKind
 from kiln.exporter.targets.ort_attention import fuse_attention
 from kiln.exporter.targets.ort_int8 import ACCURACY_LEVEL, BLOCK_SIZE, quantize_matmul_nbits
-from kiln.exporter.targets.ort_norm import fuse_rms_norm
+from kiln.exporter.targets.ort_norm import fuse_rms_norm, fuse_skip_rms_norm
 from kiln.exporter.targets.rotary_tables import graph_tables
 from kiln.plugins.base import DecoderSpec
 
@@ -104,12 +105,14 @@ def rewrite_for_ort(model: ir.Model, kind: GraphKind, spec: DecoderSpec, tables_
     fused: list[int] = []
     if kind is not GraphKind.UNIFIED:  # GQA's CPU kernel refuses batch > 1 with past and seq > 1
         tables = graph_tables(model, tables_dir, max_context, spec.head_dim)
-        fused = fuse_attention(model, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, tables=tables)
+        fused = fuse_attention(model, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, tables=tables, rotary_in_gqa=kind is GraphKind.DECODE)
     norms = fuse_rms_norm(model)
+    skip_norms = fuse_skip_rms_norm(model)
+    RemoveUnusedNodesPass()(model)  # before quantizing: the replaced q/k/v MatMuls are dead now
     int8_nodes = quantize_matmul_nbits(model) if int8 else []
     RemoveUnusedNodesPass()(model)
     model.graph.sort()
-    return {"fused_attention_layers": fused, "fused_rms_norms": norms, "int8_nodes": int8_nodes}
+    return {"fused_attention_layers": fused, "fused_rms_norms": norms, "fused_skip_norms": skip_norms, "int8_nodes": int8_nodes}
 
 
 def write_ort_target(

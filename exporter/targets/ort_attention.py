@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from kiln.exporter.targets.graph_utils import constant, producer, scalar_of, single_consumer, skip_casts
+from kiln.exporter.targets.graph_utils import constant, copy_type, producer, scalar_of, single_consumer, skip_casts
 
 __all__ = ["AttentionCore", "fuse_attention", "find_attention"]
 
@@ -302,9 +302,41 @@ class _Shared:
         self.graph.extend(self._nodes)
 
 
-def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: TableFn) -> list[int]:
+def _packed_qkv(shared: _Shared, core: AttentionCore) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """q, k, v = MatMul(x, Wq|Wk|Wv) with constant weights and no bias -> one MatMul on the
+    concatenated weight and a Split: one weight read per step instead of three kernel calls
+    (what ONNX Runtime GenAI's builder does too). The packed weight is a new tensor (in
+    ``weights.ort.bin``); the portable graphs keep the separate ones."""
+    matmuls = [producer(value, "MatMul") for value in (core.q, core.k, core.v)]
+    if any(m is None for m in matmuls):
+        return None
+    x = matmuls[0].inputs[0]  # type: ignore[union-attr]
+    weights = [m.inputs[1].const_value if m.inputs[1] is not None else None for m in matmuls]  # type: ignore[union-attr]
+    if x is None or any(m.inputs[0] is not x for m in matmuls) or any(w is None or len(w.shape) != 2 for w in weights):  # type: ignore[union-attr]
+        return None
+    arrays = [w.numpy() for w in weights]  # type: ignore[union-attr]
+    if any(a.dtype != np.float32 or a.shape[0] != arrays[0].shape[0] for a in arrays):
+        return None
+    packed = constant(shared.graph, f"ort/layers.{core.layer}.attn.qkv_proj.weight", np.concatenate(arrays, axis=1))
+    prefix = f"/layers.{core.layer}.attn/ort"
+    qkv = shared.node("MatMul", [x, packed], {}, "", 1, f"{prefix}/qkv_proj/MatMul").outputs[0]
+    qkv.dtype = ir.DataType.FLOAT
+    sizes = constant(shared.graph, f"ort/layers.{core.layer}.attn.qkv_split", np.array([a.shape[1] for a in arrays], dtype=np.int64))
+    split = shared.node("Split", [qkv, sizes], {"axis": -1}, "", 3, f"{prefix}/qkv_proj/Split")
+    for out, old in zip(split.outputs, (core.q, core.k, core.v), strict=True):
+        copy_type(out, old)
+    return split.outputs[0], split.outputs[1], split.outputs[2]
+
+
+def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: TableFn, rotary_in_gqa: bool = False) -> list[int]:
     """Replace every matched attention core; returns the fused layers. Unmatched layers (and
-    layers whose rotary tables cannot be evaluated) stay as they were."""
+    layers whose rotary tables cannot be evaluated) stay as they were.
+
+    ``rotary_in_gqa`` (decode graphs only: seq 1): feed GQA the packed QKV and let it rotate
+    (``do_rotary`` with ``position_ids``), saving the Split and two RotaryEmbedding kernels per
+    layer. ONNX Runtime 1.32 returns an unrotated ``present_key`` when it rotates a first
+    prompt (past empty), and needs head_dim % 16 == 0, so prefill and other head sizes keep
+    RotaryEmbedding."""
     graph = model.graph
     cores = find_attention(model, head_dim)
     if not cores:
@@ -313,11 +345,20 @@ def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: T
     fused: list[int] = []
     outputs = list(graph.outputs)
     for core in cores:
-        q, k = core.q, core.k
-        if core.rotary is not None:
-            caches = shared.caches(*core.rotary)
-            if caches is None:
-                continue
+        caches = shared.caches(*core.rotary) if core.rotary is not None else None
+        if core.rotary is not None and caches is None:
+            continue
+        packed_qkv = _packed_qkv(shared, core)
+        q, k, v = packed_qkv or (core.q, core.k, core.v)
+        cos_sin: list[ir.Value | None] = [None, None, None]
+        attrs = {"num_heads": core.n_heads, "kv_num_heads": n_kv_heads, "scale": float(core.scale), "causal": 0}
+        if rotary_in_gqa and packed_qkv is not None and caches is not None and head_dim % 16 == 0:
+            # one packed QKV input, rotary inside GQA at the caller's position_ids (its Split
+            # above is left dead and removed)
+            q, k, v = q.producer().inputs[0], None, None  # type: ignore[union-attr]
+            cos_sin = [caches[0], caches[1], shared.position_ids]
+            attrs.update(do_rotary=1, rotary_interleaved=0)
+        elif caches is not None:
             rotated = []
             for which, packed, heads in (("q", q, core.n_heads), ("k", k, n_kv_heads)):
                 node = shared.node(
@@ -332,19 +373,20 @@ def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: T
             q, k = rotated
         gqa = shared.node(
             "GroupQueryAttention",
-            [q, k, core.v, core.past_key, core.past_value, shared.seqlens_k, shared.total, None, None, None, shared.bias(core)],
-            {"num_heads": core.n_heads, "kv_num_heads": n_kv_heads, "scale": float(core.scale), "causal": 0},
+            [q, k, v, core.past_key, core.past_value, shared.seqlens_k, shared.total, *cos_sin, shared.bias(core)],
+            attrs,
             MS_DOMAIN,
             3,
             f"/layers.{core.layer}.attn/ort/GroupQueryAttention",
         )
         out, present_key, present_value = gqa.outputs
-        out.dtype, out.shape = core.out.dtype, core.out.shape
+        copy_type(out, core.out)
         core.out.replace_all_uses_with(out)
         for old, new in ((core.present_key, present_key), (core.present_value, present_value)):
             name = old.name
             old.name = f"{name}.unfused"
-            new.name, new.dtype, new.shape = name, old.dtype, old.shape
+            new.name = name
+            copy_type(new, old)
             outputs[outputs.index(old)] = new
         fused.append(core.layer)
     shared.commit()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from kiln.exporter.targets.graph_utils import constant
+from kiln.exporter.targets.graph_utils import constant, copy_type
 
 __all__ = ["quantize_matmul_nbits", "pack_int8_blocks", "BLOCK_SIZE", "ACCURACY_LEVEL"]
 
@@ -62,7 +62,7 @@ def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accurac
             name=f"{node.name}NBits",
         )
         out = fused.outputs[0]
-        out.dtype, out.shape = node.outputs[0].dtype, node.outputs[0].shape
+        copy_type(out, node.outputs[0])
         graph.insert_before(node, fused)
         old = node.outputs[0]
         name = old.name

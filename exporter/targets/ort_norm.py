@@ -2,8 +2,8 @@
 
 The tracer writes RMSNorm as ``x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2)) + eps)) [* weight]``.
 ONNX Runtime 1.32 does not fuse that form itself (it looks for ``Div``), so the CPU runs seven
-kernels per norm. This pass writes the fused op (ONNX Runtime's kernel in the default domain);
-the session's own SkipLayerNormFusion then merges the residual Add in front of it into
+kernels per norm. This pass writes the fused op (ONNX Runtime's kernel in the default domain),
+and ``fuse_skip_rms_norm`` merges the residual Add in front of it into
 ``SkipSimplifiedLayerNormalization``. A norm without a constant 1-D weight (the native PLE
 sub-layer's, whose scale is a per-position table) gets a ones weight and keeps its Mul.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from kiln.exporter.targets.graph_utils import constant, producer, scalar_of
+from kiln.exporter.targets.graph_utils import constant, copy_type, producer, scalar_of
 
-__all__ = ["fuse_rms_norm"]
+__all__ = ["fuse_rms_norm", "fuse_skip_rms_norm"]
 
 
 def _match(mul: ir.Node) -> tuple[ir.Value, float, ir.Value] | None:
@@ -85,8 +85,45 @@ def fuse_rms_norm(model: ir.Model) -> int:
             name=f"{node.name.rsplit('/', 1)[0]}/SimplifiedLayerNormalization",
         )
         out = fused.outputs[0]
-        out.dtype, out.shape = target.dtype, target.shape
+        copy_type(out, target)
         graph.insert_before(node, fused)
         target.replace_all_uses_with(out, replace_graph_outputs=True)
         count += 1
+    return count
+
+
+def fuse_skip_rms_norm(model: ir.Model) -> int:
+    """``SimplifiedLayerNormalization(Add(a, b))`` with a and b of one [B, S, D] shape ->
+    ``com.microsoft.SkipSimplifiedLayerNormalization(a, b)``, whose fourth output (the sum)
+    feeds what read the Add (the residual stream). ONNX Runtime 1.32's own fusion does not fire
+    on kiln's graphs (it wants shapes it cannot prove), so it is written here."""
+    graph = model.graph
+    count = 0
+    for node in list(graph):
+        if node.op_type != "SimplifiedLayerNormalization" or node.domain != "" or node.graph is None:
+            continue
+        add = producer(node.inputs[0], "Add")
+        if add is None or len(node.inputs) < 2:
+            continue
+        a, b = add.inputs
+        if a is None or b is None or a.shape is None or b.shape is None or len(a.shape) != 3 or a.shape != b.shape or a.dtype != b.dtype:
+            continue
+        fused = ir.node(
+            "SkipSimplifiedLayerNormalization",
+            [a, b, node.inputs[1]],
+            {"epsilon": node.attributes.get_float("epsilon", 1e-5)},
+            domain="com.microsoft",
+            num_outputs=4,
+            name=node.name.replace("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"),
+        )
+        y, _, _, total = fused.outputs
+        copy_type(y, node.outputs[0])
+        copy_type(total, add.outputs[0])
+        graph.insert_before(node, fused)
+        node.outputs[0].replace_all_uses_with(y, replace_graph_outputs=True)
+        add.outputs[0].replace_all_uses_with(total, replace_graph_outputs=True)
+        count += 1
+    if count:
+        graph.opset_imports.setdefault("com.microsoft", 1)
+        model.opset_imports.setdefault("com.microsoft", 1)
     return count

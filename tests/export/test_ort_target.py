@@ -13,6 +13,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 from jsonschema import Draft202012Validator
+from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.cli import main
 from kiln.errors import ConfigError
@@ -48,23 +49,38 @@ def _assert_ort_checked(result: ExportResult, precision: str) -> None:
     assert {("ort:prefill+decode", 1), ("ort:prefill+decode", 3), ("ort:model", 1), ("ort:model", 3)} <= runs
 
 
-def _assert_rewritten(out: Path, n_layers: int, n_norms: int) -> None:
+def _norms(ops: Counter[str]) -> int:
+    return ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"]
+
+
+def _gqa_rotates(path: Path) -> list[int]:
+    nodes = onnx.load(str(path), load_external_data=False).graph.node
+    return [next((a.i for a in n.attribute if a.name == "do_rotary"), 0) for n in nodes if n.op_type == "GroupQueryAttention"]
+
+
+def _assert_rewritten(out: Path, n_layers: int, n_norms: int, rotary_in_gqa: bool = False) -> None:
     onnx_dir = out / "onnx"
     for kind in (GraphKind.PREFILL, GraphKind.DECODE):
         path = onnx_dir / f"{kind.value}.ort.onnx"
         ops = _ops(path)
-        assert ops["GroupQueryAttention"] == n_layers and ops["RotaryEmbedding"] == 2 * n_layers, ops
+        in_gqa = rotary_in_gqa and kind is GraphKind.DECODE  # decode with head_dim % 16 == 0 only
+        assert ops["GroupQueryAttention"] == n_layers and ops["RotaryEmbedding"] == (0 if in_gqa else 2 * n_layers), ops
+        assert _gqa_rotates(path) == [int(in_gqa)] * n_layers
         assert ops["Softmax"] == 0 and ops["Neg"] == 0, ops  # the portable core and rotate_half are gone
+        # q, k and v projections: one MatMul each layer (packed), plus o_proj, the MLP and the head
+        assert ops["Split"] == (0 if in_gqa else n_layers) and ops["MatMul"] == 5 * n_layers + 1, ops
+        # every norm fused, and all but the first with the residual Add before it
+        assert _norms(ops) == n_norms and ops["SkipSimplifiedLayerNormalization"] == n_norms - 1, ops
+        assert ops["Pow"] == 0 and ops["Reciprocal"] == 0, ops
         # GQA writes the presents, and nothing reads them back (repeat_kv is gone)
         nodes = onnx.load(str(path), load_external_data=False).graph.node
         makers = {out: n.op_type for n in nodes for out in n.output if out.startswith("present.")}
         assert set(makers.values()) == {"GroupQueryAttention"} and len(makers) == 2 * n_layers
         assert not [i for n in nodes for i in n.input if i.startswith("present.")]
-        assert ops["SimplifiedLayerNormalization"] == n_norms and ops["Pow"] == 0 and ops["Reciprocal"] == 0, ops
     # model.onnx keeps portable attention (GQA's CPU kernel refuses batch > 1 with a past and seq > 1)
     unified = _ops(onnx_dir / "model.ort.onnx")
     assert unified["GroupQueryAttention"] == 0 and unified["Softmax"] == n_layers
-    assert unified["SimplifiedLayerNormalization"] == n_norms
+    assert _norms(unified) == n_norms
     # the portable graphs are untouched: standard ops only
     for kind in GraphKind:
         model = onnx.load(str(onnx_dir / f"{kind.value}.onnx"), load_external_data=False)
@@ -104,6 +120,16 @@ def test_native_ort_target_fp32(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert checked.passed and {"decode", "decode.ort"} <= {t.graph for t in checked.tensors}
 
 
+def test_native_rotary_inside_gqa_at_decode(tmp_path: Path) -> None:
+    """head_dim 16: the decode graph feeds GQA the packed QKV and lets it rotate, at the
+    caller's (left-padded) position_ids; still exact to fp32 tolerances."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(d_model=64))
+    out = tmp_path / "out"
+    result = export(ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, parity_tokens=PARITY_TOKENS))
+    _assert_ort_checked(result, "fp32")
+    _assert_rewritten(out, n_layers=2, n_norms=7, rotary_in_gqa=True)
+
+
 def test_hf_llama_ort_target_fp32(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from kiln.plugins.hf import tiny_model
@@ -125,10 +151,11 @@ def test_native_ort_int8(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert manifest["precision"] == "fp32"  # the portable graphs stay fp32
     for kind in GraphKind:
         path = out / "onnx" / f"{kind.value}.ort.onnx"
-        # 2 layers x (q, k, v, o, gate, fc1, fc2) + the LM head
-        assert _ops(path)["MatMulNBits"] == 15 and _const_weight_matmuls(path) == 0
+        # 2 layers x (q, k, v, o, gate, fc1, fc2) + the LM head; prefill and decode pack q/k/v
+        want = 15 if kind is GraphKind.UNIFIED else 11
+        assert _ops(path)["MatMulNBits"] == want and _const_weight_matmuls(path) == 0
         assert _const_weight_matmuls(out / "onnx" / f"{kind.value}.onnx") == 15
-        assert len(manifest["targets"]["ort"]["graphs"][kind.value]["int8_nodes"]) == 15
+        assert len(manifest["targets"]["ort"]["graphs"][kind.value]["int8_nodes"]) == want
     # the three ORT graphs share one copy of the int8 weights
     assert manifest["targets"]["ort"]["weights"]["bytes"] < (out / "onnx" / "weights.bin").stat().st_size
 
