@@ -91,7 +91,7 @@ class _TargetWeights:
             if known != digest:
                 raise ExportError(f"ORT target: tensor {name} differs between graphs; cannot share {self.path.name}")
             value.const_value = ir.ExternalTensor(
-                self.path.name, offset, length, tensor.dtype, shape=ir.Shape(tensor.shape), name=name, base_dir=self.path.parent
+                self.path.name, offset, length, tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=name, base_dir=self.path.parent
             )
 
     def close(self) -> int:

@@ -162,13 +162,13 @@ def _core(softmax: ir.Node, head_dim: int) -> AttentionCore | None:
     mnode = masked.producer()
     if mnode is None or mnode.domain != "":
         return None
-    found = None
+    found: tuple[tuple[ir.Node, float], tuple[str, ir.Value, float | None]] | None = None
     if mnode.op_type == "Where":
         cond, a, b = mnode.inputs
         for scores, fill, kind in ((a, b, "where"), (b, a, "where_inv")):
             fill_value = scalar_of(fill)
             got = _scores(scores) if scores is not None else None
-            if got is not None and fill_value is not None:
+            if got is not None and fill_value is not None and cond is not None:
                 found = (got, (kind, cond, fill_value))
                 break
     elif mnode.op_type == "Add":
@@ -207,7 +207,9 @@ def _core(softmax: ir.Node, head_dim: int) -> AttentionCore | None:
     if q_rot is not None and k_rot is not None:
         if (q_rot.cos, q_rot.sin) != (k_rot.cos, k_rot.sin):
             return None
-        q, k, rotary = q_rot.packed, k_rot.packed, (q_rot.cos, q_rot.sin)
+        q: ir.Value | None = q_rot.packed
+        k: ir.Value | None = k_rot.packed
+        rotary: tuple[ir.Value, ir.Value] | None = (q_rot.cos, q_rot.sin)
     else:
         q, k, rotary = _unpack(qk.inputs[0]), _unpack(new_key), None  # type: ignore[arg-type]
     v = _unpack(new_value)
@@ -349,13 +351,16 @@ def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: T
         if core.rotary is not None and caches is None:
             continue
         packed_qkv = _packed_qkv(shared, core)
+        q: ir.Value | None
+        k: ir.Value | None
+        v: ir.Value | None
         q, k, v = packed_qkv or (core.q, core.k, core.v)
         cos_sin: list[ir.Value | None] = [None, None, None]
         attrs = {"num_heads": core.n_heads, "kv_num_heads": n_kv_heads, "scale": float(core.scale), "causal": 0}
         if rotary_in_gqa and packed_qkv is not None and caches is not None and head_dim % 16 == 0:
             # one packed QKV input, rotary inside GQA at the caller's position_ids (its Split
             # above is left dead and removed)
-            q, k, v = q.producer().inputs[0], None, None  # type: ignore[union-attr]
+            q, k, v = q.producer().inputs[0], None, None  # type: ignore[union-attr]  # the packed MatMul output
             cos_sin = [caches[0], caches[1], shared.position_ids]
             attrs.update(do_rotary=1, rotary_interleaved=0)
         elif caches is not None:

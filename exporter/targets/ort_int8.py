@@ -53,7 +53,7 @@ def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accurac
         weight = tensor.numpy()
         k, n = weight.shape
         packed, scales = pack_int8_blocks(weight, block_size)
-        base = (b.name or node.name).removeprefix("weights/")
+        base = (b.name or node.name or "matmul").removeprefix("weights/")  # type: ignore[union-attr]
         fused = ir.node(
             "MatMulNBits",
             [a, constant(graph, f"ort_int8/{base}.q", packed), constant(graph, f"ort_int8/{base}.scales", scales.reshape(-1))],

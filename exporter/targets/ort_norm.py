@@ -82,7 +82,7 @@ def fuse_rms_norm(model: ir.Model) -> int:
             "SimplifiedLayerNormalization",
             [x, gamma],
             {"axis": -1, "epsilon": float(eps), "stash_type": 1},
-            name=f"{node.name.rsplit('/', 1)[0]}/SimplifiedLayerNormalization",
+            name=f"{(node.name or '').rsplit('/', 1)[0]}/SimplifiedLayerNormalization",
         )
         out = fused.outputs[0]
         copy_type(out, target)
@@ -114,7 +114,7 @@ def fuse_skip_rms_norm(model: ir.Model) -> int:
             {"epsilon": node.attributes.get_float("epsilon", 1e-5)},
             domain="com.microsoft",
             num_outputs=4,
-            name=node.name.replace("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"),
+            name=(node.name or "").replace("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"),
         )
         y, _, _, total = fused.outputs
         copy_type(y, node.outputs[0])

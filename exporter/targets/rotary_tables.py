@@ -66,7 +66,7 @@ def graph_tables(model: ir.Model, base_dir: Path, max_positions: int, head_dim: 
             ordered,
             "rotary_tables",
             [helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, max_positions])],
-            [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in (cos.name, sin.name)],
+            [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in (cos.name or "", sin.name or "")],
             tensors,
         )
         sub_model = helper.make_model(sub, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
