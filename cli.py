@@ -147,7 +147,9 @@ def export(
         click.echo(json.dumps({"out": str(result.out), "parity": result.parity.to_dict(), "manifest": result.manifest}, indent=2))
         return
     gen = result.parity.generation
-    click.echo(f"wrote {result.out}: {len(result.manifest['graphs'])} {result.manifest['precision']} graphs, one weights file; parity passed "
+    ort = result.manifest.get("targets", {}).get("ort")
+    extra = f" + {len(ort['graphs'])} ONNX Runtime-target {ort['precision']} graphs (onnx/*.ort.onnx)" if ort else ""
+    click.echo(f"wrote {result.out}: {len(result.manifest['graphs'])} {result.manifest['precision']} graphs, one weights file{extra}; parity passed "
                f"({len(result.parity.tensors)} tensors, {sum(g.steps for g in gen)} generation steps over {len(gen)} runs)")
 
 

@@ -118,6 +118,7 @@ def test_native_ort_target_fp32(tiny_ckpt: Path, tmp_path: Path) -> None:
     # kiln check re-runs parity on both sets of graphs
     checked = check_dir(out)
     assert checked.passed and {"decode", "decode.ort"} <= {t.graph for t in checked.tensors}
+    assert {g.path for g in checked.generation} == {"prefill+decode", "model", "ort:prefill+decode", "ort:model"}
 
 
 def test_native_rotary_inside_gqa_at_decode(tmp_path: Path) -> None:
@@ -143,10 +144,18 @@ def test_hf_llama_ort_target_fp32(tmp_path: Path) -> None:
     _assert_manifest(out, "fp32")
 
 
-def test_native_ort_int8(tiny_ckpt: Path, tmp_path: Path) -> None:
+def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    result = export(tiny_ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, ort_int8=True, parity_tokens=PARITY_TOKENS))
-    _assert_ort_checked(result, "int8")
+    args = ["export", "--model", str(tiny_ckpt), "--out", str(out), "--max-batch", "4", "--parity-tokens", str(PARITY_TOKENS)]
+    cli = CliRunner().invoke(main, [*args, "--target", "ort", "--ort-int8"])
+    assert cli.exit_code == 0, cli.output
+    assert "3 fp32 graphs, one weights file + 3 ONNX Runtime-target int8 graphs (onnx/*.ort.onnx); parity passed" in cli.output
+    parity = json.loads((out / "reports" / "parity.json").read_text())
+    assert parity["passed"] and parity["targets"]["ort"]["precision"] == "int8"
+    ort_tensors = [t for t in parity["tensors"] if t["graph"].endswith(".ort")]
+    assert {t["graph"] for t in ort_tensors} == {"prefill.ort", "decode.ort", "model.ort"}
+    assert all(t["atol"] == 1.5 or t["atol"] == 1.0 for t in ort_tensors)  # int8 tolerances, not fp32's
+    assert {g["path"] for g in parity["generation"]} >= {"ort:prefill+decode", "ort:model"}
     manifest = _assert_manifest(out, "int8")
     assert manifest["precision"] == "fp32"  # the portable graphs stay fp32
     for kind in GraphKind:
