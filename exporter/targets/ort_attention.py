@@ -78,7 +78,8 @@ class AttentionCore:
     present_value: ir.Value
     bias: tuple[str, ir.Value, float | None]  # ("add", mask, None) | ("where", cond, fill) | ("where_inv", cond, fill)
     scale: float
-    out: ir.Value  # [B, S, H*hd], what o_proj reads
+    out: ir.Value  # what o_proj reads: Reshape(Transpose(attention)), usually [B, S, H*hd]
+    out_shape: ir.Value | None  # that Reshape's shape input (GPT-2 reshapes to 2-D [B*S, H*hd])
 
 
 def _unpack(value: ir.Value) -> ir.Value | None:
@@ -232,6 +233,7 @@ def _core(softmax: ir.Node, head_dim: int) -> AttentionCore | None:
         bias=bias,
         scale=scale,
         out=reshape.outputs[0],
+        out_shape=reshape.inputs[1],
     )
 
 
@@ -385,6 +387,10 @@ def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: T
             f"/layers.{core.layer}.attn/ort/GroupQueryAttention",
         )
         out, present_key, present_value = gqa.outputs
+        if core.out.shape is None or len(core.out.shape) != 3:
+            # GQA's [B, S, H*hd] has the element order of the Reshape's input, so the same
+            # Reshape gives what o_proj reads (GPT-2's 2-D Gemm input)
+            out = shared.node("Reshape", [out, core.out_shape], {}, "", 1, f"/layers.{core.layer}.attn/ort/Reshape").outputs[0]
         copy_type(out, core.out)
         core.out.replace_all_uses_with(out)
         for old, new in ((core.present_key, present_key), (core.present_value, present_value)):

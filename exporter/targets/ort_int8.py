@@ -1,4 +1,5 @@
-"""Pass: weight-only int8 for ONNX Runtime CPU: MatMul with a constant weight -> MatMulNBits.
+"""Pass: weight-only int8 for ONNX Runtime CPU: MatMul (or a plain Gemm) with a constant
+weight -> MatMulNBits.
 
 The portable ``--int8`` writes TensorRT-shaped Q/DQ graphs; ONNX Runtime's CPU runs those
 slower than fp32 (it dequantizes and multiplies in float). ``com.microsoft.MatMulNBits`` with
@@ -37,26 +38,41 @@ def pack_int8_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, n
     return q.astype(np.uint8), scales
 
 
+def _plain_gemm(node: ir.Node) -> tuple[bool, ir.Value | None] | None:
+    """A ``Gemm`` that is a MatMul plus a constant 1-D bias (GPT-2's Conv1D): (transB, bias)."""
+    if node.op_type != "Gemm" or node.domain != "" or node.attributes.get_int("transA", 0) != 0:
+        return None
+    if node.attributes.get_float("alpha", 1.0) != 1.0 or node.attributes.get_float("beta", 1.0) != 1.0:
+        return None
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    if bias is not None and (bias.const_value is None or len(bias.const_value.shape) != 1):
+        return None
+    return bool(node.attributes.get_int("transB", 0)), bias
+
+
 def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accuracy_level: int = ACCURACY_LEVEL) -> list[str]:
-    """Replace every MatMul whose second input is a constant float32 [K, N] weight; returns the
-    replaced nodes' names. The packed weights get names derived from the original ones, so the
+    """Replace every MatMul (and plain Gemm, its bias going to MatMulNBits' bias input) whose
+    weight is a constant float32 matrix; returns the replaced nodes' names. The packed weights get names derived from the original ones, so the
     prefill, decode and unified graphs share them."""
     graph = model.graph
     replaced: list[str] = []
     for node in list(graph):
-        if node.op_type != "MatMul" or node.domain != "" or len(node.inputs) != 2:
+        gemm = _plain_gemm(node)
+        is_matmul = node.op_type == "MatMul" and node.domain == "" and len(node.inputs) == 2
+        if not is_matmul and gemm is None:
             continue
-        a, b = node.inputs
+        a, b = node.inputs[0], node.inputs[1]
         tensor = b.const_value if b is not None else None
         if a is None or tensor is None or tensor.dtype != ir.DataType.FLOAT or len(tensor.shape) != 2:
             continue
-        weight = tensor.numpy()
+        weight = tensor.numpy().T if gemm is not None and gemm[0] else tensor.numpy()
+        bias = gemm[1] if gemm is not None else None
         k, n = weight.shape
         packed, scales = pack_int8_blocks(weight, block_size)
         base = (b.name or node.name or "matmul").removeprefix("weights/")  # type: ignore[union-attr]
         fused = ir.node(
             "MatMulNBits",
-            [a, constant(graph, f"ort_int8/{base}.q", packed), constant(graph, f"ort_int8/{base}.scales", scales.reshape(-1))],
+            [a, constant(graph, f"ort_int8/{base}.q", packed), constant(graph, f"ort_int8/{base}.scales", scales.reshape(-1)), None, None, bias],
             {"K": k, "N": n, "bits": 8, "block_size": block_size, "accuracy_level": accuracy_level},
             domain=MS_DOMAIN,
             name=f"{node.name}NBits",

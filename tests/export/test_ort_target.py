@@ -144,6 +144,24 @@ def test_hf_llama_ort_target_fp32(tmp_path: Path) -> None:
     _assert_manifest(out, "fp32")
 
 
+@pytest.mark.parametrize(("arch", "int8"), [("Qwen2ForCausalLM", False), ("MistralForCausalLM", False), ("GPT2LMHeadModel", True)])
+def test_other_hf_families(arch: str, int8: bool, tmp_path: Path) -> None:
+    """q/k/v biases (Qwen2: not packed), a sliding-window mask (Mistral: the family's own mask is
+    GQA's bias), MHA with learned positions, no rotary and 2-D Gemm projections (GPT-2)."""
+    pytest.importorskip("transformers")
+    from kiln.plugins.hf import tiny_model
+
+    ckpt = tmp_path / "ckpt"
+    tiny_model(arch, seed=1).module.model.save_pretrained(ckpt, safe_serialization=True)
+    out = tmp_path / "out"
+    result = export(ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, ort_int8=int8, parity_tokens=PARITY_TOKENS))
+    _assert_ort_checked(result, "int8" if int8 else "fp32")
+    graphs = _assert_manifest(out, "int8" if int8 else "fp32")["targets"]["ort"]["graphs"]
+    assert graphs["prefill"]["fused_attention_layers"] == graphs["decode"]["fused_attention_layers"] == [0, 1]
+    if int8:  # GPT-2's projections are Gemms: 2 layers x (c_attn, c_proj, c_fc, mlp c_proj) + the head
+        assert len(graphs["decode"]["int8_nodes"]) == 9 and _ops(out / "onnx" / "decode.ort.onnx")["Gemm"] == 0
+
+
 def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["export", "--model", str(tiny_ckpt), "--out", str(out), "--max-batch", "4", "--parity-tokens", str(PARITY_TOKENS)]
