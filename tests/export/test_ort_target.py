@@ -216,3 +216,44 @@ def test_cli_refuses_ort_int8_without_target(tiny_ckpt: Path, tmp_path: Path) ->
     assert result.exit_code == 1
     assert "error: config: --ort-int8 only applies to --target ort" in result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_portable(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny native export (portable graphs only): head_dim 16, rope theta 500."""
+    root = tmp_path_factory.mktemp("ort_portable")
+    ckpt = write_checkpoint(root / "ckpt", tiny_config(d_model=64, rope_theta=500.0))
+    export(ckpt, root / "out", ExportOptions(max_batch=2, parity_tokens=2))
+    return root / "out" / "onnx"
+
+
+def test_rotary_tables_are_the_graphs_own(tiny_portable: Path) -> None:
+    import onnx_ir as ir
+
+    from kiln.exporter.targets.ort_attention import find_attention
+    from kiln.exporter.targets.rotary_tables import graph_tables
+
+    model = ir.load(tiny_portable / "decode.onnx")
+    cores = find_attention(model, head_dim=16)
+    assert [c.layer for c in cores] == [0, 1] and all(c.rotary is not None and c.n_heads == 4 for c in cores)
+    assert all(c.past_key is not None and c.past_key.name == f"past_key_values.{c.layer}.key" for c in cores)
+    tables = graph_tables(model, tiny_portable, 48, 16)(*cores[0].rotary)  # type: ignore[misc]
+    assert tables is not None
+    # the formula in float64; the graph computes its angles in float32 (hence 1e-5, not 1e-7),
+    # which is why the tables are taken from the graph rather than re-derived
+    angles = np.arange(48)[:, None] * 500.0 ** (-np.arange(0, 16, 2) / 16)[None, :]
+    np.testing.assert_allclose(tables[0], np.cos(angles), atol=1e-5)
+    np.testing.assert_allclose(tables[1], np.sin(angles), atol=1e-5)
+    assert not np.allclose(tables[0], np.cos(np.arange(48)[:, None] * 10000.0 ** (-np.arange(0, 16, 2) / 16)[None, :]), atol=1e-3)
+
+
+def test_layers_without_tables_stay_portable(tiny_portable: Path) -> None:
+    """When the cos/sin subgraph cannot be evaluated the layer is left as it was (and correct)."""
+    import onnx_ir as ir
+
+    from kiln.exporter.targets.ort_attention import fuse_attention
+
+    model = ir.load(tiny_portable / "decode.onnx")
+    assert fuse_attention(model, n_kv_heads=2, head_dim=16, tables=lambda cos, sin: None) == []
+    assert Counter(n.op_type for n in model.graph)["Softmax"] == 2
+    assert not [n for n in model.graph if n.domain == "com.microsoft"]
