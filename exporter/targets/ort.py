@@ -9,6 +9,8 @@ contrib kernels into ``onnx/<kind>.ort.onnx``:
 - q/k/v projections -> one MatMul on the concatenated weight and a Split,
 - RMSNorm -> ``SimplifiedLayerNormalization``, with the residual Add before it
   ``SkipSimplifiedLayerNormalization``,
+- decode: the family's mask subgraph -> a four-op padding bias when probes prove them equal
+  (``decode_mask``),
 - with ``int8``: every constant-weight MatMul -> ``MatMulNBits`` (8 bits, weight-only).
 
 The copies sit in the same directory as the portable graphs because ONNX Runtime refuses
@@ -30,6 +32,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from kiln.errors import ExportError
 from kiln.exporter.io_contract import GraphKind
+from kiln.exporter.targets.decode_mask import compact_decode_bias
 from kiln.exporter.targets.ort_attention import fuse_attention
 from kiln.exporter.targets.ort_int8 import ACCURACY_LEVEL, BLOCK_SIZE, quantize_matmul_nbits
 from kiln.exporter.targets.ort_norm import fuse_rms_norm, fuse_skip_rms_norm
@@ -103,16 +106,25 @@ class _TargetWeights:
 def rewrite_for_ort(model: ir.Model, kind: GraphKind, spec: DecoderSpec, tables_dir: Path, max_context: int, int8: bool) -> dict[str, Any]:
     """Apply the ORT-target passes to ``model`` in place; returns what they rewrote."""
     fused: list[int] = []
+    compact_mask = False
     if kind is not GraphKind.UNIFIED:  # GQA's CPU kernel refuses batch > 1 with past and seq > 1
         tables = graph_tables(model, tables_dir, max_context, spec.head_dim)
         fused = fuse_attention(model, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, tables=tables, rotary_in_gqa=kind is GraphKind.DECODE)
+        if fused and kind is GraphKind.DECODE:
+            compact_mask = compact_decode_bias(model, tables_dir, max_context)
     norms = fuse_rms_norm(model)
     skip_norms = fuse_skip_rms_norm(model)
     RemoveUnusedNodesPass()(model)  # before quantizing: the replaced q/k/v MatMuls are dead now
     int8_nodes = quantize_matmul_nbits(model) if int8 else []
     RemoveUnusedNodesPass()(model)
     model.graph.sort()
-    return {"fused_attention_layers": fused, "fused_rms_norms": norms, "fused_skip_norms": skip_norms, "int8_nodes": int8_nodes}
+    return {
+        "fused_attention_layers": fused,
+        "compact_decode_mask": compact_mask,
+        "fused_rms_norms": norms,
+        "fused_skip_norms": skip_norms,
+        "int8_nodes": int8_nodes,
+    }
 
 
 def write_ort_target(

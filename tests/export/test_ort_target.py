@@ -113,6 +113,8 @@ def test_native_ort_target_fp32(tiny_ckpt: Path, tmp_path: Path) -> None:
     _assert_rewritten(out, n_layers=2, n_norms=7)
     manifest = _assert_manifest(out, "fp32")
     assert manifest["targets"]["ort"]["graphs"]["decode"]["fused_attention_layers"] == [0, 1]
+    # decode: the family's mask subgraph was proven to be padding-only and replaced
+    assert [manifest["targets"]["ort"]["graphs"][k]["compact_decode_mask"] for k in ("prefill", "decode", "model")] == [False, True, False]
     assert manifest["precision"] == "fp32" and manifest["graphs"]["decode"]["file"] == "onnx/decode.onnx"
 
     # kiln check re-runs parity on both sets of graphs
@@ -141,7 +143,8 @@ def test_hf_llama_ort_target_fp32(tmp_path: Path) -> None:
     result = export(ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, parity_tokens=PARITY_TOKENS))
     _assert_ort_checked(result, "fp32")
     _assert_rewritten(out, n_layers=2, n_norms=5)
-    _assert_manifest(out, "fp32")
+    assert _assert_manifest(out, "fp32")["targets"]["ort"]["graphs"]["decode"]["compact_decode_mask"]
+    assert _ops(out / "onnx" / "decode.ort.onnx")["GatherND"] == 0  # transformers' mask subgraph is gone
 
 
 @pytest.mark.parametrize(("arch", "int8"), [("Qwen2ForCausalLM", False), ("MistralForCausalLM", False), ("GPT2LMHeadModel", True)])
@@ -257,3 +260,55 @@ def test_layers_without_tables_stay_portable(tiny_portable: Path) -> None:
     assert fuse_attention(model, n_kv_heads=2, head_dim=16, tables=lambda cos, sin: None) == []
     assert Counter(n.op_type for n in model.graph)["Softmax"] == 2
     assert not [n for n in model.graph if n.domain == "com.microsoft"]
+
+
+def _gqa_graph(window: int | None) -> onnx.ModelProto:
+    """A decode-shaped graph whose GQA bias is the padding mask, optionally also hiding keys
+    more than ``window`` positions back (a sliding window)."""
+    from onnx import TensorProto, helper
+
+    h = helper
+    nodes = [
+        h.make_node("Cast", ["attention_mask"], ["keep"], to=TensorProto.BOOL),
+        h.make_node("Where", ["keep", "zero", "fill"], ["pad_bias"]),
+        h.make_node("Unsqueeze", ["pad_bias", "axes"], ["bias"] if window is None else ["pad4"]),
+    ]
+    if window is not None:  # key j visible only when j >= T - window
+        nodes += [
+            h.make_node("Shape", ["attention_mask"], ["shape"], start=1, end=2),
+            h.make_node("Squeeze", ["shape"], ["total"]),
+            h.make_node("Range", ["start", "total", "step"], ["keys"]),
+            h.make_node("Sub", ["total", "window"], ["first"]),
+            h.make_node("Less", ["keys", "first"], ["old"]),
+            h.make_node("Where", ["old", "fill", "pad4"], ["bias"]),
+        ]
+    nodes.append(h.make_node("GroupQueryAttention", ["q", "", "", "", "", "", "", "", "", "", "bias"], ["out", "pk", "pv"], domain="com.microsoft", num_heads=1, kv_num_heads=1))
+    inits = [
+        h.make_tensor("zero", TensorProto.FLOAT, [], [0.0]),
+        h.make_tensor("fill", TensorProto.FLOAT, [], [-3.0e38]),
+        h.make_tensor("axes", TensorProto.INT64, [2], [1, 2]),
+        h.make_tensor("start", TensorProto.INT64, [], [0]),
+        h.make_tensor("step", TensorProto.INT64, [], [1]),
+        h.make_tensor("window", TensorProto.INT64, [], [window or 0]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "decode",
+        [h.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total_seq"]), h.make_tensor_value_info("q", TensorProto.FLOAT, ["batch", 1, 16])],
+        [h.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        inits,
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 19), h.make_opsetid("com.microsoft", 1)])
+
+
+@pytest.mark.parametrize(("window", "max_context", "compacted"), [(None, 64, True), (8, 64, False), (100, 64, True), (40, 64, False)])
+def test_decode_mask_compacted_only_when_proven_equal(window: int | None, max_context: int, compacted: bool, tmp_path: Path) -> None:
+    """A sliding window shorter than the context is more than padding: the family's mask stays."""
+    import onnx_ir as ir
+
+    from kiln.exporter.targets.decode_mask import compact_decode_bias
+
+    model = ir.from_proto(_gqa_graph(window))
+    assert compact_decode_bias(model, tmp_path, max_context) is compacted
+    gqa = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+    assert (gqa.inputs[10].producer().name == "/ort/decode_mask/Unsqueeze") is compacted  # type: ignore[union-attr]
