@@ -164,7 +164,7 @@ def check_dir(
             return OrtRunner(graphs, extra_feeds=extra)
 
         kinds = tuple(graphs)
-    return run_parity(
+    result = run_parity(
         reference,
         loaded.spec,
         candidate,
@@ -176,3 +176,25 @@ def check_dir(
         last_logits_only=options.last_logits_only,
         progress=progress,
     )
+    ort_target = (manifest.get("targets") or {}).get("ort")
+    if backend != "tensorrt" and ort_target is not None:  # --target ort graphs: checked the same way
+        from kiln.exporter.targets.parity import merge_target_parity
+
+        ort_graphs = {kind: directory / ort_target["graphs"][kind.value]["file"] for kind in GraphKind}
+        for path in ort_graphs.values():
+            if not path.is_file():
+                raise ArtifactError(f"{path}: graph file missing")
+        ort_result = run_parity(
+            reference,
+            loaded.spec,
+            lambda: OrtRunner(ort_graphs, extra_feeds=extra),
+            tuple(ort_graphs),
+            precision=ort_target["precision"],
+            max_context=options.max_context or loaded.spec.max_context,
+            max_batch=options.max_batch,
+            tokens=options.parity_tokens,
+            last_logits_only=options.last_logits_only,
+            progress=progress,
+        )
+        merge_target_parity(result, "ort", ort_result)
+    return result

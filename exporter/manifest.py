@@ -55,6 +55,7 @@ def build(
     policy: Fp16Policy,
     int8_nodes: dict[str, list[str]],
     calibration: dict[str, Any] | None,
+    ort_target: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     spec = loaded.spec
     graphs: dict[str, Any] = {}
@@ -71,7 +72,7 @@ def build(
             graphs[kind.value]["fp32_nodes"] = kept_fp32[kind.value]["nodes"]
             graphs[kind.value]["fp32_ple_tables"] = kept_fp32[kind.value]["tables"]
     tokenizer = "onnx/tokenizer.json" if (root / "onnx" / "tokenizer.json").is_file() else None
-    return {
+    manifest: dict[str, Any] = {
         "manifest_version": MANIFEST_VERSION,
         "family": spec.family,
         "checkpoint": {
@@ -114,6 +115,9 @@ def build(
         "tools": tool_versions(),
         "files": hash_tree(root, exclude=(MANIFEST,)),
     }
+    if ort_target is not None:  # --target ort: the ONNX Runtime-target graphs beside the portable ones
+        manifest["targets"] = {"ort": ort_target}
+    return manifest
 
 
 def write(root: Path, manifest: dict[str, Any]) -> Path:

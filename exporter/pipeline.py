@@ -18,7 +18,7 @@ from kiln.calibration import Calibration
 from kiln.exporter.artifacts import hash_tree, sha256_file, staged_output
 from kiln.exporter.check import run_parity
 from kiln.exporter.io_contract import GraphKind, graph_io
-from kiln.exporter.options import ExportOptions, PLETables
+from kiln.exporter.options import ExportOptions, PLETables, Target
 from kiln.exporter.parity import ParityResult
 from kiln.exporter.passes import apply_contract, name_nodes, ple_tables_to_inputs
 from kiln.exporter.parity import TOLERANCES
@@ -31,6 +31,8 @@ from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.report import write_parity_reports
 from kiln.exporter.runners import OrtRunner, TorchRunner
 from kiln.exporter.serving import write_genai_config
+from kiln.exporter.targets.ort import OrtTarget, write_ort_target
+from kiln.exporter.targets.parity import merge_target_parity
 from kiln.exporter.trace import trace_graph
 from kiln.exporter.weights import SharedWeightsWriter
 from kiln.plugins import LoadedModel, load_model
@@ -170,20 +172,32 @@ def export_loaded(
         if loaded.tokenizer is not None:
             shutil.copyfile(loaded.tokenizer, onnx_dir / "tokenizer.json")
 
+        ort_target: OrtTarget | None = None
+        if options.target is Target.ORT:
+            with progress.stage("ONNX Runtime target graphs"):
+                ort_target = write_ort_target(onnx_dir, graphs, spec, max_context=max_context, int8=options.ort_int8)
+
         parity_feeds = table_feeds(tables, options.precision.kv_dtype) if table_shapes else None
-        parity = run_parity(
-            reference,
-            spec,
-            lambda: OrtRunner(graphs, extra_feeds=parity_feeds),
-            tuple(graphs),
-            precision=options.precision.value,
-            max_context=max_context,
-            max_batch=options.max_batch,
-            tokens=options.parity_tokens,
-            last_logits_only=options.last_logits_only,
-            release_reference=release_weights(reference) if release_reference else None,
-            progress=progress,
-        )
+        release = release_weights(reference) if release_reference else None
+
+        def check(paths: dict[GraphKind, Path], precision: str, last: bool) -> ParityResult:
+            return run_parity(
+                reference,
+                spec,
+                lambda: OrtRunner(paths, extra_feeds=parity_feeds),
+                tuple(paths),
+                precision=precision,
+                max_context=max_context,
+                max_batch=options.max_batch,
+                tokens=options.parity_tokens,
+                last_logits_only=options.last_logits_only,
+                release_reference=release if last else None,  # the last check frees the model
+                progress=progress,
+            )
+
+        parity = check(graphs, options.precision.value, last=ort_target is None)
+        if ort_target is not None:
+            merge_target_parity(parity, "ort", check(ort_target.graphs, ort_target.precision, last=True))
         if kept_fp32:
             parity.extra["kept_fp32"] = kept_fp32
         if calibration_info is not None:
@@ -208,6 +222,7 @@ def export_loaded(
             policy=policy,
             int8_nodes=int8_nodes,
             calibration=calibration_info,
+            ort_target=ort_target.manifest_entry(tmp) if ort_target is not None else None,
         )
         if spec.encoder_dim is None:  # GenAI's decoder-only models have no way to feed a cross cache
             write_genai_config(tmp / ONNX_DIR, manifest)  # beside model.onnx, so it is hashed too

@@ -1,0 +1,66 @@
+"""Small onnx-ir helpers the ONNX Runtime target passes share: constants, scalar reads, walks."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = ["constant", "copy_type", "scalar_of", "producer", "single_consumer", "skip_casts"]
+
+
+def constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """An initializer ``name`` holding ``array`` (reused when the graph already has that name)."""
+    if name in graph.initializers:
+        return graph.initializers[name]
+    value = ir.val(name, const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
+def scalar_of(value: ir.Value | None) -> float | None:
+    """The value of a one-element constant (initializer or ``Constant`` node), else None."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        node = value.producer()
+        if node is None or node.op_type != "Constant" or "value" not in node.attributes:
+            return None
+        tensor = node.attributes["value"].as_tensor()
+    array = tensor.numpy()
+    return float(array.reshape(-1)[0]) if array.size == 1 else None
+
+
+def producer(value: ir.Value | None, op_type: str | tuple[str, ...]) -> ir.Node | None:
+    """The node that makes ``value`` when it has one of the given op types."""
+    if value is None:
+        return None
+    node = value.producer()
+    types = (op_type,) if isinstance(op_type, str) else op_type
+    return node if node is not None and node.op_type in types and node.domain == "" else None
+
+
+def single_consumer(value: ir.Value, op_type: str) -> ir.Node | None:
+    """The only node reading ``value``, when it has ``op_type`` and ``value`` is no graph output."""
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    node = uses[0].node
+    return node if node.op_type == op_type and node.domain == "" else None
+
+
+def skip_casts(value: ir.Value) -> ir.Value:
+    """Walk back through no-op float32->float32 Casts (the tracer leaves some around softmax)."""
+    node = value.producer()
+    while node is not None and node.op_type == "Cast" and node.inputs[0] is not None and node.inputs[0].dtype == value.dtype:
+        value = node.inputs[0]
+        node = value.producer()
+    return value
+
+
+def copy_type(dst: ir.Value, src: ir.Value) -> None:
+    """Give ``dst`` the dtype and shape of ``src`` when it has them (setting a None dtype would
+    serialize as an invalid tensor type)."""
+    if src.dtype is not None:
+        dst.dtype = src.dtype
+        dst.shape = src.shape

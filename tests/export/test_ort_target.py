@@ -1,0 +1,314 @@
+"""``--target ort``: ONNX Runtime-target graphs beside the portable ones, really run by ONNX
+Runtime, checked for fp32 parity (tensors and greedy generation, left-padded batches included)
+exactly like the portable graphs, with the rewrite asserted on the graphs themselves."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from jsonschema import Draft202012Validator
+from kiln_testing import tiny_config, write_checkpoint
+
+from kiln.cli import main
+from kiln.errors import ConfigError
+from kiln.exporter.check import check_dir
+from kiln.exporter.io_contract import GraphKind
+from kiln.exporter.options import ExportOptions, Precision, Target
+from kiln.exporter.pipeline import ExportResult, export
+from kiln.exporter.targets.ort_int8 import pack_int8_blocks
+from kiln.exporter.verify import verify_dir
+
+PARITY_TOKENS = 12
+
+
+def _ops(path: Path) -> Counter[str]:
+    model = onnx.load(str(path), load_external_data=False)
+    return Counter(n.op_type for n in model.graph.node)
+
+
+def _const_weight_matmuls(path: Path) -> int:
+    model = onnx.load(str(path), load_external_data=False)
+    constants = {t.name for t in model.graph.initializer}
+    return sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in constants)
+
+
+def _assert_ort_checked(result: ExportResult, precision: str) -> None:
+    parity = result.parity
+    assert parity.passed, parity.failures()
+    assert parity.extra["targets"]["ort"]["precision"] == precision and parity.extra["targets"]["ort"]["passed"]
+    checked = {t.graph for t in parity.tensors}
+    assert {"prefill.ort", "decode.ort", "model.ort"} <= checked
+    runs = {(g.path, g.batch) for g in parity.generation}
+    # batch 1 and the left-padded batch of 3, through prefill + decode and through model.onnx
+    assert {("ort:prefill+decode", 1), ("ort:prefill+decode", 3), ("ort:model", 1), ("ort:model", 3)} <= runs
+
+
+def _norms(ops: Counter[str]) -> int:
+    return ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"]
+
+
+def _gqa_rotates(path: Path) -> list[int]:
+    nodes = onnx.load(str(path), load_external_data=False).graph.node
+    return [next((a.i for a in n.attribute if a.name == "do_rotary"), 0) for n in nodes if n.op_type == "GroupQueryAttention"]
+
+
+def _assert_rewritten(out: Path, n_layers: int, n_norms: int, rotary_in_gqa: bool = False) -> None:
+    onnx_dir = out / "onnx"
+    for kind in (GraphKind.PREFILL, GraphKind.DECODE):
+        path = onnx_dir / f"{kind.value}.ort.onnx"
+        ops = _ops(path)
+        in_gqa = rotary_in_gqa and kind is GraphKind.DECODE  # decode with head_dim % 16 == 0 only
+        assert ops["GroupQueryAttention"] == n_layers and ops["RotaryEmbedding"] == (0 if in_gqa else 2 * n_layers), ops
+        assert _gqa_rotates(path) == [int(in_gqa)] * n_layers
+        assert ops["Softmax"] == 0 and ops["Neg"] == 0, ops  # the portable core and rotate_half are gone
+        # q, k and v projections: one MatMul each layer (packed), plus o_proj, the MLP and the head
+        assert ops["Split"] == (0 if in_gqa else n_layers) and ops["MatMul"] == 5 * n_layers + 1, ops
+        # every norm fused, and all but the first with the residual Add before it
+        assert _norms(ops) == n_norms and ops["SkipSimplifiedLayerNormalization"] == n_norms - 1, ops
+        assert ops["Pow"] == 0 and ops["Reciprocal"] == 0, ops
+        # GQA writes the presents, and nothing reads them back (repeat_kv is gone)
+        nodes = onnx.load(str(path), load_external_data=False).graph.node
+        makers = {out: n.op_type for n in nodes for out in n.output if out.startswith("present.")}
+        assert set(makers.values()) == {"GroupQueryAttention"} and len(makers) == 2 * n_layers
+        assert not [i for n in nodes for i in n.input if i.startswith("present.")]
+    # model.onnx keeps portable attention (GQA's CPU kernel refuses batch > 1 with a past and seq > 1)
+    unified = _ops(onnx_dir / "model.ort.onnx")
+    assert unified["GroupQueryAttention"] == 0 and unified["Softmax"] == n_layers
+    assert _norms(unified) == n_norms
+    # the portable graphs are untouched: standard ops only
+    for kind in GraphKind:
+        model = onnx.load(str(onnx_dir / f"{kind.value}.onnx"), load_external_data=False)
+        assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+        assert _ops(onnx_dir / f"{kind.value}.onnx")["Softmax"] == n_layers
+
+
+def _assert_manifest(out: Path, precision: str) -> dict:
+    manifest = json.loads((out / "manifest.json").read_text())
+    schema = json.loads((Path(__file__).parents[2] / "exporter" / "manifest.schema.json").read_text())
+    errors = [e.message for e in Draft202012Validator(schema).iter_errors(manifest)]
+    assert not errors, errors
+    ort = manifest["targets"]["ort"]
+    assert ort["precision"] == precision
+    assert {g["file"] for g in ort["graphs"].values()} == {f"onnx/{k.value}.ort.onnx" for k in GraphKind}
+    assert ort["weights"]["file"] in manifest["files"]
+    for graph in ort["graphs"].values():
+        assert graph["file"] in manifest["files"]
+    assert verify_dir(out).ok
+    return manifest
+
+
+def test_native_ort_target_fp32(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = export(tiny_ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, parity_tokens=PARITY_TOKENS))
+    _assert_ort_checked(result, "fp32")
+    # fp32 tolerances, as for the portable graphs
+    assert all(t.atol == 1e-4 for t in result.parity.tensors if t.graph.endswith(".ort"))
+    # 2 layers x (attention norm, PLE norm, MLP norm) + the final norm
+    _assert_rewritten(out, n_layers=2, n_norms=7)
+    manifest = _assert_manifest(out, "fp32")
+    assert manifest["targets"]["ort"]["graphs"]["decode"]["fused_attention_layers"] == [0, 1]
+    # decode: the family's mask subgraph was proven to be padding-only and replaced
+    assert [manifest["targets"]["ort"]["graphs"][k]["compact_decode_mask"] for k in ("prefill", "decode", "model")] == [False, True, False]
+    assert manifest["precision"] == "fp32" and manifest["graphs"]["decode"]["file"] == "onnx/decode.onnx"
+
+    # kiln check re-runs parity on both sets of graphs
+    checked = check_dir(out)
+    assert checked.passed and {"decode", "decode.ort"} <= {t.graph for t in checked.tensors}
+    assert {g.path for g in checked.generation} == {"prefill+decode", "model", "ort:prefill+decode", "ort:model"}
+
+
+def test_native_rotary_inside_gqa_at_decode(tmp_path: Path) -> None:
+    """head_dim 16: the decode graph feeds GQA the packed QKV and lets it rotate, at the
+    caller's (left-padded) position_ids; still exact to fp32 tolerances."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(d_model=64))
+    out = tmp_path / "out"
+    result = export(ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, parity_tokens=PARITY_TOKENS))
+    _assert_ort_checked(result, "fp32")
+    _assert_rewritten(out, n_layers=2, n_norms=7, rotary_in_gqa=True)
+
+
+def test_hf_llama_ort_target_fp32(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from kiln.plugins.hf import tiny_model
+
+    ckpt = tmp_path / "ckpt"
+    tiny_model("LlamaForCausalLM", seed=1).module.model.save_pretrained(ckpt, safe_serialization=True)
+    out = tmp_path / "out"
+    result = export(ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, parity_tokens=PARITY_TOKENS))
+    _assert_ort_checked(result, "fp32")
+    _assert_rewritten(out, n_layers=2, n_norms=5)
+    assert _assert_manifest(out, "fp32")["targets"]["ort"]["graphs"]["decode"]["compact_decode_mask"]
+    assert _ops(out / "onnx" / "decode.ort.onnx")["GatherND"] == 0  # transformers' mask subgraph is gone
+
+
+@pytest.mark.parametrize(("arch", "int8"), [("Qwen2ForCausalLM", False), ("MistralForCausalLM", False), ("GPT2LMHeadModel", True)])
+def test_other_hf_families(arch: str, int8: bool, tmp_path: Path) -> None:
+    """q/k/v biases (Qwen2: not packed), a sliding-window mask (Mistral: the family's own mask is
+    GQA's bias), MHA with learned positions, no rotary and 2-D Gemm projections (GPT-2)."""
+    pytest.importorskip("transformers")
+    from kiln.plugins.hf import tiny_model
+
+    ckpt = tmp_path / "ckpt"
+    tiny_model(arch, seed=1).module.model.save_pretrained(ckpt, safe_serialization=True)
+    out = tmp_path / "out"
+    result = export(ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, ort_int8=int8, parity_tokens=PARITY_TOKENS))
+    _assert_ort_checked(result, "int8" if int8 else "fp32")
+    graphs = _assert_manifest(out, "int8" if int8 else "fp32")["targets"]["ort"]["graphs"]
+    assert graphs["prefill"]["fused_attention_layers"] == graphs["decode"]["fused_attention_layers"] == [0, 1]
+    if int8:  # GPT-2's projections are Gemms: 2 layers x (c_attn, c_proj, c_fc, mlp c_proj) + the head
+        assert len(graphs["decode"]["int8_nodes"]) == 9 and _ops(out / "onnx" / "decode.ort.onnx")["Gemm"] == 0
+
+
+def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["export", "--model", str(tiny_ckpt), "--out", str(out), "--max-batch", "4", "--parity-tokens", str(PARITY_TOKENS)]
+    cli = CliRunner().invoke(main, [*args, "--target", "ort", "--ort-int8"])
+    assert cli.exit_code == 0, cli.output
+    assert "3 fp32 graphs, one weights file + 3 ONNX Runtime-target int8 graphs (onnx/*.ort.onnx); parity passed" in cli.output
+    parity = json.loads((out / "reports" / "parity.json").read_text())
+    assert parity["passed"] and parity["targets"]["ort"]["precision"] == "int8"
+    ort_tensors = [t for t in parity["tensors"] if t["graph"].endswith(".ort")]
+    assert {t["graph"] for t in ort_tensors} == {"prefill.ort", "decode.ort", "model.ort"}
+    assert all(t["atol"] == 1.5 or t["atol"] == 1.0 for t in ort_tensors)  # int8 tolerances, not fp32's
+    assert {g["path"] for g in parity["generation"]} >= {"ort:prefill+decode", "ort:model"}
+    manifest = _assert_manifest(out, "int8")
+    assert manifest["precision"] == "fp32"  # the portable graphs stay fp32
+    for kind in GraphKind:
+        path = out / "onnx" / f"{kind.value}.ort.onnx"
+        # 2 layers x (q, k, v, o, gate, fc1, fc2) + the LM head; prefill and decode pack q/k/v
+        want = 15 if kind is GraphKind.UNIFIED else 11
+        assert _ops(path)["MatMulNBits"] == want and _const_weight_matmuls(path) == 0
+        assert _const_weight_matmuls(out / "onnx" / f"{kind.value}.onnx") == 15
+        assert len(manifest["targets"]["ort"]["graphs"][kind.value]["int8_nodes"]) == want
+    # the three ORT graphs share one copy of the int8 weights
+    assert manifest["targets"]["ort"]["weights"]["bytes"] < (out / "onnx" / "weights.bin").stat().st_size
+
+
+def test_int8_blocks_round_trip() -> None:
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((70, 5)).astype(np.float32)  # K not a multiple of the block
+    packed, scales = pack_int8_blocks(weight, 32)
+    assert packed.shape == (5, 3, 32) and packed.dtype == np.uint8 and scales.shape == (5, 3)
+    restored = ((packed.astype(np.float32) - 128) * scales[..., None]).reshape(5, 96)[:, :70].T
+    assert np.abs(restored - weight).max() <= scales.max() / 2 + 1e-7
+    assert np.all(packed.reshape(5, 96)[:, 70:] == 128)  # padding quantizes to zero
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(ort_int8=True), "--ort-int8 only applies to --target ort"),
+        (dict(target=Target.ORT, precision=Precision.FP16), "--target ort rewrites the fp32 graphs and cannot be combined with --fp16/--int8 (found fp16)"),
+        (dict(target=Target.ORT, precision=Precision.INT8, calib_data="synthetic"), "(found int8); for int8 on ONNX Runtime use --target ort --ort-int8"),
+    ],
+)
+def test_bad_combinations_refused(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        ExportOptions(**options)
+    assert message in str(info.value)
+
+
+def test_cli_refuses_ort_int8_without_target(tiny_ckpt: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out"), "--ort-int8"])
+    assert result.exit_code == 1
+    assert "error: config: --ort-int8 only applies to --target ort" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_portable(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny native export (portable graphs only): head_dim 16, rope theta 500."""
+    root = tmp_path_factory.mktemp("ort_portable")
+    ckpt = write_checkpoint(root / "ckpt", tiny_config(d_model=64, rope_theta=500.0))
+    export(ckpt, root / "out", ExportOptions(max_batch=2, parity_tokens=2))
+    return root / "out" / "onnx"
+
+
+def test_rotary_tables_are_the_graphs_own(tiny_portable: Path) -> None:
+    import onnx_ir as ir
+
+    from kiln.exporter.targets.ort_attention import find_attention
+    from kiln.exporter.targets.rotary_tables import graph_tables
+
+    model = ir.load(tiny_portable / "decode.onnx")
+    cores = find_attention(model, head_dim=16)
+    assert [c.layer for c in cores] == [0, 1] and all(c.rotary is not None and c.n_heads == 4 for c in cores)
+    assert all(c.past_key is not None and c.past_key.name == f"past_key_values.{c.layer}.key" for c in cores)
+    tables = graph_tables(model, tiny_portable, 48, 16)(*cores[0].rotary)  # type: ignore[misc]
+    assert tables is not None
+    # the formula in float64; the graph computes its angles in float32 (hence 1e-5, not 1e-7),
+    # which is why the tables are taken from the graph rather than re-derived
+    angles = np.arange(48)[:, None] * 500.0 ** (-np.arange(0, 16, 2) / 16)[None, :]
+    np.testing.assert_allclose(tables[0], np.cos(angles), atol=1e-5)
+    np.testing.assert_allclose(tables[1], np.sin(angles), atol=1e-5)
+    assert not np.allclose(tables[0], np.cos(np.arange(48)[:, None] * 10000.0 ** (-np.arange(0, 16, 2) / 16)[None, :]), atol=1e-3)
+
+
+def test_layers_without_tables_stay_portable(tiny_portable: Path) -> None:
+    """When the cos/sin subgraph cannot be evaluated the layer is left as it was (and correct)."""
+    import onnx_ir as ir
+
+    from kiln.exporter.targets.ort_attention import fuse_attention
+
+    model = ir.load(tiny_portable / "decode.onnx")
+    assert fuse_attention(model, n_kv_heads=2, head_dim=16, tables=lambda cos, sin: None) == []
+    assert Counter(n.op_type for n in model.graph)["Softmax"] == 2
+    assert not [n for n in model.graph if n.domain == "com.microsoft"]
+
+
+def _gqa_graph(window: int | None) -> onnx.ModelProto:
+    """A decode-shaped graph whose GQA bias is the padding mask, optionally also hiding keys
+    more than ``window`` positions back (a sliding window)."""
+    from onnx import TensorProto, helper
+
+    h = helper
+    nodes = [
+        h.make_node("Cast", ["attention_mask"], ["keep"], to=TensorProto.BOOL),
+        h.make_node("Where", ["keep", "zero", "fill"], ["pad_bias"]),
+        h.make_node("Unsqueeze", ["pad_bias", "axes"], ["bias"] if window is None else ["pad4"]),
+    ]
+    if window is not None:  # key j visible only when j >= T - window
+        nodes += [
+            h.make_node("Shape", ["attention_mask"], ["shape"], start=1, end=2),
+            h.make_node("Squeeze", ["shape"], ["total"]),
+            h.make_node("Range", ["start", "total", "step"], ["keys"]),
+            h.make_node("Sub", ["total", "window"], ["first"]),
+            h.make_node("Less", ["keys", "first"], ["old"]),
+            h.make_node("Where", ["old", "fill", "pad4"], ["bias"]),
+        ]
+    nodes.append(h.make_node("GroupQueryAttention", ["q", "", "", "", "", "", "", "", "", "", "bias"], ["out", "pk", "pv"], domain="com.microsoft", num_heads=1, kv_num_heads=1))
+    inits = [
+        h.make_tensor("zero", TensorProto.FLOAT, [], [0.0]),
+        h.make_tensor("fill", TensorProto.FLOAT, [], [-3.0e38]),
+        h.make_tensor("axes", TensorProto.INT64, [2], [1, 2]),
+        h.make_tensor("start", TensorProto.INT64, [], [0]),
+        h.make_tensor("step", TensorProto.INT64, [], [1]),
+        h.make_tensor("window", TensorProto.INT64, [], [window or 0]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "decode",
+        [h.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total_seq"]), h.make_tensor_value_info("q", TensorProto.FLOAT, ["batch", 1, 16])],
+        [h.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        inits,
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 19), h.make_opsetid("com.microsoft", 1)])
+
+
+@pytest.mark.parametrize(("window", "max_context", "compacted"), [(None, 64, True), (8, 64, False), (100, 64, True), (40, 64, False)])
+def test_decode_mask_compacted_only_when_proven_equal(window: int | None, max_context: int, compacted: bool, tmp_path: Path) -> None:
+    """A sliding window shorter than the context is more than padding: the family's mask stays."""
+    import onnx_ir as ir
+
+    from kiln.exporter.targets.decode_mask import compact_decode_bias
+
+    model = ir.from_proto(_gqa_graph(window))
+    assert compact_decode_bias(model, tmp_path, max_context) is compacted
+    gqa = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+    assert (gqa.inputs[10].producer().name == "/ort/decode_mask/Unsqueeze") is compacted  # type: ignore[union-attr]
