@@ -22,7 +22,7 @@ from typing import Any
 
 from kiln.errors import BenchError
 from kiln.exporter import manifest as manifest_mod
-from kiln.exporter.decoder_dirs import DecoderDir, open_decoder_dir
+from kiln.exporter.decoder_dirs import DecoderDir, open_decoder_dirs
 from kiln.exporter.graph_feeds import Sizes, build_feeds, declared_inputs
 from kiln.exporter.roofline import BandwidthProbe, read_bandwidth, weights_bytes_per_step
 
@@ -137,8 +137,8 @@ def _check_same_checkpoint(kiln_dirs: list[DecoderDir]) -> None:
 def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
     """Every directory's prefill and decode graphs (and PyTorch eager), measured interleaved;
     the first directory is the baseline of the ratios."""
-    decoders = [open_decoder_dir(d) for d in directories]
-    kiln_dirs = [d for d in decoders if d.manifest is not None]
+    decoders = [entry for d in directories for entry in open_decoder_dirs(d)]
+    kiln_dirs = [d for d in decoders if d.manifest is not None and d.target is None]
     if kiln_dirs:
         _check_same_checkpoint(kiln_dirs)
     limit = min((d.manifest["limits"]["max_context"] for d in kiln_dirs), default=None)  # type: ignore[index]

@@ -14,7 +14,7 @@ from typing import Any
 from kiln.errors import BenchError
 from kiln.jsonfile import read_json_object
 
-__all__ = ["DecoderDir", "open_decoder_dir"]
+__all__ = ["DecoderDir", "open_decoder_dir", "open_decoder_dirs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +28,29 @@ class DecoderDir:
     present_to_past: dict[str, str] = dataclasses.field(default_factory=dict)  # shared buffer: output -> the input it aliases
     manifest: dict[str, Any] | None = None  # kiln exports only
     named_dims: tuple[tuple[str, int], ...] = ()  # symbolic dims with a known size (see graph_feeds.Sizes.named)
+    target: str | None = None  # kiln exports: "ort" for the --target ort graphs, None for the portable ones
 
     @property
     def label(self) -> str:
+        if self.manifest is not None and self.target is not None:
+            return f"kiln {self.target} {self.manifest['targets'][self.target]['precision']} ({self.path.name})"
         if self.manifest is not None:
             return f"kiln {self.manifest['precision']} ({self.path.name})"
         return f"{self.tool} ({self.path.name})"
+
+
+def open_decoder_dirs(path: Path) -> list[DecoderDir]:
+    """``open_decoder_dir``, plus, for a kiln export with ``--target ort`` graphs, those graphs
+    as a second entry (they are timed beside the portable ones of the same directory)."""
+    first = open_decoder_dir(path)
+    if first.manifest is None:
+        return [first]
+    targets = first.manifest.get("targets") or {}
+    extra = [
+        dataclasses.replace(first, prefill=path / t["graphs"]["prefill"]["file"], decode=path / t["graphs"]["decode"]["file"], target=name)
+        for name, t in sorted(targets.items())
+    ]
+    return [first, *extra]
 
 
 def open_decoder_dir(path: Path) -> DecoderDir:

@@ -84,6 +84,8 @@ def export_loaded(
             "--int8 is not supported for cross-attention decoders yet: calibration needs encoder_hidden_states"
             " samples, which kiln's calibration data formats do not carry; export --fp16 or fp32"
         )
+    if spec.encoder_dim is not None and options.target is Target.ORT:
+        raise ConfigError("--target ort is not supported for cross-attention decoders yet: its attention rewrite knows causal self-attention only")
     max_context = resolve_limits(loaded, options)
     with staged_output(out, options.force) as tmp:
         reference = prepare_reference(loaded, options)

@@ -189,6 +189,12 @@ def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> Non
     # the three ORT graphs share one copy of the int8 weights
     assert manifest["targets"]["ort"]["weights"]["bytes"] < (out / "onnx" / "weights.bin").stat().st_size
 
+    # kiln bench times the ORT-target graphs beside the portable ones of the same directory
+    bench = CliRunner().invoke(main, ["bench", str(out), "--runs", "3", "--prefill-seq", "8", "--past", "8", "--no-torch", "--no-roofline", "--json"])
+    assert bench.exit_code == 0, bench.output
+    rows = json.loads(bench.output)["median_ms"]["decode"]
+    assert set(rows) == {"kiln fp32 (out)", "kiln ort int8 (out)"}
+
 
 def test_int8_blocks_round_trip() -> None:
     rng = np.random.default_rng(0)
