@@ -7,6 +7,7 @@ generation from prompts cut from the text, how many tokens match PyTorch's befor
 difference. Run by hand:
 
     python benchmarks/accuracy.py build/demo build/demo16 [--windows 32]
+    python benchmarks/accuracy.py build/demo-ort8 --target ort     # the --target ort graphs
 """
 
 from __future__ import annotations
@@ -32,11 +33,18 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
+def graph_file(directory: Path, manifest: dict, kind: GraphKind, target: str | None) -> Path:
+    """The portable graph of ``kind``, or the ``--target`` one (manifest ``targets``)."""
+    graphs = manifest["graphs"] if target is None else manifest["targets"][target]["graphs"]
+    return directory / graphs[kind.value]["file"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="+", type=Path)
     parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--target", choices=["ort"], default=None, help="measure the export's --target ort graphs instead of the portable ones")
     args = parser.parse_args()
 
     ckpt = resolve_checkpoint("demo")
@@ -60,7 +68,7 @@ def main() -> None:
         if logits_of is not None:
             manifest = json.loads((logits_of / "manifest.json").read_text())
             kv = manifest["kv_cache"]["dtype"]
-            session = ort.InferenceSession(str(logits_of / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+            session = ort.InferenceSession(str(graph_file(logits_of, manifest, GraphKind.UNIFIED, args.target)), providers=["CPUExecutionProvider"])
         for w, ref in zip(windows, ref_logits, strict=True):
             if session is None:
                 logits = ref
@@ -75,7 +83,7 @@ def main() -> None:
             count += win - 1
         row = {"perplexity": float(np.exp(nll / count)), "top1_agreement": agree / (count + len(windows))}
         if logits_of is not None:
-            graphs = {k: logits_of / "onnx" / f"{k.value}.onnx" for k in (GraphKind.PREFILL, GraphKind.DECODE)}
+            graphs = {k: graph_file(logits_of, manifest, k, args.target) for k in (GraphKind.PREFILL, GraphKind.DECODE)}
             with OrtRunner(graphs) as runner:
                 lengths = []
                 for p, want in zip(prompts, ref_tokens, strict=True):
@@ -87,7 +95,7 @@ def main() -> None:
     base = rows["pytorch fp32"]["perplexity"]
     for row in rows.values():
         row["perplexity_change_pct"] = 100 * (row["perplexity"] / base - 1)
-    print(json.dumps({"windows": args.windows, "tokens_per_window": win, "rows": rows}, indent=2))
+    print(json.dumps({"windows": args.windows, "tokens_per_window": win, "target": args.target or "portable", "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
