@@ -18,53 +18,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import external_data_helper, helper
 
 from kiln.exporter.targets.graph_utils import constant
+from kiln.exporter.targets.subgraph import cut_subgraph
 
 __all__ = ["compact_decode_bias"]
 
 MS_DOMAIN = "com.microsoft"
 _BIAS_INPUT = 10  # GroupQueryAttention's attention_bias
-
-
-def _subgraph(proto: onnx.ModelProto, output: str, base_dir: Path) -> onnx.ModelProto | None:
-    producers = {out: node for node in proto.graph.node for out in node.output}
-    initializers = {t.name: t for t in proto.graph.initializer}
-    graph_inputs = {v.name: v for v in proto.graph.input}
-    nodes: dict[int, onnx.NodeProto] = {}
-    inits: list[onnx.TensorProto] = []
-    inputs: dict[str, onnx.ValueInfoProto] = {}
-    stack, seen = [output], set()
-    while stack:
-        name = stack.pop()
-        if not name or name in seen:
-            continue
-        seen.add(name)
-        if name in graph_inputs:
-            inputs[name] = graph_inputs[name]
-        elif name in initializers:
-            tensor = onnx.TensorProto()
-            tensor.CopyFrom(initializers[name])
-            if external_data_helper.uses_external_data(tensor):
-                if tensor.ByteSize() > 1 << 20:
-                    return None  # a mask does not read weights
-                external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
-                tensor.data_location = onnx.TensorProto.DEFAULT
-                del tensor.external_data[:]
-            inits.append(tensor)
-        elif name in producers:
-            node = producers[name]
-            if node.domain not in ("", "ai.onnx") or any(a.type == onnx.AttributeProto.GRAPH for a in node.attribute):
-                return None
-            nodes[id(node)] = node
-            stack.extend(node.input)
-        else:
-            return None
-    ordered = [n for n in proto.graph.node if id(n) in nodes]
-    out = helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None)
-    graph = helper.make_graph(ordered, "decode_mask", list(inputs.values()), [out], inits)
-    return helper.make_model(graph, opset_imports=[o for o in proto.opset_import if o.domain in ("", "ai.onnx")], ir_version=proto.ir_version)
 
 
 def _probes(max_context: int) -> list[np.ndarray]:
@@ -111,7 +72,7 @@ def compact_decode_bias(model: ir.Model, base_dir: Path, max_context: int) -> bo
     bias = next(iter(biases.values()))
     if bias.name is None or bias.is_graph_input():
         return False
-    sub = _subgraph(ir.to_proto(model), bias.name, base_dir)
+    sub = cut_subgraph(ir.to_proto(model), [bias.name], base_dir, name="decode_mask", max_external_bytes=1 << 20)  # a mask reads no weights
     if sub is None:
         return False
     import onnxruntime as ort

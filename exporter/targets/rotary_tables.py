@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import external_data_helper, helper
+from onnx import helper
 
 from kiln.exporter.targets.ort_attention import TableFn
+from kiln.exporter.targets.subgraph import cut_subgraph
 
 __all__ = ["graph_tables"]
 
@@ -25,51 +26,13 @@ __all__ = ["graph_tables"]
 def graph_tables(model: ir.Model, base_dir: Path, max_positions: int, head_dim: int) -> TableFn:
     """A ``TableFn`` evaluating ``model``'s cos/sin values (external weights under ``base_dir``)."""
     proto = ir.to_proto(model)  # external tensors stay references: no weight is read here
-    producers = {out: node for node in proto.graph.node for out in node.output}
-    initializers = {t.name: t for t in proto.graph.initializer}
-    graph_inputs = {v.name for v in proto.graph.input}
 
     def tables(cos: ir.Value, sin: ir.Value) -> tuple[np.ndarray, np.ndarray] | None:
-        nodes: dict[int, onnx.NodeProto] = {}
-        inits: dict[str, onnx.TensorProto] = {}
-        stack = [cos.name, sin.name]
-        seen: set[str] = set()
-        while stack:
-            name = stack.pop()
-            if not name or name in seen:
-                continue
-            seen.add(name)
-            if name in graph_inputs:
-                if name != "position_ids":
-                    return None
-            elif name in initializers:
-                inits[name] = initializers[name]
-            elif name in producers:
-                node = producers[name]
-                if node.domain not in ("", "ai.onnx") or any(a.type == onnx.AttributeProto.GRAPH for a in node.attribute):
-                    return None
-                nodes[id(node)] = node
-                stack.extend(node.input)
-            else:
-                return None
-        ordered = [n for n in proto.graph.node if id(n) in nodes]
-        tensors = []
-        for tensor in inits.values():
-            copy = onnx.TensorProto()
-            copy.CopyFrom(tensor)
-            if external_data_helper.uses_external_data(copy):
-                external_data_helper.load_external_data_for_tensor(copy, str(base_dir))
-                copy.data_location = onnx.TensorProto.DEFAULT
-                del copy.external_data[:]
-            tensors.append(copy)
-        sub = helper.make_graph(
-            ordered,
-            "rotary_tables",
-            [helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, max_positions])],
-            [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in (cos.name or "", sin.name or "")],
-            tensors,
-        )
-        sub_model = helper.make_model(sub, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
+        sub_model = cut_subgraph(proto, [cos.name or "", sin.name or ""], base_dir, name="rotary_tables", allowed_inputs={"position_ids"})
+        if sub_model is None:
+            return None
+        del sub_model.graph.input[:]  # the graph declares [batch, seq]; the tables are one long row
+        sub_model.graph.input.append(helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, max_positions]))
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
