@@ -53,6 +53,7 @@ class TorchRunner:
         wrapper = GraphModule(self._module, kind, self._n_layers, self._last, cross).eval()
         ids, mask, pos = (torch.from_numpy(feeds[n]) for n in ("input_ids", "attention_mask", "position_ids"))
         # the reference computes in fp32 whatever the graphs' float I/O dtype
+        extra: torch.Tensor | list[torch.Tensor] | None
         if kind is GraphKind.PREFILL:
             extra = torch.from_numpy(feeds[ENCODER_STATES]).float() if cross else None
         else:
