@@ -343,10 +343,13 @@ def bench(
 @click.option("--ids", default=None, metavar="ID,ID,...", help="Token ids to continue, instead of --prompt.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
+@click.option("--target", type=click.Choice(["ort"]), default=None, help="Run the export's --target ort graphs (their decode step writes the KV cache in place).")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and speeds as JSON.")
 @_reports_errors
-def generate(directory: Path, prompt: str | None, ids: str | None, max_new_tokens: int, ignore_eos: bool, threads: int, as_json: bool) -> None:
+def generate(
+    directory: Path, prompt: str | None, ids: str | None, max_new_tokens: int, ignore_eos: bool, target: str | None, threads: int, as_json: bool
+) -> None:
     """Greedy generation through an export's prefill + decode graphs on ONNX Runtime (IOBinding:
     the KV cache stays in OrtValues between steps); prints the text and tokens/s."""
     from kiln.errors import GenerateError
@@ -354,7 +357,7 @@ def generate(directory: Path, prompt: str | None, ids: str | None, max_new_token
 
     if (prompt is None) == (ids is None):
         raise GenerateError("give exactly one of --prompt TEXT or --ids 1,2,3")
-    generator = Generator(directory, threads)
+    generator = Generator(directory, threads, target=target)
     tokenizer = None
     if prompt is not None:
         if not prompt.strip():
@@ -371,6 +374,7 @@ def generate(directory: Path, prompt: str | None, ids: str | None, max_new_token
         "text": text,
         "prefill_tokens_per_s": result.prefill_tokens_per_s,
         "decode_tokens_per_s": result.decode_tokens_per_s,
+        "kv_cache": generator.kv_cache,
     }
     if as_json:
         click.echo(json.dumps(summary, indent=2))
@@ -378,7 +382,7 @@ def generate(directory: Path, prompt: str | None, ids: str | None, max_new_token
     click.echo((prompt or "") + (text if text is not None else " ".join(map(str, result.tokens))))
     click.echo(
         f"prefill: {len(result.prompt)} tokens at {result.prefill_tokens_per_s:.1f} tokens/s; "
-        f"decode: {len(result.tokens) - 1} tokens at {result.decode_tokens_per_s:.1f} tokens/s",
+        f"decode: {len(result.tokens) - 1} tokens at {result.decode_tokens_per_s:.1f} tokens/s ({generator.kv_cache} KV cache)",
         err=True,
     )
 

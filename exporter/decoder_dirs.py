@@ -45,11 +45,19 @@ def open_decoder_dirs(path: Path) -> list[DecoderDir]:
     first = open_decoder_dir(path)
     if first.manifest is None:
         return [first]
+    from kiln.exporter.generate import shares_kv_buffer
+    from kiln.exporter.io_contract import past_names, present_names
+
     targets = first.manifest.get("targets") or {}
-    extra = [
-        dataclasses.replace(first, prefill=path / t["graphs"]["prefill"]["file"], decode=path / t["graphs"]["decode"]["file"], target=name)
-        for name, t in sorted(targets.items())
-    ]
+    extra = []
+    for name, t in sorted(targets.items()):
+        # the ORT decode graph writes its KV in place when past and present are one buffer:
+        # timed that way, as a serving loop (kiln generate --target ort) runs it
+        shared = name == "ort" and shares_kv_buffer(first.manifest)
+        layers = range(int(first.manifest["model"]["n_layers"]))
+        aliases = {present: past for i in layers for past, present in zip(past_names(i), present_names(i), strict=True)} if shared else {}
+        decode, prefill = path / t["graphs"]["decode"]["file"], path / t["graphs"]["prefill"]["file"]
+        extra.append(dataclasses.replace(first, prefill=prefill, decode=decode, target=name, shared_kv_buffer=shared, present_to_past=aliases))
     return [first, *extra]
 
 

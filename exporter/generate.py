@@ -5,10 +5,11 @@ Each step's ``present.*`` outputs stay OrtValues and are bound as the next step'
 inputs; the attention mask is a view of one preallocated row of ones; logits are the only
 output copied out (to take the argmax). What this does NOT avoid: kiln's portable decode graph
 computes ``present = Concat(past, new)``, so the graph itself allocates and writes the whole
-cache every step (O(past) bytes per token). Only a graph whose past and present share one
-fixed-capacity buffer (ONNX Runtime's GroupQueryAttention, the ``--target ort`` graphs) avoids
-that; :class:`KvStrategy` is the seam where such a graph plugs in (bind the same buffer as past
-input and present output once, and let the mask carry the length). It is not built here.
+cache every step (O(past) bytes per token). The ``--target ort`` decode graph avoids that
+(``target="ort"``, :class:`SharedKv`): its GroupQueryAttention writes the new token's key and
+value in place when past and present are bound to the same buffer of fixed capacity (the
+attention mask carries the length), so the cache is copied once, after the prompt, and never
+again.
 
 Parity: with ``forced`` tokens and ``keep_logits`` the loop is teacher-forced and returns every
 step's logits, so it can stand in for ``parity.greedy`` as the candidate side of a generation
@@ -29,7 +30,7 @@ from kiln.errors import GenerateError
 from kiln.exporter.io_contract import past_names, present_names
 from kiln.exporter.verify import require_verified
 
-__all__ = ["ConcatKv", "Generation", "Generator", "KvStrategy", "load_tokenizer", "parse_ids"]
+__all__ = ["ConcatKv", "Generation", "Generator", "KvStrategy", "SharedKv", "load_tokenizer", "parse_ids", "shares_kv_buffer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +52,15 @@ class Generation:
 
 
 class KvStrategy(Protocol):
-    """How KV tensors move from one step's outputs to the next step's inputs. A shared-buffer
-    strategy would allocate ``[1, n_kv, capacity, head_dim]`` OrtValues once and bind each as
-    both ``past_*`` input and ``present_*`` output in ``bind``, ignoring ``previous``."""
+    """How KV tensors move from one step's outputs to the next step's inputs."""
 
     @property
     def presents(self) -> list[str]:
         """Output names of the KV, in the order they are bound after ``logits``."""
+        ...
+
+    def start(self, prefill: dict[str, Any], capacity: int) -> None:
+        """Take the prompt's presents (OrtValues by name) before the first decode step."""
         ...
 
     def bind(self, binding: Any, previous: dict[str, Any]) -> None:
@@ -65,16 +68,23 @@ class KvStrategy(Protocol):
         ...
 
 
+def _kv_pairs(n_layers: int) -> list[tuple[str, str]]:
+    return [(past, present) for i in range(n_layers) for past, present in zip(past_names(i), present_names(i), strict=True)]
+
+
 class ConcatKv:
     """For graphs that grow the cache with Concat: the runtime allocates each step's presents
     (total length); they are bound, as OrtValues, as the next step's pasts."""
 
     def __init__(self, n_layers: int) -> None:
-        self._pairs = [(past, present) for i in range(n_layers) for past, present in zip(past_names(i), present_names(i), strict=True)]
+        self._pairs = _kv_pairs(n_layers)
 
     @property
     def presents(self) -> list[str]:
         return [present for _, present in self._pairs]
+
+    def start(self, prefill: dict[str, Any], capacity: int) -> None:
+        pass
 
     def bind(self, binding: Any, previous: dict[str, Any]) -> None:
         for past, present in self._pairs:
@@ -82,10 +92,50 @@ class ConcatKv:
             binding.bind_output(present, "cpu")
 
 
+class SharedKv:
+    """For decode graphs whose attention writes the new key/value in place (the ``--target ort``
+    graphs' GroupQueryAttention: it writes row ``total - 1`` and reads rows ``< total`` of a
+    past buffer of any capacity, and aliases present to past when both are bound to one buffer):
+    one ``[1, n_kv, capacity, head_dim]`` buffer per cache tensor, filled from the prompt's
+    presents once and then bound as both input and output of every step."""
+
+    def __init__(self, n_layers: int) -> None:
+        self._pairs = _kv_pairs(n_layers)
+        self._buffers: dict[str, Any] = {}
+
+    @property
+    def presents(self) -> list[str]:
+        return [present for _, present in self._pairs]
+
+    def start(self, prefill: dict[str, Any], capacity: int) -> None:
+        from onnxruntime import OrtValue
+
+        for past, present in self._pairs:
+            prompt = prefill[present].numpy()  # [1, n_kv, n, head_dim]
+            buffer = np.zeros((*prompt.shape[:2], capacity, prompt.shape[3]), dtype=prompt.dtype)
+            buffer[:, :, : prompt.shape[2]] = prompt
+            self._buffers[past] = OrtValue.ortvalue_from_numpy(buffer)
+
+    def bind(self, binding: Any, previous: dict[str, Any]) -> None:
+        for past, present in self._pairs:
+            binding.bind_ortvalue_input(past, self._buffers[past])
+            binding.bind_ortvalue_output(present, self._buffers[past])
+
+
+def shares_kv_buffer(manifest: dict[str, Any]) -> bool:
+    """True when the export's ``--target ort`` decode graph has every layer's attention fused
+    into GroupQueryAttention (a layer left portable grows its cache with Concat)."""
+    ort = (manifest.get("targets") or {}).get("ort")
+    if ort is None:
+        return False
+    fused = ort["graphs"]["decode"].get("fused_attention_layers", [])
+    return sorted(fused) == list(range(int(manifest["model"]["n_layers"])))
+
+
 class Generator:
     """The prefill and decode sessions of one verified kiln export directory, batch 1."""
 
-    def __init__(self, directory: Path, threads: int = 2, kv: KvStrategy | None = None) -> None:
+    def __init__(self, directory: Path, threads: int = 2, kv: KvStrategy | None = None, target: str | None = None) -> None:
         from kiln.exporter.bench import session
 
         manifest = require_verified(directory)
@@ -95,13 +145,23 @@ class Generator:
         if manifest["model"].get("encoder_dim") is not None:
             raise GenerateError(f"{directory}: a cross-attention decoder needs its encoder's output (encoder_hidden_states); kiln generate has no encoder to run")
         graphs = manifest["graphs"]
+        n_layers = int(manifest["model"]["n_layers"])
+        default_kv: KvStrategy = ConcatKv(n_layers)
+        if target is not None:
+            targets = manifest.get("targets") or {}
+            if target not in targets:
+                raise GenerateError(f"{directory}: has no --target {target} graphs; export it with --target {target}")
+            graphs = targets[target]["graphs"]
+            if shares_kv_buffer(manifest):
+                default_kv = SharedKv(n_layers)
         self.directory = directory
         self.manifest = manifest
         self.max_context = int(manifest["limits"]["max_context"])
         self.eos = manifest["model"]["eos_token_id"]
         self._prefill = session(directory / graphs["prefill"]["file"], threads)
         self._decode = session(directory / graphs["decode"]["file"], threads)
-        self._kv: KvStrategy = kv or ConcatKv(int(manifest["model"]["n_layers"]))
+        self._kv: KvStrategy = kv or default_kv
+        self.kv_cache = "shared-buffer" if isinstance(self._kv, SharedKv) else "concat"  # how each step's cache is written
         self._vocab = int(manifest["model"]["vocab_size"])
 
     def run(
@@ -148,6 +208,7 @@ class Generator:
         self._prefill.run_with_iobinding(binding)
         outputs = dict(zip(["logits", *self._kv.presents], binding.get_outputs(), strict=True))
         token = take(outputs["logits"].numpy())
+        self._kv.start(outputs, capacity=n + max_new_tokens)
         prefill_s = time.perf_counter() - start
 
         start = time.perf_counter()

@@ -121,6 +121,55 @@ def test_native_ort_target_fp32(tiny_ckpt: Path, tmp_path: Path) -> None:
     checked = check_dir(out)
     assert checked.passed and {"decode", "decode.ort"} <= {t.graph for t in checked.tensors}
     assert {g.path for g in checked.generation} == {"prefill+decode", "model", "ort:prefill+decode", "ort:model"}
+    _assert_decode_writes_in_place(out)
+
+
+def _assert_decode_writes_in_place(out: Path) -> None:
+    """The ORT decode graph run with past and present bound to ONE buffer longer than the
+    context (as kiln generate --target ort and kiln bench run it) computes what the contract
+    run computes and writes only the new row; kiln generate's two loops agree token for token."""
+    import onnxruntime as ort
+
+    from kiln.exporter.generate import Generator
+
+    session = ort.InferenceSession(str(out / "onnx" / "decode.ort.onnx"), providers=["CPUExecutionProvider"])
+    pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    n_kv, head_dim = pasts[0].shape[1], pasts[0].shape[3]
+    past_len, capacity = 9, 16
+    rng = np.random.default_rng(0)
+    past = {p.name: rng.standard_normal((2, n_kv, past_len, head_dim)).astype(np.float32) for p in pasts}
+    mask = np.ones((2, past_len + 1), dtype=np.int64)
+    mask[0, :3] = 0  # left padding
+    base = {"input_ids": np.array([[5], [7]]), "attention_mask": mask, "position_ids": np.array([[6], [9]])}
+    names = [o.name for o in session.get_outputs()]
+    want = dict(zip(names, session.run(None, {**base, **past}), strict=True))
+    buffers = {}
+    binding = session.io_binding()
+    binding.bind_output("logits", "cpu")  # outputs come back in the order they were bound
+    for name, value in base.items():
+        binding.bind_cpu_input(name, value)
+    for name, value in past.items():
+        buffer = np.zeros((2, n_kv, capacity, head_dim), dtype=np.float32)
+        buffer[:, :, :past_len] = value
+        buffers[name] = ort.OrtValue.ortvalue_from_numpy(buffer)
+        binding.bind_ortvalue_input(name, buffers[name])
+        binding.bind_ortvalue_output(name.replace("past_key_values.", "present."), buffers[name])
+    session.run_with_iobinding(binding)
+    np.testing.assert_allclose(binding.get_outputs()[0].numpy(), want["logits"], atol=1e-5)
+    for name, buffer in buffers.items():
+        array = buffer.numpy()
+        np.testing.assert_array_equal(array[:, :, :past_len], past[name])  # the past is untouched
+        np.testing.assert_allclose(array[:, :, past_len], want[name.replace("past_key_values.", "present.")][:, :, past_len], atol=1e-6)
+        assert not array[:, :, past_len + 1 :].any()  # nothing written beyond the new row
+
+    shared, concat = Generator(out, target="ort"), Generator(out)
+    assert (shared.kv_cache, concat.kv_cache) == ("shared-buffer", "concat")
+    prompt = [11, 42, 7, 3, 99, 15]
+    a = shared.run(prompt, 24, stop_at_eos=False, keep_logits=True)
+    b = concat.run(prompt, 24, stop_at_eos=False, keep_logits=True)
+    assert a.tokens == b.tokens
+    assert a.logits is not None and b.logits is not None
+    np.testing.assert_allclose(a.logits, b.logits, atol=1e-4)
 
 
 def test_native_rotary_inside_gqa_at_decode(tmp_path: Path) -> None:
@@ -192,8 +241,9 @@ def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> Non
     # kiln bench times the ORT-target graphs beside the portable ones of the same directory
     bench = CliRunner().invoke(main, ["bench", str(out), "--runs", "3", "--prefill-seq", "8", "--past", "8", "--no-torch", "--no-roofline", "--json"])
     assert bench.exit_code == 0, bench.output
-    rows = json.loads(bench.output)["median_ms"]["decode"]
-    assert set(rows) == {"kiln fp32 (out)", "kiln ort int8 (out)"}
+    report = json.loads(bench.output)
+    assert set(report["median_ms"]["decode"]) == {"kiln fp32 (out)", "kiln ort int8 (out)"}
+    assert [d["shared_kv_buffer"] for d in report["directories"]] == [False, True]
 
 
 def test_int8_blocks_round_trip() -> None:
