@@ -6,7 +6,8 @@ contrib kernels into ``onnx/<kind>.ort.onnx``:
 
 - attention -> ``RotaryEmbedding`` + ``GroupQueryAttention`` (prefill and decode; see
   ``ort_attention`` for why model.onnx keeps its portable attention),
-- q/k/v projections -> one MatMul on the concatenated weight and a Split,
+- q/k/v projections -> one MatMul on the concatenated weight and a Split, and so any other
+  MatMuls that read one input (a SwiGLU MLP's gate and up projections: ``ort_pack``),
 - RMSNorm -> ``SimplifiedLayerNormalization``, with the residual Add before it
   ``SkipSimplifiedLayerNormalization``,
 - decode: the family's mask subgraph -> a four-op padding bias when probes prove them equal
@@ -36,6 +37,7 @@ from kiln.exporter.targets.decode_mask import compact_decode_bias
 from kiln.exporter.targets.ort_attention import fuse_attention
 from kiln.exporter.targets.ort_int8 import ACCURACY_LEVEL, BLOCK_SIZE, quantize_matmul_nbits
 from kiln.exporter.targets.ort_norm import fuse_rms_norm, fuse_skip_rms_norm
+from kiln.exporter.targets.ort_pack import pack_shared_input_matmuls
 from kiln.exporter.targets.rotary_tables import graph_tables
 from kiln.plugins.base import DecoderSpec
 
@@ -69,12 +71,15 @@ class OrtTarget:
 
 class _TargetWeights:
     """Moves the tensors a rewrite created (in memory, not yet external) into one file; the
-    same name in another graph must have the same content and reuses its offset."""
+    same name in another graph must have the same content and reuses its offset, and so does
+    the same content under another name (model.onnx's generically packed q/k/v and the attention
+    pass's packed q/k/v of prefill and decode are the same bytes)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file = open(path, "wb")  # noqa: SIM115 (closed in close())
         self._offsets: dict[str, tuple[int, int, bytes]] = {}
+        self._by_content: dict[bytes, tuple[int, int, bytes]] = {}
 
     def externalize(self, model: ir.Model) -> None:
         for value in list(model.graph.initializers.values()):
@@ -84,12 +89,15 @@ class _TargetWeights:
             data = tensor.tobytes()
             digest = hashlib.sha256(data).digest()
             name = value.name or ""
+            if name not in self._offsets and digest in self._by_content:  # the same bytes under another name
+                self._offsets[name] = self._by_content[digest]
             if name not in self._offsets:
                 offset = self._file.tell()
                 pad = -offset % _ALIGN
                 self._file.write(b"\0" * pad)
                 self._file.write(data)
                 self._offsets[name] = (offset + pad, len(data), digest)
+                self._by_content[digest] = self._offsets[name]
             offset, length, known = self._offsets[name]
             if known != digest:
                 raise ExportError(f"ORT target: tensor {name} differs between graphs; cannot share {self.path.name}")
@@ -114,7 +122,9 @@ def rewrite_for_ort(model: ir.Model, kind: GraphKind, spec: DecoderSpec, tables_
             compact_mask = compact_decode_bias(model, tables_dir, max_context)
     norms = fuse_rms_norm(model)
     skip_norms = fuse_skip_rms_norm(model)
-    RemoveUnusedNodesPass()(model)  # before quantizing: the replaced q/k/v MatMuls are dead now
+    RemoveUnusedNodesPass()(model)  # before packing and quantizing: the replaced q/k/v MatMuls are dead now
+    packed = pack_shared_input_matmuls(model)
+    RemoveUnusedNodesPass()(model)  # the MatMuls packed away are dead now
     int8_nodes = quantize_matmul_nbits(model) if int8 else []
     RemoveUnusedNodesPass()(model)
     model.graph.sort()
@@ -123,6 +133,7 @@ def rewrite_for_ort(model: ir.Model, kind: GraphKind, spec: DecoderSpec, tables_
         "compact_decode_mask": compact_mask,
         "fused_rms_norms": norms,
         "fused_skip_norms": skip_norms,
+        "packed_matmuls": packed,
         "int8_nodes": int8_nodes,
     }
 

@@ -67,8 +67,9 @@ def _assert_rewritten(out: Path, n_layers: int, n_norms: int, rotary_in_gqa: boo
         assert ops["GroupQueryAttention"] == n_layers and ops["RotaryEmbedding"] == (0 if in_gqa else 2 * n_layers), ops
         assert _gqa_rotates(path) == [int(in_gqa)] * n_layers
         assert ops["Softmax"] == 0 and ops["Neg"] == 0, ops  # the portable core and rotate_half are gone
-        # q, k and v projections: one MatMul each layer (packed), plus o_proj, the MLP and the head
-        assert ops["Split"] == (0 if in_gqa else n_layers) and ops["MatMul"] == 5 * n_layers + 1, ops
+        # q, k and v projections: one MatMul each layer (packed), o_proj, the SwiGLU MLP's gate and
+        # up projections packed into one, its down projection, and the head
+        assert ops["Split"] == (0 if in_gqa else n_layers) + n_layers and ops["MatMul"] == 4 * n_layers + 1, ops
         # every norm fused, and all but the first with the residual Add before it
         assert _norms(ops) == n_norms and ops["SkipSimplifiedLayerNormalization"] == n_norms - 1, ops
         assert ops["Pow"] == 0 and ops["Reciprocal"] == 0, ops
@@ -230,8 +231,8 @@ def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> Non
     assert manifest["precision"] == "fp32"  # the portable graphs stay fp32
     for kind in GraphKind:
         path = out / "onnx" / f"{kind.value}.ort.onnx"
-        # 2 layers x (q, k, v, o, gate, fc1, fc2) + the LM head; prefill and decode pack q/k/v
-        want = 15 if kind is GraphKind.UNIFIED else 11
+        # 2 layers x (q|k|v packed, o, gate|fc1 packed, fc2) + the LM head, in every graph
+        want = 9
         assert _ops(path)["MatMulNBits"] == want and _const_weight_matmuls(path) == 0
         assert _const_weight_matmuls(out / "onnx" / f"{kind.value}.onnx") == 15
         assert len(manifest["targets"]["ort"]["graphs"][kind.value]["int8_nodes"]) == want

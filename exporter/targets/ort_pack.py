@@ -1,0 +1,64 @@
+"""Pass: MatMuls that read the same input with constant weights -> one MatMul and a Split.
+
+At decode a MatMul is a matrix-vector product bound by reading its weight; several of them over
+the same activation (a SwiGLU MLP's gate and up projections, the q/k/v projections of a layer
+whose attention stayed portable) are as many kernel launches and passes over the input. Packing
+their weights side by side (``[K, N1 + N2 + ...]``) makes them one kernel, as ONNX Runtime
+GenAI's builder does. Exact: the Split returns each MatMul's own output. The packed weight is a
+new tensor (``weights.ort.bin``); the portable graphs keep the separate ones.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.exporter.targets.graph_utils import constant, copy_type
+
+__all__ = ["pack_shared_input_matmuls"]
+
+
+def _weight(node: ir.Node) -> np.ndarray | None:
+    weight = node.inputs[1] if len(node.inputs) == 2 else None
+    tensor = weight.const_value if weight is not None else None
+    if tensor is None or len(tensor.shape) != 2 or tensor.dtype != ir.DataType.FLOAT:
+        return None
+    return tensor.numpy()
+
+
+def _module(node: ir.Node) -> str:
+    name = node.name or ""
+    return name[1 : name.rfind("/")] if name.startswith("/") else name
+
+
+def pack_shared_input_matmuls(model: ir.Model) -> list[str]:
+    """Pack every group of two or more float MatMuls that share their first input and have
+    constant 2-D weights; returns the names of the packed MatMuls it wrote."""
+    graph = model.graph
+    groups: dict[int, list[ir.Node]] = {}
+    for node in graph:
+        if node.op_type == "MatMul" and node.domain == "" and node.inputs[0] is not None and _weight(node) is not None:
+            groups.setdefault(id(node.inputs[0]), []).append(node)
+    written: list[str] = []
+    for nodes in groups.values():
+        if len(nodes) < 2 or any(n.outputs[0].is_graph_output() for n in nodes):
+            continue
+        weights = [_weight(n) for n in nodes]
+        if any(w is None or w.shape[0] != weights[0].shape[0] for w in weights):  # type: ignore[union-attr]
+            continue
+        prefix = os.path.commonprefix([_module(n) for n in nodes]).rstrip("._") or "graph"
+        prefix += "" if not any(w.startswith(f"/{prefix}/") for w in written) else f".{len(written)}"
+        name = f"/{prefix}/ort/packed/MatMul"
+        packed = constant(graph, f"ort/{prefix}.packed.weight", np.concatenate(weights, axis=1))  # type: ignore[arg-type]
+        sizes = constant(graph, f"ort/{prefix}.packed.split", np.array([w.shape[1] for w in weights], dtype=np.int64))  # type: ignore[union-attr]
+        matmul = ir.node("MatMul", [nodes[0].inputs[0], packed], name=name)
+        matmul.outputs[0].dtype = ir.DataType.FLOAT
+        split = ir.node("Split", [matmul.outputs[0], sizes], {"axis": -1}, num_outputs=len(nodes), name=f"/{prefix}/ort/packed/Split")
+        graph.insert_after(nodes[-1], [matmul, split])
+        for out, old in zip(split.outputs, nodes, strict=True):
+            copy_type(out, old.outputs[0])
+            old.outputs[0].replace_all_uses_with(out)
+        written.append(name)
+    return written
