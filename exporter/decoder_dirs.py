@@ -45,7 +45,7 @@ def open_decoder_dirs(path: Path) -> list[DecoderDir]:
     first = open_decoder_dir(path)
     if first.manifest is None:
         return [first]
-    from kiln.exporter.generate import shares_kv_buffer
+    from kiln.exporter.targets.ort import shares_kv_buffer
     from kiln.exporter.io_contract import past_names, present_names
 
     targets = first.manifest.get("targets") or {}

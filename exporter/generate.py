@@ -28,9 +28,10 @@ import numpy as np
 
 from kiln.errors import GenerateError
 from kiln.exporter.io_contract import past_names, present_names
+from kiln.exporter.targets.ort import shares_kv_buffer
 from kiln.exporter.verify import require_verified
 
-__all__ = ["ConcatKv", "Generation", "Generator", "KvStrategy", "SharedKv", "load_tokenizer", "parse_ids", "shares_kv_buffer"]
+__all__ = ["ConcatKv", "Generation", "Generator", "KvStrategy", "SharedKv", "load_tokenizer", "parse_ids"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,16 +121,6 @@ class SharedKv:
         for past, present in self._pairs:
             binding.bind_ortvalue_input(past, self._buffers[past])
             binding.bind_ortvalue_output(present, self._buffers[past])
-
-
-def shares_kv_buffer(manifest: dict[str, Any]) -> bool:
-    """True when the export's ``--target ort`` decode graph has every layer's attention fused
-    into GroupQueryAttention (a layer left portable grows its cache with Concat)."""
-    ort = (manifest.get("targets") or {}).get("ort")
-    if ort is None:
-        return False
-    fused = ort["graphs"]["decode"].get("fused_attention_layers", [])
-    return sorted(fused) == list(range(int(manifest["model"]["n_layers"])))
 
 
 class Generator:

@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from kiln.errors import ConfigError
 
-__all__ = ["Fp16Policy", "DEFAULT_KEEP_FP32", "resolve_kept_nodes", "rule_matches"]
+__all__ = ["Fp16Policy", "DEFAULT_KEEP_FP32", "module_of", "resolve_kept_nodes", "rule_matches"]
 
 DEFAULT_KEEP_FP32: tuple[str, ...] = (
     "LayerNormalization",  # mean/variance over d_model
@@ -46,17 +46,19 @@ class Fp16Policy:
         return Fp16Policy(self.keep + tuple(r for r in extra if r not in self.keep))
 
 
-def _module(node: ir.Node) -> str:
+def module_of(node: ir.Node) -> str:
+    """The module a node belongs to: ``layers.0.attn`` for ``/layers.0.attn/MatMul`` (kiln names
+    nodes after their module, ``passes.names``); empty for other names."""
     name = node.name or ""
     return name[1 : name.rfind("/")] if name.startswith("/") and name.count("/") >= 2 else ""
 
 
 def rule_matches(rule: str, node: ir.Node) -> bool:
     if rule.startswith("*."):
-        module = _module(node)
+        module = module_of(node)
         return module == rule[2:] or module.endswith(rule[1:])
     if rule.endswith("/"):
-        return _module(node) == rule[1:-1]
+        return module_of(node) == rule[1:-1]
     if rule.startswith("/"):
         return node.name == rule
     return node.op_type == rule
@@ -84,7 +86,7 @@ def resolve_kept_nodes(graph: ir.Graph, policy: Fp16Policy) -> list[str]:
                 real
                 and len(real) == len(producers)
                 and all(p.name in kept for p in real)
-                and any(_module(p) == _module(node) for p in real)
+                and any(module_of(p) == module_of(node) for p in real)
             ):
                 kept.add(node.name)  # type: ignore[arg-type]
                 changed = True

@@ -41,7 +41,7 @@ from kiln.exporter.targets.ort_pack import pack_shared_input_matmuls
 from kiln.exporter.targets.rotary_tables import graph_tables
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["OrtTarget", "write_ort_target", "ort_graph_file", "ORT_WEIGHTS_FILE"]
+__all__ = ["OrtTarget", "write_ort_target", "ort_graph_file", "shares_kv_buffer", "ORT_WEIGHTS_FILE"]
 
 ORT_WEIGHTS_FILE = "weights.ort.bin"
 _ALIGN = 64
@@ -156,3 +156,13 @@ def write_ort_target(
     finally:
         size = weights.close()
     return OrtTarget(graphs=out, precision="int8" if int8 else "fp32", weights=weights.path, weights_bytes=size, report=report)
+
+
+def shares_kv_buffer(manifest: dict[str, Any]) -> bool:
+    """True when the export's ``--target ort`` decode graph has every layer's attention fused
+    into GroupQueryAttention (a layer left portable grows its cache with Concat)."""
+    ort = (manifest.get("targets") or {}).get("ort")
+    if ort is None:
+        return False
+    fused = ort["graphs"]["decode"].get("fused_attention_layers", [])
+    return sorted(fused) == list(range(int(manifest["model"]["n_layers"])))

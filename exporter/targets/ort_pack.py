@@ -15,6 +15,7 @@ import os
 import numpy as np
 import onnx_ir as ir
 
+from kiln.exporter.precision.policy import module_of
 from kiln.exporter.targets.graph_utils import constant, copy_type
 
 __all__ = ["pack_shared_input_matmuls"]
@@ -26,11 +27,6 @@ def _weight(node: ir.Node) -> np.ndarray | None:
     if tensor is None or len(tensor.shape) != 2 or tensor.dtype != ir.DataType.FLOAT:
         return None
     return tensor.numpy()
-
-
-def _module(node: ir.Node) -> str:
-    name = node.name or ""
-    return name[1 : name.rfind("/")] if name.startswith("/") else name
 
 
 def pack_shared_input_matmuls(model: ir.Model) -> list[str]:
@@ -48,7 +44,7 @@ def pack_shared_input_matmuls(model: ir.Model) -> list[str]:
         weights = [_weight(n) for n in nodes]
         if any(w is None or w.shape[0] != weights[0].shape[0] for w in weights):  # type: ignore[union-attr]
             continue
-        prefix = os.path.commonprefix([_module(n) for n in nodes]).rstrip("._") or "graph"
+        prefix = os.path.commonprefix([module_of(n) for n in nodes]).rstrip("._") or "graph"
         prefix += "" if not any(w.startswith(f"/{prefix}/") for w in written) else f".{len(written)}"
         name = f"/{prefix}/ort/packed/MatMul"
         packed = constant(graph, f"ort/{prefix}.packed.weight", np.concatenate(weights, axis=1))  # type: ignore[arg-type]
