@@ -117,7 +117,7 @@ def rewrite_for_ort(model: ir.Model, kind: GraphKind, spec: DecoderSpec, tables_
     compact_mask = False
     if kind is not GraphKind.UNIFIED:  # GQA's CPU kernel refuses batch > 1 with past and seq > 1
         tables = graph_tables(model, tables_dir, max_context, spec.head_dim)
-        fused = fuse_attention(model, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, tables=tables, rotary_in_gqa=kind is GraphKind.DECODE)
+        fused = fuse_attention(model, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, tables=tables, decode=kind is GraphKind.DECODE)
         if fused and kind is GraphKind.DECODE:
             compact_mask = compact_decode_bias(model, tables_dir, max_context)
     norms = fuse_rms_norm(model)

@@ -19,12 +19,16 @@ and replaces it by ONNX Runtime's fused CPU kernels, keeping the I/O contract:
 - attention: ``GroupQueryAttention`` with ``past_present_share_buffer`` off (past
   [B, kv, P, hd] -> present [B, kv, P+S, hd], exactly the contract), ``seqlens_k = total - 1``
   for every row and ``total_sequence_length`` from ``attention_mask``, the graph's own mask as
-  ``attention_bias`` and ``causal=0``. Every row is thus "full length" to GQA, so its present
-  is exactly concat(past, new), and which keys a query sees is decided by the family's own mask
-  alone (causality, left padding, and what a fully masked padding query does: Hugging Face's
-  mask gives such a row a uniform softmax over every key, which GQA's own causal rule would
-  not reproduce). GQA's seqlens-based padding assumes right padding, which kiln's batches are
-  not, so it is not used.
+  ``attention_bias``. Every row is thus "full length" to GQA, so its present is exactly
+  concat(past, new), and which keys a query sees is decided by the family's own mask alone
+  (causality, left padding, and what a fully masked padding query does: Hugging Face's mask
+  gives such a row a uniform softmax over every key, which GQA's own causal rule would not
+  reproduce). So prefill sets ``causal=0``. The decode graph keeps GQA's default ``causal=1``:
+  its one query per row sits at position total-1, where the causal rule admits every key, so
+  the result is the same, and ONNX Runtime 1.32's CPU kernel is much slower with ``causal=0``
+  (GQA took 2.04 ms of a 4.7 ms decode step at past 2048 on the 33M anchor, 1.69 ms with
+  ``causal=1``; see docs/benchmarks.md, run H). GQA's seqlens-based padding assumes right
+  padding, which kiln's batches are not, so it is not used.
 
 Not fused (left portable, still correct): a graph where GQA's CPU kernel refuses the shapes the
 contract allows. ONNX Runtime 1.32's CPU GQA rejects ``sequence_length > 1`` with a non-empty
@@ -332,13 +336,14 @@ def _packed_qkv(shared: _Shared, core: AttentionCore) -> tuple[ir.Value, ir.Valu
     return split.outputs[0], split.outputs[1], split.outputs[2]
 
 
-def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: TableFn, rotary_in_gqa: bool = False) -> list[int]:
+def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: TableFn, decode: bool = False) -> list[int]:
     """Replace every matched attention core; returns the fused layers. Unmatched layers (and
     layers whose rotary tables cannot be evaluated) stay as they were.
 
-    ``rotary_in_gqa`` (decode graphs only: seq 1): feed GQA the packed QKV and let it rotate
-    (``do_rotary`` with ``position_ids``), saving the Split and two RotaryEmbedding kernels per
-    layer. ONNX Runtime 1.32 returns an unrotated ``present_key`` when it rotates a first
+    ``decode`` (the decode graph: one query per row, seq 1): GQA keeps its default ``causal=1``
+    (the same result for a last-position query, and the fast CPU path), and it is fed the packed
+    QKV and rotates it itself (``do_rotary`` with ``position_ids``), saving the Split and two
+    RotaryEmbedding kernels per layer. ONNX Runtime 1.32 returns an unrotated ``present_key`` when it rotates a first
     prompt (past empty), and needs head_dim % 16 == 0, so prefill and other head sizes keep
     RotaryEmbedding."""
     graph = model.graph
@@ -358,8 +363,10 @@ def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: T
         v: ir.Value | None
         q, k, v = packed_qkv or (core.q, core.k, core.v)
         cos_sin: list[ir.Value | None] = [None, None, None]
-        attrs = {"num_heads": core.n_heads, "kv_num_heads": n_kv_heads, "scale": float(core.scale), "causal": 0}
-        if rotary_in_gqa and packed_qkv is not None and caches is not None and head_dim % 16 == 0:
+        attrs = {"num_heads": core.n_heads, "kv_num_heads": n_kv_heads, "scale": float(core.scale)}
+        if not decode:
+            attrs["causal"] = 0  # the family's mask alone decides (module docstring)
+        if decode and packed_qkv is not None and caches is not None and head_dim % 16 == 0:
             # one packed QKV input, rotary inside GQA at the caller's position_ids (its Split
             # above is left dead and removed)
             q, k, v = q.producer().inputs[0], None, None  # type: ignore[union-attr]  # the packed MatMul output

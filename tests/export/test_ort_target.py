@@ -53,9 +53,9 @@ def _norms(ops: Counter[str]) -> int:
     return ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"]
 
 
-def _gqa_rotates(path: Path) -> list[int]:
+def _gqa_attr(path: Path, name: str, default: int) -> list[int]:
     nodes = onnx.load(str(path), load_external_data=False).graph.node
-    return [next((a.i for a in n.attribute if a.name == "do_rotary"), 0) for n in nodes if n.op_type == "GroupQueryAttention"]
+    return [next((a.i for a in n.attribute if a.name == name), default) for n in nodes if n.op_type == "GroupQueryAttention"]
 
 
 def _assert_rewritten(out: Path, n_layers: int, n_norms: int, rotary_in_gqa: bool = False) -> None:
@@ -65,7 +65,10 @@ def _assert_rewritten(out: Path, n_layers: int, n_norms: int, rotary_in_gqa: boo
         ops = _ops(path)
         in_gqa = rotary_in_gqa and kind is GraphKind.DECODE  # decode with head_dim % 16 == 0 only
         assert ops["GroupQueryAttention"] == n_layers and ops["RotaryEmbedding"] == (0 if in_gqa else 2 * n_layers), ops
-        assert _gqa_rotates(path) == [int(in_gqa)] * n_layers
+        assert _gqa_attr(path, "do_rotary", 0) == [int(in_gqa)] * n_layers
+        # prefill: the family's mask alone decides (causal=0); decode: GQA's default causal=1,
+        # the same for its last-position query and ORT's fast CPU path
+        assert _gqa_attr(path, "causal", 1) == [int(kind is GraphKind.DECODE)] * n_layers
         assert ops["Softmax"] == 0 and ops["Neg"] == 0, ops  # the portable core and rotate_half are gone
         # q, k and v projections: one MatMul each layer (packed), o_proj, the SwiGLU MLP's gate and
         # up projections packed into one, its down projection, and the head
