@@ -343,9 +343,9 @@ def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: T
     ``decode`` (the decode graph: one query per row, seq 1): GQA keeps its default ``causal=1``
     (the same result for a last-position query, and the fast CPU path), and it is fed the packed
     QKV and rotates it itself (``do_rotary`` with ``position_ids``), saving the Split and two
-    RotaryEmbedding kernels per layer. ONNX Runtime 1.32 returns an unrotated ``present_key`` when it rotates a first
-    prompt (past empty), and needs head_dim % 16 == 0, so prefill and other head sizes keep
-    RotaryEmbedding."""
+    RotaryEmbedding kernels per layer. ONNX Runtime 1.32 returns an unrotated ``present_key``
+    when it rotates a first prompt (past empty), and needs head_dim % 16 == 0, so prefill and
+    other head sizes keep RotaryEmbedding."""
     graph = model.graph
     cores = find_attention(model, head_dim)
     if not cores:
