@@ -19,12 +19,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from kiln.exporter.targets.graph_utils import constant
+from kiln.exporter.targets.graph_utils import MS_DOMAIN, constant
 from kiln.exporter.targets.subgraph import cut_subgraph
 
 __all__ = ["compact_decode_bias"]
 
-MS_DOMAIN = "com.microsoft"
 _BIAS_INPUT = 10  # GroupQueryAttention's attention_bias
 
 

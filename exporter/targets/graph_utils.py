@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["constant", "copy_type", "scalar_of", "producer", "single_consumer", "skip_casts"]
+__all__ = ["MS_DOMAIN", "constant", "copy_type", "scalar_of", "producer", "single_consumer", "skip_casts", "use_ms_domain"]
+
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
+
+
+def use_ms_domain(model: ir.Model) -> None:
+    """Declare the ``com.microsoft`` opset on ``model`` (and its graph), once."""
+    model.graph.opset_imports.setdefault(MS_DOMAIN, 1)
+    model.opset_imports.setdefault(MS_DOMAIN, 1)
 
 
 def constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:

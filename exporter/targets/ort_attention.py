@@ -47,11 +47,11 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from kiln.exporter.targets.graph_utils import constant, copy_type, producer, scalar_of, single_consumer, skip_casts
+from kiln.exporter.targets.graph_utils import MS_DOMAIN, constant, copy_type, producer, scalar_of, single_consumer, skip_casts, use_ms_domain
+from kiln.exporter.targets.ort_pack import pack_matmuls, packable
 
 __all__ = ["AttentionCore", "fuse_attention", "find_attention"]
 
-MS_DOMAIN = "com.microsoft"
 _PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
 
 # (cos value, sin value) -> (cos_cache, sin_cache) [max_positions, hd/2], or None when the
@@ -312,28 +312,13 @@ class _Shared:
 
 def _packed_qkv(shared: _Shared, core: AttentionCore) -> tuple[ir.Value, ir.Value, ir.Value] | None:
     """q, k, v = MatMul(x, Wq|Wk|Wv) with constant weights and no bias -> one MatMul on the
-    concatenated weight and a Split: one weight read per step instead of three kernel calls
-    (what ONNX Runtime GenAI's builder does too). The packed weight is a new tensor (in
-    ``weights.ort.bin``); the portable graphs keep the separate ones."""
+    concatenated weight and a Split (``ort_pack``), in q, k, v order, which is the packed QKV
+    layout GroupQueryAttention reads (what ONNX Runtime GenAI's builder writes too)."""
     matmuls = [producer(value, "MatMul") for value in (core.q, core.k, core.v)]
-    if any(m is None for m in matmuls):
+    if any(m is None for m in matmuls) or not packable(matmuls):  # type: ignore[arg-type]
         return None
-    x = matmuls[0].inputs[0]  # type: ignore[union-attr]
-    weights = [m.inputs[1].const_value if m.inputs[1] is not None else None for m in matmuls]  # type: ignore[union-attr]
-    if x is None or any(m.inputs[0] is not x for m in matmuls) or any(w is None or len(w.shape) != 2 for w in weights):  # type: ignore[union-attr]
-        return None
-    arrays = [w.numpy() for w in weights]  # type: ignore[union-attr]
-    if any(a.dtype != np.float32 or a.shape[0] != arrays[0].shape[0] for a in arrays):
-        return None
-    packed = constant(shared.graph, f"ort/layers.{core.layer}.attn.qkv_proj.weight", np.concatenate(arrays, axis=1))
-    prefix = f"/layers.{core.layer}.attn/ort"
-    qkv = shared.node("MatMul", [x, packed], {}, "", 1, f"{prefix}/qkv_proj/MatMul").outputs[0]
-    qkv.dtype = ir.DataType.FLOAT
-    sizes = constant(shared.graph, f"ort/layers.{core.layer}.attn.qkv_split", np.array([a.shape[1] for a in arrays], dtype=np.int64))
-    split = shared.node("Split", [qkv, sizes], {"axis": -1}, "", 3, f"{prefix}/qkv_proj/Split")
-    for out, old in zip(split.outputs, (core.q, core.k, core.v), strict=True):
-        copy_type(out, old)
-    return split.outputs[0], split.outputs[1], split.outputs[2]
+    q, k, v = pack_matmuls(shared.graph, matmuls, f"layers.{core.layer}.attn.qkv_proj")  # type: ignore[arg-type]
+    return q, k, v
 
 
 def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: TableFn, decode: bool = False) -> list[int]:
@@ -410,7 +395,5 @@ def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: T
     shared.commit()
     graph.outputs.clear()
     graph.outputs.extend(outputs)
-    if MS_DOMAIN not in graph.opset_imports:
-        graph.opset_imports[MS_DOMAIN] = 1
-        model.opset_imports[MS_DOMAIN] = 1
+    use_ms_domain(model)
     return fused

@@ -15,13 +15,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from kiln.exporter.targets.graph_utils import constant, copy_type
+from kiln.exporter.targets.graph_utils import MS_DOMAIN, constant, copy_type, use_ms_domain
 
 __all__ = ["quantize_matmul_nbits", "pack_int8_blocks", "BLOCK_SIZE", "ACCURACY_LEVEL"]
 
 BLOCK_SIZE = 128  # measured on the 33M Llama, decode past 256: 128 and 64 beat 32 (2.85 / 2.91 / 3.18 ms)
 ACCURACY_LEVEL = 4  # int8 activations x int8 weights (MLAS); levels 0-2 dequantize and run 6-20x slower here
-MS_DOMAIN = "com.microsoft"
 
 
 def pack_int8_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -88,6 +87,5 @@ def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accurac
         replaced.append(node.name or "")
         graph.remove(node, safe=True)
     if replaced:
-        graph.opset_imports.setdefault(MS_DOMAIN, 1)
-        model.opset_imports.setdefault(MS_DOMAIN, 1)
+        use_ms_domain(model)
     return replaced

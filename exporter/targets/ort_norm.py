@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from kiln.exporter.targets.graph_utils import constant, copy_type, producer, scalar_of
+from kiln.exporter.targets.graph_utils import MS_DOMAIN, constant, copy_type, producer, scalar_of, use_ms_domain
 
 __all__ = ["fuse_rms_norm", "fuse_skip_rms_norm"]
 
@@ -112,7 +112,7 @@ def fuse_skip_rms_norm(model: ir.Model) -> int:
             "SkipSimplifiedLayerNormalization",
             [a, b, node.inputs[1]],
             {"epsilon": node.attributes.get_float("epsilon", 1e-5)},
-            domain="com.microsoft",
+            domain=MS_DOMAIN,
             num_outputs=4,
             name=(node.name or "").replace("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"),
         )
@@ -124,6 +124,5 @@ def fuse_skip_rms_norm(model: ir.Model) -> int:
         add.outputs[0].replace_all_uses_with(total, replace_graph_outputs=True)
         count += 1
     if count:
-        graph.opset_imports.setdefault("com.microsoft", 1)
-        model.opset_imports.setdefault("com.microsoft", 1)
+        use_ms_domain(model)
     return count
