@@ -24,7 +24,7 @@ from kiln.errors import BenchError
 from kiln.exporter import manifest as manifest_mod
 from kiln.exporter.decoder_dirs import DecoderDir, open_decoder_dirs
 from kiln.exporter.graph_feeds import Sizes, build_feeds, declared_inputs
-from kiln.exporter.roofline import BandwidthProbe, read_bandwidth, weights_bytes_per_step
+from kiln.exporter.roofline import BandwidthProbe, weights_bytes_per_step
 
 __all__ = ["BenchOptions", "Timed", "interleaved", "render", "run_bench", "session", "vocab_of"]
 
@@ -61,7 +61,7 @@ class Timed:
     For a shared-KV-buffer graph the presents are bound to the past buffers they alias, as the
     GenAI runtime does; otherwise ONNX Runtime allocates the outputs, as in any session.run."""
 
-    def __init__(self, decoder: DecoderDir, graph: Path, sess: Any, sizes: Sizes, vocab: int) -> None:
+    def __init__(self, decoder: DecoderDir, sess: Any, sizes: Sizes, vocab: int) -> None:
         from onnxruntime import OrtValue
 
         sizes = dataclasses.replace(sizes, named=decoder.named_dims, capacity=sizes.total if decoder.shared_kv_buffer else None)
@@ -106,7 +106,7 @@ def vocab_of(sess: Any, decoder: DecoderDir) -> int:
     return 2  # token ids 0 and 1 exist in every vocabulary
 
 
-def _torch_calls(kiln_dirs: list[DecoderDir], sizes: dict[str, Sizes], threads: int) -> dict[str, Callable[[], object]]:
+def _torch_calls(kiln_dirs: list[DecoderDir], sizes: dict[str, Sizes], sessions: dict[Path, Any], threads: int) -> dict[str, Callable[[], object]]:
     import torch
 
     from kiln.exporter.io_contract import GraphKind
@@ -122,7 +122,7 @@ def _torch_calls(kiln_dirs: list[DecoderDir], sizes: dict[str, Sizes], threads: 
     calls: dict[str, Callable[[], object]] = {}
     for kind in (GraphKind.PREFILL, GraphKind.DECODE):
         graph = kiln_dirs[0].prefill if kind is GraphKind.PREFILL else kiln_dirs[0].decode
-        feeds = build_feeds(declared_inputs(session(graph, threads)), sizes[kind.value], vocab=loaded.spec.vocab_size)
+        feeds = build_feeds(declared_inputs(sessions[graph]), sizes[kind.value], vocab=loaded.spec.vocab_size)
         calls[kind.value] = functools.partial(runner.run, kind, feeds)
     return calls
 
@@ -144,6 +144,8 @@ def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
     limit = min((d.manifest["limits"]["max_context"] for d in kiln_dirs), default=None)  # type: ignore[index]
     seq = options.prefill_seq if limit is None else min(options.prefill_seq, limit)
     past = options.past if limit is None else min(options.past, limit - 1)
+    if options.sweep and limit is not None and max(options.sweep) >= limit:
+        raise BenchError(f"--sweep past {max(options.sweep)} does not fit the export's context limit {limit} (past + 1 token)")
     sizes = {"prefill": Sizes(seq=seq, past=0), "decode": Sizes(seq=1, past=past)}
     labels = _unique([d.label for d in decoders])
     sessions = {}
@@ -152,11 +154,11 @@ def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
             sessions[graph] = session(graph, options.threads)
     calls: dict[str, dict[str, Callable[[], object]]] = {"prefill": {}, "decode": {}}
     if options.torch:
-        for kind, call in _torch_calls(kiln_dirs, sizes, options.threads).items():
+        for kind, call in _torch_calls(kiln_dirs, sizes, sessions, options.threads).items():
             calls[kind][TORCH] = call
     for label, d in zip(labels, decoders, strict=True):
         for kind, graph in (("prefill", d.prefill), ("decode", d.decode)):
-            calls[kind][label] = Timed(d, graph, sessions[graph], sizes[kind], vocab_of(sessions[graph], d))
+            calls[kind][label] = Timed(d, sessions[graph], sizes[kind], vocab_of(sessions[graph], d))
     load_before = os.getloadavg()[0]
     probe = BandwidthProbe(options.threads) if options.roofline else None
     if probe is not None:  # timed among the decode steps, under the same load as they are
@@ -180,17 +182,15 @@ def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
     }
     if probe is not None:
         bandwidth = probe.nbytes / (rows["decode"].pop(_PROBE) / 1e3)
-        probe.close()
         result["read_bandwidth_gb_s"] = bandwidth / 1e9  # median, interleaved: the roofline's denominator
-        result["read_bandwidth_best_gb_s"] = read_bandwidth(options.threads) / 1e9  # best of 15, after the runs
+        result["read_bandwidth_best_gb_s"] = probe.best_bandwidth(15) / 1e9  # best of 15 in a row, after the runs
+        probe.close()
         result["roofline"] = {
             e["label"]: (e["weights_bytes_per_step"] / bandwidth * 1e3) / rows["decode"][e["label"]] for e in result["directories"]
         }
     if options.sweep:
         from kiln.exporter.bench_sweep import sweep
 
-        if limit is not None and max(options.sweep) >= limit:
-            raise BenchError(f"--sweep past {max(options.sweep)} does not fit the export's context limit {limit} (past + 1 token)")
         result["sweep"] = sweep(decoders, labels, sessions, options)
     return result
 

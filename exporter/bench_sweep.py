@@ -49,15 +49,14 @@ def sweep(decoders: list[DecoderDir], labels: list[str], sessions: dict[Path, An
     pasts = sorted(set(options.sweep))
     medians: dict[str, list[float]] = {label: [] for label in labels}
     runs = []
+    vocabs = [vocab_of(sessions[d.decode], d) for d in decoders]
     for past in pasts:
-        calls: dict[str, Callable[[], object]] = {}
-        for label, d in zip(labels, decoders, strict=True):
-            sess = sessions[d.decode]
-            calls[label] = Timed(d, d.decode, sess, Sizes(seq=1, past=past), vocab_of(sess, d))
+        calls: dict[str, Callable[[], object]] = {}  # (rebinding it frees the previous past's KV feeds first)
+        for label, d, vocab in zip(labels, decoders, vocabs, strict=True):
+            calls[label] = Timed(d, sessions[d.decode], Sizes(seq=1, past=past), vocab)
         runs.append(runs_at(past, options.sweep_runs))
         for label, ms in interleaved(calls, runs[-1], options.pause_s, warmup=2).items():
             medians[label].append(ms)
-        del calls  # free this past's KV feeds before the next, longer one
     return {"pasts": pasts, "runs": runs, "median_ms": medians, "fit": {label: fit_line(pasts, ms) for label, ms in medians.items()} if len(pasts) > 1 else {}}
 
 

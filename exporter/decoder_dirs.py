@@ -46,7 +46,7 @@ def open_decoder_dirs(path: Path) -> list[DecoderDir]:
     if first.manifest is None:
         return [first]
     from kiln.exporter.targets.ort import shares_kv_buffer
-    from kiln.exporter.io_contract import past_names, present_names
+    from kiln.exporter.io_contract import kv_pairs
 
     targets = first.manifest.get("targets") or {}
     extra = []
@@ -54,8 +54,7 @@ def open_decoder_dirs(path: Path) -> list[DecoderDir]:
         # the ORT decode graph writes its KV in place when past and present are one buffer:
         # timed that way, as a serving loop (kiln generate --target ort) runs it
         shared = name == "ort" and shares_kv_buffer(first.manifest)
-        layers = range(int(first.manifest["model"]["n_layers"]))
-        aliases = {present: past for i in layers for past, present in zip(past_names(i), present_names(i), strict=True)} if shared else {}
+        aliases = {present: past for past, present in kv_pairs(int(first.manifest["model"]["n_layers"]))} if shared else {}
         decode, prefill = path / t["graphs"]["decode"]["file"], path / t["graphs"]["prefill"]["file"]
         extra.append(dataclasses.replace(first, prefill=prefill, decode=decode, target=name, shared_kv_buffer=shared, present_to_past=aliases))
     return [first, *extra]

@@ -22,12 +22,12 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from kiln.errors import GenerateError
-from kiln.exporter.io_contract import past_names, present_names
+from kiln.exporter.io_contract import kv_pairs
 from kiln.exporter.targets.ort import shares_kv_buffer
 from kiln.exporter.verify import require_verified
 
@@ -52,40 +52,24 @@ class Generation:
         return steps / self.decode_s if steps and self.decode_s > 0 else 0.0
 
 
-class KvStrategy(Protocol):
+class KvStrategy:
     """How KV tensors move from one step's outputs to the next step's inputs."""
 
-    @property
-    def presents(self) -> list[str]:
-        """Output names of the KV, in the order they are bound after ``logits``."""
-        ...
+    def __init__(self, n_layers: int) -> None:
+        self._pairs = kv_pairs(n_layers)
+        self.presents = [present for _, present in self._pairs]  # bound after ``logits``, in this order
 
     def start(self, prefill: dict[str, Any], capacity: int) -> None:
         """Take the prompt's presents (OrtValues by name) before the first decode step."""
-        ...
 
     def bind(self, binding: Any, previous: dict[str, Any]) -> None:
         """Bind past inputs (from ``previous`` outputs by name) and present outputs."""
-        ...
+        raise NotImplementedError
 
 
-def _kv_pairs(n_layers: int) -> list[tuple[str, str]]:
-    return [(past, present) for i in range(n_layers) for past, present in zip(past_names(i), present_names(i), strict=True)]
-
-
-class ConcatKv:
+class ConcatKv(KvStrategy):
     """For graphs that grow the cache with Concat: the runtime allocates each step's presents
     (total length); they are bound, as OrtValues, as the next step's pasts."""
-
-    def __init__(self, n_layers: int) -> None:
-        self._pairs = _kv_pairs(n_layers)
-
-    @property
-    def presents(self) -> list[str]:
-        return [present for _, present in self._pairs]
-
-    def start(self, prefill: dict[str, Any], capacity: int) -> None:
-        pass
 
     def bind(self, binding: Any, previous: dict[str, Any]) -> None:
         for past, present in self._pairs:
@@ -93,20 +77,18 @@ class ConcatKv:
             binding.bind_output(present, "cpu")
 
 
-class SharedKv:
+class SharedKv(KvStrategy):
     """For decode graphs whose attention writes the new key/value in place (the ``--target ort``
     graphs' GroupQueryAttention: it writes row ``total - 1`` and reads rows ``< total`` of a
     past buffer of any capacity, and aliases present to past when both are bound to one buffer):
     one ``[1, n_kv, capacity, head_dim]`` buffer per cache tensor, filled from the prompt's
-    presents once and then bound as both input and output of every step."""
+    presents once and then bound as both input and output of every step (bound once: an
+    IOBinding keeps its bindings between runs)."""
 
     def __init__(self, n_layers: int) -> None:
-        self._pairs = _kv_pairs(n_layers)
+        super().__init__(n_layers)
         self._buffers: dict[str, Any] = {}
-
-    @property
-    def presents(self) -> list[str]:
-        return [present for _, present in self._pairs]
+        self._bound: Any = None
 
     def start(self, prefill: dict[str, Any], capacity: int) -> None:
         from onnxruntime import OrtValue
@@ -116,17 +98,21 @@ class SharedKv:
             buffer = np.zeros((*prompt.shape[:2], capacity, prompt.shape[3]), dtype=prompt.dtype)
             buffer[:, :, : prompt.shape[2]] = prompt
             self._buffers[past] = OrtValue.ortvalue_from_numpy(buffer)
+        self._bound = None
 
     def bind(self, binding: Any, previous: dict[str, Any]) -> None:
+        if binding is self._bound:
+            return
         for past, present in self._pairs:
             binding.bind_ortvalue_input(past, self._buffers[past])
             binding.bind_ortvalue_output(present, self._buffers[past])
+        self._bound = binding
 
 
 class Generator:
     """The prefill and decode sessions of one verified kiln export directory, batch 1."""
 
-    def __init__(self, directory: Path, threads: int = 2, kv: KvStrategy | None = None, target: str | None = None) -> None:
+    def __init__(self, directory: Path, threads: int = 2, target: str | None = None) -> None:
         from kiln.exporter.bench import session
 
         manifest = require_verified(directory)
@@ -137,22 +123,22 @@ class Generator:
             raise GenerateError(f"{directory}: a cross-attention decoder needs its encoder's output (encoder_hidden_states); kiln generate has no encoder to run")
         graphs = manifest["graphs"]
         n_layers = int(manifest["model"]["n_layers"])
-        default_kv: KvStrategy = ConcatKv(n_layers)
+        kv: KvStrategy = ConcatKv(n_layers)
         if target is not None:
             targets = manifest.get("targets") or {}
             if target not in targets:
                 raise GenerateError(f"{directory}: has no --target {target} graphs; export it with --target {target}")
             graphs = targets[target]["graphs"]
             if shares_kv_buffer(manifest):
-                default_kv = SharedKv(n_layers)
+                kv = SharedKv(n_layers)
         self.directory = directory
         self.manifest = manifest
         self.max_context = int(manifest["limits"]["max_context"])
         self.eos = manifest["model"]["eos_token_id"]
         self._prefill = session(directory / graphs["prefill"]["file"], threads)
         self._decode = session(directory / graphs["decode"]["file"], threads)
-        self._kv: KvStrategy = kv or default_kv
-        self.kv_cache = "shared-buffer" if isinstance(self._kv, SharedKv) else "concat"  # how each step's cache is written
+        self._kv = kv
+        self.kv_cache = "shared-buffer" if isinstance(kv, SharedKv) else "concat"  # how each step's cache is written
         self._vocab = int(manifest["model"]["vocab_size"])
 
     def run(
@@ -183,11 +169,12 @@ class Generator:
         def take(logits: np.ndarray) -> int:
             row = logits.reshape(-1, self._vocab)[-1].astype(np.float32)
             if keep_logits:
-                kept.append(row.copy())
+                kept.append(row)  # astype made it a copy
             step = len(tokens)
             tokens.append(int(forced[step]) if forced is not None else int(row.argmax()))
             return tokens[-1]
 
+        names = ["logits", *self._kv.presents]  # the order outputs are bound in
         start = time.perf_counter()
         binding = self._prefill.io_binding()
         binding.bind_cpu_input("input_ids", np.asarray([prompt], dtype=np.int64))
@@ -197,7 +184,7 @@ class Generator:
         for name in self._kv.presents:
             binding.bind_output(name, "cpu")
         self._prefill.run_with_iobinding(binding)
-        outputs = dict(zip(["logits", *self._kv.presents], binding.get_outputs(), strict=True))
+        outputs = dict(zip(names, binding.get_outputs(), strict=True))
         token = take(outputs["logits"].numpy())
         self._kv.start(outputs, capacity=n + max_new_tokens)
         prefill_s = time.perf_counter() - start
@@ -214,7 +201,7 @@ class Generator:
             binding.bind_cpu_input("position_ids", np.asarray([[total - 1]], dtype=np.int64))
             self._kv.bind(binding, outputs)
             self._decode.run_with_iobinding(binding)
-            outputs = dict(zip(["logits", *self._kv.presents], binding.get_outputs(), strict=True))
+            outputs = dict(zip(names, binding.get_outputs(), strict=True))
             token = take(logits_out.numpy())
         decode_s = time.perf_counter() - start
         return Generation(tuple(prompt), tuple(tokens), prefill_s, decode_s, np.stack(kept) if keep_logits else None)

@@ -29,6 +29,7 @@ __all__ = [
     "cross_past_names",
     "cross_present_names",
     "carried_cache",
+    "kv_pairs",
     "ENCODER_STATES",
     "ENC_SEQ",
     "ple_table_names",
@@ -93,10 +94,15 @@ def carried_cache(spec: DecoderSpec) -> list[tuple[str, str]]:
     """``(past input, present output)`` pairs a caller carries from one step to the next, in
     input order: per layer the self-attention key and value, then (cross-attention decoders) the
     cross-attention key and value that only prefill returns."""
+    return kv_pairs(spec.n_layers, cross=spec.encoder_dim is not None)
+
+
+def kv_pairs(n_layers: int, *, cross: bool = False) -> list[tuple[str, str]]:
+    """``carried_cache`` for callers that know only the layer count (an export's manifest)."""
     pairs: list[tuple[str, str]] = []
-    for i in range(spec.n_layers):
+    for i in range(n_layers):
         pairs += zip(past_names(i), present_names(i), strict=True)
-        if spec.encoder_dim is not None:
+        if cross:
             pairs += zip(cross_past_names(i), cross_present_names(i), strict=True)
     return pairs
 

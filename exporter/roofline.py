@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BandwidthProbe", "read_bandwidth", "weights_bytes_per_step"]
+__all__ = ["BandwidthProbe", "weights_bytes_per_step"]
 
 
 class BandwidthProbe:
@@ -40,22 +40,17 @@ class BandwidthProbe:
     def __call__(self) -> None:
         list(self._pool.map(np.max, self._chunks))
 
-    def close(self) -> None:
-        self._pool.shutdown()
-
-
-def read_bandwidth(threads: int = 2, mib: int = 256, repeats: int = 15) -> float:
-    """Best read bandwidth (bytes/s) of ``repeats`` probe calls."""
-    probe = BandwidthProbe(threads, mib)
-    best = float("inf")
-    try:
+    def best_bandwidth(self, repeats: int = 15) -> float:
+        """Best read bandwidth (bytes/s) of ``repeats`` calls in a row."""
+        best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            probe()
+            self()
             best = min(best, time.perf_counter() - start)
-    finally:
-        probe.close()
-    return probe.nbytes / best
+        return self.nbytes / best
+
+    def close(self) -> None:
+        self._pool.shutdown()
 
 
 def weights_bytes_per_step(graph: Path, tokens: int = 1) -> int:

@@ -152,7 +152,7 @@ def test_genai_shared_buffer_binds_present_to_past(genai_dir: Path) -> None:
     assert d.present_to_past == {"present.0.key": "past_key_values.0.key", "present.0.value": "past_key_values.0.value"}
     assert d.roles == {"input_ids": "input_ids", "attention_mask": "attention_mask"}
     sess = session(d.decode, 1)
-    timed = Timed(d, d.decode, sess, Sizes(seq=1, past=6), VOCAB)
+    timed = Timed(d, sess, Sizes(seq=1, past=6), VOCAB)
     timed()
     past = timed._values["past_key_values.0.key"]
     assert past.shape() == [1, N_KV, 7, HD]  # capacity past + 1, head size from genai_config.json
