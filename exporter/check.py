@@ -57,6 +57,7 @@ def run_parity(
     tokens: int,
     last_logits_only: bool,
     release_reference: Callable[[], None] | None = None,
+    recorder: RecordingRunner | None = None,
     seed: int = 0,
     progress: Progress | None = None,
 ) -> ParityResult:
@@ -66,12 +67,14 @@ def run_parity(
 
     Every PyTorch output is computed first and recorded; ``release_reference`` (if given) then
     frees the model's weights before the runtime loads its own, so the two never sit in memory
-    together; the comparisons replay the recorded outputs.
+    together; the comparisons replay the recorded outputs. Checks of several graph sets of one
+    model (the portable and the ``--target ort`` graphs) share one ``recorder`` (a
+    ``RecordingRunner`` of ``reference``): PyTorch then runs once, and later checks replay it.
     """
     progress = progress or NullProgress()
     tolerance = TOLERANCES[precision]
     kv_dtype = np.dtype(Precision(precision).kv_dtype)
-    recorder = RecordingRunner(TorchRunner(reference, spec.n_layers, last_logits_only))
+    recorder = recorder or RecordingRunner(TorchRunner(reference, spec.n_layers, last_logits_only))
     single, padded, steps = parity_plan(max_context, max_batch, tokens)
     batches = [make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)]
     paths = [False, True] if GraphKind.UNIFIED in graphs else [False]
@@ -147,10 +150,32 @@ def check_dir(
     if options.ple_tables is PLETables.INPUT:
         folded = fold_ple(reference)
         extra = table_feeds([(m.scale, m.shift) for _, m in ple_sublayers(folded) if isinstance(m, FoldedPLE)], precision.kv_dtype)
-    graphs = {kind: directory / manifest["graphs"][kind.value]["file"] for kind in GraphKind}
-    for path in graphs.values():
-        if not path.is_file():
-            raise ArtifactError(f"{path}: graph file missing")
+
+    def graph_paths(entries: dict[str, Any]) -> dict[GraphKind, Path]:
+        paths = {kind: directory / entries[kind.value]["file"] for kind in GraphKind}
+        for path in paths.values():
+            if not path.is_file():
+                raise ArtifactError(f"{path}: graph file missing")
+        return paths
+
+    recorder = RecordingRunner(TorchRunner(reference, loaded.spec.n_layers, options.last_logits_only))  # PyTorch runs once for both sets
+
+    def parity(candidate: Callable[[], contextlib.AbstractContextManager[Any]], kinds: tuple[GraphKind, ...], precision: str) -> ParityResult:
+        return run_parity(
+            reference,
+            loaded.spec,
+            candidate,
+            kinds,
+            precision=precision,
+            max_context=options.max_context or loaded.spec.max_context,
+            max_batch=options.max_batch,
+            tokens=options.parity_tokens,
+            last_logits_only=options.last_logits_only,
+            recorder=recorder,
+            progress=progress,
+        )
+
+    graphs = graph_paths(manifest["graphs"])
     if backend == "tensorrt":
         from kiln.exporter.engine import TrtRunner
 
@@ -164,37 +189,11 @@ def check_dir(
             return OrtRunner(graphs, extra_feeds=extra)
 
         kinds = tuple(graphs)
-    result = run_parity(
-        reference,
-        loaded.spec,
-        candidate,
-        kinds,
-        precision=precision.value,
-        max_context=options.max_context or loaded.spec.max_context,
-        max_batch=options.max_batch,
-        tokens=options.parity_tokens,
-        last_logits_only=options.last_logits_only,
-        progress=progress,
-    )
+    result = parity(candidate, kinds, precision.value)
     ort_target = (manifest.get("targets") or {}).get("ort")
     if backend != "tensorrt" and ort_target is not None:  # --target ort graphs: checked the same way
         from kiln.exporter.targets.parity import merge_target_parity
 
-        ort_graphs = {kind: directory / ort_target["graphs"][kind.value]["file"] for kind in GraphKind}
-        for path in ort_graphs.values():
-            if not path.is_file():
-                raise ArtifactError(f"{path}: graph file missing")
-        ort_result = run_parity(
-            reference,
-            loaded.spec,
-            lambda: OrtRunner(ort_graphs, extra_feeds=extra),
-            tuple(ort_graphs),
-            precision=ort_target["precision"],
-            max_context=options.max_context or loaded.spec.max_context,
-            max_batch=options.max_batch,
-            tokens=options.parity_tokens,
-            last_logits_only=options.last_logits_only,
-            progress=progress,
-        )
-        merge_target_parity(result, "ort", ort_result)
+        ort_graphs = graph_paths(ort_target["graphs"])
+        merge_target_parity(result, "ort", parity(lambda: OrtRunner(ort_graphs, extra_feeds=extra), tuple(ort_graphs), ort_target["precision"]))
     return result

@@ -29,7 +29,7 @@ from kiln.exporter.ple import FoldedPLE, check_folding, fold_ple, ple_sublayers
 from kiln.exporter.reference import prepare_reference, resolve_limits, table_feeds
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.report import write_parity_reports
-from kiln.exporter.runners import OrtRunner, TorchRunner
+from kiln.exporter.runners import OrtRunner, RecordingRunner, TorchRunner
 from kiln.exporter.serving import write_genai_config
 from kiln.exporter.targets.ort import OrtTarget, write_ort_target
 from kiln.exporter.targets.parity import merge_target_parity
@@ -144,7 +144,7 @@ def export_loaded(
             )
             if calibration.cache_hit:
                 progress.note(f"calibration: reusing cached ranges {options.calib_cache}/{calibration.key}.json")
-        calib_runner = TorchRunner(reference, spec.n_layers, options.last_logits_only)
+        torch_runner = TorchRunner(reference, spec.n_layers, options.last_logits_only)  # calibration and parity
 
         sensitivity = None
         if options.auto_keep_fp32:
@@ -157,7 +157,7 @@ def export_loaded(
             for kind in GraphKind:
                 model = traced(kind)
                 if calibration is not None:
-                    ranges = calibration.ranges_for(kind, model, spec, calib_runner)
+                    ranges = calibration.ranges_for(kind, model, spec, torch_runner)
                     model, int8_nodes[kind.value] = quantize_int8(model, ranges, int8_policy)
                 if options.precision.has_fp16:
                     model, fp16 = convert_to_fp16(model, policy)
@@ -182,7 +182,10 @@ def export_loaded(
         parity_feeds = table_feeds(tables, options.precision.kv_dtype) if table_shapes else None
         release = release_weights(reference) if release_reference else None
 
-        def check(paths: dict[GraphKind, Path], precision: str, last: bool) -> ParityResult:
+        # one recording of PyTorch for both graph sets: it runs once, the model is freed after it
+        recorder = RecordingRunner(torch_runner)
+
+        def check(paths: dict[GraphKind, Path], precision: str, release: Callable[[], None] | None = None) -> ParityResult:
             return run_parity(
                 reference,
                 spec,
@@ -193,13 +196,14 @@ def export_loaded(
                 max_batch=options.max_batch,
                 tokens=options.parity_tokens,
                 last_logits_only=options.last_logits_only,
-                release_reference=release if last else None,  # the last check frees the model
+                release_reference=release,
+                recorder=recorder,
                 progress=progress,
             )
 
-        parity = check(graphs, options.precision.value, last=ort_target is None)
+        parity = check(graphs, options.precision.value, release)
         if ort_target is not None:
-            merge_target_parity(parity, "ort", check(ort_target.graphs, ort_target.precision, last=True))
+            merge_target_parity(parity, "ort", check(ort_target.graphs, ort_target.precision))
         if kept_fp32:
             parity.extra["kept_fp32"] = kept_fp32
         if calibration_info is not None:
