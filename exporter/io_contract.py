@@ -28,6 +28,7 @@ __all__ = [
     "present_names",
     "cross_past_names",
     "cross_present_names",
+    "is_cross",
     "carried_cache",
     "kv_pairs",
     "ENCODER_STATES",
@@ -90,6 +91,11 @@ def cross_present_names(layer: int) -> tuple[str, str]:
     return f"present.{layer}.cross_key", f"present.{layer}.cross_value"
 
 
+def is_cross(name: str) -> bool:
+    """Whether a cache input or output name is a cross-attention one (``*.cross_key/value``)."""
+    return ".cross_" in name
+
+
 def carried_cache(spec: DecoderSpec) -> list[tuple[str, str]]:
     """``(past input, present output)`` pairs a caller carries from one step to the next, in
     input order: per layer the self-attention key and value, then (cross-attention decoders) the
@@ -138,11 +144,11 @@ def graph_io(
         TensorSpec("position_ids", "int64", (BATCH, seq)),
     ]
     cross = spec.encoder_dim is not None
-    if spec.encoder_dim is not None and kind is GraphKind.PREFILL:
+    if cross and kind is GraphKind.PREFILL:
         inputs.append(TensorSpec(ENCODER_STATES, kv_dtype, (BATCH, ENC_SEQ, spec.encoder_dim)))
     if kind is not GraphKind.PREFILL:
         for past, _ in carried_cache(spec):
-            length = ENC_SEQ if ".cross_" in past else PAST_SEQ
+            length = ENC_SEQ if is_cross(past) else PAST_SEQ
             inputs.append(TensorSpec(past, kv_dtype, (BATCH, kv[0], length, kv[1])))
     for i, shape in enumerate(ple_tables):
         for name in ple_table_names(i):

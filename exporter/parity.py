@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.exporter.io_contract import ENCODER_STATES, GraphKind, carried_cache, past_names
+from kiln.exporter.io_contract import ENCODER_STATES, GraphKind, carried_cache, is_cross, past_names
 from kiln.exporter.runners import Feeds, Runner
 from kiln.plugins.base import DecoderSpec
 
@@ -185,14 +185,13 @@ def greedy(
     feeds: Feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
     encoder = encoder_states(spec, batch)
     if encoder is not None:
-        feeds[ENCODER_STATES] = encoder.astype(kv_dtype)
+        feeds[ENCODER_STATES] = encoder.astype(kv_dtype)  # (via float32, as every other caller rounds it)
     if unified:
-        first_feeds = {**feeds, **_empty_past(spec, batch, kv_dtype)}
+        cross: Feeds = {}
         if encoder is not None:
             prefill = runner.run(GraphKind.PREFILL, feeds)
-            del first_feeds[ENCODER_STATES]
-            first_feeds.update({past: prefill[present].astype(kv_dtype) for past, present in carried_cache(spec) if ".cross_" in past})
-        feeds = first_feeds
+            cross = {past: prefill[present].astype(kv_dtype) for past, present in carried_cache(spec) if is_cross(past)}
+        feeds = {k: v for k, v in feeds.items() if k != ENCODER_STATES} | _empty_past(spec, batch, kv_dtype) | cross
     first = GraphKind.UNIFIED if unified else GraphKind.PREFILL
     step_kind = GraphKind.UNIFIED if unified else GraphKind.DECODE
     tokens = np.zeros((batch, steps), dtype=np.int64)
@@ -299,7 +298,7 @@ def tensor_feeds(
                 prompt[ENCODER_STATES] = encoder
             presents = reference.run(GraphKind.PREFILL, prompt)
         for name, present in carried_cache(spec):
-            length = encoder.shape[1] if encoder is not None and ".cross_" in name else past
+            length = encoder.shape[1] if encoder is not None and is_cross(name) else past
             value = presents[present] if presents is not None else rng.standard_normal((2, spec.n_kv_heads, length, spec.head_dim))
             feeds[name] = np.asarray(value).astype(kv_dtype)
     return feeds

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.export import Dim
 
 from kiln.errors import ExportError
-from kiln.exporter.io_contract import ENC_SEQ, ENCODER_STATES, PAST_SEQ, GraphIO, GraphKind
+from kiln.exporter.io_contract import ENC_SEQ, ENCODER_STATES, PAST_SEQ, GraphIO, GraphKind, is_cross
 
 __all__ = ["GraphModule", "trace_graph", "example_inputs"]
 
@@ -128,7 +128,7 @@ def trace_graph(
 ) -> ir.Model:
     """Trace one graph to an in-memory ONNX model with the contract's I/O names (PLE table
     inputs are added afterwards by a pass; ``passes.apply_contract`` then checks the whole I/O)."""
-    cross = any(".cross_" in t.name for t in (*io_spec.inputs, *io_spec.outputs))
+    cross = any(is_cross(t.name) for t in (*io_spec.inputs, *io_spec.outputs))
     wrapper = GraphModule(module, kind, n_layers, last_logits_only, cross).eval()
     args = example_inputs(io_spec, kind, vocab)
     try:

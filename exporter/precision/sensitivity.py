@@ -26,7 +26,7 @@ import onnx_ir as ir
 from torch import nn
 
 from kiln.errors import ExportError
-from kiln.exporter.io_contract import ENCODER_STATES, GraphKind, carried_cache
+from kiln.exporter.io_contract import ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.parity import tensor_feeds
 from kiln.exporter.precision.fp16 import convert_to_fp16
 from kiln.exporter.precision.policy import Fp16Policy, resolve_kept_nodes, rule_matches
@@ -139,7 +139,8 @@ def search_against_reference(
     from onnx.reference import ReferenceEvaluator
 
     torch_runner = TorchRunner(reference, spec.n_layers)
-    feeds16 = [tensor_feeds(spec, GraphKind.UNIFIED, seed, np.dtype(np.float16)), _prefill_as_unified(spec, seed)]
+    unified = tensor_feeds(spec, GraphKind.UNIFIED, seed, np.dtype(np.float16))
+    feeds16 = [unified, _prefill_as_unified(spec, seed, unified)]
     wants = [torch_runner.run(GraphKind.UNIFIED, f)["logits"] for f in feeds16]
 
     def evaluate(path: Path) -> float:
@@ -159,12 +160,11 @@ def search_against_reference(
     return find_fp32_groups(ir.serde.serialize_model(fp32_unified), policy, evaluate, tolerance)
 
 
-def _prefill_as_unified(spec: DecoderSpec, seed: int) -> dict[str, np.ndarray]:
+def _prefill_as_unified(spec: DecoderSpec, seed: int, with_past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A prompt through the unified graph: an empty self-attention past (and, for a
-    cross-attention decoder, a cross cache, which the unified graph takes as an input)."""
+    cross-attention decoder, the cross cache of ``with_past``, the unified feeds)."""
     feeds = tensor_feeds(spec, GraphKind.PREFILL, seed, np.dtype(np.float16))
     feeds.pop(ENCODER_STATES, None)
-    with_past = tensor_feeds(spec, GraphKind.UNIFIED, seed, np.dtype(np.float16))
     empty = np.zeros((2, spec.n_kv_heads, 0, spec.head_dim), dtype=np.float16)
-    feeds.update({past: with_past[past] if ".cross_" in past else empty for past, _ in carried_cache(spec)})
+    feeds.update({past: with_past[past] if is_cross(past) else empty for past, _ in carried_cache(spec)})
     return feeds
