@@ -32,16 +32,16 @@ from kiln.plugins.native.config import NativeConfig, PLEConfig
 from kiln.plugins.native.model import PLEDecoder
 
 
+def _shape(d_model: int) -> tuple[int, int, int]:
+    """Heads (head_dim 64), KV heads (GQA 2:1) and MLP width of both families' benchmark model."""
+    return d_model // 64, d_model // 128, int(d_model * 2.75)
+
+
 def make_checkpoint(directory: Path, layers: int, d_model: int, vocab: int) -> tuple[Path, int]:
+    heads, kv_heads, d_ff = _shape(d_model)
     cfg = NativeConfig(
-        vocab_size=vocab,
-        d_model=d_model,
-        n_layers=layers,
-        n_heads=d_model // 64,
-        n_kv_heads=d_model // 128,
-        d_ff=int(d_model * 2.75),
-        max_context=512,
-        ple=PLEConfig(max_positions=512),
+        vocab_size=vocab, d_model=d_model, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, d_ff=d_ff,
+        max_context=512, ple=PLEConfig(max_positions=512),
     )
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / "model.safetensors").is_file():
@@ -59,15 +59,10 @@ def make_hf_checkpoint(directory: Path, layers: int, d_model: int, vocab: int) -
     import transformers
 
     if not (directory / "model.safetensors").is_file():
+        heads, kv_heads, d_ff = _shape(d_model)
         cfg = transformers.LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=d_model,
-            num_hidden_layers=layers,
-            num_attention_heads=d_model // 64,
-            num_key_value_heads=d_model // 128,
-            intermediate_size=int(d_model * 2.75),
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
+            vocab_size=vocab, hidden_size=d_model, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            intermediate_size=d_ff, max_position_embeddings=512, tie_word_embeddings=False,
         )
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(cfg).eval()
