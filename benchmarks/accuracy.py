@@ -21,7 +21,9 @@ import onnxruntime as ort
 import torch
 from tokenizers import Tokenizer
 
-from kiln.exporter.io_contract import GraphKind, past_names
+from kiln.exporter.artifacts.manifest import Manifest
+from kiln.exporter.artifacts.manifest import read as read_manifest
+from kiln.exporter.contract.io import GraphKind, past_names
 from kiln.exporter.parity import greedy
 from kiln.exporter.runners import OrtRunner, TorchRunner
 from kiln.plugins import load_model, resolve_checkpoint
@@ -33,10 +35,10 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-def graph_file(directory: Path, manifest: dict, kind: GraphKind, target: str | None) -> Path:
+def graph_file(directory: Path, manifest: Manifest, kind: GraphKind, target: str | None) -> Path:
     """The portable graph of ``kind``, or the ``--target`` one (manifest ``targets``)."""
-    graphs = manifest["graphs"] if target is None else manifest["targets"][target]["graphs"]
-    return directory / graphs[kind.value]["file"]
+    entry = manifest.graph(kind) if target is None else (manifest.targets or {})[target].graphs[kind.value]
+    return directory / entry.file
 
 
 def main() -> None:
@@ -66,8 +68,8 @@ def main() -> None:
         nll, agree, count = 0.0, 0, 0
         session = None
         if logits_of is not None:
-            manifest = json.loads((logits_of / "manifest.json").read_text())
-            kv = manifest["kv_cache"]["dtype"]
+            manifest = read_manifest(logits_of)
+            kv = manifest.kv_cache.dtype
             session = ort.InferenceSession(str(graph_file(logits_of, manifest, GraphKind.UNIFIED, args.target)), providers=["CPUExecutionProvider"])
         for w, ref in zip(windows, ref_logits, strict=True):
             if session is None:

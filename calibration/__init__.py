@@ -18,7 +18,7 @@ from kiln.calibration.cache import cache_key, read_cache, trt_calibration_cache,
 from kiln.calibration.data import SYNTHETIC, CalibrationData, load_calibration_data
 from kiln.calibration.feeds import DECODE_STEPS, calibration_feeds
 from kiln.calibration.methods import CalibMethod, collect_ranges, mse_threshold
-from kiln.exporter.io_contract import GraphKind
+from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.runners import TorchRunner
 from kiln.plugins.base import DecoderSpec
 

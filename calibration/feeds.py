@@ -1,6 +1,6 @@
 """Feeds for calibrating each graph: prompts through prefill, and teacher-forced decode steps
-whose past keys/values come from the PyTorch model itself, so the activation ranges cover the
-KV path, not only the prompt."""
+whose past keys/values come from the PyTorch model itself (the contract's step loop, forced on
+the data's own next tokens), so the activation ranges cover the KV path, not only the prompt."""
 
 from __future__ import annotations
 
@@ -8,18 +8,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kiln.exporter.io_contract import GraphKind, past_names, present_names
+from kiln.exporter.contract.io import GraphKind, kv_pairs
+from kiln.exporter.contract.steps import empty_past, prompt_feeds, run_steps
 from kiln.exporter.runners import Feeds, TorchRunner
 from kiln.plugins.base import DecoderSpec
 
 __all__ = ["calibration_feeds", "DECODE_STEPS"]
 
 DECODE_STEPS = 4  # teacher-forced decode steps after each prompt
-
-
-def _prompt(ids: np.ndarray) -> Feeds:
-    row = ids[None, :]
-    return {"input_ids": row, "attention_mask": np.ones_like(row), "position_ids": np.arange(row.shape[1], dtype=np.int64)[None, :]}
 
 
 def calibration_feeds(spec: DecoderSpec, kind: GraphKind, windows: Sequence[np.ndarray], reference: TorchRunner) -> list[Feeds]:
@@ -29,26 +25,17 @@ def calibration_feeds(spec: DecoderSpec, kind: GraphKind, windows: Sequence[np.n
     for window in windows:
         steps = min(DECODE_STEPS, len(window) - 1)
         prompt = window[: len(window) - steps]
-        first = _prompt(prompt)
+        first = prompt_feeds([prompt.tolist()], 0)  # one unpadded row
         if kind is GraphKind.PREFILL:
             out.append(first)
             continue
         if kind is GraphKind.UNIFIED:
-            empty = np.zeros((1, spec.n_kv_heads, 0, spec.head_dim), dtype=np.float32)
-            out.append({**first, **{n: empty for i in range(spec.n_layers) for n in past_names(i)}})
-        outputs = reference.run(GraphKind.PREFILL, first)
-        mask = first["attention_mask"]
-        for t in range(steps):
-            position = len(prompt) + t
-            mask = np.concatenate([mask, np.ones((1, 1), dtype=np.int64)], axis=1)
-            feeds: Feeds = {
-                "input_ids": window[position : position + 1][None, :],
-                "attention_mask": mask,
-                "position_ids": np.array([[position]], dtype=np.int64),
-            }
-            for i in range(spec.n_layers):
-                for past, present in zip(past_names(i), present_names(i), strict=True):
-                    feeds[past] = outputs[present]
-            out.append(feeds)
-            outputs = reference.run(GraphKind.DECODE, feeds)
+            out.append({**first, **empty_past(spec, 1, np.dtype(np.float32))})
+        forced = window[len(prompt) :]  # the data's own continuation
+
+        def choose(step: int, logits: np.ndarray, forced: np.ndarray = forced) -> np.ndarray:
+            return forced[step : step + 1]
+
+        run = run_steps(reference, kv_pairs(spec.n_layers), first, steps + 1, choose)
+        out += [step.feeds for step in run if step.index > 0]
     return out

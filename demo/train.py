@@ -29,10 +29,8 @@ import argparse
 import json
 import math
 import platform
-import sysconfig
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +39,7 @@ import tokenizers
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from kiln.plugins.native.config import (
@@ -53,90 +51,24 @@ from kiln.plugins.native.config import (
     PLEPlacement,
     PositionKind,
 )
+from kiln.demo.corpus import (
+    CORPUS_CAP_BYTES,
+    HELDOUT_EVERY,
+    MAX_FILE_BYTES,
+    SEQ_LEN,
+    SKIP_DIRS,
+    VOCAB_SIZE,
+    Corpus,
+    Data,
+    prepare_data,
+)
 from kiln.plugins.native.model import PLEDecoder
 
-__all__ = ["Corpus", "build_corpus", "train_tokenizer", "demo_config", "main"]
+__all__ = ["demo_config", "train", "main"]
 
-EOS = "<|endoftext|>"  # id 0: bos and eos
-PAD = "<|pad|>"  # id 1
-VOCAB_SIZE = 1024
-SEQ_LEN = 256
-CORPUS_CAP_BYTES = 12_000_000  # total text taken from the standard library
-MAX_FILE_BYTES = 300_000  # skips generated data modules such as pydoc_data/topics.py
-HELDOUT_EVERY = 20  # every 20th selected file is held out
-HELDOUT_TXT_BYTES = 256_000  # size cap of heldout.txt
-SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 EVAL_WINDOWS = 64
 EVAL_BATCH = 16
 NUM_THREADS = 2
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """The selected standard-library files, split by file."""
-
-    root: Path
-    train: list[tuple[str, str]]  # (path relative to root, text)
-    heldout: list[tuple[str, str]]
-
-    @staticmethod
-    def size(files: Sequence[tuple[str, str]]) -> int:
-        return sum(len(text.encode("utf-8")) for _, text in files)
-
-
-def build_corpus(cap_bytes: int = CORPUS_CAP_BYTES) -> Corpus:
-    """Standard-library ``.py`` files in sorted order up to ``cap_bytes``, split by file."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = sorted(
-        p
-        for p in root.rglob("*.py")
-        if not SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]) and not p.name.startswith("test_")
-    )
-    selected: list[tuple[str, str]] = []
-    total = 0
-    for path in paths:
-        try:
-            raw = path.read_bytes()
-            text = raw.decode("utf-8").replace("\r\n", "\n")
-        except (OSError, UnicodeDecodeError):
-            continue  # unreadable or not UTF-8: skipped, deterministically
-        if not text.strip() or len(raw) > MAX_FILE_BYTES:
-            continue
-        if total + len(raw) > cap_bytes:
-            break
-        selected.append((path.relative_to(root).as_posix(), text))
-        total += len(raw)
-    if len(selected) < 2 * HELDOUT_EVERY:
-        raise SystemExit(f"only {len(selected)} usable standard-library files under {root}; cannot build the corpus")
-    train = [f for i, f in enumerate(selected) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
-    heldout = [f for i, f in enumerate(selected) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
-    return Corpus(root, train, heldout)
-
-
-def heldout_text(files: Sequence[tuple[str, str]], cap_bytes: int = HELDOUT_TXT_BYTES) -> str:
-    """Whole held-out files joined by a blank line, cut at a line boundary under ``cap_bytes``."""
-    text = "\n\n".join(t.rstrip("\n") + "\n" for _, t in files)
-    data = text.encode("utf-8")[:cap_bytes]
-    cut = data.rfind(b"\n")
-    return data[: cut + 1].decode("utf-8")
-
-
-def train_tokenizer(texts: Sequence[str]) -> Tokenizer:
-    """Byte-level BPE with ``<|endoftext|>`` (0) and ``<|pad|>`` (1)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        min_frequency=2,
-        special_tokens=[EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    if tok.token_to_id(EOS) != 0 or tok.token_to_id(PAD) != 1 or tok.get_vocab_size() != VOCAB_SIZE:
-        raise SystemExit("tokenizer training produced unexpected special-token ids or vocab size")
-    return tok
 
 
 def demo_config() -> NativeConfig:
@@ -166,15 +98,6 @@ def demo_config() -> NativeConfig:
         eos_token_id=0,
         pad_token_id=1,
     )
-
-
-def token_stream(tok: Tokenizer, texts: Sequence[str]) -> Tensor:
-    """All texts tokenized and joined, each followed by ``<|endoftext|>``; int64 ``[N]``."""
-    ids: list[int] = []
-    for enc in tok.encode_batch(list(texts), add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(0)
-    return torch.tensor(ids, dtype=torch.int64)
 
 
 def init_weights(model: PLEDecoder) -> None:
@@ -296,42 +219,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    torch.set_num_threads(NUM_THREADS)
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-
-    corpus = build_corpus()
-    heldout = heldout_text(corpus.heldout)
-    (out / "heldout.txt").write_text(heldout, encoding="utf-8")
-    print(
-        f"corpus {corpus.root}: {len(corpus.train)} train files ({Corpus.size(corpus.train):,} B), "
-        f"{len(corpus.heldout)} held-out files ({Corpus.size(corpus.heldout):,} B); "
-        f"heldout.txt {len(heldout.encode()):,} B",
-        flush=True,
-    )
-
-    tok = train_tokenizer([text for _, text in corpus.train])
-    tok.save(str(out / "tokenizer.json"))
-    train_ids = token_stream(tok, [text for _, text in corpus.train])
-    eval_ids = torch.tensor(tok.encode(heldout, add_special_tokens=False).ids, dtype=torch.int64)
-    print(f"tokenizer: {len(train_ids):,} train tokens, {len(eval_ids):,} heldout.txt tokens", flush=True)
-
-    cfg = demo_config()
-    model = PLEDecoder(cfg)
-    init_weights(model)
-    n_params = sum(p.numel() for p in model.parameters())
+def train(model: nn.Module, train_ids: torch.Tensor, args: argparse.Namespace) -> tuple[list[float], float]:
+    """AdamW over random windows of ``train_ids``; returns the loss of every step and the seconds taken."""
     groups = param_groups(model, args.lr, args.ple_lr_mult, args.weight_decay)
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     gen = torch.Generator().manual_seed(args.seed)
     offsets = torch.arange(SEQ_LEN + 1)
-    print(f"model: {n_params:,} parameters; {args.steps} steps of {args.batch_size}x{SEQ_LEN} tokens", flush=True)
-
-    train_started = time.perf_counter()
+    started = time.perf_counter()
     losses: list[float] = []
     model.train()
     for step in range(args.steps):
@@ -346,28 +240,48 @@ def main(argv: Sequence[str] | None = None) -> None:
         opt.step()
         losses.append(float(loss.detach()))
         if (step + 1) % args.log_every == 0 or step == 0:
-            elapsed = time.perf_counter() - train_started
+            elapsed = time.perf_counter() - started
             recent = sum(losses[-args.log_every :]) / len(losses[-args.log_every :])
             print(f"step {step + 1}/{args.steps} loss {recent:.4f} lr {lr:.2e} {elapsed / (step + 1):.3f} s/step "
                   f"elapsed {elapsed:.0f} s", flush=True)
-    train_seconds = time.perf_counter() - train_started
+    return losses, time.perf_counter() - started
 
-    ppl, eval_tokens = heldout_perplexity(model, eval_ids)
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(NUM_THREADS)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    data = prepare_data(out)
+    cfg = demo_config()
+    model = PLEDecoder(cfg)
+    init_weights(model)
+    print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; {args.steps} steps of {args.batch_size}x{SEQ_LEN} tokens", flush=True)
+    losses, train_seconds = train(model, data.train_ids, args)
+    ppl, eval_tokens = heldout_perplexity(model, data.eval_ids)
     stats = ple_stats(model)
-    sample = greedy(model, tok, "def ", 40)
-    tail = losses[-50:]
+    sample = greedy(model, data.tokenizer, "def ", 40)
     print(f"held-out perplexity {ppl:.3f} over {eval_tokens} tokens", flush=True)
-    max_a, max_b = max(s["max_abs_a"] for s in stats), max(s["max_abs_b"] for s in stats)
-    print(f"PLE max|a| {max_a:.4f} max|b| {max_b:.4f}", flush=True)
+    print(f"PLE max|a| {max(s['max_abs_a'] for s in stats):.4f} max|b| {max(s['max_abs_b'] for s in stats):.4f}", flush=True)
     print(f"sample: {sample!r}", flush=True)
-
     cfg.save(out / "config.json")
     save_model(model, str(out / "model.safetensors"))
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600
-    facts: dict[str, Any] = {
-        "command": "python -m kiln.demo.train " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"
-        ),
+    run = {"losses": losses, "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - started, "ppl": ppl, "eval_tokens": eval_tokens}
+    facts = training_facts(args, model, data, run, stats, sample)
+    (out / "training.json").write_text(json.dumps(facts, indent=2) + "\n")
+    sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    print(f"wrote {out}: {sizes} total {sum(sizes.values()):,} B", flush=True)
+
+
+def training_facts(args: argparse.Namespace, model: nn.Module, data: Data, run: dict[str, Any], stats: list[dict[str, Any]], sample: str) -> dict[str, Any]:
+    """Every fact of the run, for training.json."""
+    losses, corpus, tail = run["losses"], data.corpus, run["losses"][-50:]
+    return {
+        "command": "python -m kiln.demo.train " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "seed": args.seed,
         "steps": args.steps,
         "batch_size": args.batch_size,
@@ -378,13 +292,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                       "schedule": "linear warm-up, cosine to 10%", "grad_clip": 1.0},
         "train_loss_last50": sum(tail) / len(tail),
         "train_loss_first": losses[0],
-        "train_seconds": round(train_seconds, 1),
-        "wall_seconds": round(time.perf_counter() - started, 1),
-        "param_count": n_params,
-        "heldout_perplexity": ppl,
-        "heldout_eval": {"source": "heldout.txt", "windows": eval_tokens // SEQ_LEN, "window_tokens": SEQ_LEN,
-                         "tokens": eval_tokens, "note": "first non-overlapping windows, no bos, positions 0..255"},
-        "ple": {"max_abs_a": max_a, "max_abs_b": max_b, "layers": stats},
+        "train_seconds": round(run["train_seconds"], 1),
+        "wall_seconds": round(run["wall_seconds"], 1),
+        "param_count": sum(p.numel() for p in model.parameters()),
+        "heldout_perplexity": run["ppl"],
+        "heldout_eval": {"source": "heldout.txt", "windows": run["eval_tokens"] // SEQ_LEN, "window_tokens": SEQ_LEN,
+                         "tokens": run["eval_tokens"], "note": "first non-overlapping windows, no bos, positions 0..255"},
+        "ple": {"max_abs_a": max(s["max_abs_a"] for s in stats), "max_abs_b": max(s["max_abs_b"] for s in stats), "layers": stats},
         "corpus": {
             "source": "Python standard library .py files (sysconfig stdlib path), sorted, "
                       f"skipping {sorted(SKIP_DIRS)} dirs, test_*.py and files > {MAX_FILE_BYTES} B",
@@ -393,11 +307,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             "heldout_every": HELDOUT_EVERY,
             "train_files": len(corpus.train),
             "train_bytes": Corpus.size(corpus.train),
-            "train_tokens": len(train_ids),
+            "train_tokens": len(data.train_ids),
             "heldout_files": len(corpus.heldout),
             "heldout_bytes": Corpus.size(corpus.heldout),
-            "heldout_txt_bytes": len(heldout.encode("utf-8")),
-            "heldout_txt_tokens": len(eval_ids),
+            "heldout_txt_bytes": len(data.heldout.encode("utf-8")),
+            "heldout_txt_tokens": len(data.eval_ids),
             "heldout_txt_first_files": [name for name, _ in corpus.heldout[:5]],
         },
         "sample": {"prompt": "def ", "greedy_new_tokens": 40, "text": sample},
@@ -405,9 +319,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                      "safetensors": safetensors.__version__, "python": platform.python_version()},
         "num_threads": NUM_THREADS,
     }
-    (out / "training.json").write_text(json.dumps(facts, indent=2) + "\n")
-    sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
-    print(f"wrote {out}: {sizes} total {sum(sizes.values()):,} B", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,76 +1,49 @@
-"""Parity reports: ``reports/parity.json`` (machine-readable), ``.md`` (for people) and
-``.png`` (logit error per generation step)."""
+"""``ExportReport``: what one export did, stage by stage; the manifest and the parity reports are
+both written from it (``artifacts.manifest.build_manifest``, ``parity.report.write_reports``)."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from pathlib import Path
+from typing import Any
 
-from kiln.exporter.parity import ParityResult
+from kiln.exporter.fold import FoldCheck
+from kiln.exporter.graphs import GraphSet
+from kiln.exporter.options import ExportOptions
+from kiln.exporter.parity.results import ParityResult
+from kiln.exporter.precision.sensitivity import SensitivityResult
+from kiln.exporter.targets.ort import OrtTarget
+from kiln.plugins.base import DecoderSpec
 
-__all__ = ["write_parity_reports", "markdown"]
-
-
-def write_parity_reports(result: ParityResult, directory: Path) -> list[Path]:
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = [directory / "parity.json", directory / "parity.md", directory / "parity.png"]
-    paths[0].write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-    paths[1].write_text(markdown(result))
-    _plot(result, paths[2])
-    return paths
+__all__ = ["ExportReport"]
 
 
-def markdown(result: ParityResult) -> str:
-    verdict = "PASSED" if result.passed else "FAILED"
-    tol = result.tolerance
-    lines = [
-        f"# Parity: {result.backend} vs PyTorch ({result.precision}): {verdict}",
-        "",
-        f"Tolerances: logits max abs {tol.logits_atol:g}, KV max abs {tol.kv_atol:g}, cosine >= {tol.min_cosine:g}.",
-        "",
-        "## Tensors",
-        "",
-        "| graph | output | max abs | max rel | cosine | top-1 | ok |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for t in result.tensors:
-        top1 = f"{t.top1:.4f}" if t.top1 is not None else ""
-        lines.append(f"| {t.graph} | {t.output} | {t.max_abs:.3g} | {t.max_rel:.3g} | {t.cosine:.8f} | {top1} | {'yes' if t.passed else 'NO'} |")
-    lines += [
-        "",
-        "## Greedy generation (teacher-forced on PyTorch's tokens)",
-        "",
-        "| path | batch | prompt lengths | steps | token match | first divergence | ties | max logit error | ok |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for g in result.generation:
-        worst = max(g.per_step_max_abs) if g.per_step_max_abs else 0.0
-        div = "-" if g.first_divergence is None else str(g.first_divergence)
-        lines.append(
-            f"| {g.path} | {g.batch} | {', '.join(map(str, g.prompt_lengths))} | {g.steps} | {g.token_match_rate:.4f} "
-            f"| {div} | {g.ties} | {worst:.3g} | {'yes' if g.passed else 'NO'} |"
-        )
-    for key, value in result.extra.items():
-        lines += ["", f"## {key}", "", "```", json.dumps(value, indent=2), "```"]
-    return "\n".join(lines) + "\n"
+@dataclasses.dataclass(frozen=True)
+class ExportReport:
+    spec: DecoderSpec
+    options: ExportOptions
+    model_ref: str | None  # what --model named
+    checkpoint_files: dict[str, str]  # sha256 of each checkpoint file read, by name (hashed once)
+    max_context: int
+    folding: tuple[FoldCheck, ...]
+    keep_fp32: tuple[str, ...]  # the fp16 policy's rules, as widened by --keep-fp32 and the search
+    portable: GraphSet
+    calibration: dict[str, Any] | None  # int8: where the ranges came from
+    sensitivity: SensitivityResult | None  # --auto-keep-fp32
+    ort: OrtTarget | None  # --target ort
+    parity: ParityResult  # every graph set's checks
+    tokenizer: Path | None  # the checkpoint's tokenizer.json (copied into the export), when it has one
 
-
-def _plot(result: ParityResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    for g in result.generation:
-        errors = [max(e, 1e-12) for e in g.per_step_max_abs]
-        ax.semilogy(range(len(errors)), errors, label=f"{g.path}, batch {g.batch}")
-    ax.axhline(result.tolerance.logits_atol, color="red", linestyle="--", linewidth=1, label="tolerance")
-    ax.set_xlabel("generation step")
-    ax.set_ylabel("max |logit error| vs PyTorch")
-    ax.set_title(f"{result.backend} ({result.precision}) vs PyTorch")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    # fixed metadata: the PNG's bytes depend only on the data
-    fig.savefig(path, metadata={"Software": None})
-    plt.close(fig)
+    def parity_extras(self) -> dict[str, Any]:
+        """What the parity report shows besides the checks, in the order it shows it."""
+        extras: dict[str, Any] = {}
+        fp32 = {kind.value: {"nodes": list(g.fp32_nodes), "tables": list(g.fp32_tables or ())} for kind, g in self.portable.graphs.items() if g.fp32_nodes is not None}
+        if fp32:
+            extras["kept_fp32"] = fp32
+        if self.calibration is not None:
+            extras["calibration"] = self.calibration
+            extras["int8_nodes"] = {kind.value: list(g.int8_nodes or ()) for kind, g in self.portable.graphs.items()}
+        if self.sensitivity is not None:
+            extras["fp16_sensitivity"] = dataclasses.asdict(self.sensitivity)
+        extras["ple_folding"] = [dataclasses.asdict(c) for c in self.folding]
+        return extras

@@ -1,9 +1,13 @@
 """The registry of model families.
 
-``load_model(path)`` reads the checkpoint's ``config.json`` and asks each registered family
-whether it claims it. Families register with ``register``; third-party packages can add theirs
-through the ``kiln.plugins`` entry-point group (each entry point names a ``ModelFamily``
-instance or a zero-argument callable returning one).
+``load_model(path)`` reads the checkpoint's ``config.json`` and asks the registered families, in
+``claim_order``, whether they claim it: third-party families first (a package that registers a
+family means it for its configs, even for configs a built-in family would also take), then the
+built-in ones from the most specific to the most general: ``native`` (an exact architecture
+string), then ``hf`` (any config with ``architectures`` or ``model_type``). Families register
+with ``register``; third-party packages add theirs through the ``kiln.plugins`` entry-point
+group (each entry point names a ``ModelFamily`` instance or a zero-argument callable returning
+one).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ __all__ = [
     "ModelFamily",
     "register",
     "families",
+    "claim_order",
     "resolve_checkpoint",
     "load_model",
     "DEMO",
@@ -29,6 +34,7 @@ __all__ = [
 
 DEMO = "demo"
 _FAMILIES: dict[str, ModelFamily] = {}
+_BUILTINS = ("native", "hf")  # most specific claim first; hf takes any Hugging Face-style config
 _ENTRY_POINTS_LOADED = False
 
 
@@ -41,9 +47,16 @@ def register(family: ModelFamily) -> ModelFamily:
 
 
 def families() -> list[ModelFamily]:
-    """Every registered family: built-in ones first, then entry points, in name order."""
+    """Every registered family (built in and from entry points), in name order: what ``kiln plugins`` lists."""
     _load_entry_points()
     return [_FAMILIES[name] for name in sorted(_FAMILIES)]
+
+
+def claim_order() -> list[ModelFamily]:
+    """The order ``load_model`` asks families: third-party ones (in name order), then the built-ins."""
+    _load_entry_points()
+    third_party = [_FAMILIES[name] for name in sorted(_FAMILIES) if name not in _BUILTINS]
+    return third_party + [_FAMILIES[name] for name in _BUILTINS if name in _FAMILIES]
 
 
 def _load_entry_points() -> None:
@@ -88,7 +101,7 @@ def load_model(model: str | Path) -> LoadedModel:
     """Find the family that claims the checkpoint and load it."""
     path = resolve_checkpoint(model)
     config = read_config(path)
-    for family in families():
+    for family in claim_order():
         if family.claims(config):
             return family.load(path)
     arch = config.get("architecture", config.get("architectures", config.get("model_type", "<none>")))

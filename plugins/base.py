@@ -21,12 +21,41 @@ four tensors per layer back and computes nothing from the encoder again.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from torch import nn
+if TYPE_CHECKING:  # importing kiln.plugins.base must stay cheap: the CLI reads specs without torch
+    from torch import Tensor, nn
 
-__all__ = ["DecoderSpec", "LoadedModel", "ModelFamily"]
+__all__ = ["DecoderSpec", "LoadedModel", "ModelFamily", "PLEExtendMode", "PLEFolding"]
+
+
+class PLEExtendMode(str, enum.Enum):
+    CLAMP = "clamp"  # positions past the trained table reuse its last row
+    INTERPOLATE = "interpolate"  # position interpolation: row p samples the table at p*(M-1)/(N-1)
+
+
+class PLEFolding(Protocol):
+    """How a family with position-aware linear embeddings (PLE) lets the exporter fold them into
+    constant tables (design.md section 3). A PLE sub-layer, folded or not, is called as
+    ``sub(x [B, S, d], positions [B, S]) -> [B, S, d]``."""
+
+    def fold(self, module: nn.Module) -> nn.Module:
+        """A copy of ``module`` with every PLE sub-layer folded, sharing its parameters."""
+        ...
+
+    def extend(self, module: nn.Module, rows: int, mode: PLEExtendMode) -> None:
+        """Replace every (unfolded) PLE table of ``module`` by a ``rows``-row one, in place."""
+        ...
+
+    def sublayers(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Every PLE sub-layer of ``module`` (folded or not), in module order."""
+        ...
+
+    def tables(self, folded: nn.Module) -> list[tuple[Tensor, Tensor]]:
+        """The ``(scale, shift)`` tables ``[rows, d]`` of every folded sub-layer, in module order."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +83,7 @@ class LoadedModel:
     source: Path  # the checkpoint directory or file it came from
     tokenizer: Path | None = None  # a tokenizer.json beside the checkpoint, when there is one
     files: tuple[Path, ...] = ()  # the checkpoint files that were read (hashed for caches and the manifest)
+    ple: PLEFolding | None = None  # set by families whose decoder has PLE sub-layers
 
 
 @runtime_checkable

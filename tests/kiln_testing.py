@@ -8,7 +8,8 @@ from typing import Any
 
 from safetensors.torch import save_model
 
-from kiln.plugins.native import random_model
+from kiln.exporter.artifacts.manifest import Manifest
+from kiln.plugins.native import random_model, spec_of
 from kiln.plugins.native.config import NativeConfig, PLEConfig
 
 TINY = dict(vocab_size=101, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_context=48)
@@ -35,3 +36,30 @@ def edit_config(directory: Path, **changes: Any) -> None:
     path.write_text(json.dumps(data))
 
 
+
+
+def typed_manifest(data: dict[str, Any]) -> Manifest:
+    """A ``Manifest`` from the parts of manifest.json a test writes (graphs, limits, files...);
+    every other field gets a placeholder of the right type."""
+    spec = spec_of(tiny_config())
+    base: dict[str, Any] = {
+        "manifest_version": 1,
+        "family": "native",
+        "checkpoint": {"reference": None, "files": {}},
+        "config": {},
+        "model": {"n_layers": spec.n_layers, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "vocab_size": spec.vocab_size,
+                  "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "encoder_dim": None},
+        "precision": "fp32",
+        "kv_cache": {"layout": "BNSH", "dims": ["batch", "n_kv_heads", "seq", "head_dim"], "dtype": "float32"},
+        "limits": {"max_batch": 8, "max_context": 48},
+        "export": {"opset": 19, "keep_fp32": [], "calibration": None, "logits": "all", "ple": None},
+        "graphs": {},
+        "weights": {"file": "onnx/weights.bin", "tensors": 0, "bytes": 0},
+        "tokenizer": None,
+        "parity": {"passed": True, "report": "reports/parity.json"},
+        "tools": {},
+        "files": {},
+    }
+    merged = {**base, **data}
+    merged["graphs"] = {k: {"outputs": [], **g} for k, g in merged["graphs"].items()}
+    return Manifest.from_json(merged)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ArtifactError, EngineError
+from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.engine.build import build_engines, load_tensorrt
 from kiln.exporter.engine.options import BuildOptions, HardwareCompat, parse_size
 from kiln.exporter.engine.profiles import EngineProfile, engine_profiles
@@ -40,22 +41,11 @@ __all__ = [
 _ENGINES = "engines/"
 
 
-def _manifest(directory: Path) -> dict[str, Any]:
-    """The manifest, if every file outside ``engines/`` matches it (that folder is rewritten)."""
-    from kiln.exporter import manifest as manifest_mod
-    from kiln.exporter.verify import verify_dir
-
-    result = verify_dir(directory)
-    problems = [p for p in result.problems() if not p.split(": ", 1)[-1].startswith(_ENGINES)]
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise ArtifactError(f"{directory}: files differ from manifest.json: {'; '.join(problems[:3])}{more}; run kiln verify {directory}")
-    return manifest_mod.read(directory)
-
-
-def prepare(directory: Path, options: BuildOptions) -> tuple[dict[str, Any], tuple[EngineProfile, ...], Path]:
+def prepare(directory: Path, options: BuildOptions) -> tuple[Manifest, tuple[EngineProfile, ...], Path]:
     """Check the directory, derive both profiles and write ``engines/trtexec.sh`` (no TensorRT needed)."""
-    manifest = _manifest(directory)
+    from kiln.exporter.artifacts.verify import require_verified
+
+    manifest = require_verified(directory, rewritten=_ENGINES)  # that folder is what kiln build rewrites
     profiles = engine_profiles(manifest, options)
     for profile in profiles:
         if not (directory / profile.onnx).is_file():

@@ -30,7 +30,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from kiln.errors import ArtifactError, EngineError
-from kiln.exporter.artifacts import sha256_file
+from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.device import current_runtime
 from kiln.exporter.engine.options import BuildOptions
@@ -273,7 +273,7 @@ def build_engines(directory: Path, options: BuildOptions, profiles: Sequence[Eng
     trtexec.sh and records the engines in the manifest."""
     trt = load_tensorrt()
     if profiles is None:
-        from kiln.exporter import manifest as manifest_mod
+        from kiln.exporter.artifacts import manifest as manifest_mod
 
         profiles = engine_profiles(manifest_mod.read(directory), options)
     built_with = current_runtime(trt)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 from kiln.errors import ArtifactError, ConfigError
+from kiln.exporter.artifacts.manifest import Limits, Manifest, TensorEntry
 from kiln.exporter.engine.options import BuildOptions
-from kiln.exporter.io_contract import BATCH, ENC_SEQ, PAST_SEQ, SEQ, TOTAL_SEQ, GraphKind
+from kiln.exporter.contract.io import BATCH, ENC_SEQ, PAST_SEQ, SEQ, TOTAL_SEQ, GraphKind
 
 __all__ = ["ENGINE_GRAPHS", "DimRange", "InputShape", "EngineProfile", "dim_ranges", "engine_profile", "engine_profiles"]
 
@@ -62,14 +62,14 @@ class EngineProfile:
         return {s.name: s.to_dict() for s in self.inputs}
 
 
-def _limit(limits: Mapping[str, Any], key: str, minimum: int) -> int:
-    value = limits.get(key)
+def _limit(limits: Limits, key: str, minimum: int) -> int:
+    value = getattr(limits, key)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ArtifactError(f"manifest limits.{key} must be an integer of at least {minimum}, found {value!r}")
     return value
 
 
-def dim_ranges(kind: GraphKind, limits: Mapping[str, Any], options: BuildOptions) -> dict[str, DimRange]:
+def dim_ranges(kind: GraphKind, limits: Limits, options: BuildOptions) -> dict[str, DimRange]:
     """The range of every named dim of ``kind`` for the manifest's ``limits``."""
     max_batch = _limit(limits, "max_batch", 1)
     max_context = _limit(limits, "max_context", 2)
@@ -92,10 +92,8 @@ def dim_ranges(kind: GraphKind, limits: Mapping[str, Any], options: BuildOptions
     raise ArtifactError(f"no TensorRT engine is built for the {kind.value} graph; only prefill and decode")
 
 
-def _input_shape(kind: GraphKind, spec: Mapping[str, Any], ranges: Mapping[str, DimRange]) -> InputShape:
-    name, dtype, dims = spec.get("name"), spec.get("dtype"), spec.get("shape")
-    if not isinstance(name, str) or not isinstance(dtype, str) or not isinstance(dims, list):
-        raise ArtifactError(f"manifest graphs.{kind.value}.inputs: malformed entry {dict(spec)!r}")
+def _input_shape(kind: GraphKind, spec: TensorEntry, ranges: Mapping[str, DimRange]) -> InputShape:
+    name, dtype, dims = spec.name, spec.dtype, spec.shape
     lo: list[int] = []
     mid: list[int] = []
     hi: list[int] = []
@@ -115,18 +113,16 @@ def _input_shape(kind: GraphKind, spec: Mapping[str, Any], ranges: Mapping[str, 
     return InputShape(name, dtype, tuple(lo), tuple(mid), tuple(hi))
 
 
-def engine_profile(manifest: Mapping[str, Any], kind: GraphKind, options: BuildOptions) -> EngineProfile:
+def engine_profile(manifest: Manifest, kind: GraphKind, options: BuildOptions) -> EngineProfile:
     """The profile of the ``kind`` engine: every input of ``graphs.<kind>`` with its range."""
-    try:
-        graph = manifest["graphs"][kind.value]
-        onnx, inputs, limits = graph["file"], graph["inputs"], manifest["limits"]
-    except (KeyError, TypeError):
-        raise ArtifactError(f"manifest has no graphs.{kind.value} with file and inputs, or no limits; re-export with this kiln") from None
-    ranges = dim_ranges(kind, limits, options)
-    shapes = tuple(_input_shape(kind, spec, ranges) for spec in inputs)
-    return EngineProfile(kind, str(onnx), f"engines/{kind.value}.plan", shapes)
+    graph = manifest.graphs.get(kind.value)
+    if graph is None:
+        raise ArtifactError(f"manifest has no graphs.{kind.value}; re-export with this kiln")
+    ranges = dim_ranges(kind, manifest.limits, options)
+    shapes = tuple(_input_shape(kind, spec, ranges) for spec in graph.inputs)
+    return EngineProfile(kind, graph.file, f"engines/{kind.value}.plan", shapes)
 
 
-def engine_profiles(manifest: Mapping[str, Any], options: BuildOptions) -> tuple[EngineProfile, ...]:
+def engine_profiles(manifest: Manifest, options: BuildOptions) -> tuple[EngineProfile, ...]:
     """The prefill and decode profiles, in that order."""
     return tuple(engine_profile(manifest, kind, options) for kind in ENGINE_GRAPHS)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ArtifactError, EngineError
+from kiln.exporter.artifacts.manifest import EnginesEntry, Manifest
 from kiln.jsonfile import read_json_object
 from kiln.exporter.engine.compat import version_tuple
 from kiln.exporter.engine.options import HardwareCompat
@@ -182,27 +183,20 @@ def read_records(directory: Path) -> dict[str, Any]:
     return data
 
 
-def update_manifest(directory: Path, records: Mapping[str, EngineRecord] | None) -> dict[str, Any]:
+def update_manifest(directory: Path, records: Mapping[str, EngineRecord] | None) -> Manifest:
     """Record the files under ``engines/`` (sha256) in ``manifest.json`` so that ``kiln verify``
     still passes, and, after a build (``records``), the engines with their TensorRT, CUDA and GPU
-    under ``manifest["engines"]``; without engines.json that entry is dropped. Returns the manifest."""
-    from kiln.exporter import manifest as manifest_mod
-    from kiln.exporter.artifacts import hash_tree
+    under ``manifest.engines``; without engines.json that entry is dropped. Returns the manifest."""
+    from kiln.exporter.artifacts import manifest as manifest_mod
+    from kiln.exporter.artifacts.hashing import rehash_subtree
 
     manifest = manifest_mod.read(directory)
-    files = {k: v for k, v in manifest.get("files", {}).items() if not k.startswith(_ENGINES_PREFIX)}
-    engines_dir = directory / _ENGINES_PREFIX.rstrip("/")
-    if engines_dir.is_dir():
-        files.update({f"{_ENGINES_PREFIX}{rel}": digest for rel, digest in hash_tree(engines_dir).items()})
-    manifest["files"] = dict(sorted(files.items()))
+    engines = manifest.engines
     if not (directory / ENGINES_JSON).is_file():
-        manifest.pop("engines", None)  # no (or a failed) build: nothing to record
+        engines = None  # no (or a failed) build: nothing to record
     elif records:
         first = next(iter(records.values())).built_with
-        manifest["engines"] = {
-            "record": ENGINES_JSON,
-            **first.to_dict(),
-            "files": {kind: r.file for kind, r in records.items()},
-        }
+        engines = EnginesEntry(ENGINES_JSON, first.tensorrt, first.cuda, first.gpu, first.compute_capability, {kind: r.file for kind, r in records.items()})
+    manifest = dataclasses.replace(manifest, files=rehash_subtree(manifest.files, directory, _ENGINES_PREFIX.rstrip("/")), engines=engines)
     manifest_mod.write(directory, manifest)
     return manifest

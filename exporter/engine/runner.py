@@ -1,4 +1,4 @@
-"""``TrtRunner``: kiln's runner interface (``exporter/runners.py``) over the built engines.
+"""``TrtRunner``: kiln's runner interface (``exporter/runners/``) over the built engines.
 
 Each engine is deserialized with ``trt.Runtime(logger).deserialize_cuda_engine(plan)`` and run by
 polygraphy's ``polygraphy.backend.trt.TrtRunner`` (0.53.6: ``activate()`` creates the execution
@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kiln.errors import ArtifactError, EngineError
-from kiln.exporter.artifacts import sha256_file
+from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.build import TrtLog, make_logger, load_tensorrt
 from kiln.exporter.engine.device import current_runtime
 from kiln.exporter.engine.profiles import ENGINE_GRAPHS
 from kiln.exporter.engine.records import check_engine_compat, read_records
-from kiln.exporter.io_contract import GraphKind
+from kiln.exporter.contract.io import GraphKind
 
 if TYPE_CHECKING:
     import tensorrt as trt_types

@@ -7,9 +7,9 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.errors import ExportError
-from kiln.exporter.io_contract import GraphIO, GraphKind, TensorSpec
+from kiln.exporter.contract.io import GraphIO, GraphKind, TensorSpec
 
-__all__ = ["apply_contract"]
+__all__ = ["ApplyContract", "apply_contract"]
 
 
 def apply_contract(model: ir.Model, io_spec: GraphIO, kind: GraphKind) -> None:
@@ -39,3 +39,15 @@ def apply_contract(model: ir.Model, io_spec: GraphIO, kind: GraphKind) -> None:
 
     fix(list(graph.inputs), io_spec.inputs, "inputs")
     fix(list(graph.outputs), io_spec.outputs, "outputs")
+
+
+class ApplyContract(ir.passes.InPlacePass):
+    """The graph's I/O checked against the contract (``io_spec``) and its dynamic dims named."""
+
+    def __init__(self, io_spec: GraphIO, kind: GraphKind) -> None:
+        super().__init__()
+        self.io_spec, self.kind = io_spec, kind
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        apply_contract(model, self.io_spec, self.kind)
+        return ir.passes.PassResult(model, modified=True)

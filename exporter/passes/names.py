@@ -16,7 +16,7 @@ from collections import Counter
 
 import onnx_ir as ir
 
-__all__ = ["name_nodes"]
+__all__ = ["NameNodes", "name_nodes"]
 
 _SCOPES = "pkg.torch.onnx.name_scopes"
 _WRAPPED = "model."  # GraphModule wraps the decoder as .model
@@ -53,3 +53,10 @@ def name_nodes(model: ir.Model) -> ir.Model:
     model.metadata_props.clear()
     model.graph.metadata_props.clear()
     return model
+
+
+class NameNodes(ir.passes.InPlacePass):
+    """Nodes named after their module, exporter metadata dropped (``name_nodes``)."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        return ir.passes.PassResult(name_nodes(model), modified=True)

@@ -14,9 +14,9 @@ import onnx_ir as ir
 from torch import Tensor
 
 from kiln.errors import ExportError
-from kiln.exporter.io_contract import ple_table_names
+from kiln.exporter.contract.io import ple_table_names
 
-__all__ = ["ple_tables_to_inputs"]
+__all__ = ["PleTablesToInputs", "ple_tables_to_inputs"]
 
 
 def ple_tables_to_inputs(model: ir.Model, tables: Sequence[tuple[Tensor, Tensor]]) -> ir.Model:
@@ -37,3 +37,14 @@ def ple_tables_to_inputs(model: ir.Model, tables: Sequence[tuple[Tensor, Tensor]
             value.name = name
             graph.inputs.append(value)
     return model
+
+
+class PleTablesToInputs(ir.passes.InPlacePass):
+    """The folded PLE tables as graph inputs (``--ple-tables input``)."""
+
+    def __init__(self, tables: Sequence[tuple[Tensor, Tensor]]) -> None:
+        super().__init__()
+        self.tables = tables
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        return ir.passes.PassResult(ple_tables_to_inputs(model, self.tables), modified=bool(self.tables))

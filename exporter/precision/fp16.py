@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from kiln.exporter.precision.policy import Fp16Policy, resolve_kept_nodes
+from kiln.exporter.precision.via_proto import via_proto
 
-__all__ = ["Fp16Result", "convert_to_fp16", "FP16_MAX"]
+__all__ = ["ConvertFp16", "Fp16Result", "convert_to_fp16", "FP16_MAX"]
 
 FP16_MAX = 65504.0
 
@@ -70,23 +72,27 @@ def convert_to_fp16(model: ir.Model, policy: Fp16Policy) -> tuple[ir.Model, Fp16
     kept = resolve_kept_nodes(model.graph, policy)
     tables = _wide_tables(model.graph)
     block = sorted(set(kept) | set(tables))
-    proto = ir.serde.serialize_model(model)
-    del model
-    converted = convert_float_to_float16(
-        proto,
-        keep_io_types=["logits"],
-        disable_shape_infer=True,  # the exporter wrote every value's type; shape inference would need the whole proto < 2 GB
-        op_block_list=list(DEFAULT_OP_BLOCK_LIST),
-        node_block_list=block,
-    )
-    result = ir.serde.deserialize_model(converted)
-    _drop_cast_round_trips(result.graph)
-    # the converter appends its Cast nodes at the end of the node list; ONNX (and TensorRT's
-    # parser) need a topologically sorted graph, ONNX Runtime alone would not notice
-    result.graph.sort()
-    # initializers the converter left in fp32 (inputs of kept nodes) keep a stale fp16 value
-    # type in value_info, which strict shape inference and TensorRT's parser reject
-    for value in result.graph.initializers.values():
-        if value.const_value is not None:
-            value.dtype = value.const_value.dtype
-    return result, Fp16Result(tuple(kept), tuple(tables))
+
+    def convert(proto: onnx.ModelProto) -> onnx.ModelProto:
+        return convert_float_to_float16(
+            proto,
+            keep_io_types=["logits"],
+            disable_shape_infer=True,  # the exporter wrote every value's type; shape inference would need the whole proto < 2 GB
+            op_block_list=list(DEFAULT_OP_BLOCK_LIST),
+            node_block_list=block,
+        )
+
+    return via_proto(model, convert, _drop_cast_round_trips), Fp16Result(tuple(kept), tuple(tables))
+
+
+class ConvertFp16(ir.passes.FunctionalPass):
+    """``convert_to_fp16`` as a pass; ``result`` says which nodes and tables stayed fp32."""
+
+    def __init__(self, policy: Fp16Policy) -> None:
+        super().__init__()
+        self.policy = policy
+        self.result: Fp16Result | None = None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        converted, self.result = convert_to_fp16(model, self.policy)
+        return ir.passes.PassResult(converted, modified=True)

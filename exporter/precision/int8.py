@@ -14,6 +14,7 @@ wrote something else fails the export instead of a TensorRT build.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -21,8 +22,9 @@ import onnx_ir as ir
 
 from kiln.errors import ExportError
 from kiln.exporter.precision.policy import rule_matches
+from kiln.exporter.precision.via_proto import via_proto
 
-__all__ = ["Int8Policy", "DEFAULT_INT8_FLOAT", "int8_targets", "quantize_int8", "check_qdq", "MIN_INT8_OPSET"]
+__all__ = ["QuantizeInt8", "Int8Policy", "DEFAULT_INT8_FLOAT", "int8_targets", "quantize_int8", "check_qdq", "MIN_INT8_OPSET"]
 
 MIN_INT8_OPSET = 19  # fp16 scales (int8 + fp16) need QuantizeLinear/DequantizeLinear-19
 # module-suffix rules, so that they hold for every family: kiln's `lm_head`/`layers.N.attn`,
@@ -53,32 +55,45 @@ def quantize_int8(model: ir.Model, ranges: dict[str, tuple[float, float]], polic
         raise ExportError(f"--int8 needs --opset {MIN_INT8_OPSET} or later, found {model.opset_imports.get('', 0)}")
     targets = int8_targets(model.graph, policy)
     data = {name: TensorData(lowest=np.float32(lo), highest=np.float32(hi)) for name, (lo, hi) in ranges.items()}
-    proto = ir.serde.serialize_model(model)
-    del model
-    quantizer = QDQQuantizer(
-        proto,
-        True,  # per_channel
-        False,  # reduce_range
-        QuantType.QInt8,
-        QuantType.QInt8,
-        TensorsData(CalibrationMethod.MinMax, data),
-        targets,
-        [],
-        ["MatMul", "Gemm"],
-        {
-            "ActivationSymmetric": True,
-            "WeightSymmetric": True,
-            "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
-            "DedicatedQDQPair": False,
-        },
-    )
-    quantized = ir.serde.deserialize_model(quantizer.quantize_model())
-    quantized.graph.sort()
-    for value in quantized.graph.initializers.values():
-        if value.const_value is not None:
-            value.dtype = value.const_value.dtype
+
+    def quantize(proto: onnx.ModelProto) -> onnx.ModelProto:
+        quantizer = QDQQuantizer(
+            proto,
+            True,  # per_channel
+            False,  # reduce_range
+            QuantType.QInt8,
+            QuantType.QInt8,
+            TensorsData(CalibrationMethod.MinMax, data),
+            targets,
+            [],
+            ["MatMul", "Gemm"],
+            {
+                "ActivationSymmetric": True,
+                "WeightSymmetric": True,
+                "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
+                "DedicatedQDQPair": False,
+            },
+        )
+        out: onnx.ModelProto = quantizer.quantize_model()
+        return out
+
+    quantized = via_proto(model, quantize)
     check_qdq(ir.serde.serialize_model(quantized))
     return quantized, targets
+
+
+class QuantizeInt8(ir.passes.FunctionalPass):
+    """``quantize_int8`` as a pass, on the ranges ``calibrate`` computes for the graph it is
+    given (calibration runs the fp32 graph itself); ``quantized`` names the quantized nodes."""
+
+    def __init__(self, calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]], policy: Int8Policy) -> None:
+        super().__init__()
+        self.calibrate, self.policy = calibrate, policy
+        self.quantized: list[str] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        quantized, self.quantized = quantize_int8(model, self.calibrate(model), self.policy)
+        return ir.passes.PassResult(quantized, modified=True)
 
 
 def _const(graph: onnx.GraphProto, name: str) -> np.ndarray | None:

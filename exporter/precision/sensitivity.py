@@ -26,7 +26,7 @@ import onnx_ir as ir
 from torch import nn
 
 from kiln.errors import ExportError
-from kiln.exporter.io_contract import ENCODER_STATES, GraphKind, carried_cache, is_cross
+from kiln.exporter.contract.io import ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.parity import tensor_feeds
 from kiln.exporter.precision.fp16 import convert_to_fp16
 from kiln.exporter.precision.policy import Fp16Policy, resolve_kept_nodes, rule_matches

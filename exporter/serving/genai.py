@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ArtifactError
-from kiln.exporter.io_contract import past_names, present_names
+from kiln.exporter.artifacts.manifest import Manifest
+from kiln.exporter.contract.io import GraphKind, past_names, present_names
 
 __all__ = [
     "GENAI_CONFIG",
@@ -58,61 +59,60 @@ PAST_KEY_TEMPLATE = "past_key_values.%d.key"
 PAST_VALUE_TEMPLATE = "past_key_values.%d.value"
 PRESENT_KEY_TEMPLATE = "present.%d.key"
 PRESENT_VALUE_TEMPLATE = "present.%d.value"
-_UNIFIED = "model"  # the manifest's key of the unified graph (GraphKind.UNIFIED)
 _TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # onnxruntime-extensions: BPE, generic model name "PreTrained"
 
 
-def _check_io(manifest: Mapping[str, Any]) -> None:
+def _check_io(manifest: Manifest) -> None:
     """model.onnx must have every tensor GenAI binds by name; otherwise one ``ArtifactError``."""
-    graph = manifest["graphs"][_UNIFIED]
-    inputs = {t["name"] for t in graph["inputs"]}
-    outputs = {t["name"] for t in graph["outputs"]}
-    n_layers = int(manifest["model"]["n_layers"])
+    graph = manifest.graph(GraphKind.UNIFIED)
+    inputs = {t.name for t in graph.inputs}
+    outputs = {t.name for t in graph.outputs}
+    n_layers = manifest.model.n_layers
     wanted_in = {"input_ids", "attention_mask", "position_ids"}
     wanted_out = {"logits"}
     for i in range(n_layers):
         key, value = past_names(i)
         if (PAST_KEY_TEMPLATE % i, PAST_VALUE_TEMPLATE % i) != (key, value) or (PRESENT_KEY_TEMPLATE % i, PRESENT_VALUE_TEMPLATE % i) != present_names(i):
-            raise AssertionError(f"GenAI name templates disagree with kiln.exporter.io_contract at layer {i}")  # a kiln bug
+            raise AssertionError(f"GenAI name templates disagree with kiln.exporter.contract.io at layer {i}")  # a kiln bug
         wanted_in.update((key, value))
         wanted_out.update(present_names(i))
     missing = sorted(wanted_in - inputs) + sorted(wanted_out - outputs)
     if missing:
         raise ArtifactError(
-            f"genai: {graph['file']} lacks {missing[:4]} that ONNX Runtime GenAI binds by name; re-export the directory with this kiln"
+            f"genai: {graph.file} lacks {missing[:4]} that ONNX Runtime GenAI binds by name; re-export the directory with this kiln"
         )
 
 
-def genai_config(manifest: Mapping[str, Any]) -> dict[str, Any]:
+def genai_config(manifest: Manifest) -> dict[str, Any]:
     """The ``genai_config.json`` of an export, from its manifest alone."""
     _check_io(manifest)
-    model = manifest["model"]
-    config = manifest.get("config", {})
-    n_kv, head_dim = int(model["n_kv_heads"]), int(model["head_dim"])
+    model = manifest.model
+    config = manifest.config
+    n_kv, head_dim = model.n_kv_heads, model.head_dim
     heads = int(config.get("n_heads", n_kv))  # family config; GenAI only uses num_key_value_heads
     hidden = int(config.get("d_model", heads * head_dim))
-    context = int(manifest["limits"]["max_context"])
+    context = manifest.limits.max_context
     tokens: dict[str, int] = {}
-    if model.get("bos_token_id") is not None:
-        tokens["bos_token_id"] = int(model["bos_token_id"])
-    if model.get("eos_token_id") is not None:
-        tokens["eos_token_id"] = int(model["eos_token_id"])  # absent: generation runs to max_length
+    if model.bos_token_id is not None:
+        tokens["bos_token_id"] = model.bos_token_id
+    if model.eos_token_id is not None:
+        tokens["eos_token_id"] = model.eos_token_id  # absent: generation runs to max_length
     # absent pad id: 0, as kiln.exporter.parity.left_pad does
-    tokens["pad_token_id"] = int(model["pad_token_id"]) if model.get("pad_token_id") is not None else 0
+    tokens["pad_token_id"] = model.pad_token_id if model.pad_token_id is not None else 0
     return {
         "model": {
             "type": MODEL_TYPE,
             **tokens,
             "context_length": context,
-            "vocab_size": int(model["vocab_size"]),
+            "vocab_size": model.vocab_size,
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-                "filename": Path(manifest["graphs"][_UNIFIED]["file"]).name,
+                "filename": Path(manifest.graph(GraphKind.UNIFIED).file).name,
                 "head_size": head_dim,
                 "hidden_size": hidden,
                 "num_attention_heads": heads,
                 "num_key_value_heads": n_kv,
-                "num_hidden_layers": int(model["n_layers"]),
+                "num_hidden_layers": model.n_layers,
                 "inputs": {
                     "input_ids": "input_ids",
                     "attention_mask": "attention_mask",
@@ -160,7 +160,7 @@ def _token_text(tokenizer: Mapping[str, Any], token_id: int | None) -> str | Non
     return None
 
 
-def tokenizer_config(tokenizer: Mapping[str, Any], manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+def tokenizer_config(tokenizer: Mapping[str, Any], manifest: Manifest) -> dict[str, Any] | None:
     """A minimal ``tokenizer_config.json`` for a parsed ``tokenizer.json``; None unless it is BPE.
 
     ``add_bos_token``/``add_eos_token`` are false: what the tokenizer adds is what its own
@@ -169,9 +169,9 @@ def tokenizer_config(tokenizer: Mapping[str, Any], manifest: Mapping[str, Any]) 
     model_node = tokenizer.get("model") or {}
     if model_node.get("type") != "BPE":
         return None
-    ids = manifest["model"]
+    ids = manifest.model
     config: dict[str, Any] = {"tokenizer_class": _TOKENIZER_CLASS}
-    for key, token_id in (("bos_token", ids.get("bos_token_id")), ("eos_token", ids.get("eos_token_id")), ("pad_token", ids.get("pad_token_id"))):
+    for key, token_id in (("bos_token", ids.bos_token_id), ("eos_token", ids.eos_token_id), ("pad_token", ids.pad_token_id)):
         text = _token_text(tokenizer, token_id)
         if text is not None:
             config[key] = text
@@ -182,7 +182,7 @@ def tokenizer_config(tokenizer: Mapping[str, Any], manifest: Mapping[str, Any]) 
             "add_bos_token": False,
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
-            "model_max_length": int(manifest["limits"]["max_context"]),
+            "model_max_length": manifest.limits.max_context,
         }
     )
     return config
@@ -196,20 +196,20 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> Path:
     return path
 
 
-def write_genai_config(onnx_dir: Path, manifest: dict[str, Any]) -> list[Path]:
+def write_genai_config(onnx_dir: Path, manifest: Manifest) -> list[Path]:
     """Write ``genai_config.json`` beside ``model.onnx`` in ``onnx_dir`` (and ``tokenizer_config.json``
     beside the manifest's ``tokenizer.json`` when it is BPE); return the files written.
 
     The manifest is only read. Its ``files`` map does not list these files until it is re-hashed.
     """
-    model_file = Path(manifest["graphs"][_UNIFIED]["file"]).name
+    model_file = Path(manifest.graph(GraphKind.UNIFIED).file).name
     if not (onnx_dir / model_file).is_file():
         raise ArtifactError(f"genai: {onnx_dir / model_file} does not exist; write genai_config.json into the directory that holds {model_file}")
     written = [_write_json(onnx_dir / GENAI_CONFIG, genai_config(manifest))]
-    if manifest.get("tokenizer"):
-        tok_path = onnx_dir / Path(manifest["tokenizer"]).name
+    if manifest.tokenizer:
+        tok_path = onnx_dir / Path(manifest.tokenizer).name
         if not tok_path.is_file():
-            raise ArtifactError(f"genai: the manifest names the tokenizer {manifest['tokenizer']} but {tok_path} does not exist; re-export the directory")
+            raise ArtifactError(f"genai: the manifest names the tokenizer {manifest.tokenizer} but {tok_path} does not exist; re-export the directory")
         try:
             tokenizer = json.loads(tok_path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

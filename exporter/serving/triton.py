@@ -31,21 +31,22 @@ Facts from Triton's sources that this relies on (triton-inference-server/common
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import re
 import shutil
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kiln.errors import ArtifactError
-from kiln.exporter import manifest as manifest_mod
-from kiln.exporter.artifacts import hash_tree
-from kiln.exporter.io_contract import BATCH, PAST_SEQ, GraphKind, past_names, present_names
-from kiln.exporter.verify import require_verified
+from kiln.exporter.artifacts import manifest as manifest_mod
+from kiln.exporter.artifacts.hashing import rehash_subtree
+from kiln.exporter.artifacts.manifest import Manifest, TensorEntry
+from kiln.exporter.artifacts.staging import staged_output
+from kiln.exporter.options import TRITON_NAME
+from kiln.exporter.contract.io import BATCH, PAST_SEQ, GraphKind, past_names, present_names
+from kiln.exporter.artifacts.verify import require_verified
+from kiln.exporter.serving.triton_readme import IDLE_MICROSECONDS, readme
 
 __all__ = [
     "TRITON_DIR",
@@ -56,6 +57,7 @@ __all__ = [
     "triton_models",
     "render_pbtxt",
     "write_triton_repo",
+    "write_triton_models",
 ]
 
 TRITON_DIR = "triton"
@@ -71,8 +73,6 @@ TRITON_DTYPES = {
     "float32": "TYPE_FP32",
     "float64": "TYPE_FP64",
 }
-IDLE_MICROSECONDS = 60_000_000  # a sequence (and its KV state) is dropped after 60 s without a request
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class _Enum(str):
@@ -128,46 +128,46 @@ class TritonModel:
         return header + render_pbtxt(self.config) + "\n"
 
 
-def _dtype(tensor: Mapping[str, Any], graph: str) -> _Enum:
+def _dtype(tensor: TensorEntry, graph: str) -> _Enum:
     try:
-        return _Enum(TRITON_DTYPES[tensor["dtype"]])
+        return _Enum(TRITON_DTYPES[tensor.dtype])
     except KeyError:
-        raise ArtifactError(f"triton: {graph}: {tensor['name']} has dtype {tensor['dtype']!r}, which has no Triton data type") from None
+        raise ArtifactError(f"triton: {graph}: {tensor.name} has dtype {tensor.dtype!r}, which has no Triton data type") from None
 
 
-def triton_dims(tensor: Mapping[str, Any], graph: str) -> list[int]:
+def triton_dims(tensor: TensorEntry, graph: str) -> list[int]:
     """The dims Triton wants with ``max_batch_size > 0``: the batch dim dropped, named dims as -1."""
-    shape = tensor["shape"]
+    shape = list(tensor.shape)
     if not shape or shape[0] != BATCH:
         raise ArtifactError(
-            f"triton: {graph}: {tensor['name']} has shape {shape} without a leading {BATCH!r} dim, which Triton cannot batch"
+            f"triton: {graph}: {tensor.name} has shape {shape} without a leading {BATCH!r} dim, which Triton cannot batch"
             " (with --ple-tables input the tables are such inputs; re-export with --ple-tables constant to serve with Triton)"
         )
     return [d if isinstance(d, int) else -1 for d in shape[1:]]
 
 
-def _io(tensors: Iterable[Mapping[str, Any]], graph: str) -> list[dict[str, Any]]:
-    return [{"name": t["name"], "data_type": _dtype(t, graph), "dims": triton_dims(t, graph)} for t in tensors]
+def _io(tensors: Iterable[TensorEntry], graph: str) -> list[dict[str, Any]]:
+    return [{"name": t.name, "data_type": _dtype(t, graph), "dims": triton_dims(t, graph)} for t in tensors]
 
 
-def _graph(manifest: Mapping[str, Any], kind: GraphKind) -> tuple[str, dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    graph = manifest["graphs"][kind.value]
-    return graph["file"], {t["name"]: t for t in graph["inputs"]}, {t["name"]: t for t in graph["outputs"]}
+def _graph(manifest: Manifest, kind: GraphKind) -> tuple[str, dict[str, TensorEntry], dict[str, TensorEntry]]:
+    graph = manifest.graph(kind)
+    return graph.file, {t.name: t for t in graph.inputs}, {t.name: t for t in graph.outputs}
 
 
-def _states(manifest: Mapping[str, Any], file: str, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _states(manifest: Manifest, file: str, inputs: Mapping[str, TensorEntry], outputs: Mapping[str, TensorEntry]) -> list[dict[str, Any]]:
     states = []
-    for layer in range(int(manifest["model"]["n_layers"])):
+    for layer in range(manifest.model.n_layers):
         for past, present in zip(past_names(layer), present_names(layer), strict=True):
             if past not in inputs or present not in outputs:
                 raise ArtifactError(f"triton: {file} lacks {past if past not in inputs else present}; re-export the directory with this kiln")
             p_in, p_out = inputs[past], outputs[present]
             dims, out_dims = triton_dims(p_in, file), triton_dims(p_out, file)
-            if dims != out_dims or p_in["dtype"] != p_out["dtype"]:
-                raise ArtifactError(f"triton: {file}: {past} ({p_in['dtype']} {dims}) and {present} ({p_out['dtype']} {out_dims}) must match to be one state")
-            initial = [0 if d == PAST_SEQ else d for d in p_in["shape"][1:]]
+            if dims != out_dims or p_in.dtype != p_out.dtype:
+                raise ArtifactError(f"triton: {file}: {past} ({p_in.dtype} {dims}) and {present} ({p_out.dtype} {out_dims}) must match to be one state")
+            initial = [0 if d == PAST_SEQ else d for d in p_in.shape[1:]]
             if not all(isinstance(d, int) for d in initial):
-                raise ArtifactError(f"triton: {file}: {past} has shape {p_in['shape']}; only its {PAST_SEQ!r} dim may vary")
+                raise ArtifactError(f"triton: {file}: {past} has shape {list(p_in.shape)}; only its {PAST_SEQ!r} dim may vary")
             dtype = _dtype(p_in, file)
             states.append(
                 {
@@ -181,7 +181,7 @@ def _states(manifest: Mapping[str, Any], file: str, inputs: Mapping[str, Any], o
     return states
 
 
-def _ort_model(directory: Path, manifest: Mapping[str, Any], name: str) -> TritonModel:
+def _ort_model(directory: Path, manifest: Manifest, name: str) -> TritonModel:
     import onnx  # a core dependency; only the graph (no weights) is read
 
     file, inputs, outputs = _graph(manifest, GraphKind.UNIFIED)
@@ -202,7 +202,7 @@ def _ort_model(directory: Path, manifest: Mapping[str, Any], name: str) -> Trito
     config = {
         "name": name,
         "platform": "onnxruntime_onnx",
-        "max_batch_size": int(manifest["limits"]["max_batch"]),
+        "max_batch_size": manifest.limits.max_batch,
         "input": _io([t for n, t in inputs.items() if n not in state_inputs], file),
         "output": _io([t for n, t in outputs.items() if n not in state_outputs], file),
         "sequence_batching": {
@@ -221,13 +221,13 @@ def _ort_model(directory: Path, manifest: Mapping[str, Any], name: str) -> Trito
     return TritonModel(name, config, files, comment)
 
 
-def _trt_model(directory: Path, manifest: Mapping[str, Any], name: str, kind: GraphKind) -> TritonModel:
+def _trt_model(directory: Path, manifest: Manifest, name: str, kind: GraphKind) -> TritonModel:
     file, inputs, outputs = _graph(manifest, kind)
     model_name = f"{name}_{kind.value}"
     config = {
         "name": model_name,
         "platform": "tensorrt_plan",
-        "max_batch_size": int(manifest["limits"]["max_batch"]),
+        "max_batch_size": manifest.limits.max_batch,
         "input": _io(inputs.values(), file),
         "output": _io(outputs.values(), file),
         "dynamic_batching": {},
@@ -245,11 +245,11 @@ def _engines(directory: Path) -> bool:
     return all(present.values())
 
 
-def triton_models(directory: Path, manifest: Mapping[str, Any], name: str) -> list[TritonModel]:
+def triton_models(directory: Path, manifest: Manifest, name: str) -> list[TritonModel]:
     """The models of the repository: ``NAME`` (ONNX Runtime) and, with engines, ``NAME_prefill``/``NAME_decode``."""
-    if not _NAME.match(name):
+    if not TRITON_NAME.match(name):
         raise ArtifactError(f"triton: model name {name!r} must start with a letter or digit and hold only letters, digits, '_', '.' and '-'")
-    if manifest["model"].get("encoder_dim") is not None:
+    if manifest.model.encoder_dim is not None:
         raise ArtifactError(
             "triton: cross-attention decoders are not supported yet (the ensemble would need encoder_hidden_states"
             " and a cross cache that is written once); serve prefill.onnx and decode.onnx from your own host"
@@ -258,102 +258,6 @@ def triton_models(directory: Path, manifest: Mapping[str, Any], name: str) -> li
     if _engines(directory):
         models += [_trt_model(directory, manifest, name, kind) for kind in (GraphKind.PREFILL, GraphKind.DECODE)]
     return models
-
-
-def _shape(dims: Sequence[int]) -> str:
-    return "[" + ", ".join(str(d) for d in dims) + "]"
-
-
-def _tensor_lines(tensors: Sequence[Mapping[str, Any]]) -> list[str]:
-    """README lines for config tensors (their dims exclude the batch dim)."""
-    return [f"- `{t['name']}`: {t['data_type']}, [batch, {', '.join(map(str, t['dims']))}]" for t in tensors]
-
-
-def _readme(manifest: Mapping[str, Any], models: Sequence[TritonModel]) -> str:
-    ort = models[0].config
-    layers = int(manifest["model"]["n_layers"])
-    kv_dtype = manifest["kv_cache"]["dtype"]
-    states = ort["sequence_batching"]["state"]
-    first = states[0]
-    out: list[str] = [
-        f"# Triton model repository for {ort['name']}",
-        "",
-        "Written by `kiln triton` from `manifest.json`; every name, data type and shape below is the",
-        "manifest's. Start the server with `tritonserver --model-repository <this folder>`. Shapes are",
-        f"given as the client sends them, batch first; `max_batch_size` is {ort['max_batch_size']}, so the",
-        "dims in `config.pbtxt` leave the batch dim out. -1 is a dim the client chooses.",
-        "",
-        f"## `{ort['name']}`: ONNX Runtime, KV cache kept by the server",
-        "",
-        f"`{ort['name']}/1/model.onnx/` holds the graph and its weights file. The KV cache is implicit state:",
-        "after each request Triton keeps `present.{i}.key`/`present.{i}.value` and feeds them back as",
-        f"`past_key_values.{{i}}.key`/`past_key_values.{{i}}.value` (i = 0..{layers - 1}, {kv_dtype},",
-        f"shape per sequence {_shape(first['dims'])} without the batch dim) on the next request of the same sequence.",
-        "The states (input <- output):",
-        "",
-    ]
-    out += [f"- `{s['input_name']}` <- `{s['output_name']}`: {s['data_type']}, {_shape(s['dims'])}" for s in states]
-    out += [
-        "",
-        "Inputs the client sends on every request:",
-        "",
-    ]
-    out += _tensor_lines(ort["input"])
-    out += ["", "Outputs:", ""]
-    out += _tensor_lines(ort["output"])
-    out += [
-        "",
-        "Driving one sequence (pick a correlation id, e.g. 42; the gRPC or HTTP client's `infer` takes",
-        "`sequence_id`, `sequence_start` and `sequence_end`):",
-        "",
-        "1. Prefill: one request with `sequence_start=True`, `input_ids` = the P prompt ids ([1, P] int64),",
-        "   `attention_mask` = ones [1, P], `position_ids` = [[0, 1, ..., P-1]]. Triton feeds the zero",
-        f"   initial state (past length 0, dims {_shape(first['initial_state'][0]['dims'])}). The next token is the argmax of",
-        "   `logits[0, -1]`.",
-        "2. Decode, step t = 1, 2, ...: `input_ids` = [[next token]], `attention_mask` = ones [1, P + t]",
-        "   (the whole context including this token), `position_ids` = [[P + t - 1]], same `sequence_id`,",
-        "   `sequence_start=False`. Repeat until an end token or the context limit",
-        f"   ({manifest['limits']['max_context']} tokens in all).",
-        "3. Send `sequence_end=True` on the last request so that Triton frees the sequence's state",
-        f"   (an idle sequence is dropped after {IDLE_MICROSECONDS // 1_000_000} s, `max_sequence_idle_microseconds`).",
-        "",
-        "Requests of different sequences are batched only when their tensors have the same shapes (Triton",
-        "does not batch variable-shape inputs of different shapes unless ragged batching is enabled).",
-        "A batch of prompts can also be sent as one sequence: left-pad them to one length with",
-        "`attention_mask` 0 on the padding and `position_ids` counting real tokens only (0 on padding).",
-        "",
-        "Unverified (no Triton server was available when this was written): that the server accepts a",
-        "zero-length initial state dim. If it refuses it, keep the cache in the client instead (the",
-        "TensorRT models that `kiln build` makes possible, or `model.onnx` run by the client with",
-        "`past_key_values.*` as ordinary inputs).",
-    ]
-    for model in models[1:]:
-        cfg = model.config
-        out += [
-            "",
-            f"## `{cfg['name']}`: TensorRT, stateless, dynamic batching",
-            "",
-            f"`{cfg['name']}/1/model.plan`; instance group KIND_GPU with optimization profile 0.",
-            "",
-            "Inputs:",
-            "",
-        ]
-        out += _tensor_lines(cfg["input"])
-        out += ["", "Outputs:", ""]
-        out += _tensor_lines(cfg["output"])
-    if len(models) > 1:
-        prefill, decode = models[1].config["name"], models[2].config["name"]
-        out += [
-            "",
-            "## Driving the TensorRT models",
-            "",
-            f"1. `{prefill}` with `input_ids`, `attention_mask` (ones [1, P]) and `position_ids` ([[0..P-1]]);",
-            "   keep every `present.{i}.key`/`present.{i}.value` output ([1, kv heads, P, head dim]).",
-            f"2. `{decode}` with `input_ids` [[next token]], `attention_mask` ones [1, P + t], `position_ids`",
-            "   [[P + t - 1]] and the previous step's `present.{i}.*` sent as `past_key_values.{i}.*`; its",
-            "   `present.{i}.*` outputs are one position longer. Repeat.",
-        ]
-    return "\n".join(out) + "\n"
 
 
 def _place(source: Path, target: Path) -> None:
@@ -366,11 +270,9 @@ def _place(source: Path, target: Path) -> None:
 
 
 def write_triton_repo(directory: Path, name: str) -> list[Path]:
-    """Write ``directory/triton/`` for a verified export, replacing any earlier one; return its files.
-
-    The repository is built in a temporary folder beside it and renamed into place; afterwards the
-    manifest's ``files`` lists the new files, so ``kiln verify`` still passes.
-    """
+    """``kiln triton``: write ``directory/triton/`` for a verified export, replacing any earlier
+    one (staged, renamed into place), and record its files in the manifest so that ``kiln
+    verify`` still passes; return its files."""
     directory = Path(directory)
     manifest = require_verified(directory)
     models = triton_models(directory, manifest, name)
@@ -378,38 +280,28 @@ def write_triton_repo(directory: Path, name: str) -> list[Path]:
     if target.exists() and not target.is_dir():
         raise ArtifactError(f"triton: {target} exists and is not a directory; remove it")
     try:
-        _write_repo(directory, target, manifest, models)
+        with staged_output(target, force=True) as tmp:
+            _write_repo(tmp, manifest, models)
     except OSError as exc:
         raise ArtifactError(f"triton: could not write {target} ({exc}); check the permissions and free space of {directory}") from exc
-    manifest["files"] = hash_tree(directory, exclude=(manifest_mod.MANIFEST,))
-    manifest_mod.write(directory, manifest)
+    manifest_mod.write(directory, dataclasses.replace(manifest, files=rehash_subtree(manifest.files, directory, TRITON_DIR)))
     return sorted(p for p in target.rglob("*") if p.is_file())
 
 
-def _write_repo(directory: Path, target: Path, manifest: Mapping[str, Any], models: Sequence[TritonModel]) -> None:
-    """Build the repository in a temporary folder beside ``target``, then rename it into place."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{TRITON_DIR}.tmp-", dir=directory))
-    old: Path | None = None
-    try:
-        os.chmod(tmp, 0o755)
-        for model in models:
-            (tmp / model.name).mkdir()
-            (tmp / model.name / "config.pbtxt").write_text(model.config_text())
-            for rel, source in model.files.items():
-                _place(source, tmp / model.name / "1" / rel)
-        (tmp / "README.md").write_text(_readme(manifest, models))
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{TRITON_DIR}.old-", dir=directory))
-            os.replace(target, old / TRITON_DIR)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if old is not None:  # put the previous repository back
-                os.replace(old / TRITON_DIR, target)
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and target.is_dir():  # else the previous repository is only in `old`: keep it
-            with contextlib.suppress(OSError):
-                shutil.rmtree(old)
+def write_triton_models(root: Path, manifest: Manifest, name: str) -> None:
+    """``kiln export --triton NAME``: the repository written into the staged export ``root``
+    (the manifest, not yet written, will list its files with the rest)."""
+    repo = root / TRITON_DIR
+    repo.mkdir()
+    _write_repo(repo, manifest, triton_models(root, manifest, name))
+
+
+def _write_repo(repo: Path, manifest: Manifest, models: Sequence[TritonModel]) -> None:
+    """Every model's ``config.pbtxt`` and version-1 files, and the README, into ``repo``."""
+    os.chmod(repo, 0o755)
+    for model in models:
+        (repo / model.name).mkdir()
+        (repo / model.name / "config.pbtxt").write_text(model.config_text())
+        for rel, source in model.files.items():
+            _place(source, repo / model.name / "1" / rel)
+    (repo / "README.md").write_text(readme(manifest, models))

@@ -11,6 +11,7 @@ from kiln.plugins.base import DecoderSpec, LoadedModel
 from kiln.plugins.native.checkpoint import apply_state_dict, find_weights, read_state_dict
 from kiln.plugins.native.config import ARCHITECTURE, NativeConfig
 from kiln.plugins.native.model import PLEDecoder
+from kiln.plugins.native.ple import NATIVE_PLE
 
 __all__ = ["NativeFamily", "NATIVE", "NativeConfig", "PLEDecoder", "spec_of"]
 
@@ -53,11 +54,12 @@ class NativeFamily:
             source=path,
             tokenizer=tokenizer if tokenizer.is_file() else None,
             files=files,
+            ple=NATIVE_PLE if cfg.ple.enabled else None,
         )
 
     def tiny(self, seed: int) -> LoadedModel:
         cfg = NativeConfig(vocab_size=101, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_context=64)
-        return LoadedModel(module=random_model(cfg, seed), spec=spec_of(cfg), source=Path("<tiny>"))
+        return LoadedModel(module=random_model(cfg, seed), spec=spec_of(cfg), source=Path("<tiny>"), ple=NATIVE_PLE if cfg.ple.enabled else None)
 
 
 def random_model(cfg: NativeConfig, seed: int) -> PLEDecoder:

@@ -15,13 +15,14 @@ from onnx import TensorProto, helper
 
 from kiln.cli import main
 from kiln.errors import BenchError
-from kiln.exporter.bench import Timed, render, session
-from kiln.exporter.bench_sweep import fit_line, render_sweep, runs_at
-from kiln.exporter.decoder_dirs import open_decoder_dir
-from kiln.exporter.graph_feeds import Sizes, build_feeds, declared_inputs, resolve_dim
+from kiln.exporter.runners import ort_session
+from kiln.runtime.bench import Timed, render
+from kiln.runtime.sweep import fit_line, render_sweep, runs_at
+from kiln.runtime.decoder_dirs import open_decoder_dir
+from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs, resolve_dim
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.pipeline import export
-from kiln.exporter.roofline import weights_bytes_per_step
+from kiln.runtime.roofline import weights_bytes_per_step
 
 N_KV, HD, VOCAB = 2, 4, 7
 
@@ -119,7 +120,7 @@ def test_feeds_for_kiln_graphs_run(kiln_dir: Path) -> None:
     d = open_decoder_dir(kiln_dir)
     assert d.tool == "kiln" and d.label == "kiln fp32 (kiln)" and d.decode.name == "decode.onnx"
     cfg = tiny_config()
-    sess = session(d.decode, 1)
+    sess = ort_session(d.decode, threads=1, spinning=False)
     feeds = build_feeds(declared_inputs(sess), Sizes(seq=1, past=5), vocab=cfg.vocab_size)
     assert feeds["past_key_values.1.value"].shape == (1, cfg.n_kv_heads, 5, cfg.d_model // cfg.n_heads)
     assert feeds["attention_mask"].tolist() == [[1] * 6]
@@ -127,14 +128,14 @@ def test_feeds_for_kiln_graphs_run(kiln_dir: Path) -> None:
     assert feeds["input_ids"].dtype == np.int64 and 0 <= feeds["input_ids"].min() and feeds["input_ids"].max() < cfg.vocab_size
     out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
     assert out["present.0.key"].shape == (1, cfg.n_kv_heads, 6, cfg.d_model // cfg.n_heads)
-    prefill = build_feeds(declared_inputs(session(d.prefill, 1)), Sizes(seq=9, past=0))
+    prefill = build_feeds(declared_inputs(ort_session(d.prefill, threads=1, spinning=False)), Sizes(seq=9, past=0))
     assert {k: v.shape for k, v in prefill.items()} == {"input_ids": (1, 9), "attention_mask": (1, 9), "position_ids": (1, 9)}
 
 
 def test_feeds_for_optimum_names(optimum_dir: Path) -> None:
     d = open_decoder_dir(optimum_dir)
     assert (d.tool, d.prefill, d.decode, d.shared_kv_buffer) == ("onnx", optimum_dir / "model.onnx", optimum_dir / "model.onnx", False)
-    sess = session(d.decode, 1)
+    sess = ort_session(d.decode, threads=1, spinning=False)
     feeds = build_feeds(declared_inputs(sess), Sizes(seq=2, past=3), vocab=VOCAB)
     assert feeds["attention_mask"].shape == (1, 5) and feeds["position_ids"].tolist() == [[3, 4]]
     assert feeds["past_key_values.0.key"].shape == (1, N_KV, 3, HD)
@@ -151,7 +152,7 @@ def test_genai_shared_buffer_binds_present_to_past(genai_dir: Path) -> None:
     assert d.tool == "genai" and d.shared_kv_buffer
     assert d.present_to_past == {"present.0.key": "past_key_values.0.key", "present.0.value": "past_key_values.0.value"}
     assert d.roles == {"input_ids": "input_ids", "attention_mask": "attention_mask"}
-    sess = session(d.decode, 1)
+    sess = ort_session(d.decode, threads=1, spinning=False)
     timed = Timed(d, sess, Sizes(seq=1, past=6), VOCAB)
     timed()
     past = timed._values["past_key_values.0.key"]

@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from click.testing import CliRunner
+from kiln.exporter.artifacts.manifest import Manifest
 from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.cli import main
@@ -157,7 +158,7 @@ def test_engine_profiles_bound_the_encoder_length(cross_export: Path) -> None:
     from kiln.exporter.engine.profiles import engine_profiles
 
     manifest = json.loads((cross_export / "manifest.json").read_text())
-    prefill, decode = engine_profiles(manifest, BuildOptions(opt_context=16))
+    prefill, decode = engine_profiles(Manifest.from_json(manifest), BuildOptions(opt_context=16))
     shapes = {s.name: (s.min, s.opt, s.max) for s in prefill.inputs}
     assert shapes["encoder_hidden_states"] == ((1, 1, 32), (1, 16, 32), (4, 48, 32))
     shapes = {s.name: (s.min, s.opt, s.max) for s in decode.inputs}

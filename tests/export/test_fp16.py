@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def test_parity_and_check(fp16_export: Path) -> None:
 def test_keep_fp32_by_name_and_module(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     options = ExportOptions(precision=Precision.FP16, parity_tokens=4, keep_fp32=("/layers.1.attn.o_proj/MatMul", "/layers.0.mlp.fc2/", "Gather"))
-    manifest = export(ckpt, tmp_path / "out", options).manifest
+    manifest = export(ckpt, tmp_path / "out", options).manifest.to_json()
     kept = manifest["graphs"]["model"]["fp32_nodes"]
     assert "/layers.1.attn.o_proj/MatMul" in kept and "/layers.0.mlp.fc2/MatMul" in kept
     assert "/layers.0.ple/Gather" in kept and "/embed/Gather" in kept
@@ -98,7 +99,7 @@ def test_auto_keep_finds_the_overflowing_module(tmp_path: Path) -> None:
     save_file(state, ckpt / "model.safetensors")
     result = export(ckpt, tmp_path / "auto", ExportOptions(precision=Precision.FP16, parity_tokens=8, auto_keep_fp32=True))
     assert result.parity.passed
-    found = result.parity.extra["fp16_sensitivity"]
+    found = dataclasses.asdict(result.report.sensitivity)
     rules = [g["rule"] for g in found["groups"]]
     assert rules and all(r.startswith("/layers.1.mlp") for r in rules), rules
     assert not np.isfinite(found["error_default"])  # fp16 overflow: inf/NaN logits with the default policy
@@ -106,6 +107,6 @@ def test_auto_keep_finds_the_overflowing_module(tmp_path: Path) -> None:
     for group in found["groups"]:
         assert group["nodes"] and all(n.startswith(group["rule"]) for n in group["nodes"])
         assert not np.isfinite(group["error_in_fp16"]) or group["error_in_fp16"] > found["tolerance"]
-    kept = result.manifest["graphs"]["decode"]["fp32_nodes"]
+    kept = result.manifest.graphs["decode"].fp32_nodes
     assert any(n.startswith("/layers.1.mlp") for n in kept)
     assert torch.isfinite(torch.tensor(result.parity.tensors[0].max_abs))

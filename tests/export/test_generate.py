@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from kiln.cli import main
 from kiln.errors import GenerateError
-from kiln.exporter.generate import Generator, parse_ids
+from kiln.runtime.generate import Generator, parse_ids
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.parity import TOLERANCES, greedy, make_prompts
 from kiln.exporter.pipeline import export

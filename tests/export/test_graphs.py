@@ -11,7 +11,7 @@ from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.errors import ExportError
 from kiln.exporter.check import check_dir
-from kiln.exporter.io_contract import GraphKind, graph_io
+from kiln.exporter.contract.io import GraphKind, graph_io
 from kiln.exporter.options import ExportOptions, LogitsMode, PLEExtendMode, PLETables
 from kiln.exporter.pipeline import export
 from kiln.plugins.native import spec_of
@@ -86,7 +86,7 @@ def test_nodes_are_named_after_modules(exported: Path) -> None:
 
 
 def test_manifest_hashes_and_limits(exported: Path) -> None:
-    from kiln.exporter.artifacts import sha256_file
+    from kiln.exporter.artifacts.hashing import sha256_file
 
     manifest = json.loads((exported / "manifest.json").read_text())
     assert manifest["manifest_version"] == 1
@@ -144,7 +144,7 @@ def test_context_longer_than_ple_table(tmp_path: Path) -> None:
         out = tmp_path / f"out-{mode.value}"
         result = export(ckpt, out, ExportOptions(max_context=80, ple_extend=80, ple_extend_mode=mode, parity_tokens=70))
         assert result.parity.passed
-        assert result.manifest["limits"]["max_context"] == 80
+        assert result.manifest.limits.max_context == 80
         assert max(g.steps + max(g.prompt_lengths) for g in result.parity.generation) == 80  # positions past 48 exercised
         model = onnx.load(out / "onnx" / "model.onnx", load_external_data=False)
         assert [80, 32] in [list(i.dims) for i in model.graph.initializer]
@@ -153,8 +153,8 @@ def test_context_longer_than_ple_table(tmp_path: Path) -> None:
 
 def test_exports_are_byte_identical(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    a = export(ckpt, tmp_path / "a", ExportOptions(parity_tokens=4)).manifest["files"]
-    b = export(ckpt, tmp_path / "b", ExportOptions(parity_tokens=4)).manifest["files"]
+    a = export(ckpt, tmp_path / "a", ExportOptions(parity_tokens=4)).manifest.files
+    b = export(ckpt, tmp_path / "b", ExportOptions(parity_tokens=4)).manifest.files
     for rel in ("onnx/prefill.onnx", "onnx/decode.onnx", "onnx/model.onnx", "onnx/weights.bin"):
         assert a[rel] == b[rel], rel
 

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from kiln.errors import CheckpointError  # noqa: E402
 from kiln.exporter.check import check_dir  # noqa: E402
-from kiln.exporter.io_contract import GraphKind  # noqa: E402
+from kiln.exporter.contract.io import GraphKind  # noqa: E402
 from kiln.exporter.options import ExportOptions  # noqa: E402
 from kiln.exporter.parity import greedy, left_pad, make_prompts  # noqa: E402
 from kiln.exporter.pipeline import export  # noqa: E402
@@ -36,7 +36,7 @@ def test_export_parity_and_generate(arch: str, tmp_path: Path) -> None:
     ckpt = _save(arch, tmp_path / "ckpt")
     result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=STEPS))
     assert result.parity.passed, result.parity.failures()
-    assert result.manifest["family"] == "hf" and result.manifest["config"]["architecture"] == arch
+    assert result.manifest.family == "hf" and result.manifest.config["architecture"] == arch
     assert check_dir(tmp_path / "out").passed
 
     # the exported graphs generate what Hugging Face's own generate() does with its cache

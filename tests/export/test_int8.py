@@ -97,13 +97,13 @@ def test_legacy_trt_cache(int8_export: Path) -> None:
 
 def test_cache_reused_and_invalidated(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    first = export(ckpt, tmp_path / "a", _int8(tmp_path, parity_tokens=4)).manifest["export"]["calibration"]
-    again = export(ckpt, tmp_path / "b", _int8(tmp_path, parity_tokens=4)).manifest["export"]["calibration"]
+    first = export(ckpt, tmp_path / "a", _int8(tmp_path, parity_tokens=4)).manifest.export.calibration
+    again = export(ckpt, tmp_path / "b", _int8(tmp_path, parity_tokens=4)).manifest.export.calibration
     assert (first["cache"], again["cache"], again["key"]) == ("written", "reused", first["key"])
-    other = export(ckpt, tmp_path / "c", _int8(tmp_path, parity_tokens=4, calib_method="percentile")).manifest["export"]["calibration"]
+    other = export(ckpt, tmp_path / "c", _int8(tmp_path, parity_tokens=4, calib_method="percentile")).manifest.export.calibration
     assert other["cache"] == "written" and other["key"] != first["key"]
     other_data = _ids(tmp_path / "other.npy", seed=1)
-    data = export(ckpt, tmp_path / "d", _int8(tmp_path, parity_tokens=4, calib_data=str(other_data))).manifest["export"]["calibration"]
+    data = export(ckpt, tmp_path / "d", _int8(tmp_path, parity_tokens=4, calib_data=str(other_data))).manifest.export.calibration
     assert data["cache"] == "written" and data["key"] not in (first["key"], other["key"])
     assert len(list((tmp_path / "cache").glob("*.json"))) == 3
 
@@ -117,7 +117,7 @@ def test_int8_fp16_demo_with_other_methods(tmp_path: Path, method: str) -> None:
     text = resolve_checkpoint("demo") / "heldout.txt"
     options = _int8(tmp_path, precision=Precision.INT8_FP16, calib_method=method, calib_data=str(text), calib_samples=32, parity_tokens=64)
     result = export("demo", tmp_path / "out", options)
-    assert result.parity.passed and result.manifest["precision"] == "int8+fp16"
+    assert result.parity.passed and result.manifest.precision == "int8+fp16"
     model = onnx.load(tmp_path / "out" / "onnx" / "decode.onnx")
     check_qdq(model)
     scales = [i for i in model.graph.initializer if i.name.endswith("_scale")]
@@ -126,7 +126,7 @@ def test_int8_fp16_demo_with_other_methods(tmp_path: Path, method: str) -> None:
 
 def test_all_matmuls(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    manifest = export(ckpt, tmp_path / "out", _int8(tmp_path, int8_all_matmuls=True, parity_tokens=4)).manifest
+    manifest = export(ckpt, tmp_path / "out", _int8(tmp_path, int8_all_matmuls=True, parity_tokens=4)).manifest.to_json()
     assert "/lm_head/MatMul" in manifest["graphs"]["decode"]["int8_nodes"]
 
 
@@ -190,7 +190,7 @@ def test_int8_manifests_match_the_schema(int8_export: Path) -> None:
 
     from jsonschema import Draft202012Validator
 
-    schema = json.loads((resources.files("kiln.exporter") / "manifest.schema.json").read_text())
+    schema = json.loads((resources.files("kiln.exporter.artifacts") / "manifest.schema.json").read_text())
     manifest = json.loads((int8_export / "manifest.json").read_text())
     Draft202012Validator(schema).validate(manifest)
     broken = {**manifest, "export": {**manifest["export"], "calibration": None}}

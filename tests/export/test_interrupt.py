@@ -34,8 +34,9 @@ def test_signal_mid_export_leaves_nothing(tiny_ckpt: Path, tmp_path: Path, sig: 
     _wait_for_staging(tmp_path, "out", proc)
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    assert proc.returncode == 128 + sig
     assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == f"interrupted ({sig.name}): nothing was written"  # the same line for both signals
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary directory, no lock file
 

@@ -28,7 +28,7 @@ Manifest = dict[str, Any]
 
 @pytest.fixture(scope="module")
 def validator() -> Draft202012Validator:
-    schema = json.loads(resources.files("kiln.exporter").joinpath("manifest.schema.json").read_text())
+    schema = json.loads(resources.files("kiln.exporter.artifacts").joinpath("manifest.schema.json").read_text())
     Draft202012Validator.check_schema(schema)
     return Draft202012Validator(schema)
 

@@ -18,11 +18,11 @@ from kiln_testing import tiny_config, write_checkpoint
 from kiln.cli import main
 from kiln.errors import ConfigError
 from kiln.exporter.check import check_dir
-from kiln.exporter.io_contract import GraphKind
+from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions, Precision, Target
 from kiln.exporter.pipeline import ExportResult, export
-from kiln.exporter.targets.ort_int8 import pack_int8_blocks
-from kiln.exporter.verify import verify_dir
+from kiln.exporter.targets.ort.nbits import pack_int8_blocks
+from kiln.exporter.artifacts.verify import verify_dir
 
 PARITY_TOKENS = 12
 
@@ -41,7 +41,7 @@ def _const_weight_matmuls(path: Path) -> int:
 def _assert_ort_checked(result: ExportResult, precision: str) -> None:
     parity = result.parity
     assert parity.passed, parity.failures()
-    assert parity.extra["targets"]["ort"]["precision"] == precision and parity.extra["targets"]["ort"]["passed"]
+    assert parity.targets["ort"].precision == precision and parity.targets["ort"].passed
     checked = {t.graph for t in parity.tensors}
     assert {"prefill.ort", "decode.ort", "model.ort"} <= checked
     runs = {(g.path, g.batch) for g in parity.generation}
@@ -94,7 +94,7 @@ def _assert_rewritten(out: Path, n_layers: int, n_norms: int, rotary_in_gqa: boo
 
 def _assert_manifest(out: Path, precision: str) -> dict:
     manifest = json.loads((out / "manifest.json").read_text())
-    schema = json.loads((Path(__file__).parents[2] / "exporter" / "manifest.schema.json").read_text())
+    schema = json.loads((Path(__file__).parents[2] / "exporter" / "artifacts" / "manifest.schema.json").read_text())
     errors = [e.message for e in Draft202012Validator(schema).iter_errors(manifest)]
     assert not errors, errors
     ort = manifest["targets"]["ort"]
@@ -134,7 +134,7 @@ def _assert_decode_writes_in_place(out: Path) -> None:
     run computes and writes only the new row; kiln generate's two loops agree token for token."""
     import onnxruntime as ort
 
-    from kiln.exporter.generate import Generator
+    from kiln.runtime.generate import Generator
 
     session = ort.InferenceSession(str(out / "onnx" / "decode.ort.onnx"), providers=["CPUExecutionProvider"])
     pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
@@ -293,8 +293,8 @@ def tiny_portable(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_rotary_tables_are_the_graphs_own(tiny_portable: Path) -> None:
     import onnx_ir as ir
 
-    from kiln.exporter.targets.ort_attention import find_attention
-    from kiln.exporter.targets.rotary_tables import graph_tables
+    from kiln.exporter.targets.ort.attention import find_attention
+    from kiln.exporter.targets.ort.rotary_tables import graph_tables
 
     model = ir.load(tiny_portable / "decode.onnx")
     cores = find_attention(model, head_dim=16)
@@ -314,7 +314,7 @@ def test_layers_without_tables_stay_portable(tiny_portable: Path) -> None:
     """When the cos/sin subgraph cannot be evaluated the layer is left as it was (and correct)."""
     import onnx_ir as ir
 
-    from kiln.exporter.targets.ort_attention import fuse_attention
+    from kiln.exporter.targets.ort.gqa import fuse_attention
 
     model = ir.load(tiny_portable / "decode.onnx")
     assert fuse_attention(model, n_kv_heads=2, head_dim=16, tables=lambda cos, sin: None) == []
@@ -366,7 +366,7 @@ def test_decode_mask_compacted_only_when_proven_equal(window: int | None, max_co
     """A sliding window shorter than the context is more than padding: the family's mask stays."""
     import onnx_ir as ir
 
-    from kiln.exporter.targets.decode_mask import compact_decode_bias
+    from kiln.exporter.targets.ort.decode_mask import compact_decode_bias
 
     model = ir.from_proto(_gqa_graph(window))
     assert compact_decode_bias(model, tmp_path, max_context) is compacted

@@ -27,6 +27,7 @@ from kiln.exporter.parity import TOLERANCES, greedy, make_prompts  # noqa: E402
 from kiln.exporter.pipeline import export  # noqa: E402
 from kiln.exporter.runners import TorchRunner  # noqa: E402
 from kiln.exporter.serving import write_genai_config  # noqa: E402
+from kiln.exporter.artifacts.manifest import Manifest  # noqa: E402
 from kiln.exporter.serving.genai import genai_config  # noqa: E402
 from kiln.plugins import LoadedModel, load_model  # noqa: E402
 
@@ -39,12 +40,12 @@ def _export(root: Path, options: ExportOptions) -> Path:
     out = root / "out"
     manifest = export("demo", out, options).manifest
     # kiln export writes both beside model.onnx and hashes them in the manifest
-    assert {"onnx/genai_config.json", "onnx/tokenizer_config.json"} <= set(manifest["files"])
+    assert {"onnx/genai_config.json", "onnx/tokenizer_config.json"} <= set(manifest.files)
     written = write_genai_config(out / "onnx", manifest)  # idempotent: rewriting gives the same files
     assert [p.name for p in written] == ["genai_config.json", "tokenizer_config.json"]
-    from kiln.exporter.artifacts import sha256_file
+    from kiln.exporter.artifacts.hashing import sha256_file
 
-    assert all(manifest["files"][f"onnx/{p.name}"] == sha256_file(p) for p in written)
+    assert all(manifest.files[f"onnx/{p.name}"] == sha256_file(p) for p in written)
     return out
 
 
@@ -94,7 +95,7 @@ def _genai_greedy(model_dir: Path, prompts: Sequence[Sequence[int]], steps: int)
 def test_config_is_the_manifest(fp32_dir: Path) -> None:
     manifest = json.loads((fp32_dir / "manifest.json").read_text())
     config = json.loads((fp32_dir / "onnx" / "genai_config.json").read_text())
-    assert config == genai_config(manifest)
+    assert config == genai_config(Manifest.from_json(manifest))
     model, decoder = config["model"], config["model"]["decoder"]
     assert model["type"] == "decoder" and decoder["filename"] == "model.onnx"
     assert (model["bos_token_id"], model["eos_token_id"], model["pad_token_id"]) == (0, 0, 1)
@@ -203,8 +204,8 @@ def test_fp16_agrees_up_to_near_ties(fp16_dir: Path, demo: tuple[LoadedModel, To
 def test_missing_graph_or_names_are_one_clear_error(fp32_dir: Path, tmp_path: Path) -> None:
     manifest = json.loads((fp32_dir / "manifest.json").read_text())
     with pytest.raises(ArtifactError, match=r"model\.onnx does not exist"):
-        write_genai_config(tmp_path, manifest)
+        write_genai_config(tmp_path, Manifest.from_json(manifest))
     broken = json.loads(json.dumps(manifest))
     broken["graphs"]["model"]["inputs"] = [t for t in broken["graphs"]["model"]["inputs"] if t["name"] != "past_key_values.2.value"]
     with pytest.raises(ArtifactError, match=r"lacks \['past_key_values\.2\.value'\] that ONNX Runtime GenAI binds by name"):
-        genai_config(broken)
+        genai_config(Manifest.from_json(broken))

@@ -27,14 +27,15 @@ model_config_pb2 = pytest.importorskip(
 from google.protobuf import text_format  # noqa: E402
 
 from kiln.errors import ArtifactError  # noqa: E402
-from kiln.exporter import manifest as manifest_mod  # noqa: E402
-from kiln.exporter.artifacts import hash_tree  # noqa: E402
+from kiln.exporter.artifacts import manifest as manifest_mod  # noqa: E402
+from kiln.exporter.artifacts.hashing import hash_tree  # noqa: E402
 from kiln.exporter.options import ExportOptions, LogitsMode, Precision  # noqa: E402
 from kiln.exporter.parity import greedy, left_pad, make_prompts  # noqa: E402
 from kiln.exporter.pipeline import export  # noqa: E402
 from kiln.exporter.runners import TorchRunner  # noqa: E402
+from kiln.exporter.artifacts.manifest import Manifest  # noqa: E402
 from kiln.exporter.serving import write_triton_repo  # noqa: E402
-from kiln.exporter.verify import verify_dir  # noqa: E402
+from kiln.exporter.artifacts.verify import verify_dir  # noqa: E402
 from kiln.plugins import load_model  # noqa: E402
 
 ONNX_TO_TRITON = {
@@ -211,7 +212,7 @@ def test_tensorrt_models_from_placeholder_engines(fp16_export: Path, tmp_path: P
         (directory / "engines" / f"{kind}.plan").write_bytes(f"placeholder {kind} engine".encode())
     manifest = json.loads((directory / "manifest.json").read_text())
     manifest["files"] = hash_tree(directory, exclude=(manifest_mod.MANIFEST,))
-    manifest_mod.write(directory, manifest)
+    manifest_mod.write(directory, Manifest.from_json(manifest))
 
     write_triton_repo(directory, "demo")
     repo = directory / "triton"
@@ -247,7 +248,7 @@ def test_one_engine_without_the_other_is_an_error(fp32_export: Path, tmp_path: P
     (directory / "engines" / "prefill.plan").write_bytes(b"placeholder")
     manifest = json.loads((directory / "manifest.json").read_text())
     manifest["files"] = hash_tree(directory, exclude=(manifest_mod.MANIFEST,))
-    manifest_mod.write(directory, manifest)
+    manifest_mod.write(directory, Manifest.from_json(manifest))
     with pytest.raises(ArtifactError, match=r"has engines/prefill\.plan but not engines/decode\.plan; run kiln build"):
         write_triton_repo(directory, "demo")
     assert not (directory / "triton").exists()
@@ -259,7 +260,7 @@ def test_inputs_without_batch_dim_are_refused(fp32_export: Path, tmp_path: Path)
     directory = _copy(fp32_export, tmp_path)
     manifest = json.loads((directory / "manifest.json").read_text())
     manifest["graphs"]["model"]["inputs"].append({"name": "ple.0.scale", "dtype": "float32", "shape": [256, 128]})
-    manifest_mod.write(directory, manifest)
+    manifest_mod.write(directory, Manifest.from_json(manifest))
     with pytest.raises(ArtifactError, match=r"ple\.0\.scale has shape \[256, 128\] without a leading 'batch' dim.*--ple-tables constant"):
         write_triton_repo(directory, "demo")
 
@@ -273,7 +274,7 @@ def test_bad_directories_are_one_clear_error(fp32_export: Path, tmp_path: Path) 
     future = _copy(fp32_export, tmp_path / "future")
     manifest = json.loads((future / "manifest.json").read_text())
     manifest["manifest_version"] = 2
-    manifest_mod.write(future, manifest)
+    manifest_mod.write(future, Manifest.from_json(manifest))
     with pytest.raises(ArtifactError, match=r"manifest_version 2 is not supported \(this kiln reads version 1\)"):
         write_triton_repo(future, "demo")
 

@@ -2,7 +2,7 @@
 
 Skipped with the reason where ``tensorrt`` is not importable (a ``tensorrt`` of type stubs only
 counts as not importable) or no CUDA device is visible. Parity is driven exactly as
-``kiln.exporter.check.run_parity`` drives ONNX Runtime: tensor parity of every engine, then
+``kiln.exporter.parity.run_parity`` drives ONNX Runtime: tensor parity of every engine, then
 teacher-forced greedy generation through prefill + decode for batch 1 and a left-padded batch
 (there is no engine for model.onnx, so the unified path is not run).
 """
@@ -16,22 +16,23 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kiln.exporter.artifacts.manifest import Manifest
 from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.errors import EngineError
-from kiln.exporter.check import parity_plan
+from kiln.exporter.parity.driver import parity_plan
 from kiln.exporter.engine import BuildOptions, TrtRunner, build_command
 from kiln.exporter.engine.build import build_engine, load_tensorrt
 from kiln.exporter.engine.device import current_runtime
 from kiln.exporter.engine.profiles import EngineProfile, InputShape, engine_profiles
 from kiln.exporter.engine.records import RuntimeInfo, check_engine_compat
-from kiln.exporter.io_contract import GraphKind
+from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.parity import TOLERANCES, generation_parity, greedy, make_prompts, tensor_parity
 from kiln.exporter.pipeline import export
-from kiln.exporter.reference import prepare_reference
+from kiln.exporter.load import prepare_reference
 from kiln.exporter.runners import TorchRunner
-from kiln.exporter.verify import verify_dir
+from kiln.exporter.artifacts.verify import verify_dir
 from kiln.plugins import load_model
 
 
@@ -90,7 +91,7 @@ def test_engines_and_records(built: dict[str, Any]) -> None:
     here = current_runtime(trt)
     record = json.loads((directory / "engines" / "engines.json").read_text())
     manifest = json.loads((directory / "manifest.json").read_text())
-    profiles = {p.kind.value: p for p in engine_profiles(manifest, BuildOptions(opt_batch=2))}
+    profiles = {p.kind.value: p for p in engine_profiles(Manifest.from_json(manifest), BuildOptions(opt_batch=2))}
     for kind in ("prefill", "decode"):
         entry = record["engines"][kind]
         assert (directory / entry["file"]).is_file() and entry["file"] == f"engines/{kind}.plan"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import ArtifactError
-from kiln.exporter.artifacts import staged_output
+from kiln.exporter.artifacts.staging import staged_output
 
 
 def _litter(parent: Path, name: str) -> list[str]:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.exporter.check import parity_plan
-from kiln.exporter.io_contract import GraphKind, carried_cache, graph_io
+from kiln.exporter.parity.driver import parity_plan
+from kiln.exporter.contract.io import GraphKind, carried_cache, graph_io
 from kiln.exporter.parity import left_pad
 from kiln.plugins.native import spec_of
 from kiln_testing import tiny_config

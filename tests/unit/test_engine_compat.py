@@ -15,12 +15,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kiln_testing import tiny_config
+from kiln_testing import tiny_config, typed_manifest
 
 import kiln.exporter.engine.build as build_mod
 from kiln.errors import ArtifactError, EngineError
-from kiln.exporter import manifest as manifest_mod
-from kiln.exporter.artifacts import hash_tree, sha256_file
+from kiln.exporter.artifacts import manifest as manifest_mod
+from kiln.exporter.artifacts.hashing import hash_tree, sha256_file
 from kiln.exporter.engine import BuildOptions, TrtRunner, build_command
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.build import format_parser_error, load_tensorrt, parser_errors
@@ -33,8 +33,8 @@ from kiln.exporter.engine.records import (
     read_records,
     write_records,
 )
-from kiln.exporter.io_contract import GraphKind, graph_io
-from kiln.exporter.verify import verify_dir
+from kiln.exporter.contract.io import GraphKind, graph_io
+from kiln.exporter.artifacts.verify import verify_dir
 from kiln.plugins.native import spec_of
 
 
@@ -417,7 +417,7 @@ def fake_export(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Any]
     for kind in GraphKind:
         (directory / "onnx" / f"{kind.value}.onnx").write_bytes(kind.value.encode())
     m["files"] = hash_tree(directory)
-    manifest_mod.write(directory, m)
+    manifest_mod.write(directory, typed_manifest(m))
     trt = fake_tensorrt(m)
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setattr(build_mod, "current_runtime", lambda trt: RuntimeInfo("11.1.0.106", "13.0", "Fake GPU", "9.0"))
@@ -436,7 +436,7 @@ def test_build_flow_records_everything(tmp_path: Path, monkeypatch: pytest.Monke
     plan = json.loads((directory / "engines" / "decode.plan").read_text())
     assert plan["flags"] == ["REFIT"] and plan["profile"]["attention_mask"] == [[1, 2], [2, 24], [8, 48]]
     assert read_records(directory)["engines"] == summary["engines"]
-    written = manifest_mod.read(directory)
+    written = manifest_mod.read(directory).to_json()
     assert written["engines"]["tensorrt"] == "11.1.0.106" and written["engines"]["files"]["prefill"] == "engines/prefill.plan"
     assert verify_dir(directory).ok, verify_dir(directory).problems()
 
@@ -452,7 +452,7 @@ def test_build_flow_records_everything(tmp_path: Path, monkeypatch: pytest.Monke
 def test_failed_build_is_one_error_and_the_directory_stays_verifiable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     directory, trt = fake_export(tmp_path, monkeypatch)
     build_command(directory, BuildOptions())
-    assert "engines" in manifest_mod.read(directory)
+    assert "engines" in manifest_mod.read(directory).to_json()
 
     def fail(self: Any, network: Any, config: Any) -> None:
         for logger in loggers:
@@ -469,7 +469,7 @@ def test_failed_build_is_one_error_and_the_directory_stays_verifiable(tmp_path: 
         build_command(directory, BuildOptions())
     assert str(info.value) == f"engine: {directory / 'onnx' / 'prefill.onnx'}: TensorRT could not build the prefill engine: [builder] out of memory"
     assert not (directory / "engines" / "engines.json").exists()  # no record of plans that may be stale
-    assert "engines" not in manifest_mod.read(directory)
+    assert "engines" not in manifest_mod.read(directory).to_json()
     assert verify_dir(directory).ok, verify_dir(directory).problems()
 
 

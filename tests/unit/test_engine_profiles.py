@@ -6,12 +6,13 @@ import itertools
 from typing import Any
 
 import pytest
-from kiln_testing import tiny_config
+from kiln_testing import tiny_config, typed_manifest
 
 from kiln.errors import ArtifactError, ConfigError
 from kiln.exporter.engine.options import GIB, MIB, BuildOptions, HardwareCompat, parse_size
 from kiln.exporter.engine.profiles import ENGINE_GRAPHS, dim_ranges, engine_profile, engine_profiles
-from kiln.exporter.io_contract import GraphKind, graph_io
+from kiln.exporter.artifacts.manifest import Limits
+from kiln.exporter.contract.io import GraphKind, graph_io
 from kiln.plugins.native import spec_of
 
 TABLES = ((48, 32), (48, 32))  # (rows, d_model) of each PLE sub-layer's tables for --ple-tables input
@@ -28,7 +29,7 @@ def manifest(max_batch: int = 8, max_context: int = 48, last: bool = False, tabl
 
 
 def shapes(m: dict[str, Any], kind: GraphKind, options: BuildOptions | None = None) -> dict[str, tuple[tuple[int, ...], ...]]:
-    profile = engine_profile(m, kind, options or BuildOptions())
+    profile = engine_profile(typed_manifest(m), kind, options or BuildOptions())
     return {s.name: (s.min, s.opt, s.max) for s in profile.inputs}
 
 
@@ -99,7 +100,7 @@ def test_every_export_option(max_batch: int, max_context: int, last: bool, table
     """Every manifest input is in its profile, min <= opt <= max, and the dims obey the contract."""
     m = manifest(max_batch, max_context, last, tables)
     options = BuildOptions(opt_batch=opt_batch, opt_context=opt_context)
-    for profile in engine_profiles(m, options):
+    for profile in engine_profiles(typed_manifest(m), options):
         specs = m["graphs"][profile.kind.value]["inputs"]
         assert [s.name for s in profile.inputs] == [s["name"] for s in specs]
         assert profile.onnx == f"onnx/{profile.kind.value}.onnx" and profile.engine == f"engines/{profile.kind.value}.plan"
@@ -120,22 +121,22 @@ def test_every_export_option(max_batch: int, max_context: int, last: bool, table
 
 def test_opt_point_beyond_limits_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"--opt-batch 9 is larger than the export's max_batch 8"):
-        engine_profiles(manifest(), BuildOptions(opt_batch=9))
+        engine_profiles(typed_manifest(manifest()), BuildOptions(opt_batch=9))
     with pytest.raises(ConfigError, match=r"--opt-context 49 is larger than the export's max_context 48"):
-        engine_profiles(manifest(), BuildOptions(opt_context=49))
+        engine_profiles(typed_manifest(manifest()), BuildOptions(opt_context=49))
 
 
 def test_unknown_dim_and_bad_manifest_are_refused() -> None:
     m = manifest()
     m["graphs"]["decode"]["inputs"][0]["shape"] = ["batch", "beam"]
     with pytest.raises(ArtifactError, match=r"input input_ids has dim 'beam'; expected an int or one of"):
-        engine_profile(m, GraphKind.DECODE, BuildOptions())
+        engine_profile(typed_manifest(m), GraphKind.DECODE, BuildOptions())
     with pytest.raises(ArtifactError, match="no graphs.prefill"):
-        engine_profile({"limits": {"max_batch": 1, "max_context": 8}, "graphs": {}}, GraphKind.PREFILL, BuildOptions())
+        engine_profile(typed_manifest({"limits": {"max_batch": 1, "max_context": 8}, "graphs": {}}), GraphKind.PREFILL, BuildOptions())
     with pytest.raises(ArtifactError, match=r"limits.max_context must be an integer of at least 2"):
-        engine_profile(manifest(max_context=1), GraphKind.PREFILL, BuildOptions())
+        engine_profile(typed_manifest(manifest(max_context=1)), GraphKind.PREFILL, BuildOptions())
     with pytest.raises(ArtifactError, match="only prefill and decode"):
-        dim_ranges(GraphKind.UNIFIED, {"max_batch": 1, "max_context": 8}, BuildOptions())
+        dim_ranges(GraphKind.UNIFIED, Limits(max_batch=1, max_context=8), BuildOptions())
 
 
 def test_build_options_validation() -> None:

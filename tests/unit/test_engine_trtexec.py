@@ -12,18 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kiln_testing import tiny_config
+from kiln_testing import tiny_config, typed_manifest
 
 from kiln.errors import ConfigError, EngineError
-from kiln.exporter import manifest as manifest_mod
-from kiln.exporter.artifacts import hash_tree
+from kiln.exporter.artifacts import manifest as manifest_mod
+from kiln.exporter.artifacts.hashing import hash_tree
 from kiln.exporter.engine import BuildOptions, HardwareCompat, build_command
 from kiln.exporter.engine.build import load_tensorrt
 from kiln.exporter.engine.options import MIB
 from kiln.exporter.engine.profiles import engine_profiles
 from kiln.exporter.engine.trtexec import render_script, trtexec_args, trtexec_command, write_script
-from kiln.exporter.io_contract import GraphKind, graph_io
-from kiln.exporter.verify import verify_dir
+from kiln.exporter.contract.io import GraphKind, graph_io
+from kiln.exporter.artifacts.verify import verify_dir
 from kiln.plugins.native import spec_of
 
 
@@ -44,7 +44,7 @@ def export_dir(root: Path, m: dict[str, Any] | None = None) -> Path:
         (directory / "onnx" / f"{kind.value}.onnx").write_bytes(f"placeholder {kind.value}".encode())
     m = m or manifest()
     m["files"] = hash_tree(directory)
-    manifest_mod.write(directory, m)
+    manifest_mod.write(directory, typed_manifest(m))
     return directory
 
 
@@ -70,13 +70,13 @@ DECODE = (
 
 
 def test_default_commands_exactly() -> None:
-    prefill, decode = engine_profiles(manifest(), BuildOptions())
+    prefill, decode = engine_profiles(typed_manifest(manifest()), BuildOptions())
     assert trtexec_command(prefill, BuildOptions()) == PREFILL
     assert trtexec_command(decode, BuildOptions()) == DECODE
 
 
 def test_options_become_flags() -> None:
-    prefill, _ = engine_profiles(manifest(), BuildOptions())
+    prefill, _ = engine_profiles(typed_manifest(manifest()), BuildOptions())
     options = BuildOptions(
         workspace=512 * MIB, opt_level=5, hardware_compat=HardwareCompat.AMPERE_PLUS, version_compatible=True, refittable=True
     )
@@ -97,7 +97,7 @@ def test_options_become_flags() -> None:
 
 
 def test_ple_table_inputs_are_named_with_their_fixed_shape() -> None:
-    _, decode = engine_profiles(manifest(tables=((48, 32), (48, 32))), BuildOptions())
+    _, decode = engine_profiles(typed_manifest(manifest(tables=((48, 32), (48, 32)))), BuildOptions())
     args = trtexec_args(decode, BuildOptions())
     for which in ("--minShapes=", "--optShapes=", "--maxShapes="):
         shapes = next(a for a in args if a.startswith(which))
@@ -107,13 +107,13 @@ def test_ple_table_inputs_are_named_with_their_fixed_shape() -> None:
 def test_unsafe_input_name_is_refused() -> None:
     m = manifest()
     m["graphs"]["prefill"]["inputs"][0]["name"] = "input:ids"
-    prefill, _ = engine_profiles(m, BuildOptions())
+    prefill, _ = engine_profiles(typed_manifest(m), BuildOptions())
     with pytest.raises(ConfigError, match="cannot be written as a trtexec shape"):
         trtexec_args(prefill, BuildOptions())
 
 
 def test_script_text(tmp_path: Path) -> None:
-    profiles = engine_profiles(manifest(), BuildOptions())
+    profiles = engine_profiles(typed_manifest(manifest()), BuildOptions())
     text = render_script(profiles, BuildOptions())
     lines = text.splitlines()
     assert lines[0] == "#!/usr/bin/env bash"
@@ -129,7 +129,7 @@ def test_script_text(tmp_path: Path) -> None:
 
 def test_written_script_is_executable_and_relative(tmp_path: Path) -> None:
     directory = export_dir(tmp_path)
-    profiles = engine_profiles(manifest(), BuildOptions())
+    profiles = engine_profiles(typed_manifest(manifest()), BuildOptions())
     path = write_script(directory, profiles, BuildOptions(timing_cache=directory / "engines" / "tc.bin"))
     assert path == directory / "engines" / "trtexec.sh"
     assert os.stat(path).st_mode & stat.S_IXUSR
@@ -142,7 +142,7 @@ def test_written_script_is_executable_and_relative(tmp_path: Path) -> None:
 def test_script_runs_from_the_export_directory(tmp_path: Path) -> None:
     """With a stand-in trtexec on PATH, the script calls it once per engine from DIR."""
     directory = export_dir(tmp_path)
-    script = write_script(directory, engine_profiles(manifest(), BuildOptions()), BuildOptions())
+    script = write_script(directory, engine_profiles(typed_manifest(manifest()), BuildOptions()), BuildOptions())
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "trtexec"
@@ -174,7 +174,7 @@ def test_without_tensorrt_the_script_is_written_and_one_line_says_so(tmp_path: P
     assert not (directory / "engines" / "prefill.plan").exists()
     result = verify_dir(directory)  # the manifest now records the script: kiln verify still passes
     assert result.ok, result.problems()
-    assert "engines/trtexec.sh" in manifest_mod.read(directory)["files"]
+    assert "engines/trtexec.sh" in manifest_mod.read(directory).files
     with pytest.raises(EngineError):  # and a second run over the same directory does the same
         build_command(directory, BuildOptions(opt_batch=2))
     assert "--optShapes=input_ids:2x24" in script.read_text() and verify_dir(directory).ok

@@ -7,7 +7,8 @@ import torch
 from kiln_testing import tiny_config
 
 from kiln.exporter.options import PLEExtendMode
-from kiln.exporter.ple import FoldedPLE, check_folding, extend_ple, fold_ple, ple_sublayers
+from kiln.exporter.fold import check_folding
+from kiln.plugins.native.ple import NATIVE_PLE, FoldedPLE, extend_ple, fold_ple, ple_sublayers
 from kiln.plugins.native import random_model
 from kiln.plugins.native.config import NormKind, NormPosition, PLEPlacement
 from kiln.plugins.native.model import PLESubLayer
@@ -21,7 +22,7 @@ def test_folded_equals_unfolded_at_every_position(norm: NormKind, position: Norm
     cfg = tiny_config(norm=norm, norm_position=position, ple={"bounded": bounded, "projection": projection})
     model = random_model(cfg, 3)
     folded = fold_ple(model)
-    checks = check_folding(model, folded, tolerance=1e-5)
+    checks = check_folding(NATIVE_PLE, model, folded, tolerance=1e-5)
     assert [c.positions for c in checks] == [48, 48]
     assert all(c.max_abs_error <= 1e-5 for c in checks)
     # nothing of the PLE embedding, projection or split is left
@@ -52,7 +53,7 @@ def test_folding_changes_outputs_when_tables_are_wrong() -> None:
     from kiln.errors import ExportError
 
     with pytest.raises(ExportError, match="PLE folding of layers.1.ple differs from the unfolded sub-layer"):
-        check_folding(model, folded)
+        check_folding(NATIVE_PLE, model, folded)
 
 
 @pytest.mark.parametrize("placement", list(PLEPlacement))

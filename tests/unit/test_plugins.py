@@ -13,6 +13,7 @@ from kiln_testing import tiny_config
 
 import kiln.plugins as registry
 from kiln.cli import main
+from kiln.errors import CheckpointError
 
 FAMILY_MODULE = '''
 import json
@@ -29,7 +30,9 @@ class ToyFamily:
         return config.get("architecture") == "toy-decoder"
 
     def load(self, path):
-        cfg = NativeConfig.from_dict(json.loads((path / "config.json").read_text()))
+        data = json.loads((path / "config.json").read_text())
+        data.pop("architectures", None)  # a Hugging Face-style key this family ignores
+        cfg = NativeConfig.from_dict(data)
         return LoadedModel(random_model(cfg, 0), spec_of(cfg), path)
 
     def tiny(self, seed):
@@ -72,3 +75,17 @@ def test_entry_point_that_is_not_a_family(toy_package: Path) -> None:
 
     with pytest.raises(CheckpointError, match=r"entry point 'bad' \(json:dumps\) does not provide a kiln ModelFamily"):
         registry.families()
+
+
+def test_a_third_party_family_claims_before_the_built_in_ones(toy_package: Path, tmp_path: Path) -> None:
+    """The toy family sorts after "hf" by name, yet it is asked first: a Hugging Face-style
+    config (it has ``architectures``, which hf would take) that the toy family claims is its."""
+    assert [f.name for f in registry.claim_order()] == ["toy", "native", "hf"]
+    ckpt = tmp_path / "toy-hf-style"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({**tiny_config().to_dict(), "architecture": "toy-decoder", "architectures": ["ToyForCausalLM"]}))
+    loaded = registry.load_model(ckpt)
+    assert type(loaded.module).__name__ == "PLEDecoder"  # not hf's "unsupported Hugging Face architecture"
+    (ckpt / "config.json").write_text(json.dumps({"architectures": ["ToyForCausalLM"]}))
+    with pytest.raises(CheckpointError, match=r"unsupported Hugging Face architecture 'ToyForCausalLM'"):
+        registry.load_model(ckpt)  # what the toy family does not claim still reaches hf

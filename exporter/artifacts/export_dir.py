@@ -1,0 +1,36 @@
+"""The artifacts stage: everything of an export besides its graphs, written into the staged
+directory from the ``ExportReport``: the parity reports, the tokenizer, the serving configs
+(ONNX Runtime GenAI's, and the Triton repository with ``--triton``) and, last, the manifest with
+the sha256 of every file (each file is hashed once, here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+from kiln.exporter.artifacts.build import build_manifest
+from kiln.exporter.artifacts.layout import ONNX_DIR, REPORTS_DIR, TOKENIZER
+from kiln.exporter.artifacts.hashing import hash_tree
+from kiln.exporter.artifacts.manifest import MANIFEST, Manifest, write
+from kiln.exporter.parity.report import write_parity_reports
+from kiln.exporter.report import ExportReport
+from kiln.exporter.serving.genai import write_genai_config
+from kiln.exporter.serving.triton import write_triton_models
+
+__all__ = ["write_artifacts"]
+
+
+def write_artifacts(root: Path, report: ExportReport) -> Manifest:
+    """Write the reports, serving configs and manifest of the export staged in ``root``."""
+    write_parity_reports(report.parity, root / REPORTS_DIR, report.parity_extras())
+    if report.tokenizer is not None:
+        shutil.copyfile(report.tokenizer, root / TOKENIZER)
+    manifest = build_manifest(report, root)
+    if report.spec.encoder_dim is None:  # GenAI's decoder-only models have no way to feed a cross cache
+        write_genai_config(root / ONNX_DIR, manifest)  # beside model.onnx
+    if report.options.triton is not None:
+        write_triton_models(root, manifest, report.options.triton)
+    manifest = dataclasses.replace(manifest, files=hash_tree(root, exclude=(MANIFEST,)))
+    write(root, manifest)
+    return manifest

@@ -1,0 +1,36 @@
+"""sha256 of files and of directory trees (the manifest's ``files`` and ``checkpoint.files``)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+__all__ = ["sha256_file", "hash_tree", "rehash_subtree"]
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hash_tree(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
+    """sha256 of every file under ``root`` by POSIX relative path, in sorted order."""
+    out: dict[str, str] = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel not in exclude:
+            out[rel] = sha256_file(path)
+    return out
+
+
+def rehash_subtree(files: dict[str, str], root: Path, sub: str) -> dict[str, str]:
+    """``files`` (a manifest's) with the entries under ``sub/`` replaced by what is there now:
+    a command that rewrites one folder of an export hashes only that folder."""
+    prefix = f"{sub}/"
+    kept = {k: v for k, v in files.items() if not k.startswith(prefix)}
+    if (root / sub).is_dir():
+        kept.update({prefix + rel: digest for rel, digest in hash_tree(root / sub).items()})
+    return dict(sorted(kept.items()))

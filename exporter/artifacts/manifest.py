@@ -1,0 +1,277 @@
+"""``manifest.json``: the contract between an export directory and whoever serves it.
+
+It holds everything a host needs without reading Python: graph files with their I/O names,
+dtypes and shapes (named dims), KV layout, limits, precision, special token ids, the sha256 of
+every file, and the tool versions. It has no timestamps, so the same export gives the same file.
+
+``Manifest`` is its typed form: every reader (check, generate, bench, engine, serving) reads
+attributes, never raw keys; ``Manifest.to_json``/``from_json`` are the only places the JSON
+layout is spelled out (``manifest.schema.json`` describes it for other languages). The export
+options a manifest records and the inverse (``graph_options``) live here together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from kiln import __version__
+from kiln.errors import ArtifactError
+from kiln.exporter.artifacts.serde import OMIT_IF_NONE, from_json, to_json
+from kiln.exporter.contract.io import GraphIO, GraphKind, TensorSpec
+from kiln.exporter.options import ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
+from kiln.jsonfile import read_json_object
+
+__all__ = [
+    "MANIFEST",
+    "MANIFEST_VERSION",
+    "Manifest",
+    "CheckpointRef",
+    "ModelInfo",
+    "KvCacheInfo",
+    "Limits",
+    "PleInfo",
+    "ExportSettings",
+    "TensorEntry",
+    "GraphEntry",
+    "WeightsInfo",
+    "ParityInfo",
+    "OrtGraphEntry",
+    "TargetEntry",
+    "EnginesEntry",
+    "read",
+    "write",
+    "tool_versions",
+    "graph_options",
+]
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+_TOOLS = ("torch", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "polygraphy")
+
+
+def _omit() -> Any:
+    """A field that defaults to None and is left out of the JSON when it is None."""
+    return dataclasses.field(default=None, metadata=OMIT_IF_NONE)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRef:
+    reference: str | None  # what --model named ('demo' or a path); None when unknown
+    files: dict[str, str]  # sha256 of each checkpoint file read, by file name
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    encoder_dim: int | None  # set for cross-attention decoders
+
+
+@dataclasses.dataclass(frozen=True)
+class KvCacheInfo:
+    layout: str
+    dims: tuple[str, ...]
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_batch: int
+    max_context: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PleInfo:
+    folded: bool
+    trained_rows: int
+    rows: int
+    extend_mode: str | None
+    tables: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSettings:
+    opset: int
+    keep_fp32: tuple[str, ...]
+    calibration: dict[str, Any] | None
+    logits: str
+    ple: PleInfo | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[str | int, ...]
+
+    @classmethod
+    def of(cls, spec: TensorSpec) -> TensorEntry:
+        return cls(spec.name, spec.dtype, tuple(spec.dims))
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphEntry:
+    file: str
+    inputs: tuple[TensorEntry, ...]
+    outputs: tuple[TensorEntry, ...]
+    int8_nodes: tuple[str, ...] | None = _omit()
+    fp32_nodes: tuple[str, ...] | None = _omit()
+    fp32_ple_tables: tuple[str, ...] | None = _omit()
+
+    @classmethod
+    def of(cls, file: str, io: GraphIO, **extra: tuple[str, ...] | None) -> GraphEntry:
+        return cls(file, tuple(map(TensorEntry.of, io.inputs)), tuple(map(TensorEntry.of, io.outputs)), **extra)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsInfo:
+    file: str
+    tensors: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityInfo:
+    passed: bool
+    report: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OrtGraphEntry:
+    """A ``--target ort`` graph and what the rewrite did to it."""
+
+    file: str
+    fused_attention_layers: tuple[int, ...]
+    compact_decode_mask: bool
+    fused_rms_norms: int
+    fused_skip_norms: int
+    packed_matmuls: tuple[str, ...]
+    int8_nodes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetWeights:
+    file: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetEntry:
+    precision: str
+    int8: dict[str, Any] | None
+    graphs: dict[str, OrtGraphEntry]
+    weights: TargetWeights
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginesEntry:
+    """Written by ``kiln build``: the TensorRT, CUDA and GPU the engines were built with."""
+
+    record: str
+    tensorrt: str
+    cuda: str | None
+    gpu: str
+    compute_capability: str
+    files: dict[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    manifest_version: int
+    family: str
+    checkpoint: CheckpointRef
+    config: dict[str, Any]
+    model: ModelInfo
+    precision: str
+    kv_cache: KvCacheInfo
+    limits: Limits
+    export: ExportSettings
+    graphs: dict[str, GraphEntry]
+    weights: WeightsInfo
+    tokenizer: str | None
+    parity: ParityInfo
+    tools: dict[str, str]
+    files: dict[str, str]
+    targets: dict[str, TargetEntry] | None = _omit()
+    engines: EnginesEntry | None = _omit()
+
+    def graph(self, kind: GraphKind) -> GraphEntry:
+        return self.graphs[kind.value]
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = to_json(self)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str = MANIFEST) -> Manifest:
+        return from_json(cls, data, where)
+
+
+def tool_versions() -> dict[str, str]:
+    out = {"kiln": __version__, "python": platform.python_version()}
+    for name in _TOOLS:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def export_settings(options: ExportOptions, *, trained_rows: int | None, keep_fp32: tuple[str, ...], calibration: dict[str, Any] | None) -> ExportSettings:
+    """What the manifest records of the options that shaped the graphs (``graph_options`` reads it back)."""
+    ple = None
+    if trained_rows is not None:
+        extend = options.ple_extend_mode.value if options.ple_extend else None
+        ple = PleInfo(True, trained_rows, options.ple_extend or trained_rows, extend, options.ple_tables.value)
+    return ExportSettings(options.opset, keep_fp32 if options.precision.has_fp16 else (), calibration, options.logits.value, ple)
+
+
+def graph_options(manifest: Manifest) -> ExportOptions:
+    """The options that shaped an export's graphs, from its manifest (``kiln check`` re-runs parity
+    with them); the graphs' precision is the manifest's own, as they already carry it."""
+    ple = manifest.export.ple
+    return ExportOptions(
+        max_batch=manifest.limits.max_batch,
+        max_context=manifest.limits.max_context,
+        logits=LogitsMode(manifest.export.logits),
+        opset=manifest.export.opset,
+        ple_extend=ple.rows if ple is not None and ple.extend_mode else None,
+        ple_extend_mode=PLEExtendMode(ple.extend_mode if ple is not None and ple.extend_mode else "clamp"),
+        ple_tables=PLETables(ple.tables if ple is not None else "constant"),
+    )
+
+
+def precision_of(manifest: Manifest) -> Precision:
+    return Precision(manifest.precision)
+
+
+def write(root: Path, manifest: Manifest) -> Path:
+    path = root / MANIFEST
+    path.write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+    return path
+
+
+def read(root: Path) -> Manifest:
+    """Read and check a manifest; the error says what is wrong with the directory."""
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: not a directory")
+    data = read_json_object(path, ArtifactError, f"{root}: no {MANIFEST}; is this a kiln export directory?")
+    version = data.get("manifest_version")
+    if version != MANIFEST_VERSION:
+        raise ArtifactError(f"{path}: manifest_version {version!r} is not supported (this kiln reads version {MANIFEST_VERSION}); re-export with this kiln")
+    return Manifest.from_json(data, str(path))

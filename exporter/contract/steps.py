@@ -1,0 +1,99 @@
+"""The step loop: a prompt, then one token at a time, with the KV cache carried from each step's
+``present.*`` outputs to the next step's ``past_key_values.*`` inputs.
+
+Parity (greedy and teacher-forced generation), calibration (its teacher-forced decode feeds)
+and ``kiln generate`` all run this one loop; what differs is how a token is chosen (``choose``)
+and what runs a step (any object with ``run(kind, feeds) -> outputs``: a parity runner on numpy
+arrays, or ``kiln generate``'s IOBinding sessions on OrtValues).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from kiln.exporter.contract.io import GraphKind, past_names
+from kiln.plugins.base import DecoderSpec
+
+__all__ = ["Step", "StepRunner", "Chooser", "left_pad", "prompt_feeds", "empty_past", "carry", "run_steps"]
+
+Chooser = Callable[[int, np.ndarray], np.ndarray]  # (step, last-position logits [B, vocab]) -> tokens [B]
+
+
+class StepRunner(Protocol):
+    def run(self, kind: GraphKind, feeds: dict[str, Any]) -> Mapping[str, Any]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    index: int  # 0: the prompt's step
+    feeds: dict[str, Any]  # what the step ran on
+    logits: np.ndarray  # its last-position logits [B, vocab], float32
+    tokens: np.ndarray  # the tokens chosen from them [B] int64
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``input_ids``, ``attention_mask`` and ``position_ids`` ([B, L] int64) of left-padded prompts."""
+    length = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), length), pad_id, dtype=np.int64)
+    mask = np.zeros((len(prompts), length), dtype=np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, length - len(prompt) :] = prompt
+        mask[row, length - len(prompt) :] = 1
+    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
+    return ids, mask, pos
+
+
+def prompt_feeds(prompts: Sequence[Sequence[int]], pad_id: int) -> dict[str, Any]:
+    """The prompt step's feeds of left-padded ``prompts``."""
+    ids, mask, pos = left_pad(prompts, pad_id)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+
+
+def empty_past(spec: DecoderSpec, batch: int, dtype: np.dtype) -> dict[str, Any]:
+    """A self-attention cache of length 0, for a prompt through the unified graph."""
+    shape = (batch, spec.n_kv_heads, 0, spec.head_dim)
+    return {name: np.zeros(shape, dtype=dtype) for i in range(spec.n_layers) for name in past_names(i)}
+
+
+def carry(feeds: dict[str, Any], outputs: Mapping[str, Any], previous: Mapping[str, Any], pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """The next step's feeds: each past from this step's present, or (a cross cache, which only
+    prefill returns) from the previous step's feeds."""
+    for past, present in pairs:
+        feeds[past] = outputs[present] if present in outputs else previous[past]
+    return feeds
+
+
+def _last_logits(value: Any) -> np.ndarray:
+    array = value if isinstance(value, np.ndarray) else value.numpy()  # an OrtValue or a tensor
+    return np.asarray(array[:, -1, :], dtype=np.float32)
+
+
+def run_steps(
+    runner: StepRunner,
+    pairs: Sequence[tuple[str, str]],
+    first: dict[str, Any],
+    steps: int,
+    choose: Chooser,
+    *,
+    first_kind: GraphKind = GraphKind.PREFILL,
+    step_kind: GraphKind = GraphKind.DECODE,
+) -> Iterator[Step]:
+    """Run ``first`` (the prompt's feeds), then up to ``steps - 1`` steps of one token each; yield
+    every step (its feeds, last logits and chosen tokens) before the next one runs, so a caller
+    may stop early (an end token). ``pairs`` are the ``(past, present)`` names carried."""
+    feeds, outputs = first, runner.run(first_kind, first)
+    mask, pos = first["attention_mask"], first["position_ids"]
+    for step in range(steps):
+        logits = _last_logits(outputs["logits"])
+        tokens = np.asarray(choose(step, logits), dtype=np.int64)
+        yield Step(step, feeds, logits, tokens)
+        if step == steps - 1:
+            return
+        pos = pos[:, -1:] + 1
+        mask = np.concatenate([mask, np.ones((mask.shape[0], 1), dtype=np.int64)], axis=1)
+        feeds = carry({"input_ids": tokens[:, None], "attention_mask": mask, "position_ids": pos}, outputs, feeds, pairs)
+        outputs = runner.run(step_kind, feeds)

@@ -1,0 +1,128 @@
+"""The portable graph set: trace each graph and run its passes (contract, names, precision,
+weights), one graph at a time, into ``onnx/<kind>.onnx`` + one shared ``weights.bin``.
+
+The passes of these graphs are composed here and nowhere else (``contract_passes``,
+``precision_passes``); the ``--target ort`` set composes its own in ``targets.ort``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx_ir as ir
+
+from kiln.exporter.contract.io import GraphIO, GraphKind, graph_io
+from kiln.exporter.fold import Folded
+from kiln.exporter.load import Reference
+from kiln.exporter.options import ExportOptions, PLETables
+from kiln.exporter.passes import ApplyContract, ExternalizeWeights, NameNodes, PleTablesToInputs, SharedWeights, WeightsWriter, run_passes
+from kiln.exporter.passes.weights import WEIGHTS_FILE
+from kiln.exporter.precision.fp16 import ConvertFp16
+from kiln.exporter.precision.int8 import Int8Policy, QuantizeInt8
+from kiln.exporter.precision.policy import Fp16Policy
+from kiln.exporter.progress import Progress
+from kiln.exporter.trace import trace_graph
+
+__all__ = ["GraphRecord", "GraphSet", "PrecisionPlan", "Ranges", "contract_io", "traced_fp32", "write_portable_graphs"]
+
+Ranges = dict[str, tuple[float, float]]  # tensor -> calibrated (lo, hi)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphRecord:
+    kind: GraphKind
+    path: Path
+    io: GraphIO  # the graph's final I/O (the contract at its precision)
+    fp32_nodes: tuple[str, ...] | None = None  # fp16 graphs: nodes kept in fp32
+    fp32_tables: tuple[str, ...] | None = None  # fp16 graphs: PLE tables kept in fp32 (out of fp16's range)
+    int8_nodes: tuple[str, ...] | None = None  # int8 graphs: the quantized MatMul/Gemm nodes
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSet:
+    graphs: dict[GraphKind, GraphRecord]
+    weights: SharedWeights
+
+    @property
+    def paths(self) -> dict[GraphKind, Path]:
+        return {kind: record.path for kind, record in self.graphs.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPlan:
+    """What the precision passes do: the fp16 policy (already widened by ``--keep-fp32`` and the
+    sensitivity search), the int8 policy and, for int8, the calibration of each graph."""
+
+    fp16: Fp16Policy
+    int8: Int8Policy
+    calibrate: Callable[[GraphKind, ir.Model], Ranges] | None = None
+
+
+def contract_io(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, kv_dtype: str = "float32") -> GraphIO:
+    tables = folded.table_shapes if options.ple_tables is PLETables.INPUT else ()
+    return graph_io(reference.spec, kind, last_logits_only=options.last_logits_only, ple_tables=tables, kv_dtype=kv_dtype)
+
+
+def contract_passes(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind) -> list[ir.passes.PassBase]:
+    """A traced graph -> the fp32 graph of the contract, its nodes named after their modules."""
+    tables = [PleTablesToInputs(folded.tables)] if options.ple_tables is PLETables.INPUT else []
+    return [*tables, ApplyContract(contract_io(reference, folded, options, kind), kind), NameNodes()]
+
+
+def precision_passes(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, plan: PrecisionPlan) -> list[ir.passes.PassBase]:
+    passes: list[ir.passes.PassBase] = []
+    if options.precision.has_int8:
+        assert plan.calibrate is not None, "an int8 export calibrates every graph"
+        calibrate = plan.calibrate
+        passes.append(QuantizeInt8(lambda model: calibrate(kind, model), plan.int8))
+    if options.precision.has_fp16:
+        passes += [ConvertFp16(plan.fp16), ApplyContract(contract_io(reference, folded, options, kind, "float16"), kind)]
+    return passes
+
+
+def traced_fp32(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind) -> ir.Model:
+    """The fp32 graph of ``kind``, with the contract's I/O and module-named nodes."""
+    io_spec = contract_io(reference, folded, options, kind)
+    spec = reference.spec
+    model = trace_graph(
+        folded.module,
+        kind,
+        io_spec,
+        n_layers=spec.n_layers,
+        vocab=spec.vocab_size,
+        opset=options.opset,
+        last_logits_only=options.last_logits_only,
+        max_batch=options.max_batch,
+        max_context=reference.max_context,
+    )
+    return run_passes(model, contract_passes(reference, folded, options, kind), graph=kind.value)
+
+
+def _record(kind: GraphKind, path: Path, io: GraphIO, passes: list[ir.passes.PassBase]) -> GraphRecord:
+    record = GraphRecord(kind, path, io)
+    for pass_ in passes:
+        if isinstance(pass_, QuantizeInt8):
+            record = dataclasses.replace(record, int8_nodes=tuple(pass_.quantized))
+        elif isinstance(pass_, ConvertFp16) and pass_.result is not None:
+            record = dataclasses.replace(record, fp32_nodes=pass_.result.kept_fp32, fp32_tables=pass_.result.fp32_tables)
+    return record
+
+
+def write_portable_graphs(reference: Reference, folded: Folded, options: ExportOptions, plan: PrecisionPlan, onnx_dir: Path, progress: Progress) -> GraphSet:
+    """Every graph of the contract, one at a time: trace, pass, move its weights into the shared
+    file, save, drop (so only one graph's in-memory copies exist at once)."""
+    records: dict[GraphKind, GraphRecord] = {}
+    final_dtype = options.precision.kv_dtype
+    with progress.stage("trace + write graphs", total=len(GraphKind)) as bar, WeightsWriter(onnx_dir / WEIGHTS_FILE, rename=True) as writer:
+        for kind in GraphKind:
+            passes = [*precision_passes(reference, folded, options, kind, plan), ExternalizeWeights(writer)]
+            model = run_passes(traced_fp32(reference, folded, options, kind), passes, graph=kind.value)
+            path = onnx_dir / f"{kind.value}.onnx"
+            ir.save(model, path)
+            del model
+            records[kind] = _record(kind, path, contract_io(reference, folded, options, kind, final_dtype), passes)
+            bar.advance()
+        weights = writer.close()
+    return GraphSet(records, weights)

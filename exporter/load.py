@@ -1,0 +1,79 @@
+"""The load stage: the PyTorch side of an export. What may be exported (context limit, refusals)
+and the reference module that parity is measured against (shared by ``export`` and ``check``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from kiln.errors import ConfigError, ExportError
+from kiln.exporter.options import ExportOptions, Target
+from kiln.plugins import LoadedModel
+from kiln.plugins.base import DecoderSpec
+
+__all__ = ["Reference", "load_reference", "resolve_limits", "prepare_reference", "refuse_unsupported"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The model as it is deployed (PLE tables extended when asked) and the context it is exported for."""
+
+    loaded: LoadedModel
+    module: nn.Module
+    max_context: int
+
+    @property
+    def spec(self) -> DecoderSpec:
+        return self.loaded.spec
+
+
+def load_reference(loaded: LoadedModel, options: ExportOptions) -> Reference:
+    refuse_unsupported(loaded.spec, options)
+    max_context = resolve_limits(loaded, options)
+    return Reference(loaded, prepare_reference(loaded, options), max_context)
+
+
+def refuse_unsupported(spec: DecoderSpec, options: ExportOptions) -> None:
+    """What a model's structure rules out, before any work is done."""
+    if spec.encoder_dim is not None and options.precision.has_int8:
+        raise ConfigError(
+            "--int8 is not supported for cross-attention decoders yet: calibration needs encoder_hidden_states"
+            " samples, which kiln's calibration data formats do not carry; export --fp16 or fp32"
+        )
+    if spec.encoder_dim is not None and options.target is Target.ORT:
+        raise ConfigError("--target ort is not supported for cross-attention decoders yet: its attention rewrite knows causal self-attention only")
+    if spec.encoder_dim is not None and options.triton is not None:
+        raise ConfigError(
+            "triton: cross-attention decoders are not supported yet (the ensemble would need encoder_hidden_states"
+            " and a cross cache that is written once); serve prefill.onnx and decode.onnx from your own host"
+        )
+
+
+def resolve_limits(loaded: LoadedModel, options: ExportOptions) -> int:
+    """The exported context length; refuses one longer than the model or its PLE table."""
+    spec = loaded.spec
+    table = options.ple_extend or spec.ple_positions
+    default = min(spec.max_context, table) if table else spec.max_context
+    context = options.max_context or default
+    if context > spec.max_context:
+        raise ExportError(f"--max-context {context} exceeds the model's max_context {spec.max_context}")
+    if spec.ple_positions is not None and context > (options.ple_extend or spec.ple_positions):
+        rows = options.ple_extend or spec.ple_positions
+        raise ExportError(
+            f"--max-context {context} is longer than the PLE table ({rows} rows): positions past it would "
+            f"gather out of bounds; pass --ple-extend {context} (with --ple-extend-mode clamp|interpolate) or a smaller --max-context"
+        )
+    if options.ple_extend is not None and spec.ple_positions is None:
+        raise ExportError("--ple-extend was given but the model has no PLE tables")
+    return context
+
+
+def prepare_reference(loaded: LoadedModel, options: ExportOptions) -> nn.Module:
+    """The PyTorch module parity is measured against: the checkpoint's, with its PLE tables
+    extended when ``--ple-extend`` asks for it (the extended model is what is deployed)."""
+    if options.ple_extend is not None:
+        if loaded.ple is None:
+            raise ExportError("--ple-extend was given but the model has no PLE tables")
+        loaded.ple.extend(loaded.module, options.ple_extend, options.ple_extend_mode)
+    return loaded.module

@@ -1,0 +1,41 @@
+"""The parity stage: every graph against the PyTorch model, tensor by tensor and token by token.
+
+- Tensor level: each output of each graph against PyTorch on the same inputs (left-padded
+  batches, non-empty past): max abs, max rel, cosine, and top-1 agreement of the logits.
+- Generation level: PyTorch generates greedily with its KV cache; the graphs are then fed the
+  same tokens (teacher forcing) through prefill + decode, and through model.onnx alone, and at
+  every step their argmax and logits are compared with PyTorch's. If every step's argmax
+  agrees, the graphs' own greedy generation is the same token sequence (by induction), and a
+  divergence is pinned to its first step with the logit error of every step recorded.
+  A mismatch where PyTorch's own top two logits are closer than the tolerance is a tie, which
+  no runtime can be blamed for; it is counted apart and does not fail the check.
+"""
+
+from __future__ import annotations
+
+from kiln.exporter.parity.driver import Candidate, ParitySettings, check_parity, parity_plan, run_parity
+from kiln.exporter.parity.generation import encoder_states, generation_parity, greedy, left_pad, make_prompts
+from kiln.exporter.parity.results import GenerationCheck, ParityResult, TargetParity, TensorCheck
+from kiln.exporter.parity.tensors import tensor_feeds, tensor_parity
+from kiln.exporter.parity.tolerances import TOLERANCES, Tolerance
+
+__all__ = [
+    "Tolerance",
+    "TOLERANCES",
+    "TensorCheck",
+    "GenerationCheck",
+    "ParityResult",
+    "tensor_feeds",
+    "tensor_parity",
+    "generation_parity",
+    "greedy",
+    "make_prompts",
+    "left_pad",
+    "encoder_states",
+    "TargetParity",
+    "Candidate",
+    "ParitySettings",
+    "check_parity",
+    "parity_plan",
+    "run_parity",
+]

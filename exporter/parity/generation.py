@@ -1,0 +1,113 @@
+"""Generation-level parity: greedy decoding through a runner, teacher-forced on the reference's tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kiln.exporter.contract.io import ENCODER_STATES, GraphKind, carried_cache, is_cross
+from kiln.exporter.contract.steps import empty_past, left_pad, prompt_feeds, run_steps
+from kiln.exporter.parity.results import GenerationCheck
+from kiln.exporter.parity.tolerances import Tolerance
+from kiln.exporter.runners.base import Feeds, Runner
+from kiln.plugins.base import DecoderSpec
+
+__all__ = ["greedy", "generation_parity", "make_prompts", "left_pad", "encoder_states"]  # left_pad: contract.steps
+
+
+def make_prompts(spec: DecoderSpec, lengths: Sequence[int], seed: int) -> list[list[int]]:
+    """Random prompts of the given lengths, avoiding special tokens."""
+    rng = np.random.default_rng(seed)
+    special = {t for t in (spec.bos_token_id, spec.eos_token_id, spec.pad_token_id) if t is not None}
+    allowed = np.array([t for t in range(spec.vocab_size) if t not in special])
+    return [rng.choice(allowed, size=n).tolist() for n in lengths]
+
+
+def encoder_states(spec: DecoderSpec, batch: int, seed: int = 0, length: int = 6, dtype: np.dtype = np.dtype(np.float32)) -> np.ndarray | None:
+    """Deterministic stand-in encoder output ``[batch, length, encoder_dim]`` for a cross-attention
+    decoder (None for any other): what parity feeds every backend alike."""
+    if spec.encoder_dim is None:
+        return None
+    return np.random.default_rng(seed).standard_normal((batch, length, spec.encoder_dim)).astype(dtype)
+
+
+def greedy(
+    runner: Runner,
+    spec: DecoderSpec,
+    prompts: Sequence[Sequence[int]],
+    steps: int,
+    *,
+    unified: bool = False,
+    forced: np.ndarray | None = None,
+    kv_dtype: np.dtype = np.dtype(np.float32),
+) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy decoding through prefill + decode (or the unified graph alone).
+
+    Returns the tokens ``[B, steps]`` and the last-position logits of every step
+    ``[steps, B, vocab]`` (float32). With ``forced``, those tokens are fed instead of the argmax.
+    A cross-attention decoder reads ``encoder_states(spec, B)``; the unified graph takes the
+    cross cache as an input (like decode), so that path starts from the runner's own prefill
+    graph's cross cache, as a user of model.onnx would.
+    """
+    feeds = prompt_feeds(prompts, spec.pad_token_id if spec.pad_token_id is not None else 0)
+    batch = len(prompts)
+    encoder = encoder_states(spec, batch)
+    if encoder is not None:
+        feeds[ENCODER_STATES] = encoder.astype(kv_dtype)  # (via float32, as every other caller rounds it)
+    if unified:
+        cross: Feeds = {}
+        if encoder is not None:
+            prefill = runner.run(GraphKind.PREFILL, feeds)
+            cross = {past: prefill[present].astype(kv_dtype) for past, present in carried_cache(spec) if is_cross(past)}
+        feeds = {k: v for k, v in feeds.items() if k != ENCODER_STATES} | empty_past(spec, batch, kv_dtype) | cross
+    kinds = (GraphKind.UNIFIED, GraphKind.UNIFIED) if unified else (GraphKind.PREFILL, GraphKind.DECODE)
+    tokens = np.zeros((batch, steps), dtype=np.int64)
+    logits_per_step = np.zeros((steps, batch, spec.vocab_size), dtype=np.float32)
+
+    def choose(step: int, logits: np.ndarray) -> np.ndarray:
+        return forced[:, step] if forced is not None else logits.argmax(-1)
+
+    for step in run_steps(runner, carried_cache(spec), feeds, steps, choose, first_kind=kinds[0], step_kind=kinds[1]):
+        tokens[:, step.index] = step.tokens
+        logits_per_step[step.index] = step.logits
+    return tokens, logits_per_step
+
+
+def generation_parity(
+    reference: Runner,
+    candidate: Runner,
+    spec: DecoderSpec,
+    prompts: Sequence[Sequence[int]],
+    steps: int,
+    tolerance: Tolerance,
+    *,
+    unified: bool,
+    kv_dtype: np.dtype = np.dtype(np.float32),
+    reference_run: tuple[np.ndarray, np.ndarray] | None = None,
+) -> GenerationCheck:
+    ref_tokens, ref_logits = reference_run or greedy(reference, spec, prompts, steps)
+    _, cand_logits = greedy(candidate, spec, prompts, steps, unified=unified, forced=ref_tokens, kv_dtype=kv_dtype)
+    cand_tokens = cand_logits.argmax(-1).T  # [B, steps]
+    mismatch = cand_tokens != ref_tokens
+    rows, cols = np.nonzero(mismatch)
+    ties = 0
+    first: int | None = None
+    for b, t in zip(rows, cols, strict=True):
+        margin = ref_logits[t, b, ref_tokens[b, t]] - ref_logits[t, b, cand_tokens[b, t]]
+        if margin <= 2 * tolerance.logits_atol:
+            ties += 1
+        elif first is None or t < first:
+            first = int(t)
+    per_step = np.abs(cand_logits - ref_logits).max(axis=(1, 2))
+    return GenerationCheck(
+        path="model" if unified else "prefill+decode",
+        batch=len(prompts),
+        prompt_lengths=tuple(len(p) for p in prompts),
+        steps=steps,
+        token_match_rate=float(1.0 - mismatch.mean()),
+        first_divergence=first,
+        ties=ties,
+        per_step_max_abs=tuple(float(x) for x in per_step),
+        passed=first is None if tolerance.min_token_match >= 1.0 else float(1.0 - mismatch.mean()) >= tolerance.min_token_match,
+    )

@@ -1,0 +1,93 @@
+"""What a parity check found: per tensor, per generation run, and for one whole graph set."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kiln.exporter.parity.tolerances import Tolerance
+
+__all__ = ["TensorCheck", "GenerationCheck", "TargetParity", "ParityResult"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorCheck:
+    graph: str
+    output: str
+    max_abs: float
+    max_rel: float
+    cosine: float
+    top1: float | None  # logits only: fraction of positions whose argmax agrees
+    atol: float
+    passed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationCheck:
+    path: str  # "prefill+decode" or "model"
+    batch: int
+    prompt_lengths: tuple[int, ...]
+    steps: int
+    token_match_rate: float
+    first_divergence: int | None  # first step where a non-tie argmax differs
+    ties: int
+    per_step_max_abs: tuple[float, ...]  # logits, max over the batch
+    passed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetParity:
+    """A target's graph set, as merged into the export's result (its checks are in the lists)."""
+
+    backend: str
+    precision: str
+    passed: bool
+    tolerance: Tolerance
+
+
+@dataclasses.dataclass
+class ParityResult:
+    backend: str
+    precision: str
+    tolerance: Tolerance
+    tensors: list[TensorCheck] = dataclasses.field(default_factory=list)
+    generation: list[GenerationCheck] = dataclasses.field(default_factory=list)
+    targets: dict[str, TargetParity] = dataclasses.field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(t.passed for t in self.tensors) and all(g.passed for g in self.generation)
+
+    def failures(self) -> list[str]:
+        tol = self.tolerance
+        out = [
+            f"{t.graph}:{t.output} max abs {t.max_abs:.3g} (tolerance {t.atol:g}), cosine {t.cosine:.6f} (at least {tol.min_cosine:g})"
+            for t in self.tensors
+            if not t.passed
+        ]
+        out += [
+            f"generation via {g.path} (batch {g.batch}): token match {g.token_match_rate:.3f}, first divergence at step {g.first_divergence}"
+            for g in self.generation
+            if not g.passed
+        ]
+        return out
+
+    def merge(self, target: str, other: ParityResult) -> ParityResult:
+        """Append a target graph set's checks (in place) under the target's name (``prefill.ort``,
+        ``ort:prefill+decode``), each with the tolerance of the target's own precision, so that
+        ``passed``, the reports and ``kiln check`` cover every set of graphs of the export."""
+        self.tensors += [dataclasses.replace(t, graph=f"{t.graph}.{target}") for t in other.tensors]
+        self.generation += [dataclasses.replace(g, path=f"{target}:{g.path}") for g in other.generation]
+        self.targets[target] = TargetParity(other.backend, other.precision, other.passed, other.tolerance)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "precision": self.precision,
+            "passed": self.passed,
+            "tolerance": dataclasses.asdict(self.tolerance),
+            "tensors": [dataclasses.asdict(t) for t in self.tensors],
+            "generation": [dataclasses.asdict(g) for g in self.generation],
+            **({"targets": {name: dataclasses.asdict(t) for name, t in self.targets.items()}} if self.targets else {}),
+        }

@@ -1,0 +1,145 @@
+"""Pass: a graph's large initializers moved into one external weights file shared by several graphs.
+
+The graphs of a set are written one after another, and the same weight appears in each (under
+the same or a different initializer name, e.g. a transposed Linear weight that the exporter
+folded into ``val_N``). Tensors are deduplicated by content (dtype, shape and bytes): each
+distinct tensor is written once and every graph's initializer points at its offset. Nothing is
+embedded in a protobuf above a small threshold, so graphs over 2 GB of weights work the same way.
+
+Naming, by the writer's ``rename``:
+
+- ``True`` (the portable graphs): each distinct content gets one name in every graph,
+  ``weights/<first name seen>``, so a runtime can share one buffer per weight between the
+  graphs' sessions, and identical initializers within a graph merge;
+- ``False`` (the ``--target ort`` graphs, whose new tensors are named by the rewrite): names are
+  kept, a name seen before must hold the same content, and tensors already in another weights
+  file (the portable ``weights.bin``) stay where they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import onnx_ir as ir
+
+from kiln.errors import ExportError
+
+__all__ = ["WEIGHTS_FILE", "SharedWeights", "WeightsWriter", "ExternalizeWeights"]
+
+WEIGHTS_FILE = "weights.bin"
+_ALIGN = 64  # bytes; keeps every tensor aligned for memory mapping
+_INLINE_LIMIT = 1024  # bytes; smaller constants (shapes, scalars) stay inside the graph
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedWeights:
+    path: Path
+    tensors: int  # distinct tensors in the file
+    bytes: int  # size of the file
+    references: int  # initializers, over all graphs, that point into it
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    offset: int
+    length: int
+    name: str  # the canonical name (rename=True) or the first name stored under (rename=False)
+
+
+class WeightsWriter(contextlib.AbstractContextManager["WeightsWriter"]):
+    """Writes one weights file graph by graph (``externalize``), so that a graph's in-memory
+    weight copies can be dropped before the next graph is made."""
+
+    def __init__(self, path: Path, *, rename: bool, inline_limit: int = _INLINE_LIMIT) -> None:
+        self.path = path
+        self._rename = rename
+        self._inline_limit = inline_limit
+        self._by_content: dict[bytes, _Stored] = {}
+        self._by_name: dict[str, bytes] = {}  # rename=False: the content each name was stored with
+        self._taken: set[str] = set()
+        self._references = 0
+        self._file = open(path, "wb")  # noqa: SIM115 (closed in close()/__exit__)
+
+    def externalize(self, model: ir.Model) -> None:
+        """Point ``model``'s large in-memory initializers into the file, writing new content."""
+        graph = model.graph
+        in_graph: dict[str, ir.Value] = {}
+        for value in list(graph.initializers.values()):
+            tensor = value.const_value
+            if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.nbytes < self._inline_limit:
+                continue
+            stored = self._store(value, tensor)
+            if self._rename and stored.name in in_graph:  # same content twice in this graph: use the first
+                value.replace_all_uses_with(in_graph[stored.name])
+                graph.initializers.pop(value.name)  # type: ignore[arg-type]
+                continue
+            name = stored.name if self._rename else value.name or stored.name
+            if self._rename:
+                graph.initializers.pop(value.name)  # type: ignore[arg-type]
+                value.name = name
+            value.const_value = ir.ExternalTensor(
+                self.path.name, stored.offset, stored.length, tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=name, base_dir=self.path.parent
+            )
+            if self._rename:
+                graph.register_initializer(value)
+                in_graph[name] = value
+            self._references += 1
+
+    def _store(self, value: ir.Value, tensor: ir.TensorProtocol) -> _Stored:
+        data = tensor.tobytes()
+        key = hashlib.sha256(f"{tensor.dtype}:{tuple(tensor.shape)}".encode() + data).digest()
+        name = value.name or ""
+        if not self._rename:
+            known = self._by_name.setdefault(name, key)
+            if known != key:
+                raise ExportError(f"tensor {name} differs between graphs; cannot share {self.path.name}")
+        if key not in self._by_content:
+            offset = self._file.tell()
+            pad = -offset % _ALIGN
+            self._file.write(b"\0" * pad)
+            self._file.write(data)
+            self._by_content[key] = _Stored(offset + pad, len(data), self._canonical(_readable_name(value)) if self._rename else name)
+        return self._by_content[key]
+
+    def _canonical(self, first: str) -> str:
+        name, k = f"weights/{first}", 1
+        while name in self._taken:  # another content was first seen under the same name
+            name, k = f"weights/{first}.{k}", k + 1
+        self._taken.add(name)
+        return name
+
+    def close(self) -> SharedWeights:
+        size = self._file.tell()
+        self._file.close()
+        return SharedWeights(self.path, len(self._by_content), size, self._references)
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+class ExternalizeWeights(ir.passes.InPlacePass):
+    """``writer.externalize`` as the last pass of a graph."""
+
+    def __init__(self, writer: WeightsWriter) -> None:
+        super().__init__()
+        self.writer = writer
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.writer.externalize(model)
+        return ir.passes.PassResult(model, modified=True)
+
+
+def _readable_name(value: ir.Value) -> str:
+    """The exporter's name for a weight, or, for a constant it made up (``val_12``, e.g. a
+    transposed Linear weight), the node that reads it: ``layers.0.attn.q_proj/MatMul:1``."""
+    name = value.name or ""
+    if not name.startswith("val_"):
+        return name
+    for node, index in value.uses():
+        if node.name:
+            return f"{node.name.lstrip('/')}:{index}"
+    return name

@@ -1,0 +1,121 @@
+"""ONNX Runtime (CPU): the session factory every part of kiln uses, and the parity runner."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.runners.base import Feeds
+
+__all__ = ["OrtRunner", "ort_session"]
+
+
+def ort_session(
+    model: Path | bytes,
+    *,
+    threads: int | None = None,
+    spinning: bool = True,
+    prepacking: bool = True,
+    initializers: Mapping[str, object] | None = None,
+) -> Any:
+    """An ONNX Runtime CPU session over a graph file or serialized model: the one place kiln
+    sets session options. ``threads`` pins intra-op threads (and inter-op to one);
+    ``spinning=False`` stops idle threads spinning (timing on a shared machine);
+    ``prepacking=False`` with ``initializers`` (OrtValues over memory maps) lets several sessions
+    read one copy of the weights instead of a private copy each."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    if not spinning:
+        opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if not prepacking:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
+    for name, value in (initializers or {}).items():
+        opts.add_initializer(name, value)
+    source = str(model) if isinstance(model, Path) else model
+    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+
+
+class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
+    """ONNX Runtime (CPU) over ``{kind: path}``; sessions exist only while the runner is active."""
+
+    name = "onnxruntime"
+
+    def __init__(self, paths: dict[GraphKind, Path], threads: int | None = None, extra_feeds: Feeds | None = None) -> None:
+        self._paths = paths
+        self._extra = dict(extra_feeds or {})  # inputs fed to every run (e.g. PLE tables)
+        self._threads = threads
+        self._runners: dict[GraphKind, object] = {}
+        self._shared = _SharedInitializers()
+
+    @classmethod
+    def opener(cls, paths: dict[GraphKind, Path], extra_feeds: Feeds | None = None) -> Callable[[], OrtRunner]:
+        """A zero-argument factory of this runner (what parity opens when it needs the sessions)."""
+        return lambda: cls(paths, extra_feeds=extra_feeds)
+
+    def graphs(self) -> tuple[GraphKind, ...]:
+        return tuple(self._paths)
+
+    def __enter__(self) -> OrtRunner:
+        from polygraphy.backend.onnxrt import OnnxrtRunner
+
+        for kind, path in self._paths.items():
+            # one memory-mapped copy of the weights for all sessions, not one copy each;
+            # prepacking would make a private copy of every MatMul weight again
+            session = ort_session(path, threads=self._threads, prepacking=False, initializers=self._shared.initializers(path))
+            runner = OnnxrtRunner(session, name=f"onnxruntime:{kind.value}")
+            runner.activate()
+            self._runners[kind] = runner
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for runner in self._runners.values():
+            runner.deactivate()  # type: ignore[attr-defined]
+        self._runners.clear()
+        self._shared = _SharedInitializers()
+
+    def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
+        runner = self._runners[kind]
+        return dict(runner.infer({**feeds, **self._extra}, check_inputs=False))  # type: ignore[attr-defined]
+
+
+class _SharedInitializers:
+    """OrtValues over memory maps of the external weights files, one per distinct initializer
+    name. kiln's graphs name each weight identically in every graph (``weights/...``), so the
+    sessions of prefill, decode and model.onnx read the same pages instead of three copies."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, np.memmap] = {}
+        self._values: dict[tuple[Path, str], object] = {}
+
+    def initializers(self, graph: Path) -> dict[str, object]:
+        import onnx
+        from onnx.helper import tensor_dtype_to_np_dtype
+        from onnxruntime import OrtValue
+
+        model = onnx.load(str(graph), load_external_data=False)
+        out: dict[str, object] = {}
+        for init in model.graph.initializer:
+            if init.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in init.external_data}
+            file = (graph.parent / info["location"]).resolve()
+            key = (file, init.name)
+            if key not in self._values:
+                if file not in self._maps:
+                    self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+                dtype = np.dtype(tensor_dtype_to_np_dtype(init.data_type))
+                offset = int(info.get("offset", 0))
+                array = np.ndarray(tuple(init.dims), dtype=dtype, buffer=self._maps[file], offset=offset)
+                self._values[key] = OrtValue.ortvalue_from_numpy(array)
+            out[init.name] = self._values[key]
+        return out

@@ -1,0 +1,157 @@
+"""``--target ort``: ONNX Runtime-target copies of the portable graphs, beside them.
+
+Each portable graph ``onnx/<kind>.onnx`` is reloaded (its weights stay in ``weights.bin``,
+memory-mapped, never read unless a pass needs them) and rewritten for ONNX Runtime's fused CPU
+contrib kernels into ``onnx/<kind>.ort.onnx`` by the passes ``ort_passes`` lists:
+
+- attention (found by ``attention``) -> ``RotaryEmbedding`` + ``GroupQueryAttention`` (prefill
+  and decode; see ``gqa`` for why model.onnx keeps its portable attention),
+- q/k/v projections -> one MatMul on the concatenated weight and a Split, and so any other
+  MatMuls that read one input (a SwiGLU MLP's gate and up projections: ``pack``),
+- RMSNorm -> ``SimplifiedLayerNormalization``, with the residual Add before it
+  ``SkipSimplifiedLayerNormalization`` (``norm``),
+- decode: the family's mask subgraph -> a four-op padding bias when probes prove them equal
+  (``decode_mask``),
+- with ``int8``: every constant-weight MatMul -> ``MatMulNBits`` (8 bits, weight-only: ``nbits``).
+
+The copies sit in the same directory as the portable graphs because ONNX Runtime refuses
+external data outside a model's directory; they share ``weights.bin`` for every weight they
+keep, and what the rewrite adds (cos/sin caches, packed and int8 weights) goes to one more file,
+``weights.ort.bin``, shared by the three ORT graphs (same names, same offsets). The I/O contract
+is unchanged (every rewrite checks it as a postcondition), so parity checks these graphs exactly
+as it checks the portable ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
+from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.passes import ExternalizeWeights, GraphRewrite, SharedWeights, WeightsWriter, run_passes
+from kiln.exporter.targets.ort.gqa import fuse_attention
+from kiln.exporter.targets.ort.decode_mask import compact_decode_bias
+from kiln.exporter.targets.ort.nbits import ACCURACY_LEVEL, BLOCK_SIZE, quantize_matmul_nbits
+from kiln.exporter.targets.ort.norm import fuse_rms_norm, fuse_skip_rms_norm
+from kiln.exporter.targets.ort.pack import pack_shared_input_matmuls
+from kiln.exporter.targets.ort.rotary_tables import graph_tables
+from kiln.plugins.base import DecoderSpec
+
+__all__ = ["OrtGraph", "OrtTarget", "ort_passes", "write_ort_target", "ort_graph_file", "ORT_WEIGHTS_FILE", "INT8_FORMAT"]
+
+ORT_WEIGHTS_FILE = "weights.ort.bin"
+INT8_FORMAT = {"op": "MatMulNBits", "bits": 8, "block_size": BLOCK_SIZE, "accuracy_level": ACCURACY_LEVEL}
+
+
+def ort_graph_file(kind: GraphKind) -> str:
+    return f"{kind.value}.ort.onnx"
+
+
+@dataclasses.dataclass(frozen=True)
+class OrtGraph:
+    """One ORT-target graph and what its passes rewrote."""
+
+    path: Path
+    fused_attention_layers: tuple[int, ...]
+    compact_decode_mask: bool
+    fused_rms_norms: int
+    fused_skip_norms: int
+    packed_matmuls: tuple[str, ...]
+    int8_nodes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class OrtTarget:
+    graphs: dict[GraphKind, OrtGraph]
+    precision: str  # "fp32" or "int8" (weight-only MatMulNBits)
+    weights: SharedWeights
+
+    @property
+    def paths(self) -> dict[GraphKind, Path]:
+        return {kind: graph.path for kind, graph in self.graphs.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rewrites:
+    """The passes of one graph whose results the manifest reports."""
+
+    attention: GraphRewrite[list[int]] | None
+    mask: GraphRewrite[bool] | None
+    norms: GraphRewrite[int]
+    skip_norms: GraphRewrite[int]
+    packed: GraphRewrite[list[str]]
+    int8: GraphRewrite[list[str]] | None
+
+    def record(self, path: Path) -> OrtGraph:
+        def got(rewrite: GraphRewrite[list[int]] | GraphRewrite[list[str]] | None) -> tuple[int | str, ...]:
+            return tuple(rewrite.result or ()) if rewrite is not None else ()
+
+        return OrtGraph(
+            path=path,
+            fused_attention_layers=got(self.attention),  # type: ignore[arg-type]
+            compact_decode_mask=bool(self.mask.result) if self.mask is not None else False,
+            fused_rms_norms=self.norms.result or 0,
+            fused_skip_norms=self.skip_norms.result or 0,
+            packed_matmuls=got(self.packed),  # type: ignore[arg-type]
+            int8_nodes=got(self.int8),  # type: ignore[arg-type]
+        )
+
+
+def _rewrites(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, int8: bool) -> _Rewrites:
+    attention = mask = None
+    if kind is not GraphKind.UNIFIED:  # GQA's CPU kernel refuses batch > 1 with past and seq > 1
+
+        def fuse(model: ir.Model) -> list[int]:
+            tables = graph_tables(model, base_dir, max_context, spec.head_dim)
+            return fuse_attention(model, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, tables=tables, decode=kind is GraphKind.DECODE)
+
+        attention = GraphRewrite(functools.update_wrapper(fuse, fuse_attention))
+        if kind is GraphKind.DECODE:
+
+            def compact(model: ir.Model) -> bool:
+                return bool(attention.result) and compact_decode_bias(model, base_dir, max_context)  # type: ignore[union-attr]
+
+            mask = GraphRewrite(functools.update_wrapper(compact, compact_decode_bias))
+    return _Rewrites(
+        attention,
+        mask,
+        GraphRewrite(fuse_rms_norm),
+        GraphRewrite(fuse_skip_rms_norm),
+        GraphRewrite(pack_shared_input_matmuls),
+        GraphRewrite(quantize_matmul_nbits) if int8 else None,
+    )
+
+
+def ort_passes(rewrites: _Rewrites, writer: WeightsWriter) -> list[ir.passes.PassBase]:
+    """The ORT target's passes of one graph, in order."""
+    unused = RemoveUnusedNodesPass
+    return [
+        *(p for p in (rewrites.attention, rewrites.mask) if p is not None),
+        rewrites.norms,
+        rewrites.skip_norms,
+        unused(),  # before packing and quantizing: the replaced q/k/v MatMuls are dead now
+        rewrites.packed,
+        unused(),  # the MatMuls packed away are dead now
+        *((rewrites.int8, unused()) if rewrites.int8 is not None else ()),
+        TopologicalSortPass(),
+        ExternalizeWeights(writer),
+    ]
+
+
+def write_ort_target(onnx_dir: Path, graphs: dict[GraphKind, Path], spec: DecoderSpec, *, max_context: int, int8: bool) -> OrtTarget:
+    """Write ``<kind>.ort.onnx`` beside each portable graph in ``onnx_dir``."""
+    out: dict[GraphKind, OrtGraph] = {}
+    with WeightsWriter(onnx_dir / ORT_WEIGHTS_FILE, rename=False) as writer:
+        for kind, path in graphs.items():
+            rewrites = _rewrites(kind, spec, onnx_dir, max_context, int8)
+            model = run_passes(ir.load(path), ort_passes(rewrites, writer), graph=f"{kind.value} (ORT target)")
+            target = onnx_dir / ort_graph_file(kind)
+            ir.save(model, target)
+            del model
+            out[kind] = rewrites.record(target)
+        weights = writer.close()
+    return OrtTarget(graphs=out, precision="int8" if int8 else "fp32", weights=weights)

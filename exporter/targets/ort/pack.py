@@ -1,0 +1,77 @@
+"""Pass: MatMuls that read the same input with constant weights -> one MatMul and a Split.
+
+At decode a MatMul is a matrix-vector product bound by reading its weight; several of them over
+the same activation (a SwiGLU MLP's gate and up projections, the q/k/v projections of a layer
+whose attention stayed portable) are as many kernel launches and passes over the input. Packing
+their weights side by side (``[K, N1 + N2 + ...]``) makes them one kernel, as ONNX Runtime
+GenAI's builder does. Exact: the Split returns each MatMul's own output. The packed weight is a
+new tensor (``weights.ort.bin``); the portable graphs keep the separate ones.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.exporter.precision.policy import module_of
+from kiln.exporter.passes.ir_utils import constant, copy_type
+
+__all__ = ["pack_shared_input_matmuls", "pack_matmuls", "packable"]
+
+
+def _weight(node: ir.Node) -> np.ndarray | None:
+    weight = node.inputs[1] if len(node.inputs) == 2 else None
+    tensor = weight.const_value if weight is not None else None
+    if tensor is None or len(tensor.shape) != 2 or tensor.dtype != ir.DataType.FLOAT:
+        return None
+    return tensor.numpy()
+
+
+def packable(nodes: list[ir.Node]) -> bool:
+    """Two or more MatMuls reading one input, each with a constant float [K, N_i] weight of one
+    K, none of them a graph output."""
+    if len(nodes) < 2 or nodes[0].inputs[0] is None:
+        return False
+    weights = [_weight(n) for n in nodes]
+    return all(
+        n.op_type == "MatMul" and n.domain == "" and n.inputs[0] is nodes[0].inputs[0] and w is not None and w.shape[0] == weights[0].shape[0] and not n.outputs[0].is_graph_output()  # type: ignore[union-attr]
+        for n, w in zip(nodes, weights, strict=True)
+    )
+
+
+def pack_matmuls(graph: ir.Graph, nodes: list[ir.Node], prefix: str) -> list[ir.Value]:
+    """Replace ``packable`` ``nodes`` by one MatMul on their weights side by side (in the order
+    given) and a Split; returns the Split's outputs, which now feed what read each MatMul. The
+    new tensors are named ``ort/<prefix>.packed.*``."""
+    weights = [_weight(n) for n in nodes]
+    packed = constant(graph, f"ort/{prefix}.packed.weight", np.concatenate(weights, axis=1))  # type: ignore[arg-type]
+    sizes = constant(graph, f"ort/{prefix}.packed.split", np.array([w.shape[1] for w in weights], dtype=np.int64))  # type: ignore[union-attr]
+    matmul = ir.node("MatMul", [nodes[0].inputs[0], packed], name=f"/{prefix}/ort/packed/MatMul")
+    matmul.outputs[0].dtype = ir.DataType.FLOAT
+    split = ir.node("Split", [matmul.outputs[0], sizes], {"axis": -1}, num_outputs=len(nodes), name=f"/{prefix}/ort/packed/Split")
+    graph.insert_after(nodes[-1], [matmul, split])  # the caller sorts the graph once its passes are done
+    for out, old in zip(split.outputs, nodes, strict=True):
+        copy_type(out, old.outputs[0])
+        old.outputs[0].replace_all_uses_with(out)
+    return list(split.outputs)
+
+
+def pack_shared_input_matmuls(model: ir.Model) -> list[str]:
+    """Pack every group of two or more float MatMuls that share their first input and have
+    constant 2-D weights; returns the names of the packed MatMuls it wrote."""
+    graph = model.graph
+    groups: dict[int, list[ir.Node]] = {}
+    for node in graph:
+        if node.op_type == "MatMul" and node.domain == "" and node.inputs[0] is not None and _weight(node) is not None:
+            groups.setdefault(id(node.inputs[0]), []).append(node)
+    written: list[str] = []
+    for nodes in groups.values():
+        if not packable(nodes):
+            continue
+        prefix = os.path.commonprefix([module_of(n) for n in nodes]).rstrip("._") or "graph"
+        prefix += "" if not any(w.startswith(f"/{prefix}/") for w in written) else f".{len(written)}"
+        pack_matmuls(graph, nodes, prefix)
+        written.append(f"/{prefix}/ort/packed/MatMul")
+    return written

@@ -1,0 +1,125 @@
+"""Tracing one graph of the contract with the torch.export-based ONNX exporter.
+
+Each graph (prefill, decode, unified) is traced from the same folded module through a thin
+wrapper that flattens the KV cache into named tensors. Tracing three times was chosen over
+tracing the unified graph once and specialising it by ONNX passes: it keeps every graph a
+direct trace of the model (no pass can silently change the math), and at the sizes kiln
+exports the extra traces cost seconds. The three graphs still share one weights file
+(``exporter/passes/weights.py``).
+
+Traps, for the next engineer:
+- torch.export specialises a dim whose example size is 0 or 1, so example inputs use
+  batch 2, seq 3, past 5; decode's seq is meant to be 1 and is left static.
+- ``attention_mask``'s length is past + seq, which ``torch.export.Dim`` cannot express
+  (only increasing linear expressions of ONE dim); in decode it is ``past_seq + 1``, in the
+  unified graph ``Dim.AUTO``. Dim names are set afterwards from the contract by
+  ``passes.apply_contract``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from collections.abc import Iterator
+
+import onnx_ir as ir
+import torch
+from torch import nn
+from torch.export import Dim
+
+from kiln.errors import ExportError
+from kiln.exporter.contract.io import ENC_SEQ, ENCODER_STATES, PAST_SEQ, GraphIO, GraphKind, is_cross
+from kiln.exporter.trace.wrapper import GraphModule
+
+__all__ = ["trace_graph", "example_inputs"]
+
+_EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST, _EXAMPLE_ENC = 2, 3, 5, 4
+
+
+def example_inputs(io_spec: GraphIO, kind: GraphKind, vocab: int) -> tuple[object, ...]:
+    """Small example inputs for tracing (sizes chosen so that no dynamic dim is 0 or 1)."""
+    batch = _EXAMPLE_BATCH
+    seq = 1 if kind is GraphKind.DECODE else _EXAMPLE_SEQ
+    past = 0 if kind is GraphKind.PREFILL else _EXAMPLE_PAST
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    mask = torch.ones(batch, past + seq, dtype=torch.int64)
+    pos = torch.arange(past, past + seq).expand(batch, seq).contiguous()
+    if kind is GraphKind.PREFILL:
+        enc = [t for t in io_spec.inputs if t.name == ENCODER_STATES]
+        if enc:
+            return (ids, mask, pos, torch.randn(batch, _EXAMPLE_ENC, int(enc[0].dims[2]), generator=gen))
+        return (ids, mask, pos)
+    kv = [t for t in io_spec.inputs if t.name.startswith("past_key_values.")]
+    length = {PAST_SEQ: past, ENC_SEQ: _EXAMPLE_ENC}
+    cache = [torch.randn(batch, int(t.dims[1]), length[str(t.dims[2])], int(t.dims[3]), generator=gen) for t in kv]
+    return (ids, mask, pos, cache)
+
+
+def _dynamic_shapes(kind: GraphKind, io_spec: GraphIO, max_batch: int, max_context: int) -> tuple[object, ...]:
+    batch = Dim("batch", min=1, max=max(max_batch, _EXAMPLE_BATCH))
+    seq = Dim("seq", min=1, max=max(max_context, _EXAMPLE_SEQ))
+    # the encoder's length is bounded by max_context too (TensorRT profiles need a bound)
+    enc = Dim("encoder_seq", min=1, max=max(max_context, _EXAMPLE_ENC))
+    ids = {0: batch} if kind is GraphKind.DECODE else {0: batch, 1: seq}
+    if kind is GraphKind.PREFILL:
+        shapes: tuple[object, ...] = (ids, {0: batch, 1: seq}, ids)
+        return (*shapes, {0: batch, 1: enc}) if any(t.name == ENCODER_STATES for t in io_spec.inputs) else shapes
+    past = Dim("past_seq", min=0, max=max(max_context, _EXAMPLE_PAST))
+    total = past + 1 if kind is GraphKind.DECODE else Dim.AUTO
+    kv = [t for t in io_spec.inputs if t.name.startswith("past_key_values.")]
+    return (ids, {0: batch, 1: total}, ids, [{0: batch, 2: enc if t.dims[2] == ENC_SEQ else past} for t in kv])
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The exporter prints progress lines and warnings meant for its own developers."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def trace_graph(
+    module: nn.Module,
+    kind: GraphKind,
+    io_spec: GraphIO,
+    *,
+    n_layers: int,
+    vocab: int,
+    opset: int,
+    last_logits_only: bool,
+    max_batch: int,
+    max_context: int,
+) -> ir.Model:
+    """Trace one graph to an in-memory ONNX model with the contract's I/O names (PLE table
+    inputs are added afterwards by a pass; ``passes.apply_contract`` then checks the whole I/O)."""
+    cross = any(is_cross(t.name) for t in (*io_spec.inputs, *io_spec.outputs))
+    wrapper = GraphModule(module, kind, n_layers, last_logits_only, cross).eval()
+    args = example_inputs(io_spec, kind, vocab)
+    try:
+        with _quiet(), torch.no_grad():
+            program = torch.onnx.export(
+                wrapper,
+                args,
+                dynamo=True,
+                dynamic_shapes=_dynamic_shapes(kind, io_spec, max_batch, max_context),
+                input_names=[n for n in io_spec.input_names if not n.startswith("ple.")],
+                output_names=io_spec.output_names,
+                opset_version=opset,
+                optimize=True,
+                verbose=False,
+            )
+    except Exception as exc:  # the exporter raises many unrelated types; all mean "could not trace"
+        raise ExportError(f"tracing the {kind.value} graph failed: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+    assert program is not None
+    return program.model

@@ -1,0 +1,231 @@
+"""``kiln bench``: prefill and decode-step latency at batch 1 of kiln's graphs side by side with
+other ONNX decoder exports (Optimum, ONNX Runtime GenAI) and, optionally, PyTorch eager.
+
+The machine is shared and noisy, so everything is measured interleaved (one call of each in
+turn, a short pause between calls), ONNX Runtime's spinning threads are switched off, and
+medians over many runs are reported; ratios are only meaningful inside one run. Every graph is
+called through IOBinding with its inputs bound once, so what is timed is the graph, not numpy
+conversions. Feeds come from each graph's declared inputs (graph_feeds), so one bench serves
+every tool's naming. The past-length sweep and plot live in bench_sweep. Timings never go in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import BenchError
+from kiln.exporter.artifacts.manifest import Manifest
+from kiln.exporter.runners import ort_session
+from kiln.exporter.artifacts import manifest as manifest_mod
+from kiln.runtime.decoder_dirs import DecoderDir, open_decoder_dirs
+from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs
+from kiln.runtime.roofline import BandwidthProbe, weights_bytes_per_step
+
+__all__ = ["BenchOptions", "Timed", "interleaved", "render", "run_bench", "vocab_of"]
+
+TORCH = "pytorch eager"
+_PROBE = "memory read probe"  # not a row: the bandwidth measured among the decode steps
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    prefill_seq: int = 128
+    past: int = 256
+    runs: int = 30
+    threads: int = 2
+    pause_s: float = 0.002  # between calls, so one backend's tail does not bleed into the next
+    torch: bool = True  # a PyTorch eager row (needs a kiln directory whose checkpoint loads)
+    roofline: bool = True  # measure read bandwidth and report decode steps against it
+    sweep: tuple[int, ...] = ()  # past lengths of the decode-step sweep
+    sweep_runs: int = 15  # runs at past <= 512; fewer beyond (each step costs more)
+
+
+class Timed:
+    """One graph of one directory bound to feeds at fixed sizes: calling it runs the graph once.
+    For a shared-KV-buffer graph the presents are bound to the past buffers they alias, as the
+    GenAI runtime does; otherwise ONNX Runtime allocates the outputs, as in any session.run."""
+
+    def __init__(self, decoder: DecoderDir, sess: Any, sizes: Sizes, vocab: int) -> None:
+        from onnxruntime import OrtValue
+
+        sizes = dataclasses.replace(sizes, named=decoder.named_dims, capacity=sizes.total if decoder.shared_kv_buffer else None)
+        feeds = build_feeds(declared_inputs(sess), sizes, vocab=vocab, roles=decoder.roles)
+        self._values = {name: OrtValue.ortvalue_from_numpy(array) for name, array in feeds.items()}
+        self._binding = sess.io_binding()
+        for name, value in self._values.items():
+            self._binding.bind_ortvalue_input(name, value)
+        for out in sess.get_outputs():
+            alias = decoder.present_to_past.get(out.name)
+            if alias in self._values:
+                self._binding.bind_ortvalue_output(out.name, self._values[alias])
+            else:
+                self._binding.bind_output(out.name, "cpu")
+        self._session = sess
+
+    def __call__(self) -> None:
+        self._session.run_with_iobinding(self._binding)
+
+
+def interleaved(calls: dict[str, Callable[[], object]], runs: int, pause: float, warmup: int = 1) -> dict[str, float]:
+    """Median milliseconds of each call, the calls taken in turn ``runs`` times."""
+    for _ in range(warmup):
+        for call in calls.values():
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(runs):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+            time.sleep(pause)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def vocab_of(sess: Any, decoder: DecoderDir) -> int:
+    if decoder.manifest is not None:
+        return decoder.manifest.model.vocab_size
+    for out in sess.get_outputs():
+        if out.name == "logits" and isinstance(out.shape[-1], int):
+            return int(out.shape[-1])
+    return 2  # token ids 0 and 1 exist in every vocabulary
+
+
+def _torch_calls(kiln_dirs: list[DecoderDir], sizes: dict[str, Sizes], sessions: dict[Path, Any], threads: int) -> dict[str, Callable[[], object]]:
+    import torch
+
+    from kiln.exporter.contract.io import GraphKind
+    from kiln.exporter.runners import TorchRunner
+    from kiln.plugins import load_model
+
+    ref = kiln_dirs[0].manifest.checkpoint.reference if kiln_dirs and kiln_dirs[0].manifest is not None else None
+    if ref is None:
+        raise BenchError("a PyTorch row needs a kiln export directory whose manifest names its checkpoint; pass --no-torch")
+    loaded = load_model(ref)
+    torch.set_num_threads(threads)
+    runner = TorchRunner(loaded.module, loaded.spec.n_layers)
+    calls: dict[str, Callable[[], object]] = {}
+    for kind in (GraphKind.PREFILL, GraphKind.DECODE):
+        graph = kiln_dirs[0].prefill if kind is GraphKind.PREFILL else kiln_dirs[0].decode
+        feeds = build_feeds(declared_inputs(sessions[graph]), sizes[kind.value], vocab=loaded.spec.vocab_size)
+        calls[kind.value] = functools.partial(runner.run, kind, feeds)
+    return calls
+
+
+def _manifest(decoder: DecoderDir) -> Manifest:
+    assert decoder.manifest is not None, "a kiln export directory"
+    return decoder.manifest
+
+
+def _check_same_checkpoint(kiln_dirs: list[DecoderDir]) -> None:
+    first = kiln_dirs[0]
+    for other in kiln_dirs[1:]:
+        if _manifest(other).checkpoint.files != _manifest(first).checkpoint.files:
+            raise BenchError(f"{other.path}: exported from another checkpoint than {first.path}; bench compares exports of one model")
+
+
+def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
+    """Every directory's prefill and decode graphs (and PyTorch eager), measured interleaved;
+    the first directory is the baseline of the ratios."""
+    decoders = [entry for d in directories for entry in open_decoder_dirs(d)]
+    kiln_dirs = [d for d in decoders if d.manifest is not None and d.target is None]
+    if kiln_dirs:
+        _check_same_checkpoint(kiln_dirs)
+    limit = min((_manifest(d).limits.max_context for d in kiln_dirs), default=None)
+    seq = options.prefill_seq if limit is None else min(options.prefill_seq, limit)
+    past = options.past if limit is None else min(options.past, limit - 1)
+    if options.sweep and limit is not None and max(options.sweep) >= limit:
+        raise BenchError(f"--sweep past {max(options.sweep)} does not fit the export's context limit {limit} (past + 1 token)")
+    sizes = {"prefill": Sizes(seq=seq, past=0), "decode": Sizes(seq=1, past=past)}
+    labels = _unique([d.label for d in decoders])
+    sessions = {}
+    for d in decoders:
+        for graph in {d.prefill, d.decode}:
+            sessions[graph] = ort_session(graph, threads=options.threads, spinning=False)
+    calls: dict[str, dict[str, Callable[[], object]]] = {"prefill": {}, "decode": {}}
+    if options.torch:
+        for kind, call in _torch_calls(kiln_dirs, sizes, sessions, options.threads).items():
+            calls[kind][TORCH] = call
+    for label, d in zip(labels, decoders, strict=True):
+        for kind, graph in (("prefill", d.prefill), ("decode", d.decode)):
+            calls[kind][label] = Timed(d, sessions[graph], sizes[kind], vocab_of(sessions[graph], d))
+    load_before = os.getloadavg()[0]
+    probe = BandwidthProbe(options.threads) if options.roofline else None
+    if probe is not None:  # timed among the decode steps, under the same load as they are
+        calls["decode"][_PROBE] = probe
+    rows = {kind: interleaved(c, options.runs, options.pause_s) for kind, c in calls.items()}
+    result: dict[str, Any] = {
+        "directories": [
+            {"label": lab, "path": str(d.path), "tool": d.tool, "prefill_graph": d.prefill.name, "decode_graph": d.decode.name,
+             "shared_kv_buffer": d.shared_kv_buffer, "weights_bytes_per_step": weights_bytes_per_step(d.decode)}
+            for lab, d in zip(labels, decoders, strict=True)
+        ],
+        "baseline": labels[0],
+        "batch": 1,
+        "prefill_seq": seq,
+        "decode_past": past,
+        "threads": options.threads,
+        "runs": options.runs,
+        "median_ms": rows,
+        "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, before and after: how shared the machine was
+        "tools": manifest_mod.tool_versions(),
+    }
+    if probe is not None:
+        bandwidth = probe.nbytes / (rows["decode"].pop(_PROBE) / 1e3)
+        result["read_bandwidth_gb_s"] = bandwidth / 1e9  # median, interleaved: the roofline's denominator
+        result["read_bandwidth_best_gb_s"] = probe.best_bandwidth(15) / 1e9  # best of 15 in a row, after the runs
+        probe.close()
+        result["roofline"] = {
+            e["label"]: (e["weights_bytes_per_step"] / bandwidth * 1e3) / rows["decode"][e["label"]] for e in result["directories"]
+        }
+    if options.sweep:
+        from kiln.runtime.sweep import sweep
+
+        result["sweep"] = sweep(decoders, labels, sessions, options)
+    return result
+
+
+def _unique(labels: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
+    return out
+
+
+def render(result: dict[str, Any]) -> str:
+    """A markdown table: medians, ratios to the baseline (< 1: faster), roofline fraction."""
+    pre, dec = result["median_ms"]["prefill"], result["median_ms"]["decode"]
+    base = result["baseline"]
+    roof = result.get("roofline", {})
+    weights = {e["label"]: e["weights_bytes_per_step"] for e in result["directories"]}
+    lines = [
+        f"batch 1, {result['threads']} threads, median of {result['runs']} interleaved runs; ratios: time / time of {base}"
+        + (" (load average {:.1f} -> {:.1f})".format(*result["load_average"]) if "load_average" in result else ""),
+    ]
+    if "read_bandwidth_gb_s" in result:
+        lines.append(
+            f"memory read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s (median, interleaved with the decode steps; best alone "
+            f"{result.get('read_bandwidth_best_gb_s', 0):.1f} GB/s); roofline = (weights bytes per step / bandwidth) / decode step"
+        )
+    lines += [
+        "",
+        f"| backend | prefill (seq {result['prefill_seq']}) ms | vs base | decode step (past {result['decode_past']}) ms | vs base | weights MB/step | roofline |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in pre:
+        w = f"{weights[name] / 1e6:.1f}" if name in weights else "-"
+        r = f"{roof[name]:.0%}" if name in roof else "-"
+        lines.append(f"| {name} | {pre[name]:.2f} | {pre[name] / pre[base]:.2f}x | {dec[name]:.2f} | {dec[name] / dec[base]:.2f}x | {w} | {r} |")
+    if "sweep" in result:
+        from kiln.runtime.sweep import render_sweep
+
+        lines += ["", render_sweep(result["sweep"])]
+    return "\n".join(lines)

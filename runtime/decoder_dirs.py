@@ -1,0 +1,117 @@
+"""Directories of ONNX decoder graphs that ``kiln bench`` can time: kiln's own exports and other
+tools' (Optimum's ``model.onnx``, ONNX Runtime GenAI's builder output with ``genai_config.json``).
+
+Each becomes a :class:`DecoderDir`: which file serves prefill, which serves a decode step, how
+its inputs are named (GenAI's config says), and whether past and present share one KV buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from kiln.errors import BenchError
+from kiln.exporter.artifacts.manifest import Manifest
+from kiln.exporter.contract.io import GraphKind, kv_pairs
+from kiln.jsonfile import read_json_object
+
+__all__ = ["DecoderDir", "open_decoder_dir", "open_decoder_dirs", "shares_kv_buffer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderDir:
+    path: Path
+    tool: str  # "kiln", "genai" (ONNX Runtime GenAI builder) or "onnx" (HF-style names: Optimum, ...)
+    prefill: Path  # graph timed on the prompt
+    decode: Path  # graph timed on one new token with a past (may be the same file)
+    roles: dict[str, str]  # input name -> input_ids / attention_mask / position_ids, where names differ
+    shared_kv_buffer: bool  # past and present are one buffer of fixed capacity (GenAI past_present_share_buffer)
+    present_to_past: dict[str, str] = dataclasses.field(default_factory=dict)  # shared buffer: output -> the input it aliases
+    manifest: Manifest | None = None  # kiln exports only
+    named_dims: tuple[tuple[str, int], ...] = ()  # symbolic dims with a known size (see graph_feeds.Sizes.named)
+    target: str | None = None  # kiln exports: "ort" for the --target ort graphs, None for the portable ones
+
+    @property
+    def label(self) -> str:
+        if self.manifest is not None and self.target is not None:
+            return f"kiln {self.target} {(self.manifest.targets or {})[self.target].precision} ({self.path.name})"
+        if self.manifest is not None:
+            return f"kiln {self.manifest.precision} ({self.path.name})"
+        return f"{self.tool} ({self.path.name})"
+
+
+def open_decoder_dirs(path: Path) -> list[DecoderDir]:
+    """``open_decoder_dir``, plus, for a kiln export with ``--target ort`` graphs, those graphs
+    as a second entry (they are timed beside the portable ones of the same directory)."""
+    first = open_decoder_dir(path)
+    if first.manifest is None:
+        return [first]
+    targets = first.manifest.targets or {}
+    extra = []
+    for name, t in sorted(targets.items()):
+        # the ORT decode graph writes its KV in place when past and present are one buffer:
+        # timed that way, as a serving loop (kiln generate --target ort) runs it
+        shared = name == "ort" and shares_kv_buffer(first.manifest)
+        aliases = {present: past for past, present in kv_pairs(first.manifest.model.n_layers)} if shared else {}
+        decode, prefill = path / t.graphs["decode"].file, path / t.graphs["prefill"].file
+        extra.append(dataclasses.replace(first, prefill=prefill, decode=decode, target=name, shared_kv_buffer=shared, present_to_past=aliases))
+    return [first, *extra]
+
+
+def open_decoder_dir(path: Path) -> DecoderDir:
+    """Recognise a directory by what it holds: manifest.json (kiln; verified first),
+    genai_config.json (GenAI builder), or model.onnx with Hugging Face-style names."""
+    if not path.is_dir():
+        raise BenchError(f"{path}: not a directory")
+    if (path / "manifest.json").is_file():
+        from kiln.exporter.artifacts.verify import require_verified
+
+        manifest = require_verified(path)
+        prefill, decode = (path / manifest.graph(kind).file for kind in (GraphKind.PREFILL, GraphKind.DECODE))
+        return DecoderDir(path, "kiln", prefill, decode, {}, False, manifest=manifest)
+    if (path / "genai_config.json").is_file():
+        return _genai_dir(path)
+    graphs = sorted(path.glob("*.onnx"))
+    graph = path / "model.onnx" if (path / "model.onnx").is_file() else (graphs[0] if len(graphs) == 1 else None)
+    if graph is not None:  # Optimum: model.onnx; its ORTQuantizer: model_quantized.onnx
+        return DecoderDir(path, "onnx", graph, graph, {}, False)
+    if len(graphs) > 1:
+        raise BenchError(f"{path}: several .onnx files and no model.onnx ({', '.join(g.name for g in graphs)}); which one is the decoder?")
+    raise BenchError(
+        f"{path}: no manifest.json, genai_config.json or model.onnx; expected a kiln export directory "
+        "or an ONNX decoder directory (Optimum, ONNX Runtime GenAI builder)"
+    )
+
+
+def _genai_dir(path: Path) -> DecoderDir:
+    config = read_json_object(path / "genai_config.json", BenchError, f"{path}: unreadable genai_config.json")
+    try:
+        decoder = config["model"]["decoder"]
+        graph = path / decoder["filename"]
+        names = decoder.get("inputs", {})
+    except (KeyError, TypeError) as exc:
+        raise BenchError(f"{path}/genai_config.json: no model.decoder.filename ({exc})") from None
+    if not graph.is_file():
+        raise BenchError(f"{path}/genai_config.json names {decoder['filename']}, which does not exist")
+    roles = {names[r]: r for r in ("input_ids", "attention_mask", "position_ids") if r in names}
+    shared = bool(config.get("search", {}).get("past_present_share_buffer", False))
+    pairs: dict[str, str] = {}
+    if shared:
+        outputs = decoder.get("outputs", {})
+        for layer in range(int(decoder.get("num_hidden_layers", 0))):
+            for kind in ("key", "value"):
+                present, past = outputs.get(f"present_{kind}_names"), names.get(f"past_{kind}_names")
+                if present and past:
+                    pairs[present % layer] = past % layer
+    named = (("kv_cache_dim", int(decoder["head_size"])),) if "head_size" in decoder else ()
+    return DecoderDir(path, "genai", graph, graph, roles, shared, present_to_past=pairs, named_dims=named)
+
+
+def shares_kv_buffer(manifest: Manifest) -> bool:
+    """True when the export's ``--target ort`` decode graph has every layer's attention fused
+    into GroupQueryAttention, which writes the new key/value in place when past and present are
+    bound to one buffer (a layer left portable grows its cache with Concat)."""
+    ort = (manifest.targets or {}).get("ort")
+    if ort is None:
+        return False
+    return sorted(ort.graphs["decode"].fused_attention_layers) == list(range(manifest.model.n_layers))

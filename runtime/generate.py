@@ -1,0 +1,238 @@
+"""``kiln generate``: greedy text generation through an export's prefill and decode graphs on
+ONNX Runtime, with IOBinding so the KV cache never goes through numpy between steps.
+
+The steps are the contract's step loop (``exporter.contract.steps``, the one parity and
+calibration run) over IOBinding sessions: each step's ``present.*`` outputs stay OrtValues and
+are bound as the next step's ``past_*`` inputs; logits are the only output copied out (to
+choose the next token). What this does NOT avoid: kiln's portable decode graph
+computes ``present = Concat(past, new)``, so the graph itself allocates and writes the whole
+cache every step (O(past) bytes per token). The ``--target ort`` decode graph avoids that
+(``target="ort"``, :class:`SharedKv`): its GroupQueryAttention writes the new token's key and
+value in place when past and present are bound to the same buffer of fixed capacity (the
+attention mask carries the length), so the cache is copied once, after the prompt, and never
+again.
+
+Parity: with ``forced`` tokens and ``keep_logits`` the loop is teacher-forced and returns every
+step's logits, so it can stand in for ``parity.greedy`` as the candidate side of a generation
+check through the exact code path users run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.errors import GenerateError
+from kiln.exporter.artifacts.manifest import Manifest
+from kiln.exporter.artifacts.verify import require_verified
+from kiln.exporter.contract.io import GraphKind, kv_pairs
+from kiln.exporter.contract.steps import prompt_feeds, run_steps
+from kiln.runtime.decoder_dirs import shares_kv_buffer
+
+__all__ = ["ConcatKv", "Generation", "Generator", "KvStrategy", "SharedKv", "load_tokenizer", "parse_ids"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]  # new tokens, greedy (or forced)
+    prefill_s: float  # the prompt's forward pass and first token
+    decode_s: float  # all decode steps together
+    logits: np.ndarray | None = None  # [steps, vocab] float32, with keep_logits
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.prompt) / self.prefill_s if self.prefill_s > 0 else float("inf")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = len(self.tokens) - 1  # the first new token comes from the prefill
+        return steps / self.decode_s if steps and self.decode_s > 0 else 0.0
+
+
+class KvStrategy:
+    """How KV tensors move from one step's outputs to the next step's inputs."""
+
+    def __init__(self, n_layers: int) -> None:
+        self._pairs = self.pairs = kv_pairs(n_layers)
+        self.presents = [present for _, present in self._pairs]  # bound after ``logits``, in this order
+
+    def start(self, prefill: dict[str, Any], capacity: int) -> None:
+        """Take the prompt's presents (OrtValues by name) before the first decode step."""
+
+    def bind(self, binding: Any, feeds: Mapping[str, Any]) -> None:
+        """Bind past inputs (the step's ``feeds``: OrtValues carried from the last step) and present outputs."""
+        raise NotImplementedError
+
+
+class ConcatKv(KvStrategy):
+    """For graphs that grow the cache with Concat: the runtime allocates each step's presents
+    (total length); they are bound, as OrtValues, as the next step's pasts."""
+
+    def bind(self, binding: Any, feeds: Mapping[str, Any]) -> None:
+        for past, present in self._pairs:
+            binding.bind_ortvalue_input(past, feeds[past])
+            binding.bind_output(present, "cpu")
+
+
+class SharedKv(KvStrategy):
+    """For decode graphs whose attention writes the new key/value in place (the ``--target ort``
+    graphs' GroupQueryAttention: it writes row ``total - 1`` and reads rows ``< total`` of a
+    past buffer of any capacity, and aliases present to past when both are bound to one buffer):
+    one ``[1, n_kv, capacity, head_dim]`` buffer per cache tensor, filled from the prompt's
+    presents once and then bound as both input and output of every step (bound once: an
+    IOBinding keeps its bindings between runs)."""
+
+    def __init__(self, n_layers: int) -> None:
+        super().__init__(n_layers)
+        self._buffers: dict[str, Any] = {}
+        self._bound: Any = None
+
+    def start(self, prefill: dict[str, Any], capacity: int) -> None:
+        from onnxruntime import OrtValue
+
+        for past, present in self._pairs:
+            prompt = prefill[present].numpy()  # [1, n_kv, n, head_dim]
+            buffer = np.zeros((*prompt.shape[:2], capacity, prompt.shape[3]), dtype=prompt.dtype)
+            buffer[:, :, : prompt.shape[2]] = prompt
+            self._buffers[past] = OrtValue.ortvalue_from_numpy(buffer)
+        self._bound = None
+
+    def bind(self, binding: Any, feeds: Mapping[str, Any]) -> None:
+        if binding is self._bound:
+            return
+        for past, present in self._pairs:
+            binding.bind_ortvalue_input(past, self._buffers[past])
+            binding.bind_ortvalue_output(present, self._buffers[past])
+        self._bound = binding
+
+
+class Generator:
+    """The prefill and decode sessions of one verified kiln export directory, batch 1."""
+
+    def __init__(self, directory: Path, threads: int = 2, target: str | None = None) -> None:
+        from kiln.exporter.runners import ort_session
+
+        manifest = require_verified(directory)
+        ple = manifest.export.ple
+        if ple is not None and ple.tables == "input":
+            raise GenerateError(f"{directory}: exported with --ple-tables input; kiln generate runs graphs with the tables as constants")
+        if manifest.model.encoder_dim is not None:
+            raise GenerateError(f"{directory}: a cross-attention decoder needs its encoder's output (encoder_hidden_states); kiln generate has no encoder to run")
+        files = {kind: manifest.graph(kind).file for kind in (GraphKind.PREFILL, GraphKind.DECODE)}
+        n_layers = manifest.model.n_layers
+        kv: KvStrategy = ConcatKv(n_layers)
+        if target is not None:
+            targets = manifest.targets or {}
+            if target not in targets:
+                raise GenerateError(f"{directory}: has no --target {target} graphs; export it with --target {target}")
+            files = {kind: targets[target].graphs[kind.value].file for kind in files}
+            if shares_kv_buffer(manifest):
+                kv = SharedKv(n_layers)
+        self.directory = directory
+        self.manifest = manifest
+        self.max_context = manifest.limits.max_context
+        self.eos = manifest.model.eos_token_id
+        self._prefill = ort_session(directory / files[GraphKind.PREFILL], threads=threads, spinning=False)
+        self._decode = ort_session(directory / files[GraphKind.DECODE], threads=threads, spinning=False)
+        self._kv = kv
+        self.kv_cache = "shared-buffer" if isinstance(kv, SharedKv) else "concat"  # how each step's cache is written
+        self._vocab = manifest.model.vocab_size
+
+    def run(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        stop_at_eos: bool = True,
+        forced: Sequence[int] | None = None,
+        keep_logits: bool = False,
+    ) -> Generation:
+        self._check(prompt, max_new_tokens)
+        steps = _BoundSteps(self._prefill, self._decode, self._kv, self._vocab, capacity=len(prompt) + max_new_tokens)
+
+        def choose(step: int, logits: np.ndarray) -> np.ndarray:
+            return np.array([forced[step]]) if forced is not None else logits.argmax(-1)
+
+        tokens: list[int] = []
+        kept: list[np.ndarray] = []
+        start = time.perf_counter()
+        prefill_s = 0.0
+        for step in run_steps(steps, self._kv.pairs, prompt_feeds([list(prompt)], 0), max_new_tokens, choose):
+            if step.index == 0:
+                prefill_s = time.perf_counter() - start
+                start = time.perf_counter()
+            tokens.append(int(step.tokens[0]))
+            if keep_logits:
+                kept.append(step.logits[0])
+            if stop_at_eos and tokens[-1] == self.eos:
+                break
+        decode_s = time.perf_counter() - start
+        return Generation(tuple(prompt), tuple(tokens), prefill_s, decode_s, np.stack(kept) if keep_logits else None)
+
+    def _check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise GenerateError("the prompt is empty: give at least one token")
+        if max_new_tokens < 1:
+            raise GenerateError(f"--max-new-tokens must be at least 1, found {max_new_tokens}")
+        if len(prompt) + max_new_tokens - 1 > self.max_context:
+            raise GenerateError(f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceed the export's context limit {self.max_context}")
+        if any(not 0 <= t < self._vocab for t in prompt):
+            raise GenerateError(f"token ids must be in [0, {self._vocab}); found {[t for t in prompt if not 0 <= t < self._vocab][:5]}")
+
+
+class _BoundSteps:
+    """An export's prefill and decode sessions as the step loop's runner, through IOBinding: the
+    caches stay OrtValues between steps (bound by the ``KvStrategy``), the decode step's logits
+    land in one preallocated buffer, and only the logits are read into numpy."""
+
+    def __init__(self, prefill: Any, decode: Any, kv: KvStrategy, vocab: int, capacity: int) -> None:
+        from onnxruntime import OrtValue
+
+        self._prefill, self._kv, self._capacity = prefill, kv, capacity
+        self._names = ["logits", *kv.presents]  # the order outputs are bound in
+        self._decode = decode.io_binding()
+        self._decode.bind_ortvalue_output("logits", OrtValue.ortvalue_from_shape_and_type([1, 1, vocab], np.float32))
+        self._session = decode
+
+    def run(self, kind: GraphKind, feeds: dict[str, Any]) -> dict[str, Any]:
+        if kind is GraphKind.PREFILL:
+            binding = self._prefill.io_binding()
+            for name in self._names:
+                binding.bind_output(name, "cpu")
+        else:
+            binding = self._decode
+            self._kv.bind(binding, feeds)
+        for name in ("input_ids", "attention_mask", "position_ids"):
+            binding.bind_cpu_input(name, feeds[name])
+        (self._prefill if kind is GraphKind.PREFILL else self._session).run_with_iobinding(binding)
+        outputs = dict(zip(self._names, binding.get_outputs(), strict=True))
+        if kind is GraphKind.PREFILL:
+            self._kv.start(outputs, capacity=self._capacity)
+        return outputs
+
+
+def load_tokenizer(directory: Path, manifest: Manifest) -> Any:
+    """The export's tokenizer (``manifest.tokenizer``), or a GenerateError saying to pass ids."""
+    from tokenizers import Tokenizer
+
+    rel = manifest.tokenizer
+    if not rel or not (directory / rel).is_file():
+        raise GenerateError(f"{directory}: the export has no tokenizer.json (its checkpoint had none); pass token ids with --ids")
+    return Tokenizer.from_file(str(directory / rel))
+
+
+def parse_ids(text: str) -> list[int]:
+    """``"1,2, 3"`` -> ``[1, 2, 3]``; a GenerateError on anything else."""
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise GenerateError(f"--ids: expected comma-separated integers, found {text!r}") from None
+    if not ids:
+        raise GenerateError("--ids is empty: give at least one token id")
+    return ids
