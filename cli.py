@@ -8,6 +8,7 @@ written is removed and one line says so.
 from __future__ import annotations
 
 import functools
+import typing
 import json
 import signal
 import sys
@@ -39,7 +40,7 @@ def _reports_errors(func: F) -> F:
             click.echo(f"interrupted ({signal.Signals(signum).name}): nothing was written", err=True)
             sys.exit(128 + signum)
 
-    return wrapper  # type: ignore[return-value]
+    return typing.cast(F, wrapper)
 
 
 def _progress(as_json: bool) -> Any:
@@ -284,10 +285,11 @@ def bench(
         roofline=not no_roofline, sweep=sweep, sweep_runs=sweep_runs,
     )
     result = run_bench([*directories, *compare], options)
-    if "sweep" in result and (plot or out):
+    plot = plot if plot is not None else out.with_suffix(".png") if out is not None else None
+    if "sweep" in result and plot is not None:
         from kiln.runtime.sweep import plot_sweep
 
-        result["sweep"]["plot"] = str(plot_sweep(result["sweep"], plot or out.with_suffix(".png")))  # type: ignore[union-attr]
+        result["sweep"]["plot"] = str(plot_sweep(result["sweep"], plot))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
@@ -322,7 +324,8 @@ def generate(
         tokenizer = load_tokenizer(directory, generator.manifest)
         prompt_ids = tokenizer.encode(prompt).ids
     else:
-        prompt_ids = parse_ids(ids)  # type: ignore[arg-type]
+        assert ids is not None  # exactly one of --prompt and --ids, checked above
+        prompt_ids = parse_ids(ids)
     result = generator.run(prompt_ids, max_new_tokens, stop_at_eos=not ignore_eos)
     text = tokenizer.decode(list(result.tokens)) if tokenizer is not None else None
     summary = {

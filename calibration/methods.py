@@ -86,7 +86,7 @@ def collect_ranges(model: ir.Model, feeds: list[Feeds], method: CalibMethod, per
             for feed in feeds:
                 calibrator.collect_data(_Reader([feed]))
         if method is CalibMethod.MSE:
-            hists = calibrator.collector.histogram_dict  # type: ignore[attr-defined]
+            hists = calibrator.collector.histogram_dict
             ranges = {name: mse_threshold(np.asarray(h[0], dtype=np.float64), np.asarray(h[1], dtype=np.float64)) for name, h in hists.items()}
             return {name: (-a, a) for name, a in ranges.items()}
         data = calibrator.compute_data()

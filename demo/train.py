@@ -62,7 +62,7 @@ from kiln.demo.corpus import (
     Data,
     prepare_data,
 )
-from kiln.plugins.native.model import PLEDecoder
+from kiln.plugins.native.model import DecoderLayer, PLEDecoder
 
 __all__ = ["demo_config", "train", "main"]
 
@@ -168,9 +168,9 @@ def ple_stats(model: PLEDecoder) -> list[dict[str, float]]:
     """Per layer, max |a| and max |b| of the PLE table (scale and shift halves)."""
     out = []
     for layer in model.layers:
-        assert layer.ple is not None
+        assert isinstance(layer, DecoderLayer) and layer.ple is not None
         table = layer.ple.ple.table.weight.detach()
-        a, b = table.split(model.cfg.d_model, dim=-1)
+        a, b = table[:, : model.cfg.d_model], table[:, model.cfg.d_model :]
         out.append(
             {
                 "max_abs_a": float(a.abs().max()),
@@ -219,7 +219,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def train(model: nn.Module, train_ids: torch.Tensor, args: argparse.Namespace) -> tuple[list[float], float]:
+def train(model: PLEDecoder, train_ids: torch.Tensor, args: argparse.Namespace) -> tuple[list[float], float]:
     """AdamW over random windows of ``train_ids``; returns the loss of every step and the seconds taken."""
     groups = param_groups(model, args.lr, args.ple_lr_mult, args.weight_decay)
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
@@ -235,7 +235,7 @@ def train(model: nn.Module, train_ids: torch.Tensor, args: argparse.Namespace) -
         starts = torch.randint(0, len(train_ids) - SEQ_LEN - 1, (args.batch_size,), generator=gen)
         loss = lm_loss(model, train_ids[starts[:, None] + offsets])
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(float(loss.detach()))
@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"wrote {out}: {sizes} total {sum(sizes.values()):,} B", flush=True)
 
 
-def training_facts(args: argparse.Namespace, model: nn.Module, data: Data, run: dict[str, Any], stats: list[dict[str, Any]], sample: str) -> dict[str, Any]:
+def training_facts(args: argparse.Namespace, model: PLEDecoder, data: Data, run: dict[str, Any], stats: list[dict[str, Any]], sample: str) -> dict[str, Any]:
     """Every fact of the run, for training.json."""
     losses, corpus, tail = run["losses"], data.corpus, run["losses"][-50:]
     return {

@@ -14,6 +14,7 @@ import itertools
 from collections.abc import Callable
 from pathlib import Path
 
+import onnx_ir as ir
 import torch
 
 from kiln.calibration import Calibration
@@ -132,11 +133,11 @@ def _calibration(reference: Reference, options: ExportOptions, checkpoint: dict[
     return calibration
 
 
-def _calibrate(reference: Reference, options: ExportOptions, calibration: Calibration | None) -> Callable[[GraphKind, object], dict[str, tuple[float, float]]] | None:
+def _calibrate(reference: Reference, options: ExportOptions, calibration: Calibration | None) -> Callable[[GraphKind, ir.Model], dict[str, tuple[float, float]]] | None:
     if calibration is None:
         return None
     runner = TorchRunner(reference.module, reference.spec.n_layers, options.last_logits_only)  # runs the teacher-forced decode feeds
-    return lambda kind, model: calibration.ranges_for(kind, model, reference.spec, runner)  # type: ignore[arg-type]
+    return lambda kind, model: calibration.ranges_for(kind, model, reference.spec, runner)
 
 
 def _fp16_policy(reference: Reference, folded: Folded, options: ExportOptions, progress: Progress) -> tuple[Fp16Policy, SensitivityResult | None]:

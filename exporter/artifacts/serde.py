@@ -66,7 +66,7 @@ def _decode(hint: Any, value: Any, where: str) -> Any:
                 kwargs[f.name] = _decode(hints[f.name], value[f.name], f"{where}.{f.name}")
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ArtifactError(f"{where}: missing key {f.name!r}")
-        return hint(**kwargs)
+        return typing.cast(Any, hint)(**kwargs)
     if origin is tuple:
         if not isinstance(value, list):
             raise ArtifactError(f"{where}: expected a list, found {type(value).__name__}")

@@ -144,7 +144,7 @@ def graph_io(
         TensorSpec("position_ids", "int64", (BATCH, seq)),
     ]
     cross = spec.encoder_dim is not None
-    if cross and kind is GraphKind.PREFILL:
+    if spec.encoder_dim is not None and kind is GraphKind.PREFILL:
         inputs.append(TensorSpec(ENCODER_STATES, kv_dtype, (BATCH, ENC_SEQ, spec.encoder_dim)))
     if kind is not GraphKind.PREFILL:
         for past, _ in carried_cache(spec):

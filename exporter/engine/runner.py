@@ -81,7 +81,7 @@ class TrtRunner(contextlib.AbstractContextManager["TrtRunner"]):
     def __enter__(self) -> TrtRunner:
         load_tensorrt()  # one clear error where it is missing
         import tensorrt as trt
-        from polygraphy.backend.trt import TrtRunner as PolygraphyTrtRunner  # type: ignore[import-untyped]  # no py.typed
+        from polygraphy.backend.trt import TrtRunner as PolygraphyTrtRunner  # no py.typed (Any: .ci/mypy)
 
         if self._records:
             here = current_runtime(trt)

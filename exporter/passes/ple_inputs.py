@@ -29,13 +29,13 @@ def ple_tables_to_inputs(model: ir.Model, tables: Sequence[tuple[Tensor, Tensor]
     for i, pair in enumerate(tables):
         for name, table in zip(ple_table_names(i), pair, strict=True):
             data = np.ascontiguousarray(table.detach().numpy()).tobytes()
-            value = by_content.get(data)
-            if value is None:
+            found = by_content.get(data)
+            if found is None:
                 raise ExportError(f"--ple-tables input: the folded table {name} is not a constant of the traced graph")
-            graph.initializers.pop(value.name)  # type: ignore[arg-type]
-            value.const_value = None
-            value.name = name
-            graph.inputs.append(value)
+            graph.initializers.pop(found.name or "")
+            found.const_value = None
+            found.name = name
+            graph.inputs.append(found)
     return model
 
 

@@ -74,11 +74,11 @@ class WeightsWriter(contextlib.AbstractContextManager["WeightsWriter"]):
             stored = self._store(value, tensor)
             if self._rename and stored.name in in_graph:  # same content twice in this graph: use the first
                 value.replace_all_uses_with(in_graph[stored.name])
-                graph.initializers.pop(value.name)  # type: ignore[arg-type]
+                graph.initializers.pop(value.name or "")
                 continue
             name = stored.name if self._rename else value.name or stored.name
             if self._rename:
-                graph.initializers.pop(value.name)  # type: ignore[arg-type]
+                graph.initializers.pop(value.name or "")
                 value.name = name
             value.const_value = ir.ExternalTensor(
                 self.path.name, stored.offset, stored.length, tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=name, base_dir=self.path.parent

@@ -36,7 +36,7 @@ def _wide_tables(graph: ir.Graph) -> list[str]:
         if node.op_type == "Gather" and node.inputs and node.inputs[0] is not None:
             table = node.inputs[0].const_value
             if table is not None and table.dtype == ir.DataType.FLOAT and float(np.abs(table.numpy()).max(initial=0.0)) > FP16_MAX:
-                names.append(node.name)
+                names.append(node.name or "")
     return names
 
 
@@ -74,13 +74,14 @@ def convert_to_fp16(model: ir.Model, policy: Fp16Policy) -> tuple[ir.Model, Fp16
     block = sorted(set(kept) | set(tables))
 
     def convert(proto: onnx.ModelProto) -> onnx.ModelProto:
-        return convert_float_to_float16(
+        converted: onnx.ModelProto = convert_float_to_float16(
             proto,
             keep_io_types=["logits"],
             disable_shape_infer=True,  # the exporter wrote every value's type; shape inference would need the whole proto < 2 GB
             op_block_list=list(DEFAULT_OP_BLOCK_LIST),
             node_block_list=block,
         )
+        return converted
 
     return via_proto(model, convert, _drop_cast_round_trips), Fp16Result(tuple(kept), tuple(tables))
 

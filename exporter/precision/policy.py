@@ -88,6 +88,6 @@ def resolve_kept_nodes(graph: ir.Graph, policy: Fp16Policy) -> list[str]:
                 and all(p.name in kept for p in real)
                 and any(module_of(p) == module_of(node) for p in real)
             ):
-                kept.add(node.name)  # type: ignore[arg-type]
+                kept.add(node.name or "")
                 changed = True
-    return [n.name for n in nodes if n.name in kept]  # type: ignore[misc]
+    return [n.name for n in nodes if n.name in kept]

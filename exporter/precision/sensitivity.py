@@ -15,6 +15,7 @@ fp16 causes (the rest of the found set staying fp32), so a user can map it to th
 from __future__ import annotations
 
 import dataclasses
+import typing
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -78,7 +79,7 @@ def find_fp32_groups(
     graph_nodes = [n for n in base.graph if n.name and n.name not in kept]
 
     def nodes(rule: str) -> tuple[str, ...]:
-        return tuple(n.name for n in graph_nodes if rule_matches(rule, n))  # type: ignore[misc]
+        return tuple(n.name or "" for n in graph_nodes if rule_matches(rule, n))
 
     cache: dict[frozenset[str], float] = {}
 
@@ -152,7 +153,7 @@ def search_against_reference(
         worst = 0.0
         for feeds, want in zip(feeds16, wants, strict=True):
             with np.errstate(all="ignore"):
-                got = session.run(["logits"], feeds)[0]
+                got = typing.cast(list[np.ndarray], session.run(["logits"], feeds))[0]
             diff = np.abs(got.astype(np.float64) - want)
             worst = max(worst, float(diff.max()) if np.isfinite(diff).all() else float("inf"))
         return worst

@@ -54,7 +54,7 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
         self._paths = paths
         self._extra = dict(extra_feeds or {})  # inputs fed to every run (e.g. PLE tables)
         self._threads = threads
-        self._runners: dict[GraphKind, object] = {}
+        self._runners: dict[GraphKind, Any] = {}  # polygraphy's OnnxrtRunner (untyped)
         self._shared = _SharedInitializers()
 
     @classmethod
@@ -79,13 +79,13 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
 
     def __exit__(self, *exc: object) -> None:
         for runner in self._runners.values():
-            runner.deactivate()  # type: ignore[attr-defined]
+            runner.deactivate()
         self._runners.clear()
         self._shared = _SharedInitializers()
 
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
         runner = self._runners[kind]
-        return dict(runner.infer({**feeds, **self._extra}, check_inputs=False))  # type: ignore[attr-defined]
+        return dict(runner.infer({**feeds, **self._extra}, check_inputs=False))
 
 
 class _SharedInitializers:

@@ -21,12 +21,9 @@ class GraphModule(nn.Module):
         self.last_logits_only = last_logits_only and kind is GraphKind.PREFILL
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, extra: object = None) -> tuple[Tensor, ...]:
-        past: list[Tensor] | None = None
-        encoder: Tensor | None = None
-        if self.kind is GraphKind.PREFILL:
-            encoder = extra  # type: ignore[assignment]
-        else:
-            past = extra  # type: ignore[assignment]
+        # prefill's extra input is the encoder states (cross-attention), the others' the flat past
+        encoder = extra if self.kind is GraphKind.PREFILL and isinstance(extra, Tensor) else None
+        past = list(extra) if self.kind is not GraphKind.PREFILL and isinstance(extra, (list, tuple)) else None
         per_layer = 4 if self.cross else 2
         pkv = [tuple(past[per_layer * i : per_layer * (i + 1)]) for i in range(self.n_layers)] if past is not None else None
         kwargs = {"encoder_hidden_states": encoder} if self.cross else {}

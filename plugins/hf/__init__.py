@@ -60,7 +60,8 @@ class HFDecoder(nn.Module):
     ) -> tuple[Tensor, list[KV]]:
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
+        config: Any = self.model.config  # a transformers PretrainedConfig
+        cache = DynamicCache(config=config)
         for i, (key, value) in enumerate(past_key_values or []):
             cache.update(key, value, i)
         out = self.model(
@@ -84,7 +85,7 @@ def _architecture(config: Mapping[str, Any], path: Path) -> str:
 
 
 def _spec(model: nn.Module, arch: str) -> DecoderSpec:
-    cfg = model.config
+    cfg: Any = model.config  # a transformers PretrainedConfig
     a = SUPPORTED[arch]
     heads = int(getattr(cfg, a.heads))
     kv = int(getattr(cfg, a.kv_heads) or heads) if a.kv_heads else heads

@@ -41,7 +41,7 @@ class _SafetensorsState(Mapping[str, Tensor]):
         self._path = path
         try:
             self._file = safe_open(str(path), framework="pt")
-            self._keys = list(self._file.keys())
+            self._keys: list[str] = list(self._file.keys())  # type: ignore[no-untyped-call]  # safetensors' safe_open is untyped
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None
 
@@ -49,7 +49,8 @@ class _SafetensorsState(Mapping[str, Tensor]):
         if key not in self._keys:
             raise KeyError(key)
         try:
-            return self._file.get_tensor(key)
+            tensor: Tensor = self._file.get_tensor(key)  # type: ignore[no-untyped-call]  # safetensors' safe_open is untyped
+            return tensor
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{self._path}: tensor {key} is unreadable ({_first_line(exc)})") from None
 

@@ -19,6 +19,7 @@ masks padding; ``position_ids`` come from the caller, so left-padded batches wor
 from __future__ import annotations
 
 import math
+import typing
 
 import torch
 import torch.nn.functional as F
@@ -102,9 +103,8 @@ class PLESubLayer(nn.Module):
         self.ple = PositionLinearEmbedding(cfg.d_model, cfg.ple.max_positions, cfg.ple.bounded, cfg.ple.projection)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        if self.pre:
-            return x + self.ple(self.norm(x), positions)
-        return self.norm(x + self.ple(x, positions))
+        out: Tensor = x + self.ple(self.norm(x), positions) if self.pre else self.norm(x + self.ple(x, positions))
+        return out
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -122,7 +122,8 @@ class Rotary(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         # positions [B, S] -> angles [B, 1, S, head_dim/2] -> cos/sin [B, 1, S, head_dim]
-        angles = positions.to(torch.float32)[:, None, :, None] * self.inv_freq
+        inv_freq = typing.cast(Tensor, self.inv_freq)  # a buffer
+        angles = positions.to(torch.float32)[:, None, :, None] * inv_freq
         emb = torch.cat((angles, angles), dim=-1)
         cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -195,7 +196,8 @@ class CrossAttention(Projections):
     def forward(self, x: Tensor, cross_kv: KV) -> Tensor:
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.hd).transpose(1, 2)
-        return self.o_proj(attend(q, cross_kv[0], cross_kv[1], None))
+        out: Tensor = self.o_proj(attend(q, cross_kv[0], cross_kv[1], None))
+        return out
 
 
 class MLP(nn.Module):
@@ -209,9 +211,9 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate is not None:
-            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
-        return self.fc2(F.gelu(self.fc1(x)))
+        hidden = F.silu(self.gate(x)) * self.fc1(x) if self.gate is not None else F.gelu(self.fc1(x))
+        out: Tensor = self.fc2(hidden)
+        return out
 
 
 class DecoderLayer(nn.Module):

@@ -15,6 +15,7 @@ what is traced is Gather + Mul + Add.
 from __future__ import annotations
 
 import copy
+import typing
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +38,13 @@ class FoldedPLE(nn.Module):
         self.register_buffer("shift", shift.contiguous())
 
     def forward(self, x: Tensor, positions: Tensor, tables: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        scale, shift = tables if tables is not None else (self.scale, self.shift)
+        scale, shift = tables if tables is not None else self.tables()
         s, b = F.embedding(positions, scale), F.embedding(positions, shift)  # Gather: [B, S, d] each
-        if self.pre:
-            return x + self.norm.normalize(x) * s + b
-        return self.norm(x * s + b)
+        out: Tensor = x + self.norm.normalize(x) * s + b if self.pre else self.norm(x * s + b)
+        return out
+
+    def tables(self) -> tuple[Tensor, Tensor]:
+        return typing.cast(Tensor, self.scale), typing.cast(Tensor, self.shift)  # buffers
 
 
 def ple_sublayers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -94,12 +97,12 @@ def extend_ple(model: nn.Module, rows: int, mode: PLEExtendMode) -> None:
             hi = (lo + 1).clamp(max=m - 1)
             frac = (where - lo).to(old.dtype)[:, None]
             new = old[lo] * (1 - frac) + old[hi] * frac
-        sub.ple.table = nn.Embedding.from_pretrained(new.contiguous(), freeze=True)
+        sub.ple.table = nn.Embedding.from_pretrained(new.contiguous(), freeze=True)  # type: ignore[no-untyped-call]  # untyped in torch
 
 
 def folded_tables(folded: nn.Module) -> list[tuple[Tensor, Tensor]]:
     """The ``(scale, shift)`` tables of every folded PLE sub-layer, in module order."""
-    return [(m.scale, m.shift) for _, m in ple_sublayers(folded) if isinstance(m, FoldedPLE)]
+    return [m.tables() for _, m in ple_sublayers(folded) if isinstance(m, FoldedPLE)]
 
 
 class NativePLE:

@@ -87,17 +87,17 @@ class _Rewrites:
     int8: GraphRewrite[list[str]] | None
 
     def record(self, path: Path) -> OrtGraph:
-        def got(rewrite: GraphRewrite[list[int]] | GraphRewrite[list[str]] | None) -> tuple[int | str, ...]:
+        def names(rewrite: GraphRewrite[list[str]] | None) -> tuple[str, ...]:
             return tuple(rewrite.result or ()) if rewrite is not None else ()
 
         return OrtGraph(
             path=path,
-            fused_attention_layers=got(self.attention),  # type: ignore[arg-type]
+            fused_attention_layers=tuple(self.attention.result or ()) if self.attention is not None else (),
             compact_decode_mask=bool(self.mask.result) if self.mask is not None else False,
             fused_rms_norms=self.norms.result or 0,
             fused_skip_norms=self.skip_norms.result or 0,
-            packed_matmuls=got(self.packed),  # type: ignore[arg-type]
-            int8_nodes=got(self.int8),  # type: ignore[arg-type]
+            packed_matmuls=names(self.packed),
+            int8_nodes=names(self.int8),
         )
 
 
@@ -113,7 +113,7 @@ def _rewrites(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: i
         if kind is GraphKind.DECODE:
 
             def compact(model: ir.Model) -> bool:
-                return bool(attention.result) and compact_decode_bias(model, base_dir, max_context)  # type: ignore[union-attr]
+                return bool(attention.result) and compact_decode_bias(model, base_dir, max_context)
 
             mask = GraphRewrite(functools.update_wrapper(compact, compact_decode_bias))
     return _Rewrites(

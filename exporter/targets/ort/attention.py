@@ -92,15 +92,15 @@ def _rotary(value: ir.Value) -> _Rotary | None:
                 neg = producer(concat.inputs[0], "Neg")
                 first = concat.inputs[1].producer() if concat.inputs[1] is not None else None
                 second = neg.inputs[0].producer() if neg is not None and neg.inputs[0] is not None else None
-                if first is None or second is None or first.inputs[0] is not x or second.inputs[0] is not x:
+                if first is None or second is None or first.inputs[0] is not x or second.inputs[0] is not x or cos is None or sin is None:
                     continue
-                return _Rotary(packed, cos, sin)  # type: ignore[arg-type]
+                return _Rotary(packed, cos, sin)
     return None
 
 
-def _present_source(value: ir.Value, expect: str) -> tuple[int, ir.Value] | None:
+def _present_source(start: ir.Value | None, expect: str) -> tuple[int, ir.Value] | None:
     """Walk back from a repeated K/V ([B, H, T, hd]) through repeat_kv to ``present.i.<expect>``."""
-    seen = 0
+    seen, value = 0, start
     while value is not None and seen < 8:
         match = _PRESENT.match(value.name or "")
         if match and match.group(2) == expect and value.is_graph_output():
@@ -108,7 +108,7 @@ def _present_source(value: ir.Value, expect: str) -> tuple[int, ir.Value] | None
         node = producer(value, ("Reshape", "Expand", "Unsqueeze"))
         if node is None:
             return None
-        value = node.inputs[0]  # type: ignore[assignment]
+        value = node.inputs[0]
         seen += 1
     return None
 
@@ -118,8 +118,8 @@ def _split_present(present: ir.Value) -> tuple[ir.Value | None, ir.Value]:
     concat = producer(present, "Concat")
     if concat is not None and len(concat.inputs) == 2 and concat.attributes.get_int("axis", 0) in (2, -2):
         past, new = concat.inputs
-        if past is not None and past.is_graph_input():
-            return past, new  # type: ignore[return-value]
+        if past is not None and new is not None and past.is_graph_input():
+            return past, new
     return None, present
 
 
@@ -141,8 +141,9 @@ def _scores(value: ir.Value) -> tuple[ir.Node, float] | None:
 
 def _masked_scores(softmax: ir.Node) -> tuple[tuple[ir.Node, float], _Bias] | None:
     """Softmax(Where(allowed, scores, fill)) or Softmax(scores + mask) -> ((QK^T MatMul, scale), bias)."""
-    masked = skip_casts(softmax.inputs[0])  # type: ignore[arg-type]
-    mnode = masked.producer()
+    if softmax.inputs[0] is None:
+        return None
+    mnode = skip_casts(softmax.inputs[0]).producer()
     if mnode is None or mnode.domain != "":
         return None
     if mnode.op_type == "Where":
@@ -166,17 +167,17 @@ def _caches(qk: ir.Node, softmax: ir.Node) -> tuple[tuple[int, ir.Value], tuple[
     kt = producer(qk.inputs[1], "Transpose")
     if kt is None or list(kt.attributes.get_ints("perm", [])) != [0, 1, 3, 2]:
         return None
-    key = _present_source(kt.inputs[0], "key")  # type: ignore[arg-type]
+    key = _present_source(kt.inputs[0], "key")
     uses = list(softmax.outputs[0].uses())
     pv = uses[0].node if len(uses) == 1 else None
     while pv is not None and pv.op_type == "Cast":
         pv = single_consumer(pv.outputs[0], "MatMul") or single_consumer(pv.outputs[0], "Cast")
     if key is None or pv is None or pv.op_type != "MatMul" or pv.inputs[0] is None:
         return None
-    value = _present_source(pv.inputs[1], "value")  # type: ignore[arg-type]
+    value = _present_source(pv.inputs[1], "value")
     transpose = single_consumer(pv.outputs[0], "Transpose")
     reshape = single_consumer(transpose.outputs[0], "Reshape") if transpose is not None else None
-    if value is None or value[0] != key[0] or reshape is None or list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:  # type: ignore[union-attr]
+    if value is None or value[0] != key[0] or transpose is None or reshape is None or list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
         return None
     return key, value, reshape
 
@@ -187,12 +188,14 @@ def _projections(q_in: ir.Value, new_key: ir.Value, new_value: ir.Value) -> tupl
     if (q_rot is None) != (k_rot is None):
         return None
     rotary: tuple[ir.Value, ir.Value] | None = None
+    q: ir.Value | None
+    k: ir.Value | None
     if q_rot is not None and k_rot is not None:
         if (q_rot.cos, q_rot.sin) != (k_rot.cos, k_rot.sin):
             return None
         q, k, rotary = q_rot.packed, k_rot.packed, (q_rot.cos, q_rot.sin)
     else:
-        q, k = _unpack(q_in), _unpack(new_key)  # type: ignore[assignment]
+        q, k = _unpack(q_in), _unpack(new_key)
     v = _unpack(new_value)
     if q is None or k is None or v is None:
         return None
@@ -210,7 +213,8 @@ def _core(softmax: ir.Node, head_dim: int) -> AttentionCore | None:
     key, value, reshape = caches
     past_key, new_key = _split_present(key[1])
     past_value, new_value = _split_present(value[1])
-    projections = _projections(qk.inputs[0], new_key, new_value) if (past_key is None) == (past_value is None) else None  # type: ignore[arg-type]
+    q_in = qk.inputs[0]
+    projections = _projections(q_in, new_key, new_value) if q_in is not None and (past_key is None) == (past_value is None) else None
     if projections is None:
         return None
     q, k, v, rotary = projections

@@ -28,6 +28,9 @@ does not fuse the unified graph. GQA's own rotary (``do_rotary``) is used at dec
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import onnx_ir as ir
 
@@ -57,12 +60,12 @@ class _Shared:
         last = self._node("Sub", [self.total, constant(graph, "ort/one_i32", np.array(1, dtype=np.int32))])
         self.seqlens_k = self._node("Expand", [last, batch])  # [B] int32: every row "full length"
 
-    def _node(self, op: str, inputs: list[ir.Value | None], attributes: dict | None = None, domain: str = "", outputs: int = 1) -> ir.Value:
+    def _node(self, op: str, inputs: list[ir.Value | None], attributes: Mapping[str, Any] | None = None, domain: str = "", outputs: int = 1) -> ir.Value:
         node = ir.node(op, inputs, attributes, domain=domain, num_outputs=outputs, name=f"/ort/{op}_{len(self._nodes)}")
         self._nodes.append(node)
         return node.outputs[0]
 
-    def node(self, op: str, inputs: list[ir.Value | None], attributes: dict, domain: str, outputs: int, name: str) -> ir.Node:
+    def node(self, op: str, inputs: list[ir.Value | None], attributes: Mapping[str, Any], domain: str, outputs: int, name: str) -> ir.Node:
         node = ir.node(op, inputs, attributes, domain=domain, num_outputs=outputs, name=name)
         self._nodes.append(node)
         return node
@@ -105,10 +108,10 @@ def _packed_qkv(shared: _Shared, core: AttentionCore) -> tuple[ir.Value, ir.Valu
     """q, k, v = MatMul(x, Wq|Wk|Wv) with constant weights and no bias -> one MatMul on the
     concatenated weight and a Split (``ort_pack``), in q, k, v order, which is the packed QKV
     layout GroupQueryAttention reads (what ONNX Runtime GenAI's builder writes too)."""
-    matmuls = [producer(value, "MatMul") for value in (core.q, core.k, core.v)]
-    if any(m is None for m in matmuls) or not packable(matmuls):  # type: ignore[arg-type]
+    matmuls = [m for m in (producer(value, "MatMul") for value in (core.q, core.k, core.v)) if m is not None]
+    if len(matmuls) != 3 or not packable(matmuls):
         return None
-    q, k, v = pack_matmuls(shared.graph, matmuls, f"layers.{core.layer}.attn.qkv_proj")  # type: ignore[arg-type]
+    q, k, v = pack_matmuls(shared.graph, matmuls, f"layers.{core.layer}.attn.qkv_proj")
     return q, k, v
 
 

@@ -62,13 +62,13 @@ def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accurac
             continue
         a, b = node.inputs[0], node.inputs[1]
         tensor = b.const_value if b is not None else None
-        if a is None or tensor is None or tensor.dtype != ir.DataType.FLOAT or len(tensor.shape) != 2:
+        if a is None or b is None or tensor is None or tensor.dtype != ir.DataType.FLOAT or len(tensor.shape) != 2:
             continue
         weight = tensor.numpy().T if gemm is not None and gemm[0] else tensor.numpy()
         bias = gemm[1] if gemm is not None else None
         k, n = weight.shape
         packed, scales = pack_int8_blocks(weight, block_size)
-        base = (b.name or node.name or "matmul").removeprefix("weights/")  # type: ignore[union-attr]
+        base = (b.name or node.name or "matmul").removeprefix("weights/")
         fused = ir.node(
             "MatMulNBits",
             [a, constant(graph, f"ort_int8/{base}.q", packed), constant(graph, f"ort_int8/{base}.scales", scales.reshape(-1)), None, None, bias],

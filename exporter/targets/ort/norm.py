@@ -39,9 +39,9 @@ def _match(mul: ir.Node) -> tuple[ir.Value, float, ir.Value] | None:
             if axes is None or not (axes == -1 or (rank is not None and axes == rank - 1)) or mean.attributes.get_int("keepdims", 1) != 1:
                 continue
             pow_ = producer(mean.inputs[0], "Pow")
-            if pow_ is None or pow_.inputs[0] is not x or scalar_of(pow_.inputs[1]) != 2.0:
+            if x is None or pow_ is None or pow_.inputs[0] is not x or scalar_of(pow_.inputs[1]) != 2.0:
                 continue
-            return x, eps, mul.outputs[0]  # type: ignore[return-value]
+            return x, eps, mul.outputs[0]
     return None
 
 

@@ -32,22 +32,21 @@ def _weight(node: ir.Node) -> np.ndarray | None:
 def packable(nodes: list[ir.Node]) -> bool:
     """Two or more MatMuls reading one input, each with a constant float [K, N_i] weight of one
     K, none of them a graph output."""
-    if len(nodes) < 2 or nodes[0].inputs[0] is None:
-        return False
     weights = [_weight(n) for n in nodes]
-    return all(
-        n.op_type == "MatMul" and n.domain == "" and n.inputs[0] is nodes[0].inputs[0] and w is not None and w.shape[0] == weights[0].shape[0] and not n.outputs[0].is_graph_output()  # type: ignore[union-attr]
-        for n, w in zip(nodes, weights, strict=True)
-    )
+    if len(nodes) < 2 or nodes[0].inputs[0] is None or any(w is None for w in weights):
+        return False
+    k = {w.shape[0] for w in weights if w is not None}
+    return len(k) == 1 and all(n.op_type == "MatMul" and n.domain == "" and n.inputs[0] is nodes[0].inputs[0] and not n.outputs[0].is_graph_output() for n in nodes)
 
 
 def pack_matmuls(graph: ir.Graph, nodes: list[ir.Node], prefix: str) -> list[ir.Value]:
     """Replace ``packable`` ``nodes`` by one MatMul on their weights side by side (in the order
     given) and a Split; returns the Split's outputs, which now feed what read each MatMul. The
     new tensors are named ``ort/<prefix>.packed.*``."""
-    weights = [_weight(n) for n in nodes]
-    packed = constant(graph, f"ort/{prefix}.packed.weight", np.concatenate(weights, axis=1))  # type: ignore[arg-type]
-    sizes = constant(graph, f"ort/{prefix}.packed.split", np.array([w.shape[1] for w in weights], dtype=np.int64))  # type: ignore[union-attr]
+    weights = [w for w in map(_weight, nodes) if w is not None]
+    assert len(weights) == len(nodes), "pack_matmuls needs packable() nodes"
+    packed = constant(graph, f"ort/{prefix}.packed.weight", np.concatenate(weights, axis=1))
+    sizes = constant(graph, f"ort/{prefix}.packed.split", np.array([w.shape[1] for w in weights], dtype=np.int64))
     matmul = ir.node("MatMul", [nodes[0].inputs[0], packed], name=f"/{prefix}/ort/packed/MatMul")
     matmul.outputs[0].dtype = ir.DataType.FLOAT
     split = ir.node("Split", [matmul.outputs[0], sizes], {"axis": -1}, num_outputs=len(nodes), name=f"/{prefix}/ort/packed/Split")
