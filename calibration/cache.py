@@ -30,7 +30,10 @@ def read_cache(directory: Path, key: str) -> Ranges | None:
         return None
     if not isinstance(data, dict) or data.get("key") != key:
         return None
-    return {g: {t: (float(r[0]), float(r[1])) for t, r in ranges.items()} for g, ranges in data["ranges"].items()}
+    try:
+        return {g: {t: (float(r[0]), float(r[1])) for t, r in ranges.items()} for g, ranges in data["ranges"].items()}
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError):  # a damaged file is a cache miss
+        return None
 
 
 def write_cache(directory: Path, key: str, ranges: Ranges, settings: dict[str, object]) -> Path:

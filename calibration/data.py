@@ -46,6 +46,8 @@ def _read_ids(path: Path, tokenizer: Path | None, vocab_size: int) -> list[int]:
             loaded = np.load(path, allow_pickle=False)
         except (ValueError, OSError) as exc:
             raise CalibrationError(f"{path}: not a readable numpy file ({exc})") from None
+        if isinstance(loaded, np.lib.npyio.NpzFile) and not loaded.files:
+            raise CalibrationError(f"{path}: the .npz file holds no array; the calibration data is empty")
         array = loaded[loaded.files[0]] if isinstance(loaded, np.lib.npyio.NpzFile) else loaded
         if array.dtype.kind not in "iu":
             raise CalibrationError(f"{path}: token ids must be integers, found dtype {array.dtype}")

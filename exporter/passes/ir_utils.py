@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["MS_DOMAIN", "constant", "copy_type", "scalar_of", "producer", "single_consumer", "skip_casts", "use_ms_domain"]
+__all__ = ["MS_DOMAIN", "constant", "copy_type", "replace_value", "scalar_of", "producer", "single_consumer", "skip_casts", "use_ms_domain"]
 
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
 
@@ -64,6 +64,16 @@ def skip_casts(value: ir.Value) -> ir.Value:
         value = node.inputs[0]
         node = value.producer()
     return value
+
+
+def replace_value(old: ir.Value, new: ir.Value) -> None:
+    """Every use of ``old`` (graph outputs too) reads ``new``; a graph output keeps its name
+    (``new`` takes it, ``old`` is renamed ``<name>.replaced``): rewrites never rename the contract."""
+    output = old.is_graph_output()
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    if output and old.name is not None:
+        name = old.name
+        old.name, new.name = f"{name}.replaced", name
 
 
 def copy_type(dst: ir.Value, src: ir.Value) -> None:

@@ -22,16 +22,17 @@ __all__ = ["PleTablesToInputs", "ple_tables_to_inputs"]
 def ple_tables_to_inputs(model: ir.Model, tables: Sequence[tuple[Tensor, Tensor]]) -> ir.Model:
     """Replace the initializer holding each table by a graph input, in place."""
     graph = model.graph
-    by_content: dict[bytes, ir.Value] = {}
+    by_content: dict[bytes, list[ir.Value]] = {}  # equal tables (an untrained PLE) are separate constants
     for value in graph.initializers.values():
         if value.const_value is not None and len(value.const_value.shape) == 2:
-            by_content.setdefault(value.const_value.tobytes(), value)
+            by_content.setdefault(value.const_value.tobytes(), []).append(value)
     for i, pair in enumerate(tables):
         for name, table in zip(ple_table_names(i), pair, strict=True):
             data = np.ascontiguousarray(table.detach().numpy()).tobytes()
-            found = by_content.get(data)
-            if found is None:
+            candidates = by_content.get(data)
+            if not candidates:
                 raise ExportError(f"--ple-tables input: the folded table {name} is not a constant of the traced graph")
+            found = candidates.pop(0)
             graph.initializers.pop(found.name or "")
             found.const_value = None
             found.name = name

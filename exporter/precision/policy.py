@@ -81,10 +81,11 @@ def resolve_kept_nodes(graph: ir.Graph, policy: Fp16Policy) -> list[str]:
             if node.name in kept or node.op_type not in _ELEMENTWISE or not any(o.dtype in _FLOATS for o in node.outputs):
                 continue
             producers = [v.producer() for v in node.inputs if v is not None and v.dtype in _FLOATS and v.const_value is None]
-            real = [p for p in producers if p is not None and p.op_type != "Constant"]
+            if any(p is None for p in producers):
+                continue  # fed by a graph input
+            real = [p for p in producers if p is not None and p.op_type != "Constant"]  # constants may feed it too
             if (
                 real
-                and len(real) == len(producers)
                 and all(p.name in kept for p in real)
                 and any(module_of(p) == module_of(node) for p in real)
             ):

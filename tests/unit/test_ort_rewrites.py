@@ -4,7 +4,6 @@ weight-only int8 ``MatMulNBits`` (``nbits``)."""
 
 from __future__ import annotations
 
-import re
 
 import numpy as np
 import onnx
@@ -14,7 +13,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from kiln.errors import ExportError
 from kiln.exporter.passes import GraphRewrite, run_passes
 from kiln.exporter.targets.ort.nbits import ACCURACY_LEVEL, BLOCK_SIZE, pack_int8_blocks, quantize_matmul_nbits
 from kiln.exporter.targets.ort.norm import fuse_rms_norm, fuse_skip_rms_norm
@@ -25,9 +23,9 @@ B, S, D = 2, 5, 16
 EPS = 1e-6
 
 
-def make(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto], inits: list[np.ndarray | tuple[str, np.ndarray]], opset: int = 19) -> ir.Model:
+def make(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto], inits: list[tuple[str, np.ndarray]], opset: int = 19) -> ir.Model:
     """An onnx-ir model from helper-made parts, every value typed by ONNX's shape inference."""
-    tensors = [numpy_helper.from_array(a[1], a[0]) for a in inits]  # type: ignore[index]
+    tensors = [numpy_helper.from_array(array, name) for name, array in inits]
     graph = helper.make_graph(nodes, "g", inputs, outputs, tensors)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
     proto = onnx.shape_inference.infer_shapes(proto, strict_mode=True)
@@ -117,7 +115,7 @@ def test_fuse_rms_norm_with_weight(swap: bool, axis: int) -> None:
     model = make(nodes, [info("x", [B, S, D])], [info("y", [B, S, D])], norm_constants())
     feeds = norm_feeds("x")
     before = run(model, feeds, optimize=False)
-    w = model.graph.initializers["w0"].const_value.numpy()  # type: ignore[union-attr]
+    w = model.graph.initializers["w0"].const_value.numpy()
     np.testing.assert_allclose(before["y"], np.maximum(rms_reference(feeds["x"], w), 0), rtol=1e-5, atol=1e-5)
     assert fuse_rms_norm(model) == 1
     finish(model)
@@ -165,7 +163,7 @@ def test_fuse_rms_norm_without_a_constant_weight() -> None:
     assert fuse_rms_norm(model) == 1
     finish(model)
     assert ops(model) == ["SimplifiedLayerNormalization", "Mul"]
-    ones = model.graph.initializers["ort/ones_16"].const_value.numpy()  # type: ignore[union-attr]
+    ones = model.graph.initializers["ort/ones_16"].const_value.numpy()
     np.testing.assert_array_equal(ones, np.ones(D, dtype=np.float32))
     assert_close(run(model, feeds, optimize=False), before)
 
@@ -179,7 +177,7 @@ def test_two_norms_share_the_ones_weight() -> None:
     assert fuse_rms_norm(model) == 2
     finish(model)
     assert ops(model) == ["SimplifiedLayerNormalization", "SimplifiedLayerNormalization", "Neg"]
-    assert [n.inputs[1].name for n in model.graph if n.op_type != "Neg"] == ["ort/ones_16", "ort/ones_16"]  # type: ignore[union-attr]
+    assert [n.inputs[1].name for n in model.graph if n.op_type != "Neg"] == ["ort/ones_16", "ort/ones_16"]
     assert_close(run(model, feeds, optimize=False), before)
 
 
@@ -190,7 +188,7 @@ def test_two_norms_share_the_ones_weight() -> None:
 def test_not_an_rms_norm(change: str) -> None:
     """Near misses stay as they are (and compute what they computed)."""
     kwargs = {"axis 1": {"axis": 1}, "Pow 3": {"exponent": "three"}, "keepdims 0": {"keepdims": 0}}.get(change, {})
-    nodes = rms_nodes("x", "y", "n", weight="w0", **kwargs)  # type: ignore[arg-type]
+    nodes = rms_nodes("x", "y", "n", weight="w0", **kwargs)
     inputs = [info("x", [B, S, D])]
     if change == "Pow of another tensor":
         nodes[0] = helper.make_node("Pow", ["z", "two"], ["n.pow"], name="/n/Pow")
@@ -233,7 +231,7 @@ def test_fuse_skip_rms_norm(dims: list[int | str]) -> None:
     np.testing.assert_allclose(before["t"], want, rtol=1e-5, atol=1e-5)
     passes = [GraphRewrite(fuse_rms_norm), GraphRewrite(fuse_skip_rms_norm), RemoveUnusedNodesPass(), TopologicalSortPass()]
     run_passes(model, passes, graph="decode")
-    assert passes[0].result == 1 and passes[1].result == 1  # type: ignore[attr-defined]
+    assert passes[0].result == 1 and passes[1].result == 1
     assert ops(model) == ["SkipSimplifiedLayerNormalization", "Tanh", "Add"]
     skip = next(iter(model.graph))
     assert skip.domain == "com.microsoft" and skip.name == "/layers.0.norm/SkipSimplifiedLayerNormalization"
@@ -256,13 +254,6 @@ def test_no_skip_fusion_when_the_add_broadcasts() -> None:
     assert_close(run(model, feeds, optimize=False), before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fuse_rms_norm (and fuse_skip_rms_norm) call replace_all_uses_with(out, replace_graph_outputs=True) without "
-    "giving the fused output the replaced value's name, so a norm whose output is a graph output renames that output "
-    "('y' becomes 'val_0'); quantize_matmul_nbits renames to keep graph output names, the norm fusions do not",
-)
 def test_a_norm_that_is_a_graph_output_keeps_its_name() -> None:
     nodes = rms_nodes("x", "y", "final_norm", weight="w0")
     model = make(nodes, [info("x", [B, S, D])], [info("y", [B, S, D])], norm_constants())
@@ -330,11 +321,11 @@ def test_pack_shared_input_matmuls() -> None:
         "ort/layers.0.mlp.packed.split",
         "ort/layers.0.mlp.packed.weight",
     ]
-    np.testing.assert_array_equal(inits["ort/layers.0.attn.packed.weight"].const_value.numpy(), np.concatenate([weights["wq"], weights["wk"], weights["wv"]], axis=1))  # type: ignore[union-attr]
-    np.testing.assert_array_equal(inits["ort/layers.0.attn.packed.split"].const_value.numpy(), [8, 4, 4])  # type: ignore[union-attr]
-    np.testing.assert_array_equal(inits["ort/layers.0.mlp.packed.split"].const_value.numpy(), [6, 6])  # type: ignore[union-attr]
+    np.testing.assert_array_equal(inits["ort/layers.0.attn.packed.weight"].const_value.numpy(), np.concatenate([weights["wq"], weights["wk"], weights["wv"]], axis=1))
+    np.testing.assert_array_equal(inits["ort/layers.0.attn.packed.split"].const_value.numpy(), [8, 4, 4])
+    np.testing.assert_array_equal(inits["ort/layers.0.mlp.packed.split"].const_value.numpy(), [6, 6])
     split = model.graph.node("/layers.0.attn/ort/packed/Split")
-    assert [list(o.shape) for o in split.outputs] == [[B, S, 8], [B, S, 4], [B, S, 4]]  # type: ignore[arg-type]
+    assert [list(o.shape) for o in split.outputs] == [[B, S, 8], [B, S, 4], [B, S, 4]]
     assert_close(run(model, feeds, optimize=False), before)
 
 
@@ -345,8 +336,8 @@ def test_pack_groups_without_module_names_get_distinct_prefixes() -> None:
     assert pack_shared_input_matmuls(model) == ["/graph/ort/packed/MatMul", "/graph.1/ort/packed/MatMul"]
     finish(model)
     inits = model.graph.initializers
-    np.testing.assert_array_equal(inits["ort/graph.packed.weight"].const_value.numpy(), np.concatenate([weights["wq"], weights["wk"], weights["wv"]], axis=1))  # type: ignore[union-attr]
-    np.testing.assert_array_equal(inits["ort/graph.1.packed.weight"].const_value.numpy(), np.concatenate([weights["wg"], weights["wu"]], axis=1))  # type: ignore[union-attr]
+    np.testing.assert_array_equal(inits["ort/graph.packed.weight"].const_value.numpy(), np.concatenate([weights["wq"], weights["wk"], weights["wv"]], axis=1))
+    np.testing.assert_array_equal(inits["ort/graph.1.packed.weight"].const_value.numpy(), np.concatenate([weights["wg"], weights["wu"]], axis=1))
     assert_close(run(model, feeds, optimize=False), before)
 
 
@@ -461,8 +452,8 @@ def test_quantize_matmul_nbits(gemm: bool, block_size: int) -> None:
     assert attrs == {"K": k, "N": n, "bits": 8, "block_size": block_size, "accuracy_level": ACCURACY_LEVEL}
     assert model.opset_imports["com.microsoft"] == 1
     # the stored weight is exactly pack_int8_blocks' (names from the weight's, without weights/)
-    q = model.graph.initializers["ort_int8/fc.weight.q"].const_value.numpy()  # type: ignore[union-attr]
-    scales = model.graph.initializers["ort_int8/fc.weight.scales"].const_value.numpy()  # type: ignore[union-attr]
+    q = model.graph.initializers["ort_int8/fc.weight.q"].const_value.numpy()
+    scales = model.graph.initializers["ort_int8/fc.weight.scales"].const_value.numpy()
     want_q, want_scales = pack_int8_blocks(weight, block_size)
     np.testing.assert_array_equal(q, want_q)
     np.testing.assert_array_equal(scales, want_scales.reshape(-1))
@@ -507,8 +498,8 @@ def test_quantize_matmul_nbits_exact_layout_at_accuracy_level_0() -> None:
     feeds = nbits_feeds(k)
     quantize_matmul_nbits(model, block_size=32, accuracy_level=0)
     finish(model)
-    q = model.graph.initializers["ort_int8/fc.weight.q"].const_value.numpy()  # type: ignore[union-attr]
-    scales = model.graph.initializers["ort_int8/fc.weight.scales"].const_value.numpy()  # type: ignore[union-attr]
+    q = model.graph.initializers["ort_int8/fc.weight.q"].const_value.numpy()
+    scales = model.graph.initializers["ort_int8/fc.weight.scales"].const_value.numpy()
     want = feeds["x"].astype(np.float64) @ dequantize(q, scales, k).astype(np.float64)
     np.testing.assert_allclose(run(model, feeds)["logits"], want, rtol=1e-4, atol=1e-4)
 
@@ -522,7 +513,7 @@ def test_quantize_matmul_nbits_names_are_shared_between_graphs() -> None:
     names = sorted(n for n in a.graph.initializers if n.startswith("ort_int8/"))
     assert names == ["ort_int8/fc.weight.q", "ort_int8/fc.weight.scales"]
     for name in names:
-        np.testing.assert_array_equal(a.graph.initializers[name].const_value.numpy(), b.graph.initializers[name].const_value.numpy())  # type: ignore[union-attr]
+        np.testing.assert_array_equal(a.graph.initializers[name].const_value.numpy(), b.graph.initializers[name].const_value.numpy())
 
 
 def test_quantize_matmul_nbits_leaves_other_matmuls() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, scalar_of, use_ms_domain
+from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, replace_value, scalar_of, use_ms_domain
 
 __all__ = ["fuse_rms_norm", "fuse_skip_rms_norm"]
 
@@ -87,7 +87,7 @@ def fuse_rms_norm(model: ir.Model) -> int:
         out = fused.outputs[0]
         copy_type(out, target)
         graph.insert_before(node, fused)
-        target.replace_all_uses_with(out, replace_graph_outputs=True)
+        replace_value(target, out)
         count += 1
     return count
 
@@ -120,8 +120,8 @@ def fuse_skip_rms_norm(model: ir.Model) -> int:
         copy_type(y, node.outputs[0])
         copy_type(total, add.outputs[0])
         graph.insert_before(node, fused)
-        node.outputs[0].replace_all_uses_with(y, replace_graph_outputs=True)
-        add.outputs[0].replace_all_uses_with(total, replace_graph_outputs=True)
+        replace_value(node.outputs[0], y)
+        replace_value(add.outputs[0], total)
         count += 1
     if count:
         use_ms_domain(model)
