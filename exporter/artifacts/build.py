@@ -13,7 +13,6 @@ from kiln.exporter.artifacts.manifest import (
     Limits,
     Manifest,
     ModelInfo,
-    OrtGraphEntry,
     ParityInfo,
     TargetEntry,
     TargetWeights,
@@ -33,12 +32,7 @@ def _rel(path: Path, root: Path) -> str:
 
 
 def _ort_entry(target: OrtTarget, root: Path) -> TargetEntry:
-    graphs = {
-        kind.value: OrtGraphEntry(
-            _rel(g.path, root), g.fused_attention_layers, g.compact_decode_mask, g.fused_rms_norms, g.fused_skip_norms, g.packed_matmuls, g.int8_nodes
-        )
-        for kind, g in target.graphs.items()
-    }
+    graphs = {kind.value: entry for kind, entry in target.graphs.items()}
     int8 = dict(INT8_FORMAT) if target.precision == "int8" else None
     return TargetEntry(target.precision, int8, graphs, TargetWeights(_rel(target.weights.path, root), target.weights.bytes))
 

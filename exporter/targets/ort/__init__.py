@@ -31,6 +31,8 @@ from pathlib import Path
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+from kiln.exporter.artifacts.layout import ONNX_DIR
+from kiln.exporter.artifacts.manifest import OrtGraphEntry
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.passes import ExternalizeWeights, GraphRewrite, SharedWeights, WeightsWriter, run_passes
 from kiln.exporter.targets.ort.gqa import fuse_attention
@@ -41,7 +43,7 @@ from kiln.exporter.targets.ort.pack import pack_shared_input_matmuls
 from kiln.exporter.targets.ort.rotary_tables import graph_tables
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["OrtGraph", "OrtTarget", "ort_passes", "write_ort_target", "ort_graph_file", "ORT_WEIGHTS_FILE", "INT8_FORMAT"]
+__all__ = ["OrtTarget", "ort_passes", "write_ort_target", "ort_graph_file", "ORT_WEIGHTS_FILE", "INT8_FORMAT"]
 
 ORT_WEIGHTS_FILE = "weights.ort.bin"
 INT8_FORMAT = {"op": "MatMulNBits", "bits": 8, "block_size": BLOCK_SIZE, "accuracy_level": ACCURACY_LEVEL}
@@ -52,27 +54,11 @@ def ort_graph_file(kind: GraphKind) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class OrtGraph:
-    """One ORT-target graph and what its passes rewrote."""
-
-    path: Path
-    fused_attention_layers: tuple[int, ...]
-    compact_decode_mask: bool
-    fused_rms_norms: int
-    fused_skip_norms: int
-    packed_matmuls: tuple[str, ...]
-    int8_nodes: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class OrtTarget:
-    graphs: dict[GraphKind, OrtGraph]
+    graphs: dict[GraphKind, OrtGraphEntry]  # what each graph's passes rewrote, as the manifest records it
+    paths: dict[GraphKind, Path]
     precision: str  # "fp32" or "int8" (weight-only MatMulNBits)
     weights: SharedWeights
-
-    @property
-    def paths(self) -> dict[GraphKind, Path]:
-        return {kind: graph.path for kind, graph in self.graphs.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +72,12 @@ class _Rewrites:
     packed: GraphRewrite[list[str]]
     int8: GraphRewrite[list[str]] | None
 
-    def record(self, path: Path) -> OrtGraph:
+    def record(self, path: Path) -> OrtGraphEntry:
         def names(rewrite: GraphRewrite[list[str]] | None) -> tuple[str, ...]:
             return tuple(rewrite.result or ()) if rewrite is not None else ()
 
-        return OrtGraph(
-            path=path,
+        return OrtGraphEntry(
+            file=f"{ONNX_DIR}/{path.name}",
             fused_attention_layers=tuple(self.attention.result or ()) if self.attention is not None else (),
             compact_decode_mask=bool(self.mask.result) if self.mask is not None else False,
             fused_rms_norms=self.norms.result or 0,
@@ -144,7 +130,8 @@ def ort_passes(rewrites: _Rewrites, writer: WeightsWriter) -> list[ir.passes.Pas
 
 def write_ort_target(onnx_dir: Path, graphs: dict[GraphKind, Path], spec: DecoderSpec, *, max_context: int, int8: bool) -> OrtTarget:
     """Write ``<kind>.ort.onnx`` beside each portable graph in ``onnx_dir``."""
-    out: dict[GraphKind, OrtGraph] = {}
+    out: dict[GraphKind, OrtGraphEntry] = {}
+    paths: dict[GraphKind, Path] = {}
     with WeightsWriter(onnx_dir / ORT_WEIGHTS_FILE, rename=False) as writer:
         for kind, path in graphs.items():
             rewrites = _rewrites(kind, spec, onnx_dir, max_context, int8)
@@ -152,6 +139,6 @@ def write_ort_target(onnx_dir: Path, graphs: dict[GraphKind, Path], spec: Decode
             target = onnx_dir / ort_graph_file(kind)
             ir.save(model, target)
             del model
-            out[kind] = rewrites.record(target)
+            out[kind], paths[kind] = rewrites.record(target), target
         weights = writer.close()
-    return OrtTarget(graphs=out, precision="int8" if int8 else "fp32", weights=weights)
+    return OrtTarget(graphs=out, paths=paths, precision="int8" if int8 else "fp32", weights=weights)
