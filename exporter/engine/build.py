@@ -204,6 +204,19 @@ def _check_profile(engine: trt_types.ICudaEngine, dynamic: Sequence[InputShape],
             raise EngineError(f"{onnx}: the built engine's profile for {spec.name} is {got}, expected {[spec.min, spec.opt, spec.max]}")
 
 
+def _builder_config(trt: ModuleType, builder: trt_types.Builder, options: BuildOptions) -> tuple[trt_types.IBuilderConfig, bool]:
+    """The builder config of ``options`` and whether TF32 stays on (TensorRT builds that lack the flag)."""
+    config: trt_types.IBuilderConfig = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace)
+    config.builder_optimization_level = options.opt_level
+    config.hardware_compatibility_level = compat.hardware_level(trt, options.hardware_compat)
+    if options.version_compatible:
+        config.set_flag(compat.builder_flag(trt, "VERSION_COMPATIBLE"))
+    if options.refittable:
+        config.set_flag(compat.builder_flag(trt, "REFIT"))
+    return config, not compat.disable_tf32(trt, config)
+
+
 def build_engine(directory: Path, profile: EngineProfile, options: BuildOptions, built_with: RuntimeInfo) -> EngineRecord:
     """Build ``profile.engine`` from ``profile.onnx`` (both relative to ``directory``);
     ``load_tensorrt()`` must have succeeded."""
@@ -220,15 +233,7 @@ def build_engine(directory: Path, profile: EngineProfile, options: BuildOptions,
         raise EngineError(f"TensorRT could not create a builder ({log.last_error() if log.errors else exc}); is a CUDA GPU visible?") from None
     network, _parser = _parse(trt, builder, logger, onnx)
 
-    config: trt_types.IBuilderConfig = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace)
-    config.builder_optimization_level = options.opt_level
-    config.hardware_compatibility_level = compat.hardware_level(trt, options.hardware_compat)
-    if options.version_compatible:
-        config.set_flag(compat.builder_flag(trt, "VERSION_COMPATIBLE"))
-    if options.refittable:
-        config.set_flag(compat.builder_flag(trt, "REFIT"))
-    tf32 = not compat.disable_tf32(trt, config)
+    config, tf32 = _builder_config(trt, builder, options)
     dynamic = _add_profile(trt, builder, network, config, profile)
     cache_file = timing_cache_path(directory, options)
     _set_timing_cache(config, cache_file)

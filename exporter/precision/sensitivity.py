@@ -64,6 +64,45 @@ def module_groups(graph: ir.Graph, skip: set[str]) -> dict[str, list[str]]:
     return groups
 
 
+class _Search:
+    """Delta debugging over module rules: ``error(rules)`` converts a fresh copy of the fp32 graph
+    with ``rules`` also kept fp32 and evaluates it (memoised)."""
+
+    def __init__(self, fp32_graph: onnx.ModelProto, policy: Fp16Policy, evaluate: Callable[[Path], float], tolerance: float, kind: GraphKind) -> None:
+        self._graph, self._policy, self._evaluate, self.tolerance, self._kind = fp32_graph, policy, evaluate, tolerance, kind
+        self.cache: dict[frozenset[str], float] = {}
+
+    def error(self, rules: Sequence[str]) -> float:
+        key = frozenset(rules)
+        if key not in self.cache:
+            model = ir.serde.deserialize_model(self._graph)
+            converted, _ = convert_to_fp16(model, self._policy.widened(tuple(sorted(rules))))
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / f"{self._kind.value}.onnx"
+                ir.save(converted, path, external_data="weights.bin")
+                self.cache[key] = self._evaluate(path)
+        return self.cache[key]
+
+    def passes(self, rules: Sequence[str]) -> bool:
+        e = self.error(rules)
+        return bool(np.isfinite(e)) and e <= self.tolerance
+
+    def bisect(self, cands: list[str], keep: list[str]) -> list[str]:
+        """A small subset of ``cands`` that, with ``keep``, passes (``keep + cands`` does)."""
+        if self.passes(keep):
+            return []
+        if len(cands) == 1:
+            return cands
+        half = len(cands) // 2
+        first, second = cands[:half], cands[half:]
+        if self.passes(keep + first):
+            return self.bisect(first, keep)
+        if self.passes(keep + second):
+            return self.bisect(second, keep)
+        need_first = self.bisect(first, keep + second)
+        return need_first + self.bisect(second, keep + need_first)
+
+
 def find_fp32_groups(
     fp32_graph: onnx.ModelProto,
     policy: Fp16Policy,
@@ -77,54 +116,21 @@ def find_fp32_groups(
     kept = set(resolve_kept_nodes(base.graph, policy))
     candidates = list(module_groups(base.graph, kept))
     graph_nodes = [n for n in base.graph if n.name and n.name not in kept]
-
-    def nodes(rule: str) -> tuple[str, ...]:
-        return tuple(n.name or "" for n in graph_nodes if rule_matches(rule, n))
-
-    cache: dict[frozenset[str], float] = {}
-
-    def error(rules: Sequence[str]) -> float:
-        key = frozenset(rules)
-        if key not in cache:
-            model = ir.serde.deserialize_model(fp32_graph)
-            converted, _ = convert_to_fp16(model, policy.widened(tuple(sorted(rules))))
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / f"{kind.value}.onnx"
-                ir.save(converted, path, external_data="weights.bin")
-                cache[key] = evaluate(path)
-        return cache[key]
-
-    def passes(rules: Sequence[str]) -> bool:
-        e = error(rules)
-        return bool(np.isfinite(e)) and e <= tolerance
-
-    def bisect(cands: list[str], keep: list[str]) -> list[str]:
-        if passes(keep):
-            return []
-        if len(cands) == 1:
-            return cands
-        half = len(cands) // 2
-        first, second = cands[:half], cands[half:]
-        if passes(keep + first):
-            return bisect(first, keep)
-        if passes(keep + second):
-            return bisect(second, keep)
-        need_first = bisect(first, keep + second)
-        return need_first + bisect(second, keep + need_first)
-
-    default_error = error([])
-    if passes([]):
-        return SensitivityResult(tolerance, default_error, default_error, len(cache), ())
-    if not passes(candidates):
+    search = _Search(fp32_graph, policy, evaluate, tolerance, kind)
+    default_error = search.error([])
+    if search.passes([]):
+        return SensitivityResult(tolerance, default_error, default_error, len(search.cache), ())
+    if not search.passes(candidates):
         raise ExportError(
-            f"--auto-keep-fp32: even with every module in fp32 the logit error is {error(candidates):.3g} "
+            f"--auto-keep-fp32: even with every module in fp32 the logit error is {search.error(candidates):.3g} "
             f"(tolerance {tolerance:g}); the fp16 graph's inputs/outputs themselves lose too much"
         )
-    found = bisect(candidates, [])
+    found = search.bisect(candidates, [])
     groups = tuple(
-        SensitiveGroup(rule, nodes(rule), error([r for r in found if r != rule])) for rule in found
+        SensitiveGroup(rule, tuple(n.name or "" for n in graph_nodes if rule_matches(rule, n)), search.error([r for r in found if r != rule]))
+        for rule in found
     )
-    return SensitivityResult(tolerance, default_error, error(found), len(cache), groups)
+    return SensitivityResult(tolerance, default_error, search.error(found), len(search.cache), groups)
 
 
 def search_against_reference(
