@@ -68,8 +68,9 @@ def carry(feeds: dict[str, Any], outputs: Mapping[str, Any], previous: Mapping[s
 
 
 def _last_logits(value: Any) -> np.ndarray:
+    """A copy: an OrtValue's numpy() can share the runtime's buffer, which the next step overwrites."""
     array = value if isinstance(value, np.ndarray) else value.numpy()  # an OrtValue or a tensor
-    return np.asarray(array[:, -1, :], dtype=np.float32)
+    return np.array(array[:, -1, :], dtype=np.float32)
 
 
 def run_steps(
