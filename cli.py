@@ -44,9 +44,9 @@ def _reports_errors(func: F) -> F:
 
 
 def _progress(as_json: bool) -> Any:
-    from kiln.exporter.progress import NullProgress, RichProgress
+    from kiln.exporter.progress import NullProgress, RichProgress, Timed
 
-    return NullProgress() if as_json else RichProgress()
+    return Timed(NullProgress() if as_json else RichProgress())
 
 
 @click.group()
@@ -87,11 +87,13 @@ def export(model: str, out: Path, as_json: bool, **flags: Any) -> None:
     """Export a checkpoint to prefill/decode/unified ONNX graphs and check their parity."""
     from kiln.exporter.pipeline import export as run_export
 
-    result = run_export(model, out, _export_options(flags), _progress(as_json))
+    progress = _progress(as_json)
+    result = run_export(model, out, _export_options(flags), progress)
     manifest = result.manifest
     if as_json:
         parity = {**result.parity.to_dict(), **result.report.parity_extras()}
-        click.echo(json.dumps({"out": str(result.out), "parity": parity, "manifest": manifest.to_json()}, indent=2))
+        stages = {name: round(seconds, 3) for name, seconds in progress.seconds.items()}  # wall seconds per stage, in order
+        click.echo(json.dumps({"out": str(result.out), "stages": stages, "parity": parity, "manifest": manifest.to_json()}, indent=2))
         return
     gen = result.parity.generation
     ort = (manifest.targets or {}).get("ort")

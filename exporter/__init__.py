@@ -22,7 +22,13 @@ if TYPE_CHECKING:
     from kiln.exporter.artifacts.manifest import Manifest, read
     from kiln.exporter.artifacts.verify import Verification, verify_dir
     from kiln.exporter.check import check_dir
-    from kiln.exporter.options import ExportOptions, LogitsMode, PLETables, Precision, Target
+    from kiln.exporter.options import (
+        ExportOptions,
+        LogitsMode,
+        PLETables,
+        Precision,
+        Target,
+    )
     from kiln.exporter.parity import ParityResult
     from kiln.exporter.pipeline import ExportResult, export, export_loaded
     from kiln.exporter.report import ExportReport

@@ -1,5 +1,6 @@
-"""The portable graph set: trace each graph and run its passes (contract, names, precision,
-weights), one graph at a time, into ``onnx/<kind>.onnx`` + one shared ``weights.bin``.
+"""The portable graph set: from the traced unified graph (``trace``), each graph of the contract
+by its passes (specialisation, the per-layer stamp, contract, precision, weights), one graph at a
+time, into ``onnx/<kind>.onnx`` + one shared ``weights.bin``.
 
 The passes of these graphs are composed here and nowhere else (``contract_passes``,
 ``precision_passes``); the ``--target ort`` set composes its own in ``targets.ort``.
@@ -12,20 +13,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 import onnx_ir as ir
-
 from kiln.exporter.contract.io import GraphIO, GraphKind, graph_io
 from kiln.exporter.fold import Folded
 from kiln.exporter.load import Reference
 from kiln.exporter.options import ExportOptions, PLETables
-from kiln.exporter.passes import ApplyContract, ExternalizeWeights, NameNodes, PleTablesToInputs, SharedWeights, WeightsWriter, run_passes
+from kiln.exporter.passes import (
+    ApplyContract,
+    PleTablesToInputs,
+    SharedWeights,
+    WeightsWriter,
+    run_passes,
+)
+from kiln.exporter.passes.ir_utils import clone
+from kiln.exporter.passes.specialise import specialise
+from kiln.exporter.passes.stamp import StampLayers
 from kiln.exporter.passes.weights import WEIGHTS_FILE
 from kiln.exporter.precision.fp16 import ConvertFp16
 from kiln.exporter.precision.int8 import Int8Policy, QuantizeInt8
 from kiln.exporter.precision.policy import Fp16Policy
 from kiln.exporter.progress import Progress
-from kiln.exporter.trace import trace_graph
+from kiln.exporter.trace import Traced
 
-__all__ = ["GraphRecord", "GraphSet", "PrecisionPlan", "Ranges", "contract_io", "traced_fp32", "write_portable_graphs"]
+__all__ = ["GraphRecord", "GraphSet", "PrecisionPlan", "Ranges", "contract_io", "fp32_graph", "write_portable_graphs"]
 
 Ranges = dict[str, tuple[float, float]]  # tensor -> calibrated (lo, hi)
 
@@ -65,10 +74,13 @@ def contract_io(reference: Reference, folded: Folded, options: ExportOptions, ki
     return graph_io(reference.spec, kind, last_logits_only=options.last_logits_only, ple_tables=tables, kv_dtype=kv_dtype)
 
 
-def contract_passes(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind) -> list[ir.passes.PassBase]:
-    """A traced graph -> the fp32 graph of the contract, its nodes named after their modules."""
+def contract_passes(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, traced: Traced) -> list[ir.passes.PassBase]:
+    """A traced graph -> the fp32 graph of ``kind`` in the contract (derived from the unified
+    graph when ``kind`` was not traced itself)."""
+    derive = specialise(kind, options.last_logits_only) if kind not in traced.graphs else []
+    stamp = [StampLayers(traced.stamp)] if traced.stamp is not None else []
     tables = [PleTablesToInputs(folded.tables)] if options.ple_tables is PLETables.INPUT else []
-    return [*tables, ApplyContract(contract_io(reference, folded, options, kind), kind), NameNodes()]
+    return [*derive, *stamp, *tables, ApplyContract(contract_io(reference, folded, options, kind), kind)]
 
 
 def precision_passes(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, plan: PrecisionPlan) -> list[ir.passes.PassBase]:
@@ -82,22 +94,10 @@ def precision_passes(reference: Reference, folded: Folded, options: ExportOption
     return passes
 
 
-def traced_fp32(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind) -> ir.Model:
-    """The fp32 graph of ``kind``, with the contract's I/O and module-named nodes."""
-    io_spec = contract_io(reference, folded, options, kind)
-    spec = reference.spec
-    model = trace_graph(
-        folded.module,
-        kind,
-        io_spec,
-        n_layers=spec.n_layers,
-        vocab=spec.vocab_size,
-        opset=options.opset,
-        last_logits_only=options.last_logits_only,
-        max_batch=options.max_batch,
-        max_context=reference.max_context,
-    )
-    return run_passes(model, contract_passes(reference, folded, options, kind), graph=kind.value)
+def fp32_graph(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, traced: Traced) -> ir.Model:
+    """The fp32 graph of ``kind``, with the contract's I/O (a new model: ``traced`` is kept)."""
+    source = traced.graphs.get(kind, traced.model)
+    return run_passes(clone(source), contract_passes(reference, folded, options, kind, traced), graph=kind.value)
 
 
 def _record(kind: GraphKind, path: Path, io: GraphIO, passes: list[ir.passes.PassBase]) -> GraphRecord:
@@ -110,19 +110,24 @@ def _record(kind: GraphKind, path: Path, io: GraphIO, passes: list[ir.passes.Pas
     return record
 
 
-def write_portable_graphs(reference: Reference, folded: Folded, options: ExportOptions, plan: PrecisionPlan, onnx_dir: Path, progress: Progress) -> GraphSet:
-    """Every graph of the contract, one at a time: trace, pass, move its weights into the shared
-    file, save, drop (so only one graph's in-memory copies exist at once)."""
+def write_portable_graphs(
+    reference: Reference, folded: Folded, options: ExportOptions, traced: Traced, plan: PrecisionPlan, onnx_dir: Path, progress: Progress
+) -> GraphSet:
+    """Every graph of the contract, one at a time: derive it, pass it, move its weights into the
+    shared file, save, drop (so at most one graph's weight being written is in memory). The
+    first graph reads and writes every weight; the others find theirs already written."""
     records: dict[GraphKind, GraphRecord] = {}
     final_dtype = options.precision.kv_dtype
-    with progress.stage("trace + write graphs", total=len(GraphKind)) as bar, WeightsWriter(onnx_dir / WEIGHTS_FILE, rename=True) as writer:
+    with WeightsWriter(onnx_dir / WEIGHTS_FILE, rename=True) as writer:
         for kind in GraphKind:
-            passes = [*precision_passes(reference, folded, options, kind, plan), ExternalizeWeights(writer)]
-            model = run_passes(traced_fp32(reference, folded, options, kind), passes, graph=kind.value)
             path = onnx_dir / f"{kind.value}.onnx"
-            ir.save(model, path)
+            passes = precision_passes(reference, folded, options, kind, plan)
+            with progress.stage(f"{path.name}: graph passes"):
+                model = run_passes(fp32_graph(reference, folded, options, kind, traced), passes, graph=kind.value)
+            with progress.stage(f"{path.name}: weights", total=len(writer.pending(model))) as bar:
+                writer.externalize(model, bar.advance)
+                ir.save(model, path)
             del model
             records[kind] = _record(kind, path, contract_io(reference, folded, options, kind, final_dtype), passes)
-            bar.advance()
         weights = writer.close()
     return GraphSet(records, weights)

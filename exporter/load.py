@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from torch import nn
-
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.options import ExportOptions, Target
 from kiln.plugins import LoadedModel
 from kiln.plugins.base import DecoderSpec
+from torch import nn
 
 __all__ = ["Reference", "load_reference", "resolve_limits", "prepare_reference", "refuse_unsupported"]
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import onnx_ir as ir
 import torch
-
 from kiln.calibration import Calibration
 from kiln.errors import ParityError
 from kiln.exporter.artifacts.export_dir import write_artifacts
@@ -26,17 +25,32 @@ from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.staging import staged_output
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import Folded, fold, table_feeds
-from kiln.exporter.graphs import GraphSet, PrecisionPlan, traced_fp32, write_portable_graphs
+from kiln.exporter.graphs import (
+    GraphSet,
+    PrecisionPlan,
+    fp32_graph,
+    write_portable_graphs,
+)
 from kiln.exporter.load import Reference, load_reference
 from kiln.exporter.options import ExportOptions, PLETables, Target
-from kiln.exporter.parity import TOLERANCES, Candidate, ParityResult, ParitySettings, check_parity
+from kiln.exporter.parity import (
+    TOLERANCES,
+    Candidate,
+    ParityResult,
+    ParitySettings,
+    check_parity,
+)
 from kiln.exporter.precision.int8 import DEFAULT_INT8_FLOAT, Int8Policy
 from kiln.exporter.precision.policy import Fp16Policy
-from kiln.exporter.precision.sensitivity import SensitivityResult, search_against_reference
+from kiln.exporter.precision.sensitivity import (
+    SensitivityResult,
+    search_against_reference,
+)
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.report import ExportReport
 from kiln.exporter.runners import OrtRunner, TorchRunner
 from kiln.exporter.targets.ort import OrtTarget, write_ort_target
+from kiln.exporter.trace import Traced, trace_unified
 from kiln.plugins import LoadedModel, load_model
 
 __all__ = ["ExportResult", "export", "export_loaded", "release_weights"]
@@ -75,10 +89,12 @@ def export_loaded(
             folded = fold(reference.module, loaded.ple)
         checkpoint = {path.name: sha256_file(path) for path in loaded.files}  # hashed once
         calibration = _calibration(reference, options, checkpoint, progress)
-        fp16, sensitivity = _fp16_policy(reference, folded, options, progress)
+        with progress.stage("trace"):
+            traced = trace_unified(reference, folded, options, progress)
+        fp16, sensitivity = _fp16_policy(reference, folded, options, traced, progress)
         plan = PrecisionPlan(fp16, _int8_policy(options), _calibrate(reference, options, calibration))
         (root / ONNX_DIR).mkdir()
-        portable = write_portable_graphs(reference, folded, options, plan, root / ONNX_DIR, progress)
+        portable = write_portable_graphs(reference, folded, options, traced, plan, root / ONNX_DIR, progress)
         calibrated = calibration.finish(root / CALIBRATION_DIR) if calibration is not None else None
         ort = _ort_target(reference, options, portable, root, progress)
         release = release_weights(reference.module) if release_reference else None
@@ -140,13 +156,13 @@ def _calibrate(reference: Reference, options: ExportOptions, calibration: Calibr
     return lambda kind, model: calibration.ranges_for(kind, model, reference.spec, runner)
 
 
-def _fp16_policy(reference: Reference, folded: Folded, options: ExportOptions, progress: Progress) -> tuple[Fp16Policy, SensitivityResult | None]:
+def _fp16_policy(reference: Reference, folded: Folded, options: ExportOptions, traced: Traced, progress: Progress) -> tuple[Fp16Policy, SensitivityResult | None]:
     """The fp32 islands: the default policy, ``--keep-fp32`` and what ``--auto-keep-fp32`` finds."""
     policy = Fp16Policy().widened(options.keep_fp32)
     if not options.auto_keep_fp32:
         return policy, None
     with progress.stage("fp16 sensitivity search"):
-        unified = traced_fp32(reference, folded, options, GraphKind.UNIFIED)
+        unified = fp32_graph(reference, folded, options, GraphKind.UNIFIED, traced)
         found = search_against_reference(reference.module, reference.spec, unified, policy, TOLERANCES["fp16"].logits_atol)
     return policy.widened(tuple(g.rule for g in found.groups)), found
 

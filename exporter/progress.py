@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Protocol
 
-__all__ = ["Progress", "Stage", "NullProgress", "RichProgress"]
+__all__ = ["Progress", "Stage", "NullProgress", "RichProgress", "Timed"]
 
 
 class Stage(Protocol):
@@ -45,7 +46,13 @@ class RichProgress:
 
     @contextlib.contextmanager
     def stage(self, description: str, total: int = 1) -> Iterator[Stage]:
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
         from rich.progress import Progress as _Progress
 
         columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
@@ -61,3 +68,24 @@ class RichProgress:
 
     def note(self, message: str) -> None:
         self._console.print(message)
+
+
+class Timed:
+    """Any ``Progress``, recording how long each stage took (``kiln export --json`` reports it);
+    a description seen twice adds up."""
+
+    def __init__(self, inner: Progress) -> None:
+        self._inner = inner
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, description: str, total: int = 1) -> Iterator[Stage]:
+        start = time.perf_counter()
+        try:
+            with self._inner.stage(description, total) as stage:
+                yield stage
+        finally:
+            self.seconds[description] = self.seconds.get(description, 0.0) + time.perf_counter() - start
+
+    def note(self, message: str) -> None:
+        self._inner.note(message)

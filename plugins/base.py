@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # importing kiln.plugins.base must stay cheap: the CLI reads specs without torch
     from torch import Tensor, nn
 
-__all__ = ["DecoderSpec", "LoadedModel", "ModelFamily", "PLEExtendMode", "PLEFolding"]
+__all__ = ["DecoderSpec", "LayerPlan", "LoadedModel", "ModelFamily", "PLEExtendMode", "PLEFolding"]
 
 
 class PLEExtendMode(str, enum.Enum):
@@ -73,17 +74,36 @@ class DecoderSpec:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     encoder_dim: int | None = None  # width of encoder_hidden_states; set when the decoder has cross-attention
+    dtype: str = "float32"  # the checkpoint's floating-point dtype, as the module holds it (float32, bfloat16, float16)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the family's own config, for the manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """How the exporter may trace a family's decoder one layer per structure and stamp the rest
+    (``exporter.trace``): export time then does not grow with depth.
+
+    ``prefix`` is layer i's module path in the family's module, with ``{}`` for i
+    (``"layers.{}"``); layers with equal ``signatures`` compute the same graph up to their weights
+    (and read nothing of another layer but the hidden state the one before hands on);
+    ``template(n)`` builds the model with only its first ``n`` layers on the meta device (no
+    weights, no memory), with the same forward contract. A family that cannot promise this gives
+    no plan and is traced whole."""
+
+    prefix: str
+    signatures: tuple[Hashable, ...]
+    template: Callable[[int], nn.Module]
 
 
 @dataclasses.dataclass
 class LoadedModel:
-    module: nn.Module  # in eval mode, float32, on the CPU
+    module: nn.Module  # in eval mode, on the CPU, in the checkpoint's own dtype (``spec.dtype``)
     spec: DecoderSpec
     source: Path  # the checkpoint directory or file it came from
     tokenizer: Path | None = None  # a tokenizer.json beside the checkpoint, when there is one
     files: tuple[Path, ...] = ()  # the checkpoint files that were read (hashed for caches and the manifest)
     ple: PLEFolding | None = None  # set by families whose decoder has PLE sub-layers
+    layers: LayerPlan | None = None  # set by families whose layers can be traced once and stamped
 
 
 @runtime_checkable

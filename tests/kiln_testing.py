@@ -45,7 +45,7 @@ def typed_manifest(data: dict[str, Any]) -> Manifest:
     base: dict[str, Any] = {
         "manifest_version": 1,
         "family": "native",
-        "checkpoint": {"reference": None, "files": {}},
+        "checkpoint": {"reference": None, "files": {}, "dtype": "float32"},
         "config": {},
         "model": {"n_layers": spec.n_layers, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "vocab_size": spec.vocab_size,
                   "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "encoder_dim": None},

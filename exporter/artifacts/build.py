@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kiln.exporter.artifacts.layout import PARITY_REPORT, TOKENIZER
 from kiln.exporter.artifacts.manifest import (
     MANIFEST_VERSION,
     CheckpointRef,
@@ -20,7 +21,6 @@ from kiln.exporter.artifacts.manifest import (
     export_settings,
     tool_versions,
 )
-from kiln.exporter.artifacts.layout import PARITY_REPORT, TOKENIZER
 from kiln.exporter.report import ExportReport
 from kiln.exporter.targets.ort import INT8_FORMAT, OrtTarget
 
@@ -49,7 +49,7 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
     return Manifest(
         manifest_version=MANIFEST_VERSION,
         family=spec.family,
-        checkpoint=CheckpointRef(report.model_ref, report.checkpoint_files),
+        checkpoint=CheckpointRef(report.model_ref, report.checkpoint_files, spec.dtype),
         config=spec.config,
         model=ModelInfo(spec.n_layers, spec.n_kv_heads, spec.head_dim, spec.vocab_size, spec.bos_token_id, spec.eos_token_id, spec.pad_token_id, spec.encoder_dim),
         precision=options.precision.value,

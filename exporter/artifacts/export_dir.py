@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 from kiln.exporter.artifacts.build import build_manifest
-from kiln.exporter.artifacts.layout import ONNX_DIR, REPORTS_DIR, TOKENIZER
 from kiln.exporter.artifacts.hashing import hash_tree
+from kiln.exporter.artifacts.layout import ONNX_DIR, REPORTS_DIR, TOKENIZER
 from kiln.exporter.artifacts.manifest import MANIFEST, Manifest, write
 from kiln.exporter.parity.report import write_parity_reports
 from kiln.exporter.report import ExportReport

@@ -23,7 +23,13 @@ from kiln import __version__
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts.serde import OMIT_IF_NONE, from_json, to_json
 from kiln.exporter.contract.io import GraphIO, GraphKind, TensorSpec
-from kiln.exporter.options import ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
+from kiln.exporter.options import (
+    ExportOptions,
+    LogitsMode,
+    PLEExtendMode,
+    PLETables,
+    Precision,
+)
 from kiln.jsonfile import read_json_object
 
 __all__ = [
@@ -63,6 +69,7 @@ def _omit() -> Any:
 class CheckpointRef:
     reference: str | None  # what --model named ('demo' or a path); None when unknown
     files: dict[str, str]  # sha256 of each checkpoint file read, by file name
+    dtype: str = "float32"  # the dtype its weights are stored in (the graphs' is ``Manifest.precision``)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts import manifest as manifest_mod
-from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.hashing import hash_tree
+from kiln.exporter.artifacts.manifest import Manifest
 
 __all__ = ["Verification", "verify_dir", "require_verified"]
 

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-
 from kiln.exporter.contract.io import GraphKind, past_names
 from kiln.plugins.base import DecoderSpec
 

@@ -20,7 +20,12 @@ from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.engine.build import build_engines, load_tensorrt
 from kiln.exporter.engine.options import BuildOptions, HardwareCompat, parse_size
 from kiln.exporter.engine.profiles import EngineProfile, engine_profiles
-from kiln.exporter.engine.records import ENGINES_JSON, RuntimeInfo, check_engine_compat, update_manifest
+from kiln.exporter.engine.records import (
+    ENGINES_JSON,
+    RuntimeInfo,
+    check_engine_compat,
+    update_manifest,
+)
 from kiln.exporter.engine.runner import TrtRunner
 from kiln.exporter.engine.trtexec import SCRIPT, write_script
 

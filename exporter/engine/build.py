@@ -34,8 +34,18 @@ from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.device import current_runtime
 from kiln.exporter.engine.options import BuildOptions
-from kiln.exporter.engine.profiles import EngineProfile, InputShape, Shape, engine_profiles
-from kiln.exporter.engine.records import ENGINES_JSON, EngineRecord, RuntimeInfo, write_records
+from kiln.exporter.engine.profiles import (
+    EngineProfile,
+    InputShape,
+    Shape,
+    engine_profiles,
+)
+from kiln.exporter.engine.records import (
+    ENGINES_JSON,
+    EngineRecord,
+    RuntimeInfo,
+    write_records,
+)
 from kiln.exporter.engine.trtexec import SCRIPT, timing_cache_path
 
 if TYPE_CHECKING:

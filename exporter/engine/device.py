@@ -26,7 +26,9 @@ _PROPS_BYTES = 8192  # larger than any cudaDeviceProp so far (about 1 KiB); only
 
 def _cudart() -> ctypes.CDLL:
     try:
-        from polygraphy import cuda  # polygraphy ships no type information (Any: .ci/mypy)
+        from polygraphy import (
+            cuda,  # polygraphy ships no type information (Any: .ci/mypy)
+        )
 
         handle = getattr(cuda.wrapper(), "handle", None)
         if isinstance(handle, ctypes.CDLL):

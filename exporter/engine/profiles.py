@@ -19,8 +19,15 @@ from collections.abc import Mapping
 
 from kiln.errors import ArtifactError, ConfigError
 from kiln.exporter.artifacts.manifest import Limits, Manifest, TensorEntry
+from kiln.exporter.contract.io import (
+    BATCH,
+    ENC_SEQ,
+    PAST_SEQ,
+    SEQ,
+    TOTAL_SEQ,
+    GraphKind,
+)
 from kiln.exporter.engine.options import BuildOptions
-from kiln.exporter.contract.io import BATCH, ENC_SEQ, PAST_SEQ, SEQ, TOTAL_SEQ, GraphKind
 
 __all__ = ["ENGINE_GRAPHS", "DimRange", "InputShape", "EngineProfile", "dim_ranges", "engine_profile", "engine_profiles"]
 

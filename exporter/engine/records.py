@@ -23,9 +23,9 @@ from typing import Any
 
 from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts.manifest import EnginesEntry, Manifest
-from kiln.jsonfile import read_json_object
 from kiln.exporter.engine.compat import version_tuple
 from kiln.exporter.engine.options import HardwareCompat
+from kiln.jsonfile import read_json_object
 
 __all__ = [
     "ENGINES_JSON",

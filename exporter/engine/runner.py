@@ -21,15 +21,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts.hashing import sha256_file
+from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.engine import compat
-from kiln.exporter.engine.build import TrtLog, make_logger, load_tensorrt
+from kiln.exporter.engine.build import TrtLog, load_tensorrt, make_logger
 from kiln.exporter.engine.device import current_runtime
 from kiln.exporter.engine.profiles import ENGINE_GRAPHS
 from kiln.exporter.engine.records import check_engine_compat, read_records
-from kiln.exporter.contract.io import GraphKind
 
 if TYPE_CHECKING:
     import tensorrt as trt_types
@@ -81,7 +80,9 @@ class TrtRunner(contextlib.AbstractContextManager["TrtRunner"]):
     def __enter__(self) -> TrtRunner:
         load_tensorrt()  # one clear error where it is missing
         import tensorrt as trt
-        from polygraphy.backend.trt import TrtRunner as PolygraphyTrtRunner  # no py.typed (Any: .ci/mypy)
+        from polygraphy.backend.trt import (
+            TrtRunner as PolygraphyTrtRunner,  # no py.typed (Any: .ci/mypy)
+        )
 
         if self._records:
             here = current_runtime(trt)

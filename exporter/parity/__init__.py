@@ -13,9 +13,26 @@
 
 from __future__ import annotations
 
-from kiln.exporter.parity.driver import Candidate, ParitySettings, check_parity, parity_plan, run_parity
-from kiln.exporter.parity.generation import encoder_states, generation_parity, greedy, left_pad, make_prompts
-from kiln.exporter.parity.results import GenerationCheck, ParityResult, TargetParity, TensorCheck
+from kiln.exporter.parity.driver import (
+    Candidate,
+    ParitySettings,
+    check_parity,
+    parity_plan,
+    run_parity,
+)
+from kiln.exporter.parity.generation import (
+    encoder_states,
+    generation_parity,
+    greedy,
+    left_pad,
+    make_prompts,
+)
+from kiln.exporter.parity.results import (
+    GenerationCheck,
+    ParityResult,
+    TargetParity,
+    TensorCheck,
+)
 from kiln.exporter.parity.tensors import tensor_feeds, tensor_parity
 from kiln.exporter.parity.tolerances import TOLERANCES, Tolerance
 

@@ -8,8 +8,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from torch import nn
-
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import Precision
 from kiln.exporter.parity.generation import generation_parity, greedy, make_prompts
@@ -19,6 +17,7 @@ from kiln.exporter.parity.tolerances import TOLERANCES
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.runners import RecordingRunner, Runner, TorchRunner
 from kiln.plugins.base import DecoderSpec
+from torch import nn
 
 __all__ = ["Candidate", "ParitySettings", "check_parity", "run_parity", "parity_plan"]
 
@@ -117,7 +116,8 @@ def run_parity(
     recorder.freeze()
     if release_reference is not None:
         release_reference()
-    with candidate.open() as runner, progress.stage("parity", total=1 + len(paths) * len(batches)) as bar:
+    label = f"parity: {candidate.precision} {candidate.target + ' ' if candidate.target else ''}graphs"  # the session's start counts in it
+    with progress.stage(label, total=1 + len(paths) * len(batches)) as bar, candidate.open() as runner:
         result = ParityResult(backend=runner.name, precision=candidate.precision, tolerance=tolerance)
         result.tensors = tensor_parity(recorder, runner, spec, tolerance, seed, kv_dtype)
         bar.advance()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-
 from kiln.exporter.contract.io import ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.parity.generation import encoder_states
 from kiln.exporter.parity.results import TensorCheck

@@ -7,7 +7,12 @@ from kiln.exporter.passes.base import GraphRewrite, run_passes
 from kiln.exporter.passes.contract import ApplyContract, apply_contract
 from kiln.exporter.passes.names import NameNodes, name_nodes
 from kiln.exporter.passes.ple_inputs import PleTablesToInputs, ple_tables_to_inputs
-from kiln.exporter.passes.weights import WEIGHTS_FILE, ExternalizeWeights, SharedWeights, WeightsWriter
+from kiln.exporter.passes.weights import (
+    WEIGHTS_FILE,
+    ExternalizeWeights,
+    SharedWeights,
+    WeightsWriter,
+)
 
 __all__ = [
     "ApplyContract",

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 import onnx_ir as ir
-
 from kiln.errors import ExportError, KilnError
 
 __all__ = ["GraphRewrite", "run_passes", "pass_name"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import GraphIO, GraphKind, TensorSpec
 

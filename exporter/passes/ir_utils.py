@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["MS_DOMAIN", "constant", "copy_type", "replace_value", "scalar_of", "producer", "single_consumer", "skip_casts", "use_ms_domain"]
+__all__ = ["MS_DOMAIN", "constant", "copy_type", "replace_value", "set_dtype", "clone", "scalar_of", "producer", "single_consumer", "skip_casts", "use_ms_domain"]
 
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
 
@@ -76,9 +76,30 @@ def replace_value(old: ir.Value, new: ir.Value) -> None:
         old.name, new.name = f"{name}.replaced", name
 
 
+def clone(model: ir.Model) -> ir.Model:
+    """A copy of ``model`` that shares its tensors (weights are not copied) but no type or shape
+    object: ``Model.clone()`` shares those (onnx-ir 1.1), so a pass that refines one in place
+    (shape inference, a dtype change) would change every copy."""
+    copy = model.clone()
+    graph = copy.graph
+    for value in [*graph.inputs, *graph.initializers.values(), *(o for n in graph for o in n.outputs)]:
+        if isinstance(value.type, ir.TensorType):
+            value.type = ir.TensorType(value.type.dtype)
+        if value.shape is not None:
+            value.shape = ir.Shape(list(value.shape))
+    return copy
+
+
+def set_dtype(value: ir.Value, dtype: ir.DataType) -> None:
+    """Give ``value`` a new tensor type of ``dtype``. Never ``value.dtype = ...``: that changes
+    the type object in place, which ``Model.clone()`` shares between the copies (onnx-ir 1.1),
+    so converting one graph of a set would convert the others' values too."""
+    value.type = ir.TensorType(dtype)
+
+
 def copy_type(dst: ir.Value, src: ir.Value) -> None:
     """Give ``dst`` the dtype and shape of ``src`` when it has them (setting a None dtype would
     serialize as an invalid tensor type)."""
     if src.dtype is not None:
-        dst.dtype = src.dtype
+        set_dtype(dst, src.dtype)
         dst.shape = src.shape

@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx_ir as ir
-
 from kiln.errors import ExportError
+from kiln.exporter.passes.bind import ModuleWeight
 
 __all__ = ["WEIGHTS_FILE", "SharedWeights", "WeightsWriter", "ExternalizeWeights"]
 
@@ -59,18 +60,28 @@ class WeightsWriter(contextlib.AbstractContextManager["WeightsWriter"]):
         self._inline_limit = inline_limit
         self._by_content: dict[bytes, _Stored] = {}
         self._by_name: dict[str, bytes] = {}  # rename=False: the content each name was stored with
+        self._recipes: dict[str, bytes] = {}  # a lazy module weight's recipe -> its content key
         self._taken: set[str] = set()
         self._references = 0
         self._file = open(path, "wb")  # noqa: SIM115 (closed in close()/__exit__)
 
-    def externalize(self, model: ir.Model) -> None:
-        """Point ``model``'s large in-memory initializers into the file, writing new content."""
+    def pending(self, model: ir.Model) -> list[ir.Value]:
+        """``model``'s initializers that ``externalize`` moves into the file."""
+        return [value for value in model.graph.initializers.values() if self._moves(value.const_value)]
+
+    def _moves(self, tensor: ir.TensorProtocol | None) -> bool:
+        return tensor is not None and not isinstance(tensor, ir.ExternalTensor) and tensor.nbytes >= self._inline_limit
+
+    def externalize(self, model: ir.Model, advance: Callable[[], None] | None = None) -> None:
+        """Point ``model``'s large in-memory initializers into the file, writing new content
+        (``advance`` is called after each: a progress bar's step)."""
         graph = model.graph
         in_graph: dict[str, ir.Value] = {}
-        for value in list(graph.initializers.values()):
+        for value in self.pending(model):
             tensor = value.const_value
-            if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.nbytes < self._inline_limit:
-                continue
+            assert tensor is not None
+            if advance is not None:
+                advance()
             stored = self._store(value, tensor)
             if self._rename and stored.name in in_graph:  # same content twice in this graph: use the first
                 value.replace_all_uses_with(in_graph[stored.name])
@@ -89,19 +100,26 @@ class WeightsWriter(contextlib.AbstractContextManager["WeightsWriter"]):
             self._references += 1
 
     def _store(self, value: ir.Value, tensor: ir.TensorProtocol) -> _Stored:
+        recipe = tensor.key if isinstance(tensor, ModuleWeight) else None
+        if recipe is not None and recipe in self._recipes:  # written before, from another graph: not read again
+            return self._known(value, self._recipes[recipe])
         data = tensor.tobytes()
         key = hashlib.sha256(f"{tensor.dtype}:{tuple(tensor.shape)}".encode() + data).digest()
-        name = value.name or ""
-        if not self._rename:
-            known = self._by_name.setdefault(name, key)
-            if known != key:
-                raise ExportError(f"tensor {name} differs between graphs; cannot share {self.path.name}")
+        if recipe is not None:
+            self._recipes[recipe] = key
         if key not in self._by_content:
             offset = self._file.tell()
             pad = -offset % _ALIGN
             self._file.write(b"\0" * pad)
             self._file.write(data)
-            self._by_content[key] = _Stored(offset + pad, len(data), self._canonical(_readable_name(value)) if self._rename else name)
+            self._by_content[key] = _Stored(offset + pad, len(data), self._canonical(_readable_name(value)) if self._rename else value.name or "")
+        return self._known(value, key)
+
+    def _known(self, value: ir.Value, key: bytes) -> _Stored:
+        """The stored tensor of ``key``, checking that a name kept (rename=False) always holds one content."""
+        name = value.name or ""
+        if not self._rename and self._by_name.setdefault(name, key) != key:
+            raise ExportError(f"tensor {name} differs between graphs; cannot share {self.path.name}")
         return self._by_content[key]
 
     def _canonical(self, first: str) -> str:
@@ -135,7 +153,8 @@ class ExternalizeWeights(ir.passes.InPlacePass):
 
 def _readable_name(value: ir.Value) -> str:
     """The exporter's name for a weight, or, for a constant it made up (``val_12``, e.g. a
-    transposed Linear weight), the node that reads it: ``layers.0.attn.q_proj/MatMul:1``."""
+    transposed Linear weight: ``passes.transposes``), the node that reads it:
+    ``layers.0.attn.q_proj/MatMul:1``."""
     name = value.name or ""
     if not name.startswith("val_"):
         return name

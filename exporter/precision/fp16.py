@@ -1,26 +1,33 @@
 """Pass: convert a traced fp32 graph to fp16 with fp32 islands.
 
 Weights, activations and the KV cache (past inputs, present outputs) become fp16; the nodes the
-policy keeps run in fp32 with Casts at the borders; ``logits`` stays an fp32 output. The
-conversion itself is ONNX Runtime's converter (``onnxruntime.transformers.float16``), which
-also clamps constants to the fp16 range (the attention mask's fp32 minimum becomes -65504, not
--inf, so fully masked padding rows stay finite).
+policy keeps (``policy``) and the op types ONNX Runtime's converter keeps
+(``DEFAULT_OP_BLOCK_LIST``: Range, CumSum, Min, Max, TopK...) run in fp32 with Casts at their
+borders; ``logits`` stays an fp32 output. The rules are those of ONNX Runtime's converter
+(``onnxruntime.transformers.float16``), written here on onnx-ir because that converter works on a
+whole ``ModelProto``: it would read every weight into memory, in fp32, at once. Here a weight's
+conversion is one more step of its lazy recipe (``passes.bind``), run when it is written. Like
+ONNX Runtime's, the conversion clamps to fp16's range (the attention mask's fp32 minimum becomes
+-65504, not -inf, so fully masked padding rows stay finite) and keeps a weight fp32 when only
+fp32 nodes read it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
-import onnx
 import onnx_ir as ir
-
+from kiln.errors import ExportError
+from kiln.exporter.passes.bind import ModuleWeight, Transform
+from kiln.exporter.passes.ir_utils import set_dtype
 from kiln.exporter.precision.policy import Fp16Policy, resolve_kept_nodes
-from kiln.exporter.precision.via_proto import via_proto
 
-__all__ = ["ConvertFp16", "Fp16Result", "convert_to_fp16", "FP16_MAX"]
+__all__ = ["ConvertFp16", "Fp16Result", "convert_to_fp16", "FP16", "FP16_MAX"]
 
 FP16_MAX = 65504.0
+FP16_TINY = 5.96e-08  # fp16's smallest subnormal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,28 +72,139 @@ def _drop_cast_round_trips(graph: ir.Graph) -> int:
     return removed
 
 
+def _to_fp16(array: np.ndarray) -> np.ndarray:
+    """float32 -> float16 without changing sign or finiteness (ONNX Runtime's rule): magnitudes
+    below fp16's smallest subnormal become it, finite magnitudes above its max become the max."""
+    out = np.where((array > 0) & (array < FP16_TINY), FP16_TINY, array)
+    out = np.where((out < 0) & (out > -FP16_TINY), -FP16_TINY, out)
+    out = np.where(np.isfinite(out), np.clip(out, -FP16_MAX, FP16_MAX), out)
+    return out.astype(np.float16)
+
+
+FP16 = Transform("fp16", _to_fp16, dtype=ir.DataType.FLOAT16)
+
+
+def _fp16_tensor(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
+    if isinstance(tensor, ModuleWeight):
+        return tensor.then(FP16)
+    return ir.tensor(_to_fp16(tensor.numpy()), name=tensor.name)
+
+
+def _convert_attributes(node: ir.Node) -> None:
+    """An fp16 node's attributes: Cast to fp16, float constant tensors in fp16."""
+    if node.op_type == "Cast" and node.attributes.get_int("to") == ir.DataType.FLOAT:
+        node.attributes["to"] = ir.AttrInt64("to", ir.DataType.FLOAT16)
+    for name, attr in list(node.attributes.items()):
+        if attr.type is ir.AttributeType.TENSOR and attr.value.dtype == ir.DataType.FLOAT:
+            node.attributes[name] = ir.AttrTensor(name, _fp16_tensor(attr.value))
+        elif attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+            raise ExportError(f"--fp16: {node.name} holds a subgraph, which the fp16 conversion does not handle")
+    if node.op_type == "ConstantOfShape" and "value" not in node.attributes:
+        node.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.zeros(1, dtype=np.float16)))
+
+
+class _Casts:
+    """One Cast per (value, dtype), inserted before the first node that needs it."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self.graph = graph
+        self._made: dict[tuple[int, ir.DataType], ir.Value] = {}
+
+    def of(self, value: ir.Value, dtype: ir.DataType, before: ir.Node) -> ir.Value:
+        key = (id(value), dtype)
+        if key not in self._made:
+            suffix = "fp32" if dtype == ir.DataType.FLOAT else "fp16"
+            cast = ir.node("Cast", [value], {"to": dtype}, name=f"{value.name}_cast_to_{suffix}")
+            cast.outputs[0].name = f"{value.name}_cast_to_{suffix}"
+            set_dtype(cast.outputs[0], dtype)
+            cast.outputs[0].shape = value.shape
+            self.graph.insert_before(before, cast)
+            self._made[key] = cast.outputs[0]
+        return self._made[key]
+
+
+def _convert_initializers(graph: ir.Graph, blocked: Callable[[ir.Node], bool]) -> None:
+    for value in graph.initializers.values():
+        tensor = value.const_value
+        if tensor is not None and value.dtype == ir.DataType.FLOAT and any(not blocked(use.node) for use in value.uses()):
+            value.const_value = _fp16_tensor(tensor)
+            set_dtype(value, ir.DataType.FLOAT16)
+
+
+def _keep_blocked_fp32(graph: ir.Graph, node: ir.Node, casts: _Casts) -> None:
+    """A blocked node reads fp32 (its fp16 inputs cast up) and what reads it in fp16 gets a Cast down."""
+    for index, value in enumerate(node.inputs):
+        if value is not None and value.dtype == ir.DataType.FLOAT16:
+            node.replace_input_with(index, casts.of(value, ir.DataType.FLOAT, node))
+    for out in node.outputs:
+        if out.dtype != ir.DataType.FLOAT:
+            continue
+        down: ir.Value | None = None
+        for use in list(out.uses()):
+            if use.node.op_type == "Cast" and use.node.name == f"{out.name}_cast_to_fp16":
+                continue
+            down = down or casts.of(out, ir.DataType.FLOAT16, use.node)
+            use.node.replace_input_with(use.idx, down)
+        if out.is_graph_output() and out.name != "logits":  # a present of the contract is fp16
+            _fp16_output(graph, out)
+
+
+def _fp16_output(graph: ir.Graph, value: ir.Value) -> None:
+    """A graph output an fp32 node makes becomes fp16 under its name."""
+    name = value.name
+    cast = ir.node("Cast", [value], {"to": ir.DataType.FLOAT16}, name=f"graph_output_cast_{name}")
+    value.name = f"{name}_fp32"
+    cast.outputs[0].name, cast.outputs[0].shape = name, value.shape
+    set_dtype(cast.outputs[0], ir.DataType.FLOAT16)
+    graph.append(cast)
+    outputs = list(graph.outputs)
+    graph.outputs[outputs.index(value)] = cast.outputs[0]
+
+
+def _fp32_logits(graph: ir.Graph) -> None:
+    """``logits`` stays an fp32 output: the last fp16 value is cast up under the output's name."""
+    for index, value in enumerate(graph.outputs):
+        if value.name == "logits" and value.dtype == ir.DataType.FLOAT16:
+            cast = ir.node("Cast", [value], {"to": ir.DataType.FLOAT}, name="graph_output_cast_logits")
+            value.name = "logits_fp16"
+            cast.outputs[0].name, cast.outputs[0].shape = "logits", value.shape
+            set_dtype(cast.outputs[0], ir.DataType.FLOAT)
+            graph.append(cast)
+            graph.outputs[index] = cast.outputs[0]
+
+
 def convert_to_fp16(model: ir.Model, policy: Fp16Policy) -> tuple[ir.Model, Fp16Result]:
-    """A new fp16 model; the input model must not be used afterwards."""
-    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+    """``model`` converted in place (and returned), and what stayed fp32."""
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST
 
-    kept = resolve_kept_nodes(model.graph, policy)
-    tables = _wide_tables(model.graph)
-    block = sorted(set(kept) | set(tables))
+    graph = model.graph
+    kept = resolve_kept_nodes(graph, policy)
+    tables = _wide_tables(graph)
+    names, ops = set(kept) | set(tables), set(DEFAULT_OP_BLOCK_LIST)
 
-    def convert(proto: onnx.ModelProto) -> onnx.ModelProto:
-        converted: onnx.ModelProto = convert_float_to_float16(
-            proto,
-            keep_io_types=["logits"],
-            disable_shape_infer=True,  # the exporter wrote every value's type; shape inference would need the whole proto < 2 GB
-            op_block_list=list(DEFAULT_OP_BLOCK_LIST),
-            node_block_list=block,
-        )
-        return converted
+    def blocked(node: ir.Node) -> bool:
+        return node.op_type in ops or (node.name or "") in names
 
-    return via_proto(model, convert, _drop_cast_round_trips), Fp16Result(tuple(kept), tuple(tables))
+    _convert_initializers(graph, blocked)
+    for value in graph.inputs:
+        if value.dtype == ir.DataType.FLOAT:
+            set_dtype(value, ir.DataType.FLOAT16)
+    casts = _Casts(graph)
+    for node in list(graph):
+        if blocked(node):
+            _keep_blocked_fp32(graph, node, casts)
+            continue
+        _convert_attributes(node)
+        for out in node.outputs:
+            if out.dtype == ir.DataType.FLOAT:
+                set_dtype(out, ir.DataType.FLOAT16)
+    _fp32_logits(graph)
+    _drop_cast_round_trips(graph)
+    graph.sort()
+    return model, Fp16Result(tuple(kept), tuple(tables))
 
 
-class ConvertFp16(ir.passes.FunctionalPass):
+class ConvertFp16(ir.passes.InPlacePass):
     """``convert_to_fp16`` as a pass; ``result`` says which nodes and tables stayed fp32."""
 
     def __init__(self, policy: Fp16Policy) -> None:

@@ -19,7 +19,6 @@ from collections.abc import Callable
 import numpy as np
 import onnx
 import onnx_ir as ir
-
 from kiln.errors import ExportError
 from kiln.exporter.precision.policy import rule_matches
 from kiln.exporter.precision.via_proto import via_proto
@@ -48,7 +47,11 @@ def quantize_int8(model: ir.Model, ranges: dict[str, tuple[float, float]], polic
     """A new model with Q/DQ before the inputs of every MatMul/Gemm the policy does not keep in
     float, and the names of the quantized nodes."""
     from onnxruntime.quantization import QuantType
-    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
+    from onnxruntime.quantization.calibrate import (
+        CalibrationMethod,
+        TensorData,
+        TensorsData,
+    )
     from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
 
     if model.opset_imports.get("", 0) < MIN_INT8_OPSET:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 import onnx_ir as ir
-
 from kiln.errors import ConfigError
 
 __all__ = ["Fp16Policy", "DEFAULT_KEEP_FP32", "module_of", "resolve_kept_nodes", "rule_matches"]

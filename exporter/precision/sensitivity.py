@@ -15,17 +15,14 @@ fp16 causes (the rest of the found set staying fp32), so a user can map it to th
 from __future__ import annotations
 
 import dataclasses
-import typing
 import tempfile
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
-
-from torch import nn
-
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.parity import tensor_feeds
@@ -33,6 +30,7 @@ from kiln.exporter.precision.fp16 import convert_to_fp16
 from kiln.exporter.precision.policy import Fp16Policy, resolve_kept_nodes, rule_matches
 from kiln.exporter.runners import TorchRunner
 from kiln.plugins.base import DecoderSpec
+from torch import nn
 
 __all__ = ["SensitiveGroup", "SensitivityResult", "find_fp32_groups", "module_groups", "search_against_reference"]
 

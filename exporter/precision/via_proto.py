@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import onnx
 import onnx_ir as ir
+from kiln.exporter.passes.ir_utils import set_dtype
 
 __all__ = ["via_proto"]
 
@@ -28,5 +29,5 @@ def via_proto(model: ir.Model, tool: Callable[[onnx.ModelProto], onnx.ModelProto
     result.graph.sort()
     for value in result.graph.initializers.values():
         if value.const_value is not None:
-            value.dtype = value.const_value.dtype
+            set_dtype(value, value.const_value.dtype)
     return result

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
-
 from kiln.exporter.contract.io import GraphKind
 
 __all__ = ["Feeds", "Runner"]

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.runners.base import Feeds
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.runners.base import Feeds, Runner
 

@@ -3,13 +3,44 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
-
-from kiln.exporter.contract.io import ENCODER_STATES, GraphKind, cross_past_names, cross_present_names, past_names, present_names
+from kiln.exporter.contract.io import (
+    ENCODER_STATES,
+    GraphKind,
+    cross_past_names,
+    cross_present_names,
+    past_names,
+    present_names,
+)
 from kiln.exporter.runners.base import Feeds
 from kiln.exporter.trace.wrapper import GraphModule
+from torch import nn
 
-__all__ = ["TorchRunner"]
+__all__ = ["TorchRunner", "computes_in_fp32"]
+
+
+class _Float32(nn.Module):
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.float()
+
+
+def computes_in_fp32(module: nn.Module) -> nn.Module:
+    """``module``, made to compute in fp32 whatever its weights are stored in (a bf16 checkpoint
+    stays bf16 in memory): every other floating-point parameter is read through an upcast
+    (``torch.nn.utils.parametrize``), so only the weights of the module being run exist in fp32 at
+    once. The graphs are fp32 (or fp16 from these fp32 values), so this is the reference parity
+    measures them against. In place; a no-op for an fp32 module."""
+    from torch.nn.utils import parametrize
+
+    for sub in list(module.modules()):  # a snapshot: registering adds modules (the parametrization lists)
+        if isinstance(sub, parametrize.ParametrizationList):
+            continue
+        for name, tensor in list(sub.named_parameters(recurse=False)):
+            if tensor.is_floating_point() and tensor.dtype != torch.float32 and not parametrize.is_parametrized(sub, name):
+                parametrize.register_parametrization(sub, name, _Float32(), unsafe=True)
+        for name, buffer in list(sub.named_buffers(recurse=False)):
+            if buffer.is_floating_point() and buffer.dtype != torch.float32:
+                setattr(sub, name, buffer.float())
+    return module
 
 
 class TorchRunner:
@@ -18,7 +49,7 @@ class TorchRunner:
     name = "torch"
 
     def __init__(self, module: nn.Module, n_layers: int, last_logits_only: bool = False) -> None:
-        self._module, self._n_layers, self._last = module, n_layers, last_logits_only
+        self._module, self._n_layers, self._last = computes_in_fp32(module), n_layers, last_logits_only
         self._wrappers: dict[tuple[GraphKind, bool], GraphModule] = {}
 
     def graphs(self) -> tuple[GraphKind, ...]:

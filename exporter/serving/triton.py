@@ -43,9 +43,15 @@ from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.artifacts.hashing import rehash_subtree
 from kiln.exporter.artifacts.manifest import Manifest, TensorEntry
 from kiln.exporter.artifacts.staging import staged_output
-from kiln.exporter.options import TRITON_NAME
-from kiln.exporter.contract.io import BATCH, PAST_SEQ, GraphKind, past_names, present_names
 from kiln.exporter.artifacts.verify import require_verified
+from kiln.exporter.contract.io import (
+    BATCH,
+    PAST_SEQ,
+    GraphKind,
+    past_names,
+    present_names,
+)
+from kiln.exporter.options import TRITON_NAME
 from kiln.exporter.serving.triton_readme import IDLE_MICROSECONDS, readme
 
 __all__ = [

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from torch import Tensor, nn
-
 from kiln.exporter.contract.io import GraphKind
+from torch import Tensor, nn
 
 __all__ = ["GraphModule"]
 

@@ -9,7 +9,9 @@ only when such a checkpoint is loaded (install ``kiln[hf]``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from kiln.errors import CheckpointError
-from kiln.plugins.base import DecoderSpec, LoadedModel
+from kiln.plugins.base import DecoderSpec, LayerPlan, LoadedModel
 
 __all__ = ["HFFamily", "HF", "HFDecoder", "SUPPORTED"]
 
@@ -60,8 +62,10 @@ class HFDecoder(nn.Module):
     ) -> tuple[Tensor, list[KV]]:
         from transformers import DynamicCache
 
-        config: Any = self.model.config  # a transformers PretrainedConfig
-        cache = DynamicCache(config=config)
+        # no config: every layer keeps the full past (the contract's present = past + new), also a
+        # sliding-window layer, whose window the model's own mask still applies; with the config,
+        # transformers gives such a layer a cache capped at the window, which breaks the contract
+        cache = DynamicCache()
         for i, (key, value) in enumerate(past_key_values or []):
             cache.update(key, value, i)
         out = self.model(
@@ -138,7 +142,7 @@ class HFFamily:
         transformers = _transformers()
         try:
             model = getattr(transformers, arch).from_pretrained(
-                directory, local_files_only=True, use_safetensors=True, dtype=torch.float32, attn_implementation="eager"
+                directory, local_files_only=True, use_safetensors=True, dtype="auto", attn_implementation="eager"  # the checkpoint's dtype
             )
         except (OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{directory}: transformers could not load it ({str(exc).splitlines()[0]})") from None
@@ -147,7 +151,7 @@ class HFFamily:
                 raise CheckpointError(f"{directory}: {name} has non-finite values (NaN or Inf)")
         tokenizer = directory / "tokenizer.json"
         files = (directory / "config.json", *weights) + ((tokenizer,) if tokenizer.is_file() else ())
-        return LoadedModel(HFDecoder(model).eval(), _spec(model, arch), path, tokenizer if tokenizer.is_file() else None, files)
+        return _loaded(model, arch, path, tokenizer if tokenizer.is_file() else None, files)
 
     def tiny(self, seed: int) -> LoadedModel:
         return tiny_model("LlamaForCausalLM", seed)
@@ -170,7 +174,38 @@ def tiny_model(arch: str, seed: int) -> LoadedModel:
     # eager attention, as load() uses: with SDPA, fully masked (left-padding) query rows differ
     # between PyTorch and the traced graph, and padded positions' keys with them
     model = getattr(transformers, arch)._from_config(config, attn_implementation="eager").eval()
-    return LoadedModel(HFDecoder(model).eval(), _spec(model, arch), Path(f"<tiny {arch}>"))
+    return _loaded(model, arch, Path(f"<tiny {arch}>"))
+
+
+def _loaded(model: nn.Module, arch: str, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = ()) -> LoadedModel:
+    spec = dataclasses.replace(_spec(model, arch), dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+    return LoadedModel(HFDecoder(model).eval(), spec, source, tokenizer, files, layers=_layer_plan(model, arch))
+
+
+def _layer_plan(model: nn.Module, arch: str) -> LayerPlan | None:
+    """The decoder layers are the one ``nn.ModuleList`` with a module per layer; layers of one
+    class, parameter shapes and ``config.layer_types`` entry (sliding or full attention...) share
+    a structure. The template is the model built from its config with fewer layers, on meta."""
+    config: Any = model.config
+    n_layers = int(config.num_hidden_layers)
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
+    if len(lists) != 1:
+        return None
+    path, layers = lists[0]
+    kinds = list(getattr(config, "layer_types", None) or [None] * n_layers)
+    signatures = tuple((type(layer).__name__, tuple((n, tuple(t.shape)) for n, t in layer.state_dict().items()), kind) for layer, kind in zip(layers, kinds, strict=True))
+    return LayerPlan(f"model.{path}.{{}}", signatures, functools.partial(_meta_template, arch, config))
+
+
+def _meta_template(arch: str, config: Any, n_layers: int) -> nn.Module:
+    transformers = _transformers()
+    template = copy.deepcopy(config)
+    template.num_hidden_layers = n_layers
+    if getattr(template, "layer_types", None):
+        template.layer_types = list(template.layer_types)[:n_layers]
+    with torch.device("meta"):
+        model = getattr(transformers, arch)._from_config(template, attn_implementation="eager", dtype=torch.float32)  # the graphs' dtype
+    return HFDecoder(model.eval()).eval()
 
 
 HF = HFFamily()

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kiln.plugins.base import DecoderSpec, LoadedModel
-from kiln.plugins.native.checkpoint import apply_state_dict, find_weights, read_state_dict
+from kiln.plugins.base import DecoderSpec, LayerPlan, LoadedModel
+from kiln.plugins.native.checkpoint import apply_state_dict, find_weights, read_state_dict, state_dtype
 from kiln.plugins.native.config import ARCHITECTURE, NativeConfig
 from kiln.plugins.native.model import PLEDecoder
 from kiln.plugins.native.ple import NATIVE_PLE
 
-__all__ = ["NativeFamily", "NATIVE", "NativeConfig", "PLEDecoder", "spec_of"]
+__all__ = ["NativeFamily", "NATIVE", "NativeConfig", "PLEDecoder", "spec_of", "loaded_model", "random_model"]
 
 
 def spec_of(cfg: NativeConfig) -> DecoderSpec:
@@ -44,22 +46,33 @@ class NativeFamily:
         directory = path if path.is_dir() else path.parent
         cfg = NativeConfig.load(directory / "config.json")
         weights = find_weights(path)
+        state = read_state_dict(weights)
         module = PLEDecoder(cfg)
-        apply_state_dict(module, read_state_dict(weights), weights)
+        dtype = state_dtype(state)
+        for parameter in module.parameters():  # the checkpoint's dtype, not an fp32 copy of it (buffers such as inv_freq stay fp32)
+            parameter.data = parameter.data.to(dtype)
+        apply_state_dict(module, state, weights)
         tokenizer = directory / "tokenizer.json"
         files = (directory / "config.json", weights) + ((tokenizer,) if tokenizer.is_file() else ())
-        return LoadedModel(
-            module=module.eval(),
-            spec=spec_of(cfg),
-            source=path,
-            tokenizer=tokenizer if tokenizer.is_file() else None,
-            files=files,
-            ple=NATIVE_PLE if cfg.ple.enabled else None,
-        )
+        return loaded_model(cfg, module, path, tokenizer if tokenizer.is_file() else None, files)
 
     def tiny(self, seed: int) -> LoadedModel:
         cfg = NativeConfig(vocab_size=101, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_context=64)
-        return LoadedModel(module=random_model(cfg, seed), spec=spec_of(cfg), source=Path("<tiny>"), ple=NATIVE_PLE if cfg.ple.enabled else None)
+        return loaded_model(cfg, random_model(cfg, seed), Path("<tiny>"))
+
+
+def loaded_model(cfg: NativeConfig, module: PLEDecoder, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = ()) -> LoadedModel:
+    """A native model as the exporter sees it, with the family's PLE folding and layer plan."""
+    plan = LayerPlan("layers.{}", (NativeFamily.name,) * cfg.n_layers, functools.partial(meta_template, cfg))
+    spec = dataclasses.replace(spec_of(cfg), dtype=str(next(module.parameters()).dtype).removeprefix("torch."))
+    return LoadedModel(module.eval(), spec, source, tokenizer, files, NATIVE_PLE if cfg.ple.enabled else None, plan)
+
+
+def meta_template(cfg: NativeConfig, n_layers: int) -> PLEDecoder:
+    """The model with its first ``n_layers`` layers, weights on the meta device (no memory); every
+    layer of the native decoder has the one structure its config gives."""
+    with torch.device("meta"):
+        return PLEDecoder(dataclasses.replace(cfg, n_layers=n_layers)).eval()
 
 
 def random_model(cfg: NativeConfig, seed: int) -> PLEDecoder:

@@ -18,7 +18,9 @@ from torch import Tensor, nn
 
 from kiln.errors import CheckpointError
 
-__all__ = ["WEIGHT_FILES", "find_weights", "read_state_dict", "apply_state_dict"]
+__all__ = ["WEIGHT_FILES", "find_weights", "read_state_dict", "apply_state_dict", "state_dtype"]
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
 
@@ -57,6 +59,11 @@ class _SafetensorsState(Mapping[str, Tensor]):
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
 
+    def dtypes(self) -> set[torch.dtype]:
+        """The floating-point dtypes the file stores, read from its header (no tensor is read)."""
+        names = {self._file.get_slice(key).get_dtype() for key in self._keys}  # type: ignore[no-untyped-call]  # untyped
+        return {_SAFETENSORS_DTYPES[n] for n in names if n in _SAFETENSORS_DTYPES}
+
     def __len__(self) -> int:
         return len(self._keys)
 
@@ -81,6 +88,13 @@ def read_state_dict(weights: Path) -> Mapping[str, Tensor]:
             raise CheckpointError(f"{weights}: expected a dict of tensors (a state_dict)")
         return state
     raise CheckpointError(f"{weights}: unknown weights format {weights.suffix!r}; use .safetensors")
+
+
+def state_dtype(state: Mapping[str, Tensor]) -> torch.dtype:
+    """The dtype a checkpoint's weights are held in: the one floating-point dtype it stores
+    (float32 when it mixes several, or stores float64)."""
+    found = state.dtypes() if isinstance(state, _SafetensorsState) else {t.dtype for t in state.values() if t.is_floating_point()}
+    return found.pop() if len(found) == 1 and next(iter(found)) in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
 def apply_state_dict(module: nn.Module, state: Mapping[str, Tensor], source: Path) -> None:
@@ -111,7 +125,7 @@ def apply_state_dict(module: nn.Module, state: Mapping[str, Tensor], source: Pat
             problems.append(f"{key} has {bad} non-finite values (NaN or Inf)")
         elif not problems:
             with torch.no_grad():
-                want.copy_(tensor.to(torch.float32))
+                want.copy_(tensor.to(want.dtype))
         del tensor
     if problems:
         raise CheckpointError(f"{source}: weights do not match the config: " + "; ".join(problems))

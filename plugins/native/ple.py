@@ -54,6 +54,9 @@ def ple_sublayers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 @torch.no_grad()
 def _tables(sub: PLESubLayer) -> tuple[Tensor, Tensor]:
+    """The folded tables, computed in fp32 whatever the checkpoint's dtype (the graphs compute in
+    fp32 or in fp16 from fp32 values: a table rounded through bf16 would be a different model)."""
+    sub = copy.deepcopy(sub).float()  # one small sub-layer: a norm and a position table
     rows = sub.ple.table.num_embeddings
     scale, shift = sub.ple.scale_shift(torch.arange(rows))  # (1 + g(a)), b: [rows, d]
     if not sub.pre:

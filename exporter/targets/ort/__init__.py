@@ -29,19 +29,28 @@ import functools
 from pathlib import Path
 
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
-
 from kiln.exporter.artifacts.layout import ONNX_DIR
 from kiln.exporter.artifacts.manifest import OrtGraphEntry
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.passes import ExternalizeWeights, GraphRewrite, SharedWeights, WeightsWriter, run_passes
-from kiln.exporter.targets.ort.gqa import fuse_attention
+from kiln.exporter.passes import (
+    ExternalizeWeights,
+    GraphRewrite,
+    SharedWeights,
+    WeightsWriter,
+    run_passes,
+)
 from kiln.exporter.targets.ort.decode_mask import compact_decode_bias
-from kiln.exporter.targets.ort.nbits import ACCURACY_LEVEL, BLOCK_SIZE, quantize_matmul_nbits
+from kiln.exporter.targets.ort.gqa import fuse_attention
+from kiln.exporter.targets.ort.nbits import (
+    ACCURACY_LEVEL,
+    BLOCK_SIZE,
+    quantize_matmul_nbits,
+)
 from kiln.exporter.targets.ort.norm import fuse_rms_norm, fuse_skip_rms_norm
 from kiln.exporter.targets.ort.pack import pack_shared_input_matmuls
 from kiln.exporter.targets.ort.rotary_tables import graph_tables
 from kiln.plugins.base import DecoderSpec
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 __all__ = ["OrtTarget", "ort_passes", "write_ort_target", "ort_graph_file", "ORT_WEIGHTS_FILE", "INT8_FORMAT"]
 

@@ -23,8 +23,12 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
-
-from kiln.exporter.passes.ir_utils import producer, scalar_of, single_consumer, skip_casts
+from kiln.exporter.passes.ir_utils import (
+    producer,
+    scalar_of,
+    single_consumer,
+    skip_casts,
+)
 
 __all__ = ["AttentionCore", "TableFn", "find_attention"]
 

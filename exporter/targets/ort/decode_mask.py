@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-
-from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant
+from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, set_dtype
 from kiln.exporter.passes.subgraph import cut_subgraph
 from kiln.exporter.runners.ort_runner import ort_session
 
@@ -102,7 +101,7 @@ def compact_decode_bias(model: ir.Model, base_dir: Path, max_context: int) -> bo
     )
     axes = constant(graph, "ort/decode_mask_axes", np.array([1, 2], dtype=np.int64))
     unsqueeze = ir.node("Unsqueeze", [where.outputs[0], axes], name="/ort/decode_mask/Unsqueeze")  # [B, 1, 1, T]
-    unsqueeze.outputs[0].dtype = ir.DataType.FLOAT
+    set_dtype(unsqueeze.outputs[0], ir.DataType.FLOAT)
     graph.extend([cond, where, unsqueeze])
     for node in gqa:
         node.replace_input_with(_BIAS_INPUT, unsqueeze.outputs[0])

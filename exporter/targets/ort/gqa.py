@@ -33,8 +33,13 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-
-from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, use_ms_domain
+from kiln.exporter.passes.ir_utils import (
+    MS_DOMAIN,
+    constant,
+    copy_type,
+    producer,
+    use_ms_domain,
+)
 from kiln.exporter.targets.ort.attention import AttentionCore, TableFn, find_attention
 from kiln.exporter.targets.ort.pack import pack_matmuls, packable
 

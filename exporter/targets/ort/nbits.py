@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-
-from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, use_ms_domain
+from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, use_ms_domain
 
 __all__ = ["quantize_matmul_nbits", "pack_int8_blocks", "BLOCK_SIZE", "ACCURACY_LEVEL"]
 
@@ -61,10 +60,13 @@ def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accurac
         if not is_matmul and gemm is None:
             continue
         a, b = node.inputs[0], node.inputs[1]
+        transposed = producer(b, "Transpose")  # a tied LM head reads the embedding through a Transpose
+        if transposed is not None and list(transposed.attributes.get_ints("perm", [1, 0])) == [1, 0] and transposed.inputs[0] is not None:
+            b = transposed.inputs[0]
         tensor = b.const_value if b is not None else None
         if a is None or b is None or tensor is None or tensor.dtype != ir.DataType.FLOAT or len(tensor.shape) != 2:
             continue
-        weight = tensor.numpy().T if gemm is not None and gemm[0] else tensor.numpy()
+        weight = tensor.numpy().T if (gemm is not None and gemm[0]) or transposed is not None else tensor.numpy()
         bias = gemm[1] if gemm is not None else None
         k, n = weight.shape
         packed, scales = pack_int8_blocks(weight, block_size)

@@ -12,8 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-
-from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, replace_value, scalar_of, use_ms_domain
+from kiln.exporter.passes.ir_utils import (
+    MS_DOMAIN,
+    constant,
+    copy_type,
+    producer,
+    replace_value,
+    scalar_of,
+    use_ms_domain,
+)
 
 __all__ = ["fuse_rms_norm", "fuse_skip_rms_norm"]
 

@@ -14,9 +14,8 @@ import os
 
 import numpy as np
 import onnx_ir as ir
-
+from kiln.exporter.passes.ir_utils import constant, copy_type, set_dtype
 from kiln.exporter.precision.policy import module_of
-from kiln.exporter.passes.ir_utils import constant, copy_type
 
 __all__ = ["pack_shared_input_matmuls", "pack_matmuls", "packable"]
 
@@ -48,7 +47,7 @@ def pack_matmuls(graph: ir.Graph, nodes: list[ir.Node], prefix: str) -> list[ir.
     packed = constant(graph, f"ort/{prefix}.packed.weight", np.concatenate(weights, axis=1))
     sizes = constant(graph, f"ort/{prefix}.packed.split", np.array([w.shape[1] for w in weights], dtype=np.int64))
     matmul = ir.node("MatMul", [nodes[0].inputs[0], packed], name=f"/{prefix}/ort/packed/MatMul")
-    matmul.outputs[0].dtype = ir.DataType.FLOAT
+    set_dtype(matmul.outputs[0], ir.DataType.FLOAT)
     split = ir.node("Split", [matmul.outputs[0], sizes], {"axis": -1}, num_outputs=len(nodes), name=f"/{prefix}/ort/packed/Split")
     graph.insert_after(nodes[-1], [matmul, split])  # the caller sorts the graph once its passes are done
     for out, old in zip(split.outputs, nodes, strict=True):

@@ -15,11 +15,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import helper
-
-from kiln.exporter.targets.ort.attention import TableFn
 from kiln.exporter.passes.subgraph import cut_subgraph
 from kiln.exporter.runners.ort_runner import ort_session
+from kiln.exporter.targets.ort.attention import TableFn
+from onnx import helper
 
 __all__ = ["graph_tables"]
 

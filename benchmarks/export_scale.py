@@ -1,0 +1,204 @@
+"""Export at real sizes: kiln beside the ONNX Runtime GenAI builder and Optimum, same run, same checkpoints.
+
+Writes random-initialised Hugging Face checkpoints of real shapes (bf16, sharded safetensors
+with an index, a tokenizer beside them: what a user downloads), then runs, one after another in
+child processes, on each checkpoint and precision:
+
+- ``kiln export --json`` (its per-stage wall seconds come from the JSON),
+- the GenAI builder (``python -m onnxruntime_genai.models.builder -e cpu``, peers' venv),
+- Optimum (``optimum-cli export onnx --task text-generation-with-past``; fp32 only: Optimum's
+  fp16 export needs ``--device cuda``),
+
+and reports each child's wall time and peak RSS (its own rusage, as ``/usr/bin/time -v``
+does). The page cache is warmed with the checkpoint before every run, so no tool pays the
+first read from disk. It takes tens of minutes and GBs; run it by hand, not as a test:
+
+    python benchmarks/export_scale.py --work /work/scale --out docs/benchmarks/export_scale.json \\
+        --shape qwen2-0.5b --precision fp32 --precision fp16
+    python benchmarks/export_scale.py --work /work/scale --shape qwen2-0.5b@6 --shape qwen2-0.5b@12 \\
+        --shape qwen2-0.5b@24 --shape qwen2-0.5b@48 --precision fp32 --tools kiln
+
+A shape ``NAME@N`` is NAME with N layers (the depth sweep). The peers' venvs: benchmarks/peers/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from anchor_llama import write_tokenizer  # noqa: E402  (the benchmarks' one tokenizer recipe)
+
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+         "rms_norm_eps": 1e-6, "vocab_size": 151936, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+SHAPES: dict[str, dict[str, Any]] = {
+    # the shapes of the released models (hidden, layers, heads / KV heads, MLP width, vocab)
+    "qwen2-0.5b": {**QWEN2, "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864},
+    "qwen2-1.5b": {**QWEN2, "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960},
+    "llama2-7b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                  "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+}
+SHARD_BYTES = 500 * 2**20
+PEERS_VENV, GENAI_VENV = Path("/work/peers-venv"), Path("/work/peers-genai-venv")
+
+
+def shape_config(shape: str) -> dict[str, Any]:
+    name, _, layers = shape.partition("@")
+    if name not in SHAPES:
+        sys.exit(f"unknown shape {name!r}; known: {', '.join(SHAPES)} (NAME@LAYERS for another depth)")
+    config = dict(SHAPES[name])
+    if layers:
+        config["num_hidden_layers"] = int(layers)
+    return config
+
+
+def write_checkpoint(directory: Path, config: dict[str, Any], seed: int = 0) -> Path:
+    """A random bf16 checkpoint of ``config``, written tensor by tensor into shards of at most
+    SHARD_BYTES (memory stays at about one shard, whatever the model's size)."""
+    if (directory / "model.safetensors.index.json").is_file():
+        return directory
+    import transformers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_config = transformers.AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"}, dtype="bfloat16")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied weights appear once
+    shards = list(_shards(shapes))
+    generator = torch.Generator().manual_seed(seed)
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: _random(name, shapes[name], generator) for name in names}
+        save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+        total += sum(t.nbytes for t in tensors.values())
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    hf_config.save_pretrained(directory)
+    write_tokenizer(directory, min(config["vocab_size"], 8000))
+    return directory
+
+
+def _shards(shapes: dict[str, tuple[int, ...]]) -> Iterator[list[str]]:
+    shard: list[str] = []
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = 2 * math.prod(shape)
+        if shard and size + nbytes > SHARD_BYTES:
+            yield shard
+            shard, size = [], 0
+        shard.append(name)
+        size += nbytes
+    if shard:
+        yield shard
+
+
+def _random(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Hugging Face's own init: norms at one, biases at zero, the rest N(0, 0.02)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=torch.bfloat16)
+    return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+
+
+def measure(cmd: list[str], log: Path) -> dict[str, Any]:
+    """Wall seconds and peak RSS of one child process (its own rusage, via wait4); its stdout
+    in ``log``, its stderr beside it (``.err``)."""
+    start = time.perf_counter()
+    with log.open("wb") as out, log.with_suffix(".err").open("wb") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    code = os.waitstatus_to_exitcode(status)
+    row: dict[str, Any] = {"command": " ".join(cmd), "wall_s": round(wall, 1), "peak_rss_bytes": usage.ru_maxrss * 1024, "exit": code}
+    if code != 0:
+        row["error"] = log.with_suffix(".err").read_text(errors="replace")[-1500:]
+    return row
+
+
+def warm(directory: Path) -> None:
+    """Read the checkpoint once so every tool finds it in the page cache."""
+    for file in directory.glob("*.safetensors"):
+        with file.open("rb") as f:
+            while f.read(64 * 2**20):
+                pass
+
+
+def commands(tool: str, ckpt: Path, out: Path, precision: str, parity_tokens: int) -> list[str] | None:
+    if tool == "kiln":
+        flags = ["--fp16"] if precision == "fp16" else []
+        return [sys.executable, "-m", "kiln.cli", "export", "--model", str(ckpt), "--out", str(out), "--force", "--json", "--parity-tokens", str(parity_tokens), *flags]
+    if tool == "genai":
+        return [str(GENAI_VENV / "bin/python"), "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out), "-p", precision, "-e", "cpu", "-c", str(out) + ".cache"]
+    if tool == "optimum" and precision == "fp32":
+        return [str(PEERS_VENV / "bin/optimum-cli"), "export", "onnx", "--model", str(ckpt), "--task", "text-generation-with-past", str(out)]
+    return None  # Optimum's fp16 export needs --device cuda
+
+
+def run_one(tool: str, ckpt: Path, work: Path, shape: str, precision: str, parity_tokens: int) -> dict[str, Any] | None:
+    out = work / "out" / f"{shape}-{precision}-{tool}"
+    cmd = commands(tool, ckpt, out, precision, parity_tokens)
+    if cmd is None:
+        return None
+    subprocess.run(["rm", "-rf", str(out), str(out) + ".cache"], check=True)
+    warm(ckpt)
+    load = os.getloadavg()[0]
+    row = measure(cmd, work / "logs" / f"{shape}-{precision}-{tool}.log")
+    row["load_average_before"] = round(load, 2)  # on a shared machine: how loaded it was
+    if tool == "kiln" and row["exit"] == 0:
+        stages = json.loads((work / "logs" / f"{shape}-{precision}-{tool}.log").read_text())["stages"]
+        row["stages_s"] = stages
+        row["wall_excluding_parity_s"] = round(row["wall_s"] - sum(v for k, v in stages.items() if k.startswith("parity")), 1)
+        row["graph_building_s"] = round(sum(v for k, v in stages.items() if k == "trace" or k.endswith("graph passes")), 1)
+    if row["exit"] == 0:
+        row["output_bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    subprocess.run(["rm", "-rf", str(out), str(out) + ".cache"], check=True)  # the next run's disk and page cache
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path("/work/scale"))
+    parser.add_argument("--shape", action="append", default=[], help=f"{', '.join(SHAPES)}, or NAME@LAYERS (repeatable; default qwen2-0.5b)")
+    parser.add_argument("--precision", action="append", choices=["fp32", "fp16"], default=[], help="repeatable; default fp32")
+    parser.add_argument("--tools", default="kiln,genai,optimum", help="comma-separated: kiln, genai, optimum")
+    parser.add_argument("--parity-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=None, help="also write the results here (JSON)")
+    args = parser.parse_args()
+    (args.work / "logs").mkdir(parents=True, exist_ok=True)
+    results = []
+    for shape in args.shape or ["qwen2-0.5b"]:
+        config = shape_config(shape)
+        ckpt = write_checkpoint(args.work / "ckpt" / shape, config)
+        size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+        for precision in args.precision or ["fp32"]:
+            for tool in args.tools.split(","):
+                row = run_one(tool, ckpt, args.work, shape, precision, args.parity_tokens)
+                if row is None:
+                    continue
+                row.update(shape=shape, layers=config["num_hidden_layers"], precision=precision, tool=tool, checkpoint_bytes=size,
+                           peak_rss_over_checkpoint=round(row["peak_rss_bytes"] / size, 2))
+                results.append(row)
+                print(json.dumps({k: row[k] for k in ("shape", "precision", "tool", "wall_s", "peak_rss_bytes", "exit")}), flush=True)
+    report = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()}, "torch": torch.__version__, "results": results}
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Pass: a traced graph's initializers bound, lazily, to the model's own tensors.
+
+The graphs are traced from a model whose weights are on the meta device (no memory:
+``exporter.trace``), so their initializers hold no data. Each one is named after the module
+tensor it is (``model.layers.0.attn.q_proj.weight``: the exporter names a parameter by its
+qualified name), and this pass points it at that tensor through a ``ModuleWeight``: a lazy
+tensor, a recipe (the module tensor's name, then transforms such as a transpose or an fp16
+conversion) that is read only when a pass needs its values or the weights writer writes it, one
+tensor at a time. So no graph holds a copy of the model's weights, whatever the model's size,
+and a bf16 checkpoint is converted tensor by tensor, never as a whole. The recipe is also what
+the per-layer stamp renames (``passes.stamp``) and what the weights writer dedupes by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import onnx_ir as ir
+import torch
+from kiln.errors import ExportError
+from torch import nn
+
+__all__ = ["Transform", "ModuleWeight", "WeightSource", "BindWeights"]
+
+_TORCH_DTYPES = {
+    ir.DataType.FLOAT: torch.float32,
+    ir.DataType.FLOAT16: torch.float16,
+    ir.DataType.INT64: torch.int64,
+    ir.DataType.INT32: torch.int32,
+    ir.DataType.BOOL: torch.bool,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """One step of a weight's recipe: ``func`` on its values, ``shape`` on its shape."""
+
+    name: str
+    func: Callable[[np.ndarray], np.ndarray]
+    shape: Callable[[tuple[int, ...]], tuple[int, ...]] = lambda shape: shape
+    dtype: ir.DataType | None = None  # the dtype it converts to (None: unchanged)
+
+
+class WeightSource:
+    """The tensors of the module a graph was traced from (the reference, folded), by the name the
+    exporter gives them: ``model.`` (the contract wrapper's attribute) + the qualified name.
+    Tied parameters answer to every name they have."""
+
+    def __init__(self, module: nn.Module) -> None:
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        self._tensors = {f"model.{name}": tensor for name, tensor in named}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._tensors:
+            raise ExportError(f"the graph reads {name}, which the model has no tensor of that name for")
+        return self._tensors[name]
+
+
+class ModuleWeight(ir.LazyTensor):
+    """A module tensor as ``dtype``, then ``transforms``, computed on demand (``tobytes()``,
+    ``numpy()``). ``key`` names the recipe: the same key in two graphs is the same bytes."""
+
+    def __init__(self, source: WeightSource, name: str, dtype: ir.DataType, transforms: tuple[Transform, ...] = ()) -> None:
+        tensor = source.tensor(name)
+        shape, final = tuple(int(d) for d in tensor.shape), dtype
+        for transform in transforms:
+            shape, final = transform.shape(shape), transform.dtype or final
+        super().__init__(self._compute, final, ir.Shape(shape), name=name)
+        self.source, self.module_name, self.base_dtype, self.transforms = source, name, dtype, transforms
+        self.key = "|".join([name, dtype.name, *(t.name for t in transforms)])
+
+    def _compute(self) -> ir.TensorProtocol:
+        array = self.source.tensor(self.module_name).detach().to(_TORCH_DTYPES[self.base_dtype]).numpy()
+        for transform in self.transforms:
+            array = transform.func(array)
+        return ir.tensor(np.ascontiguousarray(array))
+
+    def then(self, transform: Transform) -> ModuleWeight:
+        return ModuleWeight(self.source, self.module_name, self.base_dtype, (*self.transforms, transform))
+
+    def renamed(self, name: str) -> ModuleWeight:
+        """The same recipe on another module tensor (a stamped layer's)."""
+        return ModuleWeight(self.source, name, self.base_dtype, self.transforms)
+
+    @property
+    def module_tensor(self) -> torch.Tensor:
+        return self.source.tensor(self.module_name)
+
+
+def _unbound(value: ir.Value) -> bool:
+    """An initializer still holding the exporter's tensor of a meta-device parameter."""
+    raw = getattr(value.const_value, "raw", None)
+    return isinstance(raw, torch.Tensor) and raw.device.type == "meta"
+
+
+class BindWeights(ir.passes.InPlacePass):
+    """Every initializer named after a module tensor -> that tensor, lazily (``ModuleWeight``).
+    Postcondition: no initializer is left without data (a meta tensor the module lacks)."""
+
+    def __init__(self, source: WeightSource) -> None:
+        super().__init__()
+        self.source = source
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        for name, value in model.graph.initializers.items():
+            if name in self.source and value.dtype in _TORCH_DTYPES:
+                value.const_value = ModuleWeight(self.source, name, value.dtype)
+        return ir.passes.PassResult(model, modified=True)
+
+    def ensures(self, model: ir.Model) -> None:
+        unbound = sorted(name for name, value in model.graph.initializers.items() if _unbound(value))
+        if unbound:
+            raise ExportError(f"the traced graph reads {unbound[:3]}, which the model has no tensor of that name for")

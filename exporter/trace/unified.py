@@ -1,0 +1,97 @@
+"""The trace stage: the model's unified graph, traced once.
+
+The unified graph (``model.onnx``: seq >= 1, past_seq >= 0) is the only graph traced; prefill and
+decode are derived from it by specialisation passes (``passes.specialise``). (A cross-attention
+decoder's prefill computes the cross cache from ``encoder_hidden_states``, which the unified
+graph takes as an input instead: its prefill is traced too.) When the family
+gives a ``LayerPlan``, what is traced is a template: the model with only its first few layers,
+built on the meta device (no weights, no memory), and the stamp pass (``passes.stamp``) grows the
+graph to the model's depth. Either way the graph's initializers are then bound lazily to the
+reference's own tensors (``passes.bind``). So one export costs one trace of about two layers,
+whatever the depth, and no weight is copied until it is written.
+
+A template that cannot be traced (a family's code that needs real values at init or in
+forward) or stamped (layers that exchange more than their hidden state) falls back to tracing
+the whole reference model, with a note saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx_ir as ir
+from kiln.errors import ExportError
+from kiln.exporter.contract.io import GraphKind, graph_io
+from kiln.exporter.fold import Folded
+from kiln.exporter.load import Reference
+from kiln.exporter.options import ExportOptions
+from kiln.exporter.passes import NameNodes, run_passes
+from kiln.exporter.passes.bind import BindWeights, WeightSource
+from kiln.exporter.passes.fold import FoldConstants
+from kiln.exporter.passes.stamp import StampLayers, StampPlan
+from kiln.exporter.passes.transposes import FoldWeightTransposes
+from kiln.exporter.progress import Progress
+from kiln.exporter.trace.torch_export import trace_graph
+from torch import nn
+
+__all__ = ["Traced", "trace_unified"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """The graphs as traced (the unified one; a cross-attention decoder's prefill too): nodes
+    named, weights bound lazily, constants folded."""
+
+    graphs: dict[GraphKind, ir.Model]
+    stamp: StampPlan | None  # how they grow to the model's depth (None: they have every layer)
+
+    @property
+    def model(self) -> ir.Model:
+        return self.graphs[GraphKind.UNIFIED]
+
+
+def trace_unified(reference: Reference, folded: Folded, options: ExportOptions, progress: Progress) -> Traced:
+    kinds = (GraphKind.UNIFIED, GraphKind.PREFILL) if reference.spec.encoder_dim is not None else (GraphKind.UNIFIED,)
+    plan = reference.loaded.layers
+    stamp = StampPlan.of(plan) if plan is not None and len(plan.signatures) == reference.spec.n_layers else None
+    if stamp is not None:
+        try:
+            template = _template(reference, stamp.traced)
+            graphs = {kind: _checked(_trace(reference, folded, options, template, kind, stamp.traced, meta=True), stamp) for kind in kinds}
+            return Traced(graphs, stamp)
+        except ExportError as exc:  # the template's own trace or analysis: the whole model still traces
+            progress.note(f"trace: tracing the whole model ({exc})")
+    if reference.spec.dtype != "float32":  # the graphs are traced in fp32: this path needs an fp32 copy of the model
+        progress.note(f"trace: converting the {reference.spec.dtype} model to float32 to trace it whole (twice its memory)")
+        folded.module.float()  # in place: the reference shares these parameters and computes in fp32 anyway
+    return Traced({kind: _trace(reference, folded, options, folded.module, kind, reference.spec.n_layers, meta=False) for kind in kinds}, None)
+
+
+def _template(reference: Reference, layers: int) -> nn.Module:
+    loaded = reference.loaded
+    assert loaded.layers is not None
+    template = loaded.layers.template(layers)
+    return loaded.ple.fold(template) if loaded.ple is not None else template
+
+
+def _trace(reference: Reference, folded: Folded, options: ExportOptions, module: nn.Module, kind: GraphKind, layers: int, *, meta: bool) -> ir.Model:
+    spec = dataclasses.replace(reference.spec, n_layers=layers)
+    model = trace_graph(
+        module,
+        kind,
+        graph_io(spec, kind, last_logits_only=options.last_logits_only),
+        n_layers=layers,
+        vocab=spec.vocab_size,
+        opset=options.opset,
+        last_logits_only=options.last_logits_only and kind is GraphKind.PREFILL,
+        max_batch=options.max_batch,
+        max_context=reference.max_context,
+        meta=meta,
+    )
+    passes = [NameNodes(), BindWeights(WeightSource(folded.module)), FoldWeightTransposes(), FoldConstants()]
+    return run_passes(model, passes, graph="traced")
+
+
+def _checked(model: ir.Model, stamp: StampPlan) -> ir.Model:
+    StampLayers(stamp).check(model)
+    return model
