@@ -49,6 +49,7 @@ from kiln.exporter.precision.sensitivity import (
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.report import ExportReport
 from kiln.exporter.runners import OrtRunner, TorchRunner
+from kiln.exporter.runners.torch_runner import drop_fp32_buffers
 from kiln.exporter.targets.ort import OrtTarget, write_ort_target
 from kiln.exporter.trace import Traced, trace_unified
 from kiln.plugins import LoadedModel, load_model
@@ -116,6 +117,7 @@ def release_weights(module: torch.nn.Module) -> Callable[[], None]:
     def release() -> None:
         for tensor in itertools.chain(module.parameters(), module.buffers()):
             tensor.data = torch.empty(0, dtype=tensor.dtype)
+        drop_fp32_buffers(module)
 
     return release
 

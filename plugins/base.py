@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # importing kiln.plugins.base must stay cheap: the CLI reads specs without torch
     from torch import Tensor, nn
 
-__all__ = ["DecoderSpec", "LayerPlan", "LoadedModel", "ModelFamily", "PLEExtendMode", "PLEFolding"]
+__all__ = ["DecoderSpec", "LayerPlan", "LoadedModel", "ModelFamily", "PLEExtendMode", "PLEFolding", "non_finite"]
 
 
 class PLEExtendMode(str, enum.Enum):
@@ -124,3 +124,12 @@ class ModelFamily(Protocol):
     def tiny(self, seed: int) -> LoadedModel:
         """A tiny randomly initialised model of this family, for tests."""
         ...
+
+
+def non_finite(tensor: Tensor, slice_elements: int = 1 << 24) -> int:
+    """How many NaN/Inf values a float tensor holds, counted slice by slice: a memory-mapped
+    checkpoint tensor is read once and no mask of its full size is ever made."""
+    import torch
+
+    flat = tensor.detach().reshape(-1)
+    return sum(int((~torch.isfinite(flat[i : i + slice_elements])).sum()) for i in range(0, flat.numel(), slice_elements))

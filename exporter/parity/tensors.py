@@ -10,21 +10,42 @@ from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["tensor_feeds", "tensor_parity"]
+__all__ = ["real_positions", "tensor_feeds", "tensor_parity"]
 
 
-def _compare(graph: str, name: str, want: np.ndarray, got: np.ndarray, atol: float, min_cos: float) -> TensorCheck:
-    w, g = want.astype(np.float64), got.astype(np.float64)
-    if w.shape != g.shape:
+def _compare(graph: str, name: str, want: np.ndarray, got: np.ndarray, atol: float, min_cos: float, real: np.ndarray | None = None) -> TensorCheck:
+    """``got`` against ``want``; with ``real`` (a boolean mask broadcastable to both) the values are
+    compared at the real positions only, while every value must be finite."""
+    if want.shape != got.shape:
         return TensorCheck(graph, name, float("inf"), float("inf"), 0.0, None, atol, False)
+    finite = bool(np.isfinite(got).all())
+    if real is not None:
+        keep = np.broadcast_to(real, want.shape)
+        want, got = want[keep].reshape(-1, want.shape[-1]), got[keep].reshape(-1, got.shape[-1])
+    w, g = want.astype(np.float64), got.astype(np.float64)
     diff = np.abs(w - g)
     max_abs = float(diff.max()) if diff.size else 0.0
     max_rel = float((diff / np.maximum(np.abs(w), 1e-6)).max()) if diff.size else 0.0
     denom = float(np.linalg.norm(w) * np.linalg.norm(g))
     cosine = float(np.dot(w.ravel(), g.ravel()) / denom) if denom > 0 else float(np.array_equal(w, g))
     top1 = float((w.argmax(-1) == g.argmax(-1)).mean()) if name == "logits" else None
-    passed = bool(np.isfinite(g).all()) and max_abs <= atol and cosine >= min_cos
+    passed = finite and max_abs <= atol and cosine >= min_cos
     return TensorCheck(graph, name, max_abs, max_rel, cosine, top1, atol, passed)
+
+
+def real_positions(name: str, attention_mask: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+    """Where an output holds a real token's value: logits at the query positions, a self-attention
+    cache at the key positions the attention mask marks as real. A padding position has no
+    defined value: its query attends to nothing, so every runtime fills it in its own way (fp16
+    graphs differ there by how the runtime rounds the mask, ONNX Runtime's fused attention writes
+    zeros) and nothing ever reads it, its keys being masked. Cross caches (the encoder's) are
+    all real."""
+    real = attention_mask.astype(bool)
+    if name == "logits":
+        return real[:, -shape[1] :, None]  # the last positions: all of them, or the last one (--logits last)
+    if is_cross(name):
+        return None
+    return real[:, None, :, None]  # [batch, heads, past + seq, head_dim]
 
 
 def tensor_feeds(
@@ -76,5 +97,6 @@ def tensor_parity(
         got = candidate.run(kind, feeds)
         for name, value in want.items():
             atol = tolerance.logits_atol if name == "logits" else tolerance.kv_atol
-            checks.append(_compare(kind.value, name, value, got[name], atol, tolerance.min_cosine))
+            real = real_positions(name, feeds["attention_mask"], value.shape)
+            checks.append(_compare(kind.value, name, value, got[name], atol, tolerance.min_cosine, real))
     return checks

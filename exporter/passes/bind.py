@@ -35,10 +35,12 @@ _TORCH_DTYPES = {
 
 @dataclasses.dataclass(frozen=True)
 class Transform:
-    """One step of a weight's recipe: ``func`` on its values, ``shape`` on its shape."""
+    """One step of a weight's recipe: ``func`` on its values (torch: its kernels are threaded and
+    its transposes blocked; any float dtype in, the same values as from fp32), ``shape`` on its
+    shape."""
 
     name: str
-    func: Callable[[np.ndarray], np.ndarray]
+    func: Callable[[torch.Tensor], torch.Tensor]
     shape: Callable[[tuple[int, ...]], tuple[int, ...]] = lambda shape: shape
     dtype: ir.DataType | None = None  # the dtype it converts to (None: unchanged)
 
@@ -51,6 +53,15 @@ class WeightSource:
     def __init__(self, module: nn.Module) -> None:
         named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
         self._tensors = {f"model.{name}": tensor for name, tensor in named}
+        self._abs_max: dict[str, float] = {}
+
+    def abs_max(self, name: str) -> float:
+        """The largest magnitude in a module tensor, computed once (each graph's fp16 rules ask)."""
+        if name not in self._abs_max:
+            flat = self.tensor(name).detach().reshape(-1)
+            step = 1 << 24  # elements at a time: no full-size temporary
+            self._abs_max[name] = max((float(flat[i : i + step].abs().max()) for i in range(0, flat.numel(), step)), default=0.0)
+        return self._abs_max[name]
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -75,10 +86,28 @@ class ModuleWeight(ir.LazyTensor):
         self.key = "|".join([name, dtype.name, *(t.name for t in transforms)])
 
     def _compute(self) -> ir.TensorProtocol:
-        array = self.source.tensor(self.module_name).detach().to(_TORCH_DTYPES[self.base_dtype]).numpy()
+        return ir.tensor(self.array())
+
+    def array(self) -> np.ndarray:
+        """The values, contiguous (of an fp32 module tensor without transforms: its own memory).
+
+        A float tensor goes through the transforms in its own dtype (a bf16 weight is transposed
+        and rounded to fp16 directly: the same values as through fp32, without an fp32 copy of
+        it) and is converted to the final dtype in the one copy that also makes it contiguous."""
+        tensor = self.source.tensor(self.module_name).detach()
+        if not (tensor.is_floating_point() and self.transforms):
+            tensor = tensor.to(_TORCH_DTYPES[self.base_dtype])
         for transform in self.transforms:
-            array = transform.func(array)
-        return ir.tensor(np.ascontiguousarray(array))
+            tensor = transform.func(tensor)
+        final = _TORCH_DTYPES[self.dtype]
+        if tensor.dtype == final and tensor.is_contiguous():
+            return tensor.numpy()
+        return torch.empty(tensor.shape, dtype=final).copy_(tensor).numpy()
+
+    def abs_max(self) -> float:
+        """The largest magnitude of the module tensor (a transpose does not change it)."""
+        assert all(t.dtype is None for t in self.transforms), "abs_max is of the unconverted values"
+        return self.source.abs_max(self.module_name)
 
     def then(self, transform: Transform) -> ModuleWeight:
         return ModuleWeight(self.source, self.module_name, self.base_dtype, (*self.transforms, transform))

@@ -13,7 +13,6 @@ second copy of the embedding of a 0.5B Qwen2 would be 544 MB in fp32).
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
 from kiln.exporter.passes.bind import ModuleWeight, Transform
@@ -21,7 +20,7 @@ from kiln.exporter.passes.bind import ModuleWeight, Transform
 __all__ = ["FoldWeightTransposes", "TRANSPOSE", "TRANSPOSED"]
 
 TRANSPOSED = "val_transposed."  # a made-up constant's prefix: the weights writer names it after its reader
-TRANSPOSE = Transform("T", lambda w: np.ascontiguousarray(w.T), lambda shape: (shape[1], shape[0]))
+TRANSPOSE = Transform("T", lambda w: w.t(), lambda shape: (shape[1], shape[0]))  # a view: made contiguous once, at the end
 
 
 def _gathers_rows(node: ir.Node) -> bool:

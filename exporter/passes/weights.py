@@ -24,6 +24,7 @@ import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 from kiln.errors import ExportError
 from kiln.exporter.passes.bind import ModuleWeight
@@ -103,8 +104,10 @@ class WeightsWriter(contextlib.AbstractContextManager["WeightsWriter"]):
         recipe = tensor.key if isinstance(tensor, ModuleWeight) else None
         if recipe is not None and recipe in self._recipes:  # written before, from another graph: not read again
             return self._known(value, self._recipes[recipe])
-        data = tensor.tobytes()
-        key = hashlib.sha256(f"{tensor.dtype}:{tuple(tensor.shape)}".encode() + data).digest()
+        data = _payload(tensor)
+        digest = hashlib.sha256(f"{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(data)
+        key = digest.digest()
         if recipe is not None:
             self._recipes[recipe] = key
         if key not in self._by_content:
@@ -112,7 +115,7 @@ class WeightsWriter(contextlib.AbstractContextManager["WeightsWriter"]):
             pad = -offset % _ALIGN
             self._file.write(b"\0" * pad)
             self._file.write(data)
-            self._by_content[key] = _Stored(offset + pad, len(data), self._canonical(_readable_name(value)) if self._rename else value.name or "")
+            self._by_content[key] = _Stored(offset + pad, data.nbytes, self._canonical(_readable_name(value)) if self._rename else value.name or "")
         return self._known(value, key)
 
     def _known(self, value: ir.Value, key: bytes) -> _Stored:
@@ -149,6 +152,13 @@ class ExternalizeWeights(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.writer.externalize(model)
         return ir.passes.PassResult(model, modified=True)
+
+
+def _payload(tensor: ir.TensorProtocol) -> memoryview:
+    """A tensor's bytes as stored: over a module weight's computed array itself (no second copy)."""
+    if isinstance(tensor, ModuleWeight):
+        return tensor.array().reshape(-1).view(np.uint8).data
+    return memoryview(tensor.tobytes())
 
 
 def _readable_name(value: ir.Value) -> str:

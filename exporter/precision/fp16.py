@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
+import torch
 from kiln.errors import ExportError
 from kiln.exporter.passes.bind import ModuleWeight, Transform
 from kiln.exporter.passes.ir_utils import set_dtype
@@ -42,7 +43,7 @@ def _wide_tables(graph: ir.Graph) -> list[str]:
     for node in graph:
         if node.op_type == "Gather" and node.inputs and node.inputs[0] is not None:
             table = node.inputs[0].const_value
-            if table is not None and table.dtype == ir.DataType.FLOAT and float(np.abs(table.numpy()).max(initial=0.0)) > FP16_MAX:
+            if table is not None and table.dtype == ir.DataType.FLOAT and _abs_max(table) > FP16_MAX:
                 names.append(node.name or "")
     return names
 
@@ -72,13 +73,42 @@ def _drop_cast_round_trips(graph: ir.Graph) -> int:
     return removed
 
 
-def _to_fp16(array: np.ndarray) -> np.ndarray:
-    """float32 -> float16 without changing sign or finiteness (ONNX Runtime's rule): magnitudes
-    below fp16's smallest subnormal become it, finite magnitudes above its max become the max."""
-    out = np.where((array > 0) & (array < FP16_TINY), FP16_TINY, array)
-    out = np.where((out < 0) & (out > -FP16_TINY), -FP16_TINY, out)
-    out = np.where(np.isfinite(out), np.clip(out, -FP16_MAX, FP16_MAX), out)
-    return out.astype(np.float16)
+def _to_fp16(values: torch.Tensor) -> torch.Tensor:
+    """float -> float16 without changing sign or finiteness (ONNX Runtime's rule): magnitudes
+    below fp16's smallest subnormal become it, finite magnitudes above its max become the max.
+    The plain cast into a new contiguous tensor; two reductions say whether either fix applies
+    (an underflow is common: a few in a million normal weights), and then only the positions the
+    cast made zero or infinite are looked at, a slice of rows at a time (no full-size mask)."""
+    half = torch.empty(values.shape, dtype=torch.float16).copy_(values)
+    if half.numel() == 0:
+        return half
+    lo, hi = torch.aminmax(half)
+    overflow = not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)))  # an inf (or NaN): look closer
+    underflow = int(torch.count_nonzero(half)) != int(torch.count_nonzero(values))  # a non-zero became zero
+    if overflow or underflow:
+        shape = half.shape
+        if half.dim() == 0:
+            half, values = half.reshape(1), values.reshape(1)
+        rows = max(1, _SLICE // max(1, half[0].numel()))
+        for start in range(0, half.shape[0], rows):
+            part, source = half[start : start + rows], values[start : start + rows]
+            if underflow:
+                _replace(part, source, part == 0, FP16_TINY)
+            if overflow:
+                _replace(part, source, torch.isinf(part), FP16_MAX)
+        return half.reshape(shape)
+    return half
+
+
+_SLICE = 1 << 22  # elements whose mask exists at once
+
+
+def _replace(half: torch.Tensor, values: torch.Tensor, suspects: torch.Tensor, magnitude: float) -> None:
+    """Where ``suspects`` and the source is finite and non-zero: ``±magnitude`` (in place)."""
+    where = suspects.nonzero(as_tuple=True)
+    source = values[where].float()
+    fix = (source != 0) & torch.isfinite(source)
+    half[tuple(i[fix] for i in where)] = (torch.sign(source[fix]) * magnitude).to(torch.float16)
 
 
 FP16 = Transform("fp16", _to_fp16, dtype=ir.DataType.FLOAT16)
@@ -87,7 +117,13 @@ FP16 = Transform("fp16", _to_fp16, dtype=ir.DataType.FLOAT16)
 def _fp16_tensor(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
     if isinstance(tensor, ModuleWeight):
         return tensor.then(FP16)
-    return ir.tensor(_to_fp16(tensor.numpy()), name=tensor.name)
+    return ir.tensor(_to_fp16(torch.from_numpy(np.array(tensor.numpy(), dtype=np.float32))).numpy(), name=tensor.name)
+
+
+def _abs_max(tensor: ir.TensorProtocol) -> float:
+    if isinstance(tensor, ModuleWeight):
+        return tensor.abs_max()
+    return float(np.abs(tensor.numpy()).max(initial=0.0))
 
 
 def _convert_attributes(node: ir.Node) -> None:

@@ -21,15 +21,30 @@ def ort_session(
     spinning: bool = True,
     prepacking: bool = True,
     initializers: Mapping[str, object] | None = None,
+    fp16_weights_stay_fp16: bool = False,
 ) -> Any:
     """An ONNX Runtime CPU session over a graph file or serialized model: the one place kiln
     sets session options. ``threads`` pins intra-op threads (and inter-op to one);
     ``spinning=False`` stops idle threads spinning (timing on a shared machine);
     ``prepacking=False`` with ``initializers`` (OrtValues over memory maps) lets several sessions
-    read one copy of the weights instead of a private copy each."""
+    read one copy of the weights instead of a private copy each.
+
+    ``fp16_weights_stay_fp16``: the CPU provider has no fp16 MatMul on most x86 CPUs, so it casts
+    every fp16 weight to fp32, and by default folds those casts into fp32 copies of all the
+    weights when the session starts (twice the fp16 weights' bytes, in every session: measured on
+    the Qwen2-1.5B shape, 3.1 GB of fp16 weights made 6.7 GB per session, 19.7 GB for an export's
+    three; ``disabled_optimizers`` cannot name that fusion). With the graph optimizations off, no
+    memory arena and priority-based order, each Cast runs just before its use and its fp32 copy is
+    freed after it: 3.4 GB steady, 4.3 GB peak for the same session, at about 5x the decode time
+    (a Cast per weight per run). Parity uses it; it also runs the graph as written."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
+    if fp16_weights_stay_fp16:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        opts.enable_cpu_mem_arena = False
+        opts.enable_mem_pattern = False
+        opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     if threads:
         opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
@@ -70,7 +85,10 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
         for kind, path in self._paths.items():
             # one memory-mapped copy of the weights for all sessions, not one copy each;
             # prepacking would make a private copy of every MatMul weight again
-            session = ort_session(path, threads=self._threads, prepacking=False, initializers=self._shared.initializers(path))
+            initializers = self._shared.initializers(path)
+            session = ort_session(
+                path, threads=self._threads, prepacking=False, initializers=initializers, fp16_weights_stay_fp16=self._shared.has_fp16(path)
+            )
             runner = OnnxrtRunner(session, name=f"onnxruntime:{kind.value}")
             runner.activate()
             self._runners[kind] = runner
@@ -95,6 +113,11 @@ class _SharedInitializers:
     def __init__(self) -> None:
         self._maps: dict[Path, np.memmap] = {}
         self._values: dict[tuple[Path, str], object] = {}
+        self._fp16: dict[Path, bool] = {}
+
+    def has_fp16(self, graph: Path) -> bool:
+        """Whether the graph's external weights include fp16 ones (``initializers`` read it)."""
+        return self._fp16.get(graph, False)
 
     def initializers(self, graph: Path) -> dict[str, object]:
         import onnx
@@ -117,4 +140,5 @@ class _SharedInitializers:
                 array = np.ndarray(tuple(init.dims), dtype=dtype, buffer=self._maps[file], offset=offset)
                 self._values[key] = OrtValue.ortvalue_from_numpy(array)
             out[init.name] = self._values[key]
+            self._fp16[graph] = self._fp16.get(graph, False) or init.data_type == onnx.TensorProto.FLOAT16
         return out

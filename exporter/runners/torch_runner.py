@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from kiln.exporter.contract.io import (
     ENCODER_STATES,
@@ -15,32 +17,106 @@ from kiln.exporter.runners.base import Feeds
 from kiln.exporter.trace.wrapper import GraphModule
 from torch import nn
 
-__all__ = ["TorchRunner", "computes_in_fp32"]
+__all__ = ["TorchRunner", "computes_in_fp32", "drop_fp32_buffers"]
 
 
-class _Float32(nn.Module):
-    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.float()
+_SCRATCH = "_kiln_fp32_scratch"
+
+
+class _Scratch:
+    """fp32 buffers by shape, lent for one module call and given back: the same few buffers serve
+    every layer, so computing in fp32 allocates nothing per call (allocating and freeing a model's
+    worth of fp32 weights per forward grows glibc's heap by GBs, or faults every page in again)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, ...], list[torch.Tensor]] = {}
+
+    def lend(self, tensor: torch.Tensor) -> torch.Tensor:
+        free = self._free.get(tuple(tensor.shape))
+        buffer = free.pop() if free else torch.empty(tensor.shape, dtype=torch.float32)
+        return buffer.copy_(tensor.detach())
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        self._free.setdefault(tuple(buffer.shape), []).append(buffer)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+def _upcast_output(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+    return output.float()
 
 
 def computes_in_fp32(module: nn.Module) -> nn.Module:
     """``module``, made to compute in fp32 whatever its weights are stored in (a bf16 checkpoint
-    stays bf16 in memory): every other floating-point parameter is read through an upcast
-    (``torch.nn.utils.parametrize``), so only the weights of the module being run exist in fp32 at
-    once. The graphs are fp32 (or fp16 from these fp32 values), so this is the reference parity
-    measures them against. In place; a no-op for an fp32 module."""
-    from torch.nn.utils import parametrize
-
-    for sub in list(module.modules()):  # a snapshot: registering adds modules (the parametrization lists)
-        if isinstance(sub, parametrize.ParametrizationList):
-            continue
-        for name, tensor in list(sub.named_parameters(recurse=False)):
-            if tensor.is_floating_point() and tensor.dtype != torch.float32 and not parametrize.is_parametrized(sub, name):
-                parametrize.register_parametrization(sub, name, _Float32(), unsafe=True)
+    stays bf16 in memory). The graphs are fp32 (or fp16 from these fp32 values), so this is the
+    reference parity measures them against. Each submodule that holds low-precision parameters
+    gets them as fp32 copies for the duration of its own call (forward hooks, buffers from one
+    ``_Scratch``), so only the module being run has fp32 weights; an ``nn.Embedding`` instead
+    gathers its bf16 rows and upcasts those (the same values, without converting the table).
+    In place, once; a no-op for an fp32 module. A parameter read outside its own module's call
+    stays low-precision and fails loudly on the dtype, never silently."""
+    if isinstance(getattr(module, _SCRATCH, None), _Scratch):
+        return module
+    scratch = _Scratch()
+    for sub in module.modules():
         for name, buffer in list(sub.named_buffers(recurse=False)):
             if buffer.is_floating_point() and buffer.dtype != torch.float32:
                 setattr(sub, name, buffer.float())
+        low = [n for n, t in sub.named_parameters(recurse=False) if t.is_floating_point() and t.dtype != torch.float32]
+        if not low:
+            continue
+        if type(sub) is nn.Embedding and sub.max_norm is None:
+            sub.register_forward_hook(_upcast_output)
+        elif type(sub) is nn.Linear and sub.weight.numel() > _CHUNK_ELEMENTS:
+            sub.forward = functools.partial(_linear_in_slices, sub, scratch)  # type: ignore[method-assign]  # this module's forward, on this instance only
+        else:
+            _lend_during_calls(sub, low, scratch)
+    setattr(module, _SCRATCH, scratch)  # also the marker that this module is done
     return module
+
+
+def drop_fp32_buffers(module: nn.Module) -> None:
+    """Free the fp32 buffers ``computes_in_fp32`` keeps between calls (about one layer's weights
+    and the LM head's); the next call allocates them again."""
+    scratch = getattr(module, _SCRATCH, None)
+    if isinstance(scratch, _Scratch):
+        scratch.clear()
+
+
+_CHUNK_ELEMENTS = 1 << 24  # a Linear weight above this (64 MB in fp32, e.g. an LM head) is lent in row slices
+
+
+def _linear_in_slices(module: nn.Linear, scratch: _Scratch, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` in fp32 with its weight's rows lent a slice at a time (the output features
+    are independent dot products): a 152k-token LM head never exists whole in fp32."""
+    weight, bias = module.weight, module.bias
+    rows = max(1, _CHUNK_ELEMENTS // weight.shape[1])
+    parts = []
+    for start in range(0, weight.shape[0], rows):
+        lent = scratch.lend(weight[start : start + rows])
+        parts.append(torch.nn.functional.linear(x, lent, None if bias is None else bias[start : start + rows].float()))
+        scratch.give_back(lent)
+    return torch.cat(parts, dim=-1)
+
+
+def _lend_during_calls(module: nn.Module, names: list[str], scratch: _Scratch) -> None:
+    stored: list[dict[str, nn.Parameter | None]] = []  # a stack: a module may be re-entered
+
+    def before(mod: nn.Module, args: object) -> None:
+        originals = {name: mod._parameters[name] for name in names}
+        stored.append(originals)
+        for name, tensor in originals.items():
+            assert tensor is not None, "names are of parameters that exist"
+            mod._parameters[name] = scratch.lend(tensor)  # type: ignore[assignment]  # a plain tensor for one call (no autograd here)
+
+    def after(mod: nn.Module, args: object, output: object) -> None:
+        for name, tensor in stored.pop().items():
+            scratch.give_back(mod._parameters[name])  # type: ignore[arg-type]  # the tensor lent in before()
+            mod._parameters[name] = tensor
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
 
 
 class TorchRunner:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from kiln.errors import CheckpointError
-from kiln.plugins.base import DecoderSpec, LayerPlan, LoadedModel
+from kiln.plugins.base import DecoderSpec, LayerPlan, LoadedModel, non_finite
 
 __all__ = ["HFFamily", "HF", "HFDecoder", "SUPPORTED"]
 
@@ -147,7 +147,7 @@ class HFFamily:
         except (OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{directory}: transformers could not load it ({str(exc).splitlines()[0]})") from None
         for name, tensor in model.state_dict().items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if tensor.is_floating_point() and non_finite(tensor):
                 raise CheckpointError(f"{directory}: {name} has non-finite values (NaN or Inf)")
         tokenizer = directory / "tokenizer.json"
         files = (directory / "config.json", *weights) + ((tokenizer,) if tokenizer.is_file() else ())

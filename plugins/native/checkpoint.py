@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from kiln.errors import CheckpointError
+from kiln.plugins.base import non_finite
 
 __all__ = ["WEIGHT_FILES", "find_weights", "read_state_dict", "apply_state_dict", "state_dtype"]
 
@@ -120,8 +121,7 @@ def apply_state_dict(module: nn.Module, state: Mapping[str, Tensor], source: Pat
             problems.append(f"{key} has shape {list(tensor.shape)}, the config needs {list(want.shape)}")
         elif not tensor.dtype.is_floating_point:
             problems.append(f"{key} has dtype {tensor.dtype}, expected a floating-point tensor")
-        elif not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
+        elif bad := non_finite(tensor):
             problems.append(f"{key} has {bad} non-finite values (NaN or Inf)")
         elif not problems:
             with torch.no_grad():

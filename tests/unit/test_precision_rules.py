@@ -449,3 +449,46 @@ def test_quantize_int8_writes_what_check_qdq_accepts() -> None:
 def test_quantize_int8_needs_opset_19() -> None:
     with pytest.raises(ExportError, match=exact(f"export: --int8 needs --opset {MIN_INT8_OPSET} or later, found 18")):
         quantize_int8(ir.serde.deserialize_model(float_mlp(opset=18)), {}, Int8Policy())
+
+
+# ---------------------------------------------------------------- the fp16 conversion of values
+
+
+def _onnx_runtime_rule(array: np.ndarray) -> np.ndarray:
+    """ONNX Runtime's converter's rule, as its float16.py writes it (the reference)."""
+    tiny = 5.96e-08
+    out = np.where((array > 0) & (array < tiny), tiny, array)
+    out = np.where((out < 0) & (out > -tiny), -tiny, out)
+    return np.where(np.isfinite(out), np.clip(out, -FP16_MAX, FP16_MAX), out).astype(np.float16)
+
+
+@pytest.mark.parametrize("source", ["float32", "bfloat16", "transposed"])
+def test_fp16_values_follow_onnx_runtimes_rule_from_any_source(source: str) -> None:
+    import torch
+
+    from kiln.exporter.precision.fp16 import _SLICE, _to_fp16
+
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((_SLICE // 64 + 3, 96)).astype(np.float32)  # more rows than one slice
+    values[0, :6] = [1e5, -1e5, 1e-9, -1e-9, np.inf, np.nan]
+    values[-1, -3:] = [7e4, -2e-12, 0.0]  # in the last slice
+    tensor = torch.from_numpy(values)
+    if source == "bfloat16":
+        tensor = tensor.bfloat16()
+        values = tensor.float().numpy()  # the values a bf16 checkpoint holds
+    elif source == "transposed":
+        tensor, values = tensor.t(), values.T
+    got = _to_fp16(tensor)
+    assert got.is_contiguous() and got.dtype == torch.float16
+    np.testing.assert_array_equal(got.numpy(), _onnx_runtime_rule(values))
+
+
+def test_fp16_values_of_a_scalar_keep_its_shape() -> None:
+    import torch
+
+    from kiln.exporter.precision.fp16 import _to_fp16
+
+    for value, want in [(1e6, FP16_MAX), (-1e-12, -5.96e-08), (0.5, 0.5)]:
+        got = _to_fp16(torch.tensor(value))
+        assert got.shape == () and got.dtype == torch.float16
+        np.testing.assert_array_equal(got.numpy(), np.float16(want))
