@@ -63,7 +63,7 @@ def main() -> None:
 @click.option("--logits", type=click.Choice(["all", "last"]), default="all", show_default=True, help="Prefill logits for every position, or the last one only.")
 @click.option("--opset", type=int, default=19, show_default=True, help="ONNX opset (18-23).")
 @click.option("--ple-extend", type=click.IntRange(min=2), default=None, help="Build PLE tables with N rows (for contexts longer than the trained table).")
-@click.option("--ple-extend-mode", type=click.Choice(["clamp", "interpolate"]), default="clamp", show_default=True)
+@click.option("--ple-extend-mode", type=click.Choice(["clamp", "interpolate"]), default="clamp", show_default=True, help="With --ple-extend: clamp = positions past the trained table reuse its last row; interpolate = the trained table stretched linearly over N rows (position interpolation).")
 @click.option("--ple-tables", type=click.Choice(["constant", "input"]), default="constant", show_default=True, help="Folded PLE tables as constants or as graph inputs.")
 @click.option("--fp16", is_flag=True, help="fp16 weights, activations and KV cache, with fp32 islands (norm statistics, softmax, rotary angles, logits).")
 @click.option("--keep-fp32", "keep_fp32", multiple=True, metavar="OP_TYPE|NODE_NAME", help="Also keep these op types, node names (/layers.0.attn/MatMul) or modules (/layers.0.mlp.fc2/, *.fc2: the nodes of exactly that module) in fp32. Repeatable.")
@@ -71,8 +71,8 @@ def main() -> None:
 @click.option("--int8", is_flag=True, help="int8 Q/DQ before MatMul/Gemm inputs (weights per channel, activations per tensor), calibrated on --calib-data; with --fp16 the rest is fp16.")
 @click.option("--calib-data", default=None, metavar="PATH|synthetic", help="Calibration data: a text file, .jsonl (field 'text'), .npy/.npz token ids, or 'synthetic' (random tokens: poor ranges).")
 @click.option("--calib-samples", type=click.IntRange(min=1), default=32, show_default=True, help="Calibration windows of 128 tokens (each: a prefill and teacher-forced decode steps).")
-@click.option("--calib-method", type=click.Choice(["max", "percentile", "entropy", "mse"]), default="max", show_default=True)
-@click.option("--calib-percentile", type=float, default=99.99, show_default=True, help="With --calib-method percentile.")
+@click.option("--calib-method", type=click.Choice(["max", "percentile", "entropy", "mse"]), default="max", show_default=True, help="How an activation range is chosen from the calibration samples: max = the largest value seen; percentile = --calib-percentile of the values; entropy = least KL divergence; mse = least int8 quantization error.")
+@click.option("--calib-percentile", type=float, default=99.99, show_default=True, help="With --calib-method percentile: the percentile of the absolute activation values taken as the range.")
 @click.option("--calib-cache", type=click.Path(path_type=Path, file_okay=False), default=None, help="Directory of cached calibration ranges. Default: ~/.cache/kiln/calibration.")
 @click.option("--int8-float", "int8_float", multiple=True, metavar="RULE", help="Also keep these nodes/modules/op types in float (rules as for --keep-fp32). Repeatable.")
 @click.option("--int8-all-matmuls", is_flag=True, help="Quantize the LM head and attention-score MatMuls too (kept in float by default).")
@@ -188,7 +188,7 @@ def triton(directory: Path, name: str, as_json: bool) -> None:
 @click.option("--workspace", default="4G", show_default=True, help="Size of TensorRT's workspace memory pool (e.g. 4G, 512M).")
 @click.option("--opt-level", type=click.IntRange(0, 5), default=3, show_default=True, help="Builder optimization level: 0 builds fastest, 5 searches longest.")
 @click.option("--timing-cache", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Timing cache file, loaded if it exists and saved back. Default: DIR/engines/timing.cache.")
-@click.option("--hardware-compat", type=click.Choice(["none", "ampere+", "same-cc"]), default="none", show_default=True, help="GPUs the engines run on: this compute capability, Ampere and newer, or any of this compute capability.")
+@click.option("--hardware-compat", type=click.Choice(["none", "ampere+", "same-cc"]), default="none", show_default=True, help="Which GPUs the engines may run on: none = only the GPU model they were built on (fastest); same-cc = any GPU of the same compute capability; ampere+ = any GPU of compute capability 8.0 or newer (slower).")
 @click.option("--version-compatible", is_flag=True, help="Engines that also run on later TensorRT versions (may be slower).")
 @click.option("--refittable", is_flag=True, help="Engines whose weights can be replaced without a rebuild.")
 @click.option("--opt-batch", type=click.IntRange(min=1), default=None, help="Batch size TensorRT tunes for. Default: 1.")
@@ -222,9 +222,14 @@ def build(
         opt_batch=opt_batch,
         opt_context=opt_context,
     )
-    result = build_command(directory, options)
+    try:
+        result = build_command(directory, options)
+    except KilnError as exc:
+        if as_json:  # a script reading stdout gets JSON either way; stderr keeps the one line
+            click.echo(json.dumps({"directory": str(directory), "built": False, "error": str(exc)}, indent=2))
+        raise
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(json.dumps({"built": True, **result}, indent=2))
         return
     engines = list(result["engines"].values())
     click.echo(
@@ -248,10 +253,10 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @main.command()
 @click.argument("directories", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--compare", "compare", multiple=True, type=click.Path(path_type=Path), help="Also time this ONNX decoder directory (Optimum's model.onnx, GenAI builder output, another kiln export). Repeatable.")
-@click.option("--prefill-seq", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--prefill-seq", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt length of the timed prefill (capped at the export's context limit).")
 @click.option("--past", type=click.IntRange(min=1), default=256, show_default=True, help="Past length of the decode step.")
 @click.option("--runs", type=click.IntRange(min=3), default=30, show_default=True, help="Timed runs per measurement (median reported).")
-@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Threads of every timed backend (ONNX Runtime's intra-op pool and PyTorch's).")
 @click.option("--sweep", callback=_int_list, default=None, metavar="P1,P2,...", help="Also time the decode step at these past lengths; fits ms per 1k past tokens.")
 @click.option("--sweep-runs", type=click.IntRange(min=3), default=15, show_default=True, help="Runs per sweep point up to past 512 (fewer beyond).")
 @click.option("--no-torch", is_flag=True, help="No PyTorch eager row (for directories without a loadable checkpoint).")
@@ -300,10 +305,10 @@ def bench(
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--prompt", default=None, help="Text to continue (tokenized with the export's tokenizer.json).")
 @click.option("--ids", default=None, metavar="ID,ID,...", help="Token ids to continue, instead of --prompt.")
-@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Tokens to generate at most (fewer when the end-of-sequence token or --stop comes first).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
 @click.option("--target", type=click.Choice(["ort"]), default=None, help="Run the export's --target ort graphs (their decode step writes the KV cache in place).")
-@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="ONNX Runtime intra-op threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and speeds as JSON.")
 @_reports_errors
 def generate(

@@ -109,3 +109,15 @@ def test_check_unknown_manifest_version(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text('{"manifest_version": 99}')
     code, _, err = _run("check", str(tmp_path))
     _assert_one_line_error(code, err, "manifest_version 99 is not supported")
+
+
+def test_every_option_has_help() -> None:
+    import click
+
+    missing = [
+        f"kiln {name} {param.opts[0]}"
+        for name, command in main.commands.items()  # type: ignore[attr-defined]
+        for param in command.params
+        if isinstance(param, click.Option) and not (param.help or "").strip()
+    ]
+    assert missing == []

@@ -193,3 +193,22 @@ def test_type_stubs_alone_are_not_tensorrt(monkeypatch: pytest.MonkeyPatch) -> N
 def test_importing_the_package_does_not_import_tensorrt() -> None:
     code = "import sys, kiln.exporter.engine, kiln.exporter.engine.runner, kiln.exporter.engine.build; assert 'tensorrt' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_build_json_without_tensorrt_is_json_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kiln build --json prints JSON on stdout when it fails, beside the one-line error on stderr."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    directory = export_dir(tmp_path)
+    result = CliRunner().invoke(main, ["build", str(directory), "--json"])
+    assert result.exit_code == 1
+    error = result.stderr.strip()
+    assert "\n" not in error and error.startswith("error: engine: TensorRT is not installed")
+    assert json.loads(result.stdout) == {"directory": str(directory), "built": False, "error": error[len("error: "):]}
+    result = CliRunner().invoke(main, ["build", str(tmp_path / "missing"), "--json"])  # failing before any TensorRT step
+    assert result.exit_code == 1 and json.loads(result.stdout)["error"] == f"artifacts: {tmp_path / 'missing'}: not a directory"
