@@ -23,7 +23,7 @@ from kiln.exporter.artifacts.export_dir import write_artifacts
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.artifacts.layout import CALIBRATION_DIR, ONNX_DIR
 from kiln.exporter.artifacts.manifest import Manifest
-from kiln.exporter.artifacts.staging import staged_output
+from kiln.exporter.artifacts.staging import require_replaceable, staged_output
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import Folded, fold, table_feeds
 from kiln.exporter.graphs import GraphSet, PrecisionPlan, traced_fp32, write_portable_graphs
@@ -52,6 +52,7 @@ class ExportResult:
 
 def export(model: str | Path, out: Path, options: ExportOptions, progress: Progress | None = None) -> ExportResult:
     progress = progress or NullProgress()
+    require_replaceable(out.absolute(), options.force)  # before the checkpoint loads (staged_output checks again)
     with progress.stage("load checkpoint"):
         loaded = load_model(model)
     return export_loaded(loaded, out, options, progress, model_ref=str(model), release_reference=True)
