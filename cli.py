@@ -307,47 +307,41 @@ def bench(
 @click.option("--ids", default=None, metavar="ID,ID,...", help="Token ids to continue, instead of --prompt.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Tokens to generate at most (fewer when the end-of-sequence token or --stop comes first).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
+@click.option("--stop", "stops", multiple=True, metavar="STRING", help="End the text before the first occurrence of STRING (not included). Repeatable.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="Sample from softmax(logits / T); 0 is greedy (argmax), what parity checks.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="With --temperature: sample among the K most likely tokens only (0: all).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="With --temperature: sample among the most likely tokens whose probabilities add up to P, in (0, 1] (1: all).")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="Make tokens of the prompt and of the text so far less likely: positive logits / R, negative ones * R (1: off).")
+@click.option("--seed", type=int, default=None, help="Seed of the sampling: the same seed gives the same text (default: a fresh one each run).")
 @click.option("--target", type=click.Choice(["ort"]), default=None, help="Run the export's --target ort graphs (their decode step writes the KV cache in place).")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="ONNX Runtime intra-op threads.")
-@click.option("--json", "as_json", is_flag=True, help="Print tokens, text and speeds as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print tokens, text and speeds as JSON (nothing streamed).")
 @_reports_errors
-def generate(
-    directory: Path, prompt: str | None, ids: str | None, max_new_tokens: int, ignore_eos: bool, target: str | None, threads: int, as_json: bool
-) -> None:
-    """Greedy generation through an export's prefill + decode graphs on ONNX Runtime (IOBinding:
-    the KV cache stays in OrtValues between steps); prints the text and tokens/s."""
-    from kiln.errors import GenerateError
-    from kiln.runtime.generate import Generator, load_tokenizer, parse_ids
+def generate(directory: Path, prompt: str | None, ids: str | None, as_json: bool, **flags: Any) -> None:
+    """Generate text through an export's prefill + decode graphs on ONNX Runtime (IOBinding: the KV
+    cache stays in OrtValues between steps), greedy or sampled; streams the text, then tokens/s."""
+    from kiln.runtime.generate import GenerateOptions, generate_command
+    from kiln.runtime.sampling import SamplingOptions
 
-    if (prompt is None) == (ids is None):
-        raise GenerateError("give exactly one of --prompt TEXT or --ids 1,2,3")
-    generator = Generator(directory, threads, target=target)
-    tokenizer = None
-    if prompt is not None:
-        if not prompt.strip():
-            raise GenerateError("the prompt is empty: give some text")
-        tokenizer = load_tokenizer(directory, generator.manifest)
-        prompt_ids = tokenizer.encode(prompt).ids
-    else:
-        assert ids is not None  # exactly one of --prompt and --ids, checked above
-        prompt_ids = parse_ids(ids)
-    result = generator.run(prompt_ids, max_new_tokens, stop_at_eos=not ignore_eos)
-    text = tokenizer.decode(list(result.tokens)) if tokenizer is not None else None
-    summary = {
-        "prompt_ids": list(result.prompt),
-        "tokens": list(result.tokens),
-        "text": text,
-        "prefill_tokens_per_s": result.prefill_tokens_per_s,
-        "decode_tokens_per_s": result.decode_tokens_per_s,
-        "kv_cache": generator.kv_cache,
-    }
+    sampling = SamplingOptions(*(flags.pop(k) for k in ("temperature", "top_k", "top_p", "repetition_penalty", "seed")))
+    options = GenerateOptions(
+        max_new_tokens=flags["max_new_tokens"], stop_at_eos=not flags["ignore_eos"], stops=flags["stops"], sampling=sampling,
+        target=flags["target"], threads=flags["threads"],
+    )
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        click.echo(json.dumps(generate_command(directory, prompt, ids, options), indent=2))
         return
-    click.echo((prompt or "") + (text if text is not None else " ".join(map(str, result.tokens))))
+    shown = [prompt or ""]  # the prompt, echoed once the generation is under way (not before an error)
+
+    def stream(piece: str) -> None:
+        click.echo(shown.pop() + piece if shown else piece, nl=False)  # click.echo flushes: each piece shows as it comes
+
+    summary = generate_command(directory, prompt, ids, options, on_text=stream)
+    click.echo(shown.pop() if shown else "")
     click.echo(
-        f"prefill: {len(result.prompt)} tokens at {result.prefill_tokens_per_s:.1f} tokens/s; "
-        f"decode: {len(result.tokens) - 1} tokens at {result.decode_tokens_per_s:.1f} tokens/s ({generator.kv_cache} KV cache)",
+        f"prefill: {len(summary['prompt_ids'])} tokens at {summary['prefill_tokens_per_s']:.1f} tokens/s; "
+        f"decode: {len(summary['tokens']) - 1} tokens at {summary['decode_tokens_per_s']:.1f} tokens/s "
+        f"({summary['kv_cache']} KV cache; {summary['finish_reason']})",
         err=True,
     )
 
