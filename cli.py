@@ -301,13 +301,21 @@ def bench(
     click.echo(json.dumps(result, indent=2) if as_json else render(result))
 
 
+def _escapes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    """``\\n``, ``\\t`` and ``\\\\`` as typed in a shell, turned into a newline, a tab and a backslash."""
+    import re
+
+    table = {"n": "\n", "t": "\t", "\\": "\\"}
+    return tuple(re.sub(r"\\([nt\\])", lambda m: table[m.group(1)], v) for v in value)
+
+
 @main.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--prompt", default=None, help="Text to continue (tokenized with the export's tokenizer.json).")
 @click.option("--ids", default=None, metavar="ID,ID,...", help="Token ids to continue, instead of --prompt.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Tokens to generate at most (fewer when the end-of-sequence token or --stop comes first).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
-@click.option("--stop", "stops", multiple=True, metavar="STRING", help="End the text before the first occurrence of STRING (not included). Repeatable.")
+@click.option("--stop", "stops", multiple=True, metavar="STRING", callback=_escapes, help="End the text before the first occurrence of STRING (not included; \\n is a newline, \\t a tab, \\\\ a backslash). Repeatable.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="Sample from softmax(logits / T); 0 is greedy (argmax), what parity checks.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="With --temperature: sample among the K most likely tokens only (0: all).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="With --temperature: sample among the most likely tokens whose probabilities add up to P, in (0, 1] (1: all).")

@@ -288,7 +288,8 @@ def generate_command(directory: Path, prompt: str | None, ids: str | None, optio
 
 
 def _greedy(step: int, logits: np.ndarray) -> np.ndarray:
-    return logits.argmax(-1)
+    tokens: np.ndarray = logits.argmax(-1)
+    return tokens
 
 
 def find_tokenizer(directory: Path, manifest: Manifest) -> Any | None:

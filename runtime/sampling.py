@@ -71,7 +71,7 @@ def logits_to_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0
     if 0 < top_k < scaled.shape[-1]:
         kth = np.partition(scaled, -top_k)[-top_k]
         scaled = np.where(scaled < kth, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max())
+    probs: np.ndarray = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     if top_p < 1.0:
         order = np.argsort(-probs, kind="stable")

@@ -28,7 +28,7 @@ class TextStream:
     def add(self, token: int) -> str:
         """Take the next token; return the text that became final with it ('' if none did)."""
         self._tokens.append(token)
-        full = self._tokenizer.decode(self._tokens)
+        full: str = self._tokenizer.decode(self._tokens)
         cuts = [i for i in (full.find(s) for s in self._stops) if i >= 0]
         if cuts:
             self.stopped, full = True, full[: min(cuts)]

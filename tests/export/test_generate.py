@@ -131,6 +131,7 @@ def test_stop_string_ends_the_text_and_the_stream(demo_dir: Path) -> None:
     pieces: list[str] = []
     summary = generate_command(demo_dir, "def read_config(path):\n", None, GenerateOptions(24, False, (stop,)), on_text=pieces.append)
     assert "".join(pieces) == stopped["text"] and len(pieces) > 3 and summary["text"] == stopped["text"]
+    assert "\n" in text and _json(*args, "--stop", "\\n")["text"] == text.split("\n")[0]  # as typed in a shell: backslash n
     plain = CliRunner().invoke(main, ["generate", *args, "--stop", stop])
     assert plain.stdout == "def read_config(path):\n" + str(stopped["text"]) + "\n" and "; stop)" in plain.stderr
 
