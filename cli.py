@@ -93,11 +93,14 @@ def export(model: str, out: Path, as_json: bool, **flags: Any) -> None:
         parity = {**result.parity.to_dict(), **result.report.parity_extras()}
         click.echo(json.dumps({"out": str(result.out), "parity": parity, "manifest": manifest.to_json()}, indent=2))
         return
-    gen = result.parity.generation
+    from kiln.exporter.parity.report import verdict
+
     ort = (manifest.targets or {}).get("ort")
     extra = f" + {len(ort.graphs)} ONNX Runtime-target {ort.precision} graphs (onnx/*.ort.onnx)" if ort else ""
-    click.echo(f"wrote {result.out}: {len(manifest.graphs)} {manifest.precision} graphs, one weights file{extra}; parity passed "
-               f"({len(result.parity.tensors)} tensors, {sum(g.steps for g in gen)} generation steps over {len(gen)} runs)")
+    weights = {manifest.weights.file} | {t.weights.file for t in (manifest.targets or {}).values()}
+    files = "one weights file" if len(weights) == 1 else f"{len(weights)} weights files"
+    report = result.out / Path(manifest.parity.report).with_suffix(".md")
+    click.echo(f"wrote {result.out}: {len(manifest.graphs)} {manifest.precision} graphs{extra}, {files}; {verdict(result.parity)}; report {report}")
 
 
 def _export_options(flags: dict[str, Any]) -> Any:
@@ -130,16 +133,23 @@ def plugins(as_json: bool) -> None:
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--model", "model", default=None, help="Checkpoint to compare against (default: the one in the manifest).")
 @click.option("--backend", type=click.Choice(["onnxruntime", "trt"]), default="onnxruntime", show_default=True, help="Check the ONNX graphs on ONNX Runtime, or the engines of kiln build on TensorRT.")
+@click.option("--verbose", is_flag=True, help="Print the whole parity report (Markdown: every tensor and generation run) instead of the table per graph set.")
 @click.option("--json", "as_json", is_flag=True, help="Print the parity report as JSON.")
 @_reports_errors
-def check(directory: Path, model: str | None, backend: str, as_json: bool) -> None:
-    """Re-run tensor and generation parity of an export directory against PyTorch."""
+def check(directory: Path, model: str | None, backend: str, verbose: bool, as_json: bool) -> None:
+    """Re-run tensor and generation parity of an export directory against PyTorch: a table per
+    graph set and a closing verdict (--verbose: every check)."""
     from kiln.errors import ParityError
     from kiln.exporter.check import check_dir
-    from kiln.exporter.parity.report import markdown
+    from kiln.exporter.parity.report import markdown, summary_table, verdict
 
     result = check_dir(directory, model, _progress(as_json), backend="tensorrt" if backend == "trt" else "onnxruntime")
-    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else markdown(result))
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        checks = f"{len(result.tensors)} tensors and {len(result.generation)} generation runs"
+        click.echo(markdown(result) if verbose else f"{directory}: {result.backend} vs PyTorch, {checks}\n\n" + "\n".join(summary_table(result)) + "\n")
+        click.echo(verdict(result) + ("" if verbose else f" (every check: kiln check {directory} --verbose)"))
     if not result.passed:
         raise ParityError(f"{directory}: " + "; ".join(result.failures()[:5]))
 
