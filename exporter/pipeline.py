@@ -89,7 +89,8 @@ def export_loaded(
         if not parity.passed:
             raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
         report = ExportReport(
-            reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, fp16.keep, portable, calibrated, sensitivity, ort, parity, loaded.tokenizer
+            reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, fp16.keep, portable, calibrated, sensitivity, ort, parity,
+            loaded.tokenizer, loaded.serving_files,
         )
         manifest = write_artifacts(root, report)
     return ExportResult(out, manifest, parity, report)

@@ -84,6 +84,9 @@ class LoadedModel:
     tokenizer: Path | None = None  # a tokenizer.json beside the checkpoint, when there is one
     files: tuple[Path, ...] = ()  # the checkpoint files that were read (hashed for caches and the manifest)
     ple: PLEFolding | None = None  # set by families whose decoder has PLE sub-layers
+    # the checkpoint's own files that its usual consumers want beside the graphs (Hugging Face's
+    # config.json and generation_config.json, for Optimum), copied into the export's onnx/
+    serving_files: tuple[Path, ...] = ()
 
 
 @runtime_checkable

@@ -147,7 +147,9 @@ class HFFamily:
                 raise CheckpointError(f"{directory}: {name} has non-finite values (NaN or Inf)")
         tokenizer = directory / "tokenizer.json"
         files = (directory / "config.json", *weights) + ((tokenizer,) if tokenizer.is_file() else ())
-        return LoadedModel(HFDecoder(model).eval(), _spec(model, arch), path, tokenizer if tokenizer.is_file() else None, files)
+        # beside model.onnx these make the export's onnx/ a directory Optimum's ORTModelForCausalLM loads
+        serving = tuple(p for p in (directory / "config.json", directory / "generation_config.json") if p.is_file())
+        return LoadedModel(HFDecoder(model).eval(), _spec(model, arch), path, tokenizer if tokenizer.is_file() else None, files, serving_files=serving)
 
     def tiny(self, seed: int) -> LoadedModel:
         return tiny_model("LlamaForCausalLM", seed)
