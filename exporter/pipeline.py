@@ -22,7 +22,7 @@ from kiln.exporter.artifacts.export_dir import write_artifacts
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.artifacts.layout import CALIBRATION_DIR, ONNX_DIR
 from kiln.exporter.artifacts.manifest import Manifest
-from kiln.exporter.artifacts.staging import staged_output
+from kiln.exporter.artifacts.staging import require_replaceable, staged_output
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import Folded, fold, table_feeds
 from kiln.exporter.graphs import (
@@ -67,6 +67,7 @@ class ExportResult:
 
 def export(model: str | Path, out: Path, options: ExportOptions, progress: Progress | None = None) -> ExportResult:
     progress = progress or NullProgress()
+    require_replaceable(out.absolute(), options.force)  # before the checkpoint loads (staged_output checks again)
     with progress.stage("load checkpoint"):
         loaded = load_model(model)
     return export_loaded(loaded, out, options, progress, model_ref=str(model), release_reference=True)
@@ -105,7 +106,8 @@ def export_loaded(
         if not parity.passed:
             raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
         report = ExportReport(
-            reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, fp16.keep, portable, calibrated, sensitivity, ort, parity, loaded.tokenizer
+            reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, fp16.keep, portable, calibrated, sensitivity, ort, parity,
+            loaded.tokenizer, loaded.serving_files,
         )
         manifest = write_artifacts(root, report)
     return ExportResult(out, manifest, parity, report)

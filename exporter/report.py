@@ -33,6 +33,7 @@ class ExportReport:
     ort: OrtTarget | None  # --target ort
     parity: ParityResult  # every graph set's checks
     tokenizer: Path | None  # the checkpoint's tokenizer.json (copied into the export), when it has one
+    serving_files: tuple[Path, ...] = ()  # the family's files for consumers (Hugging Face's config.json...), copied into onnx/
 
     def parity_extras(self) -> dict[str, Any]:
         """What the parity report shows besides the checks, in the order it shows it."""

@@ -104,6 +104,9 @@ class LoadedModel:
     files: tuple[Path, ...] = ()  # the checkpoint files that were read (hashed for caches and the manifest)
     ple: PLEFolding | None = None  # set by families whose decoder has PLE sub-layers
     layers: LayerPlan | None = None  # set by families whose layers can be traced once and stamped
+    # the checkpoint's own files that its usual consumers want beside the graphs (Hugging Face's
+    # config.json and generation_config.json, for Optimum), copied into the export's onnx/
+    serving_files: tuple[Path, ...] = ()
 
 
 @runtime_checkable

@@ -12,11 +12,10 @@ every tool's naming. The past-length sweep and plot live in bench_sweep. Timings
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,9 @@ from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.runtime.decoder_dirs import DecoderDir, open_decoder_dirs
 from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs
 from kiln.runtime.roofline import BandwidthProbe, weights_bytes_per_step
+from kiln.runtime.torch_row import SelfTimed, TorchWorker
 
-__all__ = ["BenchOptions", "Timed", "interleaved", "render", "run_bench", "vocab_of"]
+__all__ = ["BenchOptions", "Timed", "interleaved", "load_warning", "render", "run_bench", "vocab_of"]
 
 TORCH = "pytorch eager"
 _PROBE = "memory read probe"  # not a row: the bandwidth measured among the decode steps
@@ -74,18 +74,30 @@ class Timed:
 
 
 def interleaved(calls: dict[str, Callable[[], object]], runs: int, pause: float, warmup: int = 1) -> dict[str, float]:
-    """Median milliseconds of each call, the calls taken in turn ``runs`` times."""
+    """Median milliseconds of each call, the calls taken in turn ``runs`` times (a ``SelfTimed``
+    call, the PyTorch row's worker, says how long it took itself)."""
     for _ in range(warmup):
         for call in calls.values():
             call()
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(runs):
         for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
+            if isinstance(call, SelfTimed):
+                times[name].append(call())
+            else:
+                start = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - start)
             time.sleep(pause)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def load_warning(load_average: Sequence[float], cores: int) -> str | None:
+    """The table header's warning when the machine was busier than its cores during the bench."""
+    load = max(load_average)
+    if load <= cores:
+        return None
+    return f"WARNING: the 1-minute load average reached {load:.1f}, above the {cores} cores: other processes competed for them, and these figures are unreliable"
 
 
 def vocab_of(sess: Any, decoder: DecoderDir) -> int:
@@ -97,25 +109,16 @@ def vocab_of(sess: Any, decoder: DecoderDir) -> int:
     return 2  # token ids 0 and 1 exist in every vocabulary
 
 
-def _torch_calls(kiln_dirs: list[DecoderDir], sizes: dict[str, Sizes], sessions: dict[Path, Any], threads: int) -> dict[str, Callable[[], object]]:
-    import torch
-
-    from kiln.exporter.contract.io import GraphKind
-    from kiln.exporter.runners import TorchRunner
-    from kiln.plugins import load_model
-
-    ref = kiln_dirs[0].manifest.checkpoint.reference if kiln_dirs and kiln_dirs[0].manifest is not None else None
-    if ref is None:
+def _torch_worker(kiln_dirs: list[DecoderDir], sizes: dict[str, Sizes], sessions: dict[Path, Any], threads: int) -> TorchWorker:
+    """The PyTorch row: the first kiln directory's checkpoint in a worker process (``torch_row``:
+    the same threads as ONNX Runtime, no spinning), fed what its graphs are fed."""
+    first = kiln_dirs[0] if kiln_dirs else None
+    ref = first.manifest.checkpoint.reference if first is not None and first.manifest is not None else None
+    if first is None or first.manifest is None or ref is None:
         raise BenchError("a PyTorch row needs a kiln export directory whose manifest names its checkpoint; pass --no-torch")
-    loaded = load_model(ref)
-    torch.set_num_threads(threads)
-    runner = TorchRunner(loaded.module, loaded.spec.n_layers)
-    calls: dict[str, Callable[[], object]] = {}
-    for kind in (GraphKind.PREFILL, GraphKind.DECODE):
-        graph = kiln_dirs[0].prefill if kind is GraphKind.PREFILL else kiln_dirs[0].decode
-        feeds = build_feeds(declared_inputs(sessions[graph]), sizes[kind.value], vocab=loaded.spec.vocab_size)
-        calls[kind.value] = functools.partial(runner.run, kind, feeds)
-    return calls
+    vocab = first.manifest.model.vocab_size
+    feeds = {kind: build_feeds(declared_inputs(sessions[graph]), sizes[kind], vocab=vocab) for kind, graph in (("prefill", first.prefill), ("decode", first.decode))}
+    return TorchWorker(ref, feeds, threads)
 
 
 def _manifest(decoder: DecoderDir) -> Manifest:
@@ -149,9 +152,24 @@ def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
         for graph in {d.prefill, d.decode}:
             sessions[graph] = ort_session(graph, threads=options.threads, spinning=False)
     calls: dict[str, dict[str, Callable[[], object]]] = {"prefill": {}, "decode": {}}
-    if options.torch:
-        for kind, call in _torch_calls(kiln_dirs, sizes, sessions, options.threads).items():
+    worker = _torch_worker(kiln_dirs, sizes, sessions, options.threads) if options.torch else None
+    try:
+        for kind, call in (worker.calls() if worker is not None else {}).items():
             calls[kind][TORCH] = call
+        result = _measure(decoders, labels, calls, sessions, sizes, options)
+    finally:
+        if worker is not None:
+            worker.close()
+    if worker is not None:
+        result["pytorch"] = {"threads": worker.info["threads"], "omp_wait_policy": worker.info["omp_wait_policy"], "process": "worker"}
+    return result
+
+
+def _measure(
+    decoders: list[DecoderDir], labels: list[str], calls: dict[str, dict[str, Callable[[], object]]], sessions: dict[Path, Any], sizes: dict[str, Sizes], options: BenchOptions
+) -> dict[str, Any]:
+    """The interleaved runs of every row (and the bandwidth probe, the sweep) into the result."""
+    seq, past = sizes["prefill"].seq, sizes["decode"].past
     for label, d in zip(labels, decoders, strict=True):
         for kind, graph in (("prefill", d.prefill), ("decode", d.decode)):
             calls[kind][label] = Timed(d, sessions[graph], sizes[kind], vocab_of(sessions[graph], d))
@@ -174,6 +192,7 @@ def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
         "runs": options.runs,
         "median_ms": rows,
         "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, before and after: how shared the machine was
+        "cores": os.cpu_count() or 1,
         "tools": manifest_mod.tool_versions(),
     }
     if probe is not None:
@@ -206,10 +225,14 @@ def render(result: dict[str, Any]) -> str:
     base = result["baseline"]
     roof = result.get("roofline", {})
     weights = {e["label"]: e["weights_bytes_per_step"] for e in result["directories"]}
-    lines = [
+    warning = load_warning(result["load_average"], result["cores"]) if "load_average" in result and "cores" in result else None
+    lines = [warning] if warning else []
+    lines.append(
         f"batch 1, {result['threads']} threads, median of {result['runs']} interleaved runs; ratios: time / time of {base}"
-        + (" (load average {:.1f} -> {:.1f})".format(*result["load_average"]) if "load_average" in result else ""),
-    ]
+        + (" (load average {:.1f} -> {:.1f})".format(*result["load_average"]) if "load_average" in result else "")
+    )
+    if "pytorch" in result:
+        lines.append(f"{TORCH}: {result['pytorch']['threads']} threads, OMP_WAIT_POLICY={result['pytorch']['omp_wait_policy']}, in a worker process (as ONNX Runtime: no spinning)")
     if "read_bandwidth_gb_s" in result:
         lines.append(
             f"memory read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s (median, interleaved with the decode steps; best alone "

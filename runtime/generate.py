@@ -1,5 +1,6 @@
-"""``kiln generate``: greedy text generation through an export's prefill and decode graphs on
-ONNX Runtime, with IOBinding so the KV cache never goes through numpy between steps.
+"""``kiln generate``: text generation through an export's prefill and decode graphs on ONNX
+Runtime, with IOBinding so the KV cache never goes through numpy between steps. Tokens are
+greedy by default; ``runtime.sampling`` picks them otherwise (the ``choose`` of ``Generator.run``).
 
 The steps are the contract's step loop (``exporter.contract.steps``, the one parity and
 calibration run) over IOBinding sessions: each step's ``present.*`` outputs stay OrtValues and
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +32,22 @@ from kiln.errors import GenerateError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.verify import require_verified
 from kiln.exporter.contract.io import GraphKind, kv_pairs
-from kiln.exporter.contract.steps import prompt_feeds, run_steps
+from kiln.exporter.contract.steps import Chooser, prompt_feeds, run_steps
 from kiln.runtime.decoder_dirs import shares_kv_buffer
+from kiln.runtime.sampling import Sampler, SamplingOptions
+from kiln.runtime.text import TextStream
 
-__all__ = ["ConcatKv", "Generation", "Generator", "KvStrategy", "SharedKv", "load_tokenizer", "parse_ids"]
+__all__ = ["ConcatKv", "GenerateOptions", "Generation", "generate_command", "Generator", "KvStrategy", "SharedKv", "find_tokenizer", "load_tokenizer", "parse_ids"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
     prompt: tuple[int, ...]
-    tokens: tuple[int, ...]  # new tokens, greedy (or forced)
+    tokens: tuple[int, ...]  # new tokens, as chosen (greedy by default) or forced
     prefill_s: float  # the prompt's forward pass and first token
     decode_s: float  # all decode steps together
     logits: np.ndarray | None = None  # [steps, vocab] float32, with keep_logits
+    finish_reason: str = "length"  # "eos" (the end token came), "stop" (on_token said so) or "length"
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -152,28 +156,34 @@ class Generator:
         stop_at_eos: bool = True,
         forced: Sequence[int] | None = None,
         keep_logits: bool = False,
+        choose: Chooser | None = None,
+        on_token: Callable[[int], bool] | None = None,
     ) -> Generation:
+        """Up to ``max_new_tokens`` tokens after ``prompt``, each picked by ``choose`` (default:
+        greedy; ``forced`` tokens instead, for teacher-forced parity). ``on_token`` sees every new
+        token as it comes and ends the generation by returning True (a stop string)."""
         self._check(prompt, max_new_tokens)
         steps = _BoundSteps(self._prefill, self._decode, self._kv, self._vocab, capacity=len(prompt) + max_new_tokens)
-
-        def choose(step: int, logits: np.ndarray) -> np.ndarray:
-            return np.array([forced[step]]) if forced is not None else logits.argmax(-1)
-
+        pick: Chooser = (lambda step, logits: np.array([forced[step]])) if forced is not None else choose or _greedy
         tokens: list[int] = []
         kept: list[np.ndarray] = []
         start = time.perf_counter()
-        prefill_s = 0.0
-        for step in run_steps(steps, self._kv.pairs, prompt_feeds([list(prompt)], 0), max_new_tokens, choose):
+        prefill_s, reason = 0.0, "length"
+        for step in run_steps(steps, self._kv.pairs, prompt_feeds([list(prompt)], 0), max_new_tokens, pick):
             if step.index == 0:
                 prefill_s = time.perf_counter() - start
                 start = time.perf_counter()
             tokens.append(int(step.tokens[0]))
             if keep_logits:
                 kept.append(step.logits[0])
-            if stop_at_eos and tokens[-1] == self.eos:
+            if on_token is not None and on_token(tokens[-1]):
+                reason = "stop"
+            elif stop_at_eos and tokens[-1] == self.eos:
+                reason = "eos"
+            if reason != "length":
                 break
         decode_s = time.perf_counter() - start
-        return Generation(tuple(prompt), tuple(tokens), prefill_s, decode_s, np.stack(kept) if keep_logits else None)
+        return Generation(tuple(prompt), tuple(tokens), prefill_s, decode_s, np.stack(kept) if keep_logits else None, reason)
 
     def _check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         if not prompt:
@@ -217,14 +227,87 @@ class _BoundSteps:
         return outputs
 
 
-def load_tokenizer(directory: Path, manifest: Manifest) -> Any:
-    """The export's tokenizer (``manifest.tokenizer``), or a GenerateError saying to pass ids."""
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """``kiln generate``'s options besides the prompt."""
+
+    max_new_tokens: int = 32
+    stop_at_eos: bool = True
+    stops: tuple[str, ...] = ()  # --stop: the text ends before the first of these
+    sampling: SamplingOptions = SamplingOptions()  # greedy by default
+    target: str | None = None  # "ort": the export's --target ort graphs
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        if any(not s for s in self.stops):
+            raise GenerateError("--stop is empty: give the text that ends the generation")
+
+
+def generate_command(directory: Path, prompt: str | None, ids: str | None, options: GenerateOptions, on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """``kiln generate``: continue ``prompt`` (text, tokenized with the export's tokenizer) or
+    ``ids`` ("1,2,3"); ``on_text`` gets the new text as it comes (token ids, space-separated,
+    when the export has no tokenizer). Returns the JSON summary (``text`` decoded whenever the
+    export has a tokenizer, with --ids too)."""
+    if (prompt is None) == (ids is None):
+        raise GenerateError("give exactly one of --prompt TEXT or --ids 1,2,3")
+    generator = Generator(directory, options.threads, target=options.target)
+    tokenizer = find_tokenizer(directory, generator.manifest)
+    if prompt is not None:
+        if not prompt.strip():
+            raise GenerateError("the prompt is empty: give some text")
+        prompt_ids = load_tokenizer(directory, generator.manifest).encode(prompt).ids
+    else:
+        assert ids is not None  # exactly one of the two, checked above
+        prompt_ids = parse_ids(ids)
+    if options.stops and tokenizer is None:
+        raise GenerateError(f"{directory}: --stop needs the export's tokenizer.json to find the text, and the export has none")
+    stream = TextStream(tokenizer, options.stops) if tokenizer is not None else None
+    count = [0]
+
+    def on_token(token: int) -> bool:
+        piece = stream.add(token) if stream is not None else f"{' ' if count[0] else ''}{token}"
+        count[0] += 1
+        if on_text is not None and piece:
+            on_text(piece)
+        return stream is not None and stream.stopped
+
+    sampler = Sampler(options.sampling, prompt_ids)
+    result = generator.run(prompt_ids, options.max_new_tokens, stop_at_eos=options.stop_at_eos, choose=sampler.choose, on_token=on_token)
+    if stream is not None and on_text is not None and (rest := stream.rest()):
+        on_text(rest)
+    return {
+        "prompt_ids": list(result.prompt),
+        "tokens": list(result.tokens),
+        "text": stream.text if stream is not None else None,
+        "finish_reason": result.finish_reason,
+        "sampling": options.sampling.to_dict(),
+        "prefill_tokens_per_s": result.prefill_tokens_per_s,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+        "kv_cache": generator.kv_cache,
+    }
+
+
+def _greedy(step: int, logits: np.ndarray) -> np.ndarray:
+    tokens: np.ndarray = logits.argmax(-1)
+    return tokens
+
+
+def find_tokenizer(directory: Path, manifest: Manifest) -> Any | None:
+    """The export's tokenizer (``manifest.tokenizer``), or None when it has none."""
     from tokenizers import Tokenizer
 
     rel = manifest.tokenizer
     if not rel or not (directory / rel).is_file():
-        raise GenerateError(f"{directory}: the export has no tokenizer.json (its checkpoint had none); pass token ids with --ids")
+        return None
     return Tokenizer.from_file(str(directory / rel))
+
+
+def load_tokenizer(directory: Path, manifest: Manifest) -> Any:
+    """The export's tokenizer, or a GenerateError saying to pass ids."""
+    tokenizer = find_tokenizer(directory, manifest)
+    if tokenizer is None:
+        raise GenerateError(f"{directory}: the export has no tokenizer.json (its checkpoint had none); pass token ids with --ids")
+    return tokenizer
 
 
 def parse_ids(text: str) -> list[int]:

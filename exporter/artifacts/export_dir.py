@@ -1,7 +1,9 @@
 """The artifacts stage: everything of an export besides its graphs, written into the staged
 directory from the ``ExportReport``: the parity reports, the tokenizer, the serving configs
-(ONNX Runtime GenAI's, and the Triton repository with ``--triton``) and, last, the manifest with
-the sha256 of every file (each file is hashed once, here)."""
+(ONNX Runtime GenAI's, and the Triton repository with ``--triton``), the family's files for
+consumers (a Hugging Face checkpoint's ``config.json`` and ``generation_config.json``, which
+Optimum reads beside ``model.onnx``) and, last, the manifest with the sha256 of every file (each
+file is hashed once, here)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import dataclasses
 import shutil
 from pathlib import Path
 
+from kiln.errors import ArtifactError
 from kiln.exporter.artifacts.build import build_manifest
 from kiln.exporter.artifacts.hashing import hash_tree
 from kiln.exporter.artifacts.layout import ONNX_DIR, REPORTS_DIR, TOKENIZER
@@ -26,6 +29,11 @@ def write_artifacts(root: Path, report: ExportReport) -> Manifest:
     write_parity_reports(report.parity, root / REPORTS_DIR, report.parity_extras())
     if report.tokenizer is not None:
         shutil.copyfile(report.tokenizer, root / TOKENIZER)
+    for source in report.serving_files:  # e.g. Hugging Face's config.json: Optimum loads onnx/ as written
+        target = root / ONNX_DIR / source.name
+        if target.exists():
+            raise ArtifactError(f"{source}: the family asks for {source.name} beside the graphs, where kiln already wrote one")
+        shutil.copyfile(source, target)
     manifest = build_manifest(report, root)
     if report.spec.encoder_dim is None:  # GenAI's decoder-only models have no way to feed a cross cache
         write_genai_config(root / ONNX_DIR, manifest)  # beside model.onnx

@@ -1,9 +1,16 @@
-"""Output directories that are whole or absent.
+"""Output directories that are whole or absent, and replaced only when kiln wrote them.
 
 An export (or a part rewritten later: ``kiln triton``'s repository) is written into a temporary
 directory beside the target and renamed into place at the end; an error, Ctrl-C or SIGTERM (turned into ``SystemExit`` by the CLI) removes it. An
 exclusive ``flock`` on ``.<name>.lock`` beside the target makes a second export into the same
 directory fail at once instead of racing the first.
+
+The replacement rule (``--force``): a non-empty target is replaced only when kiln wrote it. What
+that means is the caller's ``Owner``: for an export directory, that ``manifest.read`` accepts its
+``manifest.json`` (``earlier_export``); for ``kiln triton``'s ``triton/`` inside an export, that
+the export's manifest lists every file in it (``exporter.serving.triton``); ``kiln build`` writes
+files into ``engines/`` in place and applies the same rule to that folder (``exporter.engine``).
+Anything else is refused in one line naming what is there, and nothing is deleted.
 """
 
 from __future__ import annotations
@@ -13,13 +20,15 @@ import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kiln.errors import ArtifactError
 from kiln.interrupts import raise_if_interrupted
 
-__all__ = ["staged_output"]
+__all__ = ["Owner", "earlier_export", "listing", "require_replaceable", "staged_output"]
+
+Owner = Callable[[Path], str | None]  # a non-empty directory -> None when kiln wrote it, else why not (one line)
 
 
 @contextlib.contextmanager
@@ -40,16 +49,49 @@ def _lock(out: Path) -> Iterator[None]:
         os.close(fd)
 
 
-@contextlib.contextmanager
-def staged_output(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a fresh temporary directory that becomes ``out`` when the block succeeds."""
-    out = out.absolute()
+def listing(directory: Path, limit: int = 5) -> str:
+    """What a directory holds, for a message: ``notes.txt, sub/ (and 3 more)``."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def earlier_export(out: Path) -> str | None:
+    """The export's ``Owner``: None when ``out`` holds a manifest.json that kiln wrote (one that
+    ``manifest.read`` accepts), else what is there instead."""
+    from kiln.exporter.artifacts import manifest
+
+    try:
+        manifest.read(out)
+    except ArtifactError:
+        has = "a manifest.json this kiln does not accept" if (out / manifest.MANIFEST).is_file() else "no manifest.json"
+        return f"--force replaces only an empty directory or an earlier kiln export, and this holds {listing(out)} with {has}"
+    return None
+
+
+def require_replaceable(out: Path, force: bool, owner: Owner = earlier_export) -> None:
+    """Refuse (one ``ArtifactError``, nothing touched) to write ``out`` unless it is absent or
+    empty, or ``force`` is given and ``owner`` says kiln wrote it."""
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"{out}: exists and is not a directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not force:
+        raise ArtifactError(f"{out}: output directory exists and is not empty; pass --force to replace it")
+    reason = owner(out)
+    if reason is not None:
+        raise ArtifactError(f"{out}: {reason}; nothing was deleted: move or remove it yourself")
+
+
+@contextlib.contextmanager
+def staged_output(out: Path, force: bool, owner: Owner = earlier_export) -> Iterator[Path]:
+    """Yield a fresh temporary directory that becomes ``out`` when the block succeeds (an ``out``
+    already there must pass ``require_replaceable``)."""
+    out = out.absolute()
+    require_replaceable(out, force, owner)  # before making anything
     out.parent.mkdir(parents=True, exist_ok=True)
     with _lock(out):
-        if out.is_dir() and any(out.iterdir()) and not force:
-            raise ArtifactError(f"{out}: output directory exists and is not empty; pass --force to replace it")
+        require_replaceable(out, force, owner)  # again, now that no other kiln can be writing it
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         umask = os.umask(0)
         os.umask(umask)

@@ -10,7 +10,7 @@ from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.artifacts.hashing import hash_tree
 from kiln.exporter.artifacts.manifest import Manifest
 
-__all__ = ["Verification", "verify_dir", "require_verified"]
+__all__ = ["Verification", "verify_dir", "require_verified", "unlisted"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,3 +57,14 @@ def require_verified(directory: Path, *, rewritten: str | None = None) -> Manife
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ArtifactError(f"{directory}: files differ from manifest.json: {'; '.join(problems[:3])}{more}; run kiln verify {directory}")
     return result.manifest
+
+
+def unlisted(directory: Path, manifest: Manifest, sub: str) -> list[str]:
+    """Files under ``directory/sub`` that ``manifest.files`` does not list (paths relative to
+    ``directory``): what a command rewriting that folder did not write, by the replacement rule
+    of ``artifacts.staging``."""
+    root = directory / sub
+    if not root.is_dir():
+        return []
+    found = (p.relative_to(directory).as_posix() for p in sorted(root.rglob("*")) if p.is_file() or p.is_symlink())
+    return [rel for rel in found if rel not in manifest.files]

@@ -67,7 +67,8 @@ def carry(feeds: dict[str, Any], outputs: Mapping[str, Any], previous: Mapping[s
 
 
 def _last_logits(value: Any) -> np.ndarray:
-    """A copy: an OrtValue's numpy() can share the runtime's buffer, which the next step overwrites."""
+    """A copy: an OrtValue's ``numpy()`` may be a view of a buffer the next step overwrites
+    (``kiln generate`` binds one logits buffer to every decode step)."""
     array = value if isinstance(value, np.ndarray) else value.numpy()  # an OrtValue or a tensor
     return np.array(array[:, -1, :], dtype=np.float32)
 

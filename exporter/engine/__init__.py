@@ -27,7 +27,9 @@ from kiln.exporter.engine.records import (
     update_manifest,
 )
 from kiln.exporter.engine.runner import TrtRunner
-from kiln.exporter.engine.trtexec import SCRIPT, write_script
+from kiln.exporter.artifacts.staging import Owner
+from kiln.exporter.artifacts.verify import unlisted
+from kiln.exporter.engine.trtexec import DEFAULT_TIMING_CACHE, SCRIPT, timing_cache_path, write_script
 
 __all__ = [
     "BuildOptions",
@@ -46,12 +48,42 @@ __all__ = [
 _ENGINES = "engines/"
 
 
+def _kiln_build_wrote(manifest: Manifest, own: set[str]) -> Owner:
+    """The replacement rule (``artifacts.staging``) for ``engines/``, which kiln build writes in
+    place: every file there is one the manifest lists or one kiln build writes by name (``own``:
+    what a build killed before it recorded its files leaves, or trtexec.sh's own output); a file
+    of anything else is never overwritten or recorded."""
+
+    def owner(engines: Path) -> str | None:
+        foreign = [f for f in unlisted(engines.parent, manifest, engines.name) if f not in own]
+        if not foreign:
+            return None
+        more = f" (and {len(foreign) - 5} more)" if len(foreign) > 5 else ""
+        return f"kiln build writes only its own files in {_ENGINES}, and manifest.json does not list {', '.join(foreign[:5])}{more}"
+
+    return owner
+
+
+def _own_files(directory: Path, profiles: tuple[EngineProfile, ...], options: BuildOptions) -> set[str]:
+    """What kiln build writes (paths relative to the export): the engines, their record, the
+    script, the timing cache when it lives in the export, and each one's temporary name."""
+    own = {p.engine for p in profiles} | {SCRIPT, ENGINES_JSON, DEFAULT_TIMING_CACHE}
+    cache, root = timing_cache_path(directory, options).absolute(), directory.absolute()
+    if cache.is_relative_to(root):
+        own.add(cache.relative_to(root).as_posix())
+    return own | {f"{Path(f).parent.as_posix()}/.{Path(f).name}.tmp" for f in own}  # written first, then renamed into place
+
+
 def prepare(directory: Path, options: BuildOptions) -> tuple[Manifest, tuple[EngineProfile, ...], Path]:
     """Check the directory, derive both profiles and write ``engines/trtexec.sh`` (no TensorRT needed)."""
+    from kiln.exporter.artifacts import manifest as manifest_mod
+    from kiln.exporter.artifacts.staging import require_replaceable
     from kiln.exporter.artifacts.verify import require_verified
 
-    manifest = require_verified(directory, rewritten=_ENGINES)  # that folder is what kiln build rewrites
+    manifest = manifest_mod.read(directory)
     profiles = engine_profiles(manifest, options)
+    require_replaceable(directory / _ENGINES, True, _kiln_build_wrote(manifest, _own_files(directory, profiles, options)))
+    manifest = require_verified(directory, rewritten=_ENGINES)  # that folder is what kiln build rewrites
     for profile in profiles:
         if not (directory / profile.onnx).is_file():
             raise ArtifactError(f"{directory / profile.onnx}: graph file missing; re-export the directory")

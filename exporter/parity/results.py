@@ -7,7 +7,7 @@ from typing import Any
 
 from kiln.exporter.parity.tolerances import Tolerance
 
-__all__ = ["TensorCheck", "GenerationCheck", "TargetParity", "ParityResult"]
+__all__ = ["TensorCheck", "GenerationCheck", "TargetParity", "GraphSetParity", "ParityResult"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +20,7 @@ class TensorCheck:
     top1: float | None  # logits only: fraction of positions whose argmax agrees
     atol: float
     passed: bool
+    target: str | None = None  # the graph set: None for the portable graphs (or engines), else the target's name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,7 @@ class GenerationCheck:
     ties: int
     per_step_max_abs: tuple[float, ...]  # logits, max over the batch
     passed: bool
+    target: str | None = None  # the graph set, as TensorCheck.target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,37 @@ class TargetParity:
     precision: str
     passed: bool
     tolerance: Tolerance
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSetParity:
+    """The checks of one graph set (the portable graphs, or one target's) with its own precision
+    and tolerances: what every report shows per set."""
+
+    name: str  # "portable", or the target's name
+    precision: str
+    tolerance: Tolerance
+    tensors: tuple[TensorCheck, ...]
+    generation: tuple[GenerationCheck, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(t.passed for t in self.tensors) and all(g.passed for g in self.generation)
+
+    @property
+    def worst_logits(self) -> float:
+        """The largest logit error of the set: over the logits outputs and every generation step."""
+        errors = [t.max_abs for t in self.tensors if t.output == "logits"] + [e for g in self.generation for e in g.per_step_max_abs]
+        return max(errors, default=0.0)
+
+    @property
+    def token_match(self) -> float:
+        """The lowest teacher-forced token match rate of its generation runs (1.0 without any)."""
+        return min((g.token_match_rate for g in self.generation), default=1.0)
+
+    @property
+    def steps(self) -> int:
+        return sum(g.steps for g in self.generation)
 
 
 @dataclasses.dataclass
@@ -59,27 +92,41 @@ class ParityResult:
         return all(t.passed for t in self.tensors) and all(g.passed for g in self.generation)
 
     def failures(self) -> list[str]:
-        tol = self.tolerance
-        out = [
-            f"{t.graph}:{t.output} max abs {t.max_abs:.3g} (tolerance {t.atol:g}), cosine {t.cosine:.6f} (at least {tol.min_cosine:g})"
-            for t in self.tensors
-            if not t.passed
-        ]
-        out += [
-            f"generation via {g.path} (batch {g.batch}): token match {g.token_match_rate:.3f}, first divergence at step {g.first_divergence}"
-            for g in self.generation
-            if not g.passed
-        ]
+        """One line per failed check, each against its own graph set's tolerances."""
+        out: list[str] = []
+        for s in self.sets():
+            out += [
+                f"{t.graph}:{t.output} max abs {t.max_abs:.3g} (tolerance {t.atol:g}), cosine {t.cosine:.6f} (at least {s.tolerance.min_cosine:g})"
+                for t in s.tensors
+                if not t.passed
+            ]
+            out += [
+                f"generation via {g.path} (batch {g.batch}): token match {g.token_match_rate:.3f} (at least {s.tolerance.min_token_match:g}),"
+                f" first divergence at step {g.first_divergence}"
+                for g in s.generation
+                if not g.passed
+            ]
         return out
 
     def merge(self, target: str, other: ParityResult) -> ParityResult:
         """Append a target graph set's checks (in place) under the target's name (``prefill.ort``,
         ``ort:prefill+decode``), each with the tolerance of the target's own precision, so that
         ``passed``, the reports and ``kiln check`` cover every set of graphs of the export."""
-        self.tensors += [dataclasses.replace(t, graph=f"{t.graph}.{target}") for t in other.tensors]
-        self.generation += [dataclasses.replace(g, path=f"{target}:{g.path}") for g in other.generation]
+        self.tensors += [dataclasses.replace(t, graph=f"{t.graph}.{target}", target=target) for t in other.tensors]
+        self.generation += [dataclasses.replace(g, path=f"{target}:{g.path}", target=target) for g in other.generation]
         self.targets[target] = TargetParity(other.backend, other.precision, other.passed, other.tolerance)
         return self
+
+    def sets(self) -> list[GraphSetParity]:
+        """The checks grouped by graph set, each with its own precision and tolerances: the
+        portable graphs (or the engines) first, then every target in the order merged."""
+        own = [("portable", None, self.precision, self.tolerance)] + [(name, name, t.precision, t.tolerance) for name, t in self.targets.items()]
+        return [
+            GraphSetParity(
+                name, precision, tolerance, tuple(t for t in self.tensors if t.target == key), tuple(g for g in self.generation if g.target == key)
+            )
+            for name, key, precision, tolerance in own
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return {

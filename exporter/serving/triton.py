@@ -7,7 +7,8 @@ Models (every name, dtype and shape comes from ``manifest.json``):
   ``past_key_values.{i}.key/value`` of the next request of the same sequence, starting from a zero
   initial state with a past length of 0. The graph and its external weights sit in
   ``NAME/1/model.onnx/`` (a directory holding ``model.onnx`` and the weights file), where the
-  backend resolves external data.
+  backend resolves external data; the weights are a reflink or a copy, never a hard link
+  (``_place``).
 - ``NAME_prefill`` and ``NAME_decode`` (``platform: "tensorrt_plan"``), when
   ``engines/prefill.plan`` and ``engines/decode.plan`` exist: stateless, dynamic batching; the
   client carries the KV tensors.
@@ -32,6 +33,7 @@ Facts from Triton's sources that this relies on (triton-inference-server/common
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
@@ -42,15 +44,9 @@ from kiln.errors import ArtifactError
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.artifacts.hashing import rehash_subtree
 from kiln.exporter.artifacts.manifest import Manifest, TensorEntry
-from kiln.exporter.artifacts.staging import staged_output
-from kiln.exporter.artifacts.verify import require_verified
-from kiln.exporter.contract.io import (
-    BATCH,
-    PAST_SEQ,
-    GraphKind,
-    past_names,
-    present_names,
-)
+from kiln.exporter.artifacts.staging import Owner, require_replaceable, staged_output
+from kiln.exporter.artifacts.verify import require_verified, unlisted
+from kiln.exporter.contract.io import BATCH, PAST_SEQ, GraphKind, past_names, present_names
 from kiln.exporter.options import TRITON_NAME
 from kiln.exporter.serving.triton_readme import IDLE_MICROSECONDS, readme
 
@@ -266,27 +262,53 @@ def triton_models(directory: Path, manifest: Manifest, name: str) -> list[Triton
     return models
 
 
+_FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), the ioctl behind cp --reflink
+
+
 def _place(source: Path, target: Path) -> None:
-    """A hard link when the filesystem allows it (no copy of the weights), else a copy."""
+    """``target``, a copy of ``source`` that shares its blocks where the filesystem can (a
+    reflink, as ``cp --reflink=auto`` makes: btrfs, XFS, bcachefs...), else a plain copy. Never a
+    hard link: onnx 1.23 refuses to load external data from a file with more than one link ("a
+    potential hardlink attack"), which would break both the export's graphs and the copy."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        try:
+            fcntl.ioctl(dst.fileno(), _FICLONE, src.fileno())
+            return
+        except OSError:  # no reflinks here (ext4, tmpfs, another filesystem...): copy below
+            pass
+    shutil.copyfile(source, target)
+
+
+def _written_by_kiln(manifest: Manifest) -> Owner:
+    """The replacement rule (``artifacts.staging``) for ``triton/``: kiln wrote it when the
+    export's manifest lists every file in it (``--triton`` and ``kiln triton`` both record theirs);
+    a folder holding anything else is never replaced."""
+
+    def owner(repo: Path) -> str | None:
+        foreign = unlisted(repo.parent, manifest, repo.name)
+        if not foreign:
+            return None
+        more = f" (and {len(foreign) - 5} more)" if len(foreign) > 5 else ""
+        return f"kiln triton replaces only a {TRITON_DIR}/ folder kiln wrote, and manifest.json does not list {', '.join(foreign[:5])}{more}"
+
+    return owner
 
 
 def write_triton_repo(directory: Path, name: str) -> list[Path]:
-    """``kiln triton``: write ``directory/triton/`` for a verified export, replacing any earlier
-    one (staged, renamed into place), and record its files in the manifest so that ``kiln
-    verify`` still passes; return its files."""
+    """``kiln triton``: write ``directory/triton/`` for a verified export, replacing an earlier
+    one kiln wrote (staged, renamed into place), and record its files in the manifest so that
+    ``kiln verify`` still passes; return its files."""
     directory = Path(directory)
-    manifest = require_verified(directory)
-    models = triton_models(directory, manifest, name)
     target = directory / TRITON_DIR
     if target.exists() and not target.is_dir():
         raise ArtifactError(f"triton: {target} exists and is not a directory; remove it")
+    owner = _written_by_kiln(manifest_mod.read(directory))
+    require_replaceable(target, True, owner)  # before verifying, so that the refusal names what is there
+    manifest = require_verified(directory)
+    models = triton_models(directory, manifest, name)
     try:
-        with staged_output(target, force=True) as tmp:
+        with staged_output(target, force=True, owner=owner) as tmp:
             _write_repo(tmp, manifest, models)
     except OSError as exc:
         raise ArtifactError(f"triton: could not write {target} ({exc}); check the permissions and free space of {directory}") from exc

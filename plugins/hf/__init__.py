@@ -151,7 +151,9 @@ class HFFamily:
                 raise CheckpointError(f"{directory}: {name} has non-finite values (NaN or Inf)")
         tokenizer = directory / "tokenizer.json"
         files = (directory / "config.json", *weights) + ((tokenizer,) if tokenizer.is_file() else ())
-        return _loaded(model, arch, path, tokenizer if tokenizer.is_file() else None, files)
+        # beside model.onnx these make the export's onnx/ a directory Optimum's ORTModelForCausalLM loads
+        serving = tuple(p for p in (directory / "config.json", directory / "generation_config.json") if p.is_file())
+        return _loaded(model, arch, path, tokenizer if tokenizer.is_file() else None, files, serving)
 
     def tiny(self, seed: int) -> LoadedModel:
         return tiny_model("LlamaForCausalLM", seed)
@@ -177,9 +179,11 @@ def tiny_model(arch: str, seed: int) -> LoadedModel:
     return _loaded(model, arch, Path(f"<tiny {arch}>"))
 
 
-def _loaded(model: nn.Module, arch: str, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = ()) -> LoadedModel:
+def _loaded(
+    model: nn.Module, arch: str, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = (), serving: tuple[Path, ...] = ()
+) -> LoadedModel:
     spec = dataclasses.replace(_spec(model, arch), dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
-    return LoadedModel(HFDecoder(model).eval(), spec, source, tokenizer, files, layers=_layer_plan(model, arch))
+    return LoadedModel(HFDecoder(model).eval(), spec, source, tokenizer, files, layers=_layer_plan(model, arch), serving_files=serving)
 
 
 def _layer_plan(model: nn.Module, arch: str) -> LayerPlan | None:

@@ -8,6 +8,8 @@ and its code never runs.
 from __future__ import annotations
 
 import pickle
+import re
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -75,12 +77,11 @@ def read_state_dict(weights: Path) -> Mapping[str, Tensor]:
         return _SafetensorsState(weights)
     if weights.suffix in (".pt", ".pth", ".bin"):
         try:
-            state = torch.load(weights, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # torch warns about the pickle protocol before refusing it
+                warnings.simplefilter("ignore")
+                state = torch.load(weights, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise CheckpointError(
-                f"{weights}: refused to unpickle: the file holds objects other than tensors "
-                f"({_first_line(exc)}); kiln never runs code from a checkpoint: convert it to safetensors"
-            ) from None
+            raise CheckpointError(_pickle_refusal(weights, exc)) from None
         except (RuntimeError, EOFError, OSError, ValueError) as exc:
             raise CheckpointError(f"{weights}: not a readable PyTorch file ({_first_line(exc)})") from None
         if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
@@ -143,6 +144,21 @@ def _expected_tensors(module: nn.Module) -> dict[str, tuple[Tensor, list[str]]]:
         first[id(tensor)] = name
         out[name] = (tensor, [name])
     return out
+
+
+def _pickle_refusal(weights: Path, exc: pickle.UnpicklingError) -> str:
+    """kiln's own words for a pickle ``torch.load(weights_only=True)`` refused: what it would have
+    built (torch's message names it), why that is refused, and how to convert the file."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    what = f"an object of {found.group(1)}" if found else "objects other than tensors"
+    target = weights.parent / "model.safetensors"  # what find_weights reads first
+    return (
+        f"{weights}: refused to load: this pickle would build {what}, and unpickling anything but tensors can run code"
+        f" from the file, which kiln never does; if you trust the file, convert it to safetensors once (kiln then reads {target}):"
+        f" python -c \"import torch; from safetensors.torch import save_file; m = torch.load('{weights}', weights_only=False);"
+        " sd = m.state_dict() if hasattr(m, 'state_dict') else m;"
+        f" save_file({{k: v.contiguous().clone() for k, v in sd.items() if torch.is_tensor(v)}}, '{target}')\""
+    )
 
 
 def _first_line(exc: BaseException) -> str:

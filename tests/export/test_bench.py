@@ -4,6 +4,7 @@ GenAI-style names), the tables, the slope fit, the CLI's errors. No timing is as
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,10 @@ from onnx import TensorProto, helper
 
 from kiln.cli import main
 from kiln.errors import BenchError
+from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.runners import ort_session
-from kiln.runtime.bench import Timed, render
+from kiln.runtime.bench import Timed, load_warning, render
+from kiln.runtime.torch_row import TorchWorker
 from kiln.runtime.sweep import fit_line, render_sweep, runs_at
 from kiln.runtime.decoder_dirs import open_decoder_dir
 from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs, resolve_dim
@@ -207,6 +210,48 @@ def test_render_table_and_sweep() -> None:
     assert "| kiln fp32 (a) | 1.00 | 2.00 | 15.625 | 0.00 | 1.000 |" in render_sweep(result["sweep"])
 
 
+def test_load_warning() -> None:
+    assert load_warning([1.5, 1.9], 2) is None and load_warning([2.0, 2.0], 2) is None
+    assert load_warning([1.5, 2.6], 2) == (
+        "WARNING: the 1-minute load average reached 2.6, above the 2 cores: other processes competed for them, and these figures are unreliable"
+    )
+    result = {
+        "threads": 2, "runs": 3, "prefill_seq": 8, "decode_past": 6, "baseline": "a", "load_average": [3.0, 1.0], "cores": 2,
+        "directories": [{"label": "a", "weights_bytes_per_step": 1}], "median_ms": {"prefill": {"a": 1.0}, "decode": {"a": 1.0}},
+    }
+    assert render(result).splitlines()[0].startswith("WARNING: the 1-minute load average reached 3.0, above the 2 cores")
+    assert render({**result, "load_average": [1.0, 1.0]}).splitlines()[0].startswith("batch 1, 2 threads")
+
+
+def _decode_feeds(directory: Path) -> dict[str, dict[str, np.ndarray]]:
+    d = open_decoder_dir(directory)
+    sess = ort_session(d.decode, threads=1, spinning=False)
+    return {"decode": build_feeds(declared_inputs(sess), Sizes(seq=1, past=5), vocab=tiny_config().vocab_size)}
+
+
+def test_torch_row_worker_is_passive_with_the_thread_count(kiln_dir: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's OpenMP runtime itself reads the settings (libgomp prints what it read with
+    OMP_DISPLAY_ENV, when torch loads it in the worker), and torch runs with the thread count."""
+    monkeypatch.setenv("OMP_DISPLAY_ENV", "TRUE")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    ref = str(manifest_mod.read(kiln_dir).checkpoint.reference)
+    worker = TorchWorker(ref, _decode_feeds(kiln_dir), threads=1)
+    try:
+        assert worker.info["threads"] == 1 and worker.info["omp_wait_policy"] == "PASSIVE"
+        (call,) = worker.calls().values()
+        assert call() > 0 and worker.info["pid"] != os.getpid()
+    finally:
+        worker.close()
+    err = capfd.readouterr().err
+    assert "OMP_WAIT_POLICY = 'PASSIVE'" in err and "OMP_NUM_THREADS = '1'" in err
+
+
+def test_torch_row_worker_errors(kiln_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(BenchError) as err:
+        TorchWorker(str(tmp_path / "gone"), _decode_feeds(kiln_dir), threads=1)
+    assert str(err.value) == f"bench: the PyTorch row: checkpoint: {tmp_path / 'gone'}: no such checkpoint file or directory; pass --no-torch to bench without it"
+
+
 def _run(*args: str) -> tuple[int, str, str]:
     result = CliRunner().invoke(main, list(args))
     return result.exit_code, result.stdout, result.stderr
@@ -224,6 +269,8 @@ def test_bench_cli_side_by_side_with_sweep(kiln_dir: Path, optimum_dir: Path, ge
     assert set(data["roofline"]) == labels and data["read_bandwidth_gb_s"] > 0 and data["read_bandwidth_best_gb_s"] > 0
     assert len(data["load_average"]) == 2 and "load average" in stdout
     assert data["sweep"]["pasts"] == [4, 8, 16] and set(data["sweep"]["fit"]) == labels
+    assert data["pytorch"] == {"threads": 2, "omp_wait_policy": "PASSIVE", "process": "worker"} and data["cores"] == os.cpu_count()
+    assert "pytorch eager: 2 threads, OMP_WAIT_POLICY=PASSIVE, in a worker process (as ONNX Runtime: no spinning)" in stdout
     assert Path(data["sweep"]["plot"]) == out.with_suffix(".png") and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "| kiln fp32 (kiln) |" in stdout and "slope ms/1k past" in stdout
 

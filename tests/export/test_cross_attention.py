@@ -114,6 +114,16 @@ def test_cross_attention_has_no_causal_mask(cross_export: Path) -> None:
 def test_check_passes_on_a_cross_attention_export(cross_export: Path) -> None:
     result = CliRunner().invoke(main, ["check", str(cross_export)])
     assert result.exit_code == 0, result.output
+    exported = json.loads((cross_export / "reports" / "parity.json").read_text())  # the same checks, at export time
+    runs, steps = len(exported["generation"]), sum(g["steps"] for g in exported["generation"])
+    lines = result.stdout.strip().splitlines()  # a short table and one closing verdict line
+    assert lines[0] == f"{cross_export}: onnxruntime vs PyTorch, {len(exported['tensors'])} tensors and {runs} generation runs" and lines[1] == ""
+    assert lines[2].startswith("| graph set | precision | worst logit error |") and lines[4].startswith("| portable | fp32 | ")
+    assert len(lines) == 7 and lines[5] == "" and lines[6].startswith("parity passed: logits max abs error ")
+    assert lines[6].endswith(f"(tolerance 0.0001), tokens 100% equal over {steps} steps in {runs} runs (every check: kiln check {cross_export} --verbose)")
+    verbose = CliRunner().invoke(main, ["check", str(cross_export), "--verbose"])
+    assert verbose.exit_code == 0 and "## Tensors" in verbose.stdout and "| prefill | present.1.cross_value |" in verbose.stdout
+    assert verbose.stdout.strip().splitlines()[-1].startswith("parity passed: ")
     report = json.loads((cross_export / "reports" / "parity.json").read_text())
     graphs = {(t["graph"], t["output"]) for t in report["tensors"]}
     assert ("prefill", "present.1.cross_value") in graphs and ("decode", "present.1.cross_value") not in graphs

@@ -83,9 +83,57 @@ def test_cli_text_in_text_out(demo_dir: Path) -> None:
     assert data["prompt_ids"] == tok.encode("def read_config(path):\n").ids
     assert len(data["tokens"]) == 8 and data["text"] == tok.decode(data["tokens"])
     assert data["prefill_tokens_per_s"] > 0 and data["decode_tokens_per_s"] > 0
-    plain = CliRunner().invoke(main, ["generate", str(demo_dir), "--ids", "5,6,7", "--max-new-tokens", "3", "--ignore-eos"])
+    assert data["finish_reason"] == "length" and data["sampling"]["temperature"] == 0.0
+    plain = CliRunner().invoke(main, ["generate", str(demo_dir), "--prompt", "def read_config(path):\n", "--max-new-tokens", "8", "--ignore-eos"])
     assert plain.exit_code == 0, plain.stderr
-    assert len(plain.stdout.split()) == 3 and "tokens/s" in plain.stderr
+    assert plain.stdout == "def read_config(path):\n" + data["text"] + "\n" and "tokens/s" in plain.stderr
+
+
+def _json(*args: str) -> dict[str, object]:
+    result = CliRunner().invoke(main, ["generate", *args, "--json"])
+    assert result.exit_code == 0, result.stderr
+    data: dict[str, object] = json.loads(result.stdout)
+    return data
+
+
+def test_ids_are_decoded_when_the_export_has_a_tokenizer(demo_dir: Path, tiny_dir: Path) -> None:
+    data = _json(str(demo_dir), "--ids", "12,40,7", "--max-new-tokens", "6", "--ignore-eos")
+    tok = Tokenizer.from_file(str(demo_dir / "onnx" / "tokenizer.json"))
+    assert isinstance(data["text"], str) and data["text"] == tok.decode(data["tokens"]) and data["text"]  # type: ignore[arg-type]
+    assert _json(str(tiny_dir), "--ids", "5,6", "--max-new-tokens", "3", "--ignore-eos")["text"] is None  # no tokenizer.json
+    plain = CliRunner().invoke(main, ["generate", str(tiny_dir), "--ids", "5,6", "--max-new-tokens", "3", "--ignore-eos"])
+    assert plain.exit_code == 0 and len(plain.stdout.split()) == 3 and all(t.isdigit() for t in plain.stdout.split())
+
+
+def test_sampling_through_the_cli(demo_dir: Path) -> None:
+    """The options reach the loop: a seed reproduces, top-k 1 is greedy, and sampling differs from greedy."""
+    args = [str(demo_dir), "--prompt", "def main(", "--max-new-tokens", "16", "--ignore-eos"]
+    greedy_tokens = _json(*args)["tokens"]
+    sampled = _json(*args, "--temperature", "1.5", "--seed", "3")
+    assert sampled["tokens"] == _json(*args, "--temperature", "1.5", "--seed", "3")["tokens"]
+    assert sampled["tokens"] != greedy_tokens and sampled["sampling"] == {
+        "temperature": 1.5, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, "seed": 3,
+    }
+    assert _json(*args, "--temperature", "1.5", "--top-k", "1", "--seed", "4")["tokens"] == greedy_tokens
+    assert _json(*args, "--repetition-penalty", "1.5")["tokens"] != greedy_tokens  # greedy, penalised repeats
+
+
+def test_stop_string_ends_the_text_and_the_stream(demo_dir: Path) -> None:
+    from kiln.runtime.generate import GenerateOptions, generate_command
+
+    args = [str(demo_dir), "--prompt", "def read_config(path):\n", "--max-new-tokens", "24", "--ignore-eos"]
+    full = _json(*args)
+    text, tokens = str(full["text"]), list(full["tokens"])  # type: ignore[call-overload]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a string the greedy text reaches halfway
+    stopped = _json(*args, "--stop", stop)
+    assert stopped["text"] == text[: text.index(stop)] and stopped["finish_reason"] == "stop"
+    assert stopped["tokens"] == tokens[: len(stopped["tokens"])] and len(stopped["tokens"]) < len(tokens)  # type: ignore[arg-type]
+    pieces: list[str] = []
+    summary = generate_command(demo_dir, "def read_config(path):\n", None, GenerateOptions(24, False, (stop,)), on_text=pieces.append)
+    assert "".join(pieces) == stopped["text"] and len(pieces) > 3 and summary["text"] == stopped["text"]
+    assert "\n" in text and _json(*args, "--stop", "\\n")["text"] == text.split("\n")[0]  # as typed in a shell: backslash n
+    plain = CliRunner().invoke(main, ["generate", *args, "--stop", stop])
+    assert plain.stdout == "def read_config(path):\n" + str(stopped["text"]) + "\n" and "; stop)" in plain.stderr
 
 
 def _error(*args: str) -> str:
@@ -114,5 +162,12 @@ def test_cli_errors(demo_dir: Path, tiny_dir: Path, tmp_path: Path) -> None:
     changed = Path(shutil.copytree(tiny_dir, tmp_path / "changed"))
     (changed / "onnx" / "decode.onnx").write_bytes(b"changed")
     assert "files differ from manifest.json: changed (sha256 differs): onnx/decode.onnx" in _error(str(changed), "--ids", "1")
+    assert _error(str(demo_dir), "--ids", "5", "--temperature", "-1") == "error: generate: --temperature must be at least 0 (0 is greedy), found -1.0"
+    assert _error(str(demo_dir), "--ids", "5", "--temperature", "1", "--top-p", "0") == "error: generate: --top-p must be in (0, 1] (1 keeps every token), found 0.0"
+    assert _error(str(demo_dir), "--ids", "5", "--temperature", "1", "--top-k", "-2") == "error: generate: --top-k must be at least 0 (0 keeps every token), found -2"
+    assert _error(str(demo_dir), "--ids", "5", "--stop", "") == "error: generate: --stop is empty: give the text that ends the generation"
+    assert _error(str(tiny_dir), "--ids", "5", "--stop", "x") == (
+        f"error: generate: {tiny_dir}: --stop needs the export's tokenizer.json to find the text, and the export has none"
+    )
     with pytest.raises(GenerateError, match="--ids is empty"):
         parse_ids(" , ")

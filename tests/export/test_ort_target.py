@@ -223,9 +223,16 @@ def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> Non
     args = ["export", "--model", str(tiny_ckpt), "--out", str(out), "--max-batch", "4", "--parity-tokens", str(PARITY_TOKENS)]
     cli = CliRunner().invoke(main, [*args, "--target", "ort", "--ort-int8"])
     assert cli.exit_code == 0, cli.output
-    assert "3 fp32 graphs, one weights file + 3 ONNX Runtime-target int8 graphs (onnx/*.ort.onnx); parity passed" in cli.output
+    last = cli.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"wrote {out}: 3 fp32 graphs + 3 ONNX Runtime-target int8 graphs (onnx/*.ort.onnx), 2 weights files; parity passed: portable (fp32): logits max abs error ")
+    assert "(tolerance 0.0001), tokens 100% equal over " in last and "; ort (int8): logits max abs error " in last and "(tolerance 1.5), tokens " in last
+    assert last.endswith(f"; report {out / 'reports' / 'parity.md'}")
     parity = json.loads((out / "reports" / "parity.json").read_text())
     assert parity["passed"] and parity["targets"]["ort"]["precision"] == "int8"
+    for target, name, atol in ((None, "portable (fp32)", "0.0001"), ("ort", "ort (int8)", "1.5")):  # the line's figures are the report's
+        worst = max([t["max_abs"] for t in parity["tensors"] if t["target"] == target and t["output"] == "logits"]
+                    + [e for g in parity["generation"] if g["target"] == target for e in g["per_step_max_abs"]])
+        assert f"{name}: logits max abs error {worst:.3g} (tolerance {atol})" in last
     ort_tensors = [t for t in parity["tensors"] if t["graph"].endswith(".ort")]
     assert {t["graph"] for t in ort_tensors} == {"prefill.ort", "decode.ort", "model.ort"}
     assert all(t["atol"] == 1.5 or t["atol"] == 1.0 for t in ort_tensors)  # int8 tolerances, not fp32's

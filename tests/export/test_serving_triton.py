@@ -47,8 +47,9 @@ ONNX_TO_TRITON = {
 
 @pytest.fixture(scope="module")
 def fp32_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model exported with --triton demo (kiln triton then replaces that repository)."""
     out = tmp_path_factory.mktemp("triton32") / "out"
-    export("demo", out, ExportOptions(parity_tokens=8))
+    export("demo", out, ExportOptions(parity_tokens=8, triton="demo"))
     return out
 
 
@@ -170,8 +171,10 @@ def test_onnxruntime_model_fp32(fp32_export: Path, tmp_path: Path) -> None:
     assert len(config.instance_group) == 1 and config.instance_group[0].count == 1
     graph = repo / "demo" / "1" / "model.onnx" / "model.onnx"
     _check_against_graph(config, graph)
-    # the backend finds the external weights beside the graph; hard-linked, not copied
-    assert os.path.samefile(repo / "demo" / "1" / "model.onnx" / "weights.bin", directory / "onnx" / "weights.bin")
+    # the backend finds the external weights beside the graph: the same bytes, not a hard link
+    copy = repo / "demo" / "1" / "model.onnx" / "weights.bin"
+    assert copy.read_bytes() == (directory / "onnx" / "weights.bin").read_bytes()
+    assert os.stat(copy).st_nlink == 1 and os.stat(directory / "onnx" / "weights.bin").st_nlink == 1
     loaded = load_model("demo")
     prompt = make_prompts(loaded.spec, [6], seed=5)[0]
     ref, _ = greedy(TorchRunner(loaded.module, loaded.spec.n_layers), loaded.spec, [prompt], 8)
@@ -185,6 +188,49 @@ def test_onnxruntime_model_fp32(fp32_export: Path, tmp_path: Path) -> None:
     for name in ["input_ids", "attention_mask", "position_ids", "logits", "past_key_values.3.value", "present.3.value", "sequence_start"]:
         assert f"`{name}" in readme, name
     assert "unverified" in readme.lower()
+
+
+def _graphs(directory: Path) -> list[Path]:
+    manifest = manifest_mod.read(directory)
+    files = [g.file for g in manifest.graphs.values()] + [g.file for t in (manifest.targets or {}).values() for g in t.graphs.values()]
+    return [directory / f for f in files] + sorted((directory / "triton").glob("*/1/model.onnx/model.onnx"))
+
+
+def test_onnx_loads_every_graph_after_triton(fp32_export: Path, tmp_path: Path) -> None:
+    """onnx (1.23+) refuses external data whose file has several hard links: after export --triton
+    and after kiln triton, every graph of the export and the repository's copy load with their weights."""
+    directory = _copy(fp32_export, tmp_path)
+    for stage in ("export --triton", "kiln triton"):
+        graphs = _graphs(directory)
+        assert len(graphs) == 4, stage  # prefill, decode, model and the repository's model.onnx
+        for graph in graphs:
+            proto = onnx.load(str(graph), load_external_data=True)
+            assert sum(init.data_location == onnx.TensorProto.DEFAULT and len(init.raw_data) > 0 for init in proto.graph.initializer) > 0, graph
+        weights = {p: os.stat(p).st_nlink for p in directory.rglob("weights.bin")}
+        assert len(weights) == 2 and set(weights.values()) == {1}, (stage, weights)
+        write_triton_repo(directory, "demo")
+    assert verify_dir(directory).ok
+
+
+def test_triton_replaces_only_a_repository_kiln_wrote(fp32_export: Path, tmp_path: Path) -> None:
+    """kiln triton rewrites triton/ when the manifest lists every file in it; a file kiln did not
+    write there (or a folder of them) is named in one line and nothing is deleted."""
+    directory = _copy(fp32_export, tmp_path)
+    (directory / "triton" / "sub").mkdir()
+    (directory / "triton" / "notes.txt").write_text("mine")
+    (directory / "triton" / "sub" / "model.txt").write_text("also mine")
+    before = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*"))
+    with pytest.raises(ArtifactError) as err:
+        write_triton_repo(directory, "other")
+    assert str(err.value) == (
+        f"artifacts: {directory / 'triton'}: kiln triton replaces only a triton/ folder kiln wrote, and manifest.json does not list"
+        " triton/notes.txt, triton/sub/model.txt; nothing was deleted: move or remove it yourself"
+    )
+    assert sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")) == before
+    (directory / "triton" / "notes.txt").unlink()
+    shutil.rmtree(directory / "triton" / "sub")
+    write_triton_repo(directory, "other")  # only kiln's files again: replaced
+    assert sorted(p.name for p in (directory / "triton").iterdir()) == ["README.md", "other"]
 
 
 def test_onnxruntime_model_fp16_states_and_rewrite(fp16_export: Path, tmp_path: Path) -> None:
@@ -249,9 +295,10 @@ def test_one_engine_without_the_other_is_an_error(fp32_export: Path, tmp_path: P
     manifest = json.loads((directory / "manifest.json").read_text())
     manifest["files"] = hash_tree(directory, exclude=(manifest_mod.MANIFEST,))
     manifest_mod.write(directory, Manifest.from_json(manifest))
+    before = hash_tree(directory / "triton")  # the repository export --triton wrote
     with pytest.raises(ArtifactError, match=r"has engines/prefill\.plan but not engines/decode\.plan; run kiln build"):
-        write_triton_repo(directory, "demo")
-    assert not (directory / "triton").exists()
+        write_triton_repo(directory, "other")
+    assert hash_tree(directory / "triton") == before
 
 
 def test_inputs_without_batch_dim_are_refused(fp32_export: Path, tmp_path: Path) -> None:
@@ -282,10 +329,10 @@ def test_bad_directories_are_one_clear_error(fp32_export: Path, tmp_path: Path) 
     with open(tampered / "onnx" / "weights.bin", "r+b") as f:
         f.seek(100)
         f.write(b"\x00\x01\x02\x03")
-    before = (tampered / "manifest.json").read_text()
+    before, repo = (tampered / "manifest.json").read_text(), hash_tree(tampered / "triton")
     with pytest.raises(ArtifactError, match=r"files differ from manifest\.json: changed \(sha256 differs\): onnx/weights\.bin; run kiln verify"):
-        write_triton_repo(tampered, "demo")
-    assert not (tampered / "triton").exists() and (tampered / "manifest.json").read_text() == before
+        write_triton_repo(tampered, "other")
+    assert hash_tree(tampered / "triton") == repo and (tampered / "manifest.json").read_text() == before
 
     with pytest.raises(ArtifactError, match=r"model name '\.\./x' must start with a letter or digit"):
         write_triton_repo(_copy(fp32_export, tmp_path / "name"), "../x")

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,8 +116,31 @@ def test_pickle_with_code_is_refused_and_never_runs(tmp_path: Path) -> None:
         pickle.dump({"embed.weight": _Payload(marker)}, f)
     with pytest.raises(CheckpointError) as err:
         load_model(tmp_path)
-    assert "refused to unpickle" in str(err.value) and "convert it to safetensors" in str(err.value)
+    message = str(err.value)
+    assert message.startswith(f"checkpoint: {tmp_path / 'model.pt'}: refused to load: this pickle would build objects other than tensors,")
+    assert "unpickling anything but tensors can run code from the file, which kiln never does" in message
+    assert "\n" not in message and "Weights only load failed" not in message  # kiln's words, not torch's cut mid-sentence
     assert not marker.exists()
+
+
+def test_pickled_module_refusal_names_it_and_its_conversion_works(tmp_path: Path) -> None:
+    """A whole nn.Module saved with torch.save: the refusal names its class, and the one-line
+    conversion the message gives makes a checkpoint kiln loads, with the same weights."""
+    cfg = tiny_config()
+    cfg.save(tmp_path / "config.json")
+    model = random_model(cfg, 3)
+    torch.save(model, tmp_path / "model.pt")
+    with pytest.raises(CheckpointError) as err:
+        load_model(tmp_path)
+    message = str(err.value)
+    assert f"this pickle would build an object of {type(model).__module__}.{type(model).__name__}," in message
+    assert f"kiln then reads {tmp_path / 'model.safetensors'}" in message
+    command = message.split("python -c ", 1)[1]
+    subprocess.run([sys.executable, "-c", shlex.split(command)[0]], check=True, cwd=tmp_path)
+    loaded = load_model(tmp_path)
+    assert loaded.files[-1] == tmp_path / "model.safetensors"
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.module.state_dict()[name], tensor), name
 
 
 def test_tied_head_saved_under_either_name(tmp_path: Path) -> None:

@@ -86,6 +86,22 @@ def test_non_empty_output_directory(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]  # no temporary litter
 
 
+def test_force_refuses_an_unrelated_directory(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """--force replaces only an earlier kiln export: a folder with notes.txt and sub/ is refused
+    in one line naming what is there, before the checkpoint loads, and nothing is deleted."""
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    (out / "sub" / "data.txt").write_text("also mine")
+    code, _, err = _run("export", "--model", str(tiny_ckpt), "--out", str(out), "--force")
+    _assert_one_line_error(
+        code, err, f"error: artifacts: {out}: --force replaces only an empty directory or an earlier kiln export, and this holds notes.txt, sub/",
+        "nothing was deleted",
+    )
+    assert (out / "notes.txt").read_text() == "mine" and (out / "sub" / "data.txt").read_text() == "also mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]  # no temporary litter
+
+
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [("--max-batch", "0", "0 is not in the range x>=1"), ("--logits", "first", "'first' is not one of 'all', 'last'")],
@@ -109,3 +125,15 @@ def test_check_unknown_manifest_version(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text('{"manifest_version": 99}')
     code, _, err = _run("check", str(tmp_path))
     _assert_one_line_error(code, err, "manifest_version 99 is not supported")
+
+
+def test_every_option_has_help() -> None:
+    import click
+
+    missing = [
+        f"kiln {name} {param.opts[0]}"
+        for name, command in main.commands.items()  # type: ignore[attr-defined]
+        for param in command.params
+        if isinstance(param, click.Option) and not (param.help or "").strip()
+    ]
+    assert missing == []

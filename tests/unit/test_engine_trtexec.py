@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kiln_testing import tiny_config, typed_manifest
 
-from kiln.errors import ConfigError, EngineError
+from kiln.errors import ArtifactError, ConfigError, EngineError
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.artifacts.hashing import hash_tree
 from kiln.exporter.engine import BuildOptions, HardwareCompat, build_command
@@ -193,3 +193,50 @@ def test_type_stubs_alone_are_not_tensorrt(monkeypatch: pytest.MonkeyPatch) -> N
 def test_importing_the_package_does_not_import_tensorrt() -> None:
     code = "import sys, kiln.exporter.engine, kiln.exporter.engine.runner, kiln.exporter.engine.build; assert 'tensorrt' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_build_json_without_tensorrt_is_json_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kiln build --json prints JSON on stdout when it fails, beside the one-line error on stderr."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    directory = export_dir(tmp_path)
+    result = CliRunner().invoke(main, ["build", str(directory), "--json"])
+    assert result.exit_code == 1
+    error = result.stderr.strip()
+    assert "\n" not in error and error.startswith("error: engine: TensorRT is not installed")
+    assert json.loads(result.stdout) == {"directory": str(directory), "built": False, "error": error[len("error: "):]}
+    result = CliRunner().invoke(main, ["build", str(tmp_path / "missing"), "--json"])  # failing before any TensorRT step
+    assert result.exit_code == 1 and json.loads(result.stdout)["error"] == f"artifacts: {tmp_path / 'missing'}: not a directory"
+
+
+def test_build_writes_only_into_an_engines_folder_kiln_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """engines/ holding a file kiln did not write (not in the manifest, not one of kiln build's
+    own names) is refused in one line naming it, and nothing is written or recorded."""
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    directory = export_dir(tmp_path)
+    (directory / "engines" / "sub").mkdir(parents=True)
+    (directory / "engines" / "notes.txt").write_text("mine")
+    (directory / "engines" / "sub" / "my.plan").write_text("mine too")
+    before = (directory / "manifest.json").read_text()
+    with pytest.raises(ArtifactError) as info:
+        build_command(directory, BuildOptions())
+    assert str(info.value) == (
+        f"artifacts: {directory / 'engines'}: kiln build writes only its own files in engines/, and manifest.json does not list"
+        " engines/notes.txt, engines/sub/my.plan; nothing was deleted: move or remove it yourself"
+    )
+    assert sorted(p.name for p in (directory / "engines").iterdir()) == ["notes.txt", "sub"]
+    assert (directory / "manifest.json").read_text() == before
+    # what a killed build leaves (its own names, unrecorded) is kiln's: the build goes on (to the missing TensorRT)
+    (directory / "engines" / "notes.txt").unlink()
+    (directory / "engines" / "sub" / "my.plan").unlink()
+    (directory / "engines" / "sub").rmdir()
+    for name in ("prefill.plan", ".decode.plan.tmp", "timing.cache"):
+        (directory / "engines" / name).write_bytes(b"partial")
+    with pytest.raises(EngineError, match="TensorRT is not installed"):
+        build_command(directory, BuildOptions())
+    assert {"engines/trtexec.sh", "engines/prefill.plan"} <= set(manifest_mod.read(directory).files)
