@@ -56,7 +56,7 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--model", "model", default="demo", show_default=True, help="Checkpoint directory (config.json + model.safetensors), or 'demo'.")
+@click.option("--model", "model", default="demo", show_default=True, help="Checkpoint directory (config.json + model.safetensors), a Hugging Face repo id ORG/NAME already in the local Hugging Face cache (kiln never downloads), or 'demo'.")
 @click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="Output directory (written whole, or not at all).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True, help="Largest batch the graphs and engines must serve.")
 @click.option("--max-context", type=click.IntRange(min=2), default=None, help="Longest context (past + new tokens). Default: the model's limit.")
@@ -85,10 +85,12 @@ def main() -> None:
 @_reports_errors
 def export(model: str, out: Path, as_json: bool, **flags: Any) -> None:
     """Export a checkpoint to prefill/decode/unified ONNX graphs and check their parity."""
-    from kiln.exporter.pipeline import export as run_export
+    options = _export_options(flags)
+    _preflight(model, out, options.force)
+    from kiln.exporter.pipeline import export as run_export  # torch and onnxruntime from here on
 
     progress = _progress(as_json)
-    result = run_export(model, out, _export_options(flags), progress)
+    result = run_export(model, out, options, progress)
     manifest = result.manifest
     if as_json:
         parity = {**result.parity.to_dict(), **result.report.parity_extras()}
@@ -103,6 +105,16 @@ def export(model: str, out: Path, as_json: bool, **flags: Any) -> None:
     files = "one weights file" if len(weights) == 1 else f"{len(weights)} weights files"
     report = result.out / Path(manifest.parity.report).with_suffix(".md")
     click.echo(f"wrote {result.out}: {len(manifest.graphs)} {manifest.precision} graphs{extra}, {files}; {verdict(result.parity)}; report {report}")
+
+
+def _preflight(model: str, out: Path, force: bool) -> None:
+    """The checks of bad input that need no torch: the answer comes before the heavy imports
+    (the pipeline checks the same again)."""
+    from kiln.exporter.artifacts.staging import require_replaceable
+    from kiln.plugins import read_config, resolve_checkpoint
+
+    require_replaceable(out.absolute(), force)
+    read_config(resolve_checkpoint(model))
 
 
 def _export_options(flags: dict[str, Any]) -> Any:

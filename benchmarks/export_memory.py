@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_model
 
-from kiln.plugins.native import random_model
+from kiln.plugins.native.build import random_model
 from kiln.plugins.native.config import NativeConfig, PLEConfig
 from kiln.plugins.native.model import PLEDecoder
 

@@ -10,6 +10,7 @@ calibration cache.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx_ir as ir
@@ -19,7 +20,8 @@ from kiln.calibration.data import SYNTHETIC, CalibrationData, load_calibration_d
 from kiln.calibration.feeds import DECODE_STEPS, calibration_feeds
 from kiln.calibration.methods import CalibMethod, collect_ranges, mse_threshold
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.runners import TorchRunner
+from kiln.exporter.progress import Progress
+from kiln.exporter.runners import Feeds, TorchRunner
 from kiln.plugins.base import DecoderSpec
 
 __all__ = [
@@ -77,10 +79,19 @@ class Calibration:
         cached = read_cache(cache_dir, key) if cache_dir is not None else None
         return cls(data, CalibMethod(method), percentile, key, settings, cache_dir, cached or {}, cached is not None)
 
-    def ranges_for(self, kind: GraphKind, model: ir.Model, spec: DecoderSpec, reference: TorchRunner) -> dict[str, tuple[float, float]]:
+    def ranges_for(self, kind: GraphKind, model: ir.Model, spec: DecoderSpec, reference: TorchRunner, progress: Progress) -> dict[str, tuple[float, float]]:
+        """The ranges of ``kind``'s graph (``model``): cached, or calibrated now in a stage of its
+        own that counts the samples (each: PyTorch's teacher-forced steps, then ONNX Runtime's)."""
         if kind.value not in self.ranges:
-            feeds = calibration_feeds(spec, kind, self.data.windows, reference)
-            self.ranges[kind.value] = collect_ranges(model, feeds, self.method, self.percentile)
+            windows = self.data.windows
+            with progress.stage(f"calibrate {kind.value}.onnx ({self.method.value})", total=len(windows)) as bar:
+
+                def samples() -> Iterator[list[Feeds]]:
+                    for window in windows:
+                        yield calibration_feeds(spec, kind, window, reference)
+                        bar.advance()  # resumed when the sample's ranges are merged
+
+                self.ranges[kind.value] = collect_ranges(model, samples(), self.method, self.percentile)
         return self.ranges[kind.value]
 
     def finish(self, directory: Path) -> dict[str, object]:

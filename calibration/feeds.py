@@ -4,7 +4,6 @@ the data's own next tokens), so the activation ranges cover the KV path, not onl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -18,24 +17,19 @@ __all__ = ["calibration_feeds", "DECODE_STEPS"]
 DECODE_STEPS = 4  # teacher-forced decode steps after each prompt
 
 
-def calibration_feeds(spec: DecoderSpec, kind: GraphKind, windows: Sequence[np.ndarray], reference: TorchRunner) -> list[Feeds]:
-    """fp32 feeds for ``kind``: prefill gets each window's prompt, decode the next
-    ``DECODE_STEPS`` true tokens one by one, the unified graph both."""
-    out: list[Feeds] = []
-    for window in windows:
-        steps = min(DECODE_STEPS, len(window) - 1)
-        prompt = window[: len(window) - steps]
-        first = prompt_feeds([prompt.tolist()], 0)  # one unpadded row
-        if kind is GraphKind.PREFILL:
-            out.append(first)
-            continue
-        if kind is GraphKind.UNIFIED:
-            out.append({**first, **empty_past(spec, 1, np.dtype(np.float32))})
-        forced = window[len(prompt) :]  # the data's own continuation
+def calibration_feeds(spec: DecoderSpec, kind: GraphKind, window: np.ndarray, reference: TorchRunner) -> list[Feeds]:
+    """fp32 feeds of one calibration window for ``kind``: prefill gets the window's prompt,
+    decode the next ``DECODE_STEPS`` true tokens one by one, the unified graph both."""
+    steps = min(DECODE_STEPS, len(window) - 1)
+    prompt = window[: len(window) - steps]
+    first = prompt_feeds([prompt.tolist()], 0)  # one unpadded row
+    if kind is GraphKind.PREFILL:
+        return [first]
+    out = [{**first, **empty_past(spec, 1, np.dtype(np.float32))}] if kind is GraphKind.UNIFIED else []
+    forced = window[len(prompt) :]  # the data's own continuation
 
-        def choose(step: int, logits: np.ndarray, forced: np.ndarray = forced) -> np.ndarray:
-            return forced[step : step + 1]
+    def choose(step: int, logits: np.ndarray) -> np.ndarray:
+        return forced[step : step + 1]
 
-        run = run_steps(reference, kv_pairs(spec.n_layers), first, steps + 1, choose)
-        out += [step.feeds for step in run if step.index > 0]
-    return out
+    run = run_steps(reference, kv_pairs(spec.n_layers), first, steps + 1, choose)
+    return out + [step.feeds for step in run if step.index > 0]

@@ -57,8 +57,11 @@ class _Reader:
         return next(self._it, None)
 
 
-def collect_ranges(model: ir.Model, feeds: list[Feeds], method: CalibMethod, percentile: float) -> dict[str, tuple[float, float]]:
-    """Symmetric ranges ``(-a, a)`` of the activations around every MatMul/Gemm of ``model``."""
+def collect_ranges(model: ir.Model, samples: Iterable[list[Feeds]], method: CalibMethod, percentile: float) -> dict[str, tuple[float, float]]:
+    """Symmetric ranges ``(-a, a)`` of the activations around every MatMul/Gemm of ``model``,
+    over the feeds of every sample (a calibration window's prefill and decode steps). Samples are
+    run one at a time (ONNX Runtime's calibrators merge their statistics across calls), so only one
+    sample's activations are held, and a lazy ``samples`` can report progress as it is drawn."""
     from onnxruntime.quantization.calibrate import CalibrationMethod, PercentileCalibrater, create_calibrator
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
@@ -77,13 +80,14 @@ def collect_ranges(model: ir.Model, feeds: list[Feeds], method: CalibMethod, per
             }[method]
             extra = {"symmetric": True, "percentile": percentile} if method is CalibMethod.PERCENTILE else {"symmetric": True}
             calibrator = create_calibrator(path, ["MatMul", "Gemm"], augmented, kind, use_external_data_format=True, extra_options=extra)
-        if method is CalibMethod.MAX:
-            calibrator.collect_data(_Reader(feeds))
-        else:
+        for sample in samples:
+            if method is CalibMethod.MAX:
+                calibrator.collect_data(_Reader(sample))
+                continue
             # the histogram collectors stack one tensor's arrays from all feeds into one array,
             # which fails when prefill and decode feeds have different lengths: feed them one at
             # a time (the histograms accumulate across calls)
-            for feed in feeds:
+            for feed in sample:
                 calibrator.collect_data(_Reader([feed]))
         if method is CalibMethod.MSE:
             hists = calibrator.collector.histogram_dict

@@ -94,7 +94,7 @@ def export_loaded(
         with progress.stage("trace"):
             traced = trace_unified(reference, folded, options, progress)
         fp16, sensitivity = _fp16_policy(reference, folded, options, traced, progress)
-        plan = PrecisionPlan(fp16, _int8_policy(options), _calibrate(reference, options, calibration))
+        plan = PrecisionPlan(fp16, _int8_policy(options), _calibrate(reference, options, calibration, progress))
         (root / ONNX_DIR).mkdir()
         portable = write_portable_graphs(reference, folded, options, traced, plan, root / ONNX_DIR, progress)
         calibrated = calibration.finish(root / CALIBRATION_DIR) if calibration is not None else None
@@ -153,11 +153,13 @@ def _calibration(reference: Reference, options: ExportOptions, checkpoint: dict[
     return calibration
 
 
-def _calibrate(reference: Reference, options: ExportOptions, calibration: Calibration | None) -> Callable[[GraphKind, ir.Model], dict[str, tuple[float, float]]] | None:
+def _calibrate(
+    reference: Reference, options: ExportOptions, calibration: Calibration | None, progress: Progress
+) -> Callable[[GraphKind, ir.Model], dict[str, tuple[float, float]]] | None:
     if calibration is None:
         return None
     runner = TorchRunner(reference.module, reference.spec.n_layers, options.last_logits_only)  # runs the teacher-forced decode feeds
-    return lambda kind, model: calibration.ranges_for(kind, model, reference.spec, runner)
+    return lambda kind, model: calibration.ranges_for(kind, model, reference.spec, runner, progress)
 
 
 def _fp16_policy(reference: Reference, folded: Folded, options: ExportOptions, traced: Traced, progress: Progress) -> tuple[Fp16Policy, SensitivityResult | None]:

@@ -8,6 +8,10 @@ string), then ``hf`` (any config with ``architectures`` or ``model_type``). Fami
 with ``register``; third-party packages add theirs through the ``kiln.plugins`` entry-point
 group (each entry point names a ``ModelFamily`` instance or a zero-argument callable returning
 one).
+
+Nothing is imported until the registry is first asked (``families``, ``claim_order``,
+``load_model``): ``import kiln.plugins`` (which ``kiln.plugins.base`` implies) stays cheap, so
+the CLI can read manifests and reject bad flags without importing torch.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 from kiln.errors import CheckpointError
 from kiln.jsonfile import read_json_object
+from kiln.plugins.hub_cache import cached_snapshot, looks_like_repo_id
 from kiln.plugins.base import DecoderSpec, LoadedModel, ModelFamily
 
 __all__ = [
@@ -35,7 +40,7 @@ __all__ = [
 DEMO = "demo"
 _FAMILIES: dict[str, ModelFamily] = {}
 _BUILTINS = ("native", "hf")  # most specific claim first; hf takes any Hugging Face-style config
-_ENTRY_POINTS_LOADED = False
+_LOADED = False  # built-ins and entry points registered
 
 
 def register(family: ModelFamily) -> ModelFamily:
@@ -48,22 +53,27 @@ def register(family: ModelFamily) -> ModelFamily:
 
 def families() -> list[ModelFamily]:
     """Every registered family (built in and from entry points), in name order: what ``kiln plugins`` lists."""
-    _load_entry_points()
+    _load()
     return [_FAMILIES[name] for name in sorted(_FAMILIES)]
 
 
 def claim_order() -> list[ModelFamily]:
     """The order ``load_model`` asks families: third-party ones (in name order), then the built-ins."""
-    _load_entry_points()
+    _load()
     third_party = [_FAMILIES[name] for name in sorted(_FAMILIES) if name not in _BUILTINS]
     return third_party + [_FAMILIES[name] for name in _BUILTINS if name in _FAMILIES]
 
 
-def _load_entry_points() -> None:
-    global _ENTRY_POINTS_LOADED
-    if _ENTRY_POINTS_LOADED:
+def _load() -> None:
+    global _LOADED
+    if _LOADED:
         return
-    _ENTRY_POINTS_LOADED = True
+    _LOADED = True
+    from kiln.plugins.hf import HF
+    from kiln.plugins.native import NATIVE
+
+    register(NATIVE)
+    register(HF)
     for ep in metadata.entry_points(group="kiln.plugins"):
         obj = ep.load()
         family = obj
@@ -78,16 +88,19 @@ def _load_entry_points() -> None:
 
 
 def resolve_checkpoint(model: str | Path) -> Path:
-    """``"demo"`` is the bundled demo checkpoint; anything else is a path that must exist."""
+    """``"demo"`` is the bundled demo checkpoint; an existing path is itself; ``ORG/NAME`` that is no
+    path is a Hugging Face repo id, taken from the local Hugging Face cache (never downloaded)."""
     if str(model) == DEMO:
         path = Path(str(resources.files("kiln.demo") / "checkpoint"))
         if not (path / "config.json").is_file():
             raise CheckpointError(f"the bundled demo checkpoint is missing at {path}; reinstall kiln")
         return path
     path = Path(model)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint file or directory")
-    return path
+    if path.exists():
+        return path
+    if looks_like_repo_id(str(model)):
+        return cached_snapshot(str(model))
+    raise CheckpointError(f"{path}: no such checkpoint file or directory")
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -108,13 +121,3 @@ def load_model(model: str | Path) -> LoadedModel:
     names = ", ".join(f.name for f in families())
     raise CheckpointError(f"{path}: unknown architecture {arch!r}; supported families: {names}")
 
-
-def _register_builtins() -> None:
-    from kiln.plugins.hf import HF
-    from kiln.plugins.native import NATIVE
-
-    register(NATIVE)
-    register(HF)
-
-
-_register_builtins()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_model
 
 from kiln.exporter.artifacts.manifest import Manifest
-from kiln.plugins.native import random_model, spec_of
+from kiln.plugins.native import spec_of
+from kiln.plugins.native.build import random_model
 from kiln.plugins.native.config import NativeConfig, PLEConfig
 
 TINY = dict(vocab_size=101, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_context=48)
@@ -63,3 +66,28 @@ def typed_manifest(data: dict[str, Any]) -> Manifest:
     merged = {**base, **data}
     merged["graphs"] = {k: {"outputs": [], **g} for k, g in merged["graphs"].items()}
     return Manifest.from_json(merged)
+
+
+HEAVY = ("torch", "onnxruntime", "transformers")
+
+_PROBE = """
+import json, sys
+from kiln.cli import main
+code = 0
+try:
+    main({args!r}, standalone_mode=False)
+except SystemExit as exc:
+    code = exc.code if isinstance(exc.code, int) else 1
+except BaseException:
+    code = -1
+print(json.dumps([code, sorted(m for m in {heavy!r} if m in sys.modules)]))
+"""
+
+
+def heavy_imports(*args: str) -> tuple[int, list[str]]:
+    """The exit code of ``kiln ARGS`` run in a fresh interpreter (-1: an exception that is no exit)
+    and the heavy modules (``HEAVY``) it imported."""
+    probe = _PROBE.format(args=list(args), heavy=HEAVY)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    code, imported = json.loads(done.stdout.strip().splitlines()[-1])
+    return int(code), list(imported)

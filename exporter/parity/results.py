@@ -101,8 +101,8 @@ class ParityResult:
                 if not t.passed
             ]
             out += [
-                f"generation via {g.path} (batch {g.batch}): token match {g.token_match_rate:.3f} (at least {s.tolerance.min_token_match:g}),"
-                f" first divergence at step {g.first_divergence}"
+                f"generation via {g.path} (batch {g.batch}): token match {g.token_match_rate:.3f} (at least {s.tolerance.min_token_match:g}), "
+                + (f"first divergence at step {g.first_divergence}" if g.first_divergence is not None else f"every mismatch a near-tie ({g.ties})")
                 for g in s.generation
                 if not g.passed
             ]

@@ -1,21 +1,18 @@
-"""The native family: kiln's own PLE decoder (the seed documents' model)."""
+"""The native family: kiln's own PLE decoder (the seed documents' model).
+
+This module is what the registry imports to list and match families, so it stays free of torch;
+the model itself is built in ``kiln.plugins.native.build``.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from kiln.plugins.base import DecoderSpec, LayerPlan, LoadedModel
-from kiln.plugins.native.checkpoint import apply_state_dict, find_weights, read_state_dict, state_dtype
+from kiln.plugins.base import DecoderSpec, LoadedModel
 from kiln.plugins.native.config import ARCHITECTURE, NativeConfig
-from kiln.plugins.native.model import PLEDecoder
-from kiln.plugins.native.ple import NATIVE_PLE
 
-__all__ = ["NativeFamily", "NATIVE", "NativeConfig", "PLEDecoder", "spec_of", "loaded_model", "random_model"]
+__all__ = ["NativeFamily", "NATIVE", "NativeConfig", "spec_of"]
 
 
 def spec_of(cfg: NativeConfig) -> DecoderSpec:
@@ -43,54 +40,15 @@ class NativeFamily:
         return config.get("architecture") == ARCHITECTURE
 
     def load(self, path: Path) -> LoadedModel:
-        directory = path if path.is_dir() else path.parent
-        cfg = NativeConfig.load(directory / "config.json")
-        weights = find_weights(path)
-        state = read_state_dict(weights)
-        module = PLEDecoder(cfg)
-        dtype = state_dtype(state)
-        for parameter in module.parameters():  # the checkpoint's dtype, not an fp32 copy of it (buffers such as inv_freq stay fp32)
-            parameter.data = parameter.data.to(dtype)
-        apply_state_dict(module, state, weights)
-        tokenizer = directory / "tokenizer.json"
-        files = (directory / "config.json", weights) + ((tokenizer,) if tokenizer.is_file() else ())
-        return loaded_model(cfg, module, path, tokenizer if tokenizer.is_file() else None, files)
+        from kiln.plugins.native.build import load
+
+        return load(path)
 
     def tiny(self, seed: int) -> LoadedModel:
+        from kiln.plugins.native.build import loaded_model, random_model
+
         cfg = NativeConfig(vocab_size=101, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_context=64)
         return loaded_model(cfg, random_model(cfg, seed), Path("<tiny>"))
-
-
-def loaded_model(cfg: NativeConfig, module: PLEDecoder, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = ()) -> LoadedModel:
-    """A native model as the exporter sees it, with the family's PLE folding and layer plan."""
-    plan = LayerPlan("layers.{}", (NativeFamily.name,) * cfg.n_layers, functools.partial(meta_template, cfg))
-    spec = dataclasses.replace(spec_of(cfg), dtype=str(next(module.parameters()).dtype).removeprefix("torch."))
-    return LoadedModel(module.eval(), spec, source, tokenizer, files, NATIVE_PLE if cfg.ple.enabled else None, plan)
-
-
-def meta_template(cfg: NativeConfig, n_layers: int) -> PLEDecoder:
-    """The model with its first ``n_layers`` layers, weights on the meta device (no memory); every
-    layer of the native decoder has the one structure its config gives."""
-    with torch.device("meta"):
-        return PLEDecoder(dataclasses.replace(cfg, n_layers=n_layers)).eval()
-
-
-def random_model(cfg: NativeConfig, seed: int) -> PLEDecoder:
-    """A randomly initialised model whose PLE tables are non-identity (as after training), so
-    that folding is tested on real values, not on zeros."""
-    gen = torch.Generator().manual_seed(seed)
-    model = PLEDecoder(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif "ple." in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 1:
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return model.eval()
 
 
 NATIVE = NativeFamily()

@@ -17,7 +17,7 @@ from safetensors.torch import save_model
 from kiln.exporter.options import ExportOptions, Precision
 from kiln.exporter.pipeline import export
 from kiln.plugins import load_model
-from kiln.plugins.native import random_model
+from kiln.plugins.native.build import random_model
 
 
 def _native(directory: Path, dtype: torch.dtype) -> Path:

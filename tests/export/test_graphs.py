@@ -159,6 +159,12 @@ def test_exports_are_byte_identical(tmp_path: Path) -> None:
         assert a[rel] == b[rel], rel
 
 
+def test_verify_hashes_without_torch(exported: Path) -> None:
+    from kiln_testing import heavy_imports
+
+    assert heavy_imports("verify", str(exported)) == (0, [])
+
+
 def test_verify_lists_every_difference(exported: Path, tmp_path: Path) -> None:
     import shutil
 

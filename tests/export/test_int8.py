@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -95,11 +97,36 @@ def test_legacy_trt_cache(int8_export: Path) -> None:
         assert struct.unpack(">f", bytes.fromhex(m.group(2)))[0] == pytest.approx(max(abs(lo), abs(hi)) / 127, rel=1e-6)
 
 
+class _Recorded:
+    """A ``Progress`` that records every stage: description -> [total, steps advanced]."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, list[int]] = {}
+
+    @contextlib.contextmanager
+    def stage(self, description: str, total: int = 1) -> Iterator[_Recorded]:
+        self.stages[description] = [total, 0]
+        self._current = description
+        yield self
+
+    def advance(self, steps: int = 1) -> None:
+        self.stages[self._current][1] += steps
+
+    def note(self, message: str) -> None:
+        return None
+
+
 def test_cache_reused_and_invalidated(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    first = export(ckpt, tmp_path / "a", _int8(tmp_path, parity_tokens=4)).manifest.export.calibration
-    again = export(ckpt, tmp_path / "b", _int8(tmp_path, parity_tokens=4)).manifest.export.calibration
+    progress = _Recorded()
+    first = export(ckpt, tmp_path / "a", _int8(tmp_path, parity_tokens=4), progress).manifest.export.calibration
+    # calibration is a stage per graph that counts its samples (8 windows), each done in full
+    calibrating = {d: counts for d, counts in progress.stages.items() if d.startswith("calibrate")}
+    assert calibrating == {f"calibrate {g}.onnx (max)": [8, 8] for g in ("prefill", "decode", "model")}
+    progress = _Recorded()
+    again = export(ckpt, tmp_path / "b", _int8(tmp_path, parity_tokens=4), progress).manifest.export.calibration
     assert (first["cache"], again["cache"], again["key"]) == ("written", "reused", first["key"])
+    assert not [d for d in progress.stages if d.startswith("calibrate")]  # cached ranges: nothing to calibrate
     other = export(ckpt, tmp_path / "c", _int8(tmp_path, parity_tokens=4, calib_method="percentile")).manifest.export.calibration
     assert other["cache"] == "written" and other["key"] != first["key"]
     other_data = _ids(tmp_path / "other.npy", seed=1)

@@ -354,16 +354,16 @@ def laplace_feeds() -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
 
 def test_collect_ranges_max() -> None:
     feeds, values = laplace_feeds()
-    ranges = collect_ranges(tiny_matmul_graph(), feeds, CalibMethod.MAX, 99.99)
-    assert ranges == {"x": (-60.0, 60.0), "y": (-60.0, 60.0)}  # the max |activation|, symmetric (the outlier is negative)
+    ranges = collect_ranges(tiny_matmul_graph(), [[f] for f in feeds], CalibMethod.MAX, 99.99)
+    assert ranges == {"x": (-60.0, 60.0), "y": (-60.0, 60.0)}  # the max |activation| over both samples (merged across calls), symmetric (the outlier is negative)
     positive = [{"x": np.abs(f["x"]) + 1.0} for f in feeds]
-    assert collect_ranges(tiny_matmul_graph(), positive, CalibMethod.MAX, 99.99)["x"] == (-61.0, 61.0)  # symmetric even when all > 0
+    assert collect_ranges(tiny_matmul_graph(), [positive], CalibMethod.MAX, 99.99)["x"] == (-61.0, 61.0)  # symmetric even when all > 0
 
 
 @pytest.mark.parametrize("percentile", [99.0, 99.9])
 def test_collect_ranges_percentile(percentile: float) -> None:
     feeds, values = laplace_feeds()
-    ranges = collect_ranges(tiny_matmul_graph(), feeds, CalibMethod.PERCENTILE, percentile)
+    ranges = collect_ranges(tiny_matmul_graph(), [[f] for f in feeds], CalibMethod.PERCENTILE, percentile)
     assert ranges.keys() == {"x", "y"} and ranges["x"] == ranges["y"]
     lo, hi = ranges["x"]
     assert lo == -hi
@@ -373,8 +373,8 @@ def test_collect_ranges_percentile(percentile: float) -> None:
 
 def test_collect_ranges_entropy_and_mse() -> None:
     feeds, values = laplace_feeds()
-    entropy = collect_ranges(tiny_matmul_graph(), feeds, CalibMethod.ENTROPY, 99.99)
-    mse = collect_ranges(tiny_matmul_graph(), feeds, CalibMethod.MSE, 99.99)
+    entropy = collect_ranges(tiny_matmul_graph(), [[f] for f in feeds], CalibMethod.ENTROPY, 99.99)
+    mse = collect_ranges(tiny_matmul_graph(), [[f] for f in feeds], CalibMethod.MSE, 99.99)
     for ranges in (entropy, mse):
         assert ranges.keys() == {"x", "y"}
         lo, hi = ranges["x"]

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.errors import CheckpointError, ConfigError
 from kiln.plugins import load_model
-from kiln.plugins.native import random_model
+from kiln.plugins.native.build import random_model
 
 
 def test_loads_and_matches_weights(tiny_ckpt: Path) -> None:

@@ -9,7 +9,7 @@ from kiln_testing import tiny_config
 from kiln.exporter.options import PLEExtendMode
 from kiln.exporter.fold import check_folding
 from kiln.plugins.native.ple import NATIVE_PLE, FoldedPLE, extend_ple, fold_ple, ple_sublayers
-from kiln.plugins.native import random_model
+from kiln.plugins.native.build import random_model
 from kiln.plugins.native.config import NormKind, NormPosition, PLEPlacement
 from kiln.plugins.native.model import PLESubLayer
 

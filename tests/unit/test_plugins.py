@@ -18,7 +18,8 @@ from kiln.errors import CheckpointError
 FAMILY_MODULE = '''
 import json
 from kiln.plugins.base import LoadedModel
-from kiln.plugins.native import NATIVE, random_model, spec_of
+from kiln.plugins.native import NATIVE, spec_of
+from kiln.plugins.native.build import random_model
 from kiln.plugins.native.config import NativeConfig
 
 
@@ -52,7 +53,7 @@ def toy_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     (site / "kiln_toy_family-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: kiln-toy-family\nVersion: 0.1\n")
     (site / "kiln_toy_family-0.1.dist-info" / "entry_points.txt").write_text("[kiln.plugins]\ntoy = kiln_toy_family:FAMILY\n")
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(registry, "_ENTRY_POINTS_LOADED", False)
+    monkeypatch.setattr(registry, "_LOADED", False)
     yield site
     registry._FAMILIES.pop("toy", None)
     sys.modules.pop("kiln_toy_family", None)

@@ -1,0 +1,48 @@
+"""``--model ORG/NAME``: a Hugging Face repo id resolved from the local Hugging Face cache.
+
+kiln never downloads. A repo id names the snapshot that ``huggingface-cli download`` (or
+``transformers``' ``from_pretrained``) left in the cache: ``HF_HUB_CACHE``, else ``HF_HOME/hub``,
+else ``~/.cache/huggingface/hub``, as ``huggingface_hub`` itself reads them. The lookup is
+``huggingface_hub.snapshot_download(local_files_only=True)``: the hub library's own reading of
+its cache layout (refs, snapshots, symlinked blobs), which never touches the network.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from kiln.errors import CheckpointError
+
+__all__ = ["looks_like_repo_id", "cached_snapshot"]
+
+# ORG/NAME as the Hub spells repo ids: one slash, letters, digits, '-', '_', '.' (no '..', no leading '.')
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def looks_like_repo_id(model: str) -> bool:
+    return bool(_REPO_ID.match(model)) and ".." not in model
+
+
+def cached_snapshot(repo_id: str) -> Path:
+    """The cached snapshot directory of ``repo_id`` (its ``refs/main``), or one line saying where kiln looked."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        raise CheckpointError(
+            f"{repo_id}: no such directory; as a Hugging Face repo id it is looked up in the Hugging Face cache, "
+            "which needs huggingface_hub: pip install 'kiln[hf]'"
+        ) from None
+    cache = Path(constants.HF_HUB_CACHE)
+    where = cache / f"models--{repo_id.replace('/', '--')}"
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True, cache_dir=cache))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
+        raise CheckpointError(
+            f"{repo_id}: no such directory, and not in the Hugging Face cache (looked in {where}; set HF_HUB_CACHE or HF_HOME "
+            f"to use another cache); kiln never downloads: fetch it first (huggingface-cli download {repo_id}) or pass a directory"
+        ) from None
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{repo_id}: the cached snapshot {path} has no config.json (an incomplete download?)")
+    return path

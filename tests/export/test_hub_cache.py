@@ -1,0 +1,73 @@
+"""``--model ORG/NAME`` resolved from a Hugging Face cache the test builds in the hub's own layout
+(refs/main -> snapshots/<commit>/ of symlinks into blobs/), offline; a repo id that is not there
+gets one line naming where kiln looked."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kiln_testing import tiny_config, write_checkpoint
+
+pytest.importorskip("huggingface_hub", reason="repo ids are looked up with huggingface_hub (pip install 'kiln[hf]')")
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _cache(root: Path, repo_id: str) -> Path:
+    """A cache holding ``repo_id`` at ``COMMIT`` (a tiny kiln checkpoint; the resolution does not
+    depend on the family)."""
+    source = write_checkpoint(root / "source", tiny_config())
+    repo = root / "hub" / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for file in source.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        blob.write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    return root / "hub"
+
+
+def _kiln(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
+    code = "import sys; from kiln.cli import main; main(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_repo_id_from_the_cache(tmp_path: Path) -> None:
+    cache = _cache(tmp_path, "kiln-tests/tiny-ple")
+    done = _kiln("export", "--model", "kiln-tests/tiny-ple", "--out", str(tmp_path / "out"), "--parity-tokens", "4", "--json", cache=cache)
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads(done.stdout)["manifest"]
+    assert manifest["checkpoint"]["reference"] == "kiln-tests/tiny-ple"  # kiln check finds it the same way
+    assert manifest["family"] == "native"
+
+
+def test_repo_id_not_in_the_cache(tmp_path: Path) -> None:
+    cache = _cache(tmp_path, "kiln-tests/tiny-ple")
+    done = _kiln("export", "--model", "kiln-tests/other", "--out", str(tmp_path / "out"), cache=cache)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr
+    assert lines[0] == (
+        f"error: checkpoint: kiln-tests/other: no such directory, and not in the Hugging Face cache (looked in "
+        f"{cache / 'models--kiln-tests--other'}; set HF_HUB_CACHE or HF_HOME to use another cache); kiln never downloads: "
+        "fetch it first (huggingface-cli download kiln-tests/other) or pass a directory"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_path_wins_over_a_repo_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.plugins import resolve_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    assert resolve_checkpoint("org/name") == Path("org/name")  # an existing relative directory is never looked up
