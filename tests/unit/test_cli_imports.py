@@ -31,3 +31,15 @@ def test_fast_paths_import_nothing_heavy(args: tuple[str, ...], code: int, tmp_p
     names = {"OUT": tmp_path / "out", "CKPT": ckpt, "NOT_EMPTY": tmp_path / "notes", "NO_EXPORT": tmp_path / "none"}
     assert heavy_imports(*(str(names.get(a, a)) for a in args)) == (code, [])
     assert (tmp_path / "notes" / "notes.txt").read_text() == "mine"
+
+
+def test_cli_makes_pytorch_threads_passive_unless_set() -> None:
+    import os
+    import subprocess
+    import sys
+
+    probe = "import os; import kiln.cli; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.strip() == "PASSIVE"
+    mine = subprocess.run([sys.executable, "-c", probe], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True, text=True, check=True)
+    assert mine.stdout.strip() == "ACTIVE"
