@@ -23,6 +23,8 @@ from torch import nn
 
 __all__ = ["collect_hessians", "owner_of"]
 
+_BATCH = 16  # windows per forward
+
 
 def owner_of(weight_name: str) -> str:
     """The module path that owns a graph weight: ``model.layers.0.attn.q_proj.weight`` (the
@@ -55,8 +57,12 @@ def collect_hessians(module: nn.Module, n_layers: int, weights: Iterable[str], w
         handles.append(owner.register_forward_pre_hook(hook))
     try:
         runner = TorchRunner(module, n_layers)
+        by_length: dict[int, list[np.ndarray]] = {}
         for window in windows:
-            runner.run(GraphKind.PREFILL, prompt_feeds([window.tolist()], 0))
+            by_length.setdefault(len(window), []).append(window)
+        for same in by_length.values():  # unpadded batches: every row's positions are real tokens
+            for start in range(0, len(same), _BATCH):
+                runner.run(GraphKind.PREFILL, prompt_feeds([w.tolist() for w in same[start : start + _BATCH]], 0))
     finally:
         for handle in handles:
             handle.remove()

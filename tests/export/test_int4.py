@@ -104,7 +104,7 @@ def test_manifest_parity_and_check(int4_ort: Path) -> None:
     assert ort["precision"] == "int4" and ort["int4"] == {"op": "MatMulNBits", "bits": 4, "block_size": 128, "accuracy_level": 4}
     assert "/layers.0.attn.o_proj/MatMul" in ort["graphs"]["decode"]["int4_nodes"]
     report = json.loads((int4_ort / "reports" / "parity.json").read_text())
-    assert report["passed"] and report["tolerance"]["min_token_match"] == 0.8
+    assert report["passed"] and report["tolerance"]["min_token_match"] == 0.7
     assert {g["target"] for g in report["generation"]} == {None, "ort"}
     assert check_dir(int4_ort).passed
 
