@@ -8,6 +8,11 @@ difference. Run by hand:
 
     python benchmarks/accuracy.py build/demo build/demo16 [--windows 32]
     python benchmarks/accuracy.py build/demo-ort8 --target ort     # the --target ort graphs
+    python benchmarks/accuracy.py --model CKPT build/x ...            # another checkpoint with heldout.txt + tokenizer.json
+
+Portable graphs run with ``weight_only_dq`` (``kiln.exporter.runners.ort_session``): an int4
+or int8 weight DequantizeLinear is computed weight-only, as TensorRT does, not with the int8
+activations ONNX Runtime's fused default would use.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import torch
 from tokenizers import Tokenizer
 
@@ -26,6 +30,7 @@ from kiln.exporter.artifacts.manifest import read as read_manifest
 from kiln.exporter.contract.io import GraphKind, past_names
 from kiln.exporter.parity import greedy
 from kiln.exporter.runners import OrtRunner, TorchRunner
+from kiln.exporter.runners.ort_runner import ort_session
 from kiln.plugins import load_model, resolve_checkpoint
 
 
@@ -47,10 +52,11 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--target", choices=["ort"], default=None, help="measure the export's --target ort graphs instead of the portable ones")
+    parser.add_argument("--model", default="demo", help="the checkpoint (with heldout.txt and tokenizer.json) the exports were made from")
     args = parser.parse_args()
 
-    ckpt = resolve_checkpoint("demo")
-    loaded = load_model("demo")
+    ckpt = resolve_checkpoint(args.model)
+    loaded = load_model(args.model)
     spec = loaded.spec
     ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode((ckpt / "heldout.txt").read_text()).ids
     win = 256
@@ -70,7 +76,7 @@ def main() -> None:
         if logits_of is not None:
             manifest = read_manifest(logits_of)
             kv = manifest.kv_cache.dtype
-            session = ort.InferenceSession(str(graph_file(logits_of, manifest, GraphKind.UNIFIED, args.target)), providers=["CPUExecutionProvider"])
+            session = ort_session(graph_file(logits_of, manifest, GraphKind.UNIFIED, args.target), weight_only_dq=True)
         for w, ref in zip(windows, ref_logits, strict=True):
             if session is None:
                 logits = ref

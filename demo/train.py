@@ -26,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -64,7 +65,7 @@ from kiln.demo.corpus import (
 )
 from kiln.plugins.native.model import DecoderLayer, PLEDecoder
 
-__all__ = ["demo_config", "train", "main"]
+__all__ = ["demo_config", "llama_config", "train", "main"]
 
 EVAL_WINDOWS = 64
 EVAL_BATCH = 16
@@ -97,6 +98,22 @@ def demo_config() -> NativeConfig:
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=1,
+    )
+
+
+def llama_config(d_model: int = 384, n_layers: int = 8, d_ff: int = 1280) -> NativeConfig:
+    """A Llama-architecture model for the low-bit accuracy study (``benchmarks/lowbit_study.py``):
+    pre-RMSNorm, SwiGLU, RoPE, GQA (head_dim 64, a third of the heads for keys/values), no PLE,
+    no bias, tied head; at the defaults 15.3 M parameters."""
+    heads = max(1, d_model // 64)
+    return dataclasses.replace(
+        demo_config(),
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=heads,
+        n_kv_heads=max(1, heads // 3),
+        d_ff=d_ff,
+        ple=PLEConfig(enabled=False, max_positions=SEQ_LEN),
     )
 
 
@@ -168,7 +185,9 @@ def ple_stats(model: PLEDecoder) -> list[dict[str, float]]:
     """Per layer, max |a| and max |b| of the PLE table (scale and shift halves)."""
     out = []
     for layer in model.layers:
-        assert isinstance(layer, DecoderLayer) and layer.ple is not None
+        assert isinstance(layer, DecoderLayer)
+        if layer.ple is None:  # --arch llama: no PLE
+            continue
         table = layer.ple.ple.table.weight.detach()
         a, b = table[:, : model.cfg.d_model], table[:, model.cfg.d_model :]
         out.append(
@@ -216,6 +235,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--arch", choices=["demo", "llama"], default="demo", help="demo: the bundled PLE decoder; llama: the accuracy study's Llama (llama_config)")
+    parser.add_argument("--d-model", type=int, default=384, help="--arch llama: width")
+    parser.add_argument("--n-layers", type=int, default=8, help="--arch llama: depth")
+    parser.add_argument("--d-ff", type=int, default=1280, help="--arch llama: SwiGLU width")
     return parser.parse_args(argv)
 
 
@@ -256,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     data = prepare_data(out)
-    cfg = demo_config()
+    cfg = demo_config() if args.arch == "demo" else llama_config(args.d_model, args.n_layers, args.d_ff)
     model = PLEDecoder(cfg)
     init_weights(model)
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; {args.steps} steps of {args.batch_size}x{SEQ_LEN} tokens", flush=True)
@@ -265,7 +288,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     stats = ple_stats(model)
     sample = greedy(model, data.tokenizer, "def ", 40)
     print(f"held-out perplexity {ppl:.3f} over {eval_tokens} tokens", flush=True)
-    print(f"PLE max|a| {max(s['max_abs_a'] for s in stats):.4f} max|b| {max(s['max_abs_b'] for s in stats):.4f}", flush=True)
+    if stats:
+        print(f"PLE max|a| {max(s['max_abs_a'] for s in stats):.4f} max|b| {max(s['max_abs_b'] for s in stats):.4f}", flush=True)
     print(f"sample: {sample!r}", flush=True)
     cfg.save(out / "config.json")
     save_model(model, str(out / "model.safetensors"))
@@ -298,7 +322,7 @@ def training_facts(args: argparse.Namespace, model: PLEDecoder, data: Data, run:
         "heldout_perplexity": run["ppl"],
         "heldout_eval": {"source": "heldout.txt", "windows": run["eval_tokens"] // SEQ_LEN, "window_tokens": SEQ_LEN,
                          "tokens": run["eval_tokens"], "note": "first non-overlapping windows, no bos, positions 0..255"},
-        "ple": {"max_abs_a": max(s["max_abs_a"] for s in stats), "max_abs_b": max(s["max_abs_b"] for s in stats), "layers": stats},
+        "ple": {"max_abs_a": max(s["max_abs_a"] for s in stats), "max_abs_b": max(s["max_abs_b"] for s in stats), "layers": stats} if stats else None,
         "corpus": {
             "source": "Python standard library .py files (sysconfig stdlib path), sorted, "
                       f"skipping {sorted(SKIP_DIRS)} dirs, test_*.py and files > {MAX_FILE_BYTES} B",

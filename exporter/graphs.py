@@ -29,7 +29,10 @@ from kiln.exporter.passes.specialise import specialise
 from kiln.exporter.passes.stamp import StampLayers
 from kiln.exporter.passes.weights import WEIGHTS_FILE
 from kiln.exporter.precision.fp16 import ConvertFp16
+from kiln.exporter.precision.fp8 import QuantizeFp8
+from kiln.exporter.precision.int4 import Int4Quantizer, QuantizeInt4
 from kiln.exporter.precision.int8 import Int8Policy, QuantizeInt8
+from kiln.exporter.precision.lowbit_check import CheckLowBit, onnx_full_check
 from kiln.exporter.precision.policy import Fp16Policy
 from kiln.exporter.progress import Progress
 from kiln.exporter.trace import Traced
@@ -47,6 +50,10 @@ class GraphRecord:
     fp32_nodes: tuple[str, ...] | None = None  # fp16 graphs: nodes kept in fp32
     fp32_tables: tuple[str, ...] | None = None  # fp16 graphs: PLE tables kept in fp32 (out of fp16's range)
     int8_nodes: tuple[str, ...] | None = None  # int8 graphs: the quantized MatMul/Gemm nodes
+    fp8_nodes: tuple[str, ...] | None = None  # fp8 graphs: the MatMuls with fp8 Q/DQ inputs
+    int4_nodes: tuple[str, ...] | None = None  # int4 graphs: the MatMuls with int4 block-DQ weights
+    int4_blocks: dict[str, int] | None = None  # int4 graphs: each one's block size
+    int4_float: dict[str, str] | None = None  # int4 graphs: candidates left float, and why
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +74,8 @@ class PrecisionPlan:
     fp16: Fp16Policy
     int8: Int8Policy
     calibrate: Callable[[GraphKind, ir.Model], Ranges] | None = None
+    int4: Int4Quantizer | None = None  # int4: computes each weight's numbers once for all graphs
+    int4_policy: Int8Policy | None = None
 
 
 def contract_io(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, kv_dtype: str = "float32") -> GraphIO:
@@ -85,12 +94,18 @@ def contract_passes(reference: Reference, folded: Folded, options: ExportOptions
 
 def precision_passes(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, plan: PrecisionPlan) -> list[ir.passes.PassBase]:
     passes: list[ir.passes.PassBase] = []
-    if options.precision.has_int8:
-        assert plan.calibrate is not None, "an int8 export calibrates every graph"
+    if options.precision.needs_ranges:
+        assert plan.calibrate is not None, "an int8 or fp8 export calibrates every graph"
         calibrate = plan.calibrate
-        passes.append(QuantizeInt8(lambda model: calibrate(kind, model), plan.int8))
+        quantize = QuantizeInt8 if options.precision.has_int8 else QuantizeFp8
+        passes.append(quantize(lambda model: calibrate(kind, model), plan.int8))
+    if options.precision.has_int4:
+        assert plan.int4 is not None and plan.int4_policy is not None, "an int4 export has a quantizer"
+        passes.append(QuantizeInt4(plan.int4, plan.int4_policy, ir.DataType.FLOAT16 if options.precision.has_fp16 else ir.DataType.FLOAT))
     if options.precision.has_fp16:
         passes += [ConvertFp16(plan.fp16), ApplyContract(contract_io(reference, folded, options, kind, "float16"), kind)]
+    if options.precision.has_int4 or options.precision.has_fp8:
+        passes.append(CheckLowBit())
     return passes
 
 
@@ -105,6 +120,11 @@ def _record(kind: GraphKind, path: Path, io: GraphIO, passes: list[ir.passes.Pas
     for pass_ in passes:
         if isinstance(pass_, QuantizeInt8):
             record = dataclasses.replace(record, int8_nodes=tuple(pass_.quantized))
+        elif isinstance(pass_, QuantizeFp8):
+            record = dataclasses.replace(record, fp8_nodes=tuple(pass_.quantized))
+        elif isinstance(pass_, QuantizeInt4) and pass_.record is not None:
+            rec = pass_.record
+            record = dataclasses.replace(record, int4_nodes=rec.nodes, int4_blocks=rec.blocks, int4_float=rec.float_nodes)
         elif isinstance(pass_, ConvertFp16) and pass_.result is not None:
             record = dataclasses.replace(record, fp32_nodes=pass_.result.kept_fp32, fp32_tables=pass_.result.fp32_tables)
     return record
@@ -130,4 +150,8 @@ def write_portable_graphs(
             del model
             records[kind] = _record(kind, path, contract_io(reference, folded, options, kind, final_dtype), passes)
         weights = writer.close()
+    if options.precision.has_int4 or options.precision.has_fp8:
+        with progress.stage("low-bit graphs: onnx.checker (full check)"):
+            for record in records.values():
+                onnx_full_check(record.path)
     return GraphSet(records, weights)

@@ -14,9 +14,11 @@ import itertools
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 import torch
-from kiln.calibration import Calibration
+from kiln.calibration import WINDOW, Calibration, load_calibration_data
+from kiln.calibration.hessians import collect_hessians
 from kiln.errors import ParityError
 from kiln.exporter.artifacts.export_dir import write_artifacts
 from kiln.exporter.artifacts.hashing import sha256_file
@@ -40,6 +42,7 @@ from kiln.exporter.parity import (
     ParitySettings,
     check_parity,
 )
+from kiln.exporter.precision.int4 import DEFAULT_INT4_FLOAT, Int4Quantizer
 from kiln.exporter.precision.int8 import DEFAULT_INT8_FLOAT, Int8Policy
 from kiln.exporter.precision.policy import Fp16Policy
 from kiln.exporter.precision.sensitivity import (
@@ -94,7 +97,10 @@ def export_loaded(
         with progress.stage("trace"):
             traced = trace_unified(reference, folded, options, progress)
         fp16, sensitivity = _fp16_policy(reference, folded, options, traced, progress)
-        plan = PrecisionPlan(fp16, _int8_policy(options), _calibrate(reference, options, calibration, progress))
+        int4 = _int4(reference, options, progress)
+        plan = PrecisionPlan(
+            fp16, _int8_policy(options), _calibrate(reference, options, calibration, progress), int4.quantizer if int4 else None, int4.policy if int4 else None
+        )
         (root / ONNX_DIR).mkdir()
         portable = write_portable_graphs(reference, folded, options, traced, plan, root / ONNX_DIR, progress)
         calibrated = calibration.finish(root / CALIBRATION_DIR) if calibration is not None else None
@@ -107,7 +113,7 @@ def export_loaded(
             raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
         report = ExportReport(
             reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, fp16.keep, portable, calibrated, sensitivity, ort, parity,
-            loaded.tokenizer, loaded.serving_files,
+            loaded.tokenizer, loaded.serving_files, _quantization(options, portable, int4),
         )
         manifest = write_artifacts(root, report)
     return ExportResult(out, manifest, parity, report)
@@ -125,8 +131,8 @@ def release_weights(module: torch.nn.Module) -> Callable[[], None]:
 
 
 def _calibration(reference: Reference, options: ExportOptions, checkpoint: dict[str, str], progress: Progress) -> Calibration | None:
-    """int8: the calibration data and settings (and ranges, when the cache has them)."""
-    if not options.precision.has_int8:
+    """int8 and fp8: the calibration data and settings (and ranges, when the cache has them)."""
+    if not options.precision.needs_ranges:
         return None
     assert options.calib_data is not None, "ExportOptions refuses --int8 without --calib-data"
     files = reference.loaded.files
@@ -135,7 +141,7 @@ def _calibration(reference: Reference, options: ExportOptions, checkpoint: dict[
         spec=reference.spec,
         tokenizer=reference.loaded.tokenizer,
         weights_sha256=checkpoint[files[1].name] if len(files) > 1 else "",
-        samples=options.calib_samples,
+        samples=options.samples,
         method=options.calib_method,
         percentile=options.calib_percentile,
         context=reference.max_context,
@@ -177,11 +183,63 @@ def _int8_policy(options: ExportOptions) -> Int8Policy:
     return Int8Policy(() if options.int8_all_matmuls else DEFAULT_INT8_FLOAT + options.int8_float)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Int4Setup:
+    quantizer: Int4Quantizer
+    policy: Int8Policy
+    calibration: dict[str, object] | None  # GPTQ: the data the Hessians come from
+
+
+def _int4(reference: Reference, options: ExportOptions, progress: Progress) -> _Int4Setup | None:
+    """int4: the quantizer all graphs share (GPTQ: Hessians from --calib-data through PyTorch,
+    collected the first time a weight is quantized) and the policy of what stays float."""
+    if not options.precision.has_int4:
+        return None
+    policy = Int8Policy(() if options.int4_all_matmuls else DEFAULT_INT4_FLOAT + options.int4_float)
+    hessians, record = None, None
+    if options.gptq:
+        assert options.calib_data is not None, "ExportOptions refuses gptq without --calib-data"
+        data = load_calibration_data(
+            options.calib_data, tokenizer=reference.loaded.tokenizer, vocab_size=reference.spec.vocab_size, samples=options.samples, window=min(WINDOW, reference.max_context)
+        )
+
+        def hessians(names: tuple[str, ...]) -> dict[str, np.ndarray]:
+            with progress.stage(f"GPTQ: input Hessians of {len(names)} weights over {len(data.windows)} windows"):
+                return collect_hessians(reference.module, reference.spec.n_layers, names, data.windows)
+
+        record = {"source": data.source, "data_sha256": data.sha256, "windows": len(data.windows), "window": int(len(data.windows[0]))}
+    return _Int4Setup(Int4Quantizer(options.int4_method, options.int4_block, hessians), policy, record)
+
+
+def _quantization(options: ExportOptions, portable: GraphSet, int4: _Int4Setup | None) -> dict[str, object] | None:
+    """What the manifest records of an int4 or fp8 export (``export.quantization``)."""
+    if int4 is not None:
+        blocks = {n: b for g in portable.graphs.values() for n, b in (g.int4_blocks or {}).items() if b != options.int4_block}
+        kept = {n: why for g in portable.graphs.values() for n, why in (g.int4_float or {}).items()}
+        return {
+            "format": "int4 weight-only: DequantizeLinear(INT4 [K, N], scale [K/B, N], axis=0, block_size=B), symmetric, no zero point",
+            "method": options.int4_method.value,
+            "block_size": options.int4_block,
+            "layer_block_sizes": dict(sorted(blocks.items())),  # layers whose K the block size does not divide
+            "kept_float": {"rules": list(int4.policy.keep_float), "nodes": dict(sorted(kept.items()))},
+            "calibration": int4.calibration,
+        }
+    if options.precision.has_fp8:
+        return {
+            "format": "fp8 E4M3 Q/DQ: weights float8e4m3fn per output channel (DequantizeLinear axis 1), activations per tensor, scales amax/448 in fp16",
+            "method": options.calib_method,
+            "kept_float": {"rules": list(_int8_policy(options).keep_float), "nodes": {}},
+        }
+    return None
+
+
 def _ort_target(reference: Reference, options: ExportOptions, portable: GraphSet, root: Path, progress: Progress) -> OrtTarget | None:
     if options.target is not Target.ORT:
         return None
     with progress.stage("ONNX Runtime target graphs"):
-        return write_ort_target(root / ONNX_DIR, portable.paths, reference.spec, max_context=reference.max_context, int8=options.ort_int8)
+        return write_ort_target(
+            root / ONNX_DIR, portable.paths, reference.spec, max_context=reference.max_context, int8=options.ort_int8, int4=options.precision.has_int4
+        )
 
 
 def _settings(reference: Reference, options: ExportOptions) -> ParitySettings:

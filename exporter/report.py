@@ -34,6 +34,7 @@ class ExportReport:
     parity: ParityResult  # every graph set's checks
     tokenizer: Path | None  # the checkpoint's tokenizer.json (copied into the export), when it has one
     serving_files: tuple[Path, ...] = ()  # the family's files for consumers (Hugging Face's config.json...), copied into onnx/
+    quantization: dict[str, Any] | None = None  # int4 / fp8: what the manifest records of them (``export.quantization``)
 
     def parity_extras(self) -> dict[str, Any]:
         """What the parity report shows besides the checks, in the order it shows it."""
@@ -43,7 +44,10 @@ class ExportReport:
             extras["kept_fp32"] = fp32
         if self.calibration is not None:
             extras["calibration"] = self.calibration
-            extras["int8_nodes"] = {kind.value: list(g.int8_nodes or ()) for kind, g in self.portable.graphs.items()}
+            if self.options.precision.has_int8:
+                extras["int8_nodes"] = {kind.value: list(g.int8_nodes or ()) for kind, g in self.portable.graphs.items()}
+        if self.quantization is not None:
+            extras["quantization"] = self.quantization
         if self.sensitivity is not None:
             extras["fp16_sensitivity"] = dataclasses.asdict(self.sensitivity)
         extras["ple_folding"] = [dataclasses.asdict(c) for c in self.folding]

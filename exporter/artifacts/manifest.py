@@ -113,6 +113,7 @@ class ExportSettings:
     calibration: dict[str, Any] | None
     logits: str
     ple: PleInfo | None
+    quantization: dict[str, Any] | None = _omit()  # int4 / fp8: format, method, block size, what stayed float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +133,8 @@ class GraphEntry:
     inputs: tuple[TensorEntry, ...]
     outputs: tuple[TensorEntry, ...]
     int8_nodes: tuple[str, ...] | None = _omit()
+    int4_nodes: tuple[str, ...] | None = _omit()
+    fp8_nodes: tuple[str, ...] | None = _omit()
     fp32_nodes: tuple[str, ...] | None = _omit()
     fp32_ple_tables: tuple[str, ...] | None = _omit()
 
@@ -168,6 +171,7 @@ class OrtGraphEntry:
     fused_skip_norms: int
     packed_matmuls: tuple[str, ...]
     int8_nodes: tuple[str, ...]
+    int4_nodes: tuple[str, ...] | None = _omit()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +186,7 @@ class TargetEntry:
     int8: dict[str, Any] | None
     graphs: dict[str, OrtGraphEntry]
     weights: TargetWeights
+    int4: dict[str, Any] | None = _omit()  # MatMulNBits bits=4: block size, accuracy level
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,13 +243,15 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
-def export_settings(options: ExportOptions, *, trained_rows: int | None, keep_fp32: tuple[str, ...], calibration: dict[str, Any] | None) -> ExportSettings:
+def export_settings(
+    options: ExportOptions, *, trained_rows: int | None, keep_fp32: tuple[str, ...], calibration: dict[str, Any] | None, quantization: dict[str, Any] | None = None
+) -> ExportSettings:
     """What the manifest records of the options that shaped the graphs (``graph_options`` reads it back)."""
     ple = None
     if trained_rows is not None:
         extend = options.ple_extend_mode.value if options.ple_extend else None
         ple = PleInfo(True, trained_rows, options.ple_extend or trained_rows, extend, options.ple_tables.value)
-    return ExportSettings(options.opset, keep_fp32 if options.precision.has_fp16 else (), calibration, options.logits.value, ple)
+    return ExportSettings(options.graph_opset, keep_fp32 if options.precision.has_fp16 else (), calibration, options.logits.value, ple, quantization)
 
 
 def graph_options(manifest: Manifest) -> ExportOptions:

@@ -33,6 +33,7 @@ from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.device import current_runtime
+from kiln.exporter.engine.gpus import require_gpu_for
 from kiln.exporter.engine.options import BuildOptions
 from kiln.exporter.engine.profiles import (
     EngineProfile,
@@ -286,12 +287,14 @@ def build_engines(directory: Path, options: BuildOptions, profiles: Sequence[Eng
     """Build the prefill and decode engines (or those of ``profiles``) into ``DIR/engines/`` and
     write ``engines/engines.json``; returns the records by kind. ``build_command`` also writes
     trtexec.sh and records the engines in the manifest."""
-    trt = load_tensorrt()
-    if profiles is None:
-        from kiln.exporter.artifacts import manifest as manifest_mod
+    from kiln.exporter.artifacts import manifest as manifest_mod
 
-        profiles = engine_profiles(manifest_mod.read(directory), options)
+    trt = load_tensorrt()
+    manifest = manifest_mod.read(directory)
+    if profiles is None:
+        profiles = engine_profiles(manifest, options)
     built_with = current_runtime(trt)
+    require_gpu_for(manifest.precision, built_with.compute_capability, built_with.gpu)
     (directory / ENGINES_JSON).unlink(missing_ok=True)  # a failed build leaves no record of stale plans
     records: dict[str, EngineRecord] = {}
     for profile in profiles:

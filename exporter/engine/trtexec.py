@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import ConfigError
+from kiln.exporter.engine.gpus import gpu_note
 from kiln.exporter.engine.options import MIB, BuildOptions, HardwareCompat
 from kiln.exporter.engine.profiles import EngineProfile, InputShape, Shape
 
@@ -99,8 +100,9 @@ def trtexec_command(profile: EngineProfile, options: BuildOptions, timing_cache:
     return shlex.join(["trtexec", *trtexec_args(profile, options, timing_cache)])
 
 
-def render_script(profiles: Sequence[EngineProfile], options: BuildOptions, timing_cache: str = DEFAULT_TIMING_CACHE) -> str:
-    """The text of ``engines/trtexec.sh``: one trtexec command per engine, run from the export directory."""
+def render_script(profiles: Sequence[EngineProfile], options: BuildOptions, timing_cache: str = DEFAULT_TIMING_CACHE, precision: str | None = None) -> str:
+    """The text of ``engines/trtexec.sh``: one trtexec command per engine, run from the export
+    directory (``precision``: the export's, for the note on which GPUs build it)."""
     lines = [
         "#!/usr/bin/env bash",
         "# Builds this export's TensorRT engines with trtexec; written by `kiln build`, equivalent to it.",
@@ -108,7 +110,8 @@ def render_script(profiles: Sequence[EngineProfile], options: BuildOptions, timi
         "#   bash engines/trtexec.sh",
         "# Paths are relative to the export directory (the script changes to it first).",
         "# --stronglyTyped is for TensorRT 10.x (precision comes from the ONNX types); on 11.x every",
-        "# network is strongly typed and the flag is a no-op.",
+        "# network is strongly typed and the flag is a no-op. No precision flags: int8/int4/fp8 are Q/DQ in the ONNX.",
+        *([note] if (note := gpu_note(precision or "")) is not None else []),
         "set -euo pipefail",
         'cd "$(dirname "$0")/.."',
         "mkdir -p engines",
@@ -128,7 +131,10 @@ def write_script(directory: Path, profiles: Sequence[EngineProfile], options: Bu
     path = directory / SCRIPT
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(render_script(profiles, options, _script_cache(directory, options)))
+    from kiln.exporter.artifacts import manifest as manifest_mod
+
+    precision = manifest_mod.read(directory).precision if (directory / manifest_mod.MANIFEST).is_file() else None
+    tmp.write_text(render_script(profiles, options, _script_cache(directory, options), precision))
     mode = tmp.stat().st_mode
     tmp.chmod(mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     os.replace(tmp, path)

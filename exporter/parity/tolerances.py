@@ -22,4 +22,9 @@ TOLERANCES = {
     # int8 MatMuls: an approximation by design; judged by agreement, not by exact tokens
     "int8": Tolerance(logits_atol=1.5, kv_atol=1.0, min_cosine=0.99, min_token_match=0.9),
     "int8+fp16": Tolerance(logits_atol=1.5, kv_atol=1.0, min_cosine=0.99, min_token_match=0.9),
+    # int4 weights (16 levels a block): agreement again, looser than int8's
+    "int4": Tolerance(logits_atol=3.0, kv_atol=2.0, min_cosine=0.97, min_token_match=0.7),
+    "int4+fp16": Tolerance(logits_atol=3.0, kv_atol=2.0, min_cosine=0.97, min_token_match=0.7),
+    # fp8 E4M3 weights and activations (3 mantissa bits): int8's agreement
+    "fp8": Tolerance(logits_atol=1.5, kv_atol=1.0, min_cosine=0.99, min_token_match=0.9),
 }

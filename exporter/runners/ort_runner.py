@@ -22,6 +22,7 @@ def ort_session(
     prepacking: bool = True,
     initializers: Mapping[str, object] | None = None,
     fp16_weights_stay_fp16: bool = False,
+    weight_only_dq: bool = False,
 ) -> Any:
     """An ONNX Runtime CPU session over a graph file or serialized model: the one place kiln
     sets session options. ``threads`` pins intra-op threads (and inter-op to one);
@@ -36,7 +37,14 @@ def ort_session(
     three; ``disabled_optimizers`` cannot name that fusion). With the graph optimizations off, no
     memory arena and priority-based order, each Cast runs just before its use and its fp32 copy is
     freed after it: 3.4 GB steady, 4.3 GB peak for the same session, at about 5x the decode time
-    (a Cast per weight per run). Parity uses it; it also runs the graph as written."""
+    (a Cast per weight per run). Parity uses it; it also runs the graph as written.
+
+    ``weight_only_dq``: ONNX Runtime (1.32) fuses ``DequantizeLinear(constant weight) -> MatMul``
+    into ``MatMulNBits`` with ``accuracy_level`` 4 at ``ORT_ENABLE_EXTENDED`` and above, which
+    quantizes the *activations* to int8 per block: an int4 (or per-channel int8) weight-only graph
+    would be checked against int8 activations that TensorRT never computes (0.5-0.8% relative
+    error on a single MatMul, research/lowbit/FINDINGS.md section 1). Level 0 keeps the fusion
+    (fast) and computes in float: exactly the weight-only product. Parity uses it."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -51,6 +59,8 @@ def ort_session(
     if not spinning:
         opts.inter_op_num_threads = 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if weight_only_dq:
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
     if not prepacking:
         opts.add_session_config_entry("session.disable_prepacking", "1")
     for name, value in (initializers or {}).items():
@@ -87,7 +97,7 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
             # prepacking would make a private copy of every MatMul weight again
             initializers = self._shared.initializers(path)
             session = ort_session(
-                path, threads=self._threads, prepacking=False, initializers=initializers, fp16_weights_stay_fp16=self._shared.has_fp16(path)
+                path, threads=self._threads, prepacking=False, initializers=initializers, fp16_weights_stay_fp16=self._shared.has_fp16(path), weight_only_dq=True
             )
             runner = OnnxrtRunner(session, name=f"onnxruntime:{kind.value}")
             runner.activate()
@@ -103,6 +113,11 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
         runner = self._runners[kind]
         return dict(runner.infer({**feeds, **self._extra}, check_inputs=False))
+
+
+# packed int4 and float8 weights have no numpy dtype an OrtValue can be made from: each session
+# reads its own copy of those from the file (an int4 weight is an eighth of its fp32 bytes)
+_UNSHAREABLE = frozenset({22, 21, 17, 18, 19, 20})  # TensorProto INT4, UINT4, FLOAT8E4M3FN, FLOAT8E4M3FNUZ, FLOAT8E5M2, FLOAT8E5M2FNUZ
 
 
 class _SharedInitializers:
@@ -127,7 +142,7 @@ class _SharedInitializers:
         model = onnx.load(str(graph), load_external_data=False)
         out: dict[str, object] = {}
         for init in model.graph.initializer:
-            if init.data_location != onnx.TensorProto.EXTERNAL:
+            if init.data_location != onnx.TensorProto.EXTERNAL or init.data_type in _UNSHAREABLE:
                 continue
             info = {e.key: e.value for e in init.external_data}
             file = (graph.parent / info["location"]).resolve()

@@ -4,8 +4,9 @@ The format is the one ``src/config.cpp`` of microsoft/onnxruntime-genai parses (
 elements reject unknown keys, so nothing else is written):
 
 - ``model.type = "decoder"``: the generic decoder-only LLM type (``ModelType::IsLLM`` in
-  ``src/models/model_type.h``); ``model.decoder`` names ``model.onnx`` and its I/O, with the KV
-  names as ``%d`` templates over the layer index.
+  ``src/models/model_type.h``); ``model.decoder`` names ``model.onnx`` (``model.ort.onnx`` for an
+  ``--int4 --target ort`` export: ``genai_graph``) and its I/O, with the KV names as ``%d``
+  templates over the layer index.
 - ``search.past_present_share_buffer = false``: kiln's graphs grow the cache with ``Concat``
   (``present`` = ``past`` + new), they do not write into a preallocated ``max_length`` buffer.
 - ``search.do_sample = false``: greedy, so generation is deterministic and comparable.
@@ -47,6 +48,7 @@ __all__ = [
     "PRESENT_KEY_TEMPLATE",
     "PRESENT_VALUE_TEMPLATE",
     "genai_config",
+    "genai_graph",
     "tokenizer_config",
     "write_genai_config",
 ]
@@ -83,6 +85,16 @@ def _check_io(manifest: Manifest) -> None:
         )
 
 
+def genai_graph(manifest: Manifest) -> str:
+    """The graph GenAI runs: ``model.onnx``, or for an ``--int4 --target ort`` export
+    ``model.ort.onnx`` (MatMulNBits bits=4: what is fast on ONNX Runtime; the portable int4
+    graph's DequantizeLinear would also run). Same I/O contract either way."""
+    ort = (manifest.targets or {}).get("ort")
+    if ort is not None and ort.precision == "int4":
+        return ort.graphs[GraphKind.UNIFIED.value].file
+    return manifest.graph(GraphKind.UNIFIED).file
+
+
 def genai_config(manifest: Manifest) -> dict[str, Any]:
     """The ``genai_config.json`` of an export, from its manifest alone."""
     _check_io(manifest)
@@ -107,7 +119,7 @@ def genai_config(manifest: Manifest) -> dict[str, Any]:
             "vocab_size": model.vocab_size,
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-                "filename": Path(manifest.graph(GraphKind.UNIFIED).file).name,
+                "filename": Path(genai_graph(manifest)).name,
                 "head_size": head_dim,
                 "hidden_size": hidden,
                 "num_attention_heads": heads,

@@ -194,7 +194,7 @@ def test_bad_calibration_inputs(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     with pytest.raises(ConfigError, match="--calib-method must be one of max, percentile, entropy, mse, found 'kl'"):
         ExportOptions(precision=Precision.INT8, calib_data="synthetic", calib_method="kl")
-    with pytest.raises(ConfigError, match="only apply to --int8 exports"):
+    with pytest.raises(ConfigError, match="--calib-data only applies to --int8, --fp8 and --int4"):
         ExportOptions(calib_data="synthetic")
 
 

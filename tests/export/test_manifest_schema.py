@@ -118,7 +118,7 @@ BROKEN_FP32: dict[str, tuple[Callable[[Manifest], None], str]] = {
     "manifest version": (_set(("manifest_version",), 2), "1 was expected"),
     "short sha256": (_set(("files", "onnx/model.onnx"), "abc123"), "does not match '^[0-9a-f]{64}$'"),
     "upper-case sha256": (_set(("files", "onnx/weights.bin"), "A" * 64), "does not match '^[0-9a-f]{64}$'"),
-    "unknown precision": (_set(("precision",), "int4"), "'int4' is not one of ['fp32', 'fp16', 'int8', 'int8+fp16']"),
+    "unknown precision": (_set(("precision",), "int2"), "'int2' is not one of ['fp32', 'fp16', 'int8', 'int8+fp16', 'int4', 'int4+fp16', 'fp8']"),
     "unknown dtype": (_set(("graphs", "model", "inputs", 3, "dtype"), "float"), "'float' is not one of"),
     "unknown dim name": (_set(("graphs", "model", "inputs", 3, "shape", 2), "past"), "'past' is not valid under any of the given schemas"),
     "negative dim": (_set(("graphs", "model", "outputs", 0, "shape", 2), -1), "-1 is not valid under any of the given schemas"),

@@ -271,7 +271,7 @@ def test_int8_blocks_round_trip() -> None:
     ("options", "message"),
     [
         (dict(ort_int8=True), "--ort-int8 only applies to --target ort"),
-        (dict(target=Target.ORT, precision=Precision.FP16), "--target ort rewrites the fp32 graphs and cannot be combined with --fp16/--int8 (found fp16)"),
+        (dict(target=Target.ORT, precision=Precision.FP16), "--target ort rewrites fp32 graphs and cannot be combined with --fp16/--int8/--fp8 (found fp16)"),
         (dict(target=Target.ORT, precision=Precision.INT8, calib_data="synthetic"), "(found int8); for int8 on ONNX Runtime use --target ort --ort-int8"),
     ],
 )

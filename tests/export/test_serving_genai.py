@@ -22,7 +22,7 @@ og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a tes
 from tokenizers import Tokenizer  # noqa: E402
 
 from kiln.errors import ArtifactError  # noqa: E402
-from kiln.exporter.options import ExportOptions, Precision  # noqa: E402
+from kiln.exporter.options import ExportOptions, Int4Method, Precision, Target  # noqa: E402
 from kiln.exporter.parity import TOLERANCES, greedy, make_prompts  # noqa: E402
 from kiln.exporter.pipeline import export  # noqa: E402
 from kiln.exporter.runners import TorchRunner  # noqa: E402
@@ -199,6 +199,30 @@ def test_fp16_agrees_up_to_near_ties(fp16_dir: Path, demo: tuple[LoadedModel, To
         else:
             assert len(got) == len(expected)
     assert compared >= 2 * STEPS  # most tokens were compared, not cut short by a tie at once
+
+
+@pytest.fixture(scope="module")
+def int4_ort_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    options = ExportOptions(precision=Precision.INT4, int4_method=Int4Method.RTN, target=Target.ORT, parity_tokens=8)
+    return _export(tmp_path_factory.mktemp("genai-int4"), options)
+
+
+def test_genai_generates_from_the_ort_int4_graph(int4_ort_dir: Path, demo: tuple[LoadedModel, TorchRunner]) -> None:
+    """An --int4 --target ort export: GenAI runs model.ort.onnx (MatMulNBits bits=4) and generates
+    exactly what kiln's own step loop generates through that graph (two prompts, batch 1 each)."""
+    from kiln.exporter.contract.io import GraphKind
+    from kiln.exporter.runners import OrtRunner
+
+    config = json.loads((int4_ort_dir / "onnx" / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["filename"] == "model.ort.onnx"
+    og.Config(str(int4_ort_dir / "onnx"))
+    loaded, _ = demo
+    spec = loaded.spec
+    prompts = make_prompts(spec, [9, 23], seed=5)
+    with OrtRunner({GraphKind.UNIFIED: int4_ort_dir / "onnx" / "model.ort.onnx"}) as runner:
+        for batch in ([prompts[0]], [prompts[1]]):
+            ref, _ = greedy(runner, spec, batch, STEPS, unified=True)
+            assert _genai_greedy(int4_ort_dir / "onnx", batch, STEPS)[0] == _until_eos(ref[0], spec.eos_token_id)
 
 
 def test_missing_graph_or_names_are_one_clear_error(fp32_dir: Path, tmp_path: Path) -> None:

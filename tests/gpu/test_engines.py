@@ -27,7 +27,8 @@ from kiln.exporter.engine.device import current_runtime
 from kiln.exporter.engine.profiles import EngineProfile, InputShape, engine_profiles
 from kiln.exporter.engine.records import RuntimeInfo, check_engine_compat
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.options import ExportOptions
+from kiln.exporter.engine.gpus import MIN_COMPUTE_CAPABILITY
+from kiln.exporter.options import ExportOptions, Int4Method
 from kiln.exporter.parity import TOLERANCES, generation_parity, greedy, make_prompts, tensor_parity
 from kiln.exporter.pipeline import export
 from kiln.exporter.load import prepare_reference
@@ -51,7 +52,7 @@ def _unavailable() -> str | None:
 REASON = _unavailable()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
-PRECISIONS = ["fp32", "fp16", "int8+fp16"]
+PRECISIONS = ["fp32", "fp16", "int8+fp16", "int4+fp16", "fp8"]
 MAX_BATCH = 4
 TOKENS = 8
 
@@ -68,8 +69,16 @@ def _export_options(precision: str) -> ExportOptions:
     except ValueError:
         pytest.skip("precision variants not built yet")
     variant: dict[str, Any] = {"precision": value}
-    if value.has_int8:  # the tiny model has no tokenizer and no text: random tokens (ranges are poor, parity is loose)
+    if value.needs_ranges:  # the tiny model has no tokenizer and no text: random tokens (ranges are poor, parity is loose)
         variant["calib_data"] = "synthetic"
+    if value.has_int4:
+        variant["int4_method"] = Int4Method.RTN  # GPTQ's numbers are tested on the CPU; the engine sees int4 either way
+    need = MIN_COMPUTE_CAPABILITY.get(precision)
+    if need is not None:
+        runtime = current_runtime(load_tensorrt())
+        major, minor = (int(p) for p in runtime.compute_capability.split("."))
+        if (major, minor) < need[:2]:
+            pytest.skip(f"{precision} engines need compute capability {need[0]}.{need[1]}; this {runtime.gpu} is {runtime.compute_capability}")
     return ExportOptions(parity_tokens=TOKENS, max_batch=MAX_BATCH, **variant)
 
 

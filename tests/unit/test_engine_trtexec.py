@@ -127,6 +127,29 @@ def test_script_text(tmp_path: Path) -> None:
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
+def test_low_bit_scripts_are_the_same_commands_with_a_gpu_note() -> None:
+    """int4/fp8 graphs carry their precision (Q/DQ): the same strongly typed commands, no
+    precision flag; the script says which GPUs build them, and kiln build refuses others first."""
+    from kiln.exporter.engine.gpus import require_gpu_for
+
+    profiles = engine_profiles(typed_manifest(manifest()), BuildOptions())
+    plain = render_script(profiles, BuildOptions())
+    for precision, note in (
+        ("fp8", "# fp8 graphs build on GPUs of compute capability 8.9 or later: Ada (L4, L40S, RTX 40) or Hopper (H100, H200) or later."),
+        ("int4+fp16", "# int4+fp16 graphs build on GPUs of compute capability 8.0 or later: Ampere (A100, A10, RTX 30) or later."),
+    ):
+        text = render_script(profiles, BuildOptions(), precision=precision)
+        assert note in text.splitlines() and text.replace(note + "\n", "") == plain
+        assert not any(flag in text for flag in ("--fp8", "--int8", "--int4", "--fp16", "--best"))
+    with pytest.raises(EngineError, match=r"fp8 engines need a GPU of compute capability 8.9 or later .*; this NVIDIA A100 is 8.0: export --fp16 or --int8 for it"):
+        require_gpu_for("fp8", "8.0", "NVIDIA A100")
+    require_gpu_for("fp8", "9.0", "NVIDIA H100")
+    require_gpu_for("int4", "8.6", "NVIDIA A10")
+    with pytest.raises(EngineError, match="int4 engines need a GPU of compute capability 8.0"):
+        require_gpu_for("int4", "7.5", "Tesla T4")
+    require_gpu_for("fp16", "7.5", "Tesla T4")
+
+
 def test_written_script_is_executable_and_relative(tmp_path: Path) -> None:
     directory = export_dir(tmp_path)
     profiles = engine_profiles(typed_manifest(manifest()), BuildOptions())

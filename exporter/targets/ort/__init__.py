@@ -12,7 +12,9 @@ contrib kernels into ``onnx/<kind>.ort.onnx`` by the passes ``ort_passes`` lists
   ``SkipSimplifiedLayerNormalization`` (``norm``),
 - decode: the family's mask subgraph -> a four-op padding bias when probes prove them equal
   (``decode_mask``),
-- with ``int8``: every constant-weight MatMul -> ``MatMulNBits`` (8 bits, weight-only: ``nbits``).
+- with ``int8``: every constant-weight MatMul -> ``MatMulNBits`` (8 bits, weight-only: ``nbits``);
+- ``--int4`` graphs: their int4 weights -> ``MatMulNBits`` (4 bits, the portable graphs' own
+  numbers, read back from ``weights.bin``: ``int4``).
 
 The copies sit in the same directory as the portable graphs because ONNX Runtime refuses
 external data outside a model's directory; they share ``weights.bin`` for every weight they
@@ -41,6 +43,7 @@ from kiln.exporter.passes import (
 )
 from kiln.exporter.targets.ort.decode_mask import compact_decode_bias
 from kiln.exporter.targets.ort.gqa import fuse_attention
+from kiln.exporter.targets.ort.int4 import int4_matmul_nbits, unfold_int4_weights
 from kiln.exporter.targets.ort.nbits import (
     ACCURACY_LEVEL,
     BLOCK_SIZE,
@@ -66,7 +69,7 @@ def ort_graph_file(kind: GraphKind) -> str:
 class OrtTarget:
     graphs: dict[GraphKind, OrtGraphEntry]  # what each graph's passes rewrote, as the manifest records it
     paths: dict[GraphKind, Path]
-    precision: str  # "fp32" or "int8" (weight-only MatMulNBits)
+    precision: str  # "fp32", "int8" or "int4" (weight-only MatMulNBits)
     weights: SharedWeights
 
 
@@ -80,6 +83,7 @@ class _Rewrites:
     skip_norms: GraphRewrite[int]
     packed: GraphRewrite[list[str]]
     int8: GraphRewrite[list[str]] | None
+    int4: tuple[GraphRewrite[list[str]], GraphRewrite[list[str]]] | None = None  # unfold first, MatMulNBits last
 
     def record(self, path: Path) -> OrtGraphEntry:
         def names(rewrite: GraphRewrite[list[str]] | None) -> tuple[str, ...]:
@@ -93,10 +97,11 @@ class _Rewrites:
             fused_skip_norms=self.skip_norms.result or 0,
             packed_matmuls=names(self.packed),
             int8_nodes=names(self.int8),
+            int4_nodes=names(self.int4[1]) if self.int4 is not None else None,
         )
 
 
-def _rewrites(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, int8: bool) -> _Rewrites:
+def _rewrites(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, int8: bool, int4: bool) -> _Rewrites:
     attention = mask = None
     if kind is not GraphKind.UNIFIED:  # GQA's CPU kernel refuses batch > 1 with past and seq > 1
 
@@ -118,6 +123,7 @@ def _rewrites(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: i
         GraphRewrite(fuse_skip_rms_norm),
         GraphRewrite(pack_shared_input_matmuls),
         GraphRewrite(quantize_matmul_nbits) if int8 else None,
+        (GraphRewrite(unfold_int4_weights), GraphRewrite(int4_matmul_nbits)) if int4 else None,
     )
 
 
@@ -125,6 +131,7 @@ def ort_passes(rewrites: _Rewrites, writer: WeightsWriter) -> list[ir.passes.Pas
     """The ORT target's passes of one graph, in order."""
     unused = RemoveUnusedNodesPass
     return [
+        *((rewrites.int4[0],) if rewrites.int4 is not None else ()),
         *(p for p in (rewrites.attention, rewrites.mask) if p is not None),
         rewrites.norms,
         rewrites.skip_norms,
@@ -132,22 +139,23 @@ def ort_passes(rewrites: _Rewrites, writer: WeightsWriter) -> list[ir.passes.Pas
         rewrites.packed,
         unused(),  # the MatMuls packed away are dead now
         *((rewrites.int8, unused()) if rewrites.int8 is not None else ()),
+        *((rewrites.int4[1], unused()) if rewrites.int4 is not None else ()),
         TopologicalSortPass(),
         ExternalizeWeights(writer),
     ]
 
 
-def write_ort_target(onnx_dir: Path, graphs: dict[GraphKind, Path], spec: DecoderSpec, *, max_context: int, int8: bool) -> OrtTarget:
+def write_ort_target(onnx_dir: Path, graphs: dict[GraphKind, Path], spec: DecoderSpec, *, max_context: int, int8: bool, int4: bool = False) -> OrtTarget:
     """Write ``<kind>.ort.onnx`` beside each portable graph in ``onnx_dir``."""
     out: dict[GraphKind, OrtGraphEntry] = {}
     paths: dict[GraphKind, Path] = {}
     with WeightsWriter(onnx_dir / ORT_WEIGHTS_FILE, rename=False) as writer:
         for kind, path in graphs.items():
-            rewrites = _rewrites(kind, spec, onnx_dir, max_context, int8)
+            rewrites = _rewrites(kind, spec, onnx_dir, max_context, int8, int4)
             model = run_passes(ir.load(path), ort_passes(rewrites, writer), graph=f"{kind.value} (ORT target)")
             target = onnx_dir / ort_graph_file(kind)
             ir.save(model, target)
             del model
             out[kind], paths[kind] = rewrites.record(target), target
         weights = writer.close()
-    return OrtTarget(graphs=out, paths=paths, precision="int8" if int8 else "fp32", weights=weights)
+    return OrtTarget(graphs=out, paths=paths, precision="int8" if int8 else "int4" if int4 else "fp32", weights=weights)

@@ -16,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, use_ms_domain
 
-__all__ = ["quantize_matmul_nbits", "pack_int8_blocks", "BLOCK_SIZE", "ACCURACY_LEVEL"]
+__all__ = ["quantize_matmul_nbits", "replace_with_nbits", "pack_int8_blocks", "BLOCK_SIZE", "ACCURACY_LEVEL"]
 
 BLOCK_SIZE = 128  # measured on the 33M Llama, decode past 256: 128 and 64 beat 32 (2.85 / 2.91 / 3.18 ms)
 ACCURACY_LEVEL = 4  # int8 activations x int8 weights (MLAS); levels 0-2 dequantize and run 6-20x slower here
@@ -48,6 +48,44 @@ def _plain_gemm(node: ir.Node) -> tuple[bool, ir.Value | None] | None:
     return bool(node.attributes.get_int("transB", 0)), bias
 
 
+def replace_with_nbits(
+    graph: ir.Graph,
+    node: ir.Node,
+    a: ir.Value,
+    prefix: str,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    *,
+    k: int,
+    n: int,
+    bits: int,
+    block: int,
+    accuracy_level: int,
+    bias: ir.Value | None = None,
+) -> ir.Node:
+    """``node`` -> ``MatMulNBits(a, packed, scales, bias)`` (tensors ``<prefix>.q``/``.scales``,
+    named after the weight so that the three graphs share them); the output keeps its name and
+    type (a graph output such as ``logits`` stays one). The MatMul is removed; the MatMulNBits returned
+    (the caller declares the ``com.microsoft`` opset: ``use_ms_domain``)."""
+    fused = ir.node(
+        "MatMulNBits",
+        [a, constant(graph, f"{prefix}.q", packed), constant(graph, f"{prefix}.scales", scales), None, None, bias],
+        {"K": k, "N": n, "bits": bits, "block_size": block, "accuracy_level": accuracy_level},
+        domain=MS_DOMAIN,
+        name=f"{node.name}NBits",
+    )
+    out = fused.outputs[0]
+    copy_type(out, node.outputs[0])
+    graph.insert_before(node, fused)
+    old = node.outputs[0]
+    name = old.name
+    old.replace_all_uses_with(out, replace_graph_outputs=True)
+    if old.name == name and name is not None:
+        old.name, out.name = f"{name}.float", name  # keep graph output names (logits)
+    graph.remove(node, safe=True)
+    return fused
+
+
 def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accuracy_level: int = ACCURACY_LEVEL) -> list[str]:
     """Replace every MatMul (and plain Gemm, its bias going to MatMulNBits' bias input) whose
     weight is a constant float32 matrix; returns the replaced nodes' names. The packed weights get names derived from the original ones, so the
@@ -71,23 +109,8 @@ def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accurac
         k, n = weight.shape
         packed, scales = pack_int8_blocks(weight, block_size)
         base = (b.name or node.name or "matmul").removeprefix("weights/")
-        fused = ir.node(
-            "MatMulNBits",
-            [a, constant(graph, f"ort_int8/{base}.q", packed), constant(graph, f"ort_int8/{base}.scales", scales.reshape(-1)), None, None, bias],
-            {"K": k, "N": n, "bits": 8, "block_size": block_size, "accuracy_level": accuracy_level},
-            domain=MS_DOMAIN,
-            name=f"{node.name}NBits",
-        )
-        out = fused.outputs[0]
-        copy_type(out, node.outputs[0])
-        graph.insert_before(node, fused)
-        old = node.outputs[0]
-        name = old.name
-        old.replace_all_uses_with(out, replace_graph_outputs=True)
-        if old.name == name and name is not None:
-            old.name, out.name = f"{name}.float", name  # keep graph output names (logits)
+        replace_with_nbits(graph, node, a, f"ort_int8/{base}", packed, scales.reshape(-1), k=k, n=n, bits=8, block=block_size, accuracy_level=accuracy_level, bias=bias)
         replaced.append(node.name or "")
-        graph.remove(node, safe=True)
     if replaced:
         use_ms_domain(model)
     return replaced

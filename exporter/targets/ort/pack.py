@@ -16,16 +16,17 @@ import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant, copy_type, set_dtype
 from kiln.exporter.precision.policy import module_of
+from kiln.exporter.targets.ort.int4 import BlockInt4, register
 
 __all__ = ["pack_shared_input_matmuls", "pack_matmuls", "packable"]
 
 
-def _weight(node: ir.Node) -> np.ndarray | None:
+def _weight(node: ir.Node) -> ir.TensorProtocol | None:
     weight = node.inputs[1] if len(node.inputs) == 2 else None
     tensor = weight.const_value if weight is not None else None
     if tensor is None or len(tensor.shape) != 2 or tensor.dtype != ir.DataType.FLOAT:
         return None
-    return tensor.numpy()
+    return tensor
 
 
 def packable(nodes: list[ir.Node]) -> bool:
@@ -44,7 +45,11 @@ def pack_matmuls(graph: ir.Graph, nodes: list[ir.Node], prefix: str) -> list[ir.
     new tensors are named ``ort/<prefix>.packed.*``."""
     weights = [w for w in map(_weight, nodes) if w is not None]
     assert len(weights) == len(nodes), "pack_matmuls needs packable() nodes"
-    packed = constant(graph, f"ort/{prefix}.packed.weight", np.concatenate(weights, axis=1))
+    name = f"ort/{prefix}.packed.weight"
+    if all(isinstance(w, BlockInt4) for w in weights):  # int4 weights stay int4: their numbers side by side (blocks run along K)
+        packed = graph.initializers.get(name) or register(graph, BlockInt4.side_by_side(name, [w for w in weights if isinstance(w, BlockInt4)]))
+    else:
+        packed = constant(graph, name, np.concatenate([w.numpy() for w in weights], axis=1))
     sizes = constant(graph, f"ort/{prefix}.packed.split", np.array([w.shape[1] for w in weights], dtype=np.int64))
     matmul = ir.node("MatMul", [nodes[0].inputs[0], packed], name=f"/{prefix}/ort/packed/MatMul")
     set_dtype(matmul.outputs[0], ir.DataType.FLOAT)

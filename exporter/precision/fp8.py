@@ -1,0 +1,166 @@
+"""Pass: fp8 E4M3 Q/DQ before MatMul inputs, the form TensorRT builds on Ada (SM 8.9) and later
+(design.md section 5; tensorrt-notes "Low-bit ONNX"), the placement of ``--int8``'s:
+
+- weights per output channel: a FLOAT8E4M3FN ``[K, N]`` initializer and
+  ``DequantizeLinear(axis=1, scale [N], zero point float8e4m3fn zeros)`` (one byte a weight, as
+  ModelOpt's ``dq_only`` form), ``scale = amax / 448`` of each column;
+- activations per tensor: ``QuantizeLinear -> DequantizeLinear`` with a scalar
+  ``scale = amax / 448`` from calibration (the ranges ``--int8`` computes, ``--calib-method``),
+  one pair per tensor, shared by the MatMuls that read it;
+- zero points float8e4m3fn zeros (they also give QuantizeLinear its output type), scales fp16
+  (the graph around them is fp16), opset >= 19.
+
+The LM head and the attention-score MatMuls stay float (``--int8``'s default rules). Written here,
+not with ONNX Runtime's ``quantize_static``: its fp8 calibration takes only the ``Distribution``
+method, matches a Gaussian's std instead of the range (large activations saturate) and puts Q/DQ
+on MatMul outputs too (research/lowbit/FINDINGS.md section 5: 0.71 top-1 agreement on the demo).
+ml_dtypes (onnx-ir's own dependency) rounds to E4M3; it does not saturate (NaN above 464), so
+values are clipped to +-448 first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+from kiln.errors import ExportError
+from kiln.exporter.passes.ir_utils import set_dtype
+from kiln.exporter.precision.int8 import Int8Policy, int8_targets
+from kiln.exporter.precision.policy import module_of
+
+__all__ = ["QuantizeFp8", "check_fp8", "FP8_MAX", "MIN_FP8_OPSET"]
+
+FP8_MAX = 448.0  # E4M3's largest finite value
+MIN_FP8_OPSET = 19
+_FP8 = ir.DataType.FLOAT8E4M3FN
+_SCALE = ir.DataType.FLOAT16
+
+
+def _scale(amax: np.ndarray) -> np.ndarray:
+    s = (np.asarray(amax, dtype=np.float32) / FP8_MAX).astype(np.float16)
+    return np.where(s > 0, s, np.float16(1.0)).astype(np.float16)  # never 0; fp16's smallest normal is 6e-5
+
+
+def fp8_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``weight [K, N]`` -> (E4M3 values [K, N], fp16 scale [N]): per output column, amax / 448."""
+    w = np.asarray(weight, dtype=np.float32)
+    scale = _scale(np.abs(w).max(axis=0))
+    return np.clip(w / scale.astype(np.float32), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def _const(graph: ir.Graph, name: str, make: Callable[[], np.ndarray], dtype: ir.DataType, shape: tuple[int, ...]) -> ir.Value:
+    tensor = ir.LazyTensor(lambda: ir.tensor(make(), dtype=dtype), dtype, ir.Shape(shape), name=name)
+    value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape), const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+class QuantizeFp8(ir.passes.InPlacePass):
+    """fp8 Q/DQ on the MatMuls ``policy`` does not keep float; activation ranges from ``calibrate``
+    (run on the fp32 graph). ``quantized`` names the MatMuls."""
+
+    def __init__(self, calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]], policy: Int8Policy) -> None:
+        super().__init__()
+        self.calibrate, self.policy = calibrate, policy
+        self.quantized: list[str] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        if model.opset_imports.get("", 0) < MIN_FP8_OPSET:
+            raise ExportError(f"--fp8 needs --opset {MIN_FP8_OPSET} or later, found {model.opset_imports.get('', 0)}")
+        names = set(int8_targets(graph, self.policy))
+        targets = []
+        for node in graph:
+            weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" and node.name in names and len(node.inputs) == 2 else None
+            tensor = weight.const_value if weight is not None else None
+            if weight is not None and tensor is not None and weight.dtype == ir.DataType.FLOAT and len(tensor.shape) == 2 and node.inputs[0] is not None:
+                targets.append(node)
+        ranges = self.calibrate(model) if targets else {}
+        activations: dict[int, ir.Value] = {}
+        for node in targets:
+            x = node.inputs[0]
+            assert x is not None
+            if id(x) not in activations:
+                activations[id(x)] = self._activation(graph, node, x, ranges)
+            node.replace_input_with(0, activations[id(x)])
+            self._weight(graph, node)
+        self.quantized = [n.name or "" for n in targets]
+        return ir.passes.PassResult(model, modified=bool(targets))
+
+    def _activation(self, graph: ir.Graph, node: ir.Node, x: ir.Value, ranges: dict[str, tuple[float, float]]) -> ir.Value:
+        if x.name not in ranges:
+            raise ExportError(f"{node.name}: no calibrated range for its input {x.name}")
+        lo, hi = ranges[x.name]
+        base = f"fp8/{x.name}"
+        scale = _const(graph, f"{base}.scale", lambda: _scale(np.array(max(abs(lo), abs(hi)))), _SCALE, ())
+        zero = _const(graph, f"{base}.zero_point", lambda: np.zeros((), dtype=ml_dtypes.float8_e4m3fn), _FP8, ())
+        q = ir.node("QuantizeLinear", [x, scale, zero], name=f"{node.name}/input/QuantizeLinear")
+        dq = ir.node("DequantizeLinear", [q.outputs[0], scale, zero], name=f"{node.name}/input/DequantizeLinear")
+        set_dtype(q.outputs[0], _FP8)
+        set_dtype(dq.outputs[0], _SCALE)
+        q.outputs[0].shape = dq.outputs[0].shape = x.shape
+        q.outputs[0].name, dq.outputs[0].name = f"{base}.q", f"{base}.dq"
+        graph.insert_before(node, [q, dq])
+        return dq.outputs[0]
+
+    def _weight(self, graph: ir.Graph, node: ir.Node) -> None:
+        weight = node.inputs[1]
+        assert weight is not None and weight.const_value is not None
+        tensor = weight.const_value
+        k, n = tensor.shape.numpy()
+        made: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+        def numbers() -> tuple[np.ndarray, np.ndarray]:
+            if "w" not in made:
+                made["w"] = fp8_weight(tensor.numpy())
+            return made["w"]
+
+        base = f"fp8/{module_of(node) or node.name}"
+        q = _const(graph, f"{base}.weight", lambda: numbers()[0], _FP8, (k, n))
+        scale = _const(graph, f"{base}.weight_scale", lambda: numbers()[1], _SCALE, (n,))
+        zero = _const(graph, f"{base}.weight_zero_point", lambda: np.zeros(n, dtype=ml_dtypes.float8_e4m3fn), _FP8, (n,))
+        dq = ir.node("DequantizeLinear", [q, scale, zero], {"axis": 1}, name=f"{node.name}/weight/DequantizeLinear")
+        set_dtype(dq.outputs[0], _SCALE)
+        dq.outputs[0].shape, dq.outputs[0].name = ir.Shape([k, n]), f"{base}.weight_dq"
+        graph.insert_before(node, dq)
+        node.replace_input_with(1, dq.outputs[0])
+        if not weight.uses() and not weight.is_graph_output() and weight.name is not None and weight.name in graph.initializers:
+            graph.initializers.pop(weight.name)
+
+
+def check_fp8(model: ir.Model) -> int:
+    """TensorRT's rules for fp8 Q/DQ, or an ``ExportError`` naming the node; the number of fp8
+    DQs checked."""
+    opset = model.opset_imports.get("", 0)
+    checked = 0
+    for node in model.graph:
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        zero = node.inputs[2] if len(node.inputs) > 2 else None
+        fp8 = (zero is not None and zero.dtype == _FP8) or (node.inputs[0] is not None and node.inputs[0].dtype == _FP8)
+        if not fp8:
+            continue
+        checked += node.op_type == "DequantizeLinear"
+        if opset < MIN_FP8_OPSET:
+            raise ExportError(f"{node.name}: fp8 Q/DQ needs opset {MIN_FP8_OPSET}, the graph has {opset}")
+        scale = node.inputs[1]
+        if scale is None or scale.const_value is None or zero is None or zero.const_value is None:
+            raise ExportError(f"{node.name}: fp8 Q/DQ needs a constant scale and a constant float8e4m3fn zero point")
+        values = scale.const_value.numpy().astype(np.float32)
+        if not (np.isfinite(values).all() and (values > 0).all()):
+            raise ExportError(f"{node.name}: scales must be finite and > 0, found min {values.min()}")
+        if zero.dtype != _FP8 or np.asarray(zero.const_value.numpy(), dtype=np.float32).any():
+            raise ExportError(f"{node.name}: the zero point must be float8e4m3fn zeros")
+        source = node.inputs[0]
+        weight = node.op_type == "DequantizeLinear" and source is not None and source.const_value is not None
+        if values.ndim == 1 and values.size > 1:
+            if not weight or source is None or source.const_value is None:
+                raise ExportError(f"{node.name}: activations must be quantized per tensor, found a scale of {values.size}")
+            shape = tuple(source.const_value.shape)
+            if len(shape) != 2 or node.attributes.get_int("axis", 1) not in (1, -1) or shape[1] != values.size:
+                raise ExportError(f"{node.name}: a per-channel fp8 weight scale must run along the output channels (axis 1 of [K, N])")
+        elif values.ndim > 1:
+            raise ExportError(f"{node.name}: scale must be a scalar or 1-D, found shape {values.shape}")
+    return checked

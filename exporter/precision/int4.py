@@ -1,0 +1,225 @@
+"""Pass: weight-only int4, the portable form (design.md section 5; tensorrt-notes "Low-bit ONNX"):
+
+    MatMul(x, DequantizeLinear(W_int4 [K, N], scale [K/B, N], axis=0, block_size=B))
+
+symmetric (no zero point), scales > 0 in the graph's float type (fp16 scales in an fp16 graph:
+the DQ output takes the scale's type), no QuantizeLinear on weights, whole blocks (``B`` divides
+``K``: a weight whose ``K`` the asked block does not divide gets the largest smaller power of two
+that does, at least 16; none: it stays float, and is reported), opset >= 21 (``block_size`` is
+unknown to DequantizeLinear before 21: onnx.checker rejects it). TensorRT 10+ builds it strongly
+typed; ONNX Runtime's CPU runs it, so parity runs here.
+
+The LM head stays float by default (rules as ``--int8-float``'s); only MatMuls with a constant
+2-D float weight are candidates (the attention-score MatMuls have none).
+
+``Int4Quantizer`` computes every weight's ``(q, scale)`` once per export, lazily (a weight's
+numbers are computed when a graph's writer or a check first reads them), and every graph of the
+set reads the same numbers; the ``--target ort`` graphs read them back from the portable graphs'
+weights file (``targets.ort.int4``), so both forms hold the same quantized weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import onnx_ir as ir
+from kiln.errors import ExportError
+from kiln.exporter.options import DEFAULT_INT4_METHOD, Int4Method
+from kiln.exporter.passes.bind import ModuleWeight
+from kiln.exporter.passes.ir_utils import set_dtype
+from kiln.exporter.precision.gptq import gptq
+from kiln.exporter.precision.int4_numbers import layer_block, pack_int4, rtn
+from kiln.exporter.precision.int8 import Int8Policy, int8_targets
+from kiln.exporter.precision.policy import module_of
+
+__all__ = [
+    "Int4Method",
+    "Int4Quantizer",
+    "QuantizeInt4",
+    "Int4Record",
+    "check_int4",
+    "raise_opset",
+    "DEFAULT_INT4_FLOAT",
+    "DEFAULT_INT4_METHOD",
+    "MIN_INT4_OPSET",
+]
+
+MIN_INT4_OPSET = 21
+DEFAULT_INT4_FLOAT: tuple[str, ...] = ("*.lm_head",)
+# ops whose meaning (not only their type lists) changed between opsets 19 and 21: a graph holding
+# one is not raised to 21 silently (research/lowbit/FINDINGS.md section 1; kiln's graphs hold none)
+_CHANGED_BY_21 = frozenset({"DFT", "GridSample", "GroupNormalization", "ReduceMax", "ReduceMin"})
+
+Hessians = Callable[[tuple[str, ...]], Mapping[str, np.ndarray]]  # weight names -> H [K, K]
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Record:
+    nodes: tuple[str, ...]  # the quantized MatMuls, in graph order
+    blocks: dict[str, int]  # each one's block size
+    float_nodes: dict[str, str]  # candidates left float, and why (no whole block divides K)
+
+
+def _weight_key(tensor: ir.TensorProtocol, name: str) -> str:
+    return tensor.key if isinstance(tensor, ModuleWeight) else f"{name}:{tuple(tensor.shape)}"
+
+
+class Int4Quantizer:
+    """Each weight's ``(packed q, scale)``, computed once for all graphs of an export.
+
+    ``hessians`` (GPTQ) is called once, with every weight GPTQ will need, the first time one is
+    quantized; the pass registers the weights of each graph before asking (``want``)."""
+
+    def __init__(self, method: Int4Method, block: int, hessians: Hessians | None = None) -> None:
+        if method is Int4Method.GPTQ and hessians is None:
+            raise ExportError("--int4-method gptq needs calibration data (--calib-data)")
+        self.method, self.block = method, block
+        self._hessians_of = hessians
+        self._hessians: Mapping[str, np.ndarray] | None = None
+        self._wanted: set[str] = set()
+        self._done: dict[tuple[str, int, ir.DataType], tuple[np.ndarray, np.ndarray]] = {}
+
+    def want(self, hessian_name: str) -> None:
+        self._wanted.add(hessian_name)
+
+    def numbers(self, tensor: ir.TensorProtocol, key: str, hessian_name: str, block: int, scale_dtype: ir.DataType) -> tuple[np.ndarray, np.ndarray]:
+        """(ONNX INT4 bytes of q [K, N], scale [K/B, N]) of ``tensor``."""
+        slot = (key, block, scale_dtype)
+        if slot not in self._done:
+            weight = np.asarray(tensor.numpy(), dtype=np.float32)
+            dtype = scale_dtype.numpy()
+            if self.method is Int4Method.GPTQ:
+                q, scale = gptq(weight, self._hessian(hessian_name), block, dtype)
+            else:
+                q, scale = rtn(weight, block, dtype)
+            self._done[slot] = (pack_int4(q), scale)
+        return self._done[slot]
+
+    def _hessian(self, name: str) -> np.ndarray:
+        if self._hessians is None or name not in self._hessians:
+            assert self._hessians_of is not None, "checked in __init__"
+            self._hessians = {**(self._hessians or {}), **self._hessians_of(tuple(sorted(self._wanted | {name})))}
+        return self._hessians[name]
+
+
+def raise_opset(model: ir.Model, opset: int) -> None:
+    """The default-domain opset of ``model`` raised to ``opset`` (IR version 10 for it), refused
+    when the graph holds an op whose semantics changed on the way."""
+    if model.opset_imports.get("", 0) >= opset:
+        return
+    changed = sorted({n.op_type for n in model.graph if n.domain == "" and n.op_type in _CHANGED_BY_21})
+    if changed:
+        raise ExportError(f"the graph holds {changed}, whose meaning changed by opset {opset}; export with --opset {opset} or later")
+    model.opset_imports[""] = opset
+    model.graph.opset_imports[""] = opset
+    model.ir_version = max(model.ir_version or 0, 10)
+
+
+def _lazy(name: str, dtype: ir.DataType, shape: tuple[int, ...], make: Callable[[], ir.TensorProtocol]) -> ir.Value:
+    tensor = ir.LazyTensor(make, dtype, ir.Shape(shape), name=name)
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape), const_value=tensor)
+
+
+class QuantizeInt4(ir.passes.InPlacePass):
+    """The constant weights of the MatMuls ``policy`` does not keep float -> int4 block DQ.
+    ``record`` says what it did; ``float_dtype`` is the graph's final float type (the scales')."""
+
+    def __init__(self, quantizer: Int4Quantizer, policy: Int8Policy, float_dtype: ir.DataType) -> None:
+        super().__init__()
+        self.quantizer, self.policy, self.float_dtype = quantizer, policy, float_dtype
+        self.record: Int4Record | None = None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        raise_opset(model, MIN_INT4_OPSET)
+        names = set(int8_targets(graph, self.policy))
+        plan: list[tuple[ir.Node, ir.Value, int]] = []
+        left: dict[str, str] = {}
+        for node in graph:
+            weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" and node.name in names and len(node.inputs) == 2 else None
+            tensor = weight.const_value if weight is not None else None
+            if weight is None or tensor is None or weight.dtype != ir.DataType.FLOAT or len(tensor.shape) != 2:
+                continue
+            block = layer_block(tensor.shape.numpy()[0], self.quantizer.block)
+            if block is None:
+                left[node.name or ""] = f"K={tensor.shape.numpy()[0]} has no whole block of at least 16"
+                continue
+            plan.append((node, weight, block))
+            self.quantizer.want(_hessian_name(tensor, weight))
+        for node, weight, block in plan:
+            self._quantize(graph, node, weight, block)
+        for _, weight, _ in plan:  # a float weight nothing else reads is not written
+            if not weight.uses() and not weight.is_graph_output() and weight.name is not None and weight.name in graph.initializers:
+                graph.initializers.pop(weight.name)
+        self.record = Int4Record(tuple(n.name or "" for n, _, _ in plan), {n.name or "": b for n, _, b in plan}, left)
+        return ir.passes.PassResult(model, modified=bool(plan))
+
+    def _quantize(self, graph: ir.Graph, node: ir.Node, weight: ir.Value, block: int) -> None:
+        tensor = weight.const_value
+        assert tensor is not None
+        k, n = tensor.shape.numpy()
+        key, hessian = _weight_key(tensor, weight.name or ""), _hessian_name(tensor, weight)
+        quantizer, dtype = self.quantizer, self.float_dtype
+
+        def numbers() -> tuple[np.ndarray, np.ndarray]:
+            return quantizer.numbers(tensor, key, hessian, block, dtype)
+
+        base = f"int4/{module_of(node) or node.name}"
+        q = _lazy(f"{base}.weight", ir.DataType.INT4, (k, n), lambda: ir.PackedTensor(numbers()[0], ir.DataType.INT4, shape=ir.Shape([k, n])))
+        scale = _lazy(f"{base}.scale", dtype, (k // block, n), lambda: ir.tensor(numbers()[1]))
+        for value in (q, scale):
+            graph.register_initializer(value)
+        dq = ir.node("DequantizeLinear", [q, scale], {"axis": 0, "block_size": block}, name=f"{node.name}/weight/DequantizeLinear")
+        set_dtype(dq.outputs[0], dtype)
+        dq.outputs[0].shape = ir.Shape([k, n])
+        dq.outputs[0].name = f"{base}.weight_dq"
+        graph.insert_before(node, dq)
+        node.replace_input_with(1, dq.outputs[0])
+
+
+def _hessian_name(tensor: ir.TensorProtocol, weight: ir.Value) -> str:
+    """The module tensor a weight is (what GPTQ's Hessian is collected for)."""
+    return tensor.module_name if isinstance(tensor, ModuleWeight) else weight.name or ""
+
+
+def check_int4(model: ir.Model) -> int:
+    """TensorRT's rules for int4 block dequantization (and ONNX's), or an ``ExportError`` naming
+    the node; returns how many int4 DQs it checked. Reads the scales (small), never the weights."""
+    opset = model.opset_imports.get("", 0)
+    checked = 0
+    for node in model.graph:
+        if node.op_type == "QuantizeLinear" and node.inputs[0] is not None and node.inputs[0].const_value is not None:
+            raise ExportError(f"{node.name}: a QuantizeLinear on a constant weight; int4 weights are stored quantized (DequantizeLinear only)")
+        if node.op_type != "DequantizeLinear" or node.inputs[0] is None or node.inputs[0].dtype not in (ir.DataType.INT4, ir.DataType.UINT4):
+            continue
+        checked += 1
+        if opset < MIN_INT4_OPSET:
+            raise ExportError(f"{node.name}: int4 block DequantizeLinear needs opset {MIN_INT4_OPSET}, the graph has {opset}")
+        weight, scale = node.inputs[0], node.inputs[1]
+        zero = node.inputs[2] if len(node.inputs) > 2 else None
+        if weight.dtype != ir.DataType.INT4 or weight.const_value is None or len(weight.const_value.shape) != 2:
+            raise ExportError(f"{node.name}: the weight must be a constant signed INT4 [K, N] (TensorRT: symmetric only)")
+        if scale is None or scale.const_value is None:
+            raise ExportError(f"{node.name}: the scale is not a constant")
+        k, n = weight.const_value.shape.numpy()
+        block = node.attributes.get_int("block_size", 0)
+        axis = node.attributes.get_int("axis", 1)
+        values = scale.const_value.numpy().astype(np.float32)
+        if axis != 0 or block <= 0 or k % block or tuple(values.shape) != (k // block, n):
+            raise ExportError(
+                f"{node.name}: expected axis 0, a block_size dividing K={k} and scale [K/B, N]; found axis {axis}, block_size {block}, scale {tuple(values.shape)}"
+            )
+        if not (np.isfinite(values).all() and (values > 0).all()):
+            raise ExportError(f"{node.name}: scales must be finite and > 0, found min {values.min()}")
+        if zero is not None and (zero.const_value is None or zero.const_value.numpy().astype(np.int8).any()):
+            raise ExportError(f"{node.name}: the zero point must be absent or a constant of zeros (TensorRT: symmetric only)")
+        uses = list(node.outputs[0].uses())
+        if not uses or any(u.node.op_type != "MatMul" or u.idx != 1 for u in uses):
+            raise ExportError(f"{node.name}: an int4 weight must feed MatMul input B only")
+        for use in uses:
+            other = use.node.inputs[0]
+            if other is not None and other.dtype is not None and other.dtype != scale.dtype:
+                raise ExportError(f"{node.name}: scale type {scale.dtype} differs from the MatMul's activation type {other.dtype} (the DQ outputs the scale's type)")
+    return checked

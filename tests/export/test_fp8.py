@@ -1,0 +1,85 @@
+"""--fp8: E4M3 Q/DQ before MatMul inputs (weights per channel, activations per tensor), the rest fp16."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from kiln_testing import tiny_config, write_checkpoint
+
+from kiln.errors import ExportError
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.pipeline import export
+from kiln.exporter.precision.fp8 import check_fp8, fp8_weight
+
+
+@pytest.fixture(scope="module")
+def fp8_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fp8")
+    ckpt = write_checkpoint(root / "ckpt", tiny_config())
+    rng = np.random.default_rng(0)
+    np.save(root / "calib.npy", (np.cumsum(rng.integers(1, 4, size=4000)) % 101).astype(np.int64))
+    options = ExportOptions(precision=Precision.FP8, calib_data=str(root / "calib.npy"), calib_samples=8, calib_cache=root / "cache", parity_tokens=16)
+    export(ckpt, root / "out", options)
+    return root / "out"
+
+
+def test_qdq_structure_checker_and_rules(fp8_export: Path) -> None:
+    for kind in ("prefill", "decode", "model"):
+        path = fp8_export / "onnx" / f"{kind}.onnx"
+        onnx.checker.check_model(path, full_check=True)
+        assert check_fp8(ir.load(path)) == 14 + 8  # 14 weight DQs, 8 activation pairs (q/k/v share one, gate/fc1 one)
+        model = onnx.load(path)
+        assert model.opset_import[0].version == 19
+        types = {i.name: i.data_type for i in model.graph.initializer}
+        inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer if i.data_type != onnx.TensorProto.FLOAT8E4M3FN}
+        producers = {o: n for n in model.graph.node for o in n.output}
+        nodes = {n.name: n for n in model.graph.node}
+        act, weight = (producers[i] for i in nodes["/layers.0.attn.k_proj/MatMul"].input)
+        assert act.op_type == weight.op_type == "DequantizeLinear"
+        assert types[weight.input[0]] == onnx.TensorProto.FLOAT8E4M3FN and inits[weight.input[1]].shape == (16,)
+        assert inits[weight.input[1]].dtype == np.float16 and {a.name: a.i for a in weight.attribute} == {"axis": 1}
+        assert producers[act.input[0]].op_type == "QuantizeLinear" and inits[act.input[1]].shape == ()
+        assert types[act.input[2]] == onnx.TensorProto.FLOAT8E4M3FN
+        assert producers[nodes["/layers.0.attn.q_proj/MatMul"].input[0]] is act  # one pair for the tensor q/k/v read
+        for name in ("/lm_head/MatMul", "/layers.0.attn/MatMul", "/layers.0.attn/MatMul_1"):
+            assert all(producers.get(i) is None or producers[i].op_type != "DequantizeLinear" for i in nodes[name].input), name
+
+
+def test_manifest_and_parity(fp8_export: Path) -> None:
+    from importlib import resources
+
+    from jsonschema import Draft202012Validator
+
+    manifest = json.loads((fp8_export / "manifest.json").read_text())
+    assert manifest["precision"] == "fp8" and manifest["kv_cache"]["dtype"] == "float16"
+    assert manifest["export"]["quantization"]["method"] == "max" and manifest["export"]["calibration"]["settings"]["method"] == "max"
+    assert "/layers.1.mlp.fc2/MatMul" in manifest["graphs"]["decode"]["fp8_nodes"]
+    schema = json.loads((resources.files("kiln.exporter.artifacts") / "manifest.schema.json").read_text())
+    Draft202012Validator(schema).validate(manifest)
+    report = json.loads((fp8_export / "reports" / "parity.json").read_text())
+    assert report["passed"] and report["precision"] == "fp8"
+    assert all(g["token_match_rate"] >= 0.9 for g in report["generation"])
+
+
+def test_weights_round_to_e4m3_without_nan() -> None:
+    w = np.array([[1000.0, -3.0], [0.5, 2.0]], dtype=np.float32)
+    q, scale = fp8_weight(w)
+    assert scale.dtype == np.float16 and np.all(np.isfinite(q.astype(np.float32)))
+    assert q.astype(np.float32)[0, 0] == 448.0  # the column's amax maps to E4M3's largest value
+    assert np.allclose(q.astype(np.float32) * scale.astype(np.float32), w, rtol=0.07)
+
+
+def test_rule_check_names_what_is_wrong(fp8_export: Path) -> None:
+    model = ir.load(fp8_export / "onnx" / "decode.onnx")
+    dq = next(n for n in model.graph if n.op_type == "DequantizeLinear" and n.inputs[0] is not None and n.inputs[0].const_value is not None)
+    dq.inputs[1].const_value = ir.tensor(-np.ones(16, np.float16))  # type: ignore[union-attr]
+    with pytest.raises(ExportError, match="scales must be finite and > 0"):
+        check_fp8(model)
+    model.opset_imports[""] = 18
+    with pytest.raises(ExportError, match="fp8 Q/DQ needs opset 19, the graph has 18"):
+        check_fp8(model)

@@ -1,0 +1,225 @@
+"""--int4: weight-only int4, quantized once and written twice (portable block DQ, ORT MatMulNBits)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from click.testing import CliRunner
+from kiln_testing import tiny_config, write_checkpoint
+
+from kiln.cli import main
+from kiln.errors import ConfigError, ExportError
+from kiln.exporter.check import check_dir
+from kiln.exporter.options import ExportOptions, Int4Method, Precision, Target
+from kiln.exporter.pipeline import export
+from kiln.exporter.precision.int4 import check_int4
+from kiln.exporter.precision.int4_numbers import unpack_int4
+from kiln.exporter.runners.ort_runner import ort_session
+
+KINDS = ("prefill", "decode", "model")
+
+
+def _ids(path: Path, n: int = 6000, vocab: int = 101, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    np.save(path, (np.cumsum(rng.integers(1, 4, size=n)) % vocab).astype(np.int64))
+    return path
+
+
+@pytest.fixture(scope="module")
+def int4_ort(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("int4")
+    ckpt = write_checkpoint(root / "ckpt", tiny_config())
+    export(ckpt, root / "out", ExportOptions(precision=Precision.INT4, int4_method=Int4Method.RTN, target=Target.ORT, parity_tokens=16))
+    return root / "out"
+
+
+def _inits(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+
+
+def test_portable_form_passes_checker_and_rules(int4_ort: Path) -> None:
+    for kind in KINDS:
+        path = int4_ort / "onnx" / f"{kind}.onnx"
+        onnx.checker.check_model(path, full_check=True)
+        assert check_int4(ir.load(path)) == 14  # q/k/v/o, gate, fc1, fc2 in 2 layers
+        model = onnx.load(path)
+        assert model.opset_import[0].version == 21 and model.ir_version >= 10
+        producers = {o: n for n in model.graph.node for o in n.output}
+        nodes = {n.name: n for n in model.graph.node}
+        dq = producers[nodes["/layers.0.mlp.fc2/MatMul"].input[1]]
+        inits = _inits(model)
+        weight, scale = inits[dq.input[0]], inits[dq.input[1]]
+        assert len(dq.input) == 2  # no zero point
+        assert {a.name: a.i for a in dq.attribute} == {"axis": 0, "block_size": 64}  # K=64: the 128 asked does not divide it
+        assert weight.shape == (64, 32) and scale.shape == (1, 32) and scale.dtype == np.float32
+        assert next(i for i in model.graph.initializer if i.name == dq.input[0]).data_type == onnx.TensorProto.INT4
+        head = nodes["/lm_head/MatMul"]
+        assert all(producers.get(i) is None or producers[i].op_type != "DequantizeLinear" for i in head.input)
+        assert not any(n.op_type == "QuantizeLinear" for n in model.graph.node)
+
+
+def test_ort_form_holds_the_portable_numbers(int4_ort: Path) -> None:
+    """MatMulNBits' B is q + 8 of exactly the portable graph's int4 weights (packed q/k/v side by side)."""
+    portable = onnx.load(int4_ort / "onnx" / "decode.onnx")
+    ort = onnx.load(int4_ort / "onnx" / "decode.ort.onnx")
+    # (no onnx.checker here: every --target ort graph holds ONNX Runtime's SimplifiedLayerNormalization,
+    # which ONNX Runtime registers in the default domain and onnx does not know)
+    producers = {o: n for n in portable.graph.node for o in n.output}
+    p_nodes = {n.name: n for n in portable.graph.node}
+    p_inits, o_inits = _inits(portable), _inits(ort)
+    nbits = {n.name: n for n in ort.graph.node if n.op_type == "MatMulNBits"}
+    assert not any(n.op_type == "DequantizeLinear" for n in ort.graph.node)
+    assert len(nbits) == 8  # per layer: packed q/k/v, o, packed gate/fc1, fc2
+
+    def portable_q(name: str) -> tuple[np.ndarray, np.ndarray]:
+        dq = producers[p_nodes[name].input[1]]
+        return p_inits[dq.input[0]].astype(np.int8), p_inits[dq.input[1]]
+
+    node = nbits["/layers.1.attn.qkv_proj/ort/packed/MatMulNBits"]
+    attrs = {a.name: a.i for a in node.attribute}
+    assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"], attrs["K"], attrs["N"]) == (4, 32, 4, 32, 64)
+    parts = [portable_q(f"/layers.1.attn.{p}_proj/MatMul") for p in "qkv"]
+    q = np.concatenate([p[0] for p in parts], axis=1)
+    scale = np.concatenate([p[1] for p in parts], axis=1)
+    packed = o_inits[node.input[1]]  # [N, K/B, B/2]
+    u = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(attrs["N"], -1).T.astype(np.int16)
+    assert np.array_equal(u - 8, q)
+    assert np.array_equal(o_inits[node.input[2]].reshape(attrs["N"], -1).T, scale)
+    assert len(node.input) < 4 or not node.input[3]  # no zero points: the default 8
+
+
+def test_manifest_parity_and_check(int4_ort: Path) -> None:
+    manifest = json.loads((int4_ort / "manifest.json").read_text())
+    assert manifest["precision"] == "int4" and manifest["export"]["opset"] == 21
+    quant = manifest["export"]["quantization"]
+    assert (quant["method"], quant["block_size"], quant["calibration"]) == ("rtn", 128, None)
+    assert quant["layer_block_sizes"]["/layers.0.mlp.fc2/MatMul"] == 64 and quant["kept_float"]["rules"] == ["*.lm_head"]
+    assert "/lm_head/MatMul" not in manifest["graphs"]["decode"]["int4_nodes"]
+    ort = manifest["targets"]["ort"]
+    assert ort["precision"] == "int4" and ort["int4"] == {"op": "MatMulNBits", "bits": 4, "block_size": 128, "accuracy_level": 4}
+    assert "/layers.0.attn.o_proj/MatMul" in ort["graphs"]["decode"]["int4_nodes"]
+    report = json.loads((int4_ort / "reports" / "parity.json").read_text())
+    assert report["passed"] and report["tolerance"]["min_token_match"] == 0.7
+    assert {g["target"] for g in report["generation"]} == {None, "ort"}
+    assert check_dir(int4_ort).passed
+
+
+def test_manifest_matches_the_schema(int4_ort: Path) -> None:
+    from importlib import resources
+
+    from jsonschema import Draft202012Validator
+
+    schema = json.loads((resources.files("kiln.exporter.artifacts") / "manifest.schema.json").read_text())
+    manifest = json.loads((int4_ort / "manifest.json").read_text())
+    Draft202012Validator(schema).validate(manifest)
+    broken = {**manifest, "export": {k: v for k, v in manifest["export"].items() if k != "quantization"}}
+    assert list(Draft202012Validator(schema).iter_errors(broken))  # int4 without its quantization record
+
+
+def test_gptq_with_fp16(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
+    options = ExportOptions(precision=Precision.INT4_FP16, calib_data=str(_ids(tmp_path / "calib.npy")), calib_samples=16, int4_block=32, parity_tokens=8)
+    result = export(ckpt, tmp_path / "out", options)
+    assert result.parity.passed and result.manifest.precision == "int4+fp16"
+    quant = result.manifest.export.quantization
+    assert quant is not None and quant["method"] == "gptq" and quant["calibration"]["windows"] == 16
+    path = tmp_path / "out" / "onnx" / "decode.onnx"
+    onnx.checker.check_model(path, full_check=True)
+    model = onnx.load(path)
+    assert check_int4(ir.load(path)) == 14
+    inits = {i.name: i for i in model.graph.initializer}
+    scales = [inits[n.input[1]] for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(scales) == 14 and all(i.data_type == onnx.TensorProto.FLOAT16 for i in scales)  # the DQ outputs fp16
+
+
+def _block_dq_graph(k: int = 64, n: int = 8, block: int = 16) -> tuple[bytes, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    q = rng.integers(-8, 8, size=(k, n)).astype(np.int8)
+    scale = rng.uniform(0.01, 0.1, size=(k // block, n)).astype(np.float32)
+    x = ir.val("x", ir.DataType.FLOAT, ir.Shape([4, k]))
+    w = ir.val("w", const_value=ir.Tensor(q, dtype=ir.DataType.INT4, name="w"))
+    s = ir.val("s", const_value=ir.tensor(scale, name="s"))
+    dq = ir.node("DequantizeLinear", [w, s], {"axis": 0, "block_size": block})
+    mm = ir.node("MatMul", [x, dq.outputs[0]])
+    mm.outputs[0].name, mm.outputs[0].dtype, mm.outputs[0].shape = "y", ir.DataType.FLOAT, ir.Shape([4, n])
+    graph = ir.Graph([x], [mm.outputs[0]], nodes=[dq, mm], initializers=[w, s], opset_imports={"": 21})
+    return ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString(), q, scale
+
+
+def test_parity_sessions_compute_weight_only() -> None:
+    """ONNX Runtime fuses DQ+MatMul into MatMulNBits with int8 activations by default; the parity
+    session keeps the weight-only product (what TensorRT computes)."""
+    model, q, scale = _block_dq_graph()
+    x = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    exact = x.astype(np.float64) @ (q * np.repeat(scale, 16, axis=0)).astype(np.float64)
+    fused = ort_session(model).run(None, {"x": x})[0]
+    checked = ort_session(model, weight_only_dq=True).run(None, {"x": x})[0]
+    assert np.abs(checked - exact).max() / np.abs(exact).max() < 1e-5
+    assert np.abs(fused - exact).max() / np.abs(exact).max() > 1e-4  # the trap this guards against
+
+
+def _rule_error(edit: str) -> str:
+    data, _, _ = _block_dq_graph()
+    model = ir.serde.deserialize_model(onnx.load_from_string(data))
+    dq = next(n for n in model.graph if n.op_type == "DequantizeLinear")
+    if edit == "opset":
+        model.opset_imports[""] = 19
+    elif edit == "scale":
+        dq.inputs[1].const_value = ir.tensor(-np.ones((4, 8), np.float32))  # type: ignore[union-attr]
+    elif edit == "block":
+        dq.attributes["block_size"] = ir.AttrInt64("block_size", 24)
+    elif edit == "zero":
+        zero = ir.val("z", const_value=ir.Tensor(np.ones((4, 8), np.int8), dtype=ir.DataType.INT4, name="z"))
+        model.graph.register_initializer(zero)
+        dq.replace_input_with(2, zero) if len(dq.inputs) > 2 else dq.resize_inputs(3)
+        dq.replace_input_with(2, zero)
+    with pytest.raises(ExportError) as err:
+        check_int4(model)
+    return str(err.value)
+
+
+def test_rule_check_names_what_is_wrong() -> None:
+    assert "needs opset 21, the graph has 19" in _rule_error("opset")
+    assert "scales must be finite and > 0" in _rule_error("scale")
+    assert "expected axis 0, a block_size dividing K=64 and scale [K/B, N]; found axis 0, block_size 24, scale (4, 8)" in _rule_error("block")
+    assert "the zero point must be absent or a constant of zeros" in _rule_error("zero")
+
+
+def _error(*args: str) -> str:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: config: "), line
+    return line.removeprefix("error: config: ")
+
+
+def test_bad_combinations_are_one_line(tiny_ckpt: Path, tmp_path: Path) -> None:
+    base = ["export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out")]
+    assert _error(*base, "--int4") == (
+        "--int4-method gptq (the default) needs --calib-data: a text file, .jsonl (field 'text') or .npy/.npz token ids; or pass --int4-method rtn"
+    )
+    assert _error(*base, "--int4", "--int8", "--calib-data", "synthetic") == "--int8 and --int4 are different precisions of the same MatMuls; choose one"
+    assert _error(*base, "--int4-method", "rtn") == "--int4-method and --int4-block only apply to --int4 exports"
+    assert _error(*base, "--int4", "--int4-method", "rtn", "--calib-data", "synthetic") == (
+        "--calib-data only applies to --int8, --fp8 and --int4 (method gptq) exports"
+    )
+    assert "--target ort rewrites fp32 graphs" in _error(*base, "--int4", "--fp16", "--int4-method", "rtn", "--target", "ort")
+    assert "choose one" in _error(*base, "--int4", "--int4-method", "rtn", "--target", "ort", "--ort-int8")
+    assert _error(*base, "--int4-float", "*.fc2") == "--int4-float and --int4-all-matmuls only apply to --int4 exports"
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="--int4-block must be one of 16, 32, 64, 128, 256, found 100"):
+        ExportOptions(precision=Precision.INT4, int4_method=Int4Method.RTN, int4_block=100)
+
+
+def test_numbers_round_trip() -> None:
+    q = np.random.default_rng(0).integers(-8, 8, size=(6, 5)).astype(np.int8)
+    from kiln.exporter.precision.int4_numbers import pack_int4
+
+    assert np.array_equal(unpack_int4(pack_int4(q), q.shape), q)
+    assert pack_int4(np.array([-8, 7], np.int8)).tobytes() == b"\x78"  # element 0 in the low nibble
