@@ -68,7 +68,9 @@ class DecoderSpec:
     n_kv_heads: int
     head_dim: int
     vocab_size: int
-    max_context: int  # longest context the model supports (positions 0 .. max_context - 1)
+    # longest context the model supports (positions 0 .. max_context - 1); None: no limit of its
+    # own (ALiBi extrapolates), the export must say (--max-context)
+    max_context: int | None
     ple_positions: int | None = None  # rows of the PLE tables, when the model has PLE
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -76,6 +78,7 @@ class DecoderSpec:
     encoder_dim: int | None = None  # width of encoder_hidden_states; set when the decoder has cross-attention
     dtype: str = "float32"  # the checkpoint's floating-point dtype, as the module holds it (float32, bfloat16, float16)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the family's own config, for the manifest
+    max_context_why: str | None = None  # why max_context is what it is, when it is not the config's own limit (errors say it)
 
 
 @dataclasses.dataclass(frozen=True)
