@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -110,6 +110,9 @@ class LoadedModel:
     # the checkpoint's own files that its usual consumers want beside the graphs (Hugging Face's
     # config.json and generation_config.json, for Optimum), copied into the export's onnx/
     serving_files: tuple[Path, ...] = ()
+    # ONNX translations of custom ops the family's code calls (torch.onnx.export's
+    # custom_translation_table: op overload -> onnxscript function), e.g. transformers' expert kernel
+    translations: Mapping[Any, Callable[..., Any]] = dataclasses.field(default_factory=dict)
 
 
 @runtime_checkable

@@ -23,6 +23,7 @@ from kiln.plugins.base import LayerPlan, LoadedModel, non_finite
 from kiln.plugins.hf.archs import ARCHS
 from kiln.plugins.hf.config import read_spec, refuse
 from kiln.plugins.hf.decoder import HFDecoder
+from kiln.plugins.hf.moe import translations
 from kiln.plugins.hf.tiny import TINY
 from torch import nn
 
@@ -103,7 +104,9 @@ def _loaded(
     model: nn.Module, arch: str, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = (), serving: tuple[Path, ...] = ()
 ) -> LoadedModel:
     spec = dataclasses.replace(read_spec(model.config, arch, HFFamily.name), dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
-    return LoadedModel(HFDecoder(model).eval(), spec, source, tokenizer, files, layers=_layer_plan(model, arch), serving_files=serving)
+    return LoadedModel(
+        HFDecoder(model).eval(), spec, source, tokenizer, files, layers=_layer_plan(model, arch), serving_files=serving, translations=translations()
+    )
 
 
 def _scalars(layer: nn.Module) -> tuple[tuple[str, str, object], ...]:

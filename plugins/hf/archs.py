@@ -38,6 +38,9 @@ class Arch:
     kv_heads: Callable[[Any], int] | None = None  # the cache's heads where the standard rule is wrong
     refusals: tuple[Refusal, ...] = ()
     notes: str = ""  # what the tests prove beyond the plain architecture (README)
+    # --target ort: "GQA" when every layer's attention becomes GroupQueryAttention (tested), else
+    # what the rewrite does not recognise (those layers keep the portable attention, still exact)
+    ort: str = "GQA"
 
 
 def _falcon_kv_heads(cfg: Any) -> int:
@@ -79,6 +82,7 @@ ARCHS: Mapping[str, Arch] = {
         "GPT-2",
         refusals=(Refusal("add_cross_attention", _truthy, "GPT-2 with cross-attention needs encoder states kiln's Hugging Face decoders do not take"),),
         notes="inverse-layer-index scaling, upcast attention",
+        ort="GQA; portable attention with reorder_and_upcast_attn",
     ),
     "GPTJForCausalLM": Arch("GPT-J", notes="interleaved partial rotary"),
     "OPTForCausalLM": Arch("OPT", notes="post-LayerNorm, word_embed_proj_dim"),
@@ -89,6 +93,14 @@ ARCHS: Mapping[str, Arch] = {
         kv_heads=_falcon_kv_heads,
         refusals=(Refusal("alibi", _truthy, "Falcon's ALiBi computes its biases in bfloat16, which ONNX Runtime's CPU cannot run for parity"),),
         notes="7B (multi-query) and 40B (new decoder architecture) layouts",
+        ort="GQA (7B layout); portable attention (40B layout)",
     ),
-    "BloomForCausalLM": Arch("Bloom", context=None, notes="ALiBi: no context limit of its own, --max-context is required"),
+    "BloomForCausalLM": Arch(
+        "Bloom", context=None, notes="ALiBi: no context limit of its own, --max-context is required", ort="portable attention (ALiBi)"
+    ),
+    "MixtralForCausalLM": Arch("Mixtral", notes="mixture of experts (top-k routing, renormalised), sliding window"),
+    "Qwen3MoeForCausalLM": Arch("Qwen3-MoE", notes="mixture of experts, dense layers (mlp_only_layers), q/k norm"),
+    "GptOssForCausalLM": Arch(
+        "gpt-oss", notes="mixture of experts (clamped SwiGLU, biases), attention sinks, alternating sliding layers, yarn", ort="portable attention (attention sinks)"
+    ),
 }

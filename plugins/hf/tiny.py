@@ -97,4 +97,15 @@ TINY: Mapping[str, TinyCase] = {
         lambda t: t.FalconConfig(**_IDS, vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, num_kv_heads=2, max_position_embeddings=CTX, new_decoder_architecture=True),
     ),
     "bloom": ("BloomForCausalLM", lambda t: t.BloomConfig(**_IDS, vocab_size=V, hidden_size=H, n_layer=L, n_head=NH, seq_length=CTX)),
+    "mixtral-window": _c("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2, sliding_window=4),
+    "qwen3-moe": _c("Qwen3MoeForCausalLM", "Qwen3MoeConfig", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0]),
+    "gpt-oss-window": _c(
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        rope_parameters=_rope(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=16),
+    ),
 }

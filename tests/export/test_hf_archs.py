@@ -4,9 +4,9 @@ on): the checkpoint is saved by transformers, exported by ``kiln export`` with `
 (its parity check covers the portable and the ONNX Runtime graphs), and both graph sets' greedy
 tokens must equal transformers' own ``generate()`` with its own cache, for batch 1 and a
 left-padded batch. The first case of each architecture is also exported ``--fp16`` (which must
-pass its own parity) and re-checked by ``kiln check``. ``FUSED`` is what ``--target ort`` fuses
-(the README's table says the same); a test fails when a listed architecture has no case, or a
-case's fusion differs from what is listed."""
+pass its own parity) and re-checked by ``kiln check``. Which layers ``--target ort`` fuses is
+asserted against ``ARCHS[arch].ort`` (what the README and ``kiln plugins`` say); a test fails
+when a listed architecture has no case."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ from kiln.plugins.hf.archs import ARCHS
 from kiln.plugins.hf.tiny import TINY
 
 STEPS = 24
+# the cases whose attention --target ort leaves portable (ARCHS[arch].ort says so), and why
+PORTABLE_ATTENTION = {"gpt2-upcast": "reorder_and_upcast_attn", "falcon-40b": "40B layout", "bloom": "ALiBi", "gpt-oss-window": "attention sinks"}
 FIRST = {arch: next(case for case, (a, _) in TINY.items() if a == arch) for arch in ARCHS if any(a == arch for a, _ in TINY.values())}
 
 
@@ -60,6 +62,11 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     assert result.parity.passed, result.parity.failures()
     arch = TINY[case][0]
     assert result.manifest.config["architecture"] == arch
+    assert result.report.ort is not None
+    fused = {kind: list(entry.fused_attention_layers) for kind, entry in result.report.ort.graphs.items() if kind is not GraphKind.UNIFIED}
+    expected = [] if case in PORTABLE_ATTENTION else [0, 1]
+    assert fused == {GraphKind.PREFILL: expected, GraphKind.DECODE: expected}, fused
+    assert PORTABLE_ATTENTION.get(case, "GQA") in ARCHS[arch].ort, ARCHS[arch].ort  # what the README and kiln plugins say
     spec = load_model(ckpt).spec
     steps = min(STEPS, result.report.max_context - 9)
     onnx_dir = tmp_path / "out" / "onnx"

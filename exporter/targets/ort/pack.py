@@ -17,7 +17,7 @@ import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant, copy_type, set_dtype
 from kiln.exporter.precision.policy import module_of
 
-__all__ = ["pack_shared_input_matmuls", "pack_matmuls", "packable"]
+__all__ = ["pack_matmuls", "pack_shared_input_matmuls", "packable"]
 
 
 def _weight(node: ir.Node) -> np.ndarray | None:

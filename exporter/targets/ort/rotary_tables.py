@@ -1,6 +1,7 @@
 """Rotary cos/sin caches taken from the traced graph itself.
 
-``RotaryEmbedding`` wants ``cos_cache``/``sin_cache`` [max_positions, head_dim/2]. Rather than
+``RotaryEmbedding`` wants ``cos_cache``/``sin_cache`` [max_positions, rotary_dim/2] (rotary_dim:
+head_dim, or the rotated part of a head with partial rotary). Rather than
 re-deriving them from each family's formula (theta, scaling variants, dtype rounding), the
 graph's own cos/sin subgraph is cut out and run on ``position_ids = 0 .. max_positions-1``: the
 tables are then whatever the model computes, by construction. The cut is refused (None) when
@@ -41,14 +42,15 @@ def graph_tables(model: ir.Model, base_dir: Path, max_positions: int, head_dim: 
 
         def run(count: int) -> list[np.ndarray] | None:
             arrays = session.run(None, {"position_ids": np.arange(count, dtype=np.int64)[None, :]})
-            if any(a.size != count * head_dim for a in arrays):
+            width = arrays[0].size // count  # the rotated channels (head_dim, or fewer: partial rotary)
+            if any(a.size != count * width for a in arrays) or width > head_dim or width % 2:
                 return None
-            return [a.astype(np.float32).reshape(count, head_dim) for a in arrays]
+            return [a.astype(np.float32).reshape(count, width) for a in arrays]
 
         full, prefix = run(max_positions), run(min(_PREFIX, max_positions))
         if full is None or prefix is None or any(not np.array_equal(f[: len(p)], p) for f, p in zip(full, prefix, strict=True)):
             return None  # a row that depends on the call's other positions
-        half = head_dim // 2
+        half = full[0].shape[1] // 2
         if any(not np.array_equal(t[:, :half], t[:, half:]) for t in full):
             return None  # not the "rotate half" layout RotaryEmbedding(interleaved=0) computes
         return np.ascontiguousarray(full[0][:, :half]), np.ascontiguousarray(full[1][:, :half])
