@@ -50,7 +50,7 @@ def _transformers() -> Any:
 
 class HFFamily:
     name = "hf"
-    description = "Hugging Face causal LMs from a local directory: " + ", ".join(sorted(SUPPORTED))
+    description = f"Hugging Face causal LMs from a local directory ({len(ARCHS)} architectures, each proved against transformers' generate())"
 
     def claims(self, config: dict[str, Any]) -> bool:
         return "architectures" in config or "model_type" in config
@@ -84,14 +84,19 @@ class HFFamily:
     def tiny(self, seed: int) -> LoadedModel:
         return tiny_model("LlamaForCausalLM", seed)
 
+    def table(self) -> list[list[str]]:
+        """What ``kiln plugins`` prints: every architecture with what its tests prove."""
+        rows = [[a.label, name, "fp32, fp16", a.ort, a.notes] for name, a in ARCHS.items()]
+        return [["architecture", "class", "precisions", "--target ort", "notes"], *rows]
 
-def tiny_model(case: str, seed: int) -> LoadedModel:
-    """A tiny randomly initialised model of ``TINY[case]`` (for tests; no download); an
-    architecture's name is its first case."""
+
+def tiny_model(case: str, seed: int, **overrides: Any) -> LoadedModel:
+    """A tiny randomly initialised model of ``TINY[case]`` (for tests; no download), its config
+    changed by ``overrides`` (``num_hidden_layers=4``); an architecture's name is its first case."""
     transformers = _transformers()
     torch.manual_seed(seed)
     arch, make = TINY[case] if case in TINY else next(c for c in TINY.values() if c[0] == case)
-    config = make(transformers)
+    config = make(transformers, **overrides)
     config.architectures = [arch]
     refuse(config, arch)
     # eager attention, as load() uses: with SDPA, fully masked (left-padding) query rows differ

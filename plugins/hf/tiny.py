@@ -24,11 +24,23 @@ _LONGROPE = _rope(
     rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(_HALF)], long_factor=[1.5 + 0.5 * i for i in range(_HALF)], original_max_position_embeddings=16
 )
 
-TinyCase = tuple[str, Callable[[Any], Any]]  # (architecture, transformers module -> config)
+TinyCase = tuple[str, Callable[..., Any]]  # (architecture, (transformers module, **overrides) -> config)
+
+
+def _cfg(config: str, **kw: Any) -> Callable[..., Any]:
+    """``(transformers, **overrides) -> config`` for a config of its own field names (the
+    overrides by standard name, ``num_hidden_layers``, win)."""
+
+    def make(t: Any, **o: Any) -> Any:
+        cls = getattr(t, config)
+        own = {cls.attribute_map.get(k, k): v for k, v in o.items()}  # GPT-2's n_layer for num_hidden_layers
+        return cls(**{**_IDS, **kw, **own})
+
+    return make
 
 
 def _c(arch: str, config: str, base: Mapping[str, Any] = _LLAMA_LIKE, **kw: Any) -> TinyCase:
-    return arch, lambda t: getattr(t, config)(**{**base, **kw})
+    return arch, lambda t, **o: getattr(t, config)(**{**base, **kw, **o})
 
 
 TINY: Mapping[str, TinyCase] = {
@@ -71,16 +83,16 @@ TINY: Mapping[str, TinyCase] = {
     "stablelm": _c("StableLmForCausalLM", "StableLmConfig", qk_layernorm=True, use_parallel_residual=True, use_qkv_bias=True),
     "starcoder2-window": _c("Starcoder2ForCausalLM", "Starcoder2Config", sliding_window=4),
     "cohere": _c("CohereForCausalLM", "CohereConfig", use_qk_norm=True, logit_scale=0.25),
-    "gpt2": ("GPT2LMHeadModel", lambda t: t.GPT2Config(**_IDS, vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=CTX)),
+    "gpt2": ("GPT2LMHeadModel", _cfg("GPT2Config", vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=CTX)),
     "gpt2-upcast": (
         "GPT2LMHeadModel",
-        lambda t: t.GPT2Config(**_IDS, vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=CTX, scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True),
+        _cfg("GPT2Config", vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=CTX, scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True),
     ),
-    "gptj": ("GPTJForCausalLM", lambda t: t.GPTJConfig(**_IDS, vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=CTX, rotary_dim=8)),
-    "opt": ("OPTForCausalLM", lambda t: t.OPTConfig(**_IDS, vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, ffn_dim=FF, max_position_embeddings=CTX)),
+    "gptj": ("GPTJForCausalLM", _cfg("GPTJConfig", vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=CTX, rotary_dim=8)),
+    "opt": ("OPTForCausalLM", _cfg("OPTConfig", vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, ffn_dim=FF, max_position_embeddings=CTX)),
     "opt-postln-proj": (
         "OPTForCausalLM",
-        lambda t: t.OPTConfig(**_IDS, 
+        _cfg("OPTConfig", 
             vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, ffn_dim=FF, max_position_embeddings=CTX, do_layer_norm_before=False, word_embed_proj_dim=32
         ),
     ),
@@ -88,15 +100,15 @@ TINY: Mapping[str, TinyCase] = {
     "glm4": _c("Glm4ForCausalLM", "Glm4Config", head_dim=16),
     "falcon-7b": (
         "FalconForCausalLM",
-        lambda t: t.FalconConfig(**_IDS, 
+        _cfg("FalconConfig", 
             vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, max_position_embeddings=CTX, multi_query=True, new_decoder_architecture=False, parallel_attn=True
         ),
     ),
     "falcon-40b": (
         "FalconForCausalLM",
-        lambda t: t.FalconConfig(**_IDS, vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, num_kv_heads=2, max_position_embeddings=CTX, new_decoder_architecture=True),
+        _cfg("FalconConfig", vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, num_kv_heads=2, max_position_embeddings=CTX, new_decoder_architecture=True),
     ),
-    "bloom": ("BloomForCausalLM", lambda t: t.BloomConfig(**_IDS, vocab_size=V, hidden_size=H, n_layer=L, n_head=NH, seq_length=CTX)),
+    "bloom": ("BloomForCausalLM", _cfg("BloomConfig", vocab_size=V, hidden_size=H, n_layer=L, n_head=NH, seq_length=CTX)),
     "mixtral-window": _c("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2, sliding_window=4),
     "qwen3-moe": _c("Qwen3MoeForCausalLM", "Qwen3MoeConfig", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0]),
     "gpt-oss-window": _c(

@@ -147,3 +147,25 @@ def test_phi3_longrope_is_exported_up_to_its_original_context(tmp_path: Path) ->
         "export: --max-context 64 exceeds the model's max_context 16 (Phi-3's generate() recomputes the whole sequence with longrope's long factors"
         " once it passes original_max_position_embeddings (16), which a KV cache cannot do, so kiln exports it up to there)"
     )
+
+
+@pytest.mark.parametrize(("case", "traced"), [("llama", 2), ("gemma2-window", 3), ("smollm3", 3), ("gpt2-upcast", 4)])
+def test_deeper_models_are_stamped_from_their_distinct_layers(case: str, traced: int, tmp_path: Path) -> None:
+    """4 layers: a template of the first layers holding every distinct layer after the first
+    (Gemma 2's alternating sliding/global layers, SmolLM3's NoPE layers), stamped to depth; GPT-2
+    with a scale per layer index has no two equal layers and is traced whole. Parity proves the
+    stamped graphs."""
+    from kiln.exporter.passes.stamp import StampPlan
+    from kiln.exporter.pipeline import export_loaded
+    from kiln.exporter.progress import NullProgress
+
+    notes: list[str] = []
+
+    class Notes(NullProgress):
+        def note(self, message: str) -> None:
+            notes.append(message)
+
+    loaded = tiny_model(case, seed=1, num_hidden_layers=4)
+    assert loaded.layers is not None and StampPlan.of(loaded.layers).traced == traced
+    result = export_loaded(loaded, tmp_path / "out", ExportOptions(max_batch=2, parity_tokens=8), Notes())
+    assert result.parity.passed and not notes, notes

@@ -62,6 +62,7 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     assert result.parity.passed, result.parity.failures()
     arch = TINY[case][0]
     assert result.manifest.config["architecture"] == arch
+    assert result.manifest.tools["transformers"] == transformers.__version__  # what the export ran with
     assert result.report.ort is not None
     fused = {kind: list(entry.fused_attention_layers) for kind, entry in result.report.ort.graphs.items() if kind is not GraphKind.UNIFIED}
     expected = [] if case in PORTABLE_ATTENTION else [0, 1]
