@@ -154,12 +154,18 @@ def plugins(as_json: bool) -> None:
     """List the model families kiln finds (built in and from the kiln.plugins entry points)."""
     from kiln.plugins import families
 
-    found = [{"name": f.name, "description": f.description, "module": type(f).__module__} for f in families()]
+    # a family may list what it exports in a table (rows of strings, the header first)
+    found: list[dict[str, Any]] = [
+        {"name": f.name, "description": f.description, "module": type(f).__module__, "table": getattr(f, "table", list)()} for f in families()
+    ]
     if as_json:
         click.echo(json.dumps(found, indent=2))
         return
     for family in found:
         click.echo(f"{family['name']:<10} {family['description']}  [{family['module']}]")
+        widths = [max(len(row[i]) for row in family["table"]) for i in range(len(family["table"][0]))] if family["table"] else []
+        for row in family["table"]:
+            click.echo("    " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 @main.command()

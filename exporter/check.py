@@ -36,7 +36,8 @@ def check_dir(directory: Path, model: str | Path | None = None, progress: Progre
     extra: Feeds | None = None
     if options.ple_tables is PLETables.INPUT:
         extra = table_feeds(list(fold(reference, loaded.ple).tables), Precision(manifest.precision).kv_dtype)
-    settings = ParitySettings(options.max_context or loaded.spec.max_context, options.max_batch, options.parity_tokens, options.last_logits_only)
+    assert options.max_context is not None, "an export's manifest records its context"
+    settings = ParitySettings(options.max_context, options.max_batch, options.parity_tokens, options.last_logits_only)
     return check_parity(reference, loaded.spec, _candidates(directory, manifest, backend, extra), settings, progress=progress)
 
 

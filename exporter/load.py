@@ -11,7 +11,7 @@ from kiln.plugins import LoadedModel
 from kiln.plugins.base import DecoderSpec
 from torch import nn
 
-__all__ = ["Reference", "load_reference", "resolve_limits", "prepare_reference", "refuse_unsupported"]
+__all__ = ["Reference", "load_reference", "prepare_reference", "refuse_unsupported", "resolve_limits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +53,13 @@ def resolve_limits(loaded: LoadedModel, options: ExportOptions) -> int:
     """The exported context length; refuses one longer than the model or its PLE table."""
     spec = loaded.spec
     table = options.ple_extend or spec.ple_positions
-    default = min(spec.max_context, table) if table else spec.max_context
-    context = options.max_context or default
-    if context > spec.max_context:
-        raise ExportError(f"--max-context {context} exceeds the model's max_context {spec.max_context}")
+    limit = spec.max_context
+    context = options.max_context or (min(limit, table) if table and limit else limit or table)
+    if context is None:
+        raise ExportError(f"{spec.max_context_why or 'the model has no context limit'}: pass --max-context N")
+    if limit is not None and context > limit:
+        why = f" ({spec.max_context_why})" if spec.max_context_why else ""
+        raise ExportError(f"--max-context {context} exceeds the model's max_context {limit}{why}")
     if spec.ple_positions is not None and context > (options.ple_extend or spec.ple_positions):
         rows = options.ple_extend or spec.ple_positions
         raise ExportError(

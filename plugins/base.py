@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -68,7 +68,9 @@ class DecoderSpec:
     n_kv_heads: int
     head_dim: int
     vocab_size: int
-    max_context: int  # longest context the model supports (positions 0 .. max_context - 1)
+    # longest context the model supports (positions 0 .. max_context - 1); None: no limit of its
+    # own (ALiBi extrapolates), the export must say (--max-context)
+    max_context: int | None
     ple_positions: int | None = None  # rows of the PLE tables, when the model has PLE
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -76,6 +78,7 @@ class DecoderSpec:
     encoder_dim: int | None = None  # width of encoder_hidden_states; set when the decoder has cross-attention
     dtype: str = "float32"  # the checkpoint's floating-point dtype, as the module holds it (float32, bfloat16, float16)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the family's own config, for the manifest
+    max_context_why: str | None = None  # why max_context is what it is, when it is not the config's own limit (errors say it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +110,9 @@ class LoadedModel:
     # the checkpoint's own files that its usual consumers want beside the graphs (Hugging Face's
     # config.json and generation_config.json, for Optimum), copied into the export's onnx/
     serving_files: tuple[Path, ...] = ()
+    # ONNX translations of custom ops the family's code calls (torch.onnx.export's
+    # custom_translation_table: op overload -> onnxscript function), e.g. transformers' expert kernel
+    translations: Mapping[Any, Callable[..., Any]] = dataclasses.field(default_factory=dict)
 
 
 @runtime_checkable

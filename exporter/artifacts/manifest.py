@@ -57,7 +57,7 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-_TOOLS = ("torch", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "polygraphy")
+_TOOLS = ("torch", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "polygraphy", "transformers")  # transformers: the Hugging Face family's model code
 
 
 def _omit() -> Any:

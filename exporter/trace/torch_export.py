@@ -24,7 +24,8 @@ import contextlib
 import io
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import onnx_ir as ir
 import torch
@@ -117,13 +118,15 @@ def trace_graph(
     max_batch: int,
     max_context: int,
     meta: bool = False,
+    translations: Mapping[Any, Callable[..., Any]] | None = None,
 ) -> ir.Model:
     """Trace one graph to an in-memory ONNX model with the contract's I/O names (PLE table
     inputs are added afterwards by a pass; ``passes.apply_contract`` then checks the whole I/O).
 
     ``meta``: ``module``'s weights are on the meta device, and so are the example inputs; the
     graph's initializers then hold no data until ``passes.bind`` binds them. The exporter's own
-    optimizer is off either way (it would read every weight): ``passes.fold`` folds instead."""
+    optimizer is off either way (it would read every weight): ``passes.fold`` folds instead.
+    ``translations``: the family's ONNX translations of its custom ops (``LoadedModel.translations``)."""
     cross = any(is_cross(t.name) for t in (*io_spec.inputs, *io_spec.outputs))
     wrapper = GraphModule(module, kind, n_layers, last_logits_only, cross).eval()
     args = example_inputs(io_spec, kind, vocab)
@@ -141,6 +144,7 @@ def trace_graph(
                 opset_version=opset,
                 optimize=False,
                 verbose=False,
+                custom_translation_table=dict(translations or {}),
             )
     except Exception as exc:  # the exporter raises many unrelated types; all mean "could not trace"
         raise ExportError(f"tracing the {kind.value} graph failed: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc

@@ -87,6 +87,7 @@ def _trace(reference: Reference, folded: Folded, options: ExportOptions, module:
         max_batch=options.max_batch,
         max_context=reference.max_context,
         meta=meta,
+        translations=reference.loaded.translations,
     )
     passes = [NameNodes(), BindWeights(WeightSource(folded.module)), FoldWeightTransposes(), FoldConstants()]
     return run_passes(model, passes, graph="traced")

@@ -1,10 +1,11 @@
 """Hugging Face causal LMs from a local checkpoint directory (config.json + safetensors; no hub).
 
-Llama, Qwen2 and Mistral (``LlamaForCausalLM``-like: RoPE, GQA, RMSNorm, SwiGLU) and GPT-2
-(``GPT2LMHeadModel``) load through ``transformers`` and are wrapped in the decoder contract
-(``HFDecoder``): the model's own forward pass with its own ``DynamicCache``, so parity is
-against Hugging Face's implementation, not a re-implementation. ``transformers`` is imported
-only when such a checkpoint is loaded (install ``kiln[hf]``).
+The architectures of ``archs.ARCHS`` load through ``transformers`` and are wrapped in the decoder
+contract (``decoder.HFDecoder``): the model's own forward pass with its own ``DynamicCache``, so
+parity is against Hugging Face's implementation, not a re-implementation. Their configs are read
+by the standard field names (``config.read_spec``), and what kiln does not export exactly is
+refused by name (``config.refuse``). ``transformers`` is imported only when such a checkpoint is
+loaded (install ``kiln[hf]``).
 """
 
 from __future__ import annotations
@@ -12,72 +13,23 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-
 from kiln.errors import CheckpointError
-from kiln.plugins.base import DecoderSpec, LayerPlan, LoadedModel, non_finite
+from kiln.plugins.base import LayerPlan, LoadedModel, non_finite
+from kiln.plugins.hf.archs import ARCHS
+from kiln.plugins.hf.config import read_spec, refuse
+from kiln.plugins.hf.decoder import HFDecoder
+from kiln.plugins.hf.moe import translations
+from kiln.plugins.hf.tiny import TINY
+from torch import nn
 
-__all__ = ["HFFamily", "HF", "HFDecoder", "SUPPORTED"]
+__all__ = ["HF", "SUPPORTED", "TINY", "HFDecoder", "HFFamily", "tiny_model"]
 
-KV = tuple[Tensor, Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Arch:
-    heads: str  # config attribute: attention heads
-    kv_heads: str | None  # config attribute: KV heads (None: same as heads)
-    hidden: str
-    layers: str
-    context: str
-
-
-_LLAMA = _Arch("num_attention_heads", "num_key_value_heads", "hidden_size", "num_hidden_layers", "max_position_embeddings")
-SUPPORTED: Mapping[str, _Arch] = {
-    "LlamaForCausalLM": _LLAMA,
-    "Qwen2ForCausalLM": _LLAMA,
-    "MistralForCausalLM": _LLAMA,
-    "GPT2LMHeadModel": _Arch("n_head", None, "n_embd", "n_layer", "n_positions"),
-}
-
-
-class HFDecoder(nn.Module):
-    """A Hugging Face causal LM behind kiln's decoder contract (BNSH caches in and out)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        position_ids: Tensor,
-        past_key_values: list[KV] | None = None,
-        last_logits_only: bool = False,
-    ) -> tuple[Tensor, list[KV]]:
-        from transformers import DynamicCache
-
-        # no config: every layer keeps the full past (the contract's present = past + new), also a
-        # sliding-window layer, whose window the model's own mask still applies; with the config,
-        # transformers gives such a layer a cache capped at the window, which breaks the contract
-        cache = DynamicCache()
-        for i, (key, value) in enumerate(past_key_values or []):
-            cache.update(key, value, i)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1 if last_logits_only else 0,
-        )
-        layers = out.past_key_values.layers
-        return out.logits, [(layer.keys, layer.values) for layer in layers]
+SUPPORTED: Mapping[str, object] = ARCHS  # the architectures kiln exports (by class name)
 
 
 def _architecture(config: Mapping[str, Any], path: Path) -> str:
@@ -86,34 +38,6 @@ def _architecture(config: Mapping[str, Any], path: Path) -> str:
     if arch not in SUPPORTED:
         raise CheckpointError(f"{path}: unsupported Hugging Face architecture {arch!r}; supported: {', '.join(sorted(SUPPORTED))}")
     return str(arch)
-
-
-def _spec(model: nn.Module, arch: str) -> DecoderSpec:
-    cfg: Any = model.config  # a transformers PretrainedConfig
-    a = SUPPORTED[arch]
-    heads = int(getattr(cfg, a.heads))
-    kv = int(getattr(cfg, a.kv_heads) or heads) if a.kv_heads else heads
-    hidden = int(getattr(cfg, a.hidden))
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
-
-    def token(name: str) -> int | None:
-        value = getattr(cfg, name, None)
-        if isinstance(value, list):
-            value = value[0] if value else None
-        return int(value) if value is not None else None
-
-    return DecoderSpec(
-        family=HFFamily.name,
-        n_layers=int(getattr(cfg, a.layers)),
-        n_kv_heads=kv,
-        head_dim=head_dim,
-        vocab_size=int(cfg.vocab_size),
-        max_context=int(getattr(cfg, a.context)),
-        bos_token_id=token("bos_token_id"),
-        eos_token_id=token("eos_token_id"),
-        pad_token_id=token("pad_token_id"),
-        config={"architecture": arch, **{k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))}},
-    )
 
 
 def _transformers() -> Any:
@@ -126,7 +50,7 @@ def _transformers() -> Any:
 
 class HFFamily:
     name = "hf"
-    description = "Hugging Face causal LMs from a local directory: " + ", ".join(sorted(SUPPORTED))
+    description = f"Hugging Face causal LMs from a local directory ({len(ARCHS)} architectures, each proved against transformers' generate())"
 
     def claims(self, config: dict[str, Any]) -> bool:
         return "architectures" in config or "model_type" in config
@@ -141,8 +65,10 @@ class HFFamily:
             raise CheckpointError(f"{directory}: no *.safetensors weights (kiln reads no pickled Hugging Face weights)")
         transformers = _transformers()
         try:
+            config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+            refuse(config, arch)  # before any weight is read
             model = getattr(transformers, arch).from_pretrained(
-                directory, local_files_only=True, use_safetensors=True, dtype="auto", attn_implementation="eager"  # the checkpoint's dtype
+                directory, config=config, local_files_only=True, use_safetensors=True, dtype="auto", attn_implementation="eager"  # the checkpoint's dtype
             )
         except (OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{directory}: transformers could not load it ({str(exc).splitlines()[0]})") from None
@@ -158,21 +84,21 @@ class HFFamily:
     def tiny(self, seed: int) -> LoadedModel:
         return tiny_model("LlamaForCausalLM", seed)
 
-
-TINY_CONFIGS: dict[str, Callable[[Any], Any]] = {
-    "LlamaForCausalLM": lambda t: t.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-    "Qwen2ForCausalLM": lambda t: t.Qwen2Config(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-    "MistralForCausalLM": lambda t: t.MistralConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64),
-    "GPT2LMHeadModel": lambda t: t.GPT2Config(vocab_size=101, n_embd=32, n_layer=2, n_head=4, n_positions=64),
-}
+    def table(self) -> list[list[str]]:
+        """What ``kiln plugins`` prints: every architecture with what its tests prove."""
+        rows = [[a.label, name, "fp32, fp16", a.ort, a.notes] for name, a in ARCHS.items()]
+        return [["architecture", "class", "precisions", "--target ort", "notes"], *rows]
 
 
-def tiny_model(arch: str, seed: int) -> LoadedModel:
-    """A tiny randomly initialised model of ``arch`` (for tests; no download)."""
+def tiny_model(case: str, seed: int, **overrides: Any) -> LoadedModel:
+    """A tiny randomly initialised model of ``TINY[case]`` (for tests; no download), its config
+    changed by ``overrides`` (``num_hidden_layers=4``); an architecture's name is its first case."""
     transformers = _transformers()
     torch.manual_seed(seed)
-    config = TINY_CONFIGS[arch](transformers)
+    arch, make = TINY[case] if case in TINY else next(c for c in TINY.values() if c[0] == case)
+    config = make(transformers, **overrides)
     config.architectures = [arch]
+    refuse(config, arch)
     # eager attention, as load() uses: with SDPA, fully masked (left-padding) query rows differ
     # between PyTorch and the traced graph, and padded positions' keys with them
     model = getattr(transformers, arch)._from_config(config, attn_implementation="eager").eval()
@@ -182,22 +108,40 @@ def tiny_model(arch: str, seed: int) -> LoadedModel:
 def _loaded(
     model: nn.Module, arch: str, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = (), serving: tuple[Path, ...] = ()
 ) -> LoadedModel:
-    spec = dataclasses.replace(_spec(model, arch), dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
-    return LoadedModel(HFDecoder(model).eval(), spec, source, tokenizer, files, layers=_layer_plan(model, arch), serving_files=serving)
+    spec = dataclasses.replace(read_spec(model.config, arch, HFFamily.name), dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+    return LoadedModel(
+        HFDecoder(model).eval(), spec, source, tokenizer, files, layers=_layer_plan(model, arch), serving_files=serving, translations=translations()
+    )
+
+
+def _scalars(layer: nn.Module) -> tuple[tuple[str, str, object], ...]:
+    """The plain attributes of a layer's modules that its forward may read: what makes layers
+    of one class compute differently (GPT-2's per-layer attention scale, SmolLM3's NoPE layers,
+    a sliding window); ``layer_idx`` itself only indexes the cache, which the stamp renames."""
+    return tuple(
+        (path, name, value)
+        for path, module in layer.named_modules()
+        for name, value in sorted(vars(module).items())
+        if isinstance(value, (int, float, str, bool, type(None))) and not name.startswith("_") and name not in ("layer_idx", "training")
+    )
 
 
 def _layer_plan(model: nn.Module, arch: str) -> LayerPlan | None:
     """The decoder layers are the one ``nn.ModuleList`` with a module per layer; layers of one
-    class, parameter shapes and ``config.layer_types`` entry (sliding or full attention...) share
-    a structure. The template is the model built from its config with fewer layers, on meta."""
+    class, parameter shapes, ``config.layer_types`` entry (sliding or full attention...) and plain
+    attributes (``_scalars``) share a structure. The template is the model built from its config
+    with fewer layers, on meta."""
     config: Any = model.config
     n_layers = int(config.num_hidden_layers)
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
+    lists = [(name, m) for name, m in lists if not any(name.startswith(f"{other}.") for other, _ in lists)]  # not a list inside a layer (StableLM's per-head norms)
     if len(lists) != 1:
         return None
     path, layers = lists[0]
     kinds = list(getattr(config, "layer_types", None) or [None] * n_layers)
-    signatures = tuple((type(layer).__name__, tuple((n, tuple(t.shape)) for n, t in layer.state_dict().items()), kind) for layer, kind in zip(layers, kinds, strict=True))
+    signatures = tuple(
+        (type(layer).__name__, tuple((n, tuple(t.shape)) for n, t in layer.state_dict().items()), kind, _scalars(layer)) for layer, kind in zip(layers, kinds, strict=True)
+    )
     return LayerPlan(f"model.{path}.{{}}", signatures, functools.partial(_meta_template, arch, config))
 
 

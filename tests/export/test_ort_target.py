@@ -195,7 +195,7 @@ def test_hf_llama_ort_target_fp32(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = export(ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, parity_tokens=PARITY_TOKENS))
     _assert_ort_checked(result, "fp32")
-    _assert_rewritten(out, n_layers=2, n_norms=5)
+    _assert_rewritten(out, n_layers=2, n_norms=5, rotary_in_gqa=True)  # the tiny Llama's head_dim is 16
     assert _assert_manifest(out, "fp32")["targets"]["ort"]["graphs"]["decode"]["compact_decode_mask"]
     assert _ops(out / "onnx" / "decode.ort.onnx")["GatherND"] == 0  # transformers' mask subgraph is gone
 
@@ -317,16 +317,21 @@ def test_rotary_tables_are_the_graphs_own(tiny_portable: Path) -> None:
     assert not np.allclose(tables[0], np.cos(np.arange(48)[:, None] * 10000.0 ** (-np.arange(0, 16, 2) / 16)[None, :]), atol=1e-3)
 
 
-def test_layers_without_tables_stay_portable(tiny_portable: Path) -> None:
-    """When the cos/sin subgraph cannot be evaluated the layer is left as it was (and correct)."""
+def test_layers_without_tables_keep_their_rotary(tiny_portable: Path) -> None:
+    """When the cos/sin subgraph cannot be evaluated per position (longrope past its switch reads
+    max(position_ids)), the graph's own rotary stays and GQA reads q and k rotated (the
+    longrope case of test_hf_archs proves its parity)."""
     import onnx_ir as ir
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     from kiln.exporter.targets.ort.gqa import fuse_attention
 
     model = ir.load(tiny_portable / "decode.onnx")
-    assert fuse_attention(model, n_kv_heads=2, head_dim=16, tables=lambda cos, sin: None) == []
-    assert Counter(n.op_type for n in model.graph)["Softmax"] == 2
-    assert not [n for n in model.graph if n.domain == "com.microsoft"]
+    assert fuse_attention(model, n_kv_heads=2, head_dim=16, tables=lambda cos, sin: None, decode=True) == [0, 1]
+    RemoveUnusedNodesPass()(model)
+    ops = Counter(n.op_type for n in model.graph)
+    assert ops["Softmax"] == 0 and ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 0 and ops["Neg"] == 4, ops
+    assert all(not any(a.name == "do_rotary" for a in n.attributes.values()) for n in model.graph if n.op_type == "GroupQueryAttention")
 
 
 def _gqa_graph(window: int | None) -> onnx.ModelProto:

@@ -3,6 +3,7 @@ no traceback, and no output directory left behind."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def test_unknown_architecture(tmp_path: Path) -> None:
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"architectures": ["BertModel"]}')
     code, _, err = _run("export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--json")
-    _assert_one_line_error(code, err, str(ckpt), "unsupported Hugging Face architecture 'BertModel'", "supported: GPT2LMHeadModel, LlamaForCausalLM")
+    _assert_one_line_error(code, err, str(ckpt), "unsupported Hugging Face architecture 'BertModel'", "supported: BloomForCausalLM, CohereForCausalLM, Ernie4_5ForCausalLM")
     assert not (tmp_path / "out").exists()
 
 
@@ -49,6 +50,9 @@ def test_plugins_lists_the_families() -> None:
     assert code == 0
     assert "native" in out and "kiln-ple-decoder" in out
     assert "hf" in out and "LlamaForCausalLM" in out and "GPT2LMHeadModel" in out
+    # the Hugging Face family's table: an architecture per row, with what --target ort fuses
+    rows = {m.group(0): line for line in out.splitlines() if line.startswith("    ") and (m := re.search(r"\w+(ForCausalLM|LMHeadModel)", line))}
+    assert len(rows) == 27 and "GQA" in rows["Qwen3ForCausalLM"] and "portable attention (attention sinks)" in rows["GptOssForCausalLM"]
 
 
 def test_invalid_config_value(tiny_ckpt: Path, tmp_path: Path) -> None:

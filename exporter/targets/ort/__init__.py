@@ -55,7 +55,7 @@ from kiln.exporter.targets.ort.rotary_tables import graph_tables
 from kiln.plugins.base import DecoderSpec
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-__all__ = ["OrtTarget", "ort_passes", "write_ort_target", "ort_graph_file", "ORT_WEIGHTS_FILE", "INT8_FORMAT"]
+__all__ = ["INT8_FORMAT", "ORT_WEIGHTS_FILE", "OrtTarget", "ort_graph_file", "ort_passes", "write_ort_target"]
 
 ORT_WEIGHTS_FILE = "weights.ort.bin"
 INT8_FORMAT = {"op": "MatMulNBits", "bits": 8, "block_size": BLOCK_SIZE, "accuracy_level": ACCURACY_LEVEL}

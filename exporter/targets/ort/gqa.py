@@ -28,6 +28,7 @@ does not fuse the unified graph. GQA's own rotary (``do_rotary``) is used at dec
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -121,8 +122,9 @@ def _packed_qkv(shared: _Shared, core: AttentionCore) -> tuple[ir.Value, ir.Valu
 
 
 def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: TableFn, decode: bool = False) -> list[int]:
-    """Replace every matched attention core; returns the fused layers. Unmatched layers (and
-    layers whose rotary tables cannot be evaluated) stay as they were.
+    """Replace every matched attention core; returns the fused layers. Unmatched layers stay as
+    they were; a rotary whose tables cannot be evaluated per position stays in the graph, GQA
+    reading q and k rotated (so does one the matcher does not know, interleaved rotary).
 
     ``decode`` (the decode graph: one query per row, seq 1): GQA keeps its default ``causal=1``
     (the same result for a last-position query, and the fast CPU path), and it is fed the packed
@@ -140,7 +142,11 @@ def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: T
     for core in cores:
         caches = shared.caches(*core.rotary) if core.rotary is not None else None
         if core.rotary is not None and caches is None:
-            continue
+            if core.rotated is None:
+                continue
+            # tables that cannot be evaluated per position (longrope past its switch): the
+            # graph's own rotary stays, GQA reads q and k rotated
+            core = dataclasses.replace(core, q=core.rotated[0], k=core.rotated[1], rotary=None, rotary_dim=None)
         _fuse(shared, core, caches, outputs, n_kv_heads=n_kv_heads, head_dim=head_dim, decode=decode)
         fused.append(core.layer)
     shared.commit()
@@ -160,7 +166,7 @@ def _gqa_inputs(
     k: ir.Value | None
     v: ir.Value | None
     q, k, v = packed_qkv or (core.q, core.k, core.v)
-    if decode and packed_qkv is not None and caches is not None and head_dim % 16 == 0:
+    if decode and packed_qkv is not None and caches is not None and head_dim % 16 == 0 and core.rotary_dim is None:
         # one packed QKV input, rotary inside GQA at the caller's position_ids (its Split
         # above is left dead and removed)
         attrs.update(do_rotary=1, rotary_interleaved=0)
@@ -169,7 +175,12 @@ def _gqa_inputs(
         rotated = []
         for which, packed, heads in (("q", q, core.n_heads), ("k", k, n_kv_heads)):
             node = shared.node(
-                "RotaryEmbedding", [packed, shared.position_ids, *caches], {"num_heads": heads, "interleaved": 0}, MS_DOMAIN, 1, f"/layers.{core.layer}.attn/ort/RotaryEmbedding_{which}"
+                "RotaryEmbedding",
+                [packed, shared.position_ids, *caches],
+                {"num_heads": heads, "interleaved": 0, **({"rotary_embedding_dim": core.rotary_dim} if core.rotary_dim is not None else {})},
+                MS_DOMAIN,
+                1,
+                f"/layers.{core.layer}.attn/ort/RotaryEmbedding_{which}",
             )
             rotated.append(node.outputs[0])
         q, k = rotated
@@ -182,6 +193,8 @@ def _fuse(
     """One layer's attention core -> GroupQueryAttention, its outputs rewired (``outputs``: the
     graph outputs, where the presents are replaced)."""
     attrs: dict[str, object] = {"num_heads": core.n_heads, "kv_num_heads": n_kv_heads, "scale": float(core.scale)}
+    if core.softcap is not None:
+        attrs["softcap"] = float(core.softcap)
     if not decode:
         attrs["causal"] = 0  # the family's mask alone decides (module docstring)
     q, k, v, cos_sin = _gqa_inputs(shared, core, caches, attrs, n_kv_heads=n_kv_heads, head_dim=head_dim, decode=decode)

@@ -14,9 +14,15 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, use_ms_domain
+from kiln.exporter.passes.ir_utils import (
+    MS_DOMAIN,
+    constant,
+    copy_type,
+    producer,
+    use_ms_domain,
+)
 
-__all__ = ["quantize_matmul_nbits", "replace_with_nbits", "pack_int8_blocks", "BLOCK_SIZE", "ACCURACY_LEVEL"]
+__all__ = ["ACCURACY_LEVEL", "BLOCK_SIZE", "pack_int8_blocks", "quantize_matmul_nbits", "replace_with_nbits"]
 
 BLOCK_SIZE = 128  # measured on the 33M Llama, decode past 256: 128 and 64 beat 32 (2.85 / 2.91 / 3.18 ms)
 ACCURACY_LEVEL = 4  # int8 activations x int8 weights (MLAS); levels 0-2 dequantize and run 6-20x slower here

@@ -18,7 +18,7 @@ from kiln.exporter.passes.ir_utils import constant, copy_type, set_dtype
 from kiln.exporter.precision.policy import module_of
 from kiln.exporter.targets.ort.int4 import BlockInt4, register
 
-__all__ = ["pack_shared_input_matmuls", "pack_matmuls", "packable"]
+__all__ = ["pack_matmuls", "pack_shared_input_matmuls", "packable"]
 
 
 def _weight(node: ir.Node) -> ir.TensorProtocol | None:

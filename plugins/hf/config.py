@@ -1,0 +1,117 @@
+"""A transformers config -> kiln's ``DecoderSpec``, by the standard field names, and the refusals.
+
+Standard fields (resolved through each config's ``attribute_map``, so GPT-2's ``n_head`` is
+``num_attention_heads``): ``num_attention_heads``, ``num_key_value_heads`` (absent: every head),
+``head_dim`` (absent or None: hidden / heads), ``hidden_size``, ``num_hidden_layers``,
+``vocab_size`` and ``max_position_embeddings``; ``archs.ARCHS`` overrides only what differs.
+
+Refused by name, in one line (never guessed): a rope type kiln does not prove, a layer type other
+than full or sliding attention, a quantized checkpoint, an encoder-decoder, and each
+architecture's own ``Refusal`` entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from kiln.errors import CheckpointError
+from kiln.plugins.base import DecoderSpec
+from kiln.plugins.hf.archs import ARCHS
+
+__all__ = ["LAYER_TYPES", "STATIC_ROPE", "read_spec", "refuse", "rope_types"]
+
+# rope types whose frequencies are fixed at init (traced as constants), and longrope, whose
+# switch at original_max_position_embeddings is traced as a Where on max(position_ids)
+STATIC_ROPE = ("default", "linear", "yarn", "llama3", "longrope")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_ROPE_WHY = {
+    "dynamic": "dynamic NTK recomputes its frequencies from the sequence length at run time and keeps them on the module between calls (a data-dependent, stateful branch a traced graph cannot reproduce)",
+}
+
+
+def rope_types(cfg: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every ``(rope_type, parameters)`` the config's ``rope_parameters`` holds (Gemma 3 has one
+    set per layer type)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    sets = params.values() if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    for p in sets:
+        yield str(p.get("rope_type", "default")), dict(p)
+
+
+def refuse(cfg: Any, arch: str) -> None:
+    """Raise ``CheckpointError`` naming the first config value kiln does not export exactly."""
+    where = f"{arch}"
+    if getattr(cfg, "quantization_config", None):
+        method = dict(cfg.quantization_config).get("quant_method", "?") if isinstance(cfg.quantization_config, dict) else type(cfg.quantization_config).__name__
+        raise CheckpointError(f"{where}: quantization_config ({method}) is not supported: kiln exports float checkpoints (its --int8/--fp16 quantize them)")
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise CheckpointError(f"{where}: is_encoder_decoder is not supported: kiln exports decoder-only Hugging Face models")
+    for rope_type, _ in rope_types(cfg):
+        if rope_type not in STATIC_ROPE:
+            why = _ROPE_WHY.get(rope_type, f"kiln proves {', '.join(STATIC_ROPE)}")
+            raise CheckpointError(f"{where}: rope_type {rope_type!r} is not supported: {why}")
+    kinds = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(LAYER_TYPES))
+    if kinds:
+        raise CheckpointError(f"{where}: layer_types {kinds} are not supported: kiln exports {', '.join(LAYER_TYPES)} layers")
+    for refusal in ARCHS[arch].refusals:
+        value = _field(cfg, refusal.field)
+        if refusal.refused(value):
+            raise CheckpointError(f"{where}: {refusal.field}={value!r} is not supported: {refusal.why}")
+
+
+def _field(cfg: Any, name: str) -> Any:
+    """A config field, or the rope parameter of that name (transformers 5 moves legacy rope keys
+    such as ``partial_rotary_factor`` into ``rope_parameters``)."""
+    value = getattr(cfg, name, None)
+    if value is None:
+        for _, params in rope_types(cfg):
+            value = params.get(name, value)
+    return value
+
+
+def _longrope_limit(cfg: Any, arch: str) -> int | None:
+    """Phi-3 (and its kin) with longrope: the context up to which generate() is a plain KV-cache loop."""
+    if arch != "Phi3ForCausalLM":
+        return None
+    for rope_type, params in rope_types(cfg):
+        original = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+        if rope_type == "longrope" and original:
+            return int(original)
+    return None
+
+
+def _token(cfg: Any, name: str) -> int | None:
+    value = getattr(cfg, name, None)
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return int(value) if value is not None else None
+
+
+def read_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
+    """The spec of a loaded model's config (standard fields, with ``ARCHS[arch]``'s overrides)."""
+    a = ARCHS[arch]
+    heads = int(cfg.num_attention_heads)
+    hidden = int(cfg.hidden_size)
+    kv = a.kv_heads(cfg) if a.kv_heads is not None else int(getattr(cfg, "num_key_value_heads", None) or heads)
+    context = getattr(cfg, a.context, None) if a.context is not None else getattr(cfg, "seq_length", None)
+    why = None if context is not None else f"{arch} has no context length of its own (its config has no {a.context or 'seq_length'})"
+    longrope = _longrope_limit(cfg, arch)
+    if longrope is not None and context is not None and longrope < int(context):
+        context, why = longrope, (
+            f"Phi-3's generate() recomputes the whole sequence with longrope's long factors once it passes original_max_position_embeddings"
+            f" ({longrope}), which a KV cache cannot do, so kiln exports it up to there"
+        )
+    return DecoderSpec(
+        family=family,
+        n_layers=int(cfg.num_hidden_layers),
+        n_kv_heads=kv,
+        head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
+        vocab_size=int(cfg.vocab_size),
+        max_context=int(context) if context is not None else None,
+        max_context_why=why,
+        bos_token_id=_token(cfg, "bos_token_id"),
+        eos_token_id=_token(cfg, "eos_token_id"),
+        pad_token_id=_token(cfg, "pad_token_id"),
+        config={"architecture": arch, **{k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))}},
+    )

@@ -1,0 +1,123 @@
+"""Tiny random Hugging Face models, one or more per architecture of ``archs.ARCHS``, each with
+its architecture's own features switched on (2 layers, hidden 64, 4 heads, 2 KV heads where the
+architecture has GQA): what the tests export and compare with transformers' ``generate()``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["TINY", "TinyCase"]
+
+V, H, L, NH, KV, FF, CTX = 128, 64, 2, 4, 2, 128, 64
+_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # inside the tiny vocabulary (some defaults are not)
+_LLAMA_LIKE = dict(**_IDS, vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=NH, num_key_value_heads=KV, max_position_embeddings=CTX)
+_MHA = {k: v for k, v in _LLAMA_LIKE.items() if k != "num_key_value_heads"}
+_HALF = 8  # rotary frequencies of a 16-wide head
+
+
+def _rope(**kw: Any) -> dict[str, Any]:
+    return {"rope_theta": 10000.0, **kw}
+
+
+_LONGROPE = _rope(
+    rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(_HALF)], long_factor=[1.5 + 0.5 * i for i in range(_HALF)], original_max_position_embeddings=16
+)
+
+TinyCase = tuple[str, Callable[..., Any]]  # (architecture, (transformers module, **overrides) -> config)
+
+
+def _cfg(config: str, **kw: Any) -> Callable[..., Any]:
+    """``(transformers, **overrides) -> config`` for a config of its own field names (the
+    overrides by standard name, ``num_hidden_layers``, win)."""
+
+    def make(t: Any, **o: Any) -> Any:
+        cls = getattr(t, config)
+        own = {cls.attribute_map.get(k, k): v for k, v in o.items()}  # GPT-2's n_layer for num_hidden_layers
+        return cls(**{**_IDS, **kw, **own})
+
+    return make
+
+
+def _c(arch: str, config: str, base: Mapping[str, Any] = _LLAMA_LIKE, **kw: Any) -> TinyCase:
+    return arch, lambda t, **o: getattr(t, config)(**{**base, **kw, **o})
+
+
+TINY: Mapping[str, TinyCase] = {
+    "llama": _c("LlamaForCausalLM", "LlamaConfig"),
+    "llama-bias-headdim": _c("LlamaForCausalLM", "LlamaConfig", attention_bias=True, mlp_bias=True, head_dim=32),
+    "llama-tied": _c("LlamaForCausalLM", "LlamaConfig", tie_word_embeddings=True),
+    "llama-rope-linear": _c("LlamaForCausalLM", "LlamaConfig", rope_parameters=_rope(rope_type="linear", factor=2.0)),
+    "llama-rope-yarn": _c("LlamaForCausalLM", "LlamaConfig", rope_parameters=_rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
+    "llama-rope-llama3": _c(
+        "LlamaForCausalLM", "LlamaConfig", rope_parameters=_rope(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+    ),
+    "llama-rope-longrope": _c("LlamaForCausalLM", "LlamaConfig", rope_parameters=_LONGROPE),  # generation crosses position 16
+    "mistral": _c("MistralForCausalLM", "MistralConfig", sliding_window=None),
+    "mistral-window": _c("MistralForCausalLM", "MistralConfig", sliding_window=4),
+    "qwen2-tied": _c("Qwen2ForCausalLM", "Qwen2Config", tie_word_embeddings=True),
+    "qwen2-window": _c("Qwen2ForCausalLM", "Qwen2Config", use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    "qwen3": _c("Qwen3ForCausalLM", "Qwen3Config", head_dim=16),
+    "gemma": _c("GemmaForCausalLM", "GemmaConfig", head_dim=16),
+    "gemma2-window": _c("Gemma2ForCausalLM", "Gemma2Config", head_dim=16, query_pre_attn_scalar=16, sliding_window=4),
+    "gemma3-window": _c(
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    ),
+    "phi": _c("PhiForCausalLM", "PhiConfig", partial_rotary_factor=0.5, qk_layernorm=True),
+    "phi3-partial": _c("Phi3ForCausalLM", "Phi3Config", partial_rotary_factor=0.5),
+    "phi3-longrope": _c("Phi3ForCausalLM", "Phi3Config", original_max_position_embeddings=16, rope_parameters=_LONGROPE),  # exported up to 16
+    "granite": _c("GraniteForCausalLM", "GraniteConfig", embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0, attention_multiplier=0.015625),
+    "olmo": _c("OlmoForCausalLM", "OlmoConfig", clip_qkv=0.5),
+    "olmo2": _c("Olmo2ForCausalLM", "Olmo2Config"),
+    "smollm3": _c("SmolLM3ForCausalLM", "SmolLM3Config", no_rope_layer_interval=2),
+    "gpt-neox-parallel": _c("GPTNeoXForCausalLM", "GPTNeoXConfig", base=_MHA, use_parallel_residual=True, rotary_pct=0.25),
+    "gpt-neox-serial": _c("GPTNeoXForCausalLM", "GPTNeoXConfig", base=_MHA, use_parallel_residual=False, rotary_pct=0.5),
+    "stablelm": _c("StableLmForCausalLM", "StableLmConfig", qk_layernorm=True, use_parallel_residual=True, use_qkv_bias=True),
+    "starcoder2-window": _c("Starcoder2ForCausalLM", "Starcoder2Config", sliding_window=4),
+    "cohere": _c("CohereForCausalLM", "CohereConfig", use_qk_norm=True, logit_scale=0.25),
+    "gpt2": ("GPT2LMHeadModel", _cfg("GPT2Config", vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=CTX)),
+    "gpt2-upcast": (
+        "GPT2LMHeadModel",
+        _cfg("GPT2Config", vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=CTX, scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True),
+    ),
+    "gptj": ("GPTJForCausalLM", _cfg("GPTJConfig", vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=CTX, rotary_dim=8)),
+    "opt": ("OPTForCausalLM", _cfg("OPTConfig", vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, ffn_dim=FF, max_position_embeddings=CTX)),
+    "opt-postln-proj": (
+        "OPTForCausalLM",
+        _cfg("OPTConfig", 
+            vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, ffn_dim=FF, max_position_embeddings=CTX, do_layer_norm_before=False, word_embed_proj_dim=32
+        ),
+    ),
+    "ernie4_5": _c("Ernie4_5ForCausalLM", "Ernie4_5Config", head_dim=16, use_bias=True),
+    "glm4": _c("Glm4ForCausalLM", "Glm4Config", head_dim=16),
+    "falcon-7b": (
+        "FalconForCausalLM",
+        _cfg("FalconConfig", 
+            vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, max_position_embeddings=CTX, multi_query=True, new_decoder_architecture=False, parallel_attn=True
+        ),
+    ),
+    "falcon-40b": (
+        "FalconForCausalLM",
+        _cfg("FalconConfig", vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, num_kv_heads=2, max_position_embeddings=CTX, new_decoder_architecture=True),
+    ),
+    "bloom": ("BloomForCausalLM", _cfg("BloomConfig", vocab_size=V, hidden_size=H, n_layer=L, n_head=NH, seq_length=CTX)),
+    "mixtral-window": _c("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2, sliding_window=4),
+    "qwen3-moe": _c("Qwen3MoeForCausalLM", "Qwen3MoeConfig", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0]),
+    "gpt-oss-window": _c(
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        rope_parameters=_rope(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=16),
+    ),
+}

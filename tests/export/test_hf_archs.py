@@ -1,0 +1,87 @@
+"""Every Hugging Face architecture kiln lists (``plugins.hf.archs.ARCHS``), proved on a tiny random
+model per ``plugins.hf.tiny.TINY`` case (2 layers, hidden 64, the architecture's own features
+on): the checkpoint is saved by transformers, exported by ``kiln export`` with ``--target ort``
+(its parity check covers the portable and the ONNX Runtime graphs), and both graph sets' greedy
+tokens must equal transformers' own ``generate()`` with its own cache, for batch 1 and a
+left-padded batch. The first case of each architecture is also exported ``--fp16`` (which must
+pass its own parity) and re-checked by ``kiln check``. Which layers ``--target ort`` fuses is
+asserted against ``ARCHS[arch].ort`` (what the README and ``kiln plugins`` say); a test fails
+when a listed architecture has no case."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
+
+import torch
+from kiln.exporter.check import check_dir
+from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.options import ExportOptions, Precision, Target
+from kiln.exporter.parity import greedy, left_pad, make_prompts
+from kiln.exporter.pipeline import export
+from kiln.exporter.runners import OrtRunner
+from kiln.plugins import load_model
+from kiln.plugins.hf import tiny_model
+from kiln.plugins.hf.archs import ARCHS
+from kiln.plugins.hf.tiny import TINY
+
+STEPS = 24
+# the cases whose attention --target ort leaves portable (ARCHS[arch].ort says so), and why
+PORTABLE_ATTENTION = {"gpt2-upcast": "reorder_and_upcast_attn", "falcon-40b": "40B layout", "bloom": "ALiBi", "gpt-oss-window": "attention sinks"}
+FIRST = {arch: next(case for case, (a, _) in TINY.items() if a == arch) for arch in ARCHS if any(a == arch for a, _ in TINY.values())}
+
+
+def _save(case: str, directory: Path) -> Path:
+    tiny_model(case, seed=1).module.model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def _generate(hf: torch.nn.Module, ids: np.ndarray, mask: np.ndarray, steps: int) -> np.ndarray:
+    """transformers' own greedy generate(), its own cache, no end token."""
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    return np.asarray(out[:, ids.shape[1] :].numpy())
+
+
+def test_every_architecture_has_a_tiny_model() -> None:
+    assert set(FIRST) == set(ARCHS)
+    assert {arch for arch, _ in TINY.values()} == set(ARCHS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(TINY))
+def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> None:
+    ckpt = _save(case, tmp_path / "ckpt")
+    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, target=Target.ORT))
+    assert result.parity.passed, result.parity.failures()
+    arch = TINY[case][0]
+    assert result.manifest.config["architecture"] == arch
+    assert result.manifest.tools["transformers"] == transformers.__version__  # what the export ran with
+    assert result.report.ort is not None
+    fused = {kind: list(entry.fused_attention_layers) for kind, entry in result.report.ort.graphs.items() if kind is not GraphKind.UNIFIED}
+    expected = [] if case in PORTABLE_ATTENTION else [0, 1]
+    assert fused == {GraphKind.PREFILL: expected, GraphKind.DECODE: expected}, fused
+    assert PORTABLE_ATTENTION.get(case, "GQA") in ARCHS[arch].ort, ARCHS[arch].ort  # what the README and kiln plugins say
+    spec = load_model(ckpt).spec
+    steps = min(STEPS, result.report.max_context - 9)
+    onnx_dir = tmp_path / "out" / "onnx"
+    sets = {suffix: {k: onnx_dir / f"{k.value}{suffix}.onnx" for k in (GraphKind.PREFILL, GraphKind.DECODE)} for suffix in ("", ".ort")}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    for lengths in ([9], [9, 5]):  # batch 1, and a left-padded batch
+        prompts = make_prompts(spec, lengths, seed=len(lengths))
+        ids, mask, _ = left_pad(prompts, 0)
+        want = _generate(hf, ids, mask, steps)
+        for suffix, graphs in sets.items():
+            with OrtRunner(graphs) as runner:
+                got, _ = greedy(runner, spec, prompts, steps)
+            np.testing.assert_array_equal(got, want, err_msg=f"{case}{suffix} {lengths}")
+    if FIRST[arch] == case:
+        assert check_dir(tmp_path / "out").passed
+        fp16 = export(ckpt, tmp_path / "out16", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16))
+        assert fp16.parity.passed, fp16.parity.failures()
