@@ -154,15 +154,22 @@ def plugins(as_json: bool) -> None:
     """List the model families kiln finds (built in and from the kiln.plugins entry points)."""
     from kiln.plugins import families
 
-    # a family may list what it exports in a table (rows of strings, the header first)
+    # a family may list what it exports in a table (rows of strings, the header first) and say
+    # why it cannot load here (a missing optional dependency): the optional methods of ModelFamily
     found: list[dict[str, Any]] = [
-        {"name": f.name, "description": f.description, "module": type(f).__module__, "table": getattr(f, "table", list)()} for f in families()
+        {
+            "name": f.name, "description": f.description, "module": type(f).__module__, "table": getattr(f, "table", list)(),
+            "unavailable": getattr(f, "unavailable", lambda: None)(),
+        }
+        for f in families()
     ]
     if as_json:
         click.echo(json.dumps(found, indent=2))
         return
     for family in found:
         click.echo(f"{family['name']:<10} {family['description']}  [{family['module']}]")
+        if family["unavailable"]:
+            click.echo(f"           {family['unavailable']}")
         widths = [max(len(row[i]) for row in family["table"]) for i in range(len(family["table"][0]))] if family["table"] else []
         for row in family["table"]:
             click.echo("    " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())

@@ -134,6 +134,11 @@ class ModelFamily(Protocol):
         """A tiny randomly initialised model of this family, for tests."""
         ...
 
+    # Optional (``kiln plugins`` calls them when a family has them):
+    #   table() -> list[list[str]]: what the family exports, a header row first;
+    #   unavailable() -> str | None: why it cannot load a checkpoint here (a missing dependency).
+    # A family's module is imported to list it: it should import torch and its libraries lazily.
+
 
 def non_finite(tensor: Tensor, slice_elements: int = 1 << 24) -> int:
     """How many NaN/Inf values a float tensor holds, counted slice by slice: a memory-mapped

@@ -141,3 +141,16 @@ def test_every_option_has_help() -> None:
         if isinstance(param, click.Option) and not (param.help or "").strip()
     ]
     assert missing == []
+
+
+def test_plugins_says_when_hf_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    code, out, _ = _run("plugins")
+    assert code == 0
+    lines = out.splitlines()
+    hf = next(i for i, line in enumerate(lines) if line.startswith("hf "))
+    assert lines[hf + 1].strip() == "unavailable: transformers is not installed (pip install 'kiln[hf]')"
+    assert not any("unavailable" in line for line in lines[:hf] + lines[hf + 2 :])  # native needs nothing optional

@@ -13,6 +13,8 @@ from kiln_testing import heavy_imports
     ("args", "code"),
     [
         (("--help",), 0),
+        (("plugins",), 0),
+        (("plugins", "--json"), 0),
         (("export", "--help"), 0),
         (("check", "--help"), 0),
         (("export", "--ort-int8", "--out", "OUT"), 1),  # a flag error
@@ -20,7 +22,7 @@ from kiln_testing import heavy_imports
         (("export", "--model", "CKPT", "--out", "NOT_EMPTY"), 1),  # an output directory kiln refuses to replace
         (("verify", "NO_EXPORT"), 1),
     ],
-    ids=["help", "export-help", "check-help", "flag-error", "missing-model", "refused-out", "verify-missing"],
+    ids=["help", "plugins", "plugins-json", "export-help", "check-help", "flag-error", "missing-model", "refused-out", "verify-missing"],
 )
 def test_fast_paths_import_nothing_heavy(args: tuple[str, ...], code: int, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"

@@ -1,0 +1,122 @@
+"""The Hugging Face family's torch side: a checkpoint loaded through transformers and wrapped in
+the decoder contract, its layer plan and meta template, and the tiny models of the tests
+(imported only when a model is built: ``kiln plugins`` and the registry stay free of torch)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+from kiln.errors import CheckpointError
+from kiln.plugins.base import LayerPlan, LoadedModel, non_finite
+from kiln.plugins.hf.config import read_spec, refuse
+from kiln.plugins.hf.decoder import HFDecoder
+from kiln.plugins.hf.moe import translations
+from kiln.plugins.hf.tiny import TINY
+from torch import nn
+
+__all__ = ["load", "tiny_model"]
+
+FAMILY = "hf"
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise CheckpointError("Hugging Face checkpoints need transformers: pip install 'kiln[hf]'") from None
+    return transformers
+
+
+def load(path: Path, directory: Path, arch: str) -> LoadedModel:
+    """The checkpoint in ``directory`` (architecture ``arch``) in its own dtype."""
+    weights = sorted(directory.glob("*.safetensors"))
+    if not weights:
+        raise CheckpointError(f"{directory}: no *.safetensors weights (kiln reads no pickled Hugging Face weights)")
+    transformers = _transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+        refuse(config, arch)  # before any weight is read
+        model = getattr(transformers, arch).from_pretrained(
+            directory, config=config, local_files_only=True, use_safetensors=True, dtype="auto", attn_implementation="eager"  # the checkpoint's dtype
+        )
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{directory}: transformers could not load it ({str(exc).splitlines()[0]})") from None
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and non_finite(tensor):
+            raise CheckpointError(f"{directory}: {name} has non-finite values (NaN or Inf)")
+    tokenizer = directory / "tokenizer.json"
+    files = (directory / "config.json", *weights) + ((tokenizer,) if tokenizer.is_file() else ())
+    # beside model.onnx these make the export's onnx/ a directory Optimum's ORTModelForCausalLM loads
+    serving = tuple(p for p in (directory / "config.json", directory / "generation_config.json") if p.is_file())
+    return _loaded(model, arch, path, tokenizer if tokenizer.is_file() else None, files, serving)
+
+
+def tiny_model(case: str, seed: int, **overrides: Any) -> LoadedModel:
+    """A tiny randomly initialised model of ``TINY[case]`` (for tests; no download), its config
+    changed by ``overrides`` (``num_hidden_layers=4``); an architecture's name is its first case."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    arch, make = TINY[case] if case in TINY else next(c for c in TINY.values() if c[0] == case)
+    config = make(transformers, **overrides)
+    config.architectures = [arch]
+    refuse(config, arch)
+    # eager attention, as load() uses: with SDPA, fully masked (left-padding) query rows differ
+    # between PyTorch and the traced graph, and padded positions' keys with them
+    model = getattr(transformers, arch)._from_config(config, attn_implementation="eager").eval()
+    return _loaded(model, arch, Path(f"<tiny {arch}>"))
+
+
+def _loaded(
+    model: nn.Module, arch: str, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = (), serving: tuple[Path, ...] = ()
+) -> LoadedModel:
+    spec = dataclasses.replace(read_spec(model.config, arch, FAMILY), dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+    return LoadedModel(
+        HFDecoder(model).eval(), spec, source, tokenizer, files, layers=_layer_plan(model, arch), serving_files=serving, translations=translations()
+    )
+
+
+def _scalars(layer: nn.Module) -> tuple[tuple[str, str, object], ...]:
+    """The plain attributes of a layer's modules that its forward may read: what makes layers
+    of one class compute differently (GPT-2's per-layer attention scale, SmolLM3's NoPE layers,
+    a sliding window); ``layer_idx`` itself only indexes the cache, which the stamp renames."""
+    return tuple(
+        (path, name, value)
+        for path, module in layer.named_modules()
+        for name, value in sorted(vars(module).items())
+        if isinstance(value, (int, float, str, bool, type(None))) and not name.startswith("_") and name not in ("layer_idx", "training")
+    )
+
+
+def _layer_plan(model: nn.Module, arch: str) -> LayerPlan | None:
+    """The decoder layers are the one ``nn.ModuleList`` with a module per layer; layers of one
+    class, parameter shapes, ``config.layer_types`` entry (sliding or full attention...) and plain
+    attributes (``_scalars``) share a structure. The template is the model built from its config
+    with fewer layers, on meta."""
+    config: Any = model.config
+    n_layers = int(config.num_hidden_layers)
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
+    lists = [(name, m) for name, m in lists if not any(name.startswith(f"{other}.") for other, _ in lists)]  # not a list inside a layer (StableLM's per-head norms)
+    if len(lists) != 1:
+        return None
+    path, layers = lists[0]
+    kinds = list(getattr(config, "layer_types", None) or [None] * n_layers)
+    signatures = tuple(
+        (type(layer).__name__, tuple((n, tuple(t.shape)) for n, t in layer.state_dict().items()), kind, _scalars(layer)) for layer, kind in zip(layers, kinds, strict=True)
+    )
+    return LayerPlan(f"model.{path}.{{}}", signatures, functools.partial(_meta_template, arch, config))
+
+
+def _meta_template(arch: str, config: Any, n_layers: int) -> nn.Module:
+    transformers = _transformers()
+    template = copy.deepcopy(config)
+    template.num_hidden_layers = n_layers
+    if getattr(template, "layer_types", None):
+        template.layer_types = list(template.layer_types)[:n_layers]
+    with torch.device("meta"):
+        model = getattr(transformers, arch)._from_config(template, attn_implementation="eager", dtype=torch.float32)  # the graphs' dtype
+    return HFDecoder(model.eval()).eval()
