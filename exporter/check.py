@@ -70,9 +70,9 @@ def _candidates(directory: Path, manifest: Manifest, backend: str, extra: Feeds 
         from kiln.exporter.engine import TrtRunner
 
         return [Candidate(lambda: TrtRunner.from_directory(directory, extra_feeds=extra), (GraphKind.PREFILL, GraphKind.DECODE), manifest.precision)]
-    graphs = _graph_paths(directory, {kind: manifest.graph(kind).file for kind in GraphKind})
+    graphs = _graph_paths(directory, {GraphKind(kind): entry.file for kind, entry in manifest.graphs.items()})
     candidates = [Candidate(OrtRunner.opener(graphs, extra), tuple(graphs), manifest.precision)]
     for name, target in (manifest.targets or {}).items():  # --target ort graphs: checked the same way
-        paths = _graph_paths(directory, {kind: target.graphs[kind.value].file for kind in GraphKind})
+        paths = _graph_paths(directory, {GraphKind(kind): entry.file for kind, entry in target.graphs.items()})
         candidates.append(Candidate(OrtRunner.opener(paths, extra), tuple(paths), target.precision, target=name))
     return candidates

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import onnx_ir as ir
-from kiln.exporter.contract.io import GraphIO, GraphKind, graph_io
+from kiln.exporter.contract.io import GraphIO, GraphKind, graph_io, graph_kinds
 from kiln.exporter.fold import Folded
 from kiln.exporter.load import Reference
 from kiln.exporter.options import ExportOptions, PLETables
@@ -139,7 +139,7 @@ def write_portable_graphs(
     records: dict[GraphKind, GraphRecord] = {}
     final_dtype = options.precision.kv_dtype
     with WeightsWriter(onnx_dir / WEIGHTS_FILE, rename=True) as writer:
-        for kind in GraphKind:
+        for kind in graph_kinds(reference.spec):
             path = onnx_dir / f"{kind.value}.onnx"
             passes = precision_passes(reference, folded, options, kind, plan)
             with progress.stage(f"{path.name}: graph passes"):

@@ -15,7 +15,9 @@ with keys and values ``[B, n_kv_heads, past + S, head_dim]`` (BNSH). A cross-att
 (``DecoderSpec.encoder_dim`` set) takes ``encoder_hidden_states`` when it has no past and returns
 per layer ``(key, value, cross_key, cross_value)``, the cross-attention keys and values
 ``[B, n_kv_heads, E, head_dim]`` computed from the encoder states; with a past it takes the same
-four tensors per layer back and computes nothing from the encoder again.
+four tensors per layer back and computes nothing from the encoder again. An encoder-decoder
+(``DecoderSpec.has_encoder``) also takes ``encoder_attention_mask: [B, E] int64`` on every call
+and has ``module.encode(input_ids [B, E], attention_mask [B, E]) -> [B, E, encoder_dim]``.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class DecoderSpec:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     encoder_dim: int | None = None  # width of encoder_hidden_states; set when the decoder has cross-attention
+    # an encoder-decoder whose module also runs its encoder (``module.encode(input_ids,
+    # attention_mask) -> states``) and whose decoder reads ``encoder_attention_mask``
+    has_encoder: bool = False
+    decoder_start_token_id: int | None = None  # the decoder's first input token (encoder-decoders)
     dtype: str = "float32"  # the checkpoint's floating-point dtype, as the module holds it (float32, bfloat16, float16)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the family's own config, for the manifest
     max_context_why: str | None = None  # why max_context is what it is, when it is not the config's own limit (errors say it)

@@ -31,7 +31,7 @@ import numpy as np
 from kiln.errors import GenerateError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.verify import require_verified
-from kiln.exporter.contract.io import GraphKind, kv_pairs
+from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, is_cross, kv_pairs
 from kiln.exporter.contract.steps import Chooser, prompt_feeds, run_steps
 from kiln.runtime.decoder_dirs import shares_kv_buffer
 from kiln.runtime.sampling import Sampler, SamplingOptions
@@ -62,9 +62,10 @@ class Generation:
 class KvStrategy:
     """How KV tensors move from one step's outputs to the next step's inputs."""
 
-    def __init__(self, n_layers: int) -> None:
-        self._pairs = self.pairs = kv_pairs(n_layers)
-        self.presents = [present for _, present in self._pairs]  # bound after ``logits``, in this order
+    def __init__(self, n_layers: int, cross: bool = False) -> None:
+        self._pairs = self.pairs = kv_pairs(n_layers, cross=cross)
+        self.presents = [present for _, present in self._pairs]  # prefill's, bound after ``logits``, in this order
+        self.step_presents = [present for past, present in self._pairs if not is_cross(past)]  # decode's (the cross cache never grows)
 
     def start(self, prefill: dict[str, Any], capacity: int) -> None:
         """Take the prompt's presents (OrtValues by name) before the first decode step."""
@@ -81,7 +82,8 @@ class ConcatKv(KvStrategy):
     def bind(self, binding: Any, feeds: Mapping[str, Any]) -> None:
         for past, present in self._pairs:
             binding.bind_ortvalue_input(past, feeds[past])
-            binding.bind_output(present, "cpu")
+            if not is_cross(past):
+                binding.bind_output(present, "cpu")
 
 
 class SharedKv(KvStrategy):
@@ -126,11 +128,11 @@ class Generator:
         ple = manifest.export.ple
         if ple is not None and ple.tables == "input":
             raise GenerateError(f"{directory}: exported with --ple-tables input; kiln generate runs graphs with the tables as constants")
-        if manifest.model.encoder_dim is not None:
+        if manifest.model.encoder_dim is not None and not manifest.model.has_encoder:
             raise GenerateError(f"{directory}: a cross-attention decoder needs its encoder's output (encoder_hidden_states); kiln generate has no encoder to run")
         files = {kind: manifest.graph(kind).file for kind in (GraphKind.PREFILL, GraphKind.DECODE)}
         n_layers = manifest.model.n_layers
-        kv: KvStrategy = ConcatKv(n_layers)
+        kv: KvStrategy = ConcatKv(n_layers, cross=manifest.model.has_encoder)
         if target is not None:
             targets = manifest.targets or {}
             if target not in targets:
@@ -144,6 +146,8 @@ class Generator:
         self.eos = manifest.model.eos_token_id
         self._prefill = ort_session(directory / files[GraphKind.PREFILL], threads=threads, spinning=False)
         self._decode = ort_session(directory / files[GraphKind.DECODE], threads=threads, spinning=False)
+        # an encoder-decoder: the prompt is the encoder's input; the decoder starts from its start token
+        self._encoder = ort_session(directory / manifest.graph(GraphKind.ENCODER).file, threads=threads, spinning=False) if manifest.model.has_encoder else None
         self._kv = kv
         self.kv_cache = "shared-buffer" if isinstance(kv, SharedKv) else "concat"  # how each step's cache is written
         self._vocab = manifest.model.vocab_size
@@ -169,7 +173,7 @@ class Generator:
         kept: list[np.ndarray] = []
         start = time.perf_counter()
         prefill_s, reason = 0.0, "length"
-        for step in run_steps(steps, self._kv.pairs, prompt_feeds([list(prompt)], 0), max_new_tokens, pick):
+        for step in run_steps(steps, self._kv.pairs, self._first_feeds(prompt), max_new_tokens, pick):
             if step.index == 0:
                 prefill_s = time.perf_counter() - start
                 start = time.perf_counter()
@@ -185,12 +189,25 @@ class Generator:
         decode_s = time.perf_counter() - start
         return Generation(tuple(prompt), tuple(tokens), prefill_s, decode_s, np.stack(kept) if keep_logits else None, reason)
 
+    def _first_feeds(self, prompt: Sequence[int]) -> dict[str, Any]:
+        if self._encoder is None:
+            return prompt_feeds([list(prompt)], 0)
+        ids = np.array([prompt], dtype=np.int64)
+        mask = np.ones_like(ids)
+        (states,) = self._encoder.run([ENCODER_STATES], {"input_ids": ids, "attention_mask": mask})
+        start = self.manifest.model.decoder_start_token_id
+        return prompt_feeds([[start if start is not None else 0]], 0) | {ENCODER_MASK: mask, ENCODER_STATES: states}
+
     def _check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         if not prompt:
             raise GenerateError("the prompt is empty: give at least one token")
         if max_new_tokens < 1:
             raise GenerateError(f"--max-new-tokens must be at least 1, found {max_new_tokens}")
-        if len(prompt) + max_new_tokens - 1 > self.max_context:
+        if self._encoder is not None:  # the encoder's input and the decoder's output have a limit each
+            longest = max(len(prompt), max_new_tokens)
+            if longest > self.max_context:
+                raise GenerateError(f"the encoder's input ({len(prompt)} tokens) or the {max_new_tokens} new tokens exceed the export's context limit {self.max_context}")
+        elif len(prompt) + max_new_tokens - 1 > self.max_context:
             raise GenerateError(f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceed the export's context limit {self.max_context}")
         if any(not 0 <= t < self._vocab for t in prompt):
             raise GenerateError(f"token ids must be in [0, {self._vocab}); found {[t for t in prompt if not 0 <= t < self._vocab][:5]}")
@@ -205,7 +222,8 @@ class _BoundSteps:
         from onnxruntime import OrtValue
 
         self._prefill, self._kv, self._capacity = prefill, kv, capacity
-        self._names = ["logits", *kv.presents]  # the order outputs are bound in
+        self._names = ["logits", *kv.presents]  # the order prefill's outputs are bound in
+        self._step_names = ["logits", *kv.step_presents]  # and decode's
         self._decode = decode.io_binding()
         self._decode.bind_ortvalue_output("logits", OrtValue.ortvalue_from_shape_and_type([1, 1, vocab], np.float32))
         self._session = decode
@@ -218,10 +236,11 @@ class _BoundSteps:
         else:
             binding = self._decode
             self._kv.bind(binding, feeds)
-        for name in ("input_ids", "attention_mask", "position_ids"):
-            binding.bind_cpu_input(name, feeds[name])
+        for name in ("input_ids", "attention_mask", "position_ids", ENCODER_MASK, ENCODER_STATES):
+            if name in feeds and (name != ENCODER_STATES or kind is GraphKind.PREFILL):
+                binding.bind_cpu_input(name, feeds[name])
         (self._prefill if kind is GraphKind.PREFILL else self._session).run_with_iobinding(binding)
-        outputs = dict(zip(self._names, binding.get_outputs(), strict=True))
+        outputs = dict(zip(self._names if kind is GraphKind.PREFILL else self._step_names, binding.get_outputs(), strict=True))
         if kind is GraphKind.PREFILL:
             self._kv.start(outputs, capacity=self._capacity)
         return outputs

@@ -60,7 +60,7 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
         family=spec.family,
         checkpoint=CheckpointRef(report.model_ref, report.checkpoint_files, spec.dtype),
         config=spec.config,
-        model=ModelInfo(spec.n_layers, spec.n_kv_heads, spec.head_dim, spec.vocab_size, spec.bos_token_id, spec.eos_token_id, spec.pad_token_id, spec.encoder_dim),
+        model=ModelInfo(spec.n_layers, spec.n_kv_heads, spec.head_dim, spec.vocab_size, spec.bos_token_id, spec.eos_token_id, spec.pad_token_id, spec.encoder_dim, spec.has_encoder, spec.decoder_start_token_id),
         precision=options.precision.value,
         kv_cache=KvCacheInfo("BNSH", ("batch", "n_kv_heads", "seq", "head_dim"), options.precision.kv_dtype),
         limits=Limits(options.max_batch, report.max_context),

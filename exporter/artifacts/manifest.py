@@ -82,6 +82,8 @@ class ModelInfo:
     eos_token_id: int | None
     pad_token_id: int | None
     encoder_dim: int | None  # set for cross-attention decoders
+    has_encoder: bool = False  # an encoder-decoder exported with its encoder graph (graphs["encoder"])
+    decoder_start_token_id: int | None = None  # its decoder's first token
 
 
 @dataclasses.dataclass(frozen=True)

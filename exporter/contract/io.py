@@ -10,6 +10,14 @@ once, as ``present.{i}.cross_key/.cross_value`` ``[batch, n_kv_heads, encoder_se
 decode and the unified graph take them back as ``past_key_values.{i}.cross_key/.cross_value``
 and never return them (they do not grow). This is the split ONNX Runtime GenAI's encoder-decoder
 models use (an init graph computes the cross cache; the decoder graph only reads it).
+
+Encoder-decoders whose family exports the encoder too (``spec.has_encoder``: Hugging Face BART,
+T5...) add a fourth graph, ``encoder``: ``input_ids`` and ``attention_mask`` ``[batch,
+encoder_seq]`` -> ``encoder_hidden_states`` ``[batch, encoder_seq, encoder_dim]``, what prefill
+then takes; and every decoder graph takes ``encoder_attention_mask`` ``[batch, encoder_seq]``
+(int64, 1 = a real encoder token) after ``position_ids``, so a padded batch of encoder inputs
+masks its padding in the cross-attention of every step. (The native family's cross-attention
+reads states from the caller's own encoder, unmasked: it has neither.)
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ __all__ = [
     "carried_cache",
     "kv_pairs",
     "ENCODER_STATES",
+    "ENCODER_MASK",
+    "graph_kinds",
+    "DECODER_KINDS",
     "ENC_SEQ",
     "ple_table_names",
     "BATCH",
@@ -42,6 +53,7 @@ __all__ = [
 
 BATCH, SEQ, PAST_SEQ, TOTAL_SEQ, ENC_SEQ = "batch", "seq", "past_seq", "total_seq", "encoder_seq"
 ENCODER_STATES = "encoder_hidden_states"
+ENCODER_MASK = "encoder_attention_mask"
 Dim = str | int
 
 
@@ -49,6 +61,15 @@ class GraphKind(str, enum.Enum):
     PREFILL = "prefill"  # no past inputs; presents hold the prompt's keys and values
     DECODE = "decode"  # one new token; past grows by one
     UNIFIED = "model"  # seq >= 1, past_seq >= 0: the single graph ONNX Runtime GenAI wants
+    ENCODER = "encoder"  # encoder-decoders (spec.has_encoder): the encoder's output, once per input
+
+
+DECODER_KINDS = (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.UNIFIED)
+
+
+def graph_kinds(spec: DecoderSpec) -> tuple[GraphKind, ...]:
+    """The graphs an export of ``spec`` has: the decoder's three, and the encoder's when it has one."""
+    return (*DECODER_KINDS, GraphKind.ENCODER) if spec.has_encoder else DECODER_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +153,8 @@ def graph_io(
     ``ple_tables`` lists the ``(rows, d_model)`` shape of each PLE sub-layer's tables when they
     are graph inputs (``--ple-tables input``); empty when they are constants.
     """
+    if kind is GraphKind.ENCODER:
+        return _encoder_io(spec, kv_dtype)
     seq: Dim = 1 if kind is GraphKind.DECODE else SEQ
     mask_len = SEQ if kind is GraphKind.PREFILL else TOTAL_SEQ
     kv_len = SEQ if kind is GraphKind.PREFILL else TOTAL_SEQ
@@ -144,6 +167,8 @@ def graph_io(
         TensorSpec("position_ids", "int64", (BATCH, seq)),
     ]
     cross = spec.encoder_dim is not None
+    if spec.has_encoder:
+        inputs.append(TensorSpec(ENCODER_MASK, "int64", (BATCH, ENC_SEQ)))
     if spec.encoder_dim is not None and kind is GraphKind.PREFILL:
         inputs.append(TensorSpec(ENCODER_STATES, kv_dtype, (BATCH, ENC_SEQ, spec.encoder_dim)))
     if kind is not GraphKind.PREFILL:
@@ -161,3 +186,9 @@ def graph_io(
             for name in cross_present_names(i):
                 outputs.append(TensorSpec(name, kv_dtype, (BATCH, kv[0], ENC_SEQ, kv[1])))
     return GraphIO(tuple(inputs), tuple(outputs))
+
+
+def _encoder_io(spec: DecoderSpec, dtype: str) -> GraphIO:
+    assert spec.encoder_dim is not None and spec.has_encoder, "only an encoder-decoder has an encoder graph"
+    ids = (TensorSpec("input_ids", "int64", (BATCH, ENC_SEQ)), TensorSpec("attention_mask", "int64", (BATCH, ENC_SEQ)))
+    return GraphIO(ids, (TensorSpec(ENCODER_STATES, dtype, (BATCH, ENC_SEQ, spec.encoder_dim)),))

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-from kiln.exporter.contract.io import GraphKind, past_names
+from kiln.exporter.contract.io import ENCODER_MASK, GraphKind, past_names
 from kiln.plugins.base import DecoderSpec
 
 __all__ = ["Step", "StepRunner", "Chooser", "left_pad", "prompt_feeds", "empty_past", "carry", "run_steps"]
@@ -88,6 +88,7 @@ def run_steps(
     may stop early (an end token). ``pairs`` are the ``(past, present)`` names carried."""
     feeds, outputs = first, runner.run(first_kind, first)
     mask, pos = first["attention_mask"], first["position_ids"]
+    constant = {ENCODER_MASK: first[ENCODER_MASK]} if ENCODER_MASK in first else {}  # an encoder-decoder's, every step
     for step in range(steps):
         logits = _last_logits(outputs["logits"])
         tokens = np.asarray(choose(step, logits), dtype=np.int64)
@@ -96,5 +97,5 @@ def run_steps(
             return
         pos = pos[:, -1:] + 1
         mask = np.concatenate([mask, np.ones((mask.shape[0], 1), dtype=np.int64)], axis=1)
-        feeds = carry({"input_ids": tokens[:, None], "attention_mask": mask, "position_ids": pos}, outputs, feeds, pairs)
+        feeds = carry({"input_ids": tokens[:, None], "attention_mask": mask, "position_ids": pos, **constant}, outputs, feeds, pairs)
         outputs = runner.run(step_kind, feeds)

@@ -81,6 +81,11 @@ def prepare(directory: Path, options: BuildOptions) -> tuple[Manifest, tuple[Eng
     from kiln.exporter.artifacts.verify import require_verified
 
     manifest = manifest_mod.read(directory)
+    if manifest.model.has_encoder:
+        raise ArtifactError(
+            f"{directory}: TensorRT engines for encoder-decoders are not built yet (the encoder graph would need its own engine,"
+            " and engine parity a runner for it); run the graphs on ONNX Runtime (kiln generate) or build onnx/*.onnx with trtexec yourself"
+        )
     profiles = engine_profiles(manifest, options)
     require_replaceable(directory / _ENGINES, True, _kiln_build_wrote(manifest, _own_files(directory, profiles, options)))
     manifest = require_verified(directory, rewritten=_ENGINES)  # that folder is what kiln build rewrites

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from kiln.exporter.contract.io import ENCODER_STATES, GraphKind, carried_cache, is_cross
+from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.contract.steps import empty_past, left_pad, prompt_feeds, run_steps
 from kiln.exporter.parity.results import GenerationCheck
 from kiln.exporter.parity.tolerances import Tolerance
@@ -47,11 +47,12 @@ def greedy(
     ``[steps, B, vocab]`` (float32). With ``forced``, those tokens are fed instead of the argmax.
     A cross-attention decoder reads ``encoder_states(spec, B)``; the unified graph takes the
     cross cache as an input (like decode), so that path starts from the runner's own prefill
-    graph's cross cache, as a user of model.onnx would.
+    graph's cross cache, as a user of model.onnx would. An encoder-decoder's ``prompts`` are
+    its encoder's inputs (left-padded): the runner's own encoder graph encodes them, and the
+    decoder starts from ``decoder_start_token_id``, as transformers' ``generate()`` does.
     """
-    feeds = prompt_feeds(prompts, spec.pad_token_id if spec.pad_token_id is not None else 0)
+    feeds, encoder = _first_feeds(runner, spec, prompts)
     batch = len(prompts)
-    encoder = encoder_states(spec, batch)
     if encoder is not None:
         feeds[ENCODER_STATES] = encoder.astype(kv_dtype)  # (via float32, as every other caller rounds it)
     if unified:
@@ -71,6 +72,19 @@ def greedy(
         tokens[:, step.index] = step.tokens
         logits_per_step[step.index] = step.logits
     return tokens, logits_per_step
+
+
+def _first_feeds(runner: Runner, spec: DecoderSpec, prompts: Sequence[Sequence[int]]) -> tuple[Feeds, np.ndarray | None]:
+    """The prompt step's feeds and the encoder states it reads (None: no cross-attention)."""
+    pad = spec.pad_token_id if spec.pad_token_id is not None else 0
+    if not spec.has_encoder:
+        return prompt_feeds(prompts, pad), encoder_states(spec, len(prompts))
+    encoded = prompt_feeds(prompts, pad)
+    states = runner.run(GraphKind.ENCODER, {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]})[ENCODER_STATES]
+    start = spec.decoder_start_token_id if spec.decoder_start_token_id is not None else pad
+    feeds = prompt_feeds([[start]] * len(prompts), pad)
+    feeds[ENCODER_MASK] = encoded["attention_mask"]
+    return feeds, np.asarray(states, dtype=np.float32)
 
 
 def generation_parity(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from kiln.exporter.contract.io import ENCODER_STATES, GraphKind, carried_cache, is_cross
+from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.parity.generation import encoder_states
 from kiln.exporter.parity.results import TensorCheck
 from kiln.exporter.parity.tolerances import Tolerance
@@ -39,12 +39,13 @@ def real_positions(name: str, attention_mask: np.ndarray, shape: tuple[int, ...]
     defined value: its query attends to nothing, so every runtime fills it in its own way (fp16
     graphs differ there by how the runtime rounds the mask, ONNX Runtime's fused attention writes
     zeros) and nothing ever reads it, its keys being masked. Cross caches (the encoder's) are
-    all real."""
+    all real, and so is an encoder's output (its padded positions' queries still see the real
+    tokens)."""
+    if name == ENCODER_STATES or is_cross(name):
+        return None
     real = attention_mask.astype(bool)
     if name == "logits":
         return real[:, -shape[1] :, None]  # the last positions: all of them, or the last one (--logits last)
-    if is_cross(name):
-        return None
     return real[:, None, :, None]  # [batch, heads, past + seq, head_dim]
 
 
@@ -55,6 +56,8 @@ def tensor_feeds(
     With a ``reference`` runner the past is the keys/values it computes for random past tokens
     (what a graph sees in use); without one, random normal values."""
     rng = np.random.default_rng(seed)
+    if kind is GraphKind.ENCODER:
+        return {"input_ids": rng.integers(0, spec.vocab_size, size=(2, 6), dtype=np.int64), "attention_mask": _encoder_mask(2, 6)}
     seq = {GraphKind.PREFILL: 7, GraphKind.DECODE: 1, GraphKind.UNIFIED: 4}[kind]
     past = {GraphKind.PREFILL: 0, GraphKind.DECODE: 9, GraphKind.UNIFIED: 6}[kind]
     total = past + seq
@@ -67,6 +70,8 @@ def tensor_feeds(
         "position_ids": pos_all[:, past:].astype(np.int64),
     }
     encoder = encoder_states(spec, 2, seed, dtype=kv_dtype)
+    masked = {ENCODER_MASK: _encoder_mask(2, encoder.shape[1])} if spec.has_encoder and encoder is not None else {}
+    feeds |= masked
     if kind is GraphKind.PREFILL and encoder is not None:
         feeds[ENCODER_STATES] = encoder
     if kind is not GraphKind.PREFILL:
@@ -78,13 +83,20 @@ def tensor_feeds(
                 "position_ids": pos_all[:, :past].astype(np.int64),
             }
             if encoder is not None:
-                prompt[ENCODER_STATES] = encoder
+                prompt |= {ENCODER_STATES: encoder, **masked}
             presents = reference.run(GraphKind.PREFILL, prompt)
         for name, present in carried_cache(spec):
             length = encoder.shape[1] if encoder is not None and is_cross(name) else past
             value = presents[present] if presents is not None else rng.standard_normal((2, spec.n_kv_heads, length, spec.head_dim))
             feeds[name] = np.asarray(value).astype(kv_dtype)
     return feeds
+
+
+def _encoder_mask(batch: int, length: int) -> np.ndarray:
+    """An encoder-decoder's encoder mask with the last two positions of row 1 padding."""
+    mask = np.ones((batch, length), dtype=np.int64)
+    mask[1, length - 2 :] = 0
+    return mask
 
 
 def tensor_parity(

@@ -6,6 +6,7 @@ import functools
 
 import torch
 from kiln.exporter.contract.io import (
+    ENCODER_MASK,
     ENCODER_STATES,
     GraphKind,
     cross_past_names,
@@ -14,7 +15,7 @@ from kiln.exporter.contract.io import (
     present_names,
 )
 from kiln.exporter.runners.base import Feeds
-from kiln.exporter.trace.wrapper import GraphModule
+from kiln.exporter.trace.wrapper import EncoderModule, GraphModule
 from torch import nn
 
 __all__ = ["TorchRunner", "computes_in_fp32", "drop_fp32_buffers"]
@@ -133,10 +134,14 @@ class TorchRunner:
 
     @torch.no_grad()
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
+        if kind is GraphKind.ENCODER:
+            states = EncoderModule(self._module)(torch.from_numpy(feeds["input_ids"]), torch.from_numpy(feeds["attention_mask"]))
+            return {ENCODER_STATES: states.numpy()}
         # a cross-attention decoder shows itself by its inputs: encoder states or a cross cache
         cross = ENCODER_STATES in feeds or cross_past_names(0)[0] in feeds
+        masked = ENCODER_MASK in feeds  # an encoder-decoder's
         if (kind, cross) not in self._wrappers:  # built once: kiln bench times this call
-            self._wrappers[kind, cross] = GraphModule(self._module, kind, self._n_layers, self._last, cross).eval()
+            self._wrappers[kind, cross] = GraphModule(self._module, kind, self._n_layers, self._last, cross, masked).eval()
         wrapper = self._wrappers[kind, cross]
         ids, mask, pos = (torch.from_numpy(feeds[n]) for n in ("input_ids", "attention_mask", "position_ids"))
         # the reference computes in fp32 whatever the graphs' float I/O dtype
@@ -146,7 +151,7 @@ class TorchRunner:
         else:
             names = [n for i in range(self._n_layers) for n in (*past_names(i), *(cross_past_names(i) if cross else ()))]
             extra = [torch.from_numpy(feeds[n]).float() for n in names]
-        outs = wrapper(ids, mask, pos, extra)
+        outs = wrapper(ids, mask, pos, torch.from_numpy(feeds[ENCODER_MASK]), extra) if masked else wrapper(ids, mask, pos, extra)
         names = ["logits"]
         for i in range(self._n_layers):
             names += [*present_names(i), *(cross_present_names(i) if cross and kind is GraphKind.PREFILL else ())]

@@ -32,13 +32,14 @@ import torch
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import (
     ENC_SEQ,
+    ENCODER_MASK,
     ENCODER_STATES,
     PAST_SEQ,
     GraphIO,
     GraphKind,
     is_cross,
 )
-from kiln.exporter.trace.wrapper import GraphModule
+from kiln.exporter.trace.wrapper import EncoderModule, GraphModule
 from torch import nn
 from torch.export import Dim
 
@@ -50,21 +51,25 @@ _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST, _EXAMPLE_ENC = 2, 3, 5, 4
 def example_inputs(io_spec: GraphIO, kind: GraphKind, vocab: int) -> tuple[object, ...]:
     """Small example inputs for tracing (sizes chosen so that no dynamic dim is 0 or 1)."""
     batch = _EXAMPLE_BATCH
+    gen = torch.Generator().manual_seed(0)
+    if kind is GraphKind.ENCODER:
+        return (torch.randint(0, vocab, (batch, _EXAMPLE_ENC), generator=gen), torch.ones(batch, _EXAMPLE_ENC, dtype=torch.int64))
+    # an encoder-decoder's decoder graphs take the encoder's mask fourth
+    enc_mask = (torch.ones(batch, _EXAMPLE_ENC, dtype=torch.int64),) if any(t.name == ENCODER_MASK for t in io_spec.inputs) else ()
     seq = 1 if kind is GraphKind.DECODE else _EXAMPLE_SEQ
     past = 0 if kind is GraphKind.PREFILL else _EXAMPLE_PAST
-    gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen)
     mask = torch.ones(batch, past + seq, dtype=torch.int64)
     pos = torch.arange(past, past + seq).expand(batch, seq).contiguous()
     if kind is GraphKind.PREFILL:
         enc = [t for t in io_spec.inputs if t.name == ENCODER_STATES]
         if enc:
-            return (ids, mask, pos, torch.randn(batch, _EXAMPLE_ENC, int(enc[0].dims[2]), generator=gen))
-        return (ids, mask, pos)
+            return (ids, mask, pos, *enc_mask, torch.randn(batch, _EXAMPLE_ENC, int(enc[0].dims[2]), generator=gen))
+        return (ids, mask, pos, *enc_mask)
     kv = [t for t in io_spec.inputs if t.name.startswith("past_key_values.")]
     length = {PAST_SEQ: past, ENC_SEQ: _EXAMPLE_ENC}
     cache = [torch.randn(batch, int(t.dims[1]), length[str(t.dims[2])], int(t.dims[3]), generator=gen) for t in kv]
-    return (ids, mask, pos, cache)
+    return (ids, mask, pos, *enc_mask, cache)
 
 
 def _dynamic_shapes(kind: GraphKind, io_spec: GraphIO, max_batch: int, max_context: int) -> tuple[object, ...]:
@@ -72,14 +77,17 @@ def _dynamic_shapes(kind: GraphKind, io_spec: GraphIO, max_batch: int, max_conte
     seq = Dim("seq", min=1, max=max(max_context, _EXAMPLE_SEQ))
     # the encoder's length is bounded by max_context too (TensorRT profiles need a bound)
     enc = Dim("encoder_seq", min=1, max=max(max_context, _EXAMPLE_ENC))
+    if kind is GraphKind.ENCODER:
+        return ({0: batch, 1: enc}, {0: batch, 1: enc})
     ids = {0: batch} if kind is GraphKind.DECODE else {0: batch, 1: seq}
+    enc_mask = ({0: batch, 1: enc},) if any(t.name == ENCODER_MASK for t in io_spec.inputs) else ()
     if kind is GraphKind.PREFILL:
-        shapes: tuple[object, ...] = (ids, {0: batch, 1: seq}, ids)
+        shapes: tuple[object, ...] = (ids, {0: batch, 1: seq}, ids, *enc_mask)
         return (*shapes, {0: batch, 1: enc}) if any(t.name == ENCODER_STATES for t in io_spec.inputs) else shapes
     past = Dim("past_seq", min=0, max=max(max_context, _EXAMPLE_PAST))
     total = past + 1 if kind is GraphKind.DECODE else Dim.AUTO
     kv = [t for t in io_spec.inputs if t.name.startswith("past_key_values.")]
-    return (ids, {0: batch, 1: total}, ids, [{0: batch, 2: enc if t.dims[2] == ENC_SEQ else past} for t in kv])
+    return (ids, {0: batch, 1: total}, ids, *enc_mask, [{0: batch, 2: enc if t.dims[2] == ENC_SEQ else past} for t in kv])
 
 
 def _to_meta(value: object) -> object:
@@ -128,7 +136,9 @@ def trace_graph(
     optimizer is off either way (it would read every weight): ``passes.fold`` folds instead.
     ``translations``: the family's ONNX translations of its custom ops (``LoadedModel.translations``)."""
     cross = any(is_cross(t.name) for t in (*io_spec.inputs, *io_spec.outputs))
-    wrapper = GraphModule(module, kind, n_layers, last_logits_only, cross).eval()
+    encoder_mask = any(t.name == ENCODER_MASK for t in io_spec.inputs)
+    wrapper = EncoderModule(module) if kind is GraphKind.ENCODER else GraphModule(module, kind, n_layers, last_logits_only, cross, encoder_mask)
+    wrapper = wrapper.eval()
     args = example_inputs(io_spec, kind, vocab)
     if meta:
         args = tuple(_to_meta(a) for a in args)

@@ -3,7 +3,8 @@
 The unified graph (``model.onnx``: seq >= 1, past_seq >= 0) is the only graph traced; prefill and
 decode are derived from it by specialisation passes (``passes.specialise``). (A cross-attention
 decoder's prefill computes the cross cache from ``encoder_hidden_states``, which the unified
-graph takes as an input instead: its prefill is traced too.) When the family
+graph takes as an input instead: its prefill is traced too; an encoder-decoder's encoder is a
+graph of its own, traced too.) When the family
 gives a ``LayerPlan``, what is traced is a template: the model with only its first few layers,
 built on the meta device (no weights, no memory), and the stamp pass (``passes.stamp``) grows the
 graph to the model's depth. Either way the graph's initializers are then bound lazily to the
@@ -51,7 +52,8 @@ class Traced:
 
 
 def trace_unified(reference: Reference, folded: Folded, options: ExportOptions, progress: Progress) -> Traced:
-    kinds = (GraphKind.UNIFIED, GraphKind.PREFILL) if reference.spec.encoder_dim is not None else (GraphKind.UNIFIED,)
+    kinds: tuple[GraphKind, ...] = (GraphKind.UNIFIED, GraphKind.PREFILL) if reference.spec.encoder_dim is not None else (GraphKind.UNIFIED,)
+    kinds += (GraphKind.ENCODER,) if reference.spec.has_encoder else ()
     plan = reference.loaded.layers
     stamp = StampPlan.of(plan) if plan is not None and len(plan.signatures) == reference.spec.n_layers else None
     if stamp is not None:

@@ -2,30 +2,52 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kiln.exporter.contract.io import GraphKind
 from torch import Tensor, nn
 
-__all__ = ["GraphModule"]
+__all__ = ["EncoderModule", "GraphModule"]
 
 
 class GraphModule(nn.Module):
     """The decoder contract with flat tensors in and out, in the contract's order: the past as
     ``[k0, v0, k1, v1, ...]`` (``[k0, v0, ck0, cv0, ...]`` with cross-attention, whose cross
     keys/values only prefill returns), and ``encoder_hidden_states`` after the first three
-    inputs of a cross-attention prefill."""
+    inputs of a cross-attention prefill. An encoder-decoder's graphs (``encoder_mask``) take
+    ``encoder_attention_mask`` fourth, before the encoder states or the past."""
 
-    def __init__(self, model: nn.Module, kind: GraphKind, n_layers: int, last_logits_only: bool, cross: bool = False) -> None:
+    def __init__(self, model: nn.Module, kind: GraphKind, n_layers: int, last_logits_only: bool, cross: bool = False, encoder_mask: bool = False) -> None:
         super().__init__()
-        self.model, self.kind, self.n_layers, self.cross = model, kind, n_layers, cross
+        self.model, self.kind, self.n_layers, self.cross, self.encoder_mask = model, kind, n_layers, cross, encoder_mask
         self.last_logits_only = last_logits_only and kind is GraphKind.PREFILL
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, extra: object = None) -> tuple[Tensor, ...]:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, fourth: object = None, fifth: object = None) -> tuple[Tensor, ...]:
+        # (explicit arguments, not *args: torch.export's dynamic_shapes follow the signature)
+        kwargs: dict[str, object] = {"encoder_attention_mask": fourth} if self.encoder_mask else {}
+        extra = fifth if self.encoder_mask else fourth
         # prefill's extra input is the encoder states (cross-attention), the others' the flat past
         encoder = extra if self.kind is GraphKind.PREFILL and isinstance(extra, Tensor) else None
         past = list(extra) if self.kind is not GraphKind.PREFILL and isinstance(extra, (list, tuple)) else None
         per_layer = 4 if self.cross else 2
         pkv = [tuple(past[per_layer * i : per_layer * (i + 1)]) for i in range(self.n_layers)] if past is not None else None
-        kwargs = {"encoder_hidden_states": encoder} if self.cross else {}
+        if self.cross:
+            kwargs["encoder_hidden_states"] = encoder
         logits, presents = self.model(input_ids, attention_mask, position_ids, pkv, self.last_logits_only, **kwargs)
         returned = per_layer if self.kind is GraphKind.PREFILL else 2  # the cross cache never grows
         return (logits, *[t for kv in presents for t in kv[:returned]])
+
+
+class EncoderModule(nn.Module):
+    """An encoder-decoder's encoder graph: ``model.encode(input_ids, attention_mask)``. It holds
+    the same module as ``GraphModule`` under the same attribute, so the weights the encoder
+    shares with the decoder (the embedding) have one name in every graph."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        encode: Any = self.model.encode  # a family's module (nn.Module's attribute type is Tensor | Module)
+        states: Tensor = encode(input_ids, attention_mask)
+        return states

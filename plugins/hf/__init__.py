@@ -18,10 +18,11 @@ from typing import Any
 from kiln.errors import CheckpointError
 from kiln.plugins.base import LoadedModel
 from kiln.plugins.hf.archs import ARCHS
+from kiln.plugins.hf.seq2seq import SEQ2SEQ
 
 __all__ = ["HF", "SUPPORTED", "HFFamily", "tiny_model"]
 
-SUPPORTED: Mapping[str, object] = ARCHS  # the architectures kiln exports (by class name)
+SUPPORTED: Mapping[str, object] = {**ARCHS, **SEQ2SEQ}  # the architectures kiln exports (by class name)
 
 
 def _architecture(config: Mapping[str, Any], path: Path) -> str:
@@ -34,7 +35,10 @@ def _architecture(config: Mapping[str, Any], path: Path) -> str:
 
 class HFFamily:
     name = "hf"
-    description = f"Hugging Face causal LMs from a local directory ({len(ARCHS)} architectures, each proved against transformers' generate())"
+    description = (
+        f"Hugging Face causal LMs ({len(ARCHS)} architectures) and encoder-decoders ({len(SEQ2SEQ)}) from a local directory,"
+        " each proved against transformers' generate()"
+    )
 
     def claims(self, config: dict[str, Any]) -> bool:
         return "architectures" in config or "model_type" in config
@@ -58,6 +62,7 @@ class HFFamily:
     def table(self) -> list[list[str]]:
         """What ``kiln plugins`` prints: every architecture with what its tests prove."""
         rows = [[a.label, name, "fp32, fp16", a.ort, a.notes] for name, a in ARCHS.items()]
+        rows += [[a.label, name, "fp32, fp16", "no (encoder-decoder)", f"encoder-decoder: {a.notes}"] for name, a in SEQ2SEQ.items()]
         return [["architecture", "class", "precisions", "--target ort", "notes"], *rows]
 
 

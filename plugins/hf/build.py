@@ -14,8 +14,9 @@ import torch
 from kiln.errors import CheckpointError
 from kiln.plugins.base import LayerPlan, LoadedModel, non_finite
 from kiln.plugins.hf.config import read_spec, refuse
-from kiln.plugins.hf.decoder import HFDecoder
+from kiln.plugins.hf.decoder import HFDecoder, HFSeq2Seq
 from kiln.plugins.hf.moe import translations
+from kiln.plugins.hf.seq2seq import SEQ2SEQ, SEQ2SEQ_TINY, read_seq2seq_spec, refuse_seq2seq
 from kiln.plugins.hf.tiny import TINY
 from torch import nn
 
@@ -40,7 +41,7 @@ def load(path: Path, directory: Path, arch: str) -> LoadedModel:
     transformers = _transformers()
     try:
         config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-        refuse(config, arch)  # before any weight is read
+        _refuse(config, arch)  # before any weight is read
         model = getattr(transformers, arch).from_pretrained(
             directory, config=config, local_files_only=True, use_safetensors=True, dtype="auto", attn_implementation="eager"  # the checkpoint's dtype
         )
@@ -61,20 +62,32 @@ def tiny_model(case: str, seed: int, **overrides: Any) -> LoadedModel:
     changed by ``overrides`` (``num_hidden_layers=4``); an architecture's name is its first case."""
     transformers = _transformers()
     torch.manual_seed(seed)
-    arch, make = TINY[case] if case in TINY else next(c for c in TINY.values() if c[0] == case)
+    cases = {**TINY, **SEQ2SEQ_TINY}
+    arch, make = cases[case] if case in cases else next(c for c in cases.values() if c[0] == case)
     config = make(transformers, **overrides)
     config.architectures = [arch]
-    refuse(config, arch)
+    _refuse(config, arch)
     # eager attention, as load() uses: with SDPA, fully masked (left-padding) query rows differ
     # between PyTorch and the traced graph, and padded positions' keys with them
     model = getattr(transformers, arch)._from_config(config, attn_implementation="eager").eval()
     return _loaded(model, arch, Path(f"<tiny {arch}>"))
 
 
+def _refuse(config: Any, arch: str) -> None:
+    if arch in SEQ2SEQ:
+        refuse_seq2seq(config, arch)
+    else:
+        refuse(config, arch)
+
+
 def _loaded(
     model: nn.Module, arch: str, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = (), serving: tuple[Path, ...] = ()
 ) -> LoadedModel:
-    spec = dataclasses.replace(read_spec(model.config, arch, FAMILY), dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if arch in SEQ2SEQ:  # traced whole: its layer lists are the encoder's and the decoder's
+        spec = dataclasses.replace(read_seq2seq_spec(model.config, arch, FAMILY), dtype=dtype)
+        return LoadedModel(HFSeq2Seq(model).eval(), spec, source, tokenizer, files, serving_files=serving)
+    spec = dataclasses.replace(read_spec(model.config, arch, FAMILY), dtype=dtype)
     return LoadedModel(
         HFDecoder(model).eval(), spec, source, tokenizer, files, layers=_layer_plan(model, arch), serving_files=serving, translations=translations()
     )

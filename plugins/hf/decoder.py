@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["KV", "HFDecoder"]
+__all__ = ["KV", "HFDecoder", "HFSeq2Seq"]
 
 KV = tuple[Tensor, Tensor]
 
@@ -54,3 +55,60 @@ class HFDecoder(nn.Module):
         )
         layers = out.past_key_values.layers
         return out.logits, [(layer.keys, layer.values) for layer in layers]
+
+
+class HFSeq2Seq(nn.Module):
+    """A Hugging Face encoder-decoder behind kiln's contract: ``encode`` runs its encoder, and
+    ``forward`` its decoder and head with an ``EncoderDecoderCache`` rebuilt from the flat
+    per-layer ``(key, value, cross_key, cross_value)``. With a past, the cross cache is marked
+    computed (``is_updated``), so the model reads it and projects nothing from the encoder; the
+    encoder states it is then handed are a broadcast zero of the right shape, which only says
+    that the layers are cross-attending and how long the encoder's output is."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def encode(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        model: Any = self.model  # transformers' (untyped)
+        states: Tensor = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return states
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,  # the decoder's positions are its cache's length (no left padding in a decoder of generate())
+        past_key_values: list[tuple[Tensor, ...]] | None = None,
+        last_logits_only: bool = False,
+        encoder_hidden_states: Tensor | None = None,
+        encoder_attention_mask: Tensor | None = None,
+    ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
+        from transformers import DynamicCache, EncoderDecoderCache
+        from transformers.modeling_outputs import BaseModelOutput
+
+        own, cross = DynamicCache(), DynamicCache()
+        for i, (key, value, cross_key, cross_value) in enumerate(past_key_values or []):
+            own.update(key, value, i)
+            cross.update(cross_key, cross_value, i)
+        cache = EncoderDecoderCache(own, cross)
+        if past_key_values:
+            for i in range(len(past_key_values)):
+                cache.is_updated[i] = True
+            first = past_key_values[0][2]
+            config: Any = self.model.config
+            encoder_hidden_states = first.new_zeros(()).expand(first.shape[0], first.shape[2], int(config.d_model))
+        if encoder_hidden_states is None:
+            raise ValueError("an encoder-decoder's first call needs encoder_hidden_states")
+        out = self.model(
+            encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden_states),
+            attention_mask=encoder_attention_mask,
+            decoder_input_ids=input_ids,
+            decoder_attention_mask=attention_mask,
+            cache=cache,
+            use_cache=True,
+        )
+        logits = out.logits[:, -1:] if last_logits_only else out.logits
+        done = out.past_key_values
+        pairs = zip(done.self_attention_cache.layers, done.cross_attention_cache.layers, strict=True)
+        return logits, [(s.keys, s.values, c.keys, c.values) for s, c in pairs]

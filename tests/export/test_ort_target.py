@@ -18,7 +18,7 @@ from kiln_testing import tiny_config, write_checkpoint
 from kiln.cli import main
 from kiln.errors import ConfigError
 from kiln.exporter.check import check_dir
-from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.contract.io import DECODER_KINDS, GraphKind
 from kiln.exporter.options import ExportOptions, Precision, Target
 from kiln.exporter.pipeline import ExportResult, export
 from kiln.exporter.targets.ort.nbits import pack_int8_blocks
@@ -86,7 +86,7 @@ def _assert_rewritten(out: Path, n_layers: int, n_norms: int, rotary_in_gqa: boo
     assert unified["GroupQueryAttention"] == 0 and unified["Softmax"] == n_layers
     assert _norms(unified) == n_norms
     # the portable graphs are untouched: standard ops only
-    for kind in GraphKind:
+    for kind in DECODER_KINDS:
         model = onnx.load(str(onnx_dir / f"{kind.value}.onnx"), load_external_data=False)
         assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
         assert _ops(onnx_dir / f"{kind.value}.onnx")["Softmax"] == n_layers
@@ -99,7 +99,7 @@ def _assert_manifest(out: Path, precision: str) -> dict:
     assert not errors, errors
     ort = manifest["targets"]["ort"]
     assert ort["precision"] == precision
-    assert {g["file"] for g in ort["graphs"].values()} == {f"onnx/{k.value}.ort.onnx" for k in GraphKind}
+    assert {g["file"] for g in ort["graphs"].values()} == {f"onnx/{k.value}.ort.onnx" for k in DECODER_KINDS}
     assert ort["weights"]["file"] in manifest["files"]
     for graph in ort["graphs"].values():
         assert graph["file"] in manifest["files"]
@@ -239,7 +239,7 @@ def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> Non
     assert {g["path"] for g in parity["generation"]} >= {"ort:prefill+decode", "ort:model"}
     manifest = _assert_manifest(out, "int8")
     assert manifest["precision"] == "fp32"  # the portable graphs stay fp32
-    for kind in GraphKind:
+    for kind in DECODER_KINDS:
         path = out / "onnx" / f"{kind.value}.ort.onnx"
         # 2 layers x (q|k|v packed, o, gate|fc1 packed, fc2) + the LM head, in every graph
         want = 9

@@ -33,7 +33,7 @@ def test_unknown_architecture(tmp_path: Path) -> None:
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"architectures": ["BertModel"]}')
     code, _, err = _run("export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--json")
-    _assert_one_line_error(code, err, str(ckpt), "unsupported Hugging Face architecture 'BertModel'", "supported: BloomForCausalLM, CohereForCausalLM, Ernie4_5ForCausalLM")
+    _assert_one_line_error(code, err, str(ckpt), "unsupported Hugging Face architecture 'BertModel'", "supported: BartForConditionalGeneration, BloomForCausalLM, CohereForCausalLM")
     assert not (tmp_path / "out").exists()
 
 

@@ -33,7 +33,7 @@ from kiln.exporter.engine.records import (
     read_records,
     write_records,
 )
-from kiln.exporter.contract.io import GraphKind, graph_io
+from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
 from kiln.exporter.artifacts.verify import verify_dir
 from kiln.plugins.native import spec_of
 
@@ -410,11 +410,11 @@ def fake_tensorrt(manifest: dict[str, Any], version: str = "11.1.0.106") -> Any:
 def fake_export(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Any]:
     """A verifiable export directory with placeholder graphs, and the stand-in TensorRT installed."""
     spec = spec_of(tiny_config())
-    graphs = {k.value: {"file": f"onnx/{k.value}.onnx", "inputs": [t.to_dict() for t in graph_io(spec, k).inputs]} for k in GraphKind}
+    graphs = {k.value: {"file": f"onnx/{k.value}.onnx", "inputs": [t.to_dict() for t in graph_io(spec, k).inputs]} for k in DECODER_KINDS}
     m: dict[str, Any] = {"manifest_version": 1, "limits": {"max_batch": 8, "max_context": 48}, "graphs": graphs}
     directory = root / "export"
     (directory / "onnx").mkdir(parents=True)
-    for kind in GraphKind:
+    for kind in DECODER_KINDS:
         (directory / "onnx" / f"{kind.value}.onnx").write_bytes(kind.value.encode())
     m["files"] = hash_tree(directory)
     manifest_mod.write(directory, typed_manifest(m))

@@ -12,7 +12,7 @@ from kiln.errors import ArtifactError, ConfigError
 from kiln.exporter.engine.options import GIB, MIB, BuildOptions, HardwareCompat, parse_size
 from kiln.exporter.engine.profiles import ENGINE_GRAPHS, dim_ranges, engine_profile, engine_profiles
 from kiln.exporter.artifacts.manifest import Limits
-from kiln.exporter.contract.io import GraphKind, graph_io
+from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
 from kiln.plugins.native import spec_of
 
 TABLES = ((48, 32), (48, 32))  # (rows, d_model) of each PLE sub-layer's tables for --ple-tables input
@@ -22,7 +22,7 @@ def manifest(max_batch: int = 8, max_context: int = 48, last: bool = False, tabl
     """The parts of manifest.json the engine stage reads, built as manifest.build builds them."""
     spec = spec_of(tiny_config())
     graphs = {}
-    for kind in GraphKind:
+    for kind in DECODER_KINDS:
         io = graph_io(spec, kind, last_logits_only=last, ple_tables=tables)
         graphs[kind.value] = {"file": f"onnx/{kind.value}.onnx", "inputs": [t.to_dict() for t in io.inputs], "outputs": [t.to_dict() for t in io.outputs]}
     return {"manifest_version": 1, "limits": {"max_batch": max_batch, "max_context": max_context}, "graphs": graphs}

@@ -22,7 +22,7 @@ from kiln.exporter.engine.build import load_tensorrt
 from kiln.exporter.engine.options import MIB
 from kiln.exporter.engine.profiles import engine_profiles
 from kiln.exporter.engine.trtexec import render_script, trtexec_args, trtexec_command, write_script
-from kiln.exporter.contract.io import GraphKind, graph_io
+from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
 from kiln.exporter.artifacts.verify import verify_dir
 from kiln.plugins.native import spec_of
 
@@ -30,7 +30,7 @@ from kiln.plugins.native import spec_of
 def manifest(max_batch: int = 8, max_context: int = 48, tables: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
     spec = spec_of(tiny_config())
     graphs = {}
-    for kind in GraphKind:
+    for kind in DECODER_KINDS:
         io = graph_io(spec, kind, ple_tables=tables)
         graphs[kind.value] = {"file": f"onnx/{kind.value}.onnx", "inputs": [t.to_dict() for t in io.inputs], "outputs": [t.to_dict() for t in io.outputs]}
     return {"manifest_version": 1, "precision": "fp32", "limits": {"max_batch": max_batch, "max_context": max_context}, "graphs": graphs}
@@ -40,7 +40,7 @@ def export_dir(root: Path, m: dict[str, Any] | None = None) -> Path:
     """A directory that passes kiln verify: placeholder graphs and a manifest hashing them."""
     directory = root / "export"
     (directory / "onnx").mkdir(parents=True)
-    for kind in GraphKind:
+    for kind in DECODER_KINDS:
         (directory / "onnx" / f"{kind.value}.onnx").write_bytes(f"placeholder {kind.value}".encode())
     m = m or manifest()
     m["files"] = hash_tree(directory)

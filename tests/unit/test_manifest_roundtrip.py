@@ -32,7 +32,7 @@ from kiln.exporter.artifacts.manifest import (
     export_settings,
     graph_options,
 )
-from kiln.exporter.contract.io import GraphKind, graph_io
+from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
 from kiln.exporter.options import ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
 from kiln.plugins.native import spec_of
 from kiln_testing import tiny_config, typed_manifest
@@ -56,7 +56,7 @@ def manifest_for(options: ExportOptions, *, max_context: int = 48, trained_rows:
             fp32_nodes=("/layers.0.attn/Softmax",) if precision.has_fp16 else None,
             int8_nodes=("/layers.0.mlp.fc1/MatMul",) if precision.has_int8 else None,
         )
-        for kind in GraphKind
+        for kind in DECODER_KINDS
     }
     return Manifest(
         manifest_version=1,

@@ -1,0 +1,180 @@
+"""Hugging Face encoder-decoders (``plugins.hf.seq2seq``): BART, mBART, Marian and T5, each a tiny
+random model (2 encoder and 2 decoder layers, hidden 64) saved by transformers and exported as
+the encoder graph plus the decoder's prefill/decode/unified graphs. kiln's greedy tokens through
+ONNX Runtime (its own encoder graph, then prefill + decode) must equal transformers' own
+``generate()`` for batch 1 and a padded batch of encoder inputs; ``kiln export`` checks the same
+against the PyTorch model (tensors and tokens), and ``kiln check``, ``kiln generate`` and
+``kiln bench`` run the export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
+
+import onnxruntime as ort
+import torch
+from click.testing import CliRunner
+
+from kiln.cli import main
+from kiln.errors import CheckpointError, ConfigError
+from kiln.exporter.check import check_dir
+from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.options import ExportOptions, Int4Method, Precision, Target
+from kiln.exporter.parity import greedy, left_pad, make_prompts
+from kiln.exporter.pipeline import export
+from kiln.exporter.runners import OrtRunner
+from kiln.plugins import load_model
+from kiln.plugins.hf import SUPPORTED, tiny_model
+from kiln.plugins.hf.seq2seq import SEQ2SEQ, SEQ2SEQ_TINY
+
+STEPS = 16
+CONTEXT = {"t5": 64}  # T5's relative positions have no limit of their own: --max-context
+
+
+def _save(case: str, directory: Path, **overrides: Any) -> Path:
+    tiny_model(case, seed=1, **overrides).module.model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def _generate(hf: torch.nn.Module, ids: np.ndarray, mask: np.ndarray, steps: int) -> np.ndarray:
+    """transformers' greedy generate() with its own cache and none of the generation config's
+    logits processors (forced first/last tokens, banned words): the model's own argmax."""
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps, do_sample=False, num_beams=1,
+            eos_token_id=None, forced_eos_token_id=None, forced_bos_token_id=None, bad_words_ids=None, pad_token_id=0,
+        )  # fmt: skip
+    return np.asarray(out[:, 1:].numpy())  # after the decoder's start token
+
+
+def test_every_encoder_decoder_has_a_tiny_model_and_is_listed() -> None:
+    assert {arch for arch, _ in SEQ2SEQ_TINY.values()} == set(SEQ2SEQ)
+    assert set(SEQ2SEQ) <= set(SUPPORTED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(SEQ2SEQ_TINY))
+def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> None:
+    ckpt = _save(case, tmp_path / "ckpt")
+    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, max_context=CONTEXT.get(case)))
+    assert result.parity.passed, result.parity.failures()
+    assert {c.graph for c in result.parity.tensors} == {"prefill", "decode", "model", "encoder"}
+    manifest = result.manifest
+    assert manifest.model.has_encoder and manifest.model.encoder_dim == 64
+    assert manifest.model.decoder_start_token_id == transformers.AutoConfig.from_pretrained(ckpt).decoder_start_token_id
+    assert manifest.graph(GraphKind.ENCODER).file == "onnx/encoder.onnx"
+    spec = load_model(ckpt).spec
+    onnx_dir = tmp_path / "out" / "onnx"
+    graphs = {k: onnx_dir / f"{k.value}.onnx" for k in (GraphKind.ENCODER, GraphKind.PREFILL, GraphKind.DECODE)}
+    hf = getattr(transformers, SEQ2SEQ_TINY[case][0]).from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    for lengths in ([9], [9, 5, 3]):  # batch 1, and a padded batch of encoder inputs
+        prompts = make_prompts(spec, lengths, seed=len(lengths))
+        ids, mask, _ = left_pad(prompts, 0)
+        want = _generate(hf, ids, mask, STEPS)
+        with OrtRunner(graphs) as runner:
+            got, _ = greedy(runner, spec, prompts, STEPS)
+        np.testing.assert_array_equal(got, want, err_msg=f"{case} {lengths}")
+
+
+@pytest.fixture(scope="module")
+def bart_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("bart")
+    result = export(_save("bart", root / "ckpt"), root / "out", ExportOptions(max_batch=4, parity_tokens=8))
+    assert result.parity.passed, result.parity.failures()
+    return root / "out"
+
+
+def test_encoder_and_decoder_io(bart_export: Path) -> None:
+    def session(kind: str) -> ort.InferenceSession:
+        return ort.InferenceSession(str(bart_export / "onnx" / f"{kind}.onnx"), providers=["CPUExecutionProvider"])
+
+    encoder, prefill, decode = session("encoder"), session("prefill"), session("decode")
+    assert [(i.name, i.shape) for i in encoder.get_inputs()] == [("input_ids", ["batch", "encoder_seq"]), ("attention_mask", ["batch", "encoder_seq"])]
+    assert [(o.name, o.shape) for o in encoder.get_outputs()] == [("encoder_hidden_states", ["batch", "encoder_seq", 64])]
+    assert [i.name for i in prefill.get_inputs()] == ["input_ids", "attention_mask", "position_ids", "encoder_attention_mask", "encoder_hidden_states"]
+    assert [o.name for o in prefill.get_outputs()][1:5] == ["present.0.key", "present.0.value", "present.0.cross_key", "present.0.cross_value"]
+    names = [i.name for i in decode.get_inputs()]
+    assert names[3:8] == ["encoder_attention_mask", "past_key_values.0.key", "past_key_values.0.value", "past_key_values.0.cross_key", "past_key_values.0.cross_value"]
+    assert not any("cross" in o.name for o in decode.get_outputs())  # the cross cache never grows
+    manifest = json.loads((bart_export / "manifest.json").read_text())
+    assert set(manifest["graphs"]) == {"prefill", "decode", "model", "encoder"}
+    assert not (bart_export / "onnx" / "genai_config.json").exists()
+
+
+def test_the_encoder_mask_masks_the_padding(bart_export: Path) -> None:
+    """A padded encoder position changes nothing when masked, and changes the logits when not."""
+    sessions = {k: ort.InferenceSession(str(bart_export / "onnx" / f"{k}.onnx"), providers=["CPUExecutionProvider"]) for k in ("encoder", "prefill")}
+
+    def logits(ids: list[int], mask: list[int]) -> np.ndarray:
+        i, m = np.array([ids], dtype=np.int64), np.array([mask], dtype=np.int64)
+        (states,) = sessions["encoder"].run(["encoder_hidden_states"], {"input_ids": i, "attention_mask": m})
+        start = np.array([[2]], dtype=np.int64)
+        feeds = {"input_ids": start, "attention_mask": np.ones_like(start), "position_ids": np.zeros_like(start), "encoder_attention_mask": m, "encoder_hidden_states": states}
+        return np.asarray(sessions["prefill"].run(["logits"], feeds)[0])
+
+    real = logits([5, 6, 7, 8], [1, 1, 1, 1])
+    np.testing.assert_allclose(logits([5, 6, 7, 8, 0, 0], [1, 1, 1, 1, 0, 0]), real, atol=1e-5)
+    assert np.abs(logits([5, 6, 7, 8, 0, 0], [1, 1, 1, 1, 1, 1]) - real).max() > 1e-2
+
+
+def test_check_generate_and_bench_run_it(bart_export: Path) -> None:
+    assert check_dir(bart_export).passed
+    runner = CliRunner()
+    result = runner.invoke(main, ["generate", str(bart_export), "--ids", "5,6,7,8,9", "--max-new-tokens", "6", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output[result.output.index("{") :])
+    assert summary["prompt_ids"] == [5, 6, 7, 8, 9] and len(summary["tokens"]) == 6
+    hf = transformers.BartForConditionalGeneration.from_pretrained(bart_export.parent / "ckpt", dtype=torch.float32, attn_implementation="eager").eval()
+    ids = np.array([[5, 6, 7, 8, 9]], dtype=np.int64)
+    assert summary["tokens"] == _generate(hf, ids, np.ones_like(ids), 6)[0].tolist()
+    result = runner.invoke(main, ["bench", str(bart_export), "--prefill-seq", "8", "--past", "8", "--runs", "3", "--no-roofline", "--json"])
+    assert result.exit_code == 0, result.output
+    timed = json.loads(result.output)["median_ms"]
+    assert set(timed["decode"]) == {"pytorch eager", "kiln fp32 (out)"} and all(v > 0 for v in timed["decode"].values())
+
+
+def test_too_long_an_input_is_refused(bart_export: Path) -> None:
+    result = CliRunner().invoke(main, ["generate", str(bart_export), "--ids", ",".join(["5"] * 65), "--max-new-tokens", "4"])
+    assert result.exit_code != 0
+    assert "the encoder's input (65 tokens) or the 4 new tokens exceed the export's context limit 64" in result.output
+
+
+@pytest.mark.slow
+def test_fp16(tmp_path: Path) -> None:
+    """fp16 graphs pass their own parity (a moderate init: fp16's tolerances are absolute)."""
+    ckpt = _save("bart", tmp_path / "ckpt", init_std=0.1)
+    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16))
+    assert result.parity.passed, result.parity.failures()
+    assert result.manifest.precision == "fp16"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (ExportOptions(precision=Precision.INT4, int4_method=Int4Method.RTN), "int4 exports are not supported for encoder-decoders yet"),
+        (ExportOptions(target=Target.ORT), "--target ort is not supported for cross-attention decoders yet"),
+    ],
+)
+def test_what_is_not_done_yet_is_refused(options: ExportOptions, message: str, bart_export: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=message):
+        export(bart_export.parent / "ckpt", tmp_path / "out", options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_engines_are_refused_by_name(bart_export: Path) -> None:
+    result = CliRunner().invoke(main, ["build", str(bart_export)])
+    assert result.exit_code != 0
+    assert "TensorRT engines for encoder-decoders are not built yet" in result.output
+
+
+def test_config_refusals(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="share_encoder_decoder_embeddings=False is not supported"):
+        tiny_model("marian", seed=0, share_encoder_decoder_embeddings=False)
+    with pytest.raises(CheckpointError, match="no decoder_start_token_id"):
+        tiny_model("t5", seed=0, decoder_start_token_id=None, bos_token_id=None)
