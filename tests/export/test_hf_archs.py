@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
@@ -32,6 +33,11 @@ from kiln.plugins.hf.tiny import TINY
 STEPS = 24
 # the cases whose attention --target ort leaves portable (ARCHS[arch].ort says so), and why
 PORTABLE_ATTENTION = {"gpt2-upcast": "reorder_and_upcast_attn", "falcon-40b": "40B layout", "bloom": "ALiBi", "gpt-oss-window": "attention sinks"}
+# the mixture-of-experts cases: the layers whose experts --target ort turns into ONNX Runtime's MoE
+# op in every graph, and the reason each block left as per-expert MatMuls gives (the manifest's
+# moe_not_fused; ARCHS[arch].ort says so)
+MOE_LAYERS = {"mixtral-window": [0, 1], "qwen3-moe": [1], "qwen3-moe-unnormalised": [0, 1], "gpt-oss-window": []}
+MOE_NOT_FUSED = {"gpt-oss-window": "the experts' first projection is not split in two halves (gate, up): its output is read by Add"}
 FIRST = {arch: next(case for case, (a, _) in TINY.items() if a == arch) for arch in ARCHS if any(a == arch for a, _ in TINY.values())}
 
 
@@ -68,6 +74,14 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     expected = [] if case in PORTABLE_ATTENTION else [0, 1]
     assert fused == {GraphKind.PREFILL: expected, GraphKind.DECODE: expected}, fused
     assert PORTABLE_ATTENTION.get(case, "GQA") in ARCHS[arch].ort, ARCHS[arch].ort  # what the README and kiln plugins say
+    for kind, entry in result.report.ort.graphs.items():
+        assert list(entry.moe_layers or []) == MOE_LAYERS.get(case, []), (kind, entry.moe_layers)
+        assert list(entry.moe_not_fused or []) == [f"layer {i}: {MOE_NOT_FUSED[case]}" for i in range(2)] if case in MOE_NOT_FUSED else not entry.moe_not_fused
+        graph = onnx.load(tmp_path / "out" / entry.file, load_external_data=False)
+        moe = [n for n in graph.graph.node if n.op_type == "MoE" and n.domain == "com.microsoft"]
+        assert len(moe) == len(MOE_LAYERS.get(case, [])), (kind, len(moe))
+    if MOE_LAYERS.get(case):
+        assert "MoE" in ARCHS[arch].ort, ARCHS[arch].ort
     spec = load_model(ckpt).spec
     steps = min(STEPS, result.report.max_context - 9)
     onnx_dir = tmp_path / "out" / "onnx"

@@ -6,6 +6,8 @@ contrib kernels into ``onnx/<kind>.ort.onnx`` by the passes ``ort_passes`` lists
 
 - attention (found by ``attention``) -> ``RotaryEmbedding`` + ``GroupQueryAttention`` (prefill
   and decode; see ``gqa`` for why model.onnx keeps its portable attention),
+- mixture-of-experts blocks -> one ``MoE`` per layer (``moe``: SwiGLU experts with softmax
+  top-k routing, renormalised or not; other blocks keep their per-expert MatMuls),
 - q/k/v projections -> one MatMul on the concatenated weight and a Split, and so any other
   MatMuls that read one input (a SwiGLU MLP's gate and up projections: ``pack``),
 - RMSNorm -> ``SimplifiedLayerNormalization``, with the residual Add before it
@@ -44,6 +46,7 @@ from kiln.exporter.passes import (
 from kiln.exporter.targets.ort.decode_mask import compact_decode_bias
 from kiln.exporter.targets.ort.gqa import fuse_attention
 from kiln.exporter.targets.ort.int4 import int4_matmul_nbits, unfold_int4_weights
+from kiln.exporter.targets.ort.moe import MoeRewrite, fuse_moe
 from kiln.exporter.targets.ort.nbits import (
     ACCURACY_LEVEL,
     BLOCK_SIZE,
@@ -83,12 +86,15 @@ class _Rewrites:
     skip_norms: GraphRewrite[int]
     packed: GraphRewrite[list[str]]
     int8: GraphRewrite[list[str]] | None
+    moe: GraphRewrite[MoeRewrite]
     int4: tuple[GraphRewrite[list[str]], GraphRewrite[list[str]]] | None = None  # unfold first, MatMulNBits last
 
     def record(self, path: Path) -> OrtGraphEntry:
         def names(rewrite: GraphRewrite[list[str]] | None) -> tuple[str, ...]:
             return tuple(rewrite.result or ()) if rewrite is not None else ()
 
+        moe = self.moe.result
+        has_moe = moe is not None and bool(moe.layers or moe.not_fused)
         return OrtGraphEntry(
             file=f"{ONNX_DIR}/{path.name}",
             fused_attention_layers=tuple(self.attention.result or ()) if self.attention is not None else (),
@@ -98,6 +104,8 @@ class _Rewrites:
             packed_matmuls=names(self.packed),
             int8_nodes=names(self.int8),
             int4_nodes=names(self.int4[1]) if self.int4 is not None else None,
+            moe_layers=moe.layers if moe is not None and has_moe else None,
+            moe_not_fused=moe.not_fused if moe is not None and has_moe else None,
         )
 
 
@@ -123,6 +131,7 @@ def _rewrites(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: i
         GraphRewrite(fuse_skip_rms_norm),
         GraphRewrite(pack_shared_input_matmuls),
         GraphRewrite(quantize_matmul_nbits) if int8 else None,
+        GraphRewrite(fuse_moe),
         (GraphRewrite(unfold_int4_weights), GraphRewrite(int4_matmul_nbits)) if int4 else None,
     )
 
@@ -133,6 +142,7 @@ def ort_passes(rewrites: _Rewrites, writer: WeightsWriter) -> list[ir.passes.Pas
     return [
         *((rewrites.int4[0],) if rewrites.int4 is not None else ()),
         *(p for p in (rewrites.attention, rewrites.mask) if p is not None),
+        rewrites.moe,
         rewrites.norms,
         rewrites.skip_norms,
         unused(),  # before packing and quantizing: the replaced q/k/v MatMuls are dead now
