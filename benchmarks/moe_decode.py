@@ -50,20 +50,17 @@ def _checkpoint(args: argparse.Namespace, directory: Path) -> None:
 
 
 def _without_moe(onnx_dir: Path, target: Path, ckpt: Path, max_context: int) -> Path:
-    """The ``--target ort`` decode graph rewritten again with the MoE pass switched off, in its own
-    directory (the portable graph and a link to its weights)."""
+    """The ``--target ort`` prefill and decode graphs rewritten again with the MoE pass switched
+    off, in their own directory (copies of the portable graphs and their weights); returns it."""
     import kiln.exporter.targets.ort as ort_target
     from kiln.exporter.contract.io import GraphKind
     from kiln.exporter.targets.ort.moe import MoeRewrite
     from kiln.plugins import load_model
 
     target.mkdir(parents=True, exist_ok=True)
-    for name in ("decode.onnx", "weights.bin"):
-        dst = target / name
-        if dst.exists() or dst.is_symlink():
-            dst.unlink()
-    shutil.copy(onnx_dir / "decode.onnx", target / "decode.onnx")
-    os.symlink(onnx_dir / "weights.bin", target / "weights.bin")
+    for name in ("prefill.onnx", "decode.onnx"):
+        shutil.copy(onnx_dir / name, target / name)
+    shutil.copy(onnx_dir / "weights.bin", target / "weights.bin")  # ONNX Runtime 1.32 refuses external data through a symlink or a hard link
     spec = load_model(ckpt).spec
 
     def no_moe(model: Any) -> MoeRewrite:
@@ -72,10 +69,11 @@ def _without_moe(onnx_dir: Path, target: Path, ckpt: Path, max_context: int) -> 
     saved = ort_target.fuse_moe
     ort_target.fuse_moe = no_moe  # type: ignore[assignment]  # the benchmark's own variant
     try:
-        ort_target.write_ort_target(target, {GraphKind.DECODE: target / "decode.onnx"}, spec, max_context=max_context, int8=False)
+        graphs = {kind: target / f"{kind.value}.onnx" for kind in (GraphKind.PREFILL, GraphKind.DECODE)}
+        ort_target.write_ort_target(target, graphs, spec, max_context=max_context, int8=False)
     finally:
         ort_target.fuse_moe = saved  # type: ignore[assignment]
-    return target / "decode.ort.onnx"
+    return target
 
 
 def _feeds(session: Any, batch: int, seq: int, past: int, vocab: int) -> dict[str, np.ndarray]:
@@ -109,7 +107,7 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=1024)
     parser.add_argument("--past", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=200, help="decode steps per graph (prefills: a fifth)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
@@ -130,8 +128,9 @@ def main() -> None:
             raise SystemExit(f"parity failed: {result.parity.failures()}")
     onnx_dir = out / "onnx"
     no_moe = _without_moe(onnx_dir, args.out / "ort-without-moe", ckpt, args.max_context)
-    decode = {"portable (Slice+MatMul per expert)": onnx_dir / "decode.onnx", "--target ort, MoE op": onnx_dir / "decode.ort.onnx", "--target ort without the MoE pass": no_moe}
-    prefill = {"portable (Slice+MatMul per expert)": onnx_dir / "prefill.onnx", "--target ort, MoE op": onnx_dir / "prefill.ort.onnx"}
+    names = {"portable (Slice+MatMul per expert)": (onnx_dir, ""), "--target ort, MoE op": (onnx_dir, ".ort"), "--target ort without the MoE pass": (no_moe, ".ort")}
+    decode = {name: d / f"decode{suffix}.onnx" for name, (d, suffix) in names.items()}
+    prefill = {name: d / f"prefill{suffix}.onnx" for name, (d, suffix) in names.items()}
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "export_s": export_s, "load_average": os.getloadavg()}
     for label, graphs, seq, past in (("decode_ms", decode, 1, args.past), ("prefill_ms", prefill, args.prompt, 0)):
         sessions = {name: ort_session(path, threads=args.threads, spinning=False) for name, path in graphs.items()}
@@ -142,10 +141,11 @@ def main() -> None:
         outputs = {name: session.run(["logits"], _feeds(session, 1, seq, past, args.vocab))[0] for name, session in sessions.items()}
         first = next(iter(outputs.values()))
         report[label.replace("_ms", "_max_abs_vs_portable")] = {name: float(np.abs(o - first).max()) for name, o in outputs.items()}
-        report[label] = interleaved(calls, args.runs if seq == 1 else max(args.runs // 10, 10), pause=0.0, warmup=3)
+        report[label] = interleaved(calls, args.runs if seq == 1 else max(args.runs // 5, 10), pause=0.0, warmup=3)
     import onnx
 
-    report["nodes"] = {name: len(onnx.load(path, load_external_data=False).graph.node) for name, path in decode.items()}
+    report["decode_nodes"] = {name: len(onnx.load(path, load_external_data=False).graph.node) for name, path in decode.items()}
+    report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=1))
 
 

@@ -40,7 +40,7 @@ import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, scalar_of, skip_casts, use_ms_domain
 
-__all__ = ["MoeBlock", "MoeRewrite", "find_moe", "fuse_moe"]
+__all__ = ["PROMPT_GRAPH", "MoeBlock", "MoeRewrite", "find_moe", "fuse_moe"]
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -291,11 +291,24 @@ def _interleaved(gate_up: np.ndarray) -> np.ndarray:
     return out
 
 
-def fuse_moe(model: ir.Model) -> MoeRewrite:
+PROMPT_GRAPH = (
+    "kept as per-expert MatMuls: this graph runs prompts, where ONNX Runtime 1.32's CPU MoE kernel is slower "
+    "than the per-expert MatMuls (docs/benchmarks.md, MoE)"
+)
+
+
+def fuse_moe(model: ir.Model, *, prompts: bool = False) -> MoeRewrite:
     """Replace every matched MoE block by one ``MoE`` node; the portable nodes it replaces are
-    left dead (the target's passes remove them)."""
+    left dead (the target's passes remove them). ``prompts`` (prefill, model.onnx): replace none,
+    each matched block reported as ``PROMPT_GRAPH``: measured, the CPU kernel is faster than the
+    per-expert MatMuls for one token per row and slower for a prompt (its experts run one GEMM
+    each on one thread, after copying their rows twice)."""
     graph = model.graph
     blocks, refused = find_moe(model)
+    if prompts:
+        kept = [f"layer {b.layer}: {PROMPT_GRAPH}" for b in blocks]
+        refused = sorted([*refused, *kept], key=lambda why: int(m.group(1)) if (m := re.match(r"layer (\d+):", why)) else -1)
+        blocks = []
     nodes: list[ir.Node] = []
     for block in blocks:
         prefix = f"ort/layers.{block.layer}.moe"
