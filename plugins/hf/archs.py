@@ -99,9 +99,9 @@ ARCHS: Mapping[str, Arch] = {
     "BloomForCausalLM": Arch(
         "Bloom", context=None, notes="ALiBi: no context limit of its own, --max-context is required", ort="portable attention (ALiBi)"
     ),
-    "MixtralForCausalLM": Arch("Mixtral", notes="mixture of experts (top-k routing, renormalised), sliding window", ort="GQA; MoE"),
+    "MixtralForCausalLM": Arch("Mixtral", notes="mixture of experts (top-k routing, renormalised), sliding window", ort="GQA; MoE (decode)"),
     "Qwen3MoeForCausalLM": Arch(
-        "Qwen3-MoE", notes="mixture of experts (norm_topk_prob on and off), dense layers (mlp_only_layers), q/k norm", ort="GQA; MoE"
+        "Qwen3-MoE", notes="mixture of experts (norm_topk_prob on and off), dense layers (mlp_only_layers), q/k norm", ort="GQA; MoE (decode)"
     ),
     "GptOssForCausalLM": Arch(
         "gpt-oss",
