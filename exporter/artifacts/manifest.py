@@ -174,6 +174,9 @@ class OrtGraphEntry:
     packed_matmuls: tuple[str, ...]
     int8_nodes: tuple[str, ...]
     int4_nodes: tuple[str, ...] | None = _omit()
+    moe_layers: tuple[int, ...] | None = _omit()  # graphs with mixture-of-experts blocks: the layers whose experts became one MoE node
+    moe_not_fused: tuple[str, ...] | None = _omit()  # and "layer i: why" for each block left portable
+    local_window_layers: tuple[int, ...] | None = _omit()  # decode: the layers whose GQA applies the sliding window itself (local_window_size)
 
 
 @dataclasses.dataclass(frozen=True)

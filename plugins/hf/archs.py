@@ -39,7 +39,8 @@ class Arch:
     refusals: tuple[Refusal, ...] = ()
     notes: str = ""  # what the tests prove beyond the plain architecture (README)
     # --target ort: "GQA" when every layer's attention becomes GroupQueryAttention (tested), else
-    # what the rewrite does not recognise (those layers keep the portable attention, still exact)
+    # what the rewrite does not recognise (those layers keep the portable attention, still exact);
+    # "MoE" when every mixture-of-experts block becomes ONNX Runtime's MoE op (tested)
     ort: str = "GQA"
 
 
@@ -98,9 +99,13 @@ ARCHS: Mapping[str, Arch] = {
     "BloomForCausalLM": Arch(
         "Bloom", context=None, notes="ALiBi: no context limit of its own, --max-context is required", ort="portable attention (ALiBi)"
     ),
-    "MixtralForCausalLM": Arch("Mixtral", notes="mixture of experts (top-k routing, renormalised), sliding window"),
-    "Qwen3MoeForCausalLM": Arch("Qwen3-MoE", notes="mixture of experts, dense layers (mlp_only_layers), q/k norm"),
+    "MixtralForCausalLM": Arch("Mixtral", notes="mixture of experts (top-k routing, renormalised), sliding window", ort="GQA; MoE (decode)"),
+    "Qwen3MoeForCausalLM": Arch(
+        "Qwen3-MoE", notes="mixture of experts (norm_topk_prob on and off), dense layers (mlp_only_layers), q/k norm", ort="GQA; MoE (decode)"
+    ),
     "GptOssForCausalLM": Arch(
-        "gpt-oss", notes="mixture of experts (clamped SwiGLU, biases), attention sinks, alternating sliding layers, yarn", ort="portable attention (attention sinks)"
+        "gpt-oss",
+        notes="mixture of experts (clamped SwiGLU, biases), attention sinks, alternating sliding layers, yarn",
+        ort="portable attention (attention sinks); per-expert MatMuls (expert biases, clamped SwiGLU)",
     ),
 }

@@ -111,6 +111,9 @@ TINY: Mapping[str, TinyCase] = {
     "bloom": ("BloomForCausalLM", _cfg("BloomConfig", vocab_size=V, hidden_size=H, n_layer=L, n_head=NH, seq_length=CTX)),
     "mixtral-window": _c("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2, sliding_window=4),
     "qwen3-moe": _c("Qwen3MoeForCausalLM", "Qwen3MoeConfig", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0]),
+    "qwen3-moe-unnormalised": _c(
+        "Qwen3MoeForCausalLM", "Qwen3MoeConfig", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False
+    ),
     "gpt-oss-window": _c(
         "GptOssForCausalLM",
         "GptOssConfig",

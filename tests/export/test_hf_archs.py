@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
@@ -24,6 +25,7 @@ from kiln.exporter.options import ExportOptions, Precision, Target
 from kiln.exporter.parity import greedy, left_pad, make_prompts
 from kiln.exporter.pipeline import export
 from kiln.exporter.runners import OrtRunner
+from kiln.exporter.targets.ort.moe import PROMPT_GRAPH
 from kiln.plugins import load_model
 from kiln.plugins.hf import tiny_model
 from kiln.plugins.hf.archs import ARCHS
@@ -32,6 +34,16 @@ from kiln.plugins.hf.tiny import TINY
 STEPS = 24
 # the cases whose attention --target ort leaves portable (ARCHS[arch].ort says so), and why
 PORTABLE_ATTENTION = {"gpt2-upcast": "reorder_and_upcast_attn", "falcon-40b": "40B layout", "bloom": "ALiBi", "gpt-oss-window": "attention sinks"}
+# the mixture-of-experts cases: the layers whose experts --target ort turns into ONNX Runtime's MoE
+# op in every graph, and the reason each block left as per-expert MatMuls gives (the manifest's
+# moe_not_fused; ARCHS[arch].ort says so)
+MOE_LAYERS = {"mixtral-window": [0, 1], "qwen3-moe": [1], "qwen3-moe-unnormalised": [0, 1], "gpt-oss-window": []}
+MOE_NOT_FUSED = {"gpt-oss-window": "the experts' first projection is not split in two halves (gate, up): its output is read by Add"}
+# the sliding-window cases (window 4, shorter than prompt + generation): the decode graph's layers
+# whose GroupQueryAttention applies the window itself (local_window_size 4, the family's mask
+# replaced by the padding-only bias); prefill keeps the family's mask (GQA refuses a local window
+# with causal=0)
+WINDOW_LAYERS = {"mistral-window": [0, 1], "qwen2-window": [1], "gemma2-window": [0], "gemma3-window": [0], "starcoder2-window": [0, 1], "mixtral-window": [0, 1]}
 FIRST = {arch: next(case for case, (a, _) in TINY.items() if a == arch) for arch in ARCHS if any(a == arch for a, _ in TINY.values())}
 
 
@@ -68,6 +80,24 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     expected = [] if case in PORTABLE_ATTENTION else [0, 1]
     assert fused == {GraphKind.PREFILL: expected, GraphKind.DECODE: expected}, fused
     assert PORTABLE_ATTENTION.get(case, "GQA") in ARCHS[arch].ort, ARCHS[arch].ort  # what the README and kiln plugins say
+    for kind, entry in result.report.ort.graphs.items():
+        # decode only: the prompt graphs keep the per-expert MatMuls (measured faster there) and say so
+        layers = MOE_LAYERS.get(case, []) if kind is GraphKind.DECODE else []
+        why = {i: MOE_NOT_FUSED[case] for i in range(2)} if case in MOE_NOT_FUSED else {} if kind is GraphKind.DECODE else {i: PROMPT_GRAPH for i in MOE_LAYERS.get(case, [])}
+        assert list(entry.moe_layers or []) == layers, (kind, entry.moe_layers)
+        assert list(entry.moe_not_fused or []) == [f"layer {i}: {w}" for i, w in sorted(why.items())], (kind, entry.moe_not_fused)
+        graph = onnx.load(tmp_path / "out" / entry.file, load_external_data=False)
+        moe = [n for n in graph.graph.node if n.op_type == "MoE" and n.domain == "com.microsoft"]
+        assert len(moe) == len(layers), (kind, len(moe))
+    windows = {kind: list(entry.local_window_layers or []) for kind, entry in result.report.ort.graphs.items()}
+    assert windows == {GraphKind.PREFILL: [], GraphKind.DECODE: WINDOW_LAYERS.get(case, []), GraphKind.UNIFIED: []}, windows
+    if case in WINDOW_LAYERS:
+        assert result.report.ort.graphs[GraphKind.DECODE].compact_decode_mask  # the window is GQA's now, the bias only padding
+    decode = onnx.load(tmp_path / "out" / result.report.ort.graphs[GraphKind.DECODE].file, load_external_data=False)
+    local = {n.name: {a.name: a.i for a in n.attribute}.get("local_window_size", -1) for n in decode.graph.node if n.op_type == "GroupQueryAttention"}
+    assert local == {f"/layers.{i}.attn/ort/GroupQueryAttention": 4 if i in WINDOW_LAYERS.get(case, []) else -1 for i in expected}, local
+    if MOE_LAYERS.get(case):
+        assert "MoE" in ARCHS[arch].ort, ARCHS[arch].ort
     spec = load_model(ckpt).spec
     steps = min(STEPS, result.report.max_context - 9)
     onnx_dir = tmp_path / "out" / "onnx"

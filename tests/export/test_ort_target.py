@@ -373,14 +373,37 @@ def _gqa_graph(window: int | None) -> onnx.ModelProto:
     return h.make_model(graph, opset_imports=[h.make_opsetid("", 19), h.make_opsetid("com.microsoft", 1)])
 
 
-@pytest.mark.parametrize(("window", "max_context", "compacted"), [(None, 64, True), (8, 64, False), (100, 64, True), (40, 64, False)])
-def test_decode_mask_compacted_only_when_proven_equal(window: int | None, max_context: int, compacted: bool, tmp_path: Path) -> None:
-    """A sliding window shorter than the context is more than padding: the family's mask stays."""
+@pytest.mark.parametrize(("window", "max_context", "local"), [(None, 64, None), (8, 64, 8), (100, 64, None), (40, 64, 40)])
+def test_decode_mask_compacted_when_proven_equal(window: int | None, max_context: int, local: int | None, tmp_path: Path) -> None:
+    """The padding-only bias replaces the family's mask when the probes prove it equal; a
+    sliding window shorter than the context (and so seen by the probes) becomes GQA's
+    local_window_size, one longer is no window at all."""
     import onnx_ir as ir
 
     from kiln.exporter.targets.ort.decode_mask import compact_decode_bias
 
     model = ir.from_proto(_gqa_graph(window))
-    assert compact_decode_bias(model, tmp_path, max_context) is compacted
+    got = compact_decode_bias(model, tmp_path, max_context)
+    assert got.compact
+    assert got.local_windows == (((-1, local),) if local is not None else ())  # the test graph's GQA has no layer in its name
     gqa = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
-    assert (gqa.inputs[10].producer().name == "/ort/decode_mask/Unsqueeze") is compacted  # type: ignore[union-attr]
+    assert gqa.inputs[10].producer().name == "/ort/decode_mask/Unsqueeze"  # type: ignore[union-attr]
+    assert gqa.attributes.get_int("local_window_size", -1) == (local if local is not None else -1)
+
+
+def test_decode_mask_kept_when_not_a_window(tmp_path: Path) -> None:
+    """A bias that hides the first key of every row (no window of one size) keeps the family's mask."""
+    import onnx_ir as ir
+
+    from kiln.exporter.targets.ort.decode_mask import compact_decode_bias
+
+    proto = _gqa_graph(8)
+    sub = next(n for n in proto.graph.node if n.op_type == "Sub")
+    sub.op_type, sub.input[:] = "Identity", ["window"]  # first = 1 for every length: key 0 hidden
+    window = next(t for t in proto.graph.initializer if t.name == "window")
+    window.int64_data[:] = [1]
+    model = ir.from_proto(proto)
+    got = compact_decode_bias(model, tmp_path, 64)
+    assert not got.compact and got.local_windows == ()
+    gqa = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+    assert gqa.inputs[10].producer().name != "/ort/decode_mask/Unsqueeze"  # type: ignore[union-attr]

@@ -6,11 +6,15 @@ contrib kernels into ``onnx/<kind>.ort.onnx`` by the passes ``ort_passes`` lists
 
 - attention (found by ``attention``) -> ``RotaryEmbedding`` + ``GroupQueryAttention`` (prefill
   and decode; see ``gqa`` for why model.onnx keeps its portable attention),
+- decode: mixture-of-experts blocks -> one ``MoE`` per layer (``moe``: SwiGLU experts with
+  softmax top-k routing, renormalised or not; other blocks, and every block of the prompt graphs,
+  where the CPU kernel was measured slower, keep their per-expert MatMuls),
 - q/k/v projections -> one MatMul on the concatenated weight and a Split, and so any other
   MatMuls that read one input (a SwiGLU MLP's gate and up projections: ``pack``),
 - RMSNorm -> ``SimplifiedLayerNormalization``, with the residual Add before it
   ``SkipSimplifiedLayerNormalization`` (``norm``),
-- decode: the family's mask subgraph -> a four-op padding bias when probes prove them equal
+- decode: the family's mask subgraph -> a four-op padding bias when probes prove them equal, or
+  equal but for a sliding window of W keys, which becomes GQA's ``local_window_size = W``
   (``decode_mask``),
 - with ``int8``: every constant-weight MatMul -> ``MatMulNBits`` (8 bits, weight-only: ``nbits``);
 - ``--int4`` graphs: their int4 weights -> ``MatMulNBits`` (4 bits, the portable graphs' own
@@ -41,9 +45,10 @@ from kiln.exporter.passes import (
     WeightsWriter,
     run_passes,
 )
-from kiln.exporter.targets.ort.decode_mask import compact_decode_bias
+from kiln.exporter.targets.ort.decode_mask import DecodeMask, compact_decode_bias
 from kiln.exporter.targets.ort.gqa import fuse_attention
 from kiln.exporter.targets.ort.int4 import int4_matmul_nbits, unfold_int4_weights
+from kiln.exporter.targets.ort.moe import MoeRewrite, fuse_moe
 from kiln.exporter.targets.ort.nbits import (
     ACCURACY_LEVEL,
     BLOCK_SIZE,
@@ -78,26 +83,33 @@ class _Rewrites:
     """The passes of one graph whose results the manifest reports."""
 
     attention: GraphRewrite[list[int]] | None
-    mask: GraphRewrite[bool] | None
+    mask: GraphRewrite[DecodeMask] | None
     norms: GraphRewrite[int]
     skip_norms: GraphRewrite[int]
     packed: GraphRewrite[list[str]]
     int8: GraphRewrite[list[str]] | None
+    moe: GraphRewrite[MoeRewrite]
     int4: tuple[GraphRewrite[list[str]], GraphRewrite[list[str]]] | None = None  # unfold first, MatMulNBits last
 
     def record(self, path: Path) -> OrtGraphEntry:
         def names(rewrite: GraphRewrite[list[str]] | None) -> tuple[str, ...]:
             return tuple(rewrite.result or ()) if rewrite is not None else ()
 
+        moe = self.moe.result
+        windows = self.mask.result.local_windows if self.mask is not None and self.mask.result is not None else ()
+        has_moe = moe is not None and bool(moe.layers or moe.not_fused)
         return OrtGraphEntry(
             file=f"{ONNX_DIR}/{path.name}",
             fused_attention_layers=tuple(self.attention.result or ()) if self.attention is not None else (),
-            compact_decode_mask=bool(self.mask.result) if self.mask is not None else False,
+            compact_decode_mask=self.mask.result.compact if self.mask is not None and self.mask.result is not None else False,
             fused_rms_norms=self.norms.result or 0,
             fused_skip_norms=self.skip_norms.result or 0,
             packed_matmuls=names(self.packed),
             int8_nodes=names(self.int8),
             int4_nodes=names(self.int4[1]) if self.int4 is not None else None,
+            moe_layers=moe.layers if moe is not None and has_moe else None,
+            moe_not_fused=moe.not_fused if moe is not None and has_moe else None,
+            local_window_layers=tuple(layer for layer, _ in windows) if windows else None,
         )
 
 
@@ -112,8 +124,8 @@ def _rewrites(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: i
         attention = GraphRewrite(functools.update_wrapper(fuse, fuse_attention))
         if kind is GraphKind.DECODE:
 
-            def compact(model: ir.Model) -> bool:
-                return bool(attention.result) and compact_decode_bias(model, base_dir, max_context)
+            def compact(model: ir.Model) -> DecodeMask:
+                return compact_decode_bias(model, base_dir, max_context) if attention.result else DecodeMask(False)
 
             mask = GraphRewrite(functools.update_wrapper(compact, compact_decode_bias))
     return _Rewrites(
@@ -123,6 +135,7 @@ def _rewrites(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: i
         GraphRewrite(fuse_skip_rms_norm),
         GraphRewrite(pack_shared_input_matmuls),
         GraphRewrite(quantize_matmul_nbits) if int8 else None,
+        GraphRewrite(functools.update_wrapper(functools.partial(fuse_moe, prompts=kind is not GraphKind.DECODE), fuse_moe)),
         (GraphRewrite(unfold_int4_weights), GraphRewrite(int4_matmul_nbits)) if int4 else None,
     )
 
@@ -133,6 +146,7 @@ def ort_passes(rewrites: _Rewrites, writer: WeightsWriter) -> list[ir.passes.Pas
     return [
         *((rewrites.int4[0],) if rewrites.int4 is not None else ()),
         *(p for p in (rewrites.attention, rewrites.mask) if p is not None),
+        rewrites.moe,
         rewrites.norms,
         rewrites.skip_norms,
         unused(),  # before packing and quantizing: the replaced q/k/v MatMuls are dead now

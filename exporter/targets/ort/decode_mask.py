@@ -13,7 +13,10 @@ keeps its own mask.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -22,9 +25,10 @@ from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, set_dtype
 from kiln.exporter.passes.subgraph import cut_subgraph
 from kiln.exporter.runners.ort_runner import ort_session
 
-__all__ = ["compact_decode_bias"]
+__all__ = ["DecodeMask", "compact_decode_bias"]
 
 _BIAS_INPUT = 10  # GroupQueryAttention's attention_bias
+_LAYER = re.compile(r"/layers\.(\d+)\.")
 
 
 def _probes(max_context: int) -> list[np.ndarray]:
@@ -56,42 +60,86 @@ def _feeds(inputs: list[onnx.ValueInfoProto], mask: np.ndarray) -> dict[str, np.
     return feeds
 
 
-def compact_decode_bias(model: ir.Model, base_dir: Path, max_context: int) -> bool:
-    """Replace the GQA nodes' shared bias in a decode graph when the probes prove it is the
-    padding-only mask; returns whether it did."""
+@dataclasses.dataclass(frozen=True)
+class DecodeMask:
+    """What ``compact_decode_bias`` did to one decode graph."""
+
+    compact: bool  # the family's bias replaced by the padding-only Where
+    local_windows: tuple[tuple[int, int], ...] = ()  # (layer, window): GQA's local_window_size set on that layer
+
+
+def _window(got: np.ndarray, mask: np.ndarray, fill: float) -> int | None | bool:
+    """The bias of one probe ([B, T]) -> None when it is the padding-only bias, the window W when
+    it is padding and the last W keys only, False when it is neither (or W cannot be told)."""
+    total = mask.shape[1]
+    if np.array_equal(got, np.where(mask == 1, np.float32(0.0), np.float32(fill))):
+        return None
+    seen = int((got[1] == 0.0).sum())  # row 1 of every probe is unpadded
+    if not 0 < seen < total:
+        return False
+    window = np.where((mask == 1) & (np.arange(total)[None] >= total - seen), np.float32(0.0), np.float32(fill))
+    return seen if np.array_equal(got, window) else False
+
+
+def _classify(session: Any, inputs: list[onnx.ValueInfoProto], max_context: int) -> tuple[float, int | None] | None:
+    """Run one bias subgraph on the probes -> (its fill, None for padding-only or the window W
+    that every probe agrees on), or None when some probe is neither."""
+    fill: float | None = None
+    results: list[tuple[np.ndarray, np.ndarray]] = []
+    for mask in _probes(max_context):
+        feeds = _feeds(inputs, mask)
+        if feeds is None:
+            return None
+        (got,) = session.run(None, feeds)
+        if got.shape != (mask.shape[0], 1, 1, mask.shape[1]) or got.dtype != np.float32:
+            return None
+        masked = got[:, 0, 0, :][got[:, 0, 0, :] != 0.0]
+        if fill is None and masked.size:
+            fill = float(masked[0])
+        results.append((got[:, 0, 0, :], mask))
+    if fill is None or fill == 0.0:
+        return None
+    kinds = [(_window(got, mask, fill), mask.shape[1]) for got, mask in results]
+    if any(kind is False for kind, _ in kinds):
+        return None
+    windows = {kind for kind, _ in kinds if kind is not None}
+    if len(windows) > 1:
+        return None
+    window = int(windows.pop()) if windows else None
+    if window is not None and any(kind != window for kind, total in kinds if total > window):
+        return None  # a probe longer than the window that saw more than it
+    return fill, window
+
+
+def compact_decode_bias(model: ir.Model, base_dir: Path, max_context: int) -> DecodeMask:
+    """Replace the GQA nodes' biases in a decode graph by the padding-only mask when the probes
+    prove each one is the padding-only mask, or (sliding-window layers) the padding mask and the
+    last W keys only, which then becomes that node's ``local_window_size = W`` (ONNX Runtime 1.32's
+    CPU kernel lets a query see its last W keys, itself included, measured: transformers'
+    ``sliding_window`` W); returns what it did (nothing unless every bias is proven)."""
     graph = model.graph
     gqa = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == MS_DOMAIN and len(n.inputs) > _BIAS_INPUT]
     biases: dict[int, ir.Value] = {}
     for node in gqa:
         value = node.inputs[_BIAS_INPUT]
-        if value is not None:
-            biases[id(value)] = value
-    if len(biases) != 1:
-        return False
-    bias = next(iter(biases.values()))
-    if bias.name is None or bias.is_graph_input():
-        return False
-    sub = cut_subgraph(ir.to_proto(model), [bias.name], base_dir, name="decode_mask", max_external_bytes=1 << 20)  # a mask reads no weights
-    if sub is None:
-        return False
-    session = ort_session(sub.SerializeToString())
-    fill: float | None = None
-    for mask in _probes(max_context):
-        feeds = _feeds(list(sub.graph.input), mask)
-        if feeds is None:
-            return False
-        (got,) = session.run(None, feeds)
-        if got.shape != (mask.shape[0], 1, 1, mask.shape[1]) or got.dtype != np.float32:
-            return False
-        masked = got[:, 0, 0, :][mask == 0]
-        if fill is None and masked.size:
-            fill = float(masked[0])
-        if fill is None or fill == 0.0:
-            continue
-        if not np.array_equal(got[:, 0, 0, :], np.where(mask == 1, np.float32(0.0), np.float32(fill))):
-            return False
-    if fill is None or fill == 0.0:
-        return False
+        if value is None or value.name is None or value.is_graph_input() or node.attributes.get_int("causal", 1) != 1:
+            return DecodeMask(False)
+        biases[id(value)] = value
+    if not biases:
+        return DecodeMask(False)
+    proto = ir.to_proto(model)
+    found: dict[int, tuple[float, int | None]] = {}
+    for key, bias in biases.items():
+        assert bias.name is not None
+        sub = cut_subgraph(proto, [bias.name], base_dir, name="decode_mask", max_external_bytes=1 << 20)  # a mask reads no weights
+        got = _classify(ort_session(sub.SerializeToString()), list(sub.graph.input), max_context) if sub is not None else None
+        if got is None:
+            return DecodeMask(False)
+        found[key] = got
+    fills = {fill for fill, _ in found.values()}
+    if len(fills) != 1:
+        return DecodeMask(False)
+    fill = fills.pop()
     attention_mask = next(v for v in graph.inputs if v.name == "attention_mask")
     cond = ir.node("Cast", [attention_mask], {"to": ir.DataType.BOOL}, name="/ort/decode_mask/Cast")
     where = ir.node(
@@ -103,6 +151,12 @@ def compact_decode_bias(model: ir.Model, base_dir: Path, max_context: int) -> bo
     unsqueeze = ir.node("Unsqueeze", [where.outputs[0], axes], name="/ort/decode_mask/Unsqueeze")  # [B, 1, 1, T]
     set_dtype(unsqueeze.outputs[0], ir.DataType.FLOAT)
     graph.extend([cond, where, unsqueeze])
+    windows: list[tuple[int, int]] = []
     for node in gqa:
+        window = found[id(node.inputs[_BIAS_INPUT])][1]
         node.replace_input_with(_BIAS_INPUT, unsqueeze.outputs[0])
-    return True
+        if window is not None:
+            node.attributes["local_window_size"] = ir.AttrInt64("local_window_size", window)
+            layer = _LAYER.search(node.name or "")
+            windows.append((int(layer.group(1)) if layer else -1, window))
+    return DecodeMask(True, tuple(sorted(windows)))
