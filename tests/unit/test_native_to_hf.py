@@ -4,16 +4,31 @@ low-bit study's trained model)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 from kiln_testing import tiny_config, write_checkpoint
 
-from kiln.benchmarks.native_to_hf import hf_config, max_logit_difference, native_to_hf
 from kiln.plugins import load_model
 
 transformers = pytest.importorskip("transformers")
+
+
+def _benchmark(name: str) -> ModuleType:
+    """A script of benchmarks/ (not an installed package) imported from its file."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"kiln_benchmarks_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_converter = _benchmark("native_to_hf")
+hf_config, max_logit_difference, native_to_hf = _converter.hf_config, _converter.max_logit_difference, _converter.native_to_hf
 
 
 def llama_like(**overrides: object) -> object:
