@@ -57,7 +57,13 @@ def _variants(heldout: Path, calib_samples: int, block: int) -> dict[str, list[s
     b = "" if block == 128 else f"-b{block}"  # directory suffix for a non-default block
     out[f"int4-rtn{b}"] = ["--int4", "--int4-method", "rtn", "--int4-block", str(block), "--target", "ort"]
     out[f"int4-gptq{b}"] = ["--int4", "--int4-method", "gptq", "--int4-block", str(block), *data, "--target", "ort"]
+    # the LM head int4 too, as the GenAI builder ships a tied model: the like-for-like row for its default
+    out[f"int4-gptq{b}-all"] = ["--int4", "--int4-method", "gptq", "--int4-block", str(block), "--int4-all-matmuls", *data, "--target", "ort"]
     out["fp8"] = ["--fp8", *data, "--calib-samples", str(calib_samples)]
+    # fp8 with the first layer's most sensitive MatMuls fp16 (benchmarks/fp8_sensitivity.py on this model)
+    qkv = [a for m in ("q_proj", "k_proj", "v_proj") for a in ("--fp8-float", f"/layers.0.attn.{m}/")]
+    out["fp8-l0qkv-fp16"] = [*out["fp8"], *qkv]
+    out["fp8-l0-fp16"] = [*out["fp8"], *qkv, *(a for m in ("attn.o_proj", "mlp.gate", "mlp.fc1", "mlp.fc2") for a in ("--fp8-float", f"/layers.0.{m}/"))]
     return out
 
 
