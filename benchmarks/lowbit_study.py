@@ -153,6 +153,25 @@ def main() -> None:
     print(f"\ndecode step, batch 1, past {result['bench']['decode_past']}, median of {result['bench']['runs']} interleaved runs:")
     for label, ms in decode.items():
         print(f"  {label}: {ms:.3f} ms")
+    for line in ratios(decode, args.int4_block):
+        print(line)
+
+
+def ratios(decode: dict[str, float], block: int) -> list[str]:
+    """Issue 16's decode ratios from ``kiln bench``'s decode medians (labels as it writes them)."""
+    def ms(label: str) -> float | None:
+        return decode.get(label)
+
+    int4, int8 = ms("kiln ort int4 (int4-gptq)"), ms("kiln ort int8 (ort-int8)")
+    lines = []
+    if int4 is not None and int8 is not None:
+        lines.append(f"kiln ORT int4 / kiln ORT int8: {int4 / int8:.2f}x (target <= 0.80x)")
+    for mine, label in (("int4-gptq", "kiln ORT int4"), ("int4-gptq-all", "kiln ORT int4, head int4")):
+        for peer in (f"genai-int4-rtn-b{block}", f"genai-int4-rtn-b{block}-head-float"):
+            a, b = ms(f"kiln ort int4 ({mine})"), ms(f"genai ({peer})")
+            if a is not None and b is not None:
+                lines.append(f"{label} / {peer}: {a / b:.2f}x (target <= 1.00x)")
+    return lines
 
 
 if __name__ == "__main__":
