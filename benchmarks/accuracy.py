@@ -9,6 +9,12 @@ difference. Run by hand:
     python benchmarks/accuracy.py build/demo build/demo16 [--windows 32]
     python benchmarks/accuracy.py build/demo-ort8 --target ort     # the --target ort graphs
     python benchmarks/accuracy.py --model CKPT build/x ...            # another checkpoint with heldout.txt + tokenizer.json
+    python benchmarks/accuracy.py --model CKPT GENAI_DIR ...          # an ONNX Runtime GenAI builder output (genai_config.json)
+
+A GenAI builder directory (of a Hugging Face copy of the same checkpoint:
+``benchmarks/native_to_hf.py``) is measured the same way: its ``model.onnx`` fed the same token ids
+(full prefill with an empty past for the windows; prefill then one token at a time, the present
+fed back as the past, for greedy), whatever ``--target`` says.
 
 Portable graphs run with ``weight_only_dq`` (``kiln.exporter.runners.ort_session``): an int4
 or int8 weight DequantizeLinear is computed weight-only, as TensorRT does, not with the int8
@@ -38,6 +44,47 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max(-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+class GenAIModel:
+    """An ONNX Runtime GenAI builder's ``model.onnx`` run directly on ONNX Runtime: token ids in,
+    logits out, the KV cache (``past_key_values.N.key``/``present.N.key``, BNSH) carried by the
+    caller, grown each step (past and present not shared: any past length the graph accepts)."""
+
+    def __init__(self, directory: Path) -> None:
+        config = json.loads((directory / "genai_config.json").read_text())["model"]["decoder"]
+        self.layers, self.kv_heads, self.head = config["num_hidden_layers"], config["num_key_value_heads"], config["head_size"]
+        self.names = config["inputs"], config["outputs"]
+        self.session = ort_session(directory / config["filename"])
+        self.types = {i.name: i.type for i in self.session.get_inputs()}
+
+    def _past(self, layer: int) -> tuple[str, str]:
+        return self.names[0]["past_key_names"] % layer, self.names[0]["past_value_names"] % layer
+
+    def run(self, ids: np.ndarray, past: list[np.ndarray] | None) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Logits ``[1, S, vocab]`` and the presents of token ids ``[1, S]`` after ``past``."""
+        dtype = np.float16 if "float16" in self.types[self._past(0)[0]] else np.float32
+        if past is None:
+            past = [np.zeros((1, self.kv_heads, 0, self.head), dtype=dtype)] * (2 * self.layers)
+        total = past[0].shape[2] + ids.shape[1]
+        feeds: dict[str, np.ndarray] = {self.names[0]["input_ids"]: ids.astype(np.int64), self.names[0]["attention_mask"]: np.ones((1, total), dtype=np.int64)}
+        if "position_ids" in self.names[0]:
+            feeds[self.names[0]["position_ids"]] = np.arange(total - ids.shape[1], total, dtype=np.int64)[None]
+        for layer in range(self.layers):
+            key, value = self._past(layer)
+            feeds[key], feeds[value] = past[2 * layer], past[2 * layer + 1]
+        outputs = [self.names[1]["logits"]] + [self.names[1][f"present_{kind}_names"] % layer for layer in range(self.layers) for kind in ("key", "value")]
+        got = self.session.run(outputs, feeds)
+        return got[0].astype(np.float32), got[1:]
+
+    def greedy(self, prompt: list[int], steps: int) -> np.ndarray:
+        logits, past = self.run(np.array([prompt], dtype=np.int64), None)
+        tokens = []
+        for step in range(steps):
+            tokens.append(int(logits[0, -1].argmax()))
+            if step + 1 < steps:
+                logits, past = self.run(np.array([[tokens[-1]]], dtype=np.int64), past)
+        return np.array(tokens, dtype=np.int64)
 
 
 def graph_file(directory: Path, manifest: Manifest, kind: GraphKind, target: str | None) -> Path:
@@ -73,12 +120,15 @@ def main() -> None:
     for name, logits_of in [("pytorch fp32", None)] + [(str(d), d) for d in args.dirs]:
         nll, agree, count = 0.0, 0, 0
         session = None
-        if logits_of is not None:
+        genai = GenAIModel(logits_of) if logits_of is not None and (logits_of / "genai_config.json").is_file() else None
+        if logits_of is not None and genai is None:
             manifest = read_manifest(logits_of)
             kv = manifest.kv_cache.dtype
             session = ort_session(graph_file(logits_of, manifest, GraphKind.UNIFIED, args.target), weight_only_dq=True)
         for w, ref in zip(windows, ref_logits, strict=True):
-            if session is None:
+            if genai is not None:
+                logits = genai.run(w, None)[0]
+            elif session is None:
                 logits = ref
             else:
                 feeds = {"input_ids": w, "attention_mask": np.ones_like(w), "position_ids": np.arange(win, dtype=np.int64)[None]}
@@ -90,7 +140,13 @@ def main() -> None:
             agree += int((logits[0].argmax(-1) == ref[0].argmax(-1)).sum())
             count += win - 1
         row = {"perplexity": float(np.exp(nll / count)), "top1_agreement": agree / (count + len(windows))}
-        if logits_of is not None:
+        if genai is not None:
+            lengths = []
+            for p, want in zip(prompts, ref_tokens, strict=True):
+                diff = np.nonzero(genai.greedy(p, 64) != want)[0]
+                lengths.append(int(diff[0]) if diff.size else 64)
+            row["greedy_match_length"] = lengths
+        elif logits_of is not None:
             graphs = {k: graph_file(logits_of, manifest, k, args.target) for k in (GraphKind.PREFILL, GraphKind.DECODE)}
             with OrtRunner(graphs) as runner:
                 lengths = []

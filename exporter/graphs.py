@@ -97,8 +97,10 @@ def precision_passes(reference: Reference, folded: Folded, options: ExportOption
     if options.precision.needs_ranges:
         assert plan.calibrate is not None, "an int8 or fp8 export calibrates every graph"
         calibrate = plan.calibrate
-        quantize = QuantizeInt8 if options.precision.has_int8 else QuantizeFp8
-        passes.append(quantize(lambda model: calibrate(kind, model), plan.int8))
+        if options.precision.has_int8:
+            passes.append(QuantizeInt8(lambda model: calibrate(kind, model), plan.int8))
+        else:
+            passes.append(QuantizeFp8(lambda model: calibrate(kind, model), plan.int8, options.fp8_float))
     if options.precision.has_int4:
         assert plan.int4 is not None and plan.int4_policy is not None, "an int4 export has a quantizer"
         passes.append(QuantizeInt4(plan.int4, plan.int4_policy, ir.DataType.FLOAT16 if options.precision.has_fp16 else ir.DataType.FLOAT))

@@ -110,6 +110,7 @@ class ExportOptions:
     int4_block: int = 128  # int4 block size along K (a weight whose K it does not divide gets a smaller power of two)
     int4_method: Int4Method = DEFAULT_INT4_METHOD
     int4_float: tuple[str, ...] = ()  # rules kept in float besides the LM head
+    fp8_float: tuple[str, ...] = ()  # rules kept fp16 under --fp8 besides the LM head and attention scores
     int4_all_matmuls: bool = False  # quantize the LM head too
     target: Target = Target.PORTABLE
     ort_int8: bool = False  # the ORT-target graphs with weight-only int8 MatMulNBits
@@ -149,6 +150,8 @@ class ExportOptions:
             raise ConfigError("--int8-float and --int8-all-matmuls only apply to --int8 exports")
         if (self.int4_float or self.int4_all_matmuls) and not self.precision.has_int4:
             raise ConfigError("--int4-float and --int4-all-matmuls only apply to --int4 exports")
+        if self.fp8_float and not self.precision.has_fp8:
+            raise ConfigError("--fp8-float only applies to --fp8 exports")
         if self.int4_block not in INT4_BLOCKS:
             raise ConfigError(f"--int4-block must be one of {', '.join(map(str, INT4_BLOCKS))}, found {self.int4_block}")
         if (self.keep_fp32 or self.auto_keep_fp32) and not self.precision.has_fp16:

@@ -180,7 +180,7 @@ def _fp16_policy(reference: Reference, folded: Folded, options: ExportOptions, t
 
 
 def _int8_policy(options: ExportOptions) -> Int8Policy:
-    return Int8Policy(() if options.int8_all_matmuls else DEFAULT_INT8_FLOAT + options.int8_float)
+    return Int8Policy(() if options.int8_all_matmuls else DEFAULT_INT8_FLOAT + options.int8_float + options.fp8_float)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,3 +83,58 @@ def test_rule_check_names_what_is_wrong(fp8_export: Path) -> None:
     model.opset_imports[""] = 18
     with pytest.raises(ExportError, match="fp8 Q/DQ needs opset 19, the graph has 18"):
         check_fp8(model)
+
+
+def _calib(root: Path) -> Path:
+    rng = np.random.default_rng(0)
+    np.save(root / "calib.npy", (np.cumsum(rng.integers(1, 4, size=4000)) % 101).astype(np.int64))
+    return root / "calib.npy"
+
+
+def test_fp8_float_keeps_the_named_matmuls_fp16(tmp_path: Path) -> None:
+    """``--fp8-float`` (through the CLI): a module rule and a suffix rule leave exactly those
+    MatMuls without Q/DQ (fp16, as the rest of the graph), the others stay fp8, the manifest
+    records the rules, and the graphs still pass the checker, the rule check and parity."""
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
+    args = ["export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--fp8", "--calib-data", str(_calib(tmp_path)), "--calib-samples", "8",
+            "--calib-cache", str(tmp_path / "cache"), "--parity-tokens", "8", "--fp8-float", "/layers.0.mlp.fc2/", "--fp8-float", "*.q_proj"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    for kind in ("prefill", "decode", "model"):
+        path = out / "onnx" / f"{kind}.onnx"
+        onnx.checker.check_model(path, full_check=True)
+        # 14 weight DQs less layers.0's fc2 and both q_proj; 8 activation pairs less layers.0
+        # fc2's (q/k/v's pair stays: k and v still read it)
+        assert check_fp8(ir.load(path)) == 11 + 7
+        model = onnx.load(path)
+        producers = {o: n for n in model.graph.node for o in n.output}
+        nodes = {n.name: n for n in model.graph.node}
+        for name in ("/layers.0.mlp.fc2/MatMul", "/layers.0.attn.q_proj/MatMul", "/layers.1.attn.q_proj/MatMul"):
+            assert all(producers.get(i) is None or producers[i].op_type != "DequantizeLinear" for i in nodes[name].input), name
+        for name in ("/layers.1.mlp.fc2/MatMul", "/layers.0.attn.k_proj/MatMul", "/layers.0.mlp.fc1/MatMul"):
+            assert all(producers[i].op_type == "DequantizeLinear" for i in nodes[name].input), name
+        weight = {i.name: i for i in model.graph.initializer}
+        assert weight[nodes["/layers.0.mlp.fc2/MatMul"].input[1]].data_type == onnx.TensorProto.FLOAT16
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {"/layers.0.mlp.fc2/", "*.q_proj"} <= set(manifest["export"]["quantization"]["kept_float"]["rules"])
+    assert "/layers.0.mlp.fc2/MatMul" not in manifest["graphs"]["decode"]["fp8_nodes"]
+    assert "/layers.1.mlp.fc2/MatMul" in manifest["graphs"]["decode"]["fp8_nodes"]
+    assert json.loads((out / "reports" / "parity.json").read_text())["passed"]
+
+
+def test_fp8_float_refuses_a_rule_that_names_nothing_and_other_precisions(tmp_path: Path) -> None:
+    from kiln.errors import ConfigError
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
+    options = ExportOptions(precision=Precision.FP8, calib_data=str(_calib(tmp_path)), calib_samples=2, calib_cache=tmp_path / "cache",
+                            parity_tokens=4, fp8_float=("/layers.0.mlp.fc3/",))
+    with pytest.raises(ConfigError, match=r"--fp8-float /layers.0.mlp.fc3/: no MatMul of the .* graph matches it"):
+        export(ckpt, tmp_path / "out", options)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="--fp8-float only applies to --fp8 exports"):
+        ExportOptions(precision=Precision.FP16, fp8_float=("*.fc2",))
