@@ -6,8 +6,9 @@ child processes, on each checkpoint and precision:
 
 - ``kiln export --json`` (its per-stage wall seconds come from the JSON),
 - the GenAI builder (``python -m onnxruntime_genai.models.builder -e cpu``, peers' venv),
-- Optimum (``optimum-cli export onnx --task text-generation-with-past``; fp32 only: Optimum's
-  fp16 export needs ``--device cuda``),
+- Optimum (``optimum-cli export onnx --task text-generation-with-past``, or
+  ``text2text-generation-with-past`` for an encoder-decoder; fp32 only: Optimum's fp16 export
+  needs ``--device cuda``),
 
 and reports each child's wall time and peak RSS (its own rusage, as ``/usr/bin/time -v``
 does). The page cache is warmed with the checkpoint before every run, so no tool pays the
@@ -18,7 +19,10 @@ first read from disk. It takes tens of minutes and GBs; run it by hand, not as a
     python benchmarks/export_scale.py --work /work/scale --shape qwen2-0.5b@6 --shape qwen2-0.5b@12 \\
         --shape qwen2-0.5b@24 --shape qwen2-0.5b@48 --precision fp32 --tools kiln
 
+    python benchmarks/export_scale.py --work /work/scale --shape bart-base --tools kiln,optimum   # an encoder-decoder
+
 A shape ``NAME@N`` is NAME with N layers (the depth sweep). The peers' venvs: benchmarks/peers/README.md.
+The GenAI builder has no BART: encoder-decoder shapes run kiln and Optimum only.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama2-7b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                   "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                   "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+    "bart-base": {"architectures": ["BartForConditionalGeneration"], "model_type": "bart", "is_encoder_decoder": True, "d_model": 768, "encoder_layers": 6,
+                  "decoder_layers": 6, "encoder_attention_heads": 12, "decoder_attention_heads": 12, "encoder_ffn_dim": 3072, "decoder_ffn_dim": 3072,
+                  "vocab_size": 50265, "max_position_embeddings": 1024, "bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2},
 }
 SHARD_BYTES = 500 * 2**20
 PEERS_VENV, GENAI_VENV = Path("/work/peers-venv"), Path("/work/peers-genai-venv")
@@ -61,7 +68,7 @@ def shape_config(shape: str) -> dict[str, Any]:
         sys.exit(f"unknown shape {name!r}; known: {', '.join(SHAPES)} (NAME@LAYERS for another depth)")
     config = dict(SHAPES[name])
     if layers:
-        config["num_hidden_layers"] = int(layers)
+        config["decoder_layers" if config.get("is_encoder_decoder") else "num_hidden_layers"] = int(layers)
     return config
 
 
@@ -74,8 +81,9 @@ def write_checkpoint(directory: Path, config: dict[str, Any], seed: int = 0) -> 
 
     directory.mkdir(parents=True, exist_ok=True)
     hf_config = transformers.AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"}, dtype="bfloat16")
+    auto = transformers.AutoModelForSeq2SeqLM if config.get("is_encoder_decoder") else transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        model = auto.from_config(hf_config)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied weights appear once
     shards = list(_shards(shapes))
     generator = torch.Generator().manual_seed(seed)
@@ -108,7 +116,7 @@ def _shards(shapes: dict[str, tuple[int, ...]]) -> Iterator[list[str]]:
 
 def _random(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     """Hugging Face's own init: norms at one, biases at zero, the rest N(0, 0.02)."""
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or (len(shape) == 1 and "norm" in name and name.endswith(".weight")):  # BART's layernorm_embedding
         return torch.ones(shape, dtype=torch.bfloat16)
     if name.endswith(".bias"):
         return torch.zeros(shape, dtype=torch.bfloat16)
@@ -138,20 +146,21 @@ def warm(directory: Path) -> None:
                 pass
 
 
-def commands(tool: str, ckpt: Path, out: Path, precision: str, parity_tokens: int) -> list[str] | None:
+def commands(tool: str, ckpt: Path, out: Path, precision: str, parity_tokens: int, seq2seq: bool = False) -> list[str] | None:
     if tool == "kiln":
         flags = ["--fp16"] if precision == "fp16" else []
         return [sys.executable, "-m", "kiln.cli", "export", "--model", str(ckpt), "--out", str(out), "--force", "--json", "--parity-tokens", str(parity_tokens), *flags]
-    if tool == "genai":
+    if tool == "genai" and not seq2seq:
         return [str(GENAI_VENV / "bin/python"), "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out), "-p", precision, "-e", "cpu", "-c", str(out) + ".cache"]
     if tool == "optimum" and precision == "fp32":
-        return [str(PEERS_VENV / "bin/optimum-cli"), "export", "onnx", "--model", str(ckpt), "--task", "text-generation-with-past", str(out)]
+        task = "text2text-generation-with-past" if seq2seq else "text-generation-with-past"
+        return [str(PEERS_VENV / "bin/optimum-cli"), "export", "onnx", "--model", str(ckpt), "--task", task, str(out)]
     return None  # Optimum's fp16 export needs --device cuda
 
 
 def run_one(tool: str, ckpt: Path, work: Path, shape: str, precision: str, parity_tokens: int) -> dict[str, Any] | None:
     out = work / "out" / f"{shape}-{precision}-{tool}"
-    cmd = commands(tool, ckpt, out, precision, parity_tokens)
+    cmd = commands(tool, ckpt, out, precision, parity_tokens, seq2seq=SHAPES[shape.partition("@")[0]].get("is_encoder_decoder", False))
     if cmd is None:
         return None
     subprocess.run(["rm", "-rf", str(out), str(out) + ".cache"], check=True)
@@ -190,7 +199,7 @@ def main() -> None:
                 row = run_one(tool, ckpt, args.work, shape, precision, args.parity_tokens)
                 if row is None:
                     continue
-                row.update(shape=shape, layers=config["num_hidden_layers"], precision=precision, tool=tool, checkpoint_bytes=size,
+                row.update(shape=shape, layers=config.get("num_hidden_layers", config.get("decoder_layers")), precision=precision, tool=tool, checkpoint_bytes=size,
                            peak_rss_over_checkpoint=round(row["peak_rss_bytes"] / size, 2))
                 results.append(row)
                 print(json.dumps({k: row[k] for k in ("shape", "precision", "tool", "wall_s", "peak_rss_bytes", "exit")}), flush=True)

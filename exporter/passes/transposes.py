@@ -8,7 +8,10 @@ computed from the module's own ``[N, K]`` one only when it is written (``passes.
 A tied embedding (the input embedding's ``Gather`` and the LM head's ``MatMul`` read one
 ``[V, d]`` tensor) is stored once too, as the head's ``[d, V]``: the embedding then gathers its
 columns, ``Transpose(Gather(W^T, ids, axis=1))``, which moves only the rows it looks up (a
-second copy of the embedding of a 0.5B Qwen2 would be 544 MB in fp32).
+second copy of the embedding of a 0.5B Qwen2 would be 544 MB in fp32). The graphs of one
+export share a ``transposed`` set of the module tensors stored transposed: an encoder-decoder's
+encoder graph, which gathers from the tied embedding but has no head, then gathers the columns
+of the decoder's transposed table too, so the embedding is stored once for all four graphs.
 """
 
 from __future__ import annotations
@@ -49,7 +52,29 @@ def _gather_columns(graph: ir.Graph, node: ir.Node, table: ir.Value) -> None:
     graph.remove(node, safe=True)
 
 
+def _identity(weight: ModuleWeight) -> int:
+    """The module tensor's storage (tied parameters are one tensor under several names)."""
+    return int(weight.source.tensor(weight.module_name).data_ptr())
+
+
 class FoldWeightTransposes(ir.passes.InPlacePass):
+    def __init__(self, transposed: set[int] | None = None) -> None:
+        super().__init__()
+        self.transposed = transposed if transposed is not None else set()  # shared by the graphs of one export
+
+    def _gather_transposed_elsewhere(self, graph: ir.Graph) -> int:
+        """Row gathers of a table another graph already stores transposed: gather its columns."""
+        moved = 0
+        for node in list(graph):
+            table = node.inputs[0] if _gathers_rows(node) else None
+            weight = table.const_value if table is not None else None
+            if table is None or not isinstance(weight, ModuleWeight) or len(weight.shape) != 2 or _identity(weight) not in self.transposed:
+                continue
+            if all(_gathers_rows(use.node) and use.idx == 0 for use in table.uses()):
+                _gather_columns(graph, node, _transposed(graph, table, weight))
+                moved += 1
+        return moved
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         folded = 0
@@ -69,5 +94,7 @@ class FoldWeightTransposes(ir.passes.InPlacePass):
                     _gather_columns(graph, use.node, table)
             node.outputs[0].replace_all_uses_with(table)
             graph.remove(node, safe=True)
+            self.transposed.add(_identity(weight))
             folded += 1
+        folded += self._gather_transposed_elsewhere(graph)
         return ir.passes.PassResult(model, modified=bool(folded))

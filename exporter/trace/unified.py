@@ -59,14 +59,15 @@ def trace_unified(reference: Reference, folded: Folded, options: ExportOptions, 
     if stamp is not None:
         try:
             template = _template(reference, stamp.traced)
-            graphs = {kind: _checked(_trace(reference, folded, options, template, kind, stamp.traced, meta=True), stamp) for kind in kinds}
+            graphs = {kind: _checked(_trace(reference, folded, options, template, kind, stamp.traced, meta=True, transposed=set()), stamp) for kind in kinds}
             return Traced(graphs, stamp)
         except ExportError as exc:  # the template's own trace or analysis: the whole model still traces
             progress.note(f"trace: tracing the whole model ({exc})")
     if reference.spec.dtype != "float32":  # the graphs are traced in fp32: this path needs an fp32 copy of the model
         progress.note(f"trace: converting the {reference.spec.dtype} model to float32 to trace it whole (twice its memory)")
         folded.module.float()  # in place: the reference shares these parameters and computes in fp32 anyway
-    return Traced({kind: _trace(reference, folded, options, folded.module, kind, reference.spec.n_layers, meta=False) for kind in kinds}, None)
+    transposed: set[int] = set()  # the tensors a graph stores transposed, in the order traced (the encoder's last)
+    return Traced({kind: _trace(reference, folded, options, folded.module, kind, reference.spec.n_layers, meta=False, transposed=transposed) for kind in kinds}, None)
 
 
 def _template(reference: Reference, layers: int) -> nn.Module:
@@ -76,7 +77,9 @@ def _template(reference: Reference, layers: int) -> nn.Module:
     return loaded.ple.fold(template) if loaded.ple is not None else template
 
 
-def _trace(reference: Reference, folded: Folded, options: ExportOptions, module: nn.Module, kind: GraphKind, layers: int, *, meta: bool) -> ir.Model:
+def _trace(
+    reference: Reference, folded: Folded, options: ExportOptions, module: nn.Module, kind: GraphKind, layers: int, *, meta: bool, transposed: set[int]
+) -> ir.Model:
     spec = dataclasses.replace(reference.spec, n_layers=layers)
     model = trace_graph(
         module,
@@ -91,7 +94,7 @@ def _trace(reference: Reference, folded: Folded, options: ExportOptions, module:
         meta=meta,
         translations=reference.loaded.translations,
     )
-    passes = [NameNodes(), BindWeights(WeightSource(folded.module)), FoldWeightTransposes(), FoldConstants()]
+    passes = [NameNodes(), BindWeights(WeightSource(folded.module)), FoldWeightTransposes(transposed), FoldConstants()]
     return run_passes(model, passes, graph="traced")
 
 

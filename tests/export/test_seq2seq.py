@@ -104,6 +104,9 @@ def test_encoder_and_decoder_io(bart_export: Path) -> None:
     assert not any("cross" in o.name for o in decode.get_outputs())  # the cross cache never grows
     manifest = json.loads((bart_export / "manifest.json").read_text())
     assert set(manifest["graphs"]) == {"prefill", "decode", "model", "encoder"}
+    module = load_model(bart_export.parent / "ckpt").module
+    stored = {t.data_ptr(): t.numel() * 4 for t in (*module.parameters(), *module.buffers())}  # tied tensors once
+    assert manifest["weights"]["bytes"] <= sum(stored.values())  # every weight once: the encoder gathers the head's table too
     assert not (bart_export / "onnx" / "genai_config.json").exists()
 
 
