@@ -50,7 +50,7 @@ SEQ2SEQ: Mapping[str, Seq2SeqArch] = {
         "Marian", "decoder_layers", "decoder_attention_heads", refusals=(_UNSHARED_VOCAB,), notes="sinusoidal positions, final_logits_bias, scaled embedding"
     ),
     "T5ForConditionalGeneration": Seq2SeqArch(
-        "T5", "num_decoder_layers", "num_heads", context=None, notes="relative position buckets (no context limit of its own: --max-context), RMS norm, rescaled tied head"
+        "T5", "num_decoder_layers", "num_heads", context=None, notes="relative position buckets (no context limit of its own: --max-context), RMS norm, rescaled tied head; v1.1/Flan-T5: gated GELU, untied head"
     ),
 }
 
@@ -127,6 +127,14 @@ SEQ2SEQ_TINY: Mapping[str, tuple[str, Callable[..., Any]]] = {
         _cfg(
             "T5Config", **_IDS, vocab_size=V, d_model=H, d_kv=16, d_ff=FF, num_layers=L, num_decoder_layers=L, num_heads=NH,
             relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0, initializer_factor=8.0,
+        ),
+    ),  # fmt: skip
+    "t5-gated": (  # T5 v1.1 / Flan-T5: gated-GELU feed-forward, untied head (no rescale)
+        "T5ForConditionalGeneration",
+        _cfg(
+            "T5Config", **_IDS, vocab_size=V, d_model=H, d_kv=16, d_ff=FF, num_layers=L, num_decoder_layers=L, num_heads=NH,
+            relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0, initializer_factor=1.5,
+            feed_forward_proj="gated-gelu", tie_word_embeddings=False,
         ),
     ),  # fmt: skip
 }

@@ -34,7 +34,7 @@ from kiln.plugins.hf import SUPPORTED, tiny_model
 from kiln.plugins.hf.seq2seq import SEQ2SEQ, SEQ2SEQ_TINY
 
 STEPS = 16
-CONTEXT = {"t5": 64}  # T5's relative positions have no limit of their own: --max-context
+CONTEXT = {"t5": 64, "t5-gated": 64}  # T5's relative positions have no limit of their own: --max-context
 
 
 def _save(case: str, directory: Path, **overrides: Any) -> Path:
@@ -55,6 +55,7 @@ def _generate(hf: torch.nn.Module, ids: np.ndarray, mask: np.ndarray, steps: int
 
 def test_every_encoder_decoder_has_a_tiny_model_and_is_listed() -> None:
     assert {arch for arch, _ in SEQ2SEQ_TINY.values()} == set(SEQ2SEQ)
+    assert set(SEQ2SEQ_TINY) >= {"bart", "mbart", "marian", "t5", "t5-gated"}
     assert set(SEQ2SEQ) <= set(SUPPORTED)
 
 
