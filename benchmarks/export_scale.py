@@ -21,7 +21,7 @@ first read from disk. It takes tens of minutes and GBs; run it by hand, not as a
 
     python benchmarks/export_scale.py --work /work/scale --shape bart-base --tools kiln,optimum   # an encoder-decoder
 
-A shape ``NAME@N`` is NAME with N layers (the depth sweep). The peers' venvs: benchmarks/peers/README.md.
+A shape ``NAME@N`` is NAME with N layers (the depth sweep; of an encoder-decoder, the decoder's). The peers' venvs: benchmarks/peers/README.md.
 The GenAI builder has no BART: encoder-decoder shapes run kiln and Optimum only.
 """
 

@@ -40,6 +40,8 @@ def refuse_unsupported(spec: DecoderSpec, options: ExportOptions) -> None:
             f"{options.precision.value} exports are not supported for encoder-decoders yet: calibration and GPTQ run decoder-only"
             " prompts, with no encoder inputs; export --fp16 or fp32"
         )
+    if spec.has_encoder and options.auto_keep_fp32:
+        raise ConfigError("--auto-keep-fp32 is not supported for encoder-decoders yet: its search runs the decoder's unified graph only, never the encoder; pass --keep-fp32 rules")
     if spec.encoder_dim is not None and options.precision.has_int8:
         raise ConfigError(
             "--int8 is not supported for cross-attention decoders yet: calibration needs encoder_hidden_states"

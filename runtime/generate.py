@@ -32,7 +32,7 @@ from kiln.errors import GenerateError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.verify import require_verified
 from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, is_cross, kv_pairs
-from kiln.exporter.contract.steps import Chooser, prompt_feeds, run_steps
+from kiln.exporter.contract.steps import Chooser, encoder_decoder_feeds, prompt_feeds, run_steps
 from kiln.runtime.decoder_dirs import shares_kv_buffer
 from kiln.runtime.sampling import Sampler, SamplingOptions
 from kiln.runtime.text import TextStream
@@ -147,7 +147,7 @@ class Generator:
         self._prefill = ort_session(directory / files[GraphKind.PREFILL], threads=threads, spinning=False)
         self._decode = ort_session(directory / files[GraphKind.DECODE], threads=threads, spinning=False)
         # an encoder-decoder: the prompt is the encoder's input; the decoder starts from its start token
-        self._encoder = ort_session(directory / manifest.graph(GraphKind.ENCODER).file, threads=threads, spinning=False) if manifest.model.has_encoder else None
+        self._encoder = self._encoder_session(directory, manifest, threads) if manifest.model.has_encoder else None
         self._kv = kv
         self.kv_cache = "shared-buffer" if isinstance(kv, SharedKv) else "concat"  # how each step's cache is written
         self._vocab = manifest.model.vocab_size
@@ -189,14 +189,34 @@ class Generator:
         decode_s = time.perf_counter() - start
         return Generation(tuple(prompt), tuple(tokens), prefill_s, decode_s, np.stack(kept) if keep_logits else None, reason)
 
+    @staticmethod
+    def _encoder_session(directory: Path, manifest: Manifest, threads: int) -> Any:
+        from kiln.exporter.runners import ort_session
+
+        entry = manifest.graphs.get(GraphKind.ENCODER.value)
+        if entry is None or manifest.model.decoder_start_token_id is None:
+            raise GenerateError(f"{directory}: the manifest says encoder-decoder but has no encoder graph or decoder start token; re-export it")
+        return ort_session(directory / entry.file, threads=threads, spinning=False)
+
+    @property
+    def history_start(self) -> list[int] | None:
+        """An encoder-decoder's decoder history begins at its start token (what a repetition
+        penalty counts), not at the prompt, which is the encoder's input; None otherwise."""
+        start = self.manifest.model.decoder_start_token_id
+        return [start] if self._encoder is not None and start is not None else None
+
     def _first_feeds(self, prompt: Sequence[int]) -> dict[str, Any]:
         if self._encoder is None:
             return prompt_feeds([list(prompt)], 0)
-        ids = np.array([prompt], dtype=np.int64)
-        mask = np.ones_like(ids)
-        (states,) = self._encoder.run([ENCODER_STATES], {"input_ids": ids, "attention_mask": mask})
         start = self.manifest.model.decoder_start_token_id
-        return prompt_feeds([[start if start is not None else 0]], 0) | {ENCODER_MASK: mask, ENCODER_STATES: states}
+        assert start is not None, "checked when the encoder session opened"
+        encoder = self._encoder
+
+        def encode(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+            (states,) = encoder.run([ENCODER_STATES], {"input_ids": ids, "attention_mask": mask})
+            return np.asarray(states)
+
+        return encoder_decoder_feeds(encode, [list(prompt)], start, self.manifest.model.pad_token_id or 0)
 
     def _check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         if not prompt:
@@ -290,7 +310,7 @@ def generate_command(directory: Path, prompt: str | None, ids: str | None, optio
             on_text(piece)
         return stream is not None and stream.stopped
 
-    sampler = Sampler(options.sampling, prompt_ids)
+    sampler = Sampler(options.sampling, generator.history_start or prompt_ids)
     result = generator.run(prompt_ids, options.max_new_tokens, stop_at_eos=options.stop_at_eos, choose=sampler.choose, on_token=on_token)
     if stream is not None and on_text is not None and (rest := stream.rest()):
         on_text(rest)

@@ -16,8 +16,12 @@ T5...) add a fourth graph, ``encoder``: ``input_ids`` and ``attention_mask`` ``[
 encoder_seq]`` -> ``encoder_hidden_states`` ``[batch, encoder_seq, encoder_dim]``, what prefill
 then takes; and every decoder graph takes ``encoder_attention_mask`` ``[batch, encoder_seq]``
 (int64, 1 = a real encoder token) after ``position_ids``, so a padded batch of encoder inputs
-masks its padding in the cross-attention of every step. (The native family's cross-attention
-reads states from the caller's own encoder, unmasked: it has neither.)
+masks its padding in the cross-attention of every step. Pad the encoder's inputs on the right
+(an encoder with absolute positions, BART's, numbers each row from 0); the decoder's
+``position_ids`` are accepted but not read (its positions are its cache's length, as in
+transformers), so a decoder input is never left-padded: every row starts from the start token.
+(The native family's cross-attention reads states from the caller's own encoder, unmasked: it
+has neither.)
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-from kiln.exporter.contract.io import ENCODER_MASK, GraphKind, past_names
+from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, past_names
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["Step", "StepRunner", "Chooser", "left_pad", "prompt_feeds", "empty_past", "carry", "run_steps"]
+__all__ = ["Step", "StepRunner", "Chooser", "left_pad", "right_pad", "prompt_feeds", "encoder_decoder_feeds", "empty_past", "carry", "run_steps"]
 
 Chooser = Callable[[int, np.ndarray], np.ndarray]  # (step, last-position logits [B, vocab]) -> tokens [B]
 
@@ -50,6 +50,27 @@ def prompt_feeds(prompts: Sequence[Sequence[int]], pad_id: int) -> dict[str, Any
     """The prompt step's feeds of left-padded ``prompts``."""
     ids, mask, pos = left_pad(prompts, pad_id)
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+
+
+def right_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``input_ids`` and ``attention_mask`` ([B, L] int64) of right-padded encoder inputs: an
+    encoder with absolute positions (BART, Marian) numbers every row from 0, as its tokenizer pads."""
+    length = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), length), pad_id, dtype=np.int64)
+    mask = np.zeros((len(prompts), length), dtype=np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)] = prompt
+        mask[row, : len(prompt)] = 1
+    return ids, mask
+
+
+def encoder_decoder_feeds(encode: Callable[[np.ndarray, np.ndarray], np.ndarray], prompts: Sequence[Sequence[int]], start: int, pad_id: int) -> dict[str, Any]:
+    """An encoder-decoder's first step (parity and ``kiln generate`` alike): ``prompts`` are the
+    encoder's inputs, right-padded and run through ``encode(ids, mask) -> states``; the decoder
+    starts from ``start`` (its ``decoder_start_token_id``) in every row, unpadded (its positions
+    are its cache's length: a decoder input is never left-padded)."""
+    ids, mask = right_pad(prompts, pad_id)
+    return prompt_feeds([[start]] * len(prompts), pad_id) | {ENCODER_MASK: mask, ENCODER_STATES: encode(ids, mask)}
 
 
 def empty_past(spec: DecoderSpec, batch: int, dtype: np.dtype) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
-from kiln.exporter.contract.steps import empty_past, left_pad, prompt_feeds, run_steps
+from kiln.exporter.contract.steps import empty_past, encoder_decoder_feeds, left_pad, prompt_feeds, run_steps
 from kiln.exporter.parity.results import GenerationCheck
 from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
@@ -48,7 +48,7 @@ def greedy(
     A cross-attention decoder reads ``encoder_states(spec, B)``; the unified graph takes the
     cross cache as an input (like decode), so that path starts from the runner's own prefill
     graph's cross cache, as a user of model.onnx would. An encoder-decoder's ``prompts`` are
-    its encoder's inputs (left-padded): the runner's own encoder graph encodes them, and the
+    its encoder's inputs (right-padded): the runner's own encoder graph encodes them, and the
     decoder starts from ``decoder_start_token_id``, as transformers' ``generate()`` does.
     """
     feeds, encoder = _first_feeds(runner, spec, prompts)
@@ -79,12 +79,13 @@ def _first_feeds(runner: Runner, spec: DecoderSpec, prompts: Sequence[Sequence[i
     pad = spec.pad_token_id if spec.pad_token_id is not None else 0
     if not spec.has_encoder:
         return prompt_feeds(prompts, pad), encoder_states(spec, len(prompts))
-    encoded = prompt_feeds(prompts, pad)
-    states = runner.run(GraphKind.ENCODER, {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]})[ENCODER_STATES]
-    start = spec.decoder_start_token_id if spec.decoder_start_token_id is not None else pad
-    feeds = prompt_feeds([[start]] * len(prompts), pad)
-    feeds[ENCODER_MASK] = encoded["attention_mask"]
-    return feeds, np.asarray(states, dtype=np.float32)
+    assert spec.decoder_start_token_id is not None, "the family refuses an encoder-decoder without a start token"
+
+    def encode(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return np.asarray(runner.run(GraphKind.ENCODER, {"input_ids": ids, "attention_mask": mask})[ENCODER_STATES], dtype=np.float32)
+
+    feeds = encoder_decoder_feeds(encode, prompts, spec.decoder_start_token_id, pad)
+    return feeds, feeds.pop(ENCODER_STATES)
 
 
 def generation_parity(

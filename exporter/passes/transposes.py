@@ -53,8 +53,9 @@ def _gather_columns(graph: ir.Graph, node: ir.Node, table: ir.Value) -> None:
 
 
 def _identity(weight: ModuleWeight) -> int:
-    """The module tensor's storage (tied parameters are one tensor under several names)."""
-    return int(weight.source.tensor(weight.module_name).data_ptr())
+    """The module tensor itself (tied parameters are one Parameter object under several names;
+    not its storage address: every meta or empty tensor has address 0)."""
+    return id(weight.source.tensor(weight.module_name))
 
 
 class FoldWeightTransposes(ir.passes.InPlacePass):

@@ -127,7 +127,7 @@ class TorchRunner:
 
     def __init__(self, module: nn.Module, n_layers: int, last_logits_only: bool = False) -> None:
         self._module, self._n_layers, self._last = computes_in_fp32(module), n_layers, last_logits_only
-        self._wrappers: dict[tuple[GraphKind, bool], GraphModule] = {}
+        self._wrappers: dict[tuple[GraphKind, bool, bool], GraphModule] = {}
 
     def graphs(self) -> tuple[GraphKind, ...]:
         return tuple(GraphKind)
@@ -140,9 +140,9 @@ class TorchRunner:
         # a cross-attention decoder shows itself by its inputs: encoder states or a cross cache
         cross = ENCODER_STATES in feeds or cross_past_names(0)[0] in feeds
         masked = ENCODER_MASK in feeds  # an encoder-decoder's
-        if (kind, cross) not in self._wrappers:  # built once: kiln bench times this call
-            self._wrappers[kind, cross] = GraphModule(self._module, kind, self._n_layers, self._last, cross, masked).eval()
-        wrapper = self._wrappers[kind, cross]
+        if (kind, cross, masked) not in self._wrappers:  # built once: kiln bench times this call
+            self._wrappers[kind, cross, masked] = GraphModule(self._module, kind, self._n_layers, self._last, cross, masked).eval()
+        wrapper = self._wrappers[kind, cross, masked]
         ids, mask, pos = (torch.from_numpy(feeds[n]) for n in ("input_ids", "attention_mask", "position_ids"))
         # the reference computes in fp32 whatever the graphs' float I/O dtype
         extra: torch.Tensor | list[torch.Tensor] | None

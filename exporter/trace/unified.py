@@ -53,20 +53,22 @@ class Traced:
 
 def trace_unified(reference: Reference, folded: Folded, options: ExportOptions, progress: Progress) -> Traced:
     kinds: tuple[GraphKind, ...] = (GraphKind.UNIFIED, GraphKind.PREFILL) if reference.spec.encoder_dim is not None else (GraphKind.UNIFIED,)
+    # the encoder last: it gathers from the tables the decoder graphs store transposed (passes.transposes)
     kinds += (GraphKind.ENCODER,) if reference.spec.has_encoder else ()
+    transposed: set[int] = set()  # the module tensors a graph of this export stores transposed
     plan = reference.loaded.layers
     stamp = StampPlan.of(plan) if plan is not None and len(plan.signatures) == reference.spec.n_layers else None
     if stamp is not None:
         try:
             template = _template(reference, stamp.traced)
-            graphs = {kind: _checked(_trace(reference, folded, options, template, kind, stamp.traced, meta=True, transposed=set()), stamp) for kind in kinds}
+            graphs = {kind: _checked(_trace(reference, folded, options, template, kind, stamp.traced, meta=True, transposed=transposed), stamp) for kind in kinds}
             return Traced(graphs, stamp)
         except ExportError as exc:  # the template's own trace or analysis: the whole model still traces
             progress.note(f"trace: tracing the whole model ({exc})")
     if reference.spec.dtype != "float32":  # the graphs are traced in fp32: this path needs an fp32 copy of the model
         progress.note(f"trace: converting the {reference.spec.dtype} model to float32 to trace it whole (twice its memory)")
         folded.module.float()  # in place: the reference shares these parameters and computes in fp32 anyway
-    transposed: set[int] = set()  # the tensors a graph stores transposed, in the order traced (the encoder's last)
+    transposed.clear()
     return Traced({kind: _trace(reference, folded, options, folded.module, kind, reference.spec.n_layers, meta=False, transposed=transposed) for kind in kinds}, None)
 
 

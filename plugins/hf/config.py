@@ -19,7 +19,7 @@ from kiln.errors import CheckpointError
 from kiln.plugins.base import DecoderSpec
 from kiln.plugins.hf.archs import ARCHS
 
-__all__ = ["LAYER_TYPES", "STATIC_ROPE", "read_spec", "refuse", "rope_types"]
+__all__ = ["LAYER_TYPES", "STATIC_ROPE", "read_spec", "refuse", "refuse_quantized", "rope_types"]
 
 # rope types whose frequencies are fixed at init (traced as constants), and longrope, whose
 # switch at original_max_position_embeddings is traced as a Where on max(position_ids)
@@ -39,12 +39,17 @@ def rope_types(cfg: Any) -> Iterator[tuple[str, dict[str, Any]]]:
         yield str(p.get("rope_type", "default")), dict(p)
 
 
+def refuse_quantized(cfg: Any, arch: str) -> None:
+    """Every Hugging Face checkpoint kiln reads is a float one (decoders and encoder-decoders alike)."""
+    if getattr(cfg, "quantization_config", None):
+        method = dict(cfg.quantization_config).get("quant_method", "?") if isinstance(cfg.quantization_config, dict) else type(cfg.quantization_config).__name__
+        raise CheckpointError(f"{arch}: quantization_config ({method}) is not supported: kiln exports float checkpoints (its --int8/--fp16 quantize them)")
+
+
 def refuse(cfg: Any, arch: str) -> None:
     """Raise ``CheckpointError`` naming the first config value kiln does not export exactly."""
     where = f"{arch}"
-    if getattr(cfg, "quantization_config", None):
-        method = dict(cfg.quantization_config).get("quant_method", "?") if isinstance(cfg.quantization_config, dict) else type(cfg.quantization_config).__name__
-        raise CheckpointError(f"{where}: quantization_config ({method}) is not supported: kiln exports float checkpoints (its --int8/--fp16 quantize them)")
+    refuse_quantized(cfg, arch)
     if getattr(cfg, "is_encoder_decoder", False):
         raise CheckpointError(f"{where}: is_encoder_decoder is not supported: kiln exports decoder-only Hugging Face models")
     for rope_type, _ in rope_types(cfg):

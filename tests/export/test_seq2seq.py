@@ -17,6 +17,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
 
+import onnx
 import onnxruntime as ort
 import torch
 from click.testing import CliRunner
@@ -26,7 +27,8 @@ from kiln.errors import CheckpointError, ConfigError
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions, Int4Method, Precision, Target
-from kiln.exporter.parity import greedy, left_pad, make_prompts
+from kiln.exporter.contract.steps import right_pad
+from kiln.exporter.parity import greedy, make_prompts
 from kiln.exporter.pipeline import export
 from kiln.exporter.runners import OrtRunner
 from kiln.plugins import load_model
@@ -74,13 +76,17 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     onnx_dir = tmp_path / "out" / "onnx"
     graphs = {k: onnx_dir / f"{k.value}.onnx" for k in (GraphKind.ENCODER, GraphKind.PREFILL, GraphKind.DECODE)}
     hf = getattr(transformers, SEQ2SEQ_TINY[case][0]).from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
-    for lengths in ([9], [9, 5, 3]):  # batch 1, and a padded batch of encoder inputs
+    alone = {}
+    for lengths in ([9], [9, 5, 3]):  # batch 1, and a (right-)padded batch of encoder inputs
         prompts = make_prompts(spec, lengths, seed=len(lengths))
-        ids, mask, _ = left_pad(prompts, 0)
+        ids, mask = right_pad(prompts, 0)
         want = _generate(hf, ids, mask, STEPS)
         with OrtRunner(graphs) as runner:
             got, _ = greedy(runner, spec, prompts, STEPS)
+            alone = {i: greedy(runner, spec, [p], STEPS)[0][0] for i, p in enumerate(prompts)}
         np.testing.assert_array_equal(got, want, err_msg=f"{case} {lengths}")
+        for row, tokens in alone.items():  # padding changes nothing: each row generates what it does alone
+            np.testing.assert_array_equal(got[row], tokens, err_msg=f"{case} {lengths} row {row}")
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +114,11 @@ def test_encoder_and_decoder_io(bart_export: Path) -> None:
     module = load_model(bart_export.parent / "ckpt").module
     stored = {t.data_ptr(): t.numel() * 4 for t in (*module.parameters(), *module.buffers())}  # tied tensors once
     assert manifest["weights"]["bytes"] <= sum(stored.values())  # every weight once: the encoder gathers the head's table too
+    graphs = {k: onnx.load(bart_export / "onnx" / f"{k}.onnx", load_external_data=False).graph for k in ("encoder", "decode")}
+    (lookup,) = [n for n in graphs["encoder"].node if n.op_type == "Gather" and "embed_tokens" in n.name]
+    head = [n for n in graphs["decode"].node if n.op_type == "MatMul" and "lm_head" in n.name][0]
+    assert [a.i for a in lookup.attribute if a.name == "axis"] == [1]  # the columns of the head's [d, V] table
+    assert lookup.input[0] == head.input[1]  # the one tensor, under its one name: no [V, d] copy
     assert not (bart_export / "onnx" / "genai_config.json").exists()
 
 
@@ -173,6 +184,7 @@ def test_fp16(case: str, tmp_path: Path) -> None:
     [
         (ExportOptions(precision=Precision.INT4, int4_method=Int4Method.RTN), "int4 exports are not supported for encoder-decoders yet"),
         (ExportOptions(target=Target.ORT), "--target ort is not supported for cross-attention decoders yet"),
+        (ExportOptions(auto_keep_fp32=True, precision=Precision.FP16), "--auto-keep-fp32 is not supported for encoder-decoders yet"),
     ],
 )
 def test_what_is_not_done_yet_is_refused(options: ExportOptions, message: str, bart_export: Path, tmp_path: Path) -> None:
@@ -188,6 +200,8 @@ def test_engines_are_refused_by_name(bart_export: Path) -> None:
 
 
 def test_config_refusals(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"quantization_config \(gptq\) is not supported"):
+        tiny_model("bart", seed=0, quantization_config={"quant_method": "gptq", "bits": 4})
     with pytest.raises(CheckpointError, match="share_encoder_decoder_embeddings=False is not supported"):
         tiny_model("marian", seed=0, share_encoder_decoder_embeddings=False)
     with pytest.raises(CheckpointError, match="no decoder_start_token_id"):
