@@ -4,6 +4,7 @@ returns the cross cache once; decode and model.onnx take it back and never grow 
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from jsonschema import Draft202012Validator
 from click.testing import CliRunner
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln_testing import tiny_config, write_checkpoint
@@ -60,6 +62,8 @@ def test_io_names_and_the_cross_cache_is_returned_once(cross_export: Path) -> No
         assert [o.name for o in session.get_outputs()] == ["logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value"]
     manifest = json.loads((cross_export / "manifest.json").read_text())
     assert manifest["model"]["encoder_dim"] == 32
+    schema = json.loads(resources.files("kiln.exporter.artifacts").joinpath("manifest.schema.json").read_text())
+    assert not [e.message for e in Draft202012Validator(schema).iter_errors(manifest)]  # encoder_seq dims, cross names
     assert not (cross_export / "onnx" / "genai_config.json").exists()  # GenAI's decoder models cannot feed a cross cache
 
 

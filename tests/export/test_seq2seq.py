@@ -8,12 +8,15 @@ against the PyTorch model (tensors and tokens), and ``kiln check``, ``kiln gener
 
 from __future__ import annotations
 
+import copy
 import json
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from jsonschema import Draft202012Validator
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
 
@@ -122,6 +125,18 @@ def test_encoder_and_decoder_io(bart_export: Path) -> None:
     assert not (bart_export / "onnx" / "genai_config.json").exists()
 
 
+def test_the_manifest_schema_ties_the_encoder_graph_to_has_encoder(bart_export: Path) -> None:
+    validator = _validator()
+    manifest = json.loads((bart_export / "manifest.json").read_text())
+    assert not list(validator.iter_errors(manifest))
+    no_graph = copy.deepcopy(manifest)
+    del no_graph["graphs"]["encoder"]
+    assert any("'encoder' is a required property" in e.message for e in validator.iter_errors(no_graph))
+    no_flag = copy.deepcopy(manifest)
+    no_flag["model"]["has_encoder"] = False
+    assert list(validator.iter_errors(no_flag))  # an encoder graph the model says it has not
+
+
 def test_the_encoder_mask_masks_the_padding(bart_export: Path) -> None:
     """A padded encoder position changes nothing when masked, and changes the logits when not."""
     sessions = {k: ort.InferenceSession(str(bart_export / "onnx" / f"{k}.onnx"), providers=["CPUExecutionProvider"]) for k in ("encoder", "prefill")}
@@ -177,6 +192,12 @@ def test_fp16(case: str, tmp_path: Path) -> None:
     result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16, max_context=CONTEXT.get(case)))
     assert result.parity.passed, result.parity.failures()
     assert result.manifest.precision == "fp16"
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert not [e.message for e in _validator().iter_errors(manifest)]
+
+
+def _validator() -> Draft202012Validator:
+    return Draft202012Validator(json.loads(resources.files("kiln.exporter.artifacts").joinpath("manifest.schema.json").read_text()))
 
 
 @pytest.mark.parametrize(
