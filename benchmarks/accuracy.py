@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +40,7 @@ from kiln.exporter.parity import greedy
 from kiln.exporter.runners import OrtRunner, TorchRunner
 from kiln.exporter.runners.ort_runner import ort_session
 from kiln.plugins import load_model, resolve_checkpoint
+from kiln.plugins.base import DecoderSpec
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -93,6 +96,55 @@ def graph_file(directory: Path, manifest: Manifest, kind: GraphKind, target: str
     return directory / entry.file
 
 
+WIN = 256  # tokens per evaluated window
+
+
+def _match_length(got: np.ndarray, want: np.ndarray) -> int:
+    """Greedy tokens equal before the first difference (64: all of them)."""
+    diff = np.nonzero(got != want)[0]
+    return int(diff[0]) if diff.size else 64
+
+
+def _scores(logits_per_window: Iterable[np.ndarray], windows: list[np.ndarray], ref_logits: list[np.ndarray]) -> dict[str, float]:
+    """Perplexity of the windows' next tokens and top-1 agreement with the reference logits."""
+    nll, agree, count = 0.0, 0, 0
+    for logits, w, ref in zip(logits_per_window, windows, ref_logits, strict=True):
+        lp = _log_softmax(logits[0, :-1])
+        nll -= lp[np.arange(WIN - 1), w[0, 1:]].sum()
+        agree += int((logits[0].argmax(-1) == ref[0].argmax(-1)).sum())
+        count += WIN - 1
+    return {"perplexity": float(np.exp(nll / count)), "top1_agreement": agree / (count + len(windows))}
+
+
+def _measure_genai(directory: Path, windows: list[np.ndarray], ref_logits: list[np.ndarray], prompts: list[list[int]], ref_tokens: list[np.ndarray]) -> dict[str, Any]:
+    genai = GenAIModel(directory)
+    row: dict[str, Any] = _scores((genai.run(w, None)[0] for w in windows), windows, ref_logits)
+    row["greedy_match_length"] = [_match_length(genai.greedy(p, 64), want) for p, want in zip(prompts, ref_tokens, strict=True)]
+    return row
+
+
+def _measure_kiln(
+    directory: Path, spec: DecoderSpec, target: str | None, windows: list[np.ndarray], ref_logits: list[np.ndarray], prompts: list[list[int]], ref_tokens: list[np.ndarray]
+) -> dict[str, Any]:
+    manifest = read_manifest(directory)
+    kv = manifest.kv_cache.dtype
+    session = ort_session(graph_file(directory, manifest, GraphKind.UNIFIED, target), weight_only_dq=True)
+    empty = np.zeros((1, spec.n_kv_heads, 0, spec.head_dim), dtype=kv)
+    past = {n: empty for i in range(spec.n_layers) for n in past_names(i)}
+
+    def logits_of(w: np.ndarray) -> np.ndarray:
+        feeds = {"input_ids": w, "attention_mask": np.ones_like(w), "position_ids": np.arange(WIN, dtype=np.int64)[None], **past}
+        return np.asarray(session.run(["logits"], feeds)[0])
+
+    row: dict[str, Any] = _scores((logits_of(w) for w in windows), windows, ref_logits)
+    graphs = {k: graph_file(directory, manifest, k, target) for k in (GraphKind.PREFILL, GraphKind.DECODE)}
+    with OrtRunner(graphs) as runner:
+        row["greedy_match_length"] = [
+            _match_length(greedy(runner, spec, [p], 64, kv_dtype=np.dtype(kv))[0][0], want) for p, want in zip(prompts, ref_tokens, strict=True)
+        ]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="+", type=Path)
@@ -106,60 +158,25 @@ def main() -> None:
     loaded = load_model(args.model)
     spec = loaded.spec
     ids = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode((ckpt / "heldout.txt").read_text()).ids
-    win = 256
     # from the END of heldout.txt: int8 exports calibrate on its beginning (kiln takes the first windows)
-    tail = ids[len(ids) - args.windows * win :]
-    windows = [np.array(tail[i * win : (i + 1) * win], dtype=np.int64)[None] for i in range(args.windows)]
+    tail = ids[len(ids) - args.windows * WIN :]
+    windows = [np.array(tail[i * WIN : (i + 1) * WIN], dtype=np.int64)[None] for i in range(args.windows)]
     torch_runner = TorchRunner(loaded.module, spec.n_layers)
     prompts = [tail[700 * k : 700 * k + 32] for k in range(args.prompts)]
     ref_tokens = [greedy(torch_runner, spec, [p], 64)[0][0] for p in prompts]
-
-    rows = {}
     with torch.no_grad():
-        ref_logits = [loaded.module(torch.from_numpy(w), torch.ones_like(torch.from_numpy(w)), torch.arange(win)[None])[0].numpy() for w in windows]
-    for name, logits_of in [("pytorch fp32", None)] + [(str(d), d) for d in args.dirs]:
-        nll, agree, count = 0.0, 0, 0
-        session = None
-        genai = GenAIModel(logits_of) if logits_of is not None and (logits_of / "genai_config.json").is_file() else None
-        if logits_of is not None and genai is None:
-            manifest = read_manifest(logits_of)
-            kv = manifest.kv_cache.dtype
-            session = ort_session(graph_file(logits_of, manifest, GraphKind.UNIFIED, args.target), weight_only_dq=True)
-        for w, ref in zip(windows, ref_logits, strict=True):
-            if genai is not None:
-                logits = genai.run(w, None)[0]
-            elif session is None:
-                logits = ref
-            else:
-                feeds = {"input_ids": w, "attention_mask": np.ones_like(w), "position_ids": np.arange(win, dtype=np.int64)[None]}
-                empty = np.zeros((1, spec.n_kv_heads, 0, spec.head_dim), dtype=kv)
-                feeds.update({n: empty for i in range(spec.n_layers) for n in past_names(i)})
-                logits = session.run(["logits"], feeds)[0]
-            lp = _log_softmax(logits[0, :-1])
-            nll -= lp[np.arange(win - 1), w[0, 1:]].sum()
-            agree += int((logits[0].argmax(-1) == ref[0].argmax(-1)).sum())
-            count += win - 1
-        row = {"perplexity": float(np.exp(nll / count)), "top1_agreement": agree / (count + len(windows))}
-        if genai is not None:
-            lengths = []
-            for p, want in zip(prompts, ref_tokens, strict=True):
-                diff = np.nonzero(genai.greedy(p, 64) != want)[0]
-                lengths.append(int(diff[0]) if diff.size else 64)
-            row["greedy_match_length"] = lengths
-        elif logits_of is not None:
-            graphs = {k: graph_file(logits_of, manifest, k, args.target) for k in (GraphKind.PREFILL, GraphKind.DECODE)}
-            with OrtRunner(graphs) as runner:
-                lengths = []
-                for p, want in zip(prompts, ref_tokens, strict=True):
-                    got = greedy(runner, spec, [p], 64, kv_dtype=np.dtype(kv))[0][0]
-                    diff = np.nonzero(got != want)[0]
-                    lengths.append(int(diff[0]) if diff.size else 64)
-            row["greedy_match_length"] = lengths
-        rows[name] = row
+        ref_logits = [loaded.module(torch.from_numpy(w), torch.ones_like(torch.from_numpy(w)), torch.arange(WIN)[None])[0].numpy() for w in windows]
+
+    rows: dict[str, dict[str, Any]] = {"pytorch fp32": _scores(ref_logits, windows, ref_logits)}
+    for d in args.dirs:
+        if (d / "genai_config.json").is_file():
+            rows[str(d)] = _measure_genai(d, windows, ref_logits, prompts, ref_tokens)
+        else:
+            rows[str(d)] = _measure_kiln(d, spec, args.target, windows, ref_logits, prompts, ref_tokens)
     base = rows["pytorch fp32"]["perplexity"]
     for row in rows.values():
         row["perplexity_change_pct"] = 100 * (row["perplexity"] / base - 1)
-    print(json.dumps({"windows": args.windows, "tokens_per_window": win, "target": args.target or "portable", "rows": rows}, indent=2))
+    print(json.dumps({"windows": args.windows, "tokens_per_window": WIN, "target": args.target or "portable", "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

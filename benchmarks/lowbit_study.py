@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -117,20 +118,7 @@ def main() -> None:
               "--d-model", str(args.d_model), "--n-layers", str(args.n_layers), "--d-ff", str(args.d_ff)], log)
     training = json.loads((ckpt / "training.json").read_text())
     variants = _variants(ckpt / "heldout.txt", args.calib_samples, args.int4_block)
-    failed: dict[str, str] = {}  # a variant whose export fails its parity gate is a result too: recorded, not measured
-    for name, flags in variants.items():
-        refused = exports / f"{name}.failed"  # the failing line of an earlier run: not retried unless --retry-failed
-        if refused.is_file() and not args.retry_failed:
-            failed[name] = refused.read_text().strip()
-            print(f"  {name}: failed in an earlier run: {failed[name]}", flush=True)
-        elif not (exports / name / "manifest.json").is_file():
-            try:
-                _run([*KILN, "export", "--model", str(ckpt), "--out", str(exports / name), "--parity-tokens", "16", "--force", "--json", *flags], log)
-            except SystemExit:
-                failed[name] = log.read_text().strip().splitlines()[-1]
-                refused.parent.mkdir(parents=True, exist_ok=True)
-                refused.write_text(failed[name] + "\n")
-                print(f"  {name}: {failed[name]}", flush=True)
+    failed = _export_variants(ckpt, exports, variants, log, args.retry_failed)
     variants = {n: f for n, f in variants.items() if n not in failed}
     peers = _genai(ckpt, exports, args.genai_venv, args.int4_block, log) if (args.genai_venv / "bin" / "python").is_file() else {}
     measure = [sys.executable, str(HERE / "accuracy.py"), "--model", str(ckpt), "--windows", str(args.windows), "--prompts", str(args.prompts)]
@@ -143,17 +131,41 @@ def main() -> None:
               "int4_block": args.int4_block, "genai": {k: str(v) for k, v in peers.items()},
               "portable": portable, "ort": ort, "bench": json.loads(bench), "failed": failed}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _print_tables(result, args.int4_block)
+
+
+def _export_variants(ckpt: Path, exports: Path, variants: dict[str, list[str]], log: Path, retry_failed: bool) -> dict[str, str]:
+    """Export every variant not exported yet; returns those whose export failed its parity gate
+    (a result too: recorded, not measured), with the failing line."""
+    failed: dict[str, str] = {}
+    for name, flags in variants.items():
+        refused = exports / f"{name}.failed"  # the failing line of an earlier run: not retried unless --retry-failed
+        if refused.is_file() and not retry_failed:
+            failed[name] = refused.read_text().strip()
+            print(f"  {name}: failed in an earlier run: {failed[name]}", flush=True)
+        elif not (exports / name / "manifest.json").is_file():
+            try:
+                _run([*KILN, "export", "--model", str(ckpt), "--out", str(exports / name), "--parity-tokens", "16", "--force", "--json", *flags], log)
+            except SystemExit:
+                failed[name] = log.read_text().strip().splitlines()[-1]
+                refused.parent.mkdir(parents=True, exist_ok=True)
+                refused.write_text(failed[name] + "\n")
+                print(f"  {name}: {failed[name]}", flush=True)
+    return failed
+
+
+def _print_tables(result: dict[str, Any], int4_block: int) -> None:
     print("| variant | graphs | perplexity | vs PyTorch | top-1 agreement | greedy tokens equal (per prompt) |")
     print("|---|---|---|---|---|---|")
-    for graphs, table in (("portable", portable), ("ort", ort)):
-        for name, row in table["rows"].items():
+    for graphs in ("portable", "ort"):
+        for name, row in result[graphs]["rows"].items():
             print(f"| {Path(name).name} | {graphs} | {row['perplexity']:.3f} | {row['perplexity_change_pct']:+.2f}% | {100 * row['top1_agreement']:.2f}% | "
                   f"{', '.join(map(str, row.get('greedy_match_length', [])))} |")
     decode = result["bench"]["median_ms"]["decode"]
     print(f"\ndecode step, batch 1, past {result['bench']['decode_past']}, median of {result['bench']['runs']} interleaved runs:")
     for label, ms in decode.items():
         print(f"  {label}: {ms:.3f} ms")
-    for line in ratios(decode, args.int4_block):
+    for line in ratios(decode, int4_block):
         print(line)
 
 

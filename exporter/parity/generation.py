@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
+from kiln.exporter.contract.io import ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.contract.steps import empty_past, encoder_decoder_feeds, left_pad, prompt_feeds, run_steps
 from kiln.exporter.parity.results import GenerationCheck
 from kiln.exporter.parity.tolerances import Tolerance
