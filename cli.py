@@ -100,7 +100,7 @@ def main() -> None:
 def export(model: str, out: Path, as_json: bool, **flags: Any) -> None:
     """Export a checkpoint to prefill/decode/unified ONNX graphs and check their parity."""
     options = _export_options(flags)
-    _preflight(model, out, options.force)
+    _preflight(model, out, options)
     from kiln.exporter.pipeline import export as run_export  # torch and onnxruntime from here on
 
     progress = _progress(as_json)
@@ -121,14 +121,15 @@ def export(model: str, out: Path, as_json: bool, **flags: Any) -> None:
     click.echo(f"wrote {result.out}: {len(manifest.graphs)} {manifest.precision} graphs{extra}, {files}; {verdict(result.parity)}; report {report}")
 
 
-def _preflight(model: str, out: Path, force: bool) -> None:
+def _preflight(model: str, out: Path, options: Any) -> None:
     """The checks of bad input that need no torch: the answer comes before the heavy imports
     (the pipeline checks the same again)."""
     from kiln.exporter.artifacts.staging import require_replaceable
     from kiln.plugins import read_config, resolve_checkpoint
 
-    require_replaceable(out.absolute(), force)
-    read_config(resolve_checkpoint(model))
+    checkpoint = resolve_checkpoint(model)
+    require_replaceable(out.absolute(), options.force, inputs=(checkpoint, *options.data_inputs))
+    read_config(checkpoint)
 
 
 def _export_options(flags: dict[str, Any]) -> Any:

@@ -184,6 +184,12 @@ class ExportOptions:
         return GPTQ_SAMPLES if self.gptq else CALIB_SAMPLES
 
     @property
+    def data_inputs(self) -> tuple[Path, ...]:
+        """The files and folders besides the checkpoint that an export reads (never replaced by its output)."""
+        data = (Path(self.calib_data),) if self.calib_data not in (None, "synthetic") else ()
+        return data + ((self.calib_cache,) if self.calib_cache is not None else ())
+
+    @property
     def graph_opset(self) -> int:
         """The opset the graphs are written at: ``--opset``, raised to 21 for int4 (DequantizeLinear's ``block_size``)."""
         return max(self.opset, 21) if self.precision.has_int4 else self.opset

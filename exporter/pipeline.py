@@ -55,7 +55,7 @@ from kiln.exporter.runners import OrtRunner, TorchRunner
 from kiln.exporter.runners.torch_runner import drop_fp32_buffers
 from kiln.exporter.targets.ort import OrtTarget, write_ort_target
 from kiln.exporter.trace import Traced, trace_unified
-from kiln.plugins import LoadedModel, load_model
+from kiln.plugins import LoadedModel, load_model, resolve_checkpoint
 
 __all__ = ["ExportResult", "export", "export_loaded", "release_weights"]
 
@@ -70,7 +70,7 @@ class ExportResult:
 
 def export(model: str | Path, out: Path, options: ExportOptions, progress: Progress | None = None) -> ExportResult:
     progress = progress or NullProgress()
-    require_replaceable(out.absolute(), options.force)  # before the checkpoint loads (staged_output checks again)
+    require_replaceable(out.absolute(), options.force, inputs=(resolve_checkpoint(model), *options.data_inputs))  # before the load (checked again)
     with progress.stage("load checkpoint"):
         loaded = load_model(model)
     return export_loaded(loaded, out, options, progress, model_ref=str(model), release_reference=True)
@@ -89,7 +89,8 @@ def export_loaded(
     weights and the runtime's never sit in memory together; ``loaded`` is unusable afterwards."""
     progress = progress or NullProgress()
     reference = load_reference(loaded, options)
-    with staged_output(out, options.force) as root:
+    inputs = (loaded.source, *loaded.files, *options.data_inputs)  # never replaced by the output, whatever --force says
+    with staged_output(out, options.force, inputs=inputs, note=progress.note) as root:
         with progress.stage("fold PLE"):
             folded = fold(reference.module, loaded.ple)
         checkpoint = {path.name: sha256_file(path) for path in loaded.files}  # hashed once

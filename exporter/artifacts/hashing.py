@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
-__all__ = ["sha256_file", "hash_tree", "rehash_subtree"]
+__all__ = ["sha256_file", "hash_tree", "links", "rehash_subtree"]
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -17,13 +18,21 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def hash_tree(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
-    """sha256 of every file under ``root`` by POSIX relative path, in sorted order."""
+    """sha256 of every regular file under ``root`` by POSIX relative path, in sorted order.
+    Symbolic links are not followed and not hashed (``links`` lists them): what a link points to
+    lies outside what kiln wrote."""
     out: dict[str, str] = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):
         rel = path.relative_to(root).as_posix()
         if rel not in exclude:
             out[rel] = sha256_file(path)
     return out
+
+
+def links(root: Path) -> dict[str, str]:
+    """Every symbolic link under ``root`` (to a file or a directory; never followed), by POSIX
+    relative path, with what it points to."""
+    return {p.relative_to(root).as_posix(): os.readlink(p) for p in sorted(root.rglob("*")) if p.is_symlink()}
 
 
 def rehash_subtree(files: dict[str, str], root: Path, sub: str) -> dict[str, str]:

@@ -293,4 +293,39 @@ def read(root: Path) -> Manifest:
     version = data.get("manifest_version")
     if version != MANIFEST_VERSION:
         raise ArtifactError(f"{path}: manifest_version {version!r} is not supported (this kiln reads version {MANIFEST_VERSION}); re-export with this kiln")
-    return Manifest.from_json(data, str(path))
+    manifest = Manifest.from_json(data, str(path))
+    _check_ranges(manifest, path)
+    return manifest
+
+
+# What a manifest's numbers may be: beyond these no model kiln exports goes, and a reader would
+# allocate or loop by them (``kiln generate`` sizes its cache by n_layers, bench its feeds by the limits)
+_RANGES = {
+    "model.n_layers": (1, 1 << 12),
+    "model.n_kv_heads": (1, 1 << 12),
+    "model.head_dim": (1, 1 << 16),
+    "model.vocab_size": (1, 1 << 31),
+    "limits.max_batch": (1, 1 << 16),
+    "limits.max_context": (2, 1 << 24),
+}
+
+
+def _check_ranges(manifest: Manifest, path: Path) -> None:
+    """Refuse numbers no export has (a hand-edited or damaged manifest) before anyone sizes by them."""
+    values = {
+        "model.n_layers": manifest.model.n_layers, "model.n_kv_heads": manifest.model.n_kv_heads, "model.head_dim": manifest.model.head_dim,
+        "model.vocab_size": manifest.model.vocab_size, "limits.max_batch": manifest.limits.max_batch, "limits.max_context": manifest.limits.max_context,
+    }
+    for key, value in values.items():
+        low, high = _RANGES[key]
+        if not low <= value <= high:
+            raise ArtifactError(f"{path}: {key} is {value}, outside {low}..{high}; the manifest is damaged or was edited: re-export")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+        token = getattr(manifest.model, name)
+        if token is not None and not 0 <= token < 1 << 31:
+            raise ArtifactError(f"{path}: model.{name} is {token}, not a token id; the manifest is damaged or was edited: re-export")
+    ple = manifest.export.ple
+    if ple is not None and not manifest.limits.max_context <= ple.rows <= 1 << 24:
+        raise ArtifactError(
+            f"{path}: limits.max_context is {manifest.limits.max_context} but the PLE tables have {ple.rows} rows; the manifest is damaged or was edited: re-export"
+        )

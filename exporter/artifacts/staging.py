@@ -1,46 +1,91 @@
 """Output directories that are whole or absent, and replaced only when kiln wrote them.
 
 An export (or a part rewritten later: ``kiln triton``'s repository) is written into a temporary
-directory beside the target and renamed into place at the end; an error, Ctrl-C or SIGTERM (turned into ``SystemExit`` by the CLI) removes it. An
-exclusive ``flock`` on ``.<name>.lock`` beside the target makes a second export into the same
-directory fail at once instead of racing the first.
+directory beside the target and renamed into place at the end; an error, Ctrl-C or SIGTERM (turned
+into ``SystemExit`` by the CLI) removes it. An exclusive ``flock`` on ``.<name>.lock`` beside the
+target makes a second export into the same directory fail at once instead of racing the first;
+the lock file names the PID holding it. What a killed process (SIGKILL, a power cut) leaves
+beside the target, its ``.<name>.tmp-*`` staging and a ``.<name>.old-*`` copy set aside during the
+final rename, is cleaned up by the next process that takes the lock (which proves the other one
+is gone), and one line says so; a copy set aside while no new directory took its place is put back.
 
 The replacement rule (``--force``): a non-empty target is replaced only when kiln wrote it. What
 that means is the caller's ``Owner``: for an export directory, that ``manifest.read`` accepts its
-``manifest.json`` (``earlier_export``); for ``kiln triton``'s ``triton/`` inside an export, that
-the export's manifest lists every file in it (``exporter.serving.triton``); ``kiln build`` writes
-files into ``engines/`` in place and applies the same rule to that folder (``exporter.engine``).
+``manifest.json`` and that manifest lists every file in it (``earlier_export``); for ``kiln
+triton``'s ``triton/`` inside an export, that the export's manifest lists every file in it
+(``exporter.serving.triton``); ``kiln build`` writes files into ``engines/`` in place and applies
+the same rule to that folder (``exporter.engine``). A target that is, or holds, one of the inputs
+being read (the checkpoint, the calibration data) is never replaced, whatever its owner says.
 Anything else is refused in one line naming what is there, and nothing is deleted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
+import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kiln.errors import ArtifactError
 from kiln.interrupts import raise_if_interrupted
 
-__all__ = ["Owner", "earlier_export", "listing", "require_replaceable", "staged_output"]
+__all__ = ["Owner", "Note", "brief", "cannot_write", "earlier_export", "listing", "require_replaceable", "staged_output"]
 
 Owner = Callable[[Path], str | None]  # a non-empty directory -> None when kiln wrote it, else why not (one line)
+Note = Callable[[str], None]  # where a line about cleaned-up leftovers goes
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def cannot_write(path: Path, exc: OSError) -> str:
+    """One line for an ``OSError`` met while creating or writing ``path``: what it means, what to do."""
+    where = exc.filename or path
+    reasons = {
+        errno.ENAMETOOLONG: f"a name in this path is longer than the file system allows ({where}); choose a shorter --out",
+        errno.EROFS: f"the file system is read-only ({where}); choose an --out on a writable one",
+        errno.EACCES: f"permission denied ({where}); choose an --out you can write",
+        errno.EPERM: f"permission denied ({where}); choose an --out you can write",
+        errno.ENOTDIR: f"{where} is a file, not a directory; choose another --out",
+        errno.EEXIST: f"{where} is a file, not a directory; choose another --out",
+        errno.ENOSPC: f"no space left on the device holding {where}; free some space or choose another --out",
+        errno.EDQUOT: f"disk quota exceeded on {where}; free some space or choose another --out",
+    }
+    return f"{path}: cannot write here: " + reasons.get(exc.errno or 0, f"{exc.strerror or exc} ({where})")
+
+
+def _lock_holder(fd: int) -> int | None:
+    """The PID a lock file names (written by whoever took the lock last), if any."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    text = os.read(fd, 32).decode(errors="replace").strip()
+    return int(text) if text.isdigit() else None
 
 
 @contextlib.contextmanager
-def _lock(out: Path) -> Iterator[None]:
+def _lock(out: Path, note: Note) -> Iterator[None]:
     lock_path = out.parent / f".{out.name}.lock"
-    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError as exc:
+        raise ArtifactError(cannot_write(out, exc)) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        holder = _lock_holder(fd)
         os.close(fd)
-        raise ArtifactError(f"{out}: another kiln process is writing this directory (lock {lock_path}); wait for it or choose another --out") from None
+        pid = f"pid {holder}, " if holder else ""
+        raise ArtifactError(f"{out}: another kiln process is writing this directory ({pid}lock {lock_path}); wait for it or choose another --out") from None
     try:
+        previous = _lock_holder(fd)  # we hold the lock: whoever wrote this PID is gone
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _clean_leftovers(out, previous, note)
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -49,33 +94,87 @@ def _lock(out: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def listing(directory: Path, limit: int = 5) -> str:
-    """What a directory holds, for a message: ``notes.txt, sub/ (and 3 more)``."""
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
+def _clean_leftovers(out: Path, previous: int | None, note: Note) -> None:
+    """Remove what a killed kiln process left beside ``out`` (called under the lock), putting
+    back a directory it had moved aside when nothing replaced it."""
+    who = f"an earlier kiln process (pid {previous})" if previous else "an earlier kiln process"
+    for old in sorted(out.parent.glob(f".{out.name}.old-*")):
+        kept = old / out.name
+        if kept.is_dir() and not os.path.lexists(out):
+            os.replace(kept, out)
+            note(f"restored {out} from {old.name}: {who} was killed while replacing it")
+        shutil.rmtree(old, ignore_errors=True)
+    for tmp in sorted(out.parent.glob(f".{out.name}.tmp-*")):
+        shutil.rmtree(tmp, ignore_errors=True)
+        note(f"removed {tmp}: the unfinished output of {who} that was killed")
+
+
+def brief(names: Sequence[str], limit: int = 5) -> str:
+    """``a, b, c (and 3 more)``, for a message."""
     more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
 
 
+def listing(directory: Path, limit: int = 5) -> str:
+    """What a directory holds, for a message: ``notes.txt, sub/ (and 3 more)``."""
+    return brief(sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir()), limit)
+
+
 def earlier_export(out: Path) -> str | None:
     """The export's ``Owner``: None when ``out`` holds a manifest.json that kiln wrote (one that
-    ``manifest.read`` accepts), else what is there instead."""
+    ``manifest.read`` accepts) and that lists every file in ``out``, else what is there instead."""
     from kiln.exporter.artifacts import manifest
+    from kiln.exporter.artifacts.verify import unlisted
 
     try:
-        manifest.read(out)
+        found = manifest.read(out)
     except ArtifactError:
         has = "a manifest.json this kiln does not accept" if (out / manifest.MANIFEST).is_file() else "no manifest.json"
         return f"--force replaces only an empty directory or an earlier kiln export, and this holds {listing(out)} with {has}"
+    foreign = unlisted(out, found)
+    if foreign:
+        return f"--force replaces only an earlier kiln export whose manifest.json lists every file in it, and it does not list {brief(foreign)}"
     return None
 
 
-def require_replaceable(out: Path, force: bool, owner: Owner = earlier_export) -> None:
+def _refuse_inputs(out: Path, inputs: Sequence[Path]) -> None:
+    """``out`` must not be, or hold, anything the command reads."""
+    target = out.resolve()
+    for path in inputs:
+        if not os.path.lexists(path):  # nothing to lose (a tiny test model's made-up source)
+            continue
+        source = Path(path).resolve()
+        if source == target or source.is_relative_to(target):
+            raise ArtifactError(
+                f"{out}: this is where the input {path} lives, and kiln never replaces a directory it reads from; choose another --out"
+            )
+
+
+def _creatable(out: Path) -> None:
+    """Raise the ``OSError`` that creating ``out`` would meet when a file stands where one of its
+    folders would go (before anything heavy runs)."""
+    for ancestor in out.parents:
+        if os.path.lexists(ancestor):
+            if not ancestor.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(ancestor))
+            return
+
+
+def require_replaceable(out: Path, force: bool, owner: Owner = earlier_export, inputs: Sequence[Path] = ()) -> None:
     """Refuse (one ``ArtifactError``, nothing touched) to write ``out`` unless it is absent or
-    empty, or ``force`` is given and ``owner`` says kiln wrote it."""
-    if out.exists() and not out.is_dir():
-        raise ArtifactError(f"{out}: exists and is not a directory")
-    if not out.is_dir() or not any(out.iterdir()):
-        return
+    empty, or ``force`` is given and ``owner`` says kiln wrote it; and never when ``out`` is or
+    holds one of ``inputs`` (the checkpoint and data the command reads)."""
+    try:
+        _refuse_inputs(out, inputs)
+        if os.path.lexists(out) and (out.is_symlink() or not out.is_dir()):
+            raise ArtifactError(f"{out}: exists and is not a directory" + (" (a symbolic link)" if out.is_symlink() else ""))
+        if not out.is_dir():
+            _creatable(out)
+            return
+        if not any(out.iterdir()):
+            return
+    except OSError as exc:
+        raise ArtifactError(cannot_write(out, exc)) from None
     if not force:
         raise ArtifactError(f"{out}: output directory exists and is not empty; pass --force to replace it")
     reason = owner(out)
@@ -84,30 +183,49 @@ def require_replaceable(out: Path, force: bool, owner: Owner = earlier_export) -
 
 
 @contextlib.contextmanager
-def staged_output(out: Path, force: bool, owner: Owner = earlier_export) -> Iterator[Path]:
+def staged_output(
+    out: Path, force: bool, owner: Owner = earlier_export, inputs: Sequence[Path] = (), note: Note = _stderr
+) -> Iterator[Path]:
     """Yield a fresh temporary directory that becomes ``out`` when the block succeeds (an ``out``
-    already there must pass ``require_replaceable``)."""
+    already there must pass ``require_replaceable``). A full disk inside the block is one
+    ``ArtifactError``; the temporary directory is removed whatever happens."""
     out = out.absolute()
-    require_replaceable(out, force, owner)  # before making anything
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(out):
-        require_replaceable(out, force, owner)  # again, now that no other kiln can be writing it
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary directory
+    require_replaceable(out, force, owner, inputs)  # before making anything
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ArtifactError(cannot_write(out, exc)) from None
+    with _lock(out, note):
+        require_replaceable(out, force, owner, inputs)  # again, now that no other kiln can be writing it
+        tmp = _staging_dir(out)
         try:
             yield tmp
             raise_if_interrupted()  # a signal whose exception a finalizer swallowed
             _commit(tmp, out)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise ArtifactError(cannot_write(out, exc) + "; nothing was written") from None
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _staging_dir(out: Path) -> Path:
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as exc:
+        raise ArtifactError(cannot_write(out, exc)) from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary directory
+    return tmp
+
+
 def _commit(tmp: Path, out: Path) -> None:
     """Rename ``tmp`` to ``out``; an ``out`` already there is moved aside first and deleted only
-    once the new one is in place (if the rename fails, it is put back)."""
+    once the new one is in place (if the rename fails, it is put back; if the process dies in
+    between, the next one puts it back: ``_clean_leftovers``)."""
     if not out.exists():
         os.replace(tmp, out)
         return

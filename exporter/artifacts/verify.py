@@ -1,14 +1,17 @@
-"""``kiln verify``: does an export directory still hold exactly the files its manifest names?"""
+"""``kiln verify``: does an export directory still hold exactly the files its manifest names, and
+do its graphs and the manifest's claims about them agree (``structure``)? Every command that runs
+an export (check, generate, bench, triton, build) reads it through ``require_verified``."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts import manifest as manifest_mod
-from kiln.exporter.artifacts.hashing import hash_tree
+from kiln.exporter.artifacts.hashing import hash_tree, links
 from kiln.exporter.artifacts.manifest import Manifest
+from kiln.exporter.artifacts.structure import structure_problems
 
 __all__ = ["Verification", "verify_dir", "require_verified", "unlisted"]
 
@@ -21,16 +24,20 @@ class Verification:
     changed: tuple[str, ...]
     unexpected: tuple[str, ...]
     manifest: Manifest
+    links: tuple[str, ...] = ()  # "path -> where it points": kiln writes no links, and never reads through one
+    structure: tuple[str, ...] = ()  # what the graphs and the manifest's claims disagree on (``artifacts.structure``)
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.changed or self.unexpected)
+        return not (self.missing or self.changed or self.unexpected or self.links or self.structure)
 
     def problems(self) -> list[str]:
         return (
             [f"missing: {p}" for p in self.missing]
             + [f"changed (sha256 differs): {p}" for p in self.changed]
             + [f"unexpected: {p}" for p in self.unexpected]
+            + [f"a symbolic link (kiln writes none, and reads none): {p}" for p in self.links]
+            + list(self.structure)
         )
 
 
@@ -45,6 +52,8 @@ def verify_dir(directory: Path) -> Verification:
         changed=tuple(sorted(p for p in set(recorded) & set(found) if recorded[p] != found[p])),
         unexpected=tuple(sorted(set(found) - set(recorded))),
         manifest=manifest,
+        links=tuple(f"{path} -> {target}" for path, target in links(directory).items()),
+        structure=tuple(structure_problems(directory, manifest)),
     )
 
 
@@ -59,12 +68,23 @@ def require_verified(directory: Path, *, rewritten: str | None = None) -> Manife
     return result.manifest
 
 
-def unlisted(directory: Path, manifest: Manifest, sub: str) -> list[str]:
-    """Files under ``directory/sub`` that ``manifest.files`` does not list (paths relative to
-    ``directory``): what a command rewriting that folder did not write, by the replacement rule
-    of ``artifacts.staging``."""
-    root = directory / sub
+def unlisted(directory: Path, manifest: Manifest, sub: str = "") -> list[str]:
+    """What under ``directory/sub`` (all of it by default) the manifest does not account for
+    (paths relative to ``directory``): files it does not list, links (always: kiln writes none)
+    and empty folders; what a command replacing that folder did not write, by the replacement
+    rule of ``artifacts.staging``. ``manifest.json`` itself is accounted for."""
+    root = directory / sub if sub else directory
     if not root.is_dir():
         return []
-    found = (p.relative_to(directory).as_posix() for p in sorted(root.rglob("*")) if p.is_file() or p.is_symlink())
-    return [rel for rel in found if rel not in manifest.files]
+    holding = {parent.as_posix() for rel in manifest.files for parent in PurePosixPath(rel).parents}
+    foreign = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(directory).as_posix()
+        if path.is_symlink():
+            foreign.append(f"{rel} (a symbolic link)")
+        elif path.is_dir():
+            if rel not in holding and not any(path.iterdir()):
+                foreign.append(f"{rel}/")
+        elif rel not in manifest.files and rel != manifest_mod.MANIFEST:
+            foreign.append(rel)
+    return foreign

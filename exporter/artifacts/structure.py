@@ -1,0 +1,177 @@
+"""What a manifest claims about an export's files, checked against the files themselves.
+
+``kiln verify`` proves every file hashes as recorded; that alone does not make a directory safe
+to run: a manifest edited by hand (hashes and all) can name a tokenizer outside the export, a
+graph can read its weights from ``../../..``, a ``decode.onnx`` swapped for ``prefill.onnx`` hashes
+fine, and a model section can claim a billion layers. ``structure_problems`` finds those:
+
+- every path the manifest names (graphs, weights files, tokenizer, report) lies inside the
+  export, without ``..``, and is one of the files it lists (hashed);
+- every graph's external data is read from a listed file beside the graph, within its size;
+- every graph's inputs and outputs are the ones the manifest records (a target's graphs: those
+  of the portable graph of the same kind), and the model's dims (layers, KV heads, head size,
+  vocabulary) are the ones the graphs declare.
+
+Links are reported by ``verify`` itself (a listed file is a regular file). Ranges that need no
+graph (a limit that is not positive, a context of 10**400) are refused by ``manifest.read``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from kiln.exporter.artifacts.manifest import GraphEntry, Manifest, TensorEntry
+
+__all__ = ["named_paths", "structure_problems", "inside"]
+
+_PAST_KEY = re.compile(r"^past_key_values\.(\d+)\.key$")
+_PRESENT_KEY = re.compile(r"^present\.(\d+)\.key$")
+
+
+def inside(path: str) -> bool:
+    """True for a relative POSIX path that stays inside the directory it is relative to."""
+    pure = PurePosixPath(path)
+    return bool(path) and "\\" not in path and not pure.is_absolute() and ".." not in pure.parts and pure.parts[:1] != (".",)
+
+
+def named_paths(manifest: Manifest) -> dict[str, str]:
+    """Every file the manifest names outside ``files``, by where it names it."""
+    named = {"weights.file": manifest.weights.file, "parity.report": manifest.parity.report}
+    named |= {f"graphs.{kind}.file": entry.file for kind, entry in manifest.graphs.items()}
+    if manifest.tokenizer is not None:
+        named["tokenizer"] = manifest.tokenizer
+    for name, target in (manifest.targets or {}).items():
+        named[f"targets.{name}.weights.file"] = target.weights.file
+        named |= {f"targets.{name}.graphs.{kind}.file": entry.file for kind, entry in target.graphs.items()}
+    return named
+
+
+def _path_problems(manifest: Manifest) -> list[str]:
+    problems = []
+    for where, path in named_paths(manifest).items():
+        if not inside(path):
+            problems.append(f"outside the export: {where} is {path!r} (a relative path inside the directory, without '..', is expected)")
+        elif path not in manifest.files:
+            problems.append(f"unlisted: {where} names {path}, which manifest.files does not list (nor hash)")
+    return problems
+
+
+def structure_problems(directory: Path, manifest: Manifest) -> list[str]:
+    """Every way the directory's graphs and the manifest's claims about them disagree (empty: none)."""
+    problems = _path_problems(manifest)
+    if problems:
+        return problems  # graph files are read only from paths proved inside the export
+    for kind, entry in manifest.graphs.items():
+        problems += _graph_problems(directory, manifest, entry.file, entry, with_dtypes=True)
+    for target in (manifest.targets or {}).values():
+        for kind, entry in target.graphs.items():
+            portable = manifest.graphs.get(kind)
+            if portable is None:
+                problems.append(f"graph {entry.file}: a target graph of kind {kind!r}, which the portable graphs do not have")
+                continue
+            problems += _graph_problems(directory, manifest, entry.file, portable, with_dtypes=False)
+    return problems + _dim_problems(manifest)
+
+
+def _graph_problems(directory: Path, manifest: Manifest, file: str, want: GraphEntry, with_dtypes: bool) -> list[str]:
+    import onnx
+
+    path = directory / file
+    if not path.is_file() or path.is_symlink():
+        return []  # verify reports it missing (or a link)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf's DecodeError and friends: any failure means "not a graph"
+        return [f"graph {file}: not a readable ONNX model ({type(exc).__name__})"]
+    problems = []
+    for side, found, expected in (("inputs", model.graph.input, want.inputs), ("outputs", model.graph.output, want.outputs)):
+        got, want_side = [_key(_entry(v), with_dtypes) for v in found], [_key(t, with_dtypes) for t in expected]
+        if got != want_side:
+            problems.append(f"graph {file}: its {side} are not the ones the manifest records ({_first_difference(got, want_side)})")
+    problem = _external_problem(directory, manifest, file, model)
+    return problems + ([problem] if problem else [])
+
+
+def _entry(value: Any) -> TensorEntry:
+    import onnx
+
+    tensor = value.type.tensor_type
+    try:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
+    except (KeyError, TypeError, ValueError):
+        dtype = f"elem_type {tensor.elem_type}"
+    return TensorEntry(value.name, dtype, tuple(d.dim_param or d.dim_value for d in tensor.shape.dim))
+
+
+def _key(tensor: TensorEntry, with_dtype: bool) -> tuple[Any, ...]:
+    """What is compared of a graph input or output: a target's graphs may change dtypes."""
+    return (tensor.name, tensor.dtype, tensor.shape) if with_dtype else (tensor.name, tensor.shape)
+
+
+def _first_difference(got: list[Any], expected: list[Any]) -> str:
+    for i, (g, e) in enumerate(zip(got, expected)):
+        if g != e:
+            return f"#{i}: the graph has {g}, the manifest {e}"
+    return f"the graph has {len(got)}, the manifest {len(expected)}"
+
+
+def _tensors(graph: Any) -> Iterator[Any]:
+    """Every tensor a graph holds: initializers, sparse ones, Constant values, subgraphs'."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _tensors(sub)
+
+
+def _external_problem(directory: Path, manifest: Manifest, file: str, model: Any) -> str | None:
+    """The first external-data reference of a graph that does not read a listed file beside it,
+    within its size."""
+    import onnx
+
+    folder = PurePosixPath(file).parent
+    sizes: dict[str, int] = {}
+    for tensor in _tensors(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        rel = (folder / location).as_posix()
+        if not inside(location) or "/" in location:
+            return f"graph {file}: tensor {tensor.name} reads external data from {location!r}, not from a file beside the graph"
+        if rel not in manifest.files:
+            return f"graph {file}: tensor {tensor.name} reads external data from {location}, which manifest.files does not list"
+        try:
+            offset, length = int(info.get("offset", "0")), int(info.get("length", "-1"))
+        except ValueError:
+            return f"graph {file}: tensor {tensor.name} has a malformed external-data offset or length"
+        size = sizes.setdefault(rel, (directory / rel).stat().st_size)
+        if offset < 0 or offset > size or (length >= 0 and offset + length > size):
+            return f"graph {file}: tensor {tensor.name} reads bytes {offset}..{offset + max(length, 0)} of {location}, which has {size}"
+    return None
+
+
+def _dim_problems(manifest: Manifest) -> list[str]:
+    """The model's numbers against the ones its graphs declare."""
+    model, problems = manifest.model, []
+    for kind, entry in manifest.graphs.items():
+        names = [t.name for t in entry.inputs] + [t.name for t in entry.outputs]
+        layers = {m.group(1) for n in names for m in (_PAST_KEY.match(n), _PRESENT_KEY.match(n)) if m}
+        if kind != "encoder" and len(layers) != model.n_layers:
+            problems.append(f"model.n_layers is {model.n_layers}, but graph {entry.file} carries the KV cache of {len(layers)} layers")
+        for t in entry.outputs:
+            if t.name == "logits" and t.shape and isinstance(t.shape[-1], int) and t.shape[-1] != model.vocab_size:
+                problems.append(f"model.vocab_size is {model.vocab_size}, but graph {entry.file} has {t.shape[-1]} logits")
+            if _PRESENT_KEY.match(t.name) and len(t.shape) == 4:
+                for what, value, dim in (("n_kv_heads", model.n_kv_heads, t.shape[1]), ("head_dim", model.head_dim, t.shape[3])):
+                    if isinstance(dim, int) and dim != value:
+                        problems.append(f"model.{what} is {value}, but graph {entry.file} has {dim} in {t.name}")
+    return sorted(set(problems))
