@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from safetensors.torch import save_model
 
 from kiln.exporter.artifacts.manifest import Manifest
@@ -66,6 +69,61 @@ def typed_manifest(data: dict[str, Any]) -> Manifest:
     merged = {**base, **data}
     merged["graphs"] = {k: {"outputs": [], **g} for k, g in merged["graphs"].items()}
     return Manifest.from_json(merged)
+
+
+def _io_graph(graph: dict[str, Any]) -> bytes:
+    """An ONNX model with exactly a manifest graph entry's inputs and outputs and no nodes: what
+    kiln verify reads of a graph (tests of code that never runs it, such as the engine build
+    against a stand-in TensorRT)."""
+    import onnx
+    from onnx import helper
+
+    def values(entries: list[dict[str, Any]]) -> list[Any]:
+        return [helper.make_tensor_value_info(e["name"], helper.np_dtype_to_tensor_dtype(np.dtype(e["dtype"])), e["shape"]) for e in entries]
+
+    model = helper.make_model(helper.make_graph([], "placeholder", values(graph["inputs"]), values(graph.get("outputs", []))))
+    return bytes(onnx.ModelProto.SerializeToString(model))
+
+
+def placeholder_export(directory: Path, m: dict[str, Any]) -> Path:
+    """A directory that passes kiln verify: a graph with the manifest's I/O for each of its graphs,
+    placeholder weights and report files, and the manifest hashing them all."""
+    from kiln.exporter.artifacts import manifest as manifest_mod
+    from kiln.exporter.artifacts.hashing import hash_tree
+
+    typed = typed_manifest(m)  # the placeholders of the fields m leaves out
+    for graph in m["graphs"].values():
+        (directory / graph["file"]).parent.mkdir(parents=True, exist_ok=True)
+        (directory / graph["file"]).write_bytes(_io_graph(graph))
+    for rel in (typed.weights.file, typed.parity.report):
+        (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+        (directory / rel).write_bytes(b"placeholder")
+    m["files"] = hash_tree(directory)
+    manifest_mod.write(directory, typed_manifest(m))
+    return directory
+
+
+class RecordedProgress:
+    """A ``Progress`` that records every stage (description -> [total, steps advanced], a
+    description seen twice adds up) and every note."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, list[int]] = {}
+        self.notes: list[str] = []
+
+    @contextlib.contextmanager
+    def stage(self, description: str, total: int = 1) -> Iterator[Any]:
+        counts = self.stages.setdefault(description, [0, 0])
+        counts[0] += total
+
+        class Stage:
+            def advance(self, steps: int = 1) -> None:
+                counts[1] += steps
+
+        yield Stage()
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
 
 
 HEAVY = ("torch", "onnxruntime", "transformers")

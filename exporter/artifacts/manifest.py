@@ -67,9 +67,11 @@ def _omit() -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointRef:
-    reference: str | None  # what --model named ('demo' or a path); None when unknown
+    reference: str | None  # what --model named ('demo', a path or ORG/NAME); None when unknown
     files: dict[str, str]  # sha256 of each checkpoint file read, by file name
     dtype: str = "float32"  # the dtype its weights are stored in (the graphs' is ``Manifest.precision``)
+    # the absolute path ``reference`` resolved to (a repo id's cached snapshot): kiln check's fallback
+    resolved: str | None = _omit()
 
 
 @dataclasses.dataclass(frozen=True)

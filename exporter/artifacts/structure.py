@@ -64,15 +64,15 @@ def structure_problems(directory: Path, manifest: Manifest) -> list[str]:
     problems = _path_problems(manifest)
     if problems:
         return problems  # graph files are read only from paths proved inside the export
-    for kind, entry in manifest.graphs.items():
+    for entry in manifest.graphs.values():
         problems += _graph_problems(directory, manifest, entry.file, entry, with_dtypes=True)
     for target in (manifest.targets or {}).values():
-        for kind, entry in target.graphs.items():
+        for kind, target_graph in target.graphs.items():
             portable = manifest.graphs.get(kind)
             if portable is None:
-                problems.append(f"graph {entry.file}: a target graph of kind {kind!r}, which the portable graphs do not have")
+                problems.append(f"graph {target_graph.file}: a target graph of kind {kind!r}, which the portable graphs do not have")
                 continue
-            problems += _graph_problems(directory, manifest, entry.file, portable, with_dtypes=False)
+            problems += _graph_problems(directory, manifest, target_graph.file, portable, with_dtypes=False)
     return problems + _dim_problems(manifest)
 
 
@@ -153,7 +153,12 @@ def _external_problem(directory: Path, manifest: Manifest, file: str, model: Any
             offset, length = int(info.get("offset", "0")), int(info.get("length", "-1"))
         except ValueError:
             return f"graph {file}: tensor {tensor.name} has a malformed external-data offset or length"
-        size = sizes.setdefault(rel, (directory / rel).stat().st_size)
+        if rel not in sizes:
+            data = directory / rel
+            if not data.is_file() or data.is_symlink():
+                return None  # verify reports it missing (or a link)
+            sizes[rel] = data.stat().st_size
+        size = sizes[rel]
         if offset < 0 or offset > size or (length >= 0 and offset + length > size):
             return f"graph {file}: tensor {tensor.name} reads bytes {offset}..{offset + max(length, 0)} of {location}, which has {size}"
     return None

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kiln.errors import ArtifactError
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.runners.base import Feeds
 
@@ -66,7 +67,15 @@ def ort_session(
     for name, value in (initializers or {}).items():
         opts.add_initializer(name, value)
     source = str(model) if isinstance(model, Path) else model
-    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    refusals = (state.Fail, state.InvalidArgument, state.NoSuchFile, state.InvalidGraph, state.InvalidProtobuf, state.RuntimeException, state.NotImplemented)
+    try:
+        return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+    except refusals as exc:  # a graph from a directory kiln verified still may not load: ONNX Runtime's words, in one line
+        what = model if isinstance(model, Path) else "a graph"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ArtifactError(f"{what}: ONNX Runtime cannot load it ({first})") from exc
 
 
 class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):

@@ -25,6 +25,9 @@ model_config_pb2 = pytest.importorskip(
     "tritonclient.grpc.model_config_pb2", reason='tritonclient is a test dependency (pip install "tritonclient[grpc]")'
 )
 from google.protobuf import text_format  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+
+from kiln.cli import main  # noqa: E402
 
 from kiln.errors import ArtifactError  # noqa: E402
 from kiln.exporter.artifacts import manifest as manifest_mod  # noqa: E402
@@ -35,6 +38,7 @@ from kiln.exporter.pipeline import export  # noqa: E402
 from kiln.exporter.runners import TorchRunner  # noqa: E402
 from kiln.exporter.artifacts.manifest import Manifest  # noqa: E402
 from kiln.exporter.serving import write_triton_repo  # noqa: E402
+from kiln.exporter.serving.triton import triton_models  # noqa: E402
 from kiln.exporter.artifacts.verify import verify_dir  # noqa: E402
 from kiln.plugins import load_model  # noqa: E402
 
@@ -303,13 +307,13 @@ def test_one_engine_without_the_other_is_an_error(fp32_export: Path, tmp_path: P
 
 def test_inputs_without_batch_dim_are_refused(fp32_export: Path, tmp_path: Path) -> None:
     """As with --ple-tables input: a table input has no batch dim, which Triton cannot batch.
-    (The manifest is edited here; manifest.json itself is not hashed, so the directory still verifies.)"""
+    (The manifest is edited in memory and given to the model builder itself: kiln verify, which
+    kiln triton runs first, refuses a manifest whose inputs are not the graph's.)"""
     directory = _copy(fp32_export, tmp_path)
     manifest = json.loads((directory / "manifest.json").read_text())
     manifest["graphs"]["model"]["inputs"].append({"name": "ple.0.scale", "dtype": "float32", "shape": [256, 128]})
-    manifest_mod.write(directory, Manifest.from_json(manifest))
     with pytest.raises(ArtifactError, match=r"ple\.0\.scale has shape \[256, 128\] without a leading 'batch' dim.*--ple-tables constant"):
-        write_triton_repo(directory, "demo")
+        triton_models(directory, Manifest.from_json(manifest), "demo")
 
 
 def test_bad_directories_are_one_clear_error(fp32_export: Path, tmp_path: Path) -> None:
@@ -336,3 +340,14 @@ def test_bad_directories_are_one_clear_error(fp32_export: Path, tmp_path: Path) 
 
     with pytest.raises(ArtifactError, match=r"model name '\.\./x' must start with a letter or digit"):
         write_triton_repo(_copy(fp32_export, tmp_path / "name"), "../x")
+
+
+def test_kiln_triton_says_what_it_replaced_and_why_the_layout(fp32_export: Path, tmp_path: Path) -> None:
+    directory = _copy(fp32_export, tmp_path)
+    result = CliRunner().invoke(main, ["triton", str(directory), "--name", "other"])
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == f"wrote {directory / 'triton'}: 4 files, replacing the earlier repository's demo"
+    assert lines[-1] == "(other/1/model.onnx/ is a folder: Triton's ONNX Runtime backend loads a graph with external weights from a directory holding both)"
+    again = CliRunner().invoke(main, ["triton", str(directory), "--name", "other", "--json"])
+    assert json.loads(again.stdout)["replaced_models"] == []  # the same name: nothing else was there

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kiln_testing import tiny_config, typed_manifest
+from kiln_testing import placeholder_export, tiny_config
 
 import kiln.exporter.engine.build as build_mod
 from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts import manifest as manifest_mod
-from kiln.exporter.artifacts.hashing import hash_tree, sha256_file
+from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.engine import BuildOptions, TrtRunner, build_command
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.build import format_parser_error, load_tensorrt, parser_errors
@@ -410,14 +410,12 @@ def fake_tensorrt(manifest: dict[str, Any], version: str = "11.1.0.106") -> Any:
 def fake_export(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Any]:
     """A verifiable export directory with placeholder graphs, and the stand-in TensorRT installed."""
     spec = spec_of(tiny_config())
-    graphs = {k.value: {"file": f"onnx/{k.value}.onnx", "inputs": [t.to_dict() for t in graph_io(spec, k).inputs]} for k in DECODER_KINDS}
+    graphs = {
+        k.value: {"file": f"onnx/{k.value}.onnx", "inputs": [t.to_dict() for t in graph_io(spec, k).inputs], "outputs": [t.to_dict() for t in graph_io(spec, k).outputs]}
+        for k in DECODER_KINDS
+    }
     m: dict[str, Any] = {"manifest_version": 1, "limits": {"max_batch": 8, "max_context": 48}, "graphs": graphs}
-    directory = root / "export"
-    (directory / "onnx").mkdir(parents=True)
-    for kind in DECODER_KINDS:
-        (directory / "onnx" / f"{kind.value}.onnx").write_bytes(kind.value.encode())
-    m["files"] = hash_tree(directory)
-    manifest_mod.write(directory, typed_manifest(m))
+    directory = placeholder_export(root / "export", m)
     trt = fake_tensorrt(m)
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setattr(build_mod, "current_runtime", lambda trt: RuntimeInfo("11.1.0.106", "13.0", "Fake GPU", "9.0"))

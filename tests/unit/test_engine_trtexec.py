@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kiln_testing import tiny_config, typed_manifest
+from kiln_testing import placeholder_export, tiny_config, typed_manifest
 
 from kiln.errors import ArtifactError, ConfigError, EngineError
 from kiln.exporter.artifacts import manifest as manifest_mod
-from kiln.exporter.artifacts.hashing import hash_tree
 from kiln.exporter.engine import BuildOptions, HardwareCompat, build_command
 from kiln.exporter.engine.build import load_tensorrt
 from kiln.exporter.engine.options import MIB
@@ -38,14 +37,7 @@ def manifest(max_batch: int = 8, max_context: int = 48, tables: tuple[tuple[int,
 
 def export_dir(root: Path, m: dict[str, Any] | None = None) -> Path:
     """A directory that passes kiln verify: placeholder graphs and a manifest hashing them."""
-    directory = root / "export"
-    (directory / "onnx").mkdir(parents=True)
-    for kind in DECODER_KINDS:
-        (directory / "onnx" / f"{kind.value}.onnx").write_bytes(f"placeholder {kind.value}".encode())
-    m = m or manifest()
-    m["files"] = hash_tree(directory)
-    manifest_mod.write(directory, typed_manifest(m))
-    return directory
+    return placeholder_export(root / "export", m or manifest())
 
 
 PREFILL = (
