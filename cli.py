@@ -51,9 +51,11 @@ def _reports_errors(func: F) -> F:
 
 
 def _progress(as_json: bool) -> Any:
-    from kiln.exporter.progress import NullProgress, RichProgress, Timed
+    from kiln.exporter.progress import LineProgress, RichProgress, Timed
 
-    return Timed(NullProgress() if as_json else RichProgress())
+    if as_json:
+        return Timed(LineProgress(stages=False))  # stdout is the JSON; a note (cleaned-up leftovers...) still goes to stderr
+    return Timed(RichProgress() if sys.stderr.isatty() else LineProgress())  # a log file gets lines that neither wrap nor redraw
 
 
 @click.group()
@@ -229,16 +231,22 @@ def verify(directory: Path, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the files written as JSON.")
 @_reports_errors
 def triton(directory: Path, name: str, as_json: bool) -> None:
-    """Write DIR/triton/, a Triton model repository for a verified export (replacing an earlier one)."""
+    """Write DIR/triton/, a Triton model repository for a verified export (replacing an earlier one
+    kiln wrote, whatever its model name: the output says which models it replaced)."""
     from kiln.exporter.serving import write_triton_repo
+    from kiln.exporter.serving.triton import repository_models
 
+    earlier = repository_models(directory)
     written = write_triton_repo(directory, name)
+    models = repository_models(directory)
+    replaced = [m for m in earlier if m not in models]
     if as_json:
-        click.echo(json.dumps({"repository": str(directory / "triton"), "files": [str(p) for p in written]}, indent=2))
+        click.echo(json.dumps({"repository": str(directory / "triton"), "files": [str(p) for p in written], "replaced_models": replaced}, indent=2))
         return
-    click.echo(f"wrote {directory / 'triton'}: {len(written)} files")
+    click.echo(f"wrote {directory / 'triton'}: {len(written)} files" + (f", replacing the earlier repository's {', '.join(replaced)}" if replaced else ""))
     for path in written:
         click.echo(f"  {path.relative_to(directory)}")
+    click.echo(f"({name}/1/model.onnx/ is a folder: Triton's ONNX Runtime backend loads a graph with external weights from a directory holding both)")
 
 
 @main.command()
@@ -374,11 +382,11 @@ def _escapes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...])
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Tokens to generate at most (fewer when the end-of-sequence token or --stop comes first).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
 @click.option("--stop", "stops", multiple=True, metavar="STRING", callback=_escapes, help="End the text before the first occurrence of STRING (not included; \\n is a newline, \\t a tab, \\\\ a backslash). Repeatable.")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="Sample from softmax(logits / T); 0 is greedy (argmax), what parity checks.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="With --temperature: sample among the K most likely tokens only (0: all).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="Sample from softmax(logits / T), T finite; 0 is greedy (argmax), what parity checks; a T below 1e-5 is taken as 1e-5 (greedy in effect).")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="With --temperature: sample among the K most likely tokens only (0, the default: among all of them).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="With --temperature: sample among the most likely tokens whose probabilities add up to P, in (0, 1] (1: all).")
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="Make tokens of the prompt and of the text so far less likely: positive logits / R, negative ones * R (1: off).")
-@click.option("--seed", type=int, default=None, help="Seed of the sampling: the same seed gives the same text (default: a fresh one each run).")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed of the sampling: the same seed gives the same text (default: a fresh one each run).")
 @click.option("--target", type=click.Choice(["ort"]), default=None, help="Run the export's --target ort graphs (their decode step writes the KV cache in place).")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="ONNX Runtime intra-op threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and speeds as JSON (nothing streamed).")

@@ -11,7 +11,7 @@ Memory: one ``[K, K]`` float64 matrix per weight (``K`` its input channels), all
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -32,8 +32,11 @@ def owner_of(weight_name: str) -> str:
     return weight_name.removeprefix("model.").rpartition(".")[0]
 
 
-def collect_hessians(module: nn.Module, n_layers: int, weights: Iterable[str], windows: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-    """``{weight name: H [K, K]}`` over ``windows`` for each of ``weights`` (graph weight names)."""
+def collect_hessians(
+    module: nn.Module, n_layers: int, weights: Iterable[str], windows: Sequence[np.ndarray], advance: Callable[[int], None] = lambda windows: None
+) -> dict[str, np.ndarray]:
+    """``{weight name: H [K, K]}`` over ``windows`` for each of ``weights`` (graph weight names);
+    ``advance(n)`` after each forward of ``n`` windows (progress)."""
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
     handles = []
@@ -62,7 +65,9 @@ def collect_hessians(module: nn.Module, n_layers: int, weights: Iterable[str], w
             by_length.setdefault(len(window), []).append(window)
         for same in by_length.values():  # unpadded batches: every row's positions are real tokens
             for start in range(0, len(same), _BATCH):
-                runner.run(GraphKind.PREFILL, prompt_feeds([w.tolist() for w in same[start : start + _BATCH]], 0))
+                batch = same[start : start + _BATCH]
+                runner.run(GraphKind.PREFILL, prompt_feeds([w.tolist() for w in batch], 0))
+                advance(len(batch))
     finally:
         for handle in handles:
             handle.remove()

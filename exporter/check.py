@@ -47,13 +47,26 @@ def _checkpoint(directory: Path, manifest: Manifest, model: str | Path | None, p
     if ref is None:
         raise ArtifactError(f"{directory}: the manifest does not name its checkpoint; pass --model")
     with progress.stage("load checkpoint"):
-        loaded = load_model(ref)
+        loaded = _load(ref, manifest.checkpoint.resolved if model is None else None, progress)
     recorded = manifest.checkpoint.files
     found = {p.name: sha256_file(p) for p in loaded.files}
     if recorded != found:
         changed = sorted(k for k in set(recorded) | set(found) if recorded.get(k) != found.get(k))
         raise CheckpointError(f"{ref}: checkpoint files {changed} differ from the ones {directory} was exported from")
     return loaded
+
+
+def _load(ref: str | Path, resolved: str | None, progress: Progress) -> LoadedModel:
+    """The checkpoint ``ref`` names, or, when it no longer resolves here (a repo id in a shell
+    with another Hugging Face cache, a relative path from another directory), the path it
+    resolved to when the export ran; one line says which was used."""
+    try:
+        return load_model(ref)
+    except CheckpointError as exc:
+        if resolved is None or resolved == str(ref) or not Path(resolved).exists():
+            raise
+        progress.note(f"checkpoint: {ref} does not resolve here ({str(exc).split(': ', 2)[-1]}); using {resolved}, where it resolved when the export ran")
+        return load_model(resolved)
 
 
 def _graph_paths(directory: Path, files: dict[GraphKind, str]) -> dict[GraphKind, Path]:

@@ -95,8 +95,7 @@ def export_loaded(
             folded = fold(reference.module, loaded.ple)
         checkpoint = {path.name: sha256_file(path) for path in loaded.files}  # hashed once
         calibration = _calibration(reference, options, checkpoint, progress)
-        with progress.stage("trace"):
-            traced = trace_unified(reference, folded, options, progress)
+        traced = trace_unified(reference, folded, options, progress)  # its own stage
         fp16, sensitivity = _fp16_policy(reference, folded, options, traced, progress)
         int4 = _int4(reference, options, progress)
         plan = PrecisionPlan(
@@ -115,6 +114,7 @@ def export_loaded(
         report = ExportReport(
             reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, fp16.keep, portable, calibrated, sensitivity, ort, parity,
             loaded.tokenizer, loaded.serving_files, _quantization(options, portable, int4),
+            checkpoint_path=str(loaded.source.absolute()) if loaded.source.exists() else None,
         )
         manifest = write_artifacts(root, report)
     return ExportResult(out, manifest, parity, report)
@@ -205,8 +205,8 @@ def _int4(reference: Reference, options: ExportOptions, progress: Progress) -> _
         )
 
         def hessians(names: tuple[str, ...]) -> dict[str, np.ndarray]:
-            with progress.stage(f"GPTQ: input Hessians of {len(names)} weights over {len(data.windows)} windows"):
-                return collect_hessians(reference.module, reference.spec.n_layers, names, data.windows)
+            with progress.stage(f"GPTQ: input Hessians of {len(names)} weights, windows", total=len(data.windows)) as stage:
+                return collect_hessians(reference.module, reference.spec.n_layers, names, data.windows, stage.advance)
 
         record = {"source": data.source, "data_sha256": data.sha256, "windows": len(data.windows), "window": int(len(data.windows[0]))}
     return _Int4Setup(Int4Quantizer(options.int4_method, options.int4_block, hessians), policy, record)

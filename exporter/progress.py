@@ -1,13 +1,15 @@
-"""Progress of long work: one bar with an ETA per stage (rich, on stderr), or nothing."""
+"""Progress of long work: one bar with an ETA per stage (rich, on a terminal's stderr), plain lines
+(stderr that is a log file or a pipe: nothing redraws or wraps), or nothing."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
-__all__ = ["Progress", "Stage", "NullProgress", "RichProgress", "Timed"]
+__all__ = ["Progress", "Stage", "NullProgress", "LineProgress", "RichProgress", "Timed"]
 
 
 class Stage(Protocol):
@@ -34,6 +36,56 @@ class NullProgress:
 
     def note(self, message: str) -> None:
         return None
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class LineProgress:
+    """Plain lines on ``stream``: one per finished stage (its count, seconds and the run's time),
+    one every ``every`` seconds inside a long stage (its count and ETA), and each note as it
+    comes; with ``stages=False`` the notes only (``--json``: stdout is the JSON)."""
+
+    def __init__(self, stream: TextIO | None = None, every: float = 30.0, stages: bool = True) -> None:
+        self._stream = stream or sys.stderr
+        self._every, self._stages = every, stages
+        self._began = time.monotonic()
+        self._depth = 0
+
+    def _line(self, text: str) -> None:
+        print(text, file=self._stream, flush=True)
+
+    @contextlib.contextmanager
+    def stage(self, description: str, total: int = 1) -> Iterator[Stage]:
+        label = "  " * self._depth + description
+        stage = _LineStage(label, total, self._every, self._line if self._stages else lambda text: None, self._began)
+        self._depth += 1
+        try:
+            yield stage
+        finally:
+            self._depth -= 1
+        if self._stages:
+            self._line(f"{label}: {total}/{total} in {time.monotonic() - stage.start:.1f} s (run {_clock(time.monotonic() - self._began)})")
+
+    def note(self, message: str) -> None:
+        self._line(message)
+
+
+class _LineStage:
+    def __init__(self, label: str, total: int, every: float, line: Any, began: float) -> None:
+        self._label, self._total, self._every, self._print, self._began = label, total, every, line, began
+        self.start = self._last = time.monotonic()
+        self._done = 0
+
+    def advance(self, steps: int = 1) -> None:
+        self._done += steps
+        now = time.monotonic()
+        if now - self._last >= self._every and 0 < self._done < self._total:
+            self._last = now
+            eta = (now - self.start) / self._done * (self._total - self._done)
+            self._print(f"{self._label}: {self._done}/{self._total}, {now - self.start:.0f} s, eta {_clock(eta)} (run {_clock(now - self._began)})")
 
 
 class RichProgress:
@@ -78,7 +130,7 @@ class RichProgress:
                 self._live = None
 
     def note(self, message: str) -> None:
-        self._console.print(message)
+        self._console.print(message, soft_wrap=True, markup=False, highlight=False)
 
 
 class _RichStage:

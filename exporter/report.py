@@ -35,6 +35,7 @@ class ExportReport:
     tokenizer: Path | None  # the checkpoint's tokenizer.json (copied into the export), when it has one
     serving_files: tuple[Path, ...] = ()  # the family's files for consumers (Hugging Face's config.json...), copied into onnx/
     quantization: dict[str, Any] | None = None  # int4 / fp8: what the manifest records of them (``export.quantization``)
+    checkpoint_path: str | None = None  # the absolute path the checkpoint was read from (None: built in memory)
 
     def parity_extras(self) -> dict[str, Any]:
         """What the parity report shows besides the checks, in the order it shows it."""

@@ -247,6 +247,11 @@ def render(result: dict[str, Any]) -> str:
         w = f"{weights[name] / 1e6:.1f}" if name in weights else "-"
         r = f"{roof[name]:.0%}" if name in roof else "-"
         lines.append(f"| {name} | {pre[name]:.2f} | {pre[name] / pre[base]:.2f}x | {dec[name]:.2f} | {dec[name] / dec[base]:.2f}x | {w} | {r} |")
+    lines += [
+        "",
+        "weights MB/step: the bytes of initializers one decode step reads: every weight whole (quantized ones with their scales), a table"
+        " read only at the step's tokens or positions (the embedding, RotaryEmbedding's cos/sin caches) by the rows it reads",
+    ]
     if "sweep" in result:
         from kiln.runtime.sweep import render_sweep
 

@@ -53,12 +53,18 @@ class BandwidthProbe:
         self._pool.shutdown()
 
 
+# (op type, input slot) of a table read only at the rows of the step's positions or tokens: an
+# embedding, the cos/sin caches of RotaryEmbedding and of GroupQueryAttention's own rotary
+_GATHERED = {("Gather", 0), ("RotaryEmbedding", 2), ("RotaryEmbedding", 3), ("GroupQueryAttention", 7), ("GroupQueryAttention", 8)}
+
+
 def weights_bytes_per_step(graph: Path, tokens: int = 1) -> int:
     """Bytes of initializers (inline and external data) one call with ``tokens`` new tokens reads.
 
-    A table only gathered from (the token embedding) contributes the rows gathered, not its
-    size; everything else (MatMul weights, norms, the LM head) is read whole. Constants created
-    by ``Constant`` nodes are small and ignored."""
+    A table only gathered from (the token embedding; the cos/sin caches ONNX Runtime's
+    ``RotaryEmbedding`` and ``GroupQueryAttention`` read at the positions) contributes the rows gathered, not its size;
+    everything else (MatMul weights, norms, the LM head) is read whole. Constants created by
+    ``Constant`` nodes are small and ignored."""
     import onnx
     from onnx.helper import tensor_dtype_to_np_dtype
 
@@ -73,7 +79,7 @@ def weights_bytes_per_step(graph: Path, tokens: int = 1) -> int:
         dims = tuple(init.dims)
         itemsize = np.dtype(tensor_dtype_to_np_dtype(init.data_type)).itemsize if init.data_type != onnx.TensorProto.INT4 else 0.5
         use = consumers.get(init.name, set())
-        if use and all(op == "Gather" and slot == 0 for op, slot in use) and len(dims) >= 2:
+        if use and all((op, slot) in _GATHERED for op, slot in use) and len(dims) >= 2:
             total += int(np.prod(dims[1:]) * itemsize * tokens)
         else:
             total += int(np.prod(dims, dtype=np.int64) * itemsize)

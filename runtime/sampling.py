@@ -10,18 +10,24 @@ then top-k, then top-p (over what top-k kept), then one draw from the renormalis
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from kiln.errors import GenerateError
 
-__all__ = ["SamplingOptions", "Sampler", "apply_repetition_penalty", "logits_to_probs", "sample"]
+# a positive temperature below this is taken as this: sampling is argmax in effect there (the limit
+# T -> 0), and logits / T would overflow
+MIN_TEMPERATURE = 1e-5
+
+__all__ = ["MIN_TEMPERATURE", "SamplingOptions", "Sampler", "apply_repetition_penalty", "logits_to_probs", "sample"]
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingOptions:
-    """``temperature`` 0 is greedy (argmax); ``top_k`` 0 and ``top_p`` 1 keep every token;
+    """``temperature`` 0 is greedy (argmax), a positive one below ``MIN_TEMPERATURE`` is taken as it;
+    ``top_k`` 0 and ``top_p`` 1 keep every token;
     ``repetition_penalty`` 1 changes nothing; ``seed`` None draws from fresh OS entropy."""
 
     temperature: float = 0.0
@@ -33,11 +39,15 @@ class SamplingOptions:
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:  # also refuses NaN
             raise GenerateError(f"--temperature must be at least 0 (0 is greedy), found {self.temperature}")
+        if self.temperature == math.inf:
+            raise GenerateError("--temperature inf would draw every token alike (uniformly, whatever the model says); give a finite temperature")
+        if self.seed is not None and self.seed < 0:
+            raise GenerateError(f"--seed must be at least 0, found {self.seed}")
         if self.top_k < 0:
             raise GenerateError(f"--top-k must be at least 0 (0 keeps every token), found {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise GenerateError(f"--top-p must be in (0, 1] (1 keeps every token), found {self.top_p}")
-        if not self.repetition_penalty > 0.0:
+        if not 0.0 < self.repetition_penalty < math.inf:
             raise GenerateError(f"--repetition-penalty must be above 0 (1 changes nothing), found {self.repetition_penalty}")
         if self.greedy and (self.top_k or self.top_p < 1.0):
             raise GenerateError("--top-k and --top-p shape sampling: give --temperature above 0 too (0, the default, is greedy)")
@@ -67,7 +77,7 @@ def logits_to_probs(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0
     """The distribution [vocab] (float64, sums to 1) a token is drawn from: softmax of
     ``logits / temperature`` over the ``top_k`` largest, then over the smallest set of those whose
     probabilities reach ``top_p`` (the most likely token always stays)."""
-    scaled = np.asarray(logits, dtype=np.float64) / max(temperature, 1e-5)
+    scaled = np.asarray(logits, dtype=np.float64) / max(temperature, MIN_TEMPERATURE)
     if 0 < top_k < scaled.shape[-1]:
         kth = np.partition(scaled, -top_k)[-top_k]
         scaled = np.where(scaled < kth, -np.inf, scaled)

@@ -58,7 +58,7 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
     return Manifest(
         manifest_version=MANIFEST_VERSION,
         family=spec.family,
-        checkpoint=CheckpointRef(report.model_ref, report.checkpoint_files, spec.dtype),
+        checkpoint=CheckpointRef(report.model_ref, report.checkpoint_files, spec.dtype, report.checkpoint_path),
         config=spec.config,
         model=ModelInfo(spec.n_layers, spec.n_kv_heads, spec.head_dim, spec.vocab_size, spec.bos_token_id, spec.eos_token_id, spec.pad_token_id, spec.encoder_dim, spec.has_encoder, spec.decoder_start_token_id),
         precision=options.precision.value,

@@ -58,6 +58,7 @@ __all__ = [
     "triton_dims",
     "triton_models",
     "render_pbtxt",
+    "repository_models",
     "write_triton_repo",
     "write_triton_models",
 ]
@@ -314,6 +315,11 @@ def write_triton_repo(directory: Path, name: str) -> list[Path]:
         raise ArtifactError(f"triton: could not write {target} ({exc}); check the permissions and free space of {directory}") from exc
     manifest_mod.write(directory, dataclasses.replace(manifest, files=rehash_subtree(manifest.files, directory, TRITON_DIR)))
     return sorted(p for p in target.rglob("*") if p.is_file())
+
+
+def repository_models(directory: Path) -> list[str]:
+    """The models of the Triton repository an export holds now (``triton/*/config.pbtxt``)."""
+    return sorted(p.parent.name for p in (directory / TRITON_DIR).glob("*/config.pbtxt"))
 
 
 def write_triton_models(root: Path, manifest: Manifest, name: str) -> None:

@@ -98,15 +98,34 @@ def _to_meta(value: object) -> object:
     return value
 
 
+class _Phases(io.StringIO):
+    """The exporter's own progress lines (``verbose=True``: ``[torch.onnx] Run decompositions...
+    ✅``), swallowed; ``on_phase`` is called once per phase done (capture, decompositions,
+    translation). Only progress depends on their wording: if it changes, the stage's count just
+    does not move."""
+
+    def __init__(self, on_phase: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_phase = on_phase
+
+    def write(self, text: str) -> int:
+        if text.rstrip().endswith("... ✅"):  # print() writes "[torch.onnx]" and the phase apart
+            self._on_phase()
+        return len(text)
+
+
+PHASES = 3  # what ``_Phases`` counts per traced graph
+
+
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def _quiet(on_phase: Callable[[], None] | None = None) -> Iterator[None]:
     """The exporter prints progress lines and warnings meant for its own developers."""
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export", "onnxscript")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(_Phases(on_phase or (lambda: None))):
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -127,6 +146,7 @@ def trace_graph(
     max_context: int,
     meta: bool = False,
     translations: Mapping[Any, Callable[..., Any]] | None = None,
+    on_phase: Callable[[], None] | None = None,
 ) -> ir.Model:
     """Trace one graph to an in-memory ONNX model with the contract's I/O names (PLE table
     inputs are added afterwards by a pass; ``passes.apply_contract`` then checks the whole I/O).
@@ -134,7 +154,8 @@ def trace_graph(
     ``meta``: ``module``'s weights are on the meta device, and so are the example inputs; the
     graph's initializers then hold no data until ``passes.bind`` binds them. The exporter's own
     optimizer is off either way (it would read every weight): ``passes.fold`` folds instead.
-    ``translations``: the family's ONNX translations of its custom ops (``LoadedModel.translations``)."""
+    ``translations``: the family's ONNX translations of its custom ops (``LoadedModel.translations``).
+    ``on_phase``: called after each of the exporter's ``PHASES`` (progress)."""
     cross = any(is_cross(t.name) for t in (*io_spec.inputs, *io_spec.outputs))
     encoder_mask = any(t.name == ENCODER_MASK for t in io_spec.inputs)
     wrapper = EncoderModule(module) if kind is GraphKind.ENCODER else GraphModule(module, kind, n_layers, last_logits_only, cross, encoder_mask)
@@ -143,7 +164,7 @@ def trace_graph(
     if meta:
         args = tuple(_to_meta(a) for a in args)
     try:
-        with _quiet(), torch.no_grad():
+        with _quiet(on_phase), torch.no_grad():
             program = torch.onnx.export(
                 wrapper,
                 args,
@@ -153,7 +174,7 @@ def trace_graph(
                 output_names=io_spec.output_names,
                 opset_version=opset,
                 optimize=False,
-                verbose=False,
+                verbose=True,  # its phase lines count progress (``_Phases``); nothing is shown
                 custom_translation_table=dict(translations or {}),
             )
     except Exception as exc:  # the exporter raises many unrelated types; all mean "could not trace"

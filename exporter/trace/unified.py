@@ -19,6 +19,7 @@ the whole reference model, with a note saying why.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import onnx_ir as ir
 from kiln.errors import ExportError
@@ -32,7 +33,7 @@ from kiln.exporter.passes.fold import FoldConstants
 from kiln.exporter.passes.stamp import StampLayers, StampPlan
 from kiln.exporter.passes.transposes import FoldWeightTransposes
 from kiln.exporter.progress import Progress
-from kiln.exporter.trace.torch_export import trace_graph
+from kiln.exporter.trace.torch_export import PHASES, trace_graph
 from torch import nn
 
 __all__ = ["Traced", "trace_unified"]
@@ -52,16 +53,29 @@ class Traced:
 
 
 def trace_unified(reference: Reference, folded: Folded, options: ExportOptions, progress: Progress) -> Traced:
+    """The graphs to trace, as a progress stage counting each graph's exporter phases."""
+    kinds = _traced_kinds(reference)
+    with progress.stage("trace", total=PHASES * len(kinds)) as stage:
+        return _trace_all(reference, folded, options, progress, kinds, stage.advance)
+
+
+def _traced_kinds(reference: Reference) -> tuple[GraphKind, ...]:
     kinds: tuple[GraphKind, ...] = (GraphKind.UNIFIED, GraphKind.PREFILL) if reference.spec.encoder_dim is not None else (GraphKind.UNIFIED,)
     # the encoder last: it gathers from the tables the decoder graphs store transposed (passes.transposes)
     kinds += (GraphKind.ENCODER,) if reference.spec.has_encoder else ()
+    return kinds
+
+
+def _trace_all(
+    reference: Reference, folded: Folded, options: ExportOptions, progress: Progress, kinds: tuple[GraphKind, ...], on_phase: Callable[[], None]
+) -> Traced:
     transposed: set[int] = set()  # the module tensors a graph of this export stores transposed
     plan = reference.loaded.layers
     stamp = StampPlan.of(plan) if plan is not None and len(plan.signatures) == reference.spec.n_layers else None
     if stamp is not None:
         try:
             template = _template(reference, stamp.traced)
-            graphs = {kind: _checked(_trace(reference, folded, options, template, kind, stamp.traced, meta=True, transposed=transposed), stamp) for kind in kinds}
+            graphs = {kind: _checked(_trace(reference, folded, options, template, kind, stamp.traced, meta=True, transposed=transposed, on_phase=on_phase), stamp) for kind in kinds}
             return Traced(graphs, stamp)
         except ExportError as exc:  # the template's own trace or analysis: the whole model still traces
             progress.note(f"trace: tracing the whole model ({exc})")
@@ -69,7 +83,9 @@ def trace_unified(reference: Reference, folded: Folded, options: ExportOptions, 
         progress.note(f"trace: converting the {reference.spec.dtype} model to float32 to trace it whole (twice its memory)")
         folded.module.float()  # in place: the reference shares these parameters and computes in fp32 anyway
     transposed.clear()
-    return Traced({kind: _trace(reference, folded, options, folded.module, kind, reference.spec.n_layers, meta=False, transposed=transposed) for kind in kinds}, None)
+    return Traced(
+        {kind: _trace(reference, folded, options, folded.module, kind, reference.spec.n_layers, meta=False, transposed=transposed, on_phase=on_phase) for kind in kinds}, None
+    )
 
 
 def _template(reference: Reference, layers: int) -> nn.Module:
@@ -80,7 +96,16 @@ def _template(reference: Reference, layers: int) -> nn.Module:
 
 
 def _trace(
-    reference: Reference, folded: Folded, options: ExportOptions, module: nn.Module, kind: GraphKind, layers: int, *, meta: bool, transposed: set[int]
+    reference: Reference,
+    folded: Folded,
+    options: ExportOptions,
+    module: nn.Module,
+    kind: GraphKind,
+    layers: int,
+    *,
+    meta: bool,
+    transposed: set[int],
+    on_phase: Callable[[], None],
 ) -> ir.Model:
     spec = dataclasses.replace(reference.spec, n_layers=layers)
     model = trace_graph(
@@ -95,6 +120,7 @@ def _trace(
         max_context=reference.max_context,
         meta=meta,
         translations=reference.loaded.translations,
+        on_phase=on_phase,
     )
     passes = [NameNodes(), BindWeights(WeightSource(folded.module)), FoldWeightTransposes(transposed), FoldConstants()]
     return run_passes(model, passes, graph="traced")

@@ -289,3 +289,22 @@ def test_bench_cli_errors(kiln_dir: Path, optimum_dir: Path, tmp_path: Path) -> 
     assert code == 2 and "expected comma-separated integers, found '8,x'" in err
     code, _, err = _run("bench", str(kiln_dir), "--no-torch", "--no-roofline", "--runs", "3", "--sweep", "8,64")
     assert code == 1 and "--sweep past 64 does not fit the export's context limit 48" in err
+
+
+def test_rotary_caches_count_by_the_rows_a_step_reads(tmp_path: Path) -> None:
+    """GroupQueryAttention's cos/sin caches [max_context, rotary_dim / 2] are read at the step's
+    positions, like an embedding: a step counts one row of each, the MatMul weight whole."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    cache = numpy_helper.from_array(np.zeros((256, 16), np.float32), "cos_cache")
+    sin = numpy_helper.from_array(np.zeros((256, 16), np.float32), "sin_cache")
+    weight = numpy_helper.from_array(np.zeros((8, 8), np.float32), "w")
+    inputs = ["q", "", "", "", "", "", "", "cos_cache", "sin_cache"]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["q"]), helper.make_node("GroupQueryAttention", inputs, ["y"], domain="com.microsoft")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+        [cache, sin, weight],
+    )
+    path = tmp_path / "g.onnx"
+    onnx.save(helper.make_model(graph), str(path))
+    assert weights_bytes_per_step(path) == 8 * 8 * 4 + 2 * 16 * 4

@@ -71,3 +71,24 @@ def test_a_path_wins_over_a_repo_id(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "name").mkdir(parents=True)
     assert resolve_checkpoint("org/name") == Path("org/name")  # an existing relative directory is never looked up
+
+
+def test_check_finds_the_snapshot_without_the_cache(tmp_path: Path) -> None:
+    """The manifest stores the repo id and the snapshot it resolved to: kiln check in a shell whose
+    Hugging Face cache lacks the repo uses the snapshot, and says so in one line."""
+    cache = _cache(tmp_path, "kiln-tests/tiny-ple")
+    out = tmp_path / "out"
+    done = _kiln("export", "--model", "kiln-tests/tiny-ple", "--out", str(out), "--parity-tokens", "4", "--json", cache=cache)
+    assert done.returncode == 0, done.stderr
+    snapshot = cache / "models--kiln-tests--tiny-ple" / "snapshots" / COMMIT
+    assert json.loads(done.stdout)["manifest"]["checkpoint"]["resolved"] == str(snapshot)
+    empty = tmp_path / "empty-cache"
+    empty.mkdir()
+    checked = _kiln("check", str(out), cache=empty)
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stderr.strip().splitlines()[0] == (
+        f"checkpoint: kiln-tests/tiny-ple does not resolve here (no such directory, and not in the Hugging Face cache"
+        f" (looked in {empty / 'models--kiln-tests--tiny-ple'}; set HF_HUB_CACHE or HF_HOME to use another cache); kiln never downloads:"
+        f" fetch it first (huggingface-cli download kiln-tests/tiny-ple) or pass a directory); using {snapshot}, where it resolved when the export ran"
+    )
+    assert "parity passed" in checked.stdout

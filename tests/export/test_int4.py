@@ -10,7 +10,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
-from kiln_testing import tiny_config, write_checkpoint
+from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
 
 from kiln.cli import main
 from kiln.errors import ConfigError, ExportError
@@ -124,8 +124,12 @@ def test_manifest_matches_the_schema(int4_ort: Path) -> None:
 def test_gptq_with_fp16(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     options = ExportOptions(precision=Precision.INT4_FP16, calib_data=str(_ids(tmp_path / "calib.npy")), calib_samples=16, int4_block=32, parity_tokens=8)
-    result = export(ckpt, tmp_path / "out", options)
+    progress = RecordedProgress()
+    result = export(ckpt, tmp_path / "out", options, progress)
     assert result.parity.passed and result.manifest.precision == "int4+fp16"
+    # progress counts the calibration windows GPTQ's Hessians come from, and the trace's phases
+    assert progress.stages["GPTQ: input Hessians of 14 weights, windows"] == [16, 16]
+    assert progress.stages["trace"] == [3, 3]
     quant = result.manifest.export.quantization
     assert quant is not None and quant["method"] == "gptq" and quant["calibration"]["windows"] == 16
     path = tmp_path / "out" / "onnx" / "decode.onnx"

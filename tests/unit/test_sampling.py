@@ -93,6 +93,9 @@ def test_draws_follow_the_distribution() -> None:
     [
         ({"temperature": -0.5}, "--temperature must be at least 0 (0 is greedy), found -0.5"),
         ({"temperature": float("nan")}, "--temperature must be at least 0 (0 is greedy), found nan"),
+        ({"temperature": float("inf")}, "--temperature inf would draw every token alike (uniformly, whatever the model says); give a finite temperature"),
+        ({"temperature": 1.0, "seed": -1}, "--seed must be at least 0, found -1"),
+        ({"temperature": 1.0, "repetition_penalty": float("inf")}, "--repetition-penalty must be above 0 (1 changes nothing), found inf"),
         ({"temperature": 1.0, "top_k": -1}, "--top-k must be at least 0 (0 keeps every token), found -1"),
         ({"temperature": 1.0, "top_p": 0.0}, "--top-p must be in (0, 1] (1 keeps every token), found 0.0"),
         ({"temperature": 1.0, "top_p": 1.5}, "--top-p must be in (0, 1] (1 keeps every token), found 1.5"),
