@@ -61,6 +61,12 @@ class Precision(str, enum.Enum):
     def kv_dtype(self) -> str:
         return "float16" if self.has_fp16 else "float32"
 
+    @property
+    def min_bytes_per_weight(self) -> float:
+        """The fewest bytes a weight takes in the graphs (what stays float takes more): a lower
+        bound of the weights file's size per parameter, to refuse a disk that cannot hold it."""
+        return 0.5 if self.has_int4 else 1.0 if self.has_int8 or self.has_fp8 else 2.0 if self.has_fp16 else 4.0
+
 
 class Int4Method(str, enum.Enum):
     RTN = "rtn"  # round to nearest, scale amax/7 per block; no data

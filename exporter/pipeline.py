@@ -90,7 +90,8 @@ def export_loaded(
     progress = progress or NullProgress()
     reference = load_reference(loaded, options)
     inputs = (loaded.source, *loaded.files, *options.data_inputs)  # never replaced by the output, whatever --force says
-    with staged_output(out, options.force, inputs=inputs, note=progress.note) as root:
+    needs = int(sum(p.numel() for p in reference.module.parameters()) * options.precision.min_bytes_per_weight)
+    with staged_output(out, options.force, inputs=inputs, note=progress.note, needs=needs) as root:
         with progress.stage("fold PLE"):
             folded = fold(reference.module, loaded.ple)
         checkpoint = {path.name: sha256_file(path) for path in loaded.files}  # hashed once

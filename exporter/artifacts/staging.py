@@ -182,13 +182,24 @@ def require_replaceable(out: Path, force: bool, owner: Owner = earlier_export, i
         raise ArtifactError(f"{out}: {reason}; nothing was deleted: move or remove it yourself")
 
 
+def _gb(size: float) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+
+
+def _require_space(out: Path, needs: int) -> None:
+    free = shutil.disk_usage(out.parent).free
+    if free < needs:
+        raise ArtifactError(f"{out}: the export needs at least {_gb(needs)} for its weights, and {_gb(free)} are free on {out.parent}; free some space or choose another --out")
+
+
 @contextlib.contextmanager
 def staged_output(
-    out: Path, force: bool, owner: Owner = earlier_export, inputs: Sequence[Path] = (), note: Note = _stderr
+    out: Path, force: bool, owner: Owner = earlier_export, inputs: Sequence[Path] = (), note: Note = _stderr, needs: int = 0
 ) -> Iterator[Path]:
     """Yield a fresh temporary directory that becomes ``out`` when the block succeeds (an ``out``
-    already there must pass ``require_replaceable``). A full disk inside the block is one
-    ``ArtifactError``; the temporary directory is removed whatever happens."""
+    already there must pass ``require_replaceable``). ``needs``: the bytes the block will write
+    at least, refused up front when the disk has less free; a full disk inside the block is one
+    ``ArtifactError`` all the same. The temporary directory is removed whatever happens."""
     out = out.absolute()
     require_replaceable(out, force, owner, inputs)  # before making anything
     try:
@@ -197,6 +208,7 @@ def staged_output(
         raise ArtifactError(cannot_write(out, exc)) from None
     with _lock(out, note):
         require_replaceable(out, force, owner, inputs)  # again, now that no other kiln can be writing it
+        _require_space(out, needs)  # after the leftovers of a killed export are gone
         tmp = _staging_dir(out)
         try:
             yield tmp
@@ -205,7 +217,8 @@ def staged_output(
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            raise ArtifactError(cannot_write(out, exc) + "; nothing was written") from None
+            size = f" (the export needs at least {_gb(needs)})" if needs else ""
+            raise ArtifactError(cannot_write(out, exc) + f"{size}; nothing was written") from None
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

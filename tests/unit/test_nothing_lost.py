@@ -210,3 +210,17 @@ def test_lock_file_names_the_writer(tmp_path: Path) -> None:
         assert json.loads((tmp_path / ".out.lock").read_text()) == os.getpid()
     time.sleep(0)  # released: the lock file is gone with it
     assert not (tmp_path / ".out.lock").exists()
+
+
+def test_a_disk_too_small_is_refused_before_the_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights' size is known once the checkpoint loads: a disk with less free is one line
+    before anything is traced or written, naming both sizes."""
+    from types import SimpleNamespace
+
+    from kiln.exporter.artifacts import staging
+
+    monkeypatch.setattr(staging.shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
+    out = tmp_path / "out"
+    line = _one_line(["export", "--model", "demo", "--out", str(out), "--fp16", "--json"])
+    assert line == f"error: artifacts: {out}: the export needs at least 2.2 MB for its weights, and 0.0 MB are free on {tmp_path}; free some space or choose another --out"
+    assert not out.exists() and _litter(out) == []
