@@ -1,0 +1,236 @@
+"""Fuzzed inputs (issue 25): configs, safetensors headers and manifests drawn by hypothesis.
+
+Each example must end in success or in one ``KilnError`` (the CLI: exit 1 and one line), never
+in another exception, within a bounded time, and the whole run within bounded memory; no file
+of a sentinel folder the fuzzed paths point at is opened by Python code or changed. (Files that
+C++ code opens, ONNX Runtime's external data, are covered by ``kiln verify``'s checks, which
+every command runs before a graph is loaded: ``test_tampered.py``.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import resource
+import shutil
+import signal
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kiln_testing import tiny_config, write_checkpoint
+
+from kiln.cli import main
+from kiln.errors import KilnError
+from kiln.exporter.artifacts.hashing import hash_tree
+from kiln.exporter.options import ExportOptions
+from kiln.exporter.pipeline import export
+from kiln.plugins import load_model
+
+SECONDS = 20.0  # the longest one example may take (the issue's allocator tracebacks took 8-86 s)
+GROWTH = 2 << 30  # the most the run may raise this process's peak memory
+
+
+@contextlib.contextmanager
+def _watching(sentinel: Path) -> Iterator[list[str]]:
+    """Python-level opens of anything under ``sentinel`` while the block runs (an audit hook
+    cannot be removed: it stays, inert, once the block is done)."""
+    opened: list[str] = []
+    active = [True]
+    root = str(sentinel.resolve())
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if active[0] and event == "open" and args and isinstance(args[0], (str, bytes, Path)):
+            path = str(Path(args[0] if not isinstance(args[0], bytes) else args[0].decode(errors="replace")).resolve())
+            if path.startswith(root):
+                opened.append(path)
+
+    sys.addaudithook(hook)
+    try:
+        yield opened
+    finally:
+        active[0] = False
+
+
+def _sentinel(root: Path) -> Path:
+    folder = root / "secret"
+    folder.mkdir(exist_ok=True)
+    for name in ("tokenizer.json", "weights.bin", "model.safetensors", "config.json"):
+        (folder / name).write_text('{"secret": true}')
+    return folder
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# --- configs and safetensors headers ---------------------------------------------------------
+
+_INTS = st.one_of(st.sampled_from([0, -2, 10**6, 10**7, 10**9, 10**400, 2**31]), st.integers(1, 64))  # the extremes first: hypothesis favours earlier branches
+_VALUES = st.one_of(_INTS, st.sampled_from(["64", "", None, 1.5, True, [], {}]))
+_NATIVE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_context")
+_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "max_position_embeddings", "head_dim")
+
+
+def _safetensors(header: dict[str, Any], data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+@st.composite
+def _header(draw: st.DrawFn, names: list[str]) -> bytes:
+    """A safetensors file whose header may lie: shapes, dtypes and offsets drawn apart from the data."""
+    if draw(st.booleans()) and draw(st.booleans()):
+        return draw(st.binary(max_size=64))  # not a safetensors file at all
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
+        shape = draw(st.lists(st.one_of(st.integers(1, 8), st.sampled_from([0, -1, 10**9, 10**12])), min_size=1, max_size=3))
+        size = draw(st.sampled_from([0, 4, 16, 64]))
+        header[name] = {"dtype": draw(st.sampled_from(["F32", "BF16", "F16", "I64", "XX"])), "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    return _safetensors(header, bytes(draw(st.sampled_from([offset, max(0, offset - 4), offset + 4]))))
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Fail (``TimeoutError`` in the main thread) when the block runs past ``seconds``: a hang
+    or a slow allocation is a finding, not a stuck test run."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"the example ran past {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _load_outcome(ckpt: Path) -> None:
+    """Load the checkpoint: success or one KilnError, within ``SECONDS``."""
+    with _deadline(SECONDS):
+        try:
+            load_model(ckpt)
+        except KilnError as exc:
+            assert "\n" not in str(exc), str(exc)
+
+
+def _checkpoint(root: Path, config: dict[str, Any], weights: bytes) -> Path:
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "model.safetensors").write_bytes(weights)
+    return root
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_native_configs_and_headers(tmp_path: Path, data: st.DataObject) -> None:
+    base = tiny_config()
+    config = json.loads((write_checkpoint(tmp_path / "valid", base) / "config.json").read_text())
+    for field in data.draw(st.lists(st.sampled_from(_NATIVE_FIELDS), max_size=3, unique=True)):
+        config[field] = data.draw(_VALUES)
+    names = ["embed.weight", "layers.0.attn.q_proj.weight", "lm_head.weight", "layers.0.ple.table.weight"]
+    valid = (tmp_path / "valid" / "model.safetensors").read_bytes()
+    weights = valid if data.draw(st.booleans(), label="the real weights") else data.draw(_header(names))  # a lying config is the common case
+    peak = _peak()
+    _load_outcome(_checkpoint(tmp_path / "ckpt", config, weights))
+    assert _peak() - peak < GROWTH
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_hf_configs_and_headers(tmp_path: Path, data: st.DataObject) -> None:
+    pytest.importorskip("transformers", reason="Hugging Face checkpoints load through transformers (pip install 'kiln[hf]')")
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 32, "max_position_embeddings": 32,
+    }
+    for field in data.draw(st.lists(st.sampled_from(_HF_FIELDS), max_size=3, unique=True)):
+        config[field] = data.draw(_VALUES)
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight", "model.norm.weight"]
+    peak = _peak()
+    _load_outcome(_checkpoint(tmp_path / "ckpt", config, data.draw(_header(names))))
+    assert _peak() - peak < GROWTH
+
+
+# --- manifests --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fuzz")
+    out = root / "export"
+    export(write_checkpoint(root / "ckpt", tiny_config()), out, ExportOptions(max_batch=2, parity_tokens=2))
+    return out
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """Every key path into a JSON value (``files`` entries aside: hashes are made true again)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if prefix == () and key == "files":
+                continue
+            yield prefix + (key,)
+            yield from _paths(item, prefix + (key,))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield prefix + (i,)
+            yield from _paths(item, prefix + (i,))
+
+
+def _replace(data: Any, path: tuple[Any, ...], value: Any) -> None:
+    for key in path[:-1]:
+        data = data[key]
+    data[path[-1]] = value
+
+
+def _manifest_values(sentinel: Path) -> st.SearchStrategy[Any]:
+    outside = [str(sentinel / "tokenizer.json"), "../secret/tokenizer.json", "../../secret/weights.bin", "onnx/../../secret/config.json", "/etc/passwd", ""]
+    return st.one_of(_VALUES, st.sampled_from(outside), st.sampled_from([-1, 10**12, float("nan"), "onnx/decode.onnx", "onnx/prefill.onnx"]))
+
+
+def _one_line_or_success(result: Any) -> None:
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    if result.exit_code != 0:
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_manifests(pristine: Path, tmp_path: Path, data: st.DataObject) -> None:
+    sentinel = _sentinel(tmp_path)
+    before = _digest(sentinel)
+    directory = tmp_path / "export"
+    if directory.exists():
+        shutil.rmtree(directory)
+    shutil.copytree(pristine, directory)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    paths = list(_paths(manifest))
+    for _ in range(data.draw(st.integers(1, 3))):
+        _replace(manifest, data.draw(st.sampled_from(paths)), data.draw(_manifest_values(sentinel)))
+        paths = list(_paths(manifest))
+    manifest["files"] = hash_tree(directory, exclude=("manifest.json",))
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    peak = _peak()
+    with _watching(sentinel) as opened, _deadline(3 * SECONDS):
+        for args in (["verify", str(directory)], ["generate", str(directory), "--ids", "1,2", "--max-new-tokens", "2"], ["triton", str(directory), "--name", "fuzz"]):
+            _one_line_or_success(CliRunner().invoke(main, args))
+    assert opened == [] and _digest(sentinel) == before
+    assert _peak() - peak < GROWTH
