@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kiln.errors import CheckpointError
 
-__all__ = ["looks_like_repo_id", "cached_snapshot"]
+__all__ = ["looks_like_repo_id", "cached_snapshot", "cache_repo_root"]
 
 # ORG/NAME as the Hub spells repo ids: one slash, letters, digits, '-', '_', '.' (no '..', no leading '.')
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
@@ -46,3 +46,12 @@ def cached_snapshot(repo_id: str) -> Path:
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{repo_id}: the cached snapshot {path} has no config.json (an incomplete download?)")
     return path
+
+
+def cache_repo_root(directory: Path) -> Path | None:
+    """The repo's cache folder (``models--ORG--NAME``) when ``directory`` is one of its snapshots
+    (``models--ORG--NAME/snapshots/<rev>``), whose files are links into the folder's ``blobs/``."""
+    snapshots = directory.absolute().parent
+    if snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--"):
+        return snapshots.parent
+    return None

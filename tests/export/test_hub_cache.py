@@ -71,3 +71,25 @@ def test_a_path_wins_over_a_repo_id(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "name").mkdir(parents=True)
     assert resolve_checkpoint("org/name") == Path("org/name")  # an existing relative directory is never looked up
+
+
+def test_cache_links_may_reach_anywhere_in_the_repo_folder_only(tmp_path: Path) -> None:
+    """A snapshot is links into the repo's blobs/ by design (../../blobs/<sha>): kiln loads it; a
+    link of the snapshot that leaves the repo's cache folder is refused as anywhere else."""
+    from kiln.errors import CheckpointError
+    from kiln.plugins import load_model
+
+    cache = _cache(tmp_path, "kiln-tests/tiny-ple")
+    snapshot = cache / "models--kiln-tests--tiny-ple" / "snapshots" / COMMIT
+    assert all((snapshot / name).is_symlink() for name in ("config.json", "model.safetensors"))
+    assert load_model(snapshot).spec.family == "native"
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}')
+    (snapshot / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(CheckpointError) as err:
+        load_model(snapshot)
+    repo = cache / "models--kiln-tests--tiny-ple"
+    assert str(err.value) == (
+        f"checkpoint: {snapshot / 'tokenizer.json'} links to {secret}, outside {repo}: kiln reads nothing from outside the checkpoint;"
+        f" copy the file in (rm {snapshot / 'tokenizer.json'} && cp {secret} {snapshot / 'tokenizer.json'})"
+    )
