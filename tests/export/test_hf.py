@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
 
 from kiln.errors import CheckpointError
 from kiln.exporter.options import ExportOptions

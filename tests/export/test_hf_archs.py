@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
 
 import torch
 from kiln.exporter.check import check_dir
