@@ -10,7 +10,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
 
-from kiln.errors import CheckpointError
+from kiln.errors import CheckpointError, ExportError
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.pipeline import export
 from kiln.plugins import families, load_model
@@ -273,6 +273,14 @@ def test_what_transformers_would_invent_or_drop_is_one_line(edit: str, problem: 
     assert str(err.value) == f"checkpoint: {ckpt}: weights do not match the config: {problem}"
     out, errors = capfd.readouterr()
     assert out == "" and errors == ""  # no load report, no progress bar
+
+
+def test_max_context_past_the_config_is_refused_before_the_weights_load(tmp_path: Path) -> None:
+    ckpt = _garbled(_edited("llama", tmp_path / "ckpt"))
+    with pytest.raises(ExportError) as err:
+        export(ckpt, tmp_path / "out", ExportOptions(max_context=8192))
+    assert str(err.value) == "export: --max-context 8192 exceeds the model's max_context 64"
+    assert not (tmp_path / "out").exists()
 
 
 def test_loading_prints_nothing(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
