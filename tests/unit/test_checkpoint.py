@@ -243,3 +243,17 @@ def test_links_inside_the_checkpoint_are_followed(tiny_ckpt: Path) -> None:
     (tiny_ckpt / "model.safetensors").rename(tiny_ckpt / "weights" / "v1.safetensors")
     (tiny_ckpt / "model.safetensors").symlink_to("weights/v1.safetensors")
     assert load_model(tiny_ckpt).spec.n_layers == 2
+
+
+@pytest.mark.parametrize(("text", "reason"), [("not json", "expected ident at line 1 column 2"), ('{"hello": 1}', "expected `,` or `}` at line 1 column 9")])
+def test_a_tokenizer_that_is_none_is_refused_at_load(tiny_ckpt: Path, text: str, reason: str) -> None:
+    """A malformed or wrong-schema tokenizer.json is named when the checkpoint loads (it was
+    found only after trace and parity, under a temporary path, or shipped and broke kiln generate)."""
+    (tiny_ckpt / "tokenizer.json").write_text(text)
+    (tiny_ckpt / "model.safetensors").write_bytes(b"\x00" * 64)  # never read: the tokenizer is refused first
+    with pytest.raises(CheckpointError) as err:
+        load_model(tiny_ckpt)
+    assert str(err.value) == (
+        f"checkpoint: {tiny_ckpt / 'tokenizer.json'}: not a tokenizer the tokenizers library loads ({reason}); replace it with the model's own"
+        " tokenizer.json, or remove it to export without one"
+    )
