@@ -55,7 +55,7 @@ def read_headers(directory: Path) -> Header:
     header: Header = {}
     for path in _shards(directory):
         try:
-            with safe_open(str(path), framework="pt") as file:  # type: ignore[no-untyped-call]  # safetensors' safe_open is untyped
+            with safe_open(str(path), framework="pt") as file:
                 for key in file.keys():
                     header[key] = (tuple(file.get_slice(key).get_shape()), path)
         except (SafetensorError, OSError, ValueError) as exc:
