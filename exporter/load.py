@@ -29,7 +29,7 @@ class Reference:
 
 def load_reference(loaded: LoadedModel, options: ExportOptions) -> Reference:
     refuse_unsupported(loaded.spec, options)
-    max_context = resolve_limits(loaded, options)
+    max_context = resolve_limits(loaded.spec, options)
     return Reference(loaded, prepare_reference(loaded, options), max_context)
 
 
@@ -56,9 +56,9 @@ def refuse_unsupported(spec: DecoderSpec, options: ExportOptions) -> None:
         )
 
 
-def resolve_limits(loaded: LoadedModel, options: ExportOptions) -> int:
-    """The exported context length; refuses one longer than the model or its PLE table."""
-    spec = loaded.spec
+def resolve_limits(spec: DecoderSpec, options: ExportOptions) -> int:
+    """The exported context length; refuses one longer than the model or its PLE table (a
+    config's spec will do: ``export`` checks it before the weights load)."""
     table = options.ple_extend or spec.ple_positions
     limit = spec.max_context
     context = options.max_context or (min(limit, table) if table and limit else limit or table)

@@ -33,7 +33,7 @@ from kiln.exporter.graphs import (
     fp32_graph,
     write_portable_graphs,
 )
-from kiln.exporter.load import Reference, load_reference
+from kiln.exporter.load import Reference, load_reference, resolve_limits
 from kiln.exporter.options import ExportOptions, PLETables, Target
 from kiln.exporter.parity import (
     TOLERANCES,
@@ -55,7 +55,7 @@ from kiln.exporter.runners import OrtRunner, TorchRunner
 from kiln.exporter.runners.torch_runner import drop_fp32_buffers
 from kiln.exporter.targets.ort import OrtTarget, write_ort_target
 from kiln.exporter.trace import Traced, trace_unified
-from kiln.plugins import LoadedModel, load_model, resolve_checkpoint
+from kiln.plugins import LoadedModel, config_spec, load_model, resolve_checkpoint
 
 __all__ = ["ExportResult", "export", "export_loaded", "release_weights"]
 
@@ -72,6 +72,8 @@ def export(model: str | Path, out: Path, options: ExportOptions, progress: Progr
     progress = progress or NullProgress()
     require_replaceable(out.absolute(), options.force, inputs=(resolve_checkpoint(model), *options.data_inputs))  # before the load (checked again)
     with progress.stage("load checkpoint"):
+        if (spec := config_spec(model)) is not None:
+            resolve_limits(spec, options)  # --max-context against the config's limits, before any weight is read
         loaded = load_model(model)
     return export_loaded(loaded, out, options, progress, model_ref=str(model), release_reference=True)
 

@@ -9,6 +9,9 @@ with ``register``; third-party packages add theirs through the ``kiln.plugins`` 
 group (each entry point names a ``ModelFamily`` instance or a zero-argument callable returning
 one).
 
+``config_spec(path)`` is the spec a checkpoint's config alone gives (no weight read), from the
+families that can tell it: what an export checks its options against before loading.
+
 Nothing is imported until the registry is first asked (``families``, ``claim_order``,
 ``load_model``): ``import kiln.plugins`` (which ``kiln.plugins.base`` implies) stays cheap, so
 the CLI can read manifests and reject bad flags without importing torch.
@@ -22,8 +25,9 @@ from typing import Any
 
 from kiln.errors import CheckpointError
 from kiln.jsonfile import read_json_object
-from kiln.plugins.hub_cache import cached_snapshot, looks_like_repo_id
 from kiln.plugins.base import DecoderSpec, LoadedModel, ModelFamily
+from kiln.plugins.files import refuse_outside_links
+from kiln.plugins.hub_cache import cached_snapshot, looks_like_repo_id
 
 __all__ = [
     "DecoderSpec",
@@ -33,6 +37,7 @@ __all__ = [
     "families",
     "claim_order",
     "resolve_checkpoint",
+    "config_spec",
     "load_model",
     "DEMO",
 ]
@@ -110,14 +115,29 @@ def read_config(path: Path) -> dict[str, Any]:
     return read_json_object(cfg_path, CheckpointError, missing)
 
 
-def load_model(model: str | Path) -> LoadedModel:
-    """Find the family that claims the checkpoint and load it."""
+def _claim(model: str | Path) -> tuple[Path, ModelFamily]:
+    """The checkpoint's path (its links checked: nothing outside it is read) and the family that claims it."""
     path = resolve_checkpoint(model)
+    refuse_outside_links(path)
     config = read_config(path)
     for family in claim_order():
         if family.claims(config):
-            return family.load(path)
+            return path, family
     arch = config.get("architecture", config.get("architectures", config.get("model_type", "<none>")))
     names = ", ".join(f.name for f in families())
     raise CheckpointError(f"{path}: unknown architecture {arch!r}; supported families: {names}")
 
+
+def config_spec(model: str | Path) -> DecoderSpec | None:
+    """The spec the checkpoint's config gives, its values validated, before any weight is read;
+    None when its family cannot tell (a family without ``config_spec``)."""
+    path, family = _claim(model)
+    read = getattr(family, "config_spec", None)
+    spec: DecoderSpec | None = read(path) if callable(read) else None
+    return spec
+
+
+def load_model(model: str | Path) -> LoadedModel:
+    """Find the family that claims the checkpoint and load it."""
+    path, family = _claim(model)
+    return family.load(path)

@@ -31,7 +31,26 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # importing kiln.plugins.base must stay cheap: the CLI reads specs without torch
     from torch import Tensor, nn
 
-__all__ = ["DecoderSpec", "LayerPlan", "LoadedModel", "ModelFamily", "PLEExtendMode", "PLEFolding", "non_finite"]
+__all__ = ["MAX_DIM", "DecoderSpec", "LayerPlan", "LoadedModel", "ModelFamily", "PLEExtendMode", "PLEFolding", "dim_error", "non_finite"]
+
+# the largest dimension a config may give: TensorRT's dimensions and ONNX Runtime GenAI's config are 32-bit
+MAX_DIM = 2**31 - 1
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, but a huge integer by its number of digits (no 400-digit line)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    return repr(value)
+
+
+def dim_error(name: str, value: object) -> str | None:
+    """Why ``value`` cannot be the model dimension ``name`` (a positive integer up to ``MAX_DIM``), or None."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return f"{name} must be a positive integer, found {_shown(value)}"
+    if value > MAX_DIM:
+        return f"{name} must be at most 2**31 - 1 (TensorRT's and ONNX Runtime GenAI's dimensions are 32-bit), found {_shown(value)}"
+    return None
 
 
 class PLEExtendMode(str, enum.Enum):
@@ -141,6 +160,8 @@ class ModelFamily(Protocol):
         ...
 
     # Optional (``kiln plugins`` calls them when a family has them):
+    #   config_spec(path) -> DecoderSpec: the spec the config alone gives, validated, no weight
+    #     read (what an export checks --max-context against before loading);
     #   table() -> list[list[str]]: what the family exports, a header row first;
     #   unavailable() -> str | None: why it cannot load a checkpoint here (a missing dependency).
     # A family's module is imported to list it: it should import torch and its libraries lazily.

@@ -1,7 +1,7 @@
 """``--model ORG/NAME``: a Hugging Face repo id resolved from the local Hugging Face cache.
 
-kiln never downloads. A repo id names the snapshot that ``huggingface-cli download`` (or
-``transformers``' ``from_pretrained``) left in the cache: ``HF_HUB_CACHE``, else ``HF_HOME/hub``,
+kiln never downloads. A repo id names the snapshot that ``hf download`` (huggingface_hub's
+command; or ``transformers``' ``from_pretrained``) left in the cache: ``HF_HUB_CACHE``, else ``HF_HOME/hub``,
 else ``~/.cache/huggingface/hub``, as ``huggingface_hub`` itself reads them. The lookup is
 ``huggingface_hub.snapshot_download(local_files_only=True)``: the hub library's own reading of
 its cache layout (refs, snapshots, symlinked blobs), which never touches the network.
@@ -14,7 +14,10 @@ from pathlib import Path
 
 from kiln.errors import CheckpointError
 
-__all__ = ["looks_like_repo_id", "cached_snapshot"]
+__all__ = ["HF_EXTRA", "looks_like_repo_id", "cached_snapshot", "cache_repo_root"]
+
+# how the Hugging Face extra is installed: kiln installs from its checkout (README, Set up)
+HF_EXTRA = """pip install -e ".[hf]" in kiln's checkout"""
 
 # ORG/NAME as the Hub spells repo ids: one slash, letters, digits, '-', '_', '.' (no '..', no leading '.')
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
@@ -32,7 +35,7 @@ def cached_snapshot(repo_id: str) -> Path:
     except ImportError:
         raise CheckpointError(
             f"{repo_id}: no such directory; as a Hugging Face repo id it is looked up in the Hugging Face cache, "
-            "which needs huggingface_hub: pip install 'kiln[hf]'"
+            f"which needs huggingface_hub: {HF_EXTRA}"
         ) from None
     cache = Path(constants.HF_HUB_CACHE)
     where = cache / f"models--{repo_id.replace('/', '--')}"
@@ -41,8 +44,17 @@ def cached_snapshot(repo_id: str) -> Path:
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
         raise CheckpointError(
             f"{repo_id}: no such directory, and not in the Hugging Face cache (looked in {where}; set HF_HUB_CACHE or HF_HOME "
-            f"to use another cache); kiln never downloads: fetch it first (huggingface-cli download {repo_id}) or pass a directory"
+            f"to use another cache); kiln never downloads: fetch it first (hf download {repo_id}) or pass a directory"
         ) from None
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{repo_id}: the cached snapshot {path} has no config.json (an incomplete download?)")
     return path
+
+
+def cache_repo_root(directory: Path) -> Path | None:
+    """The repo's cache folder (``models--ORG--NAME``) when ``directory`` is one of its snapshots
+    (``models--ORG--NAME/snapshots/<rev>``), whose files are links into the folder's ``blobs/``."""
+    snapshots = directory.absolute().parent
+    if snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--"):
+        return snapshots.parent
+    return None

@@ -62,6 +62,11 @@ PAST_VALUE_TEMPLATE = "past_key_values.%d.value"
 PRESENT_KEY_TEMPLATE = "present.%d.key"
 PRESENT_VALUE_TEMPLATE = "present.%d.value"
 _TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # onnxruntime-extensions: BPE, generic model name "PreTrained"
+# where a family's config (the manifest's) states the attention heads and the hidden width: the
+# native family's own names; every other family by Hugging Face's standard names (plugins.hf
+# writes them also for configs of other field names, GPT-2's n_head / n_embd)
+_SIZE_KEYS = {"native": ("n_heads", "d_model")}
+_STANDARD_SIZE_KEYS = ("num_attention_heads", "hidden_size")
 
 
 def _check_io(manifest: Manifest) -> None:
@@ -101,8 +106,6 @@ def genai_config(manifest: Manifest) -> dict[str, Any]:
     model = manifest.model
     config = manifest.config
     n_kv, head_dim = model.n_kv_heads, model.head_dim
-    heads = int(config.get("n_heads", n_kv))  # family config; GenAI only uses num_key_value_heads
-    hidden = int(config.get("d_model", heads * head_dim))
     context = manifest.limits.max_context
     tokens: dict[str, int] = {}
     if model.bos_token_id is not None:
@@ -121,8 +124,7 @@ def genai_config(manifest: Manifest) -> dict[str, Any]:
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
                 "filename": Path(genai_graph(manifest)).name,
                 "head_size": head_dim,
-                "hidden_size": hidden,
-                "num_attention_heads": heads,
+                **_attention_sizes(manifest),
                 "num_key_value_heads": n_kv,
                 "num_hidden_layers": model.n_layers,
                 "inputs": {
@@ -155,6 +157,15 @@ def genai_config(manifest: Manifest) -> dict[str, Any]:
             "early_stopping": True,
         },
     }
+
+
+def _attention_sizes(manifest: Manifest) -> dict[str, int]:
+    """``num_attention_heads`` and ``hidden_size`` as the family's config states them; a size
+    the config does not state is left out (GenAI sizes the cache by head_size and
+    num_key_value_heads), never guessed."""
+    heads_key, hidden_key = _SIZE_KEYS.get(manifest.family, _STANDARD_SIZE_KEYS)
+    sizes = {"hidden_size": manifest.config.get(hidden_key), "num_attention_heads": manifest.config.get(heads_key)}
+    return {name: value for name, value in sizes.items() if isinstance(value, int) and not isinstance(value, bool)}
 
 
 def _token_text(tokenizer: Mapping[str, Any], token_id: int | None) -> str | None:

@@ -5,7 +5,7 @@ contract (``decoder.HFDecoder``): the model's own forward pass with its own ``Dy
 parity is against Hugging Face's implementation, not a re-implementation. Their configs are read
 by the standard field names (``config.read_spec``), and what kiln does not export exactly is
 refused by name (``config.refuse``). ``transformers`` is imported only when such a checkpoint is
-loaded (install ``kiln[hf]``).
+loaded (install the ``hf`` extra: ``pip install -e ".[hf]"`` in kiln's checkout).
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import CheckpointError
-from kiln.plugins.base import LoadedModel
+from kiln.plugins.base import DecoderSpec, LoadedModel
+from kiln.plugins.files import checkpoint_dir
 from kiln.plugins.hf.archs import ARCHS
 from kiln.plugins.hf.seq2seq import SEQ2SEQ
+from kiln.plugins.hub_cache import HF_EXTRA
 
 __all__ = ["HF", "SUPPORTED", "HFFamily", "tiny_model"]
 
@@ -43,8 +45,16 @@ class HFFamily:
     def claims(self, config: dict[str, Any]) -> bool:
         return "architectures" in config or "model_type" in config
 
+    def config_spec(self, path: Path) -> DecoderSpec:
+        """The spec of the checkpoint's config, read and checked by transformers and kiln (no weight read)."""
+        from kiln.plugins import read_config
+        from kiln.plugins.hf.build import config_spec
+
+        directory = checkpoint_dir(path)
+        return config_spec(directory, _architecture(read_config(directory), directory))
+
     def load(self, path: Path) -> LoadedModel:
-        directory = path if path.is_dir() else path.parent
+        directory = checkpoint_dir(path)
         from kiln.plugins import read_config
         from kiln.plugins.hf.build import load
 
@@ -53,7 +63,7 @@ class HFFamily:
     def unavailable(self) -> str | None:
         """Why this family cannot load a checkpoint here (``kiln plugins`` says it), or None."""
         if importlib.util.find_spec("transformers") is None:
-            return "unavailable: transformers is not installed (pip install 'kiln[hf]')"
+            return f"unavailable: transformers is not installed ({HF_EXTRA})"
         return None
 
     def tiny(self, seed: int) -> LoadedModel:

@@ -4,23 +4,28 @@ the decoder contract, its layer plan and meta template, and the tiny models of t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from kiln.errors import CheckpointError
-from kiln.plugins.base import LayerPlan, LoadedModel, non_finite
+from kiln.plugins.base import DecoderSpec, LayerPlan, LoadedModel, non_finite
+from kiln.plugins.files import checkpoint_tokenizer
 from kiln.plugins.hf.config import read_spec, refuse
 from kiln.plugins.hf.decoder import HFDecoder, HFSeq2Seq
 from kiln.plugins.hf.moe import translations
 from kiln.plugins.hf.seq2seq import SEQ2SEQ, SEQ2SEQ_TINY, read_seq2seq_spec, refuse_seq2seq
 from kiln.plugins.hf.tiny import TINY
+from kiln.plugins.hf.weights import check_sizes, read_headers, refuse_loading_info
+from kiln.plugins.hub_cache import HF_EXTRA
 from torch import nn
 
-__all__ = ["load", "tiny_model"]
+__all__ = ["config_spec", "load", "quiet", "read_config", "tiny_model"]
 
 FAMILY = "hf"
 
@@ -29,32 +34,74 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise CheckpointError("Hugging Face checkpoints need transformers: pip install 'kiln[hf]'") from None
+        raise CheckpointError(f"Hugging Face checkpoints need transformers: {HF_EXTRA}") from None
     return transformers
 
 
+@contextlib.contextmanager
+def quiet(transformers: Any) -> Iterator[None]:
+    """transformers' own logging and progress bars off (its load report, "Loading weights" bar
+    and config notes), so an export prints only kiln's rows; what they would say kiln checks
+    itself and says in one line. Restored afterwards."""
+    logging = transformers.utils.logging
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def read_config(transformers: Any, directory: Path, arch: str) -> Any:
+    """The checkpoint's config as transformers reads it, its sizes and features checked
+    (``refuse``): every refusal comes before any weight is read."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        with quiet(transformers):
+            config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (StrictDataclassError, OSError, ValueError, TypeError, OverflowError) as exc:
+        cause = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ is not None else exc
+        raise CheckpointError(f"{directory / 'config.json'}: transformers refuses this config ({' '.join(str(cause).split())})") from None
+    _refuse(config, arch)
+    return config
+
+
+def config_spec(directory: Path, arch: str) -> DecoderSpec:
+    """The spec of the checkpoint's config alone (no weight read)."""
+    config = read_config(_transformers(), directory, arch)
+    return read_seq2seq_spec(config, arch, FAMILY) if arch in SEQ2SEQ else read_spec(config, arch, FAMILY)
+
+
 def load(path: Path, directory: Path, arch: str) -> LoadedModel:
-    """The checkpoint in ``directory`` (architecture ``arch``) in its own dtype."""
+    """The checkpoint in ``directory`` (architecture ``arch``) in its own dtype: config, tokenizer
+    and the weights' headers checked before transformers builds the model."""
     weights = sorted(directory.glob("*.safetensors"))
     if not weights:
         raise CheckpointError(f"{directory}: no *.safetensors weights (kiln reads no pickled Hugging Face weights)")
     transformers = _transformers()
-    try:
-        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-        _refuse(config, arch)  # before any weight is read
-        model = getattr(transformers, arch).from_pretrained(
-            directory, config=config, local_files_only=True, use_safetensors=True, dtype="auto", attn_implementation="eager"  # the checkpoint's dtype
-        )
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{directory}: transformers could not load it ({str(exc).splitlines()[0]})") from None
+    config = read_config(transformers, directory, arch)
+    tokenizer = checkpoint_tokenizer(directory)
+    model_class = getattr(transformers, arch)
+    with quiet(transformers):
+        check_sizes(model_class, config, read_headers(directory), directory)
+        try:
+            model, info = model_class.from_pretrained(
+                directory, config=config, local_files_only=True, use_safetensors=True, dtype="auto", attn_implementation="eager", output_loading_info=True  # the checkpoint's dtype
+            )
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{directory}: transformers could not load it ({str(exc).splitlines()[0]})") from None
+    refuse_loading_info(info, directory)
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and non_finite(tensor):
             raise CheckpointError(f"{directory}: {name} has non-finite values (NaN or Inf)")
-    tokenizer = directory / "tokenizer.json"
-    files = (directory / "config.json", *weights) + ((tokenizer,) if tokenizer.is_file() else ())
+    files = (directory / "config.json", *weights) + ((tokenizer,) if tokenizer else ())
     # beside model.onnx these make the export's onnx/ a directory Optimum's ORTModelForCausalLM loads
     serving = tuple(p for p in (directory / "config.json", directory / "generation_config.json") if p.is_file())
-    return _loaded(model, arch, path, tokenizer if tokenizer.is_file() else None, files, serving)
+    return _loaded(model, arch, path, tokenizer, files, serving)
 
 
 def tiny_model(case: str, seed: int, **overrides: Any) -> LoadedModel:

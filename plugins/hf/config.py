@@ -5,9 +5,14 @@ Standard fields (resolved through each config's ``attribute_map``, so GPT-2's ``
 ``head_dim`` (absent or None: hidden / heads), ``hidden_size``, ``num_hidden_layers``,
 ``vocab_size`` and ``max_position_embeddings``; ``archs.ARCHS`` overrides only what differs.
 
-Refused by name, in one line (never guessed): a rope type kiln does not prove, a layer type other
-than full or sliding attention, a quantized checkpoint, an encoder-decoder, and each
-architecture's own ``Refusal`` entries.
+Refused by name, in one line (never guessed): sizes that are no positive 32-bit integers or whose
+heads do not divide (``refuse_sizes``, before any weight is read), a rope type kiln does not
+prove, a layer type other than full or sliding attention, a quantized checkpoint, an
+encoder-decoder, and each architecture's own ``Refusal`` entries.
+
+``read_spec``'s ``config`` (the manifest's) is the config's own fields plus the standard names
+its ``attribute_map`` resolves (GPT-2's ``n_head`` is also written as ``num_attention_heads``),
+so a consumer reads every family's sizes by the standard names.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from kiln.errors import CheckpointError
-from kiln.plugins.base import DecoderSpec
-from kiln.plugins.hf.archs import ARCHS
+from kiln.plugins.base import DecoderSpec, dim_error
+from kiln.plugins.hf.archs import ARCHS, Arch
 
-__all__ = ["LAYER_TYPES", "STATIC_ROPE", "read_spec", "refuse", "refuse_quantized", "rope_types"]
+__all__ = ["LAYER_TYPES", "SIZES", "STATIC_ROPE", "read_spec", "refuse", "refuse_quantized", "refuse_sizes", "rope_types"]
+
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")  # every architecture's, by the standard names
 
 # rope types whose frequencies are fixed at init (traced as constants), and longrope, whose
 # switch at original_max_position_embeddings is traced as a Where on max(position_ids)
@@ -46,9 +53,34 @@ def refuse_quantized(cfg: Any, arch: str) -> None:
         raise CheckpointError(f"{arch}: quantization_config ({method}) is not supported: kiln exports float checkpoints (its --int8/--fp16 quantize them)")
 
 
+def refuse_sizes(cfg: Any, arch: str, optional: tuple[str | None, ...] = ()) -> None:
+    """Every size in ``SIZES`` (and each of ``optional`` the config sets) is a positive 32-bit integer."""
+    for name in (*SIZES, *optional):
+        value = getattr(cfg, name, None) if name is not None else None
+        if (name in SIZES or value is not None) and (problem := dim_error(str(name), value)):
+            raise CheckpointError(f"{arch}: {problem} in config.json")
+
+
+def _kv_heads(cfg: Any, a: Arch) -> int:
+    """The heads the cache holds: the architecture's rule, else ``num_key_value_heads`` (absent: every head)."""
+    return a.kv_heads(cfg) if a.kv_heads is not None else int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+
+def _refuse_heads(cfg: Any, arch: str) -> None:
+    """The heads split the hidden size (unless the config gives ``head_dim``) and share the KV heads evenly."""
+    heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+    if getattr(cfg, "head_dim", None) is None and hidden % heads:
+        raise CheckpointError(f"{arch}: num_attention_heads ({heads}) does not divide hidden_size ({hidden}), and config.json gives no head_dim")
+    kv = _kv_heads(cfg, ARCHS[arch])
+    if heads % kv:
+        raise CheckpointError(f"{arch}: num_attention_heads ({heads}) is not a multiple of the key/value heads ({kv})")
+
+
 def refuse(cfg: Any, arch: str) -> None:
     """Raise ``CheckpointError`` naming the first config value kiln does not export exactly."""
     where = f"{arch}"
+    refuse_sizes(cfg, arch, ("num_key_value_heads", "head_dim", ARCHS[arch].context))
+    _refuse_heads(cfg, arch)
     refuse_quantized(cfg, arch)
     if getattr(cfg, "is_encoder_decoder", False):
         raise CheckpointError(f"{where}: is_encoder_decoder is not supported: kiln exports decoder-only Hugging Face models")
@@ -98,7 +130,7 @@ def read_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
     a = ARCHS[arch]
     heads = int(cfg.num_attention_heads)
     hidden = int(cfg.hidden_size)
-    kv = a.kv_heads(cfg) if a.kv_heads is not None else int(getattr(cfg, "num_key_value_heads", None) or heads)
+    kv = _kv_heads(cfg, a)
     context = getattr(cfg, a.context, None) if a.context is not None else getattr(cfg, "seq_length", None)
     why = None if context is not None else f"{arch} has no context length of its own (its config has no {a.context or 'seq_length'})"
     longrope = _longrope_limit(cfg, arch)
@@ -118,5 +150,12 @@ def read_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
         bos_token_id=_token(cfg, "bos_token_id"),
         eos_token_id=_token(cfg, "eos_token_id"),
         pad_token_id=_token(cfg, "pad_token_id"),
-        config={"architecture": arch, **{k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))}},
+        config=_manifest_config(cfg, arch),
     )
+
+
+def _manifest_config(cfg: Any, arch: str) -> dict[str, Any]:
+    """The config's scalar fields, and its sizes under the standard names too (``attribute_map``)."""
+    own = {k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))}
+    standard = {k: getattr(cfg, k) for k in getattr(cfg, "attribute_map", {}) if isinstance(getattr(cfg, k, None), (int, float, str, bool))}
+    return {"architecture": arch, **own, **standard}

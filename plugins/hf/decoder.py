@@ -20,6 +20,12 @@ def _forward_kwargs(model: nn.Module) -> tuple[str, bool]:
     return ("cache" if "cache" in params else "past_key_values"), "position_ids" in params
 
 
+def _cache_of(out: Any) -> Any:
+    """The cache a forward pass returns: ``out.cache`` (transformers 5.24+; reading
+    ``out.past_key_values`` there logs a deprecation warning), else ``out.past_key_values``."""
+    return out.cache if "cache" in out else out.past_key_values
+
+
 class HFDecoder(nn.Module):
     """The model's own forward pass with its own ``DynamicCache``, flattened to kiln's contract."""
 
@@ -53,7 +59,7 @@ class HFDecoder(nn.Module):
             **{cache_kwarg: cache},
             **({"position_ids": position_ids} if takes_positions else {}),
         )
-        layers = out.past_key_values.layers
+        layers = _cache_of(out).layers
         return out.logits, [(layer.keys, layer.values) for layer in layers]
 
 
@@ -109,6 +115,6 @@ class HFSeq2Seq(nn.Module):
             use_cache=True,
         )
         logits = out.logits[:, -1:] if last_logits_only else out.logits
-        done = out.past_key_values
+        done = _cache_of(out)
         pairs = zip(done.self_attention_cache.layers, done.cross_attention_cache.layers, strict=True)
         return logits, [(s.keys, s.values, c.keys, c.values) for s, c in pairs]

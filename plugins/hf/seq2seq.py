@@ -23,7 +23,7 @@ from typing import Any
 from kiln.errors import CheckpointError
 from kiln.plugins.base import DecoderSpec
 from kiln.plugins.hf.archs import Refusal
-from kiln.plugins.hf.config import refuse_quantized
+from kiln.plugins.hf.config import refuse_quantized, refuse_sizes
 
 __all__ = ["SEQ2SEQ", "SEQ2SEQ_TINY", "Seq2SeqArch", "read_seq2seq_spec", "refuse_seq2seq"]
 
@@ -58,6 +58,7 @@ SEQ2SEQ: Mapping[str, Seq2SeqArch] = {
 
 def refuse_seq2seq(cfg: Any, arch: str) -> None:
     """Raise ``CheckpointError`` naming the first config value kiln does not export exactly."""
+    refuse_sizes(cfg, arch, (SEQ2SEQ[arch].heads, SEQ2SEQ[arch].layers, SEQ2SEQ[arch].context))
     refuse_quantized(cfg, arch)
     for refusal in SEQ2SEQ[arch].refusals:
         value = getattr(cfg, refusal.field, None)

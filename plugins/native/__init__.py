@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.plugins.base import DecoderSpec, LoadedModel
+from kiln.plugins.files import checkpoint_dir
 from kiln.plugins.native.config import ARCHITECTURE, NativeConfig
 
 __all__ = ["NativeFamily", "NATIVE", "NativeConfig", "spec_of"]
@@ -38,6 +39,10 @@ class NativeFamily:
 
     def claims(self, config: dict[str, Any]) -> bool:
         return config.get("architecture") == ARCHITECTURE
+
+    def config_spec(self, path: Path) -> DecoderSpec:
+        """The spec of the checkpoint's config alone (no weight read, no torch)."""
+        return spec_of(NativeConfig.load(checkpoint_dir(path) / "config.json"))
 
     def load(self, path: Path) -> LoadedModel:
         from kiln.plugins.native.build import load

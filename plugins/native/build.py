@@ -5,34 +5,62 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from pathlib import Path
 
 import torch
 
+from kiln.errors import CheckpointError
 from kiln.plugins.base import LayerPlan, LoadedModel
+from kiln.plugins.files import checkpoint_dir, checkpoint_tokenizer
 from kiln.plugins.native import NativeFamily, spec_of
-from kiln.plugins.native.checkpoint import apply_state_dict, find_weights, read_state_dict, state_dtype
+from kiln.plugins.native.checkpoint import Header, apply_state_dict, check_header, find_weights, read_state_dict, state_dtype, state_header
 from kiln.plugins.native.config import NativeConfig
 from kiln.plugins.native.model import PLEDecoder
 from kiln.plugins.native.ple import NATIVE_PLE
 
 __all__ = ["load", "loaded_model", "meta_template", "random_model"]
 
+_LAYER = re.compile(r"^layers\.(\d+)\.")  # layer i's tensors (LayerPlan's prefix "layers.{}")
+
 
 def load(path: Path) -> LoadedModel:
-    """The checkpoint at ``path`` (a directory, or its weights file) in its own dtype."""
-    directory = path if path.is_dir() else path.parent
+    """The checkpoint at ``path`` (a directory, or its weights file) in its own dtype: its
+    config, tokenizer and weights' header checked before the module is built (nothing the
+    config's sizes would allocate is allocated for weights that do not have them)."""
+    directory = checkpoint_dir(path)
     cfg = NativeConfig.load(directory / "config.json")
+    tokenizer = checkpoint_tokenizer(directory)
     weights = find_weights(path)
     state = read_state_dict(weights)
+    header = state_header(state)
+    _check_sizes(cfg, header, weights)
+    check_header(meta_template(cfg, cfg.n_layers), header, weights)
     module = PLEDecoder(cfg)
     dtype = state_dtype(state)
     for parameter in module.parameters():  # the checkpoint's dtype, not an fp32 copy of it (buffers such as inv_freq stay fp32)
         parameter.data = parameter.data.to(dtype)
     apply_state_dict(module, state, weights)
-    tokenizer = directory / "tokenizer.json"
-    files = (directory / "config.json", weights) + ((tokenizer,) if tokenizer.is_file() else ())
-    return loaded_model(cfg, module, path, tokenizer if tokenizer.is_file() else None, files)
+    files = (directory / "config.json", weights) + ((tokenizer,) if tokenizer else ())
+    return loaded_model(cfg, module, path, tokenizer, files)
+
+
+def _check_sizes(cfg: NativeConfig, header: Header, weights: Path) -> None:
+    """The config's sizes that every native checkpoint shows at a glance, against the weights'
+    header: the layers it holds (``layers.{i}.``) and the embedding ``[vocab_size, d_model]``
+    (stored as ``embed.weight``, or ``lm_head.weight`` when tied). Checked before any template
+    is built, so a config of absurd sizes is named at once (fewer layers in the config than in
+    the weights: ``check_header`` names the unexpected ones)."""
+    held = {int(m.group(1)) for key in header if (m := _LAYER.match(key))}
+    problem = None
+    if cfg.n_layers > len(held):
+        span = f" (layers.{min(held)} to layers.{max(held)})" if held else ""
+        problem = f"config.json says n_layers={cfg.n_layers}, the weights hold {len(held)} layers{span}"
+    key = next((k for k in ("embed.weight", "lm_head.weight") if k in header), None)
+    if problem is None and key is not None and header[key][0] != (cfg.vocab_size, cfg.d_model):
+        problem = f"{key} has shape {list(header[key][0])}, the config needs [vocab_size, d_model] = {[cfg.vocab_size, cfg.d_model]}"
+    if problem is not None:
+        raise CheckpointError(f"{weights}: weights do not match the config: {problem}")
 
 
 def loaded_model(cfg: NativeConfig, module: PLEDecoder, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = ()) -> LoadedModel:

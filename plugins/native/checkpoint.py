@@ -21,11 +21,12 @@ from torch import Tensor, nn
 from kiln.errors import CheckpointError
 from kiln.plugins.base import non_finite
 
-__all__ = ["WEIGHT_FILES", "find_weights", "read_state_dict", "apply_state_dict", "state_dtype"]
+__all__ = ["WEIGHT_FILES", "Header", "find_weights", "read_state_dict", "state_header", "check_header", "apply_state_dict", "state_dtype"]
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
+Header = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, dtype name), as a file's header states them
 
 
 def find_weights(path: Path) -> Path:
@@ -61,6 +62,14 @@ class _SafetensorsState(Mapping[str, Tensor]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
+
+    def header(self) -> Header:
+        """Every tensor's shape and safetensors dtype name (``F32``, ``BF16``, ``I64``...), from the header."""
+        out: Header = {}
+        for key in self._keys:
+            view = self._file.get_slice(key)  # type: ignore[no-untyped-call]  # safetensors' safe_open is untyped
+            out[key] = (tuple(view.get_shape()), str(view.get_dtype()))
+        return out
 
     def dtypes(self) -> set[torch.dtype]:
         """The floating-point dtypes the file stores, read from its header (no tensor is read)."""
@@ -99,37 +108,65 @@ def state_dtype(state: Mapping[str, Tensor]) -> torch.dtype:
     return found.pop() if len(found) == 1 and next(iter(found)) in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
-def apply_state_dict(module: nn.Module, state: Mapping[str, Tensor], source: Path) -> None:
-    """Copy ``state`` into ``module``, naming every missing, unexpected, mis-shaped, non-float or
-    non-finite tensor in one error."""
+_SHOWN = 5  # problems (and names in a list) an error shows before "and N more"
+
+
+def state_header(state: Mapping[str, Tensor]) -> Header:
+    """Every tensor's shape and dtype; for a safetensors file from its header alone (no tensor read)."""
+    if isinstance(state, _SafetensorsState):
+        return state.header()
+    return {key: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for key, t in state.items()}
+
+
+def _floating(dtype: str) -> bool:
+    """Whether a dtype name (torch's ``float16`` or safetensors' ``F16``/``BF16``) is floating-point."""
+    return dtype.startswith(("F", "BF", "float", "bfloat"))
+
+
+def _capped(items: list[str]) -> list[str]:
+    return items if len(items) <= _SHOWN else [*items[:_SHOWN], f"and {len(items) - _SHOWN} more"]
+
+
+def check_header(module: nn.Module, header: Header, source: Path) -> dict[str, str]:
+    """Compare the names, shapes and dtypes of ``header`` with ``module``'s tensors (a meta
+    module will do: nothing is read or allocated); raise one ``CheckpointError`` naming every
+    missing, unexpected, mis-shaped and non-float tensor. Returns each canonical name's key."""
     expected = _expected_tensors(module)
     aliases = {alias for _, names in expected.values() for alias in names}
-    problems: list[str] = []
-    chosen: dict[str, str] = {}  # canonical name -> the key in `state` that provides it
-    for name, (_, names) in expected.items():
-        present = [n for n in names if n in state]
-        if present:
-            chosen[name] = present[0]
+    chosen = {name: present[0] for name, (_, names) in expected.items() if (present := [n for n in names if n in header])}
     missing = sorted(name for name in expected if name not in chosen)
-    unexpected = sorted(key for key in state if key not in aliases)
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys {unexpected}")
+    unexpected = sorted(key for key in header if key not in aliases)
+    problems = [f"missing keys {_capped(missing)}"] if missing else []
+    problems += [f"unexpected keys {_capped(unexpected)}"] if unexpected else []
+    tensors: list[str] = []
     for name, key in sorted(chosen.items()):
-        tensor, want = state[key], expected[name][0]  # one tensor in memory at a time
-        if tuple(tensor.shape) != tuple(want.shape):
-            problems.append(f"{key} has shape {list(tensor.shape)}, the config needs {list(want.shape)}")
-        elif not tensor.dtype.is_floating_point:
-            problems.append(f"{key} has dtype {tensor.dtype}, expected a floating-point tensor")
-        elif bad := non_finite(tensor):
+        (shape, dtype), want = header[key], tuple(expected[name][0].shape)
+        if shape != want:
+            tensors.append(f"{key} has shape {list(shape)}, the config needs {list(want)}")
+        elif not _floating(dtype):
+            tensors.append(f"{key} has dtype {dtype}, expected a floating-point tensor")
+    problems += _capped(tensors)
+    if problems:
+        raise CheckpointError(f"{source}: weights do not match the config: " + "; ".join(problems))
+    return chosen
+
+
+def apply_state_dict(module: nn.Module, state: Mapping[str, Tensor], source: Path) -> None:
+    """Copy ``state`` into ``module`` once its header matches (``check_header``), one tensor in
+    memory at a time, naming every non-finite tensor in one error."""
+    chosen = check_header(module, state_header(state), source)
+    expected = _expected_tensors(module)
+    problems: list[str] = []
+    for name, key in sorted(chosen.items()):
+        tensor, want = state[key], expected[name][0]
+        if bad := non_finite(tensor):
             problems.append(f"{key} has {bad} non-finite values (NaN or Inf)")
         elif not problems:
             with torch.no_grad():
                 want.copy_(tensor.to(want.dtype))
         del tensor
     if problems:
-        raise CheckpointError(f"{source}: weights do not match the config: " + "; ".join(problems))
+        raise CheckpointError(f"{source}: weights do not match the config: " + "; ".join(_capped(problems)))
 
 
 def _expected_tensors(module: nn.Module) -> dict[str, tuple[Tensor, list[str]]]:

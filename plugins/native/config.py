@@ -11,6 +11,7 @@ from typing import Any
 
 from kiln.errors import ConfigError
 from kiln.jsonfile import read_json_object
+from kiln.plugins.base import dim_error
 
 __all__ = [
     "MLPKind",
@@ -93,9 +94,8 @@ class NativeConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_context"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, found {value!r}")
+            if problem := dim_error(name, getattr(self, name)):
+                raise ConfigError(problem)
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
@@ -107,9 +107,8 @@ class NativeConfig:
                 raise ConfigError(f"rope needs an even head_dim, found {self.head_dim}")
             if not (isinstance(self.rope_theta, float) and self.rope_theta > 1.0):
                 raise ConfigError(f"rope_theta must be a float > 1, found {self.rope_theta!r}")
-        p = self.ple.max_positions
-        if self.ple.enabled and (isinstance(p, bool) or not isinstance(p, int) or p <= 0):
-            raise ConfigError(f"ple.max_positions must be a positive integer, found {p!r}")
+        if self.ple.enabled and (problem := dim_error("ple.max_positions", self.ple.max_positions)):
+            raise ConfigError(problem)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):

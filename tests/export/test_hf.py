@@ -3,13 +3,14 @@ is ``test_hf_archs.py``)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
 
-from kiln.errors import CheckpointError
+from kiln.errors import CheckpointError, ExportError
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.pipeline import export
 from kiln.plugins import families, load_model
@@ -169,3 +170,153 @@ def test_deeper_models_are_stamped_from_their_distinct_layers(case: str, traced:
     assert loaded.layers is not None and StampPlan.of(loaded.layers).traced == traced
     result = export_loaded(loaded, tmp_path / "out", ExportOptions(max_batch=2, parity_tokens=8), Notes())
     assert result.parity.passed and not notes, notes
+
+
+def _garbled(directory: Path) -> Path:
+    """``directory`` with weights no reader can read: a refusal that comes first read none."""
+    for weights in directory.glob("*.safetensors"):
+        weights.write_bytes(b"\x00" * 64)
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("case", "changes", "message"),
+    [
+        ("llama", {"num_attention_heads": 3}, "{config}: transformers refuses this config (The hidden size (64) is not a multiple of the number of attention heads (3).)"),
+        ("gpt2", {"n_head": 3}, "GPT2LMHeadModel: num_attention_heads (3) does not divide hidden_size (64), and config.json gives no head_dim"),
+        ("qwen3", {"num_attention_heads": 3}, "Qwen3ForCausalLM: num_attention_heads (3) is not a multiple of the key/value heads (2)"),
+        ("llama", {"hidden_size": "64"}, "{config}: transformers refuses this config (Field 'hidden_size' expected int, got str (value: '64'))"),
+        ("llama", {"num_hidden_layers": -2}, "LlamaForCausalLM: num_hidden_layers must be a positive integer, found -2 in config.json"),
+        ("gpt2", {"n_layer": 0}, "GPT2LMHeadModel: num_hidden_layers must be a positive integer, found 0 in config.json"),
+        (
+            "llama",
+            {"hidden_size": 10**400},
+            "LlamaForCausalLM: hidden_size must be at most 2**31 - 1 (TensorRT's and ONNX Runtime GenAI's dimensions are 32-bit), found an integer of about 401 digits in config.json",
+        ),
+    ],
+)
+def test_impossible_sizes_are_refused_at_load_before_any_weight_is_read(case: str, changes: dict[str, object], message: str, tmp_path: Path) -> None:
+    """Heads that do not divide, a size that is no positive 32-bit integer: one line from the
+    config alone (the weights are garbled: reading them would fail with another message)."""
+    ckpt = _garbled(_edited(case, tmp_path / "ckpt", **changes))
+    with pytest.raises(CheckpointError) as err:
+        load_model(ckpt)
+    assert str(err.value) == "checkpoint: " + message.format(config=ckpt / "config.json")
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"hidden_size": 10**7}, "model.embed_tokens.weight has shape [128, 64] in model.safetensors, the config needs [128, 10000000]; "),
+        (
+            {"vocab_size": 10**9},
+            "model.embed_tokens.weight has shape [128, 64] in model.safetensors, the config needs [1000000000, 64];"
+            " lm_head.weight has shape [128, 64] in model.safetensors, the config needs [1000000000, 64]",
+        ),
+        ({"num_hidden_layers": 10**6}, "config.json says num_hidden_layers=1000000, but the weights hold 21 tensors in all"),
+    ],
+    ids=["hidden_size", "vocab_size", "num_hidden_layers"],
+)
+def test_sizes_the_weights_do_not_have_are_refused_from_their_headers(changes: dict[str, object], problem: str, tmp_path: Path) -> None:
+    """The safetensors header against the model built from the config on the meta device, before
+    transformers builds it: one line at once, not an allocation of the config's sizes."""
+    import time
+
+    ckpt = _edited("llama", tmp_path / "ckpt")
+    load_model(ckpt)  # imports done
+    _edited("llama", ckpt, **changes)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError) as err:
+        load_model(ckpt)
+    assert time.perf_counter() - start < 0.5
+    assert str(err.value).startswith(f"checkpoint: {ckpt}: weights do not match the config: {problem}")
+
+
+def test_sharded_checkpoints_are_checked_shard_by_shard(tmp_path: Path) -> None:
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    tiny_model("llama", seed=1).module.model.save_pretrained(ckpt, safe_serialization=True, max_shard_size="100KB")
+    shards = sorted(p.name for p in ckpt.glob("*.safetensors"))
+    assert len(shards) > 1 and (ckpt / "model.safetensors.index.json").is_file()
+    assert load_model(ckpt).spec.n_layers == 2
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    head = index["weight_map"]["lm_head.weight"]
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "vocab_size": 10**9}))
+    with pytest.raises(CheckpointError, match=re.escape(f"lm_head.weight has shape [128, 64] in {head}, the config needs [1000000000, 64]")):
+        load_model(ckpt)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    index["weight_map"]["lm_head.weight"] = "../elsewhere.safetensors"
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as err:
+        load_model(ckpt)
+    assert str(err.value) == f"checkpoint: {ckpt / 'model.safetensors.index.json'}: names the shard '../elsewhere.safetensors', which is not a file of {ckpt}"
+
+
+@pytest.mark.parametrize(("edit", "problem"), [("drop", "missing keys model.norm.weight (transformers would initialise them at random)"), ("add", "unexpected keys model.extra.weight (transformers would drop them)")])
+def test_what_transformers_would_invent_or_drop_is_one_line(edit: str, problem: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """transformers' load report (10-20 lines, then an export of random weights) becomes one line."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _edited("llama", tmp_path / "ckpt")
+    state = load_file(ckpt / "model.safetensors")
+    if edit == "drop":
+        del state["model.norm.weight"]
+    else:
+        state["model.extra.weight"] = torch.zeros(3)
+    save_file(state, ckpt / "model.safetensors", metadata={"format": "pt"})
+    capfd.readouterr()
+    with pytest.raises(CheckpointError) as err:
+        load_model(ckpt)
+    assert str(err.value) == f"checkpoint: {ckpt}: weights do not match the config: {problem}"
+    out, errors = capfd.readouterr()
+    assert out == "" and errors == ""  # no load report, no progress bar
+
+
+def test_max_context_past_the_config_is_refused_before_the_weights_load(tmp_path: Path) -> None:
+    ckpt = _garbled(_edited("llama", tmp_path / "ckpt"))
+    with pytest.raises(ExportError) as err:
+        export(ckpt, tmp_path / "out", ExportOptions(max_context=8192))
+    assert str(err.value) == "export: --max-context 8192 exceeds the model's max_context 64"
+    assert not (tmp_path / "out").exists()
+
+
+def test_loading_prints_nothing(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """No "Loading weights" bar, and no transformers note on the config (longrope's rope_parameters draw one)."""
+    ckpt = _edited("llama-rope-longrope", tmp_path / "ckpt")
+    capfd.readouterr()
+    assert load_model(ckpt).spec.n_layers == 2
+    assert capfd.readouterr() == ("", "")
+
+
+def test_an_export_prints_only_kilns_rows(tmp_path: Path) -> None:
+    """A real checkpoint written by save_pretrained, exported by the CLI: stderr holds kiln's
+    progress rows only (no transformers load report, "Loading weights" bar, config notes or
+    past_key_values deprecation warning)."""
+    import subprocess
+    import sys
+
+    ckpt = _edited("llama", tmp_path / "ckpt")
+    code = "import sys; from kiln.cli import main; main(sys.argv[1:])"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--parity-tokens", "4"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stderr.splitlines() if line.strip()]
+    assert rows and all(" run " in row and "━" in row for row in rows), done.stderr  # "stage ━━━ n/N elapsed eta ... run ..."
+    assert rows[0].startswith("load checkpoint")
+    assert done.stdout.startswith(f"wrote {tmp_path / 'out'}:")
+
+
+@pytest.mark.parametrize(("text", "reason"), [("not json", "expected ident at line 1 column 2"), ('{"hello": 1}', "expected `,` or `}` at line 1 column 9")])
+def test_a_tokenizer_that_is_none_is_refused_at_load(text: str, reason: str, tmp_path: Path) -> None:
+    ckpt = _garbled(_edited("llama", tmp_path / "ckpt"))
+    (ckpt / "tokenizer.json").write_text(text)
+    with pytest.raises(CheckpointError) as err:
+        load_model(ckpt)
+    assert str(err.value) == (
+        f"checkpoint: {ckpt / 'tokenizer.json'}: not a tokenizer the tokenizers library loads ({reason}); replace it with the model's own"
+        " tokenizer.json, or remove it to export without one"
+    )

@@ -10,13 +10,14 @@ when a listed architecture has no case."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
 
 import torch
 from kiln.exporter.check import check_dir
@@ -75,6 +76,9 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     arch = TINY[case][0]
     assert result.manifest.config["architecture"] == arch
     assert result.manifest.tools["transformers"] == transformers.__version__  # what the export ran with
+    stated = json.loads((tmp_path / "out" / "onnx" / "genai_config.json").read_text())["model"]["decoder"]
+    own = transformers.AutoConfig.from_pretrained(ckpt)
+    assert (stated["num_attention_heads"], stated["hidden_size"], stated["num_hidden_layers"]) == (own.num_attention_heads, own.hidden_size, own.num_hidden_layers)
     assert result.report.ort is not None
     fused = {kind: list(entry.fused_attention_layers) for kind, entry in result.report.ort.graphs.items() if kind is not GraphKind.UNIFIED}
     expected = [] if case in PORTABLE_ATTENTION else [0, 1]

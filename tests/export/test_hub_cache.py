@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from kiln_testing import tiny_config, write_checkpoint
 
-pytest.importorskip("huggingface_hub", reason="repo ids are looked up with huggingface_hub (pip install 'kiln[hf]')")
+pytest.importorskip("huggingface_hub", reason="repo ids are looked up with huggingface_hub (pip install -e .[hf])")
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -60,7 +60,7 @@ def test_repo_id_not_in_the_cache(tmp_path: Path) -> None:
     assert lines[0] == (
         f"error: checkpoint: kiln-tests/other: no such directory, and not in the Hugging Face cache (looked in "
         f"{cache / 'models--kiln-tests--other'}; set HF_HUB_CACHE or HF_HOME to use another cache); kiln never downloads: "
-        "fetch it first (huggingface-cli download kiln-tests/other) or pass a directory"
+        "fetch it first (hf download kiln-tests/other) or pass a directory"
     )
     assert not (tmp_path / "out").exists()
 
@@ -89,6 +89,46 @@ def test_check_finds_the_snapshot_without_the_cache(tmp_path: Path) -> None:
     assert checked.stderr.strip().splitlines()[0] == (
         f"checkpoint: kiln-tests/tiny-ple does not resolve here (no such directory, and not in the Hugging Face cache"
         f" (looked in {empty / 'models--kiln-tests--tiny-ple'}; set HF_HUB_CACHE or HF_HOME to use another cache); kiln never downloads:"
-        f" fetch it first (huggingface-cli download kiln-tests/tiny-ple) or pass a directory); using {snapshot}, where it resolved when the export ran"
+        f" fetch it first (hf download kiln-tests/tiny-ple) or pass a directory); using {snapshot}, where it resolved when the export ran"
     )
     assert "parity passed" in checked.stdout
+
+
+def test_cache_links_may_reach_anywhere_in_the_repo_folder_only(tmp_path: Path) -> None:
+    """A snapshot is links into the repo's blobs/ by design (../../blobs/<sha>): kiln loads it; a
+    link of the snapshot that leaves the repo's cache folder is refused as anywhere else."""
+    from kiln.errors import CheckpointError
+    from kiln.plugins import load_model
+
+    cache = _cache(tmp_path, "kiln-tests/tiny-ple")
+    snapshot = cache / "models--kiln-tests--tiny-ple" / "snapshots" / COMMIT
+    assert all((snapshot / name).is_symlink() for name in ("config.json", "model.safetensors"))
+    assert load_model(snapshot).spec.family == "native"
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}')
+    (snapshot / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(CheckpointError) as err:
+        load_model(snapshot)
+    repo = cache / "models--kiln-tests--tiny-ple"
+    assert str(err.value) == (
+        f"checkpoint: {snapshot / 'tokenizer.json'} links to {secret}, outside {repo}: kiln reads nothing from outside the checkpoint;"
+        f" copy the file in (rm {snapshot / 'tokenizer.json'} && cp {secret} {snapshot / 'tokenizer.json'})"
+    )
+
+
+def test_the_commands_kiln_names_exist_and_agree_with_the_readme() -> None:
+    """The not-in-cache error's fetch command is the one today's huggingface_hub installs (``hf``;
+    ``huggingface-cli`` is gone), and the install command of kiln's errors is the README's."""
+    import tomllib
+    from importlib import metadata
+
+    from kiln.plugins.hub_cache import HF_EXTRA
+
+    scripts = {ep.name for ep in metadata.distribution("huggingface_hub").entry_points if ep.group == "console_scripts"}
+    assert "hf" in scripts and "huggingface-cli" not in scripts
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    assert "huggingface-cli" not in readme and "`hf download ORG/NAME`" in readme
+    assert HF_EXTRA == """pip install -e ".[hf]" in kiln's checkout"""
+    assert '`pip install -e ".[hf]"`' in readme
+    assert "hf" in tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]

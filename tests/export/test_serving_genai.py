@@ -233,3 +233,56 @@ def test_missing_graph_or_names_are_one_clear_error(fp32_dir: Path, tmp_path: Pa
     broken["graphs"]["model"]["inputs"] = [t for t in broken["graphs"]["model"]["inputs"] if t["name"] != "past_key_values.2.value"]
     with pytest.raises(ArtifactError, match=r"lacks \['past_key_values\.2\.value'\] that ONNX Runtime GenAI binds by name"):
         genai_config(Manifest.from_json(broken))
+
+
+def _manifest_of(loaded: LoadedModel) -> Manifest:
+    """The manifest an export of ``loaded`` would write, as far as genai_config reads it (no export)."""
+    from kiln_testing import typed_manifest
+
+    from kiln.exporter.contract.io import GraphKind, graph_io
+
+    spec = loaded.spec
+    io = graph_io(spec, GraphKind.UNIFIED)
+    model = {k: getattr(spec, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "encoder_dim")}
+    graph = {"file": "onnx/model.onnx", "inputs": [t.to_dict() for t in io.inputs], "outputs": [t.to_dict() for t in io.outputs]}
+    return typed_manifest({"family": spec.family, "config": spec.config, "model": model, "graphs": {"model": graph}})
+
+
+@pytest.mark.parametrize("case", sorted(__import__("kiln.plugins.hf.tiny", fromlist=["TINY"]).TINY))
+def test_every_size_genai_config_states_is_the_models(case: str) -> None:
+    """For every Hugging Face architecture's tiny model: the decoder sizes genai_config.json states
+    are its config's (heads, hidden width, layers, vocabulary) and its cache's (the KV heads and
+    head size of the tensors its own forward pass returns). It said num_attention_heads = the KV
+    heads and hidden_size = their width, reading the native family's keys."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from kiln.plugins.hf import tiny_model
+
+    loaded = tiny_model(case, seed=0)
+    config = loaded.module.model.config
+    genai = genai_config(_manifest_of(loaded))
+    decoder = genai["model"]["decoder"]
+    with torch.no_grad():
+        one = torch.ones((1, 1), dtype=torch.int64)
+        _, presents = loaded.module(one, one, torch.zeros((1, 1), dtype=torch.int64))
+    _, kv_heads, _, head_size = presents[0][0].shape
+    assert decoder["num_attention_heads"] == config.num_attention_heads
+    assert decoder["hidden_size"] == config.hidden_size
+    assert decoder["num_hidden_layers"] == config.num_hidden_layers == len(presents)
+    assert (decoder["num_key_value_heads"], decoder["head_size"]) == (kv_heads, head_size)
+    assert genai["model"]["vocab_size"] == config.vocab_size
+
+
+def test_a_size_the_config_does_not_state_is_left_out(tmp_path: Path) -> None:
+    """A family whose config names no heads or width: genai_config leaves them out (GenAI sizes
+    its cache by head_size and num_key_value_heads) rather than state a guess; GenAI parses it."""
+    import dataclasses
+
+    loaded = load_model("demo")
+    manifest = dataclasses.replace(_manifest_of(loaded), family="third-party", config={"layers": 4})
+    decoder = genai_config(manifest)["model"]["decoder"]
+    assert "num_attention_heads" not in decoder and "hidden_size" not in decoder
+    assert (decoder["num_key_value_heads"], decoder["head_size"]) == (loaded.spec.n_kv_heads, loaded.spec.head_dim)
+    (tmp_path / "genai_config.json").write_text(json.dumps(genai_config(manifest)))
+    og.Config(str(tmp_path))

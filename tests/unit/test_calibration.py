@@ -21,7 +21,7 @@ import kiln
 from kiln.calibration import Calibration
 from kiln.calibration import cache as cache_module
 from kiln.calibration.cache import TRT_CACHE_VERSION, cache_key, read_cache, trt_calibration_cache, write_cache
-from kiln.calibration.data import SYNTHETIC, CalibrationData, load_calibration_data
+from kiln.calibration.data import CHUNK, SYNTHETIC, CalibrationData, load_calibration_data
 from kiln.calibration.methods import CalibMethod, collect_ranges, mse_threshold
 from kiln.errors import CalibrationError
 from kiln.plugins.native import spec_of
@@ -100,6 +100,47 @@ def test_jsonl(tmp_path: Path) -> None:
     ids = ids_of("\n".join(records))  # records joined by newlines, blank lines skipped
     n = len(ids) // 4
     assert [w.tolist() for w in data.windows] == [ids[i * 4 : (i + 1) * 4] for i in range(n)]
+
+
+def test_text_is_read_only_as_far_as_the_samples_need(tmp_path: Path) -> None:
+    """A text file is tokenized a window of characters at a time until the samples have their
+    tokens: the rest is never read (here it is not even UTF-8), and the windows are those of the
+    whole text's tokenization (the windows split where the tokenizer starts a word)."""
+    heldout = (TOKENIZER.parent / "heldout.txt").read_text()
+    text = (heldout * (4 * CHUNK // len(heldout) + 1))[: 4 * CHUNK]
+    path = tmp_path / "calib.txt"
+    path.write_bytes(text.encode() + b"\xff\xfe" * 1000)
+    ids = ids_of(text)
+    data = load(path, samples=32, window=128)
+    assert len(ids) > 32 * 128 and len(data.windows) == 32
+    assert [w.tolist() for w in data.windows] == [ids[i * 128 : (i + 1) * 128] for i in range(32)]
+    whole = tmp_path / "whole.txt"
+    whole.write_text(text)
+    everything = load(whole, samples=10**6, window=128)  # every chunk of it
+    assert np.concatenate(everything.windows).tolist() == ids[: len(everything.windows) * 128]
+
+
+def test_a_huge_one_line_text_costs_what_the_samples_need(tmp_path: Path) -> None:
+    """A 20 MB text on one line: the samples' tokens in well under a second (it was tokenized
+    whole: 78 s and 8.4 GiB for 50 MB)."""
+    import time
+
+    path = tmp_path / "big.txt"
+    path.write_text(TEXT.replace("\n", " ") * (20_000_000 // len(TEXT)))
+    start = time.perf_counter()
+    data = load(path, samples=32, window=128)
+    assert time.perf_counter() - start < 1.0
+    assert len(data.windows) == 32
+
+
+def test_jsonl_is_read_only_as_far_as_the_samples_need(tmp_path: Path) -> None:
+    path = tmp_path / "calib.jsonl"
+    records = [json.dumps({"text": TEXT}) for _ in range(2 * CHUNK // len(TEXT) + 2)]
+    path.write_text("\n".join([*records, "{not json"]) + "\n")
+    data = load(path, samples=4, window=8)  # the broken last line is never reached
+    assert [w.tolist() for w in data.windows] == [ids_of(TEXT)[i * 8 : (i + 1) * 8] for i in range(4)]
+    with pytest.raises(CalibrationError, match=re.escape(f"{path}:{len(records) + 1}: not a JSON line")):
+        load(path, samples=10**6, window=8)
 
 
 @pytest.mark.parametrize(

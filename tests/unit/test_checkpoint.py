@@ -5,6 +5,7 @@ import pickle
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,16 +38,25 @@ def test_missing_and_unexpected_keys_are_all_named(tiny_ckpt: Path) -> None:
     assert "unexpected keys ['layers.9.extra']" in msg
 
 
-def test_shape_mismatch_and_non_finite_are_named(tiny_ckpt: Path) -> None:
+def test_shape_mismatch_is_named_from_the_header(tiny_ckpt: Path) -> None:
     state = load_file(tiny_ckpt / "model.safetensors")
     state["layers.1.mlp.fc2.weight"] = torch.zeros(32, 65)
+    save_file(state, tiny_ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        load_model(tiny_ckpt)
+    assert str(err.value) == (
+        f"checkpoint: {tiny_ckpt / 'model.safetensors'}: weights do not match the config: layers.1.mlp.fc2.weight has shape [32, 65], the config needs [32, 64]"
+    )
+
+
+def test_non_finite_values_are_all_named(tiny_ckpt: Path) -> None:
+    state = load_file(tiny_ckpt / "model.safetensors")
     state["layers.0.attn.k_proj.weight"][0, 0] = float("nan")
     state["embed.weight"][3, 3] = float("inf")
     save_file(state, tiny_ckpt / "model.safetensors")
     with pytest.raises(CheckpointError) as err:
         load_model(tiny_ckpt)
     msg = str(err.value)
-    assert "layers.1.mlp.fc2.weight has shape [32, 65], the config needs [32, 64]" in msg
     assert "layers.0.attn.k_proj.weight has 1 non-finite values (NaN or Inf)" in msg
     assert "embed.weight has 1 non-finite values" in msg
 
@@ -55,7 +65,7 @@ def test_integer_weights_refused(tiny_ckpt: Path) -> None:
     state = load_file(tiny_ckpt / "model.safetensors")
     state["final_norm.weight"] = torch.ones(32, dtype=torch.int32)
     save_file(state, tiny_ckpt / "model.safetensors")
-    with pytest.raises(CheckpointError, match="final_norm.weight has dtype torch.int32, expected a floating-point tensor"):
+    with pytest.raises(CheckpointError, match="final_norm.weight has dtype I32, expected a floating-point tensor"):
         load_model(tiny_ckpt)
 
 
@@ -70,6 +80,51 @@ def test_config_contradicting_weights(tiny_ckpt: Path) -> None:
     edit_config(tiny_ckpt, d_ff=96)
     with pytest.raises(CheckpointError, match=r"layers.0.mlp.fc1.weight has shape \[64, 32\], the config needs \[96, 32\]"):
         load_model(tiny_ckpt)
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"d_model": 10**7}, "embed.weight has shape [101, 32], the config needs [vocab_size, d_model] = [101, 10000000]"),
+        ({"vocab_size": 10**9}, "embed.weight has shape [101, 32], the config needs [vocab_size, d_model] = [1000000000, 32]"),
+        ({"n_layers": 10**6}, "config.json says n_layers=1000000, the weights hold 2 layers (layers.0 to layers.1)"),
+    ],
+    ids=["d_model", "vocab_size", "n_layers"],
+)
+def test_absurd_sizes_are_refused_from_the_header_at_once(tiny_ckpt: Path, changes: dict[str, int], problem: str) -> None:
+    """The weights' header against the config before any module is built: no allocation of the
+    config's sizes (these took 8-86 s to end in an allocator traceback)."""
+    load_model(tiny_ckpt)  # imports done
+    edit_config(tiny_ckpt, **changes)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError) as err:
+        load_model(tiny_ckpt)
+    assert time.perf_counter() - start < 0.5
+    assert str(err.value) == f"checkpoint: {tiny_ckpt / 'model.safetensors'}: weights do not match the config: {problem}"
+
+
+def test_every_other_size_is_compared_on_a_meta_template(tiny_ckpt: Path) -> None:
+    """Sizes past the embedding and the depth: the header against a template on the meta device
+    (no memory), every mis-shaped tensor named, the list cut after five."""
+    edit_config(tiny_ckpt, d_ff=10**7)
+    with pytest.raises(CheckpointError) as err:
+        load_model(tiny_ckpt)
+    assert str(err.value) == (
+        f"checkpoint: {tiny_ckpt / 'model.safetensors'}: weights do not match the config: layers.0.mlp.fc1.weight has shape [64, 32], the config needs"
+        " [10000000, 32]; layers.0.mlp.fc2.weight has shape [32, 64], the config needs [32, 10000000]; layers.0.mlp.gate.weight has shape [64, 32],"
+        " the config needs [10000000, 32]; layers.1.mlp.fc1.weight has shape [64, 32], the config needs [10000000, 32]; layers.1.mlp.fc2.weight has shape"
+        " [32, 64], the config needs [32, 10000000]; and 1 more"
+    )
+
+
+def test_a_dimension_past_32_bits_is_a_config_error(tiny_ckpt: Path) -> None:
+    edit_config(tiny_ckpt, d_model=10**400)
+    with pytest.raises(ConfigError) as err:
+        load_model(tiny_ckpt)
+    assert str(err.value) == (
+        f"config: {tiny_ckpt / 'config.json'}: d_model must be at most 2**31 - 1 (TensorRT's and ONNX Runtime GenAI's dimensions are 32-bit),"
+        " found an integer of about 401 digits"
+    )
 
 
 def test_invalid_config_value_names_the_file(tiny_ckpt: Path) -> None:
@@ -161,3 +216,44 @@ def test_config_paths_are_never_followed(tiny_ckpt: Path, field: str) -> None:
     edit_config(tiny_ckpt, **{field: "../../outside/secret.safetensors"})
     with pytest.raises(ConfigError, match=rf"unknown config keys \['{field}'\]"):
         load_model(tiny_ckpt)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_a_link_out_of_the_checkpoint_is_refused(tiny_ckpt: Path, tmp_path: Path, name: str) -> None:
+    """A symlink in the checkpoint directory that leads outside it is never followed (its file
+    would be read, and copied into the export): one line saying what links where and what to do."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    source = tiny_ckpt / name
+    if not source.exists():
+        source.write_text('{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}')
+    (outside / name).write_bytes(source.read_bytes())
+    source.unlink()
+    source.symlink_to(outside / name)
+    with pytest.raises(CheckpointError) as err:
+        load_model(tiny_ckpt)
+    assert str(err.value) == (
+        f"checkpoint: {source} links to {outside / name}, outside {tiny_ckpt}: kiln reads nothing from outside the checkpoint;"
+        f" copy the file in (rm {source} && cp {outside / name} {source})"
+    )
+
+
+def test_links_inside_the_checkpoint_are_followed(tiny_ckpt: Path) -> None:
+    (tiny_ckpt / "weights").mkdir()
+    (tiny_ckpt / "model.safetensors").rename(tiny_ckpt / "weights" / "v1.safetensors")
+    (tiny_ckpt / "model.safetensors").symlink_to("weights/v1.safetensors")
+    assert load_model(tiny_ckpt).spec.n_layers == 2
+
+
+@pytest.mark.parametrize(("text", "reason"), [("not json", "expected ident at line 1 column 2"), ('{"hello": 1}', "expected `,` or `}` at line 1 column 9")])
+def test_a_tokenizer_that_is_none_is_refused_at_load(tiny_ckpt: Path, text: str, reason: str) -> None:
+    """A malformed or wrong-schema tokenizer.json is named when the checkpoint loads (it was
+    found only after trace and parity, under a temporary path, or shipped and broke kiln generate)."""
+    (tiny_ckpt / "tokenizer.json").write_text(text)
+    (tiny_ckpt / "model.safetensors").write_bytes(b"\x00" * 64)  # never read: the tokenizer is refused first
+    with pytest.raises(CheckpointError) as err:
+        load_model(tiny_ckpt)
+    assert str(err.value) == (
+        f"checkpoint: {tiny_ckpt / 'tokenizer.json'}: not a tokenizer the tokenizers library loads ({reason}); replace it with the model's own"
+        " tokenizer.json, or remove it to export without one"
+    )

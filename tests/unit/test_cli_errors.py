@@ -152,5 +152,5 @@ def test_plugins_says_when_hf_is_unavailable(monkeypatch: pytest.MonkeyPatch) ->
     assert code == 0
     lines = out.splitlines()
     hf = next(i for i, line in enumerate(lines) if line.startswith("hf "))
-    assert lines[hf + 1].strip() == "unavailable: transformers is not installed (pip install 'kiln[hf]')"
+    assert lines[hf + 1].strip() == """unavailable: transformers is not installed (pip install -e ".[hf]" in kiln's checkout)"""
     assert not any("unavailable" in line for line in lines[:hf] + lines[hf + 2 :])  # native needs nothing optional

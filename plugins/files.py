@@ -1,0 +1,66 @@
+"""What a checkpoint directory may hand kiln, checked before any family reads it (torch-free).
+
+- Links: an entry of the directory that is a symlink must stay inside it, so an export never
+  reads (and copies into its output) a file from elsewhere. The Hugging Face cache is symlinks
+  by design (``models--ORG--NAME/snapshots/<rev>/config.json -> ../../blobs/<sha>``): there the
+  links may reach anywhere inside the repo's cache folder (``hub_cache.cache_repo_root``).
+- The tokenizer: a ``tokenizer.json`` beside the weights is loaded with the ``tokenizers``
+  library when the checkpoint loads, so a malformed one is named there, not after the export.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from kiln.errors import CheckpointError
+from kiln.plugins.hub_cache import cache_repo_root
+
+__all__ = ["TOKENIZER", "checkpoint_dir", "checkpoint_tokenizer", "refuse_outside_links"]
+
+TOKENIZER = "tokenizer.json"
+
+
+def checkpoint_dir(path: Path) -> Path:
+    """The directory of a checkpoint given as a directory or as one of its files."""
+    return path if path.is_dir() else path.parent
+
+
+def refuse_outside_links(path: Path) -> None:
+    """Raise ``CheckpointError`` for the first entry of the checkpoint directory that is a link
+    leading outside it (outside the repo's cache folder for a Hugging Face cache snapshot)."""
+    directory = checkpoint_dir(path)
+    inside = cache_repo_root(directory) or directory
+    root = inside.resolve()
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError as exc:
+        raise CheckpointError(f"{directory}: cannot list the checkpoint directory ({exc.strerror})") from None
+    for entry in entries:
+        if not entry.is_symlink():
+            continue
+        target = entry.resolve()
+        if target != root and not target.is_relative_to(root):
+            link, source = shlex.quote(str(entry)), shlex.quote(str(target))
+            raise CheckpointError(
+                f"{entry} links to {target}, outside {inside}: kiln reads nothing from outside the checkpoint;"
+                f" copy the file in (rm {link} && cp {source} {link})"
+            )
+
+
+def checkpoint_tokenizer(directory: Path) -> Path | None:
+    """The directory's ``tokenizer.json`` when it has one, loaded once with ``tokenizers`` to
+    prove it is a tokenizer; ``CheckpointError`` naming the file when it is not."""
+    path = directory / TOKENIZER
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for every way a file is not a tokenizer
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise CheckpointError(
+            f"{path}: not a tokenizer the tokenizers library loads ({reason}); replace it with the model's own tokenizer.json, or remove it to export without one"
+        ) from None
+    return path
