@@ -3,7 +3,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from kiln_testing import tiny_config, write_checkpoint
+
+# CI (the default profile) draws the same examples every run: a fuzz finding is a bug to fix, not a
+# random red build. Explore with fresh examples: python -m pytest --hypothesis-profile explore
+# tests/export/test_fuzz.py (add --hypothesis-seed N to replay a run).
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("ci")
 
 
 @pytest.fixture

@@ -63,7 +63,8 @@ def read_config(transformers: Any, directory: Path, arch: str) -> Any:
     try:
         with quiet(transformers):
             config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    except (StrictDataclassError, OSError, ValueError, TypeError, OverflowError) as exc:
+    # a config's own arithmetic on its values (head_dim = hidden // heads with heads 0) fails as well
+    except (StrictDataclassError, OSError, ValueError, TypeError, ArithmeticError, KeyError, AttributeError, IndexError) as exc:
         cause = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ is not None else exc
         raise CheckpointError(f"{directory / 'config.json'}: transformers refuses this config ({' '.join(str(cause).split())})") from None
     _refuse(config, arch)

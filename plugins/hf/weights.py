@@ -70,8 +70,8 @@ def _capped(items: list[str], sep: str = ", ") -> str:
 
 def check_sizes(model_class: Any, config: Any, header: Header, directory: Path) -> None:
     """The shapes of the model ``config`` describes (built on meta) against ``header``."""
-    if not header:
-        return  # no safetensors file transformers reads: from_pretrained says so
+    if not header and not _shards(directory):
+        return  # no safetensors file transformers reads: from_pretrained says so (a file of no tensors is checked below)
     layers = int(config.num_hidden_layers)
     if layers > len(header):  # every layer holds a tensor of its own
         raise CheckpointError(

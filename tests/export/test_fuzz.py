@@ -106,13 +106,15 @@ def _header(draw: st.DrawFn, names: list[str]) -> bytes:
 @contextlib.contextmanager
 def _deadline(seconds: float) -> Iterator[None]:
     """Fail (``TimeoutError`` in the main thread) when the block runs past ``seconds``: a hang
-    or a slow allocation is a finding, not a stuck test run."""
+    or a slow allocation is a finding, not a stuck test run. The alarm repeats every second:
+    library code that swallows one exception (an ``except Exception`` in a ``__getattr__``)
+    meets the next."""
 
     def expire(signum: int, frame: Any) -> None:
         raise TimeoutError(f"the example ran past {seconds} s")
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
     try:
         yield
     finally:

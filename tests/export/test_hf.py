@@ -232,6 +232,18 @@ def test_sizes_the_weights_do_not_have_are_refused_from_their_headers(changes: d
     assert str(err.value).startswith(f"checkpoint: {ckpt}: weights do not match the config: {problem}")
 
 
+def test_a_weights_file_of_no_tensors_is_checked_too(tmp_path: Path) -> None:
+    """Found by the fuzz (test_fuzz.py): an empty safetensors file once skipped the header check,
+    and transformers then built a million layers."""
+    import struct
+
+    ckpt = _edited("llama", tmp_path / "ckpt", num_hidden_layers=10**6)
+    (ckpt / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
+    with pytest.raises(CheckpointError) as err:
+        load_model(ckpt)
+    assert str(err.value) == f"checkpoint: {ckpt}: weights do not match the config: config.json says num_hidden_layers=1000000, but the weights hold 0 tensors in all"
+
+
 def test_sharded_checkpoints_are_checked_shard_by_shard(tmp_path: Path) -> None:
     import json
 
