@@ -1,4 +1,5 @@
-"""Fuzzed inputs (issue 25): configs, safetensors headers and manifests drawn by hypothesis.
+"""Fuzzed inputs (issue 25): configs, safetensors headers and manifests drawn by hypothesis (the
+same examples every run by default; fresh ones with ``--hypothesis-profile explore``: conftest.py).
 
 Each example must end in success or in one ``KilnError`` (the CLI: exit 1 and one line), never
 in another exception, within a bounded time, and the whole run within bounded memory; no file
