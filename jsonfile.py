@@ -11,15 +11,24 @@ from kiln.errors import KilnError
 __all__ = ["read_json_object"]
 
 
+MAX_BYTES = 1 << 28  # no config or manifest kiln reads comes near this (a 32-layer export's manifest: ~0.3 MB)
+
+
 def read_json_object(path: Path, error: type[KilnError], missing: str) -> dict[str, Any]:
     """The object in ``path``; a missing file raises ``error(missing)``, anything else that is
     not a JSON object raises ``error`` naming the file and what was found."""
     try:
+        if path.stat().st_size > MAX_BYTES:
+            raise error(f"{path}: {path.stat().st_size} bytes, more than any config or manifest ({MAX_BYTES}); not read")
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise error(missing) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise error(f"{path}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # an integer of more than 4300 digits; nesting deeper than Python's stack
+        raise error(f"{path}: not JSON kiln reads ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'too deep'})") from None
+    except OSError as exc:  # a directory of that name, no permission
+        raise error(f"{path}: unreadable ({exc.strerror or exc})") from None
     if not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
