@@ -66,13 +66,18 @@ def ort_session(
         opts.add_session_config_entry("session.disable_prepacking", "1")
     for name, value in (initializers or {}).items():
         opts.add_initializer(name, value)
-    source = str(model) if isinstance(model, Path) else model
+    return _session(ort, model, opts)
+
+
+def _session(ort: Any, model: Path | bytes, opts: Any) -> Any:
+    """The session, or ONNX Runtime's refusal to load the graph in one line (a graph from a
+    directory kiln verified may still be one it cannot run)."""
     from onnxruntime.capi import onnxruntime_pybind11_state as state
 
     refusals = (state.Fail, state.InvalidArgument, state.NoSuchFile, state.InvalidGraph, state.InvalidProtobuf, state.RuntimeException, state.NotImplemented)
     try:
-        return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
-    except refusals as exc:  # a graph from a directory kiln verified still may not load: ONNX Runtime's words, in one line
+        return ort.InferenceSession(str(model) if isinstance(model, Path) else model, opts, providers=["CPUExecutionProvider"])
+    except refusals as exc:
         what = model if isinstance(model, Path) else "a graph"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ArtifactError(f"{what}: ONNX Runtime cannot load it ({first})") from exc
