@@ -75,3 +75,6 @@ def test_parity_plan_fits_the_context() -> None:
     assert single == [12] and padded == [12, 8, 5] and steps == 64
     single, padded, steps = parity_plan(max_context=20, max_batch=2, tokens=64)
     assert single == [5] and len(padded) == 2 and steps == 15 and max(padded) + steps <= 20
+    single, padded, steps = parity_plan(max_context=256, max_batch=1, tokens=64)
+    assert single == [12] and padded == [8] and steps == 64  # batch 1: a shorter prompt, padded to 12 by run_parity
+    assert parity_plan(max_context=8, max_batch=1, tokens=4) == ([2], [1], 4)
