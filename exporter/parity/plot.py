@@ -88,8 +88,9 @@ def figure(result: ParityResult) -> Figure:
     markers = {name: m for name, m in zip(dict.fromkeys(line.graph_set for line in lines), itertools.cycle(_MARKERS))}
     fig, (error, tokens) = plt.subplots(2, 1, figsize=(8, 6.5 + 0.18 * len(lines)), dpi=100, sharex=True, layout="constrained", height_ratios=(3, 2))
     colors = itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"])
-    for line, color in zip(lines, colors):
-        style = dict(color=color, marker=markers[line.graph_set], markersize=4, linestyle="--" if line.model else "-", linewidth=1.2)
+    for index, (line, color) in enumerate(zip(lines, colors)):
+        size = max(2.0, 7.0 - 1.5 * index)  # each line drawn smaller than the one before: one hidden under a later one still shows
+        style = dict(color=color, marker=markers[line.graph_set], markersize=size, linestyle="--" if line.model else "-", linewidth=max(0.8, 2.4 - 0.4 * index))
         error.semilogy(range(len(line.relative)), line.relative, label=line.label, **style)
         tokens.plot(range(len(line.match)), [100 * m for m in line.match], **style)
     dashes = itertools.cycle(("red", "purple", "darkorange", "black"))
