@@ -59,10 +59,15 @@ class GenerationCheck:
     target: str | None = None  # the graph set, as TensorCheck.target
 
     @property
+    def lengths(self) -> str:
+        """The prompt lengths, ``12, 8, 5``, and the padding when a run pads beyond them: ``8 (padded to 12)``."""
+        padded = f" (padded to {self.padded_to})" if self.padded_to > max(self.prompt_lengths) else ""
+        return ", ".join(map(str, self.prompt_lengths)) + padded
+
+    @property
     def label(self) -> str:
-        """The run in words: ``prefill+decode, batch 1`` (``..., batch 1, 8 padded to 12``)."""
-        padded = f", {', '.join(map(str, self.prompt_lengths))} padded to {self.padded_to}" if self.padded_to > max(self.prompt_lengths) else ""
-        return f"{self.path}, batch {self.batch}{padded}"
+        """The run in words: ``prefill+decode, batch 1`` (``..., batch 1, 8 (padded to 12)``)."""
+        return f"{self.path}, batch {self.batch}" + (f", {self.lengths}" if self.padded_to > max(self.prompt_lengths) else "")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -252,7 +252,7 @@ def test_padding_is_tested_at_batch_one(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(**LLAMA_LIKE), seed=0)
     result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=1, parity_tokens=STEPS))
     assert result.parity.passed, result.parity.failures()
-    labels = ["prefill+decode, batch 1", "model, batch 1", "prefill+decode, batch 1, 8 padded to 12", "model, batch 1, 8 padded to 12"]
+    labels = ["prefill+decode, batch 1", "model, batch 1", "prefill+decode, batch 1, 8 (padded to 12)", "model, batch 1, 8 (padded to 12)"]
     assert [g.label for g in result.parity.generation] == labels
     assert "| prefill+decode | 1 | 8 (padded to 12) | 16 | 1.0000 | 1 | - | 0 | " in (tmp_path / "out" / "reports" / "parity.md").read_text()
     graphs = tmp_path / "spoiled"

@@ -67,9 +67,9 @@ def test_a_failed_row_says_by_how_much() -> None:
 def test_a_padded_batch_of_one_says_so() -> None:
     result = _result("fp32", 2e-5, [("prefill+decode", 1, (1e-5,))], padded=(8, 12))
     (run,) = result.generation
-    assert run.label == "prefill+decode, batch 1, 8 padded to 12"
+    assert run.label == "prefill+decode, batch 1, 8 (padded to 12)"
     assert "| prefill+decode | 1 | 8 (padded to 12) | 1 | 1.0000 | 1 | - | 0 | 1e-05 | 10 | yes |" in markdown(result)
-    assert [line.label for line in plot_lines(result)] == ["prefill+decode, batch 1, 8 padded to 12"]
+    assert [line.label for line in plot_lines(result)] == ["prefill+decode, batch 1, 8 (padded to 12)"]
 
 
 def test_extras_and_targets_are_tables_not_json() -> None:
