@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kiln.exporter.parity.tolerances import Bound, Tolerance
+from kiln.exporter.parity.tolerances import RULE, Bound, Tolerance
 
 __all__ = ["TensorCheck", "GenerationCheck", "TargetParity", "GraphSetParity", "ParityResult"]
 
@@ -165,6 +165,7 @@ class ParityResult:
             "backend": self.backend,
             "precision": self.precision,
             "passed": self.passed,
+            "rule": RULE,  # what the tolerances' atol and rtol mean
             "tolerance": dataclasses.asdict(self.tolerance),
             "tensors": [dataclasses.asdict(t) for t in self.tensors],
             "generation": [dataclasses.asdict(g) for g in self.generation],

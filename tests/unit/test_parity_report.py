@@ -129,7 +129,8 @@ def test_verdict_names_each_set_against_its_tolerance() -> None:
 def test_json_is_extended_only(tmp_path: Path) -> None:
     paths = write_parity_reports(_two_sets(), tmp_path, EXTRAS)
     data = json.loads(paths[0].read_text())
-    assert list(data) == ["backend", "precision", "passed", "tolerance", "tensors", "generation", "targets", "ple_folding", "kept_fp32"]
+    assert list(data) == ["backend", "precision", "passed", "rule", "tolerance", "tensors", "generation", "targets", "ple_folding", "kept_fp32"]
+    assert data["rule"] == "|a - b| <= atol + rtol * max|b| of each row"
     assert [t["target"] for t in data["tensors"]] == [None, None, "ort", "ort"]
     assert data["targets"]["ort"]["tolerance"]["logits_atol"] == 1.5 and data["tensors"][2]["graph"] == "decode.ort"
     assert data["tolerance"] == {"logits_atol": 1e-5, "logits_rtol": 1e-4, "kv_atol": 1e-5, "kv_rtol": 1e-4, "min_cosine": 0.999999, "min_token_match": 1.0}
