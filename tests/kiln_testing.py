@@ -6,7 +6,7 @@ import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from kiln.exporter.artifacts.manifest import Manifest
 from kiln.plugins.native import spec_of
 from kiln.plugins.native.build import random_model
 from kiln.plugins.native.config import NativeConfig, PLEConfig
+from kiln.plugins.native.model import PLEDecoder
 
 TINY = dict(vocab_size=101, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_context=48)
 
@@ -28,10 +29,14 @@ def tiny_config(**overrides: Any) -> NativeConfig:
     return NativeConfig(**fields)
 
 
-def write_checkpoint(directory: Path, cfg: NativeConfig, seed: int = 0) -> Path:
+def write_checkpoint(directory: Path, cfg: NativeConfig, seed: int = 0, edit: Callable[[PLEDecoder], None] | None = None) -> Path:
+    """A random native checkpoint; ``edit`` changes the model's weights in place before it is saved."""
     directory.mkdir(parents=True, exist_ok=True)
     cfg.save(directory / "config.json")
-    save_model(random_model(cfg, seed), str(directory / "model.safetensors"))
+    model = random_model(cfg, seed)
+    if edit is not None:
+        edit(model)
+    save_model(model, str(directory / "model.safetensors"))
     return directory
 
 

@@ -34,9 +34,10 @@ class Step:
     tokens: np.ndarray  # the tokens chosen from them [B] int64
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``input_ids``, ``attention_mask`` and ``position_ids`` ([B, L] int64) of left-padded prompts."""
-    length = max(len(p) for p in prompts)
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``input_ids``, ``attention_mask`` and ``position_ids`` ([B, L] int64) of prompts left-padded
+    to ``length`` (default: the longest prompt's)."""
+    length = max([len(p) for p in prompts] + [length or 0])
     ids = np.full((len(prompts), length), pad_id, dtype=np.int64)
     mask = np.zeros((len(prompts), length), dtype=np.int64)
     for row, prompt in enumerate(prompts):
@@ -46,16 +47,17 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray,
     return ids, mask, pos
 
 
-def prompt_feeds(prompts: Sequence[Sequence[int]], pad_id: int) -> dict[str, Any]:
-    """The prompt step's feeds of left-padded ``prompts``."""
-    ids, mask, pos = left_pad(prompts, pad_id)
+def prompt_feeds(prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None) -> dict[str, Any]:
+    """The prompt step's feeds of ``prompts`` left-padded (to ``length``, as ``left_pad``)."""
+    ids, mask, pos = left_pad(prompts, pad_id, length)
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
 
 
-def right_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """``input_ids`` and ``attention_mask`` ([B, L] int64) of right-padded encoder inputs: an
-    encoder with absolute positions (BART, Marian) numbers every row from 0, as its tokenizer pads."""
-    length = max(len(p) for p in prompts)
+def right_pad(prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``input_ids`` and ``attention_mask`` ([B, L] int64) of right-padded encoder inputs (to
+    ``length``, as ``left_pad``): an encoder with absolute positions (BART, Marian) numbers every
+    row from 0, as its tokenizer pads."""
+    length = max([len(p) for p in prompts] + [length or 0])
     ids = np.full((len(prompts), length), pad_id, dtype=np.int64)
     mask = np.zeros((len(prompts), length), dtype=np.int64)
     for row, prompt in enumerate(prompts):
@@ -64,12 +66,14 @@ def right_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray
     return ids, mask
 
 
-def encoder_decoder_feeds(encode: Callable[[np.ndarray, np.ndarray], np.ndarray], prompts: Sequence[Sequence[int]], start: int, pad_id: int) -> dict[str, Any]:
+def encoder_decoder_feeds(
+    encode: Callable[[np.ndarray, np.ndarray], np.ndarray], prompts: Sequence[Sequence[int]], start: int, pad_id: int, length: int | None = None
+) -> dict[str, Any]:
     """An encoder-decoder's first step (parity and ``kiln generate`` alike): ``prompts`` are the
     encoder's inputs, right-padded and run through ``encode(ids, mask) -> states``; the decoder
     starts from ``start`` (its ``decoder_start_token_id``) in every row, unpadded (its positions
-    are its cache's length: a decoder input is never left-padded)."""
-    ids, mask = right_pad(prompts, pad_id)
+    are its cache's length: a decoder input is never left-padded); ``length`` as ``right_pad``'s."""
+    ids, mask = right_pad(prompts, pad_id, length)
     return prompt_feeds([[start]] * len(prompts), pad_id) | {ENCODER_MASK: mask, ENCODER_STATES: encode(ids, mask)}
 
 

@@ -22,15 +22,16 @@ from torch import nn
 __all__ = ["Candidate", "ParitySettings", "check_parity", "run_parity", "parity_plan"]
 
 
-
 def parity_plan(max_context: int, max_batch: int, tokens: int) -> tuple[list[int], list[int], int]:
-    """Prompt lengths for batch 1 and for the left-padded batch, and the number of steps, so
-    that prompt + generated tokens fit the exported context."""
+    """Prompt lengths for batch 1 and for the padded batch, and the number of steps, so that
+    prompt + generated tokens fit the exported context. Every run is padded to the longest
+    prompt (``single``'s): at ``max_batch`` 1 the padded batch is one shorter prompt padded to
+    it, so that padding is tested there too."""
     longest = max(2, min(12, max_context // 4))
     steps = max(1, min(tokens, max_context - longest))
-    single = [longest]
-    padded = [longest, max(1, longest - 4), max(1, longest - 7)][: max(1, min(3, max_batch))]
-    return single, padded, steps
+    shorter = [max(1, longest - 4), max(1, longest - 7)]
+    padded = [longest, *shorter][: min(3, max_batch)] if max_batch > 1 else shorter[:1]
+    return [longest], padded, steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,7 @@ def run_parity(
     progress: Progress | None = None,
 ) -> ParityResult:
     """Tensor parity of the candidate's graphs, then greedy generation through prefill + decode
-    and (when it has it) model.onnx, for batch 1 and a left-padded batch.
+    and (when it has it) model.onnx, for batch 1 and a padded batch (``parity_plan``).
 
     Every PyTorch output is computed first and recorded; ``release_reference`` (if given) then
     frees the model's weights before the runtime loads its own, so the two never sit in memory
@@ -103,7 +104,7 @@ def run_parity(
     kv_dtype = np.dtype(Precision(candidate.precision).kv_dtype)
     seed, graphs = settings.seed, candidate.graphs
     single, padded, steps = parity_plan(settings.max_context, settings.max_batch, settings.tokens)
-    batches = [make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)]
+    batches, length = [make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)], single[0]
     paths = [False, True] if GraphKind.UNIFIED in graphs else [False]
     with progress.stage("parity: PyTorch reference", total=len(graphs) + len(batches)) as bar:
         for kind in graphs:
@@ -111,7 +112,7 @@ def run_parity(
             bar.advance()
         reference_runs = []
         for prompts in batches:
-            reference_runs.append(greedy(recorder, spec, prompts, steps))
+            reference_runs.append(greedy(recorder, spec, prompts, steps, length=length))
             bar.advance()
     recorder.freeze()
     if release_reference is not None:
@@ -124,7 +125,9 @@ def run_parity(
         for prompts, reference_run in zip(batches, reference_runs, strict=True):
             for unified in paths:
                 result.generation.append(
-                    generation_parity(recorder, runner, spec, prompts, steps, tolerance, unified=unified, kv_dtype=kv_dtype, reference_run=reference_run)
+                    generation_parity(
+                        recorder, runner, spec, prompts, steps, tolerance, unified=unified, kv_dtype=kv_dtype, reference_run=reference_run, length=length
+                    )
                 )
                 bar.advance()
     return result

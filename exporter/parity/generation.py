@@ -40,8 +40,10 @@ def greedy(
     unified: bool = False,
     forced: np.ndarray | None = None,
     kv_dtype: np.dtype = np.dtype(np.float32),
+    length: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy decoding through prefill + decode (or the unified graph alone).
+    """Greedy decoding through prefill + decode (or the unified graph alone), the prompts padded
+    to ``length`` (default: the longest prompt's).
 
     Returns the tokens ``[B, steps]`` and the last-position logits of every step
     ``[steps, B, vocab]`` (float32). With ``forced``, those tokens are fed instead of the argmax.
@@ -51,7 +53,7 @@ def greedy(
     its encoder's inputs (right-padded): the runner's own encoder graph encodes them, and the
     decoder starts from ``decoder_start_token_id``, as transformers' ``generate()`` does.
     """
-    feeds, encoder = _first_feeds(runner, spec, prompts)
+    feeds, encoder = _first_feeds(runner, spec, prompts, length)
     batch = len(prompts)
     if encoder is not None:
         feeds[ENCODER_STATES] = encoder.astype(kv_dtype)  # (via float32, as every other caller rounds it)
@@ -74,17 +76,17 @@ def greedy(
     return tokens, logits_per_step
 
 
-def _first_feeds(runner: Runner, spec: DecoderSpec, prompts: Sequence[Sequence[int]]) -> tuple[Feeds, np.ndarray | None]:
+def _first_feeds(runner: Runner, spec: DecoderSpec, prompts: Sequence[Sequence[int]], length: int | None) -> tuple[Feeds, np.ndarray | None]:
     """The prompt step's feeds and the encoder states it reads (None: no cross-attention)."""
     pad = spec.pad_token_id if spec.pad_token_id is not None else 0
     if not spec.has_encoder:
-        return prompt_feeds(prompts, pad), encoder_states(spec, len(prompts))
+        return prompt_feeds(prompts, pad, length), encoder_states(spec, len(prompts))
     assert spec.decoder_start_token_id is not None, "the family refuses an encoder-decoder without a start token"
 
     def encode(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         return np.asarray(runner.run(GraphKind.ENCODER, {"input_ids": ids, "attention_mask": mask})[ENCODER_STATES], dtype=np.float32)
 
-    feeds = encoder_decoder_feeds(encode, prompts, spec.decoder_start_token_id, pad)
+    feeds = encoder_decoder_feeds(encode, prompts, spec.decoder_start_token_id, pad, length)
     return feeds, feeds.pop(ENCODER_STATES)
 
 
@@ -99,29 +101,43 @@ def generation_parity(
     unified: bool,
     kv_dtype: np.dtype = np.dtype(np.float32),
     reference_run: tuple[np.ndarray, np.ndarray] | None = None,
+    length: int | None = None,
 ) -> GenerationCheck:
-    ref_tokens, ref_logits = reference_run or greedy(reference, spec, prompts, steps)
-    _, cand_logits = greedy(candidate, spec, prompts, steps, unified=unified, forced=ref_tokens, kv_dtype=kv_dtype)
+    """The candidate teacher-forced on the reference's greedy tokens (``reference_run``, or run
+    here), the prompts padded to ``length`` as ``greedy`` pads them."""
+    ref_tokens, ref_logits = reference_run or greedy(reference, spec, prompts, steps, length=length)
+    _, cand_logits = greedy(candidate, spec, prompts, steps, unified=unified, forced=ref_tokens, kv_dtype=kv_dtype, length=length)
     cand_tokens = cand_logits.argmax(-1).T  # [B, steps]
     mismatch = cand_tokens != ref_tokens
-    rows, cols = np.nonzero(mismatch)
-    ties = 0
-    first: int | None = None
-    for b, t in zip(rows, cols, strict=True):
-        margin = ref_logits[t, b, ref_tokens[b, t]] - ref_logits[t, b, cand_tokens[b, t]]
-        if margin <= 2 * tolerance.logits_atol:
-            ties += 1
-        elif first is None or t < first:
-            first = int(t)
-    per_step = np.abs(cand_logits - ref_logits).max(axis=(1, 2))
+    scale = np.abs(ref_logits).max(axis=2)  # [steps, B]: each row's own scale, as the tensor checks'
+    first, ties = _divergence(ref_logits, ref_tokens, cand_tokens, tolerance.logits.limit(scale))
+    match = float(1.0 - mismatch.mean())
     return GenerationCheck(
         path="model" if unified else "prefill+decode",
         batch=len(prompts),
         prompt_lengths=tuple(len(p) for p in prompts),
+        padded_to=max([len(p) for p in prompts] + [length or 0]),
         steps=steps,
-        token_match_rate=float(1.0 - mismatch.mean()),
+        token_match_rate=match,
         first_divergence=first,
         ties=ties,
-        per_step_max_abs=tuple(float(x) for x in per_step),
-        passed=first is None if tolerance.min_token_match >= 1.0 else float(1.0 - mismatch.mean()) >= tolerance.min_token_match,
+        per_step_max_abs=tuple(float(x) for x in np.abs(cand_logits - ref_logits).max(axis=(1, 2))),
+        per_step_scale=tuple(float(x) for x in scale.max(axis=1)),
+        per_step_match=tuple(float(x) for x in 1.0 - mismatch.mean(axis=0)),
+        passed=first is None if tolerance.min_token_match >= 1.0 else match >= tolerance.min_token_match,
     )
+
+
+def _divergence(ref_logits: np.ndarray, ref_tokens: np.ndarray, cand_tokens: np.ndarray, limit: np.ndarray) -> tuple[int | None, int]:
+    """The first step where the candidate's argmax differs from the reference's token other than
+    by a tie, and the number of ties: a mismatch where the reference's own logits of the two
+    tokens are within twice that row's logits limit (``limit``, [steps, B]) of each other, an
+    order that a candidate within tolerance on both may reverse."""
+    ties, first = 0, None
+    for b, t in zip(*np.nonzero(cand_tokens != ref_tokens), strict=True):
+        margin = ref_logits[t, b, ref_tokens[b, t]] - ref_logits[t, b, cand_tokens[b, t]]
+        if margin <= 2 * limit[t, b]:
+            ties += 1
+        elif first is None or t < first:
+            first = int(t)
+    return first, ties

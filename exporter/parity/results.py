@@ -5,22 +5,41 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kiln.exporter.parity.tolerances import Tolerance
+from kiln.exporter.parity.tolerances import RULE, Bound, Tolerance
 
 __all__ = ["TensorCheck", "GenerationCheck", "TargetParity", "GraphSetParity", "ParityResult"]
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorCheck:
+    """One output of one graph, judged row by row by ``|a - b| <= atol + rtol * max|b| of the row``;
+    ``error`` and ``scale`` are the figures of the row closest to its limit (``limit``)."""
+
     graph: str
     output: str
-    max_abs: float
-    max_rel: float
+    max_abs: float  # over the whole tensor (its real positions)
+    max_rel: float  # element-wise, |a - b| / max(|b|, 1e-6): shown, not judged
     cosine: float
     top1: float | None  # logits only: fraction of positions whose argmax agrees
     atol: float
+    rtol: float
+    error: float  # the max abs error of the row closest to its limit...
+    scale: float  # ... and that row's max |reference|
     passed: bool
     target: str | None = None  # the graph set: None for the portable graphs (or engines), else the target's name
+
+    @property
+    def limit(self) -> float:
+        return Bound(self.atol, self.rtol).limit(self.scale)
+
+    @property
+    def ratio(self) -> float:
+        """The error as a fraction of its row's limit: above 1 fails."""
+        return self.error / self.limit
+
+    def describe(self) -> str:
+        """``0.00159 (tolerance 1e-05 + 0.0001 x max|row| = 0.00424 at max|row| 42.3)``: the worst row against its limit."""
+        return f"{self.error:.3g} (tolerance {Bound(self.atol, self.rtol).describe(self.scale)})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,13 +47,27 @@ class GenerationCheck:
     path: str  # "prefill+decode" or "model"
     batch: int
     prompt_lengths: tuple[int, ...]
+    padded_to: int  # the prompt step's length: a row shorter than it is padded (left; an encoder's input, right)
     steps: int
     token_match_rate: float
     first_divergence: int | None  # first step where a non-tie argmax differs
     ties: int
-    per_step_max_abs: tuple[float, ...]  # logits, max over the batch
+    per_step_max_abs: tuple[float, ...]  # logits, max over the batch: shown, not judged (tokens are)
+    per_step_scale: tuple[float, ...]  # max |reference logit| of each step, over the batch
+    per_step_match: tuple[float, ...]  # fraction of the batch whose argmax is the reference's token
     passed: bool
     target: str | None = None  # the graph set, as TensorCheck.target
+
+    @property
+    def lengths(self) -> str:
+        """The prompt lengths, ``12, 8, 5``, and the padding when a run pads beyond them: ``8 (padded to 12)``."""
+        padded = f" (padded to {self.padded_to})" if self.padded_to > max(self.prompt_lengths) else ""
+        return ", ".join(map(str, self.prompt_lengths)) + padded
+
+    @property
+    def label(self) -> str:
+        """The run in words: ``prefill+decode, batch 1`` (``..., batch 1, 8 (padded to 12)``)."""
+        return f"{self.path}, batch {self.batch}" + (f", {self.lengths}" if self.padded_to > max(self.prompt_lengths) else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +95,10 @@ class GraphSetParity:
     def passed(self) -> bool:
         return all(t.passed for t in self.tensors) and all(g.passed for g in self.generation)
 
-    @property
-    def worst_logits(self) -> float:
-        """The largest logit error of the set: over the logits outputs and every generation step."""
-        errors = [t.max_abs for t in self.tensors if t.output == "logits"] + [e for g in self.generation for e in g.per_step_max_abs]
-        return max(errors, default=0.0)
+    def worst(self, logits: bool) -> TensorCheck | None:
+        """The logits check (or, ``logits=False``, the KV/other check) closest to its limit."""
+        checks = [t for t in self.tensors if (t.output == "logits") == logits]
+        return max(checks, key=lambda t: t.ratio, default=None)
 
     @property
     def token_match(self) -> float:
@@ -96,12 +128,12 @@ class ParityResult:
         out: list[str] = []
         for s in self.sets():
             out += [
-                f"{t.graph}:{t.output} max abs {t.max_abs:.3g} (tolerance {t.atol:g}), cosine {t.cosine:.6f} (at least {s.tolerance.min_cosine:g})"
+                f"{t.graph}:{t.output} max abs {t.describe()}, cosine {t.cosine:.6f} (at least {s.tolerance.min_cosine:g})"
                 for t in s.tensors
                 if not t.passed
             ]
             out += [
-                f"generation via {g.path} (batch {g.batch}): token match {g.token_match_rate:.3f} (at least {s.tolerance.min_token_match:g}), "
+                f"generation via {g.label}: token match {g.token_match_rate:.3f} (at least {s.tolerance.min_token_match:g}), "
                 + (f"first divergence at step {g.first_divergence}" if g.first_divergence is not None else f"every mismatch a near-tie ({g.ties})")
                 for g in s.generation
                 if not g.passed
@@ -133,6 +165,7 @@ class ParityResult:
             "backend": self.backend,
             "precision": self.precision,
             "passed": self.passed,
+            "rule": RULE,  # what the tolerances' atol and rtol mean
             "tolerance": dataclasses.asdict(self.tolerance),
             "tensors": [dataclasses.asdict(t) for t in self.tensors],
             "generation": [dataclasses.asdict(g) for g in self.generation],

@@ -6,31 +6,35 @@ import numpy as np
 from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.parity.generation import encoder_states
 from kiln.exporter.parity.results import TensorCheck
-from kiln.exporter.parity.tolerances import Tolerance
+from kiln.exporter.parity.tolerances import Bound, Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
 from kiln.plugins.base import DecoderSpec
 
 __all__ = ["real_positions", "tensor_feeds", "tensor_parity"]
 
 
-def _compare(graph: str, name: str, want: np.ndarray, got: np.ndarray, atol: float, min_cos: float, real: np.ndarray | None = None) -> TensorCheck:
-    """``got`` against ``want``; with ``real`` (a boolean mask broadcastable to both) the values are
-    compared at the real positions only, while every value must be finite."""
+def _compare(graph: str, name: str, want: np.ndarray, got: np.ndarray, bound: Bound, min_cos: float, real: np.ndarray | None = None) -> TensorCheck:
+    """``got`` against ``want`` by ``bound``'s rule, row by row (the last axis); with ``real`` (a
+    boolean mask broadcastable to both) the values are compared at the real positions only,
+    while every value must be finite. The check records the row that comes closest to its limit
+    (or passes it furthest): its error and its scale, the figures the reports show."""
     if want.shape != got.shape:
-        return TensorCheck(graph, name, float("inf"), float("inf"), 0.0, None, atol, False)
-    finite = bool(np.isfinite(got).all())
-    if real is not None:
+        return TensorCheck(graph, name, float("inf"), float("inf"), 0.0, None, bound.atol, bound.rtol, float("inf"), 0.0, False)
+    finite, row = bool(np.isfinite(got).all()), want.shape[-1] if want.ndim else 1
+    if real is not None:  # broadcast along the last axis: whole rows are kept or dropped
         keep = np.broadcast_to(real, want.shape)
-        want, got = want[keep].reshape(-1, want.shape[-1]), got[keep].reshape(-1, got.shape[-1])
-    w, g = want.astype(np.float64), got.astype(np.float64)
+        want, got = want[keep], got[keep]
+    w, g = want.astype(np.float64).reshape(-1, row), got.astype(np.float64).reshape(-1, row)
+    if not w.size:
+        return TensorCheck(graph, name, 0.0, 0.0, 1.0, None, bound.atol, bound.rtol, 0.0, 0.0, finite)
     diff = np.abs(w - g)
-    max_abs = float(diff.max()) if diff.size else 0.0
-    max_rel = float((diff / np.maximum(np.abs(w), 1e-6)).max()) if diff.size else 0.0
+    error, scale = bound.worst_row(w, g)
+    max_rel = float((diff / np.maximum(np.abs(w), 1e-6)).max())
     denom = float(np.linalg.norm(w) * np.linalg.norm(g))
     cosine = float(np.dot(w.ravel(), g.ravel()) / denom) if denom > 0 else float(np.array_equal(w, g))
     top1 = float((w.argmax(-1) == g.argmax(-1)).mean()) if name == "logits" else None
-    passed = finite and max_abs <= atol and cosine >= min_cos
-    return TensorCheck(graph, name, max_abs, max_rel, cosine, top1, atol, passed)
+    passed = finite and error <= bound.limit(scale) and cosine >= min_cos
+    return TensorCheck(graph, name, float(diff.max()), max_rel, cosine, top1, bound.atol, bound.rtol, error, scale, passed)
 
 
 def real_positions(name: str, attention_mask: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
@@ -108,7 +112,6 @@ def tensor_parity(
         want = reference.run(kind, feeds)
         got = candidate.run(kind, feeds)
         for name, value in want.items():
-            atol = tolerance.logits_atol if name == "logits" else tolerance.kv_atol
             real = real_positions(name, feeds["attention_mask"], value.shape)
-            checks.append(_compare(kind.value, name, value, got[name], atol, tolerance.min_cosine, real))
+            checks.append(_compare(kind.value, name, value, got[name], tolerance.bound(name), tolerance.min_cosine, real))
     return checks

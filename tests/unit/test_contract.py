@@ -4,6 +4,7 @@ import numpy as np
 
 from kiln.exporter.parity.driver import parity_plan
 from kiln.exporter.contract.io import GraphKind, carried_cache, graph_io
+from kiln.exporter.contract.steps import right_pad
 from kiln.exporter.parity import left_pad
 from kiln.plugins.native import spec_of
 from kiln_testing import tiny_config
@@ -61,8 +62,19 @@ def test_left_pad_positions() -> None:
     assert ids.dtype == mask.dtype == pos.dtype == np.int64
 
 
+def test_padding_to_a_length() -> None:
+    ids, mask, pos = left_pad([[5, 6]], pad_id=1, length=4)  # one row, padded: what parity runs at --max-batch 1
+    assert (ids.tolist(), mask.tolist(), pos.tolist()) == ([[1, 1, 5, 6]], [[0, 0, 1, 1]], [[0, 0, 0, 1]])
+    assert left_pad([[5, 6, 7]], pad_id=1, length=2)[0].tolist() == [[5, 6, 7]]  # never shorter than the longest
+    ids, mask = right_pad([[5, 6]], pad_id=0, length=3)
+    assert (ids.tolist(), mask.tolist()) == ([[5, 6, 0]], [[1, 1, 0]])
+
+
 def test_parity_plan_fits_the_context() -> None:
     single, padded, steps = parity_plan(max_context=256, max_batch=8, tokens=64)
     assert single == [12] and padded == [12, 8, 5] and steps == 64
     single, padded, steps = parity_plan(max_context=20, max_batch=2, tokens=64)
     assert single == [5] and len(padded) == 2 and steps == 15 and max(padded) + steps <= 20
+    single, padded, steps = parity_plan(max_context=256, max_batch=1, tokens=64)
+    assert single == [12] and padded == [8] and steps == 64  # batch 1: a shorter prompt, padded to 12 by run_parity
+    assert parity_plan(max_context=8, max_batch=1, tokens=4) == ([2], [1], 4)

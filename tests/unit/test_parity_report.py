@@ -1,24 +1,37 @@
 """The parity report of an export with two graph sets (portable fp32, ``--target ort`` int8):
-every set shown with its own precision's tolerances in parity.md's tables, the plot's lines and
-its verdict; overlapping lines said so; extras as tables; parity.json only extended."""
+every set shown with its own precision's tolerances (the rule atol + rtol x max|row| and its
+figures) in parity.md's tables, the plot's lines and its verdict; overlapping lines kept apart;
+extras as tables; parity.json only extended."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 from kiln.exporter.parity import TOLERANCES, GenerationCheck, ParityResult, TensorCheck
-from kiln.exporter.parity.report import markdown, plot_lines, summary_table, tolerance_lines, verdict, write_parity_reports
+from kiln.exporter.parity.plot import figure, plot_lines, tolerance_lines
+from kiln.exporter.parity.report import markdown, summary_table, verdict, write_parity_reports
+
+Run = tuple[str, int, tuple[float, ...]]
 
 
-def _result(precision: str, logits: float, steps: list[tuple[str, int, tuple[float, ...]]], match: float = 1.0) -> ParityResult:
+def _result(precision: str, logits: float, steps: list[Run], match: float = 1.0, padded: tuple[int, int] | None = None) -> ParityResult:
+    """Checks at a scale of 10 (every row's max |reference|); a logits error of ``logits``."""
     tol = TOLERANCES[precision]
     result = ParityResult("onnxruntime", precision, tol)
+    ok = logits <= tol.logits.limit(10.0)
     result.tensors = [
-        TensorCheck("decode", "logits", logits, 0.01, 0.9999999, 1.0, tol.logits_atol, logits <= tol.logits_atol),
-        TensorCheck("decode", "present.0.key", logits / 10, 0.01, 0.9999999, None, tol.kv_atol, True),
+        TensorCheck("decode", "logits", logits * 1.5, 0.01, 0.9999999, 1.0, tol.logits_atol, tol.logits_rtol, logits, 10.0, ok),
+        TensorCheck("decode", "present.0.key", logits / 10, 0.01, 0.9999999, None, tol.kv_atol, tol.kv_rtol, logits / 10, 10.0, True),
     ]
-    result.generation = [GenerationCheck(path, batch, (5,) * batch, len(errors), match, None, 0, errors, True) for path, batch, errors in steps]
+    lengths = (padded[0],) if padded else None
+    result.generation = [
+        GenerationCheck(
+            path, batch, lengths or (5,) * batch, padded[1] if padded else 5, len(errors), match, None, 0, errors, (10.0,) * len(errors), (match,) * len(errors), True
+        )
+        for path, batch, errors in steps
+    ]
     return result
 
 
@@ -34,14 +47,29 @@ EXTRAS = {"ple_folding": [{"name": "layers.0.ple", "positions": 256, "max_abs_er
 def test_every_set_has_its_own_tolerances_in_the_tables() -> None:
     text = markdown(_two_sets(), EXTRAS)
     assert text.startswith("# Parity: onnxruntime vs PyTorch (portable fp32, ort int8): PASSED\n")
+    assert "by |a - b| <= atol + rtol * max|b| of each row; and by cosine." in text
     assert summary_table(_two_sets())[2:] == [
-        "| portable | fp32 | 3e-05 | 0.0001 | 0.0001 | 0.999999 | 100.00% | 100% | yes |",
-        "| ort | int8 | 0.5 | 1.5 | 1 | 0.99 | 95.00% | 90% | yes |",
+        "| portable | fp32 | 2e-05 | 1e-05 + 0.0001 x 10 = 0.00101 | 2e-06 | 1e-05 + 0.0001 x 10 = 0.00101 | 0.999999 | 100.00% | 100% | yes |",
+        "| ort | int8 | 0.2 | 1.5 + 0.05 x 10 = 2 | 0.02 | 1 + 0.05 x 10 = 1.5 | 0.99 | 95.00% | 90% | yes |",
     ]
-    assert "| decode | logits | 2e-05 | 0.0001 | 0.01 | 0.99999990 | 0.999999 | 1.0000 | yes |" in text
-    assert "| decode.ort | logits | 0.2 | 1.5 | 0.01 | 0.99999990 | 0.99 | 1.0000 | yes |" in text
-    assert "| model | 1 | 5 | 2 | 1.0000 | 1 | - | 0 | 3e-05 | 0.0001 | yes |" in text
-    assert "| ort:model | 3 | 5, 5, 5 | 2 | 0.9500 | 0.9 | - | 0 | 0.5 | 1.5 | yes |" in text
+    assert "| decode | logits | 3e-05 | 2e-05 | 1e-05 + 0.0001 x 10 = 0.00101 | 0.01 | 0.99999990 | 0.999999 | 1.0000 | yes |" in text
+    assert "| decode.ort | logits | 0.3 | 0.2 | 1.5 + 0.05 x 10 = 2 | 0.01 | 0.99999990 | 0.99 | 1.0000 | yes |" in text
+    assert "| model | 1 | 5 | 2 | 1.0000 | 1 | - | 0 | 3e-05 | 10 | yes |" in text
+    assert "| ort:model | 3 | 5, 5, 5 | 2 | 0.9500 | 0.9 | - | 0 | 0.5 | 10 | yes |" in text
+
+
+def test_a_failed_row_says_by_how_much() -> None:
+    failed = _result("fp32", 0.002, [("model", 1, (1e-5,))])
+    assert summary_table(failed)[2].startswith("| portable | fp32 | 0.002 | 1e-05 + 0.0001 x 10 = 0.00101 | ") and summary_table(failed)[2].endswith(" | NO |")
+    assert failed.failures() == ["decode:logits max abs 0.002 (tolerance 1e-05 + 0.0001 x max|row| = 0.00101 at max|row| 10), cosine 1.000000 (at least 0.999999)"]
+
+
+def test_a_padded_batch_of_one_says_so() -> None:
+    result = _result("fp32", 2e-5, [("prefill+decode", 1, (1e-5,))], padded=(8, 12))
+    (run,) = result.generation
+    assert run.label == "prefill+decode, batch 1, 8 (padded to 12)"
+    assert "| prefill+decode | 1 | 8 (padded to 12) | 1 | 1.0000 | 1 | - | 0 | 1e-05 | 10 | yes |" in markdown(result)
+    assert [line.label for line in plot_lines(result)] == ["prefill+decode, batch 1, 8 (padded to 12)"]
 
 
 def test_extras_and_targets_are_tables_not_json() -> None:
@@ -52,33 +80,63 @@ def test_extras_and_targets_are_tables_not_json() -> None:
     assert text.count("```") == 2  # only kept_fp32 (nested lists per graph) stays JSON
 
 
-def test_plot_lines_say_when_they_overlap() -> None:
-    assert plot_lines(_two_sets()) == [
-        ("prefill+decode, batch 1 = model, batch 1 (identical: one line)", (1e-5, 3e-5)),
-        ("prefill+decode, batch 3", (2e-5, 1e-12)),  # a zero error, on the log axis
-        ("ort:prefill+decode, batch 1 ≈ ort:model, batch 1 (within 0.1%: one line)", (0.1, 0.3)),
-        ("ort:model, batch 3", (0.5, 0.4)),
+def test_plot_lines_keep_near_ones_apart() -> None:
+    lines = plot_lines(_two_sets())
+    assert [(line.label, line.graph_set, line.model) for line in lines] == [
+        ("prefill+decode, batch 1 = model, batch 1 (identical: one line)", "portable", False),
+        ("prefill+decode, batch 3", "portable", False),
+        ("ort:prefill+decode, batch 1", "ort", False),
+        ("ort:model, batch 1", "ort", True),  # within 0.1% of the line above: its own line, its own marker and dashes
+        ("ort:model, batch 3", "ort", True),
     ]
-    assert tolerance_lines(_two_sets()) == [("tolerance 0.0001 (portable fp32)", 1e-4), ("tolerance 1.5 (ort int8)", 1.5)]
+    assert lines[0].relative == pytest.approx((1e-6, 3e-6)) and lines[1].relative == pytest.approx((2e-6, 1e-12))  # error / max |logit| (10); a zero at 1e-12
+    assert lines[2].match == (0.95, 0.95)
+    assert tolerance_lines(_two_sets()) == [("logits rtol 0.0001 (portable fp32)", 1e-4), ("logits rtol 0.05 (ort int8)", 0.05)]
     same = _result("int8", 0.2, [("model", 1, (0.1,))]).merge("ort", _result("int8", 0.2, [("model", 1, (0.2,))]))
-    assert tolerance_lines(same) == [("tolerance 1.5 (portable int8, ort int8)", 1.5)]  # one dashed line per distinct tolerance
+    assert tolerance_lines(same) == [("logits rtol 0.05 (portable int8, ort int8)", 0.05)]  # one dashed line per distinct rtol
+
+
+def test_the_plot_has_two_panels_and_its_legend_clear_of_them() -> None:
+    fig = figure(_two_sets())
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    error, tokens = fig.axes
+    assert error.get_yscale() == "log" and tokens.get_ylabel() == "tokens equal to PyTorch's (%)"
+    assert [line.get_marker() for line in error.get_lines()[:5]] == ["o", "o", "x", "x", "x"]
+    assert [line.get_linestyle() for line in error.get_lines()[:5]] == ["-", "-", "-", "--", "--"]
+    (legend,) = fig.legends
+    box = legend.get_window_extent(renderer)
+    for ax in (error, tokens):  # the axes with their labels and ticks
+        assert not box.overlaps(ax.get_tightbbox(renderer))
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert "ort:model, batch 1" in texts and "token match at least 90% (ort int8)" in texts
 
 
 def test_verdict_names_each_set_against_its_tolerance() -> None:
     assert verdict(_two_sets()) == (
-        "parity passed: portable (fp32): logits max abs error 3e-05 (tolerance 0.0001), tokens 100% equal over 6 steps in 3 runs; "
-        "ort (int8): logits max abs error 0.5 (tolerance 1.5), tokens 95% equal over 6 steps in 3 runs"
+        "parity passed: portable (fp32): logits max abs error 2e-05 (tolerance 1e-05 + 0.0001 x max|row| = 0.00101 at max|row| 10), "
+        "KV max abs error 2e-06 (tolerance 1e-05 + 0.0001 x max|row| = 0.00101 at max|row| 10), tokens 100% equal over 6 steps in 3 runs; "
+        "ort (int8): logits max abs error 0.2 (tolerance 1.5 + 0.05 x max|row| = 2 at max|row| 10), "
+        "KV max abs error 0.02 (tolerance 1 + 0.05 x max|row| = 1.5 at max|row| 10), tokens 95% equal over 6 steps in 3 runs"
     )
-    single = _result("fp32", 2e-4, [("model", 1, (1e-5,))])
-    assert verdict(single) == "parity FAILED: logits max abs error 0.0002 (tolerance 0.0001), tokens 100% equal over 1 steps in 1 runs"
-    assert single.failures() == ["decode:logits max abs 0.0002 (tolerance 0.0001), cosine 1.000000 (at least 0.999999)"]
+    single = _result("fp32", 2e-3, [("model", 1, (1e-5,))])
+    assert verdict(single) == (
+        "parity FAILED: logits max abs error 0.002 (tolerance 1e-05 + 0.0001 x max|row| = 0.00101 at max|row| 10), "
+        "KV max abs error 0.0002 (tolerance 1e-05 + 0.0001 x max|row| = 0.00101 at max|row| 10), tokens 100% equal over 1 steps in 1 runs"
+    )
 
 
 def test_json_is_extended_only(tmp_path: Path) -> None:
     paths = write_parity_reports(_two_sets(), tmp_path, EXTRAS)
     data = json.loads(paths[0].read_text())
-    assert list(data) == ["backend", "precision", "passed", "tolerance", "tensors", "generation", "targets", "ple_folding", "kept_fp32"]
+    assert list(data) == ["backend", "precision", "passed", "rule", "tolerance", "tensors", "generation", "targets", "ple_folding", "kept_fp32"]
+    assert data["rule"] == "|a - b| <= atol + rtol * max|b| of each row"
     assert [t["target"] for t in data["tensors"]] == [None, None, "ort", "ort"]
     assert data["targets"]["ort"]["tolerance"]["logits_atol"] == 1.5 and data["tensors"][2]["graph"] == "decode.ort"
+    assert data["tolerance"] == {"logits_atol": 1e-5, "logits_rtol": 1e-4, "kv_atol": 1e-5, "kv_rtol": 1e-4, "min_cosine": 0.999999, "min_token_match": 1.0}
+    assert {k: data["tensors"][0][k] for k in ("max_abs", "atol", "rtol", "error", "scale")} == pytest.approx(
+        {"max_abs": 3e-5, "atol": 1e-5, "rtol": 1e-4, "error": 2e-5, "scale": 10.0}
+    )
+    assert data["generation"][2]["padded_to"] == 5 and data["generation"][2]["per_step_match"] == [1.0, 1.0]
     assert paths[2].read_bytes()[:4] == b"\x89PNG"
     assert paths[1].read_text() == markdown(_two_sets(), EXTRAS)
