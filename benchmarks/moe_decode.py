@@ -45,7 +45,7 @@ def _checkpoint(args: argparse.Namespace, directory: Path) -> None:
         eos_token_id=2,
         pad_token_id=0,
     )
-    model = transformers.MixtralForCausalLM._from_config(config, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()  # public: MixtralForCausalLM for a MixtralConfig
     model.save_pretrained(directory, safe_serialization=True)
 
 

@@ -127,9 +127,21 @@ def _unbound(value: ir.Value) -> bool:
     return isinstance(raw, torch.Tensor) and raw.device.type == "meta"
 
 
+def _bound(source: WeightSource, name: str, value: ir.Value) -> ModuleWeight:
+    """``value`` (the traced initializer ``name``) as the module tensor of that name, which must
+    have the traced shape (a shape the trace did not see would break every reader)."""
+    assert value.dtype is not None
+    weight = ModuleWeight(source, name, value.dtype)
+    traced = value.shape if value.shape is not None else value.const_value.shape if value.const_value is not None else None
+    if traced is not None and list(traced) != list(weight.shape):
+        raise ExportError(f"the traced graph reads {name} as {list(traced)}, but the model's tensor of that name is {list(weight.shape)}")
+    return weight
+
+
 class BindWeights(ir.passes.InPlacePass):
-    """Every initializer named after a module tensor -> that tensor, lazily (``ModuleWeight``).
-    Postcondition: no initializer is left without data (a meta tensor the module lacks)."""
+    """Every initializer named after a module tensor -> that tensor, lazily (``ModuleWeight``),
+    refused (``ExportError``) when its shape is not the traced one. Postcondition: no
+    initializer is left without data (a meta tensor the module lacks)."""
 
     def __init__(self, source: WeightSource) -> None:
         super().__init__()
@@ -138,7 +150,7 @@ class BindWeights(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         for name, value in model.graph.initializers.items():
             if name in self.source and value.dtype in _TORCH_DTYPES:
-                value.const_value = ModuleWeight(self.source, name, value.dtype)
+                value.const_value = _bound(self.source, name, value)
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:

@@ -104,6 +104,8 @@ def _linear_in_slices(module: nn.Linear, scratch: _Scratch, x: torch.Tensor) -> 
 def _lend_during_calls(module: nn.Module, names: list[str], scratch: _Scratch) -> None:
     stored: list[dict[str, nn.Parameter | None]] = []  # a stack: a module may be re-entered
 
+    # Module._parameters is private, but no public API swaps a parameter for a plain tensor for one
+    # call (setattr refuses a non-Parameter; torch.func.functional_call lends every tensor at once)
     def before(mod: nn.Module, args: object) -> None:
         originals = {name: mod._parameters[name] for name in names}
         stored.append(originals)

@@ -117,7 +117,7 @@ def tiny_model(case: str, seed: int, **overrides: Any) -> LoadedModel:
     _refuse(config, arch)
     # eager attention, as load() uses: with SDPA, fully masked (left-padding) query rows differ
     # between PyTorch and the traced graph, and padded positions' keys with them
-    model = getattr(transformers, arch)._from_config(config, attn_implementation="eager").eval()
+    model = getattr(transformers, arch)._from_config(config, attn_implementation="eager").eval()  # private: see _meta_template
     return _loaded(model, arch, Path(f"<tiny {arch}>"))
 
 
@@ -179,5 +179,7 @@ def _meta_template(arch: str, config: Any, n_layers: int) -> nn.Module:
     if getattr(template, "layer_types", None):
         template.layer_types = list(template.layer_types)[:n_layers]
     with torch.device("meta"):
+        # _from_config is private, but transformers has no public way to build a named class (``arch``,
+        # not the Auto mapping's choice for the config) with an attention implementation and a dtype
         model = getattr(transformers, arch)._from_config(template, attn_implementation="eager", dtype=torch.float32)  # the graphs' dtype
     return HFDecoder(model.eval()).eval()

@@ -78,6 +78,8 @@ def check_sizes(model_class: Any, config: Any, header: Header, directory: Path) 
             f"{directory}: weights do not match the config: config.json says num_hidden_layers={layers}, but the weights hold {len(header)} tensors in all"
         )
     with torch.device("meta"):
+        # PreTrainedModel._from_config is private, but transformers has no public way to build a named
+        # class (not the Auto mapping's) from a config with an attention implementation and dtype
         model = model_class._from_config(config, attn_implementation="eager")
     prefix = f"{model.base_model_prefix}."
     problems = []

@@ -1,9 +1,11 @@
 """The ``--target ort`` rewrites on small hand-built graphs, each run with ONNX Runtime before
-and after: RMSNorm fusion (``norm``), packing MatMuls that share an input (``pack``) and
-weight-only int8 ``MatMulNBits`` (``nbits``)."""
+and after: RMSNorm fusion (``norm``), packing MatMuls that share an input (``pack``),
+weight-only int8 ``MatMulNBits`` (``nbits``) and the int4 graphs' DQ + MatMul as MatMulNBits
+bits=4 (``int4``: ``unfold_int4_weights``, then ``int4_matmul_nbits``)."""
 
 from __future__ import annotations
 
+import re
 
 import numpy as np
 import onnx
@@ -13,7 +15,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+from kiln.errors import ExportError
 from kiln.exporter.passes import GraphRewrite, run_passes
+from kiln.exporter.precision.int4_numbers import pack_int4, rtn
+from kiln.exporter.targets.ort.int4 import ACCURACY_LEVEL as INT4_ACCURACY_LEVEL
+from kiln.exporter.targets.ort.int4 import BlockInt4, int4_matmul_nbits, unfold_int4_weights
 from kiln.exporter.targets.ort.nbits import ACCURACY_LEVEL, BLOCK_SIZE, pack_int8_blocks, quantize_matmul_nbits
 from kiln.exporter.targets.ort.norm import fuse_rms_norm, fuse_skip_rms_norm
 from kiln.exporter.targets.ort.pack import pack_shared_input_matmuls
@@ -531,3 +537,111 @@ def test_quantize_matmul_nbits_leaves_other_matmuls() -> None:
     )
     assert quantize_matmul_nbits(model) == []
     assert ops(model) == ["MatMul", "Gemm", "Gemm"] and "com.microsoft" not in model.opset_imports
+
+
+# ---------------------------------------------------------------- int4: DQ + MatMul -> MatMulNBits bits=4
+
+K4, N4, BLOCK4 = 64, 24, 32
+
+
+def int4_graph(*, also_read: bool = False, scale_dtype: type = np.float32) -> tuple[ir.Model, np.ndarray, np.ndarray]:
+    """logits = x @ DQ(W int4 [K, N], scale [K/B, N], axis=0, block_size=B) as ``--int4`` writes
+    it (round to nearest), and gram = x @ xt (no constant weight); ``also_read``: the
+    dequantized weight is also summed (read by something other than a MatMul)."""
+    weight = np.random.default_rng(5).standard_normal((K4, N4)).astype(np.float32)
+    q, scale = rtn(weight, BLOCK4, np.dtype(scale_dtype))
+    w = ir.val("weights/fc.weight.int4", ir.DataType.INT4, [K4, N4], const_value=ir.PackedTensor(pack_int4(q), ir.DataType.INT4, shape=ir.Shape([K4, N4])))
+    s = ir.val("weights/fc.weight.scale", const_value=ir.tensor(scale, name="weights/fc.weight.scale"))
+    x, xt = ir.val("x", ir.DataType.FLOAT, [B, S, K4]), ir.val("xt", ir.DataType.FLOAT, [B, K4, S])
+    dq = ir.node("DequantizeLinear", [w, s], {"axis": 0, "block_size": BLOCK4}, name="/fc/weight/DequantizeLinear")
+    dq.outputs[0].name, dq.outputs[0].dtype, dq.outputs[0].shape = "weights/fc.weight", ir.DataType.FLOAT, ir.Shape([K4, N4])
+    fc = ir.node("MatMul", [x, dq.outputs[0]], name="/fc/MatMul")
+    gram = ir.node("MatMul", [x, xt], name="/attn/MatMul")
+    outputs = []
+    for node, name, dims in ((fc, "logits", [B, S, N4]), (gram, "gram", [B, S, S])):
+        node.outputs[0].name, node.outputs[0].dtype, node.outputs[0].shape = name, ir.DataType.FLOAT, ir.Shape(dims)
+        outputs.append(node.outputs[0])
+    nodes = [dq, fc, gram]
+    if also_read:
+        total = ir.node("ReduceSum", [dq.outputs[0]], {"keepdims": 0}, name="/weight/ReduceSum")
+        total.outputs[0].name, total.outputs[0].dtype, total.outputs[0].shape = "total", ir.DataType.FLOAT, ir.Shape([])
+        nodes.append(total)
+        outputs.append(total.outputs[0])
+    graph = ir.Graph([x, xt], outputs, nodes=nodes, initializers=[w, s], opset_imports={"": 21}, name="g")
+    return ir.Model(graph, ir_version=10), q, scale
+
+
+def test_unfold_int4_weights_keeps_the_numbers() -> None:
+    model, q, scale = int4_graph()
+    feeds = nbits_feeds(K4)
+    before = run(model, feeds, optimize=False)
+    assert unfold_int4_weights(model) == ["/fc/MatMul"]
+    assert ops(model) == ["MatMul", "MatMul"]
+    weight = model.graph.node("/fc/MatMul").inputs[1]
+    tensor = weight.const_value if weight is not None else None
+    assert isinstance(tensor, BlockInt4) and tensor.name == "ort_int4/fc.weight" and tensor.block == BLOCK4
+    np.testing.assert_array_equal(tensor.q(), q)
+    np.testing.assert_array_equal(tensor.scale, scale)
+    np.testing.assert_array_equal(tensor.numpy(), q.astype(np.float32) * np.repeat(scale, BLOCK4, axis=0))
+    after = run(model, feeds, optimize=False)
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+
+
+def test_unfold_int4_weights_leaves_a_weight_read_as_float() -> None:
+    model, _, _ = int4_graph(also_read=True)
+    assert unfold_int4_weights(model) == []
+    assert ops(model) == ["DequantizeLinear", "MatMul", "MatMul", "ReduceSum"]
+
+
+def test_unfold_int4_weights_refuses_fp16_scales() -> None:
+    model, _, _ = int4_graph(scale_dtype=np.float16)
+    message = "export: /fc/weight/DequantizeLinear: the ONNX Runtime target's int4 weights need fp32 scales (an fp32 graph), found FLOAT16"
+    with pytest.raises(ExportError, match="^" + re.escape(message) + "$"):
+        unfold_int4_weights(model)
+
+
+def unpack_nbits(packed: np.ndarray) -> np.ndarray:
+    """MatMulNBits' uint4 ``B [N, K/B, B/2]`` (zero point 8) back to q int8 [K, N]."""
+    n = packed.shape[0]
+    u = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)  # element 2j: the low nibble
+    return (u.astype(np.int16) - 8).astype(np.int8).T
+
+
+def test_int4_matmul_nbits_computes_the_dq_matmul_form() -> None:
+    model, q, scale = int4_graph()
+    feeds = nbits_feeds(K4)
+    before = run(model, feeds, optimize=False)
+    run_passes(model, [GraphRewrite(unfold_int4_weights), GraphRewrite(int4_matmul_nbits)], graph="decode")
+    finish(model)
+    assert ops(model) == ["MatMulNBits", "MatMul"] and model.opset_imports["com.microsoft"] == 1
+    fused = model.graph.node("/fc/MatMulNBits")
+    attrs = {name: fused.attributes.get_int(name) for name in ("K", "N", "bits", "block_size", "accuracy_level")}
+    assert attrs == {"K": K4, "N": N4, "bits": 4, "block_size": BLOCK4, "accuracy_level": INT4_ACCURACY_LEVEL}
+    assert not any(isinstance(v.const_value, BlockInt4) for v in model.graph.initializers.values() if v.uses())
+    packed = model.graph.initializers["ort_int4/fc.weight.q"].const_value.numpy()
+    scales = model.graph.initializers["ort_int4/fc.weight.scales"].const_value.numpy()
+    assert packed.shape == (N4, K4 // BLOCK4, BLOCK4 // 2) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(unpack_nbits(packed), q)  # the same int4 numbers
+    np.testing.assert_array_equal(scales, scale.T.reshape(-1))  # and scales, column by column
+    fused.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", 0)  # float activations: ONNX Runtime reads that layout as the DQ form
+    exact = run(model, feeds)
+    np.testing.assert_allclose(exact["logits"], before["logits"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(exact["gram"], before["gram"])
+    # at the level it writes, the activations are int8 per block: |x - x_q| <= max|x_block| / 254
+    fused.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", INT4_ACCURACY_LEVEL)
+    x = feeds["x"].astype(np.float64)
+    half_step = np.repeat(np.abs(x).reshape(B, S, K4 // BLOCK4, BLOCK4).max(-1) / 254.0, BLOCK4, axis=-1)
+    bound = half_step @ np.abs(q * np.repeat(scale, BLOCK4, axis=0)).astype(np.float64) + 1e-5
+    err = np.abs(run(model, feeds)["logits"] - before["logits"])
+    assert (err <= bound).all() and err.max() > 0, float((err - bound).max())
+
+
+def test_int4_matmul_nbits_refuses_an_int4_weight_read_as_float() -> None:
+    model, _, _ = int4_graph()
+    unfold_int4_weights(model)
+    weight = model.graph.node("/fc/MatMul").inputs[1]
+    assert weight is not None
+    model.graph.append(ir.node("Identity", [weight], name="/float/Identity"))
+    with pytest.raises(ExportError, match=re.escape("int4 weights ['ort_int4/fc.weight'] are still read as float after the MatMulNBits rewrite")):
+        int4_matmul_nbits(model)
