@@ -1,4 +1,4 @@
-"""The fold stage: every PLE sub-layer becomes two constant tables (design.md section 3), through
+"""The fold stage: every PLE sub-layer becomes two constant tables (docs/how-it-works.md, fold), through
 the family's folding hook (``plugins.base.PLEFolding``: the exporter never looks inside a
 family), checked against the unfolded sub-layers at every table position before tracing."""
 

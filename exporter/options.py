@@ -73,9 +73,9 @@ class Int4Method(str, enum.Enum):
     GPTQ = "gptq"  # GPTQ (error feedback through the inputs' Hessian) with a clip search, on --calib-data
 
 
-DEFAULT_INT4_METHOD = Int4Method.GPTQ  # the one that measured best (README "Low-bit accuracy")
+DEFAULT_INT4_METHOD = Int4Method.GPTQ  # the one that measured best (docs/benchmarks.md, the demo model's accuracy)
 INT4_BLOCKS = (16, 32, 64, 128, 256)  # MatMulNBits' blocks are powers of two >= 16
-GPTQ_SAMPLES = 256  # default windows for GPTQ: with 16 it overfits the Hessians (research/lowbit/FINDINGS.md section 4)
+GPTQ_SAMPLES = 256  # default windows for GPTQ: with 16 it overfits the Hessians (measured on the demo in issue 16)
 CALIB_SAMPLES = 32  # default windows for int8/fp8 activation ranges
 
 

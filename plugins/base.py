@@ -60,7 +60,7 @@ class PLEExtendMode(str, enum.Enum):
 
 class PLEFolding(Protocol):
     """How a family with position-aware linear embeddings (PLE) lets the exporter fold them into
-    constant tables (design.md section 3). A PLE sub-layer, folded or not, is called as
+    constant tables (docs/how-it-works.md, fold). A PLE sub-layer, folded or not, is called as
     ``sub(x [B, S, d], positions [B, S]) -> [B, S, d]``."""
 
     def fold(self, module: nn.Module) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Where things sit inside an export directory (design.md section 8)."""
+"""Where things sit inside an export directory (docs/commands.md, kiln export)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The I/O contract of kiln's graphs (design.md section 4): every name and dim name comes from here.
+"""The I/O contract of kiln's graphs (docs/commands.md, kiln export): every name and dim name comes from here.
 
 Names follow the Hugging Face / ONNX Runtime GenAI convention; KV layout is BNSH
 ``[batch, n_kv_heads, seq, head_dim]``. Dims: ``batch``, ``seq``, ``past_seq``, ``total_seq``

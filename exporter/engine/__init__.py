@@ -1,4 +1,4 @@
-"""TensorRT engines of an export directory (design.md section 6): ``kiln build DIR``.
+"""TensorRT engines of an export directory (docs/commands.md, kiln build): ``kiln build DIR``.
 
 One strongly typed engine per graph, ``engines/prefill.plan`` and ``engines/decode.plan``, each with
 one optimization profile from the manifest's limits; ``engines/engines.json`` records the files

@@ -37,7 +37,7 @@ __all__ = [
     "weights_bytes",
 ]
 
-MIN_VERSION = (10, 12)  # design.md section 6: "on TensorRT 10.12+ and 11.x"
+MIN_VERSION = (10, 12)  # docs/commands.md, kiln build: "TensorRT 10.12+ and 11.x"
 
 # trt.HardwareCompatibilityLevel member of each option (pyCore.cpp, the same names in 10.13 and 11.1)
 _HARDWARE_NAMES = {

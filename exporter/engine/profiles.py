@@ -1,8 +1,8 @@
 """Optimization profiles of the prefill and decode engines, read from an export's manifest.
 
-Every name and shape comes from the manifest's graph inputs (design.md section 4): a dim is an
+Every name and shape comes from the manifest's graph inputs (the I/O contract, exporter/contract/io.py): a dim is an
 int (fixed) or one of ``batch``, ``seq``, ``past_seq``, ``total_seq``; the ranges come from the
-manifest's ``limits`` (design.md section 6):
+manifest's ``limits`` (docs/commands.md, kiln build):
 
 - prefill: batch ``[1, opt_batch, max_batch]`` x seq ``[1, opt_context, max_context]``;
 - decode: batch ``[1, opt_batch, max_batch]`` x past_seq ``[1, opt_context - 1, max_context - 1]``,

@@ -1,4 +1,4 @@
-"""Precision variants: every one is an ONNX graph that carries its own types (design.md section 5)."""
+"""Precision variants: every one is an ONNX graph that carries its own types (docs/precisions.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Pass: fp8 E4M3 Q/DQ before MatMul inputs, the form TensorRT builds on Ada (SM 8.9) and later
-(design.md section 5; tensorrt-notes "Low-bit ONNX"), the placement of ``--int8``'s:
+(docs/precisions.md, fp8), the placement of ``--int8``'s:
 
 - weights per output channel: a FLOAT8E4M3FN ``[K, N]`` initializer and
   ``DequantizeLinear(axis=1, scale [N], zero point float8e4m3fn zeros)`` (one byte a weight, as
@@ -14,7 +14,7 @@ The LM head and the attention-score MatMuls stay float (``--int8``'s default rul
 MatMuls ``--fp8-float`` names stay fp16 (the study's Llama: its first layer, measured). Written here,
 not with ONNX Runtime's ``quantize_static``: its fp8 calibration takes only the ``Distribution``
 method, matches a Gaussian's std instead of the range (large activations saturate) and puts Q/DQ
-on MatMul outputs too (research/lowbit/FINDINGS.md section 5: 0.71 top-1 agreement on the demo).
+on MatMul outputs too (0.71 top-1 agreement on the demo, measured in issue 16).
 ml_dtypes (onnx-ir's own dependency) rounds to E4M3; it does not saturate (NaN above 464), so
 values are clipped to +-448 first.
 """

@@ -7,7 +7,7 @@ onnx-neural-compressor 1.0): it factors ``H^-1`` into its *upper* Cholesky facto
 propagates each column's rounding error through that factor's entries *below* the diagonal,
 which are zero, so no error is ever propagated and its result equals RTN bit for bit; with
 ``sym`` it then re-quantizes its already quantized weights with a fresh scale, a second rounding
-that made it worse than RTN on kiln's demo model (research/lowbit/FINDINGS.md section 3). The
+that made it worse than RTN on kiln's demo model (measured in issue 16). The
 torch GPTQ libraries (auto-gptq, gptqmodel, llmcompressor) work on Hugging Face modules with
 CUDA kernels and export no ONNX; kiln only needs the numbers.
 
@@ -27,7 +27,7 @@ from kiln.exporter.precision.int4_numbers import clip_scales
 __all__ = ["gptq", "CLIP_RATIOS", "PERCDAMP"]
 
 CLIP_RATIOS = tuple(float(r) for r in np.linspace(1.0, 0.6, 9))  # clip search: amax * r / 7
-PERCDAMP = 0.1  # diagonal damping, a fraction of H's mean diagonal (0.1 beat 0.01 on the demo: FINDINGS.md section 4)
+PERCDAMP = 0.1  # diagonal damping, a fraction of H's mean diagonal (0.1 beat 0.01 on the demo, measured in issue 16)
 _LAZY = 128  # rows updated together before the rest of the matrix is
 
 

@@ -1,4 +1,4 @@
-"""Pass: weight-only int4, the portable form (design.md section 5; tensorrt-notes "Low-bit ONNX"):
+"""Pass: weight-only int4, the portable form (docs/precisions.md, int4):
 
     MatMul(x, DequantizeLinear(W_int4 [K, N], scale [K/B, N], axis=0, block_size=B))
 
@@ -49,7 +49,7 @@ __all__ = [
 MIN_INT4_OPSET = 21
 DEFAULT_INT4_FLOAT: tuple[str, ...] = ("*.lm_head",)
 # ops whose meaning (not only their type lists) changed between opsets 19 and 21: a graph holding
-# one is not raised to 21 silently (research/lowbit/FINDINGS.md section 1; kiln's graphs hold none)
+# one is not raised to 21 silently (kiln's graphs hold none)
 _CHANGED_BY_21 = frozenset({"DFT", "GridSample", "GroupNormalization", "ReduceMax", "ReduceMin"})
 
 Hessians = Callable[[tuple[str, ...]], Mapping[str, np.ndarray]]  # weight names -> H [K, K]

@@ -93,7 +93,8 @@ def unpack_int4(packed: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 def pack_nbits(q: np.ndarray, block: int) -> np.ndarray:
     """q int8 [K, N] -> MatMulNBits' ``B`` uint8 [N, K/B, B/2]: per column and block, ``q + 8``
     as uint4, two a byte, element 2j in the low nibble (verified against ONNX Runtime's own
-    quantizer and kernel: research/lowbit/FINDINGS.md section 2)."""
+    quantizer and kernel in issue 16; every ``--target ort --int4`` export's parity runs ONNX Runtime's
+    kernel on it: tests/export/test_int4.py)."""
     k, n = q.shape
     u = (q.astype(np.int16) + 8).astype(np.uint8).T.reshape(n, k // block, block)  # [N, blocks, B]
     return (u[..., 0::2] | (u[..., 1::2] << 4)).astype(np.uint8)

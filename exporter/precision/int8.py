@@ -1,5 +1,5 @@
 """Pass: explicit int8 quantization (QuantizeLinear/DequantizeLinear) of MatMul/Gemm inputs in
-the form TensorRT's explicit quantization accepts (design.md section 5):
+the form TensorRT's explicit quantization accepts (docs/precisions.md, int8):
 
 - weights symmetric per output channel (a MatMul's B is ``[K, N]``: axis 1), activations
   symmetric per tensor;

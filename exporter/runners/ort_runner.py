@@ -44,7 +44,8 @@ def ort_session(
     into ``MatMulNBits`` with ``accuracy_level`` 4 at ``ORT_ENABLE_EXTENDED`` and above, which
     quantizes the *activations* to int8 per block: an int4 (or per-channel int8) weight-only graph
     would be checked against int8 activations that TensorRT never computes (0.5-0.8% relative
-    error on a single MatMul, research/lowbit/FINDINGS.md section 1). Level 0 keeps the fusion
+    error on a single MatMul, measured in issue 16; tests/export/test_int4.py shows the gap). Level
+    0 keeps the fusion
     (fast) and computes in float: exactly the weight-only product. Parity uses it."""
     import onnxruntime as ort
 

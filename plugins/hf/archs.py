@@ -33,11 +33,11 @@ def _truthy(value: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Arch:
-    label: str  # the README's name for it
+    label: str  # its name in docs/architectures.md (kiln plugins' table)
     context: str | None = "max_position_embeddings"  # None: no limit of its own (ALiBi extrapolates)
     kv_heads: Callable[[Any], int] | None = None  # the cache's heads where the standard rule is wrong
     refusals: tuple[Refusal, ...] = ()
-    notes: str = ""  # what the tests prove beyond the plain architecture (README)
+    notes: str = ""  # what the tests prove beyond the plain architecture (docs/architectures.md)
     # --target ort: "GQA" when every layer's attention becomes GroupQueryAttention (tested), else
     # what the rewrite does not recognise (those layers keep the portable attention, still exact);
     # "MoE" when every mixture-of-experts block becomes ONNX Runtime's MoE op (tested)

@@ -30,7 +30,7 @@ __all__ = ["SEQ2SEQ", "SEQ2SEQ_TINY", "Seq2SeqArch", "read_seq2seq_spec", "refus
 
 @dataclasses.dataclass(frozen=True)
 class Seq2SeqArch:
-    label: str  # the README's name for it
+    label: str  # its name in docs/architectures.md (kiln plugins' table)
     layers: str  # the config field of the decoder's depth
     heads: str  # ... and of its attention heads
     context: str | None = "max_position_embeddings"  # None: relative positions, no limit of its own

@@ -67,7 +67,7 @@ class PositionLinearEmbedding(nn.Module):
     """PLE: ``ple(x, p) = x * (1 + g(a_p)) + b_p`` with ``(a_p, b_p) = split(E[p] (@ W + c))``.
 
     Initialised as the identity (a = b = 0). The seed's snippet adds 1.0 to the scale half,
-    which makes ``1 + a = 2``; its text (and design.md) asks for an identity at init, so a = 0.
+    which makes ``1 + a = 2``; its text asks for an identity at init, so a = 0.
     """
 
     def __init__(self, d: int, max_positions: int, bounded: bool, projection: bool) -> None:

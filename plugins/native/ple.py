@@ -1,4 +1,4 @@
-"""The native family's PLE folding hook (design.md section 3): every PLE sub-layer becomes two constant tables.
+"""The native family's PLE folding hook (docs/how-it-works.md, fold): every PLE sub-layer becomes two constant tables.
 
 Pre-norm, for position p (``gamma``, ``beta`` the norm's affine weights, beta = 0 for RMSNorm)::
 

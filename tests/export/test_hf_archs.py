@@ -5,7 +5,7 @@ on): the checkpoint is saved by transformers, exported by ``kiln export`` with `
 tokens must equal transformers' own ``generate()`` with its own cache, for batch 1 and a
 left-padded batch. The first case of each architecture is also exported ``--fp16`` (which must
 pass its own parity) and re-checked by ``kiln check``. Which layers ``--target ort`` fuses is
-asserted against ``ARCHS[arch].ort`` (what the README and ``kiln plugins`` say); a test fails
+asserted against ``ARCHS[arch].ort`` (what docs/architectures.md and ``kiln plugins`` say); a test fails
 when a listed architecture has no case."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     fused = {kind: list(entry.fused_attention_layers) for kind, entry in result.report.ort.graphs.items() if kind is not GraphKind.UNIFIED}
     expected = [] if case in PORTABLE_ATTENTION else [0, 1]
     assert fused == {GraphKind.PREFILL: expected, GraphKind.DECODE: expected}, fused
-    assert PORTABLE_ATTENTION.get(case, "GQA") in ARCHS[arch].ort, ARCHS[arch].ort  # what the README and kiln plugins say
+    assert PORTABLE_ATTENTION.get(case, "GQA") in ARCHS[arch].ort, ARCHS[arch].ort  # what docs/architectures.md and kiln plugins say
     for kind, entry in result.report.ort.graphs.items():
         # decode only: the prompt graphs keep the per-expert MatMuls (measured faster there) and say so
         layers = MOE_LAYERS.get(case, []) if kind is GraphKind.DECODE else []

@@ -1,4 +1,4 @@
-"""``exporter/manifest.schema.json`` describes the manifests kiln writes, and rejects broken ones.
+"""``exporter/artifacts/manifest.schema.json`` describes the manifests kiln writes, and rejects broken ones.
 
 Manifests from real exports are validated: the demo in fp32 (with a tokenizer), and a tiny model
 in fp16 with ``--logits last`` and ``--ple-tables input`` (no tokenizer); then the same after a

@@ -30,7 +30,7 @@ from kiln.exporter.targets.ort.nbits import replace_with_nbits
 
 __all__ = ["BlockInt4", "register", "unfold_int4_weights", "int4_matmul_nbits", "ACCURACY_LEVEL", "INT4_FORMAT"]
 
-# Measured (research/lowbit/FINDINGS.md section 2 and README "Low-bit accuracy"): on this x86 CPU
+# Measured (issue 16; docs/benchmarks.md, the demo model's accuracy): on this x86 CPU
 # levels 0-2 run one fp32 kernel (a [1, 896] x [896, 4864] step 0.30 ms, 2x faster than fp32
 # MatMul) and level 4 quantizes the activations to int8 per block (0.083 ms, 7x), costing under
 # 0.01 perplexity on the demo; 4, as --ort-int8 uses.
