@@ -165,6 +165,7 @@ def test_cli_errors(demo_dir: Path, tiny_dir: Path, tmp_path: Path) -> None:
     assert _error(str(demo_dir), "--ids", "5", "--temperature", "-1") == "error: generate: --temperature must be at least 0 (0 is greedy), found -1.0"
     assert _error(str(demo_dir), "--ids", "5", "--temperature", "1", "--top-p", "0") == "error: generate: --top-p must be in (0, 1] (1 keeps every token), found 0.0"
     assert _error(str(demo_dir), "--ids", "5", "--temperature", "1", "--top-k", "-2") == "error: generate: --top-k must be at least 0 (0 keeps every token), found -2"
+    assert _error(str(demo_dir), "--ids", "5", "--temperature", "1", "--seed", "-1") == "error: generate: --seed must be at least 0, found -1"
     assert _error(str(demo_dir), "--ids", "5", "--stop", "") == "error: generate: --stop is empty: give the text that ends the generation"
     assert _error(str(tiny_dir), "--ids", "5", "--stop", "x") == (
         f"error: generate: {tiny_dir}: --stop needs the export's tokenizer.json to find the text, and the export has none"
