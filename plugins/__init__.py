@@ -21,12 +21,10 @@ from __future__ import annotations
 
 from importlib import metadata, resources
 from pathlib import Path
-from typing import Any
 
 from kiln.errors import CheckpointError
-from kiln.jsonfile import read_json_object
 from kiln.plugins.base import DecoderSpec, LoadedModel, ModelFamily
-from kiln.plugins.files import refuse_outside_links
+from kiln.plugins.files import read_config, refuse_outside_links
 from kiln.plugins.hub_cache import cached_snapshot, looks_like_repo_id
 
 __all__ = [
@@ -36,6 +34,7 @@ __all__ = [
     "register",
     "families",
     "claim_order",
+    "read_config",
     "resolve_checkpoint",
     "config_spec",
     "load_model",
@@ -106,13 +105,6 @@ def resolve_checkpoint(model: str | Path) -> Path:
     if looks_like_repo_id(str(model)):
         return cached_snapshot(str(model))
     raise CheckpointError(f"{path}: no such checkpoint file or directory")
-
-
-def read_config(path: Path) -> dict[str, Any]:
-    """The ``config.json`` of a checkpoint directory (or beside a checkpoint file)."""
-    cfg_path = (path if path.is_dir() else path.parent) / "config.json"
-    missing = f"{cfg_path}: config.json not found; a checkpoint is a directory with config.json and model.safetensors"
-    return read_json_object(cfg_path, CheckpointError, missing)
 
 
 def _claim(model: str | Path) -> tuple[Path, ModelFamily]:

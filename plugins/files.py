@@ -6,6 +6,7 @@
   links may reach anywhere inside the repo's cache folder (``hub_cache.cache_repo_root``).
 - The tokenizer: a ``tokenizer.json`` beside the weights is loaded with the ``tokenizers``
   library when the checkpoint loads, so a malformed one is named there, not after the export.
+- The config: ``read_config``, the ``config.json`` every family's claim reads.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from typing import Any
+
 from kiln.errors import CheckpointError
+from kiln.jsonfile import read_json_object
 from kiln.plugins.hub_cache import cache_repo_root
 
-__all__ = ["TOKENIZER", "checkpoint_dir", "checkpoint_tokenizer", "refuse_outside_links"]
+__all__ = ["TOKENIZER", "checkpoint_dir", "checkpoint_tokenizer", "read_config", "refuse_outside_links"]
 
 TOKENIZER = "tokenizer.json"
 
@@ -64,3 +68,10 @@ def checkpoint_tokenizer(directory: Path) -> Path | None:
             f"{path}: not a tokenizer the tokenizers library loads ({reason}); replace it with the model's own tokenizer.json, or remove it to export without one"
         ) from None
     return path
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The ``config.json`` of a checkpoint directory (or beside a checkpoint file)."""
+    cfg_path = (path if path.is_dir() else path.parent) / "config.json"
+    missing = f"{cfg_path}: config.json not found; a checkpoint is a directory with config.json and model.safetensors"
+    return read_json_object(cfg_path, CheckpointError, missing)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,9 +24,10 @@ from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.runtime.decoder_dirs import DecoderDir, open_decoder_dirs
 from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs
 from kiln.runtime.roofline import BandwidthProbe, weights_bytes_per_step
-from kiln.runtime.torch_row import SelfTimed, TorchWorker
+from kiln.runtime.timing import Timed, interleaved, vocab_of
+from kiln.runtime.torch_row import TorchWorker
 
-__all__ = ["BenchOptions", "Timed", "interleaved", "load_warning", "render", "run_bench", "vocab_of"]
+__all__ = ["BenchOptions", "load_warning", "render", "run_bench"]
 
 TORCH = "pytorch eager"
 _PROBE = "memory read probe"  # not a row: the bandwidth measured among the decode steps
@@ -47,66 +46,12 @@ class BenchOptions:
     sweep_runs: int = 15  # runs at past <= 512; fewer beyond (each step costs more)
 
 
-class Timed:
-    """One graph of one directory bound to feeds at fixed sizes: calling it runs the graph once.
-    For a shared-KV-buffer graph the presents are bound to the past buffers they alias, as the
-    GenAI runtime does; otherwise ONNX Runtime allocates the outputs, as in any session.run."""
-
-    def __init__(self, decoder: DecoderDir, sess: Any, sizes: Sizes, vocab: int) -> None:
-        from onnxruntime import OrtValue
-
-        sizes = dataclasses.replace(sizes, named=decoder.named_dims, capacity=sizes.total if decoder.shared_kv_buffer else None)
-        feeds = build_feeds(declared_inputs(sess), sizes, vocab=vocab, roles=decoder.roles)
-        self._values = {name: OrtValue.ortvalue_from_numpy(array) for name, array in feeds.items()}
-        self._binding = sess.io_binding()
-        for name, value in self._values.items():
-            self._binding.bind_ortvalue_input(name, value)
-        for out in sess.get_outputs():
-            alias = decoder.present_to_past.get(out.name)
-            if alias in self._values:
-                self._binding.bind_ortvalue_output(out.name, self._values[alias])
-            else:
-                self._binding.bind_output(out.name, "cpu")
-        self._session = sess
-
-    def __call__(self) -> None:
-        self._session.run_with_iobinding(self._binding)
-
-
-def interleaved(calls: dict[str, Callable[[], object]], runs: int, pause: float, warmup: int = 1) -> dict[str, float]:
-    """Median milliseconds of each call, the calls taken in turn ``runs`` times (a ``SelfTimed``
-    call, the PyTorch row's worker, says how long it took itself)."""
-    for _ in range(warmup):
-        for call in calls.values():
-            call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(runs):
-        for name, call in calls.items():
-            if isinstance(call, SelfTimed):
-                times[name].append(call())
-            else:
-                start = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - start)
-            time.sleep(pause)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
 def load_warning(load_average: Sequence[float], cores: int) -> str | None:
     """The table header's warning when the machine was busier than its cores during the bench."""
     load = max(load_average)
     if load <= cores:
         return None
     return f"WARNING: the 1-minute load average reached {load:.1f}, above the {cores} cores: other processes competed for them, and these figures are unreliable"
-
-
-def vocab_of(sess: Any, decoder: DecoderDir) -> int:
-    if decoder.manifest is not None:
-        return decoder.manifest.model.vocab_size
-    for out in sess.get_outputs():
-        if out.name == "logits" and isinstance(out.shape[-1], int):
-            return int(out.shape[-1])
-    return 2  # token ids 0 and 1 exist in every vocabulary
 
 
 def _torch_worker(kiln_dirs: list[DecoderDir], sizes: dict[str, Sizes], sessions: dict[Path, Any], threads: int) -> TorchWorker:

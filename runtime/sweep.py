@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from kiln.runtime.decoder_dirs import DecoderDir
+from kiln.runtime.timing import Timed, interleaved, vocab_of
 from kiln.runtime.feeds import Sizes
 
 __all__ = ["fit_line", "plot_sweep", "render_sweep", "runs_at", "sweep"]
@@ -44,7 +45,6 @@ def fit_line(pasts: list[int], ms: list[float]) -> dict[str, float]:
 def sweep(decoders: list[DecoderDir], labels: list[str], sessions: dict[Path, Any], options: Any) -> dict[str, Any]:
     """Decode-step medians of every directory at every past in ``options.sweep``, interleaved
     across directories at each past."""
-    from kiln.runtime.bench import Timed, interleaved, vocab_of
 
     pasts = sorted(set(options.sweep))
     medians: dict[str, list[float]] = {label: [] for label in labels}

@@ -17,7 +17,7 @@ from typing import Any
 
 from kiln.errors import CheckpointError
 from kiln.plugins.base import DecoderSpec, LoadedModel
-from kiln.plugins.files import checkpoint_dir
+from kiln.plugins.files import checkpoint_dir, read_config
 from kiln.plugins.hf.archs import ARCHS
 from kiln.plugins.hf.seq2seq import SEQ2SEQ
 from kiln.plugins.hub_cache import HF_EXTRA
@@ -47,7 +47,6 @@ class HFFamily:
 
     def config_spec(self, path: Path) -> DecoderSpec:
         """The spec of the checkpoint's config, read and checked by transformers and kiln (no weight read)."""
-        from kiln.plugins import read_config
         from kiln.plugins.hf.build import config_spec
 
         directory = checkpoint_dir(path)
@@ -55,7 +54,6 @@ class HFFamily:
 
     def load(self, path: Path) -> LoadedModel:
         directory = checkpoint_dir(path)
-        from kiln.plugins import read_config
         from kiln.plugins.hf.build import load
 
         return load(path, directory, _architecture(read_config(directory), directory))

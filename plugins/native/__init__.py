@@ -12,29 +12,13 @@ from typing import Any
 from kiln.plugins.base import DecoderSpec, LoadedModel
 from kiln.plugins.files import checkpoint_dir
 from kiln.plugins.native.config import ARCHITECTURE, NativeConfig
+from kiln.plugins.native.spec import FAMILY, spec_of
 
 __all__ = ["NativeFamily", "NATIVE", "NativeConfig", "spec_of"]
 
 
-def spec_of(cfg: NativeConfig) -> DecoderSpec:
-    return DecoderSpec(
-        family=NativeFamily.name,
-        n_layers=cfg.n_layers,
-        n_kv_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab_size,
-        max_context=cfg.max_context,
-        ple_positions=cfg.ple.max_positions if cfg.ple.enabled else None,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id,
-        pad_token_id=cfg.pad_token_id,
-        encoder_dim=cfg.d_model if cfg.cross_attention else None,
-        config=cfg.to_dict(),
-    )
-
-
 class NativeFamily:
-    name = "native"
+    name = FAMILY
     description = "kiln's PLE decoder (config.json with architecture 'kiln-ple-decoder' + model.safetensors)"
 
     def claims(self, config: dict[str, Any]) -> bool:

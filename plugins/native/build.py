@@ -13,7 +13,7 @@ import torch
 from kiln.errors import CheckpointError
 from kiln.plugins.base import LayerPlan, LoadedModel
 from kiln.plugins.files import checkpoint_dir, checkpoint_tokenizer
-from kiln.plugins.native import NativeFamily, spec_of
+from kiln.plugins.native.spec import FAMILY, spec_of
 from kiln.plugins.native.checkpoint import Header, apply_state_dict, check_header, find_weights, read_state_dict, state_dtype, state_header
 from kiln.plugins.native.config import NativeConfig
 from kiln.plugins.native.model import PLEDecoder
@@ -65,7 +65,7 @@ def _check_sizes(cfg: NativeConfig, header: Header, weights: Path) -> None:
 
 def loaded_model(cfg: NativeConfig, module: PLEDecoder, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = ()) -> LoadedModel:
     """A native model as the exporter sees it, with the family's PLE folding and layer plan."""
-    plan = LayerPlan("layers.{}", (NativeFamily.name,) * cfg.n_layers, functools.partial(meta_template, cfg))
+    plan = LayerPlan("layers.{}", (FAMILY,) * cfg.n_layers, functools.partial(meta_template, cfg))
     spec = dataclasses.replace(spec_of(cfg), dtype=str(next(module.parameters()).dtype).removeprefix("torch."))
     return LoadedModel(module.eval(), spec, source, tokenizer, files, NATIVE_PLE if cfg.ple.enabled else None, plan)
 

@@ -18,7 +18,8 @@ from kiln.cli import main
 from kiln.errors import BenchError
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.runners import ort_session
-from kiln.runtime.bench import Timed, load_warning, render
+from kiln.runtime.bench import load_warning, render
+from kiln.runtime.timing import Timed
 from kiln.runtime.torch_row import TorchWorker
 from kiln.runtime.sweep import fit_line, render_sweep, runs_at
 from kiln.runtime.decoder_dirs import open_decoder_dir
