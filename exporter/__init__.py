@@ -8,8 +8,9 @@
 
 The stages, in the order ``pipeline.export`` runs them: ``load`` (reference module and limits),
 ``fold`` (PLE tables), ``trace`` + ``graphs`` (the portable graphs and their ``passes``,
-``precision``), ``targets`` (``--target ort``), ``parity`` (with ``runners``), ``artifacts``
-(reports, ``serving`` configs, manifest, staging). ``engine`` builds TensorRT engines from an
+``precision``), ``targets`` (the registry of ``--target NAME``: ``ort``), ``parity`` (with
+``runners``), ``emit`` (reports, ``serving`` configs, the manifest of ``artifacts``, which also
+stages, reads and verifies export directories). ``engine`` builds TensorRT engines from an
 export. Names are imported on first use, so ``import kiln.exporter`` is cheap.
 """
 
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
         LogitsMode,
         PLETables,
         Precision,
-        Target,
     )
     from kiln.exporter.parity import ParityResult
     from kiln.exporter.pipeline import ExportResult, export, export_loaded
@@ -42,7 +42,6 @@ __all__ = [
     "PLETables",
     "ParityResult",
     "Precision",
-    "Target",
     "Verification",
     "check_dir",
     "export",
@@ -56,7 +55,6 @@ _LAZY = {
     "LogitsMode": "options",
     "PLETables": "options",
     "Precision": "options",
-    "Target": "options",
     "ExportReport": "report",
     "ExportResult": "pipeline",
     "export": "pipeline",

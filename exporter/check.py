@@ -15,6 +15,7 @@ from kiln.exporter.options import PLETables, Precision
 from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.runners import Feeds, OrtRunner
+from kiln.exporter.targets import target
 from kiln.plugins import LoadedModel, load_model
 
 __all__ = ["check_dir"]
@@ -85,7 +86,7 @@ def _candidates(directory: Path, manifest: Manifest, backend: str, extra: Feeds 
         return [Candidate(lambda: TrtRunner.from_directory(directory, extra_feeds=extra), (GraphKind.PREFILL, GraphKind.DECODE), manifest.precision)]
     graphs = _graph_paths(directory, {GraphKind(kind): entry.file for kind, entry in manifest.graphs.items()})
     candidates = [Candidate(OrtRunner.opener(graphs, extra), tuple(graphs), manifest.precision)]
-    for name, target in (manifest.targets or {}).items():  # --target ort graphs: checked the same way
-        paths = _graph_paths(directory, {GraphKind(kind): entry.file for kind, entry in target.graphs.items()})
-        candidates.append(Candidate(OrtRunner.opener(paths, extra), tuple(paths), target.precision, target=name))
+    for name, entry in (manifest.targets or {}).items():  # each target's graphs, opened its way
+        paths = _graph_paths(directory, {GraphKind(kind): graph.file for kind, graph in entry.graphs.items()})
+        candidates.append(Candidate(target(name).runner(paths, extra), tuple(paths), entry.precision, target=name))
     return candidates

@@ -25,6 +25,7 @@ from kiln.exporter.passes import (
     run_passes,
 )
 from kiln.exporter.passes.ir_utils import clone
+from kiln.exporter.passes.reports import Report, pass_reports
 from kiln.exporter.passes.specialise import specialise
 from kiln.exporter.passes.stamp import StampLayers
 from kiln.exporter.passes.weights import WEIGHTS_FILE
@@ -47,13 +48,7 @@ class GraphRecord:
     kind: GraphKind
     path: Path
     io: GraphIO  # the graph's final I/O (the contract at its precision)
-    fp32_nodes: tuple[str, ...] | None = None  # fp16 graphs: nodes kept in fp32
-    fp32_tables: tuple[str, ...] | None = None  # fp16 graphs: PLE tables kept in fp32 (out of fp16's range)
-    int8_nodes: tuple[str, ...] | None = None  # int8 graphs: the quantized MatMul/Gemm nodes
-    fp8_nodes: tuple[str, ...] | None = None  # fp8 graphs: the MatMuls with fp8 Q/DQ inputs
-    int4_nodes: tuple[str, ...] | None = None  # int4 graphs: the MatMuls with int4 block-DQ weights
-    int4_blocks: dict[str, int] | None = None  # int4 graphs: each one's block size
-    int4_float: dict[str, str] | None = None  # int4 graphs: candidates left float, and why
+    passes: dict[str, Report] = dataclasses.field(default_factory=dict)  # what its passes report (``passes.reports``): the manifest's graphs.<kind>.passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,21 +112,6 @@ def fp32_graph(reference: Reference, folded: Folded, options: ExportOptions, kin
     return run_passes(clone(source), contract_passes(reference, folded, options, kind, traced), graph=kind.value)
 
 
-def _record(kind: GraphKind, path: Path, io: GraphIO, passes: list[ir.passes.PassBase]) -> GraphRecord:
-    record = GraphRecord(kind, path, io)
-    for pass_ in passes:
-        if isinstance(pass_, QuantizeInt8):
-            record = dataclasses.replace(record, int8_nodes=tuple(pass_.quantized))
-        elif isinstance(pass_, QuantizeFp8):
-            record = dataclasses.replace(record, fp8_nodes=tuple(pass_.quantized))
-        elif isinstance(pass_, QuantizeInt4) and pass_.record is not None:
-            rec = pass_.record
-            record = dataclasses.replace(record, int4_nodes=rec.nodes, int4_blocks=rec.blocks, int4_float=rec.float_nodes)
-        elif isinstance(pass_, ConvertFp16) and pass_.result is not None:
-            record = dataclasses.replace(record, fp32_nodes=pass_.result.kept_fp32, fp32_tables=pass_.result.fp32_tables)
-    return record
-
-
 def write_portable_graphs(
     reference: Reference, folded: Folded, options: ExportOptions, traced: Traced, plan: PrecisionPlan, onnx_dir: Path, progress: Progress
 ) -> GraphSet:
@@ -150,7 +130,7 @@ def write_portable_graphs(
                 writer.externalize(model, bar.advance)
                 ir.save(model, path)
             del model
-            records[kind] = _record(kind, path, contract_io(reference, folded, options, kind, final_dtype), passes)
+            records[kind] = GraphRecord(kind, path, contract_io(reference, folded, options, kind, final_dtype), pass_reports(passes))
         weights = writer.close()
     if options.precision.has_int4 or options.precision.has_fp8:
         with progress.stage("low-bit graphs: onnx.checker (full check)"):

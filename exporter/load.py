@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from kiln.errors import ConfigError, ExportError
-from kiln.exporter.options import ExportOptions, Target
+from kiln.exporter.options import ExportOptions
+from kiln.exporter.targets import targets
 from kiln.plugins import LoadedModel
 from kiln.plugins.base import DecoderSpec
 from torch import nn
@@ -47,8 +48,9 @@ def refuse_unsupported(spec: DecoderSpec, options: ExportOptions) -> None:
             "--int8 is not supported for cross-attention decoders yet: calibration needs encoder_hidden_states"
             " samples, which kiln's calibration data formats do not carry; export --fp16 or fp32"
         )
-    if spec.encoder_dim is not None and options.target is Target.ORT:
-        raise ConfigError("--target ort is not supported for cross-attention decoders yet: its attention rewrite knows causal self-attention only")
+    for target in targets():
+        if target.wanted(options):
+            target.refuse(spec)
     if spec.encoder_dim is not None and options.triton is not None:
         raise ConfigError(
             "triton: cross-attention decoders are not supported yet (the ensemble would need encoder_hidden_states"

@@ -20,7 +20,7 @@ import torch
 from kiln.calibration import WINDOW, Calibration, load_calibration_data
 from kiln.calibration.hessians import collect_hessians
 from kiln.errors import ParityError
-from kiln.exporter.artifacts.export_dir import write_artifacts
+from kiln.exporter.emit import write_artifacts
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.artifacts.layout import CALIBRATION_DIR, ONNX_DIR
 from kiln.exporter.artifacts.manifest import Manifest
@@ -34,7 +34,7 @@ from kiln.exporter.graphs import (
     write_portable_graphs,
 )
 from kiln.exporter.load import Reference, load_reference, resolve_limits
-from kiln.exporter.options import ExportOptions, PLETables, Target
+from kiln.exporter.options import ExportOptions, PLETables
 from kiln.exporter.parity import (
     TOLERANCES,
     Candidate,
@@ -53,7 +53,8 @@ from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.report import ExportReport
 from kiln.exporter.runners import OrtRunner, TorchRunner
 from kiln.exporter.runners.torch_runner import drop_fp32_buffers
-from kiln.exporter.targets.ort import OrtTarget, write_ort_target
+from kiln.exporter.targets import target, targets
+from kiln.exporter.targets.base import TargetGiven, TargetGraphs
 from kiln.exporter.trace import Traced, trace_unified
 from kiln.plugins import LoadedModel, config_spec, load_model, resolve_checkpoint
 
@@ -107,15 +108,16 @@ def export_loaded(
         (root / ONNX_DIR).mkdir()
         portable = write_portable_graphs(reference, folded, options, traced, plan, root / ONNX_DIR, progress)
         calibrated = calibration.finish(root / CALIBRATION_DIR) if calibration is not None else None
-        ort = _ort_target(reference, options, portable, root, progress)
+        given = TargetGiven(root / ONNX_DIR, portable.paths, reference.spec, options, reference.max_context, progress)
+        written = tuple(target.write(given) for target in targets() if target.wanted(options))
         release = release_weights(reference.module) if release_reference else None
         parity = check_parity(
-            reference.module, reference.spec, _candidates(folded, options, portable, ort), _settings(reference, options), release_reference=release, progress=progress
+            reference.module, reference.spec, _candidates(folded, options, portable, written), _settings(reference, options), release_reference=release, progress=progress
         )
         if not parity.passed:
             raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
         report = ExportReport(
-            reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, fp16.keep, portable, calibrated, sensitivity, ort, parity,
+            reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, fp16.keep, portable, calibrated, sensitivity, written, parity,
             loaded.tokenizer, loaded.serving_files, _quantization(options, portable, int4),
             checkpoint_path=str(loaded.source.absolute()) if loaded.source.exists() else None,
         )
@@ -218,8 +220,9 @@ def _int4(reference: Reference, options: ExportOptions, progress: Progress) -> _
 def _quantization(options: ExportOptions, portable: GraphSet, int4: _Int4Setup | None) -> dict[str, object] | None:
     """What the manifest records of an int4 or fp8 export (``export.quantization``)."""
     if int4 is not None:
-        blocks = {n: b for g in portable.graphs.values() for n, b in (g.int4_blocks or {}).items() if b != options.int4_block}
-        kept = {n: why for g in portable.graphs.values() for n, why in (g.int4_float or {}).items()}
+        reports = [g.passes.get("int4", {}) for g in portable.graphs.values()]
+        blocks = {n: b for r in reports for n, b in r.get("blocks", {}).items() if b != options.int4_block}
+        kept = {n: why for r in reports for n, why in r.get("kept_float", {}).items()}
         return {
             "format": "int4 weight-only: DequantizeLinear(INT4 [K, N], scale [K/B, N], axis=0, block_size=B), symmetric, no zero point",
             "method": options.int4_method.value,
@@ -237,23 +240,15 @@ def _quantization(options: ExportOptions, portable: GraphSet, int4: _Int4Setup |
     return None
 
 
-def _ort_target(reference: Reference, options: ExportOptions, portable: GraphSet, root: Path, progress: Progress) -> OrtTarget | None:
-    if options.target is not Target.ORT:
-        return None
-    with progress.stage("ONNX Runtime target graphs"):
-        return write_ort_target(
-            root / ONNX_DIR, portable.paths, reference.spec, max_context=reference.max_context, int8=options.ort_int8, int4=options.precision.has_int4
-        )
-
-
 def _settings(reference: Reference, options: ExportOptions) -> ParitySettings:
     return ParitySettings(reference.max_context, options.max_batch, options.parity_tokens, options.last_logits_only)
 
 
-def _candidates(folded: Folded, options: ExportOptions, portable: GraphSet, ort: OrtTarget | None) -> list[Candidate]:
-    """The graph sets parity checks: the portable graphs, then each target's."""
+def _candidates(folded: Folded, options: ExportOptions, portable: GraphSet, written: tuple[TargetGraphs, ...]) -> list[Candidate]:
+    """The graph sets parity checks: the portable graphs, then each target's (opened its way)."""
     feeds = table_feeds(list(folded.tables), options.precision.kv_dtype) if options.ple_tables is PLETables.INPUT else None
     candidates = [Candidate(OrtRunner.opener(portable.paths, feeds), tuple(portable.paths), options.precision.value)]
-    if ort is not None:
-        candidates.append(Candidate(OrtRunner.opener(ort.paths, feeds), tuple(ort.paths), ort.precision, target="ort"))
+    for graphs in written:
+        opener = target(graphs.name).runner(graphs.paths, feeds)
+        candidates.append(Candidate(opener, tuple(graphs.paths), graphs.precision, target=graphs.name))
     return candidates

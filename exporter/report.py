@@ -12,7 +12,7 @@ from kiln.exporter.graphs import GraphSet
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.parity.results import ParityResult
 from kiln.exporter.precision.sensitivity import SensitivityResult
-from kiln.exporter.targets.ort import OrtTarget
+from kiln.exporter.targets.base import TargetGraphs
 from kiln.plugins.base import DecoderSpec
 
 __all__ = ["ExportReport"]
@@ -30,7 +30,7 @@ class ExportReport:
     portable: GraphSet
     calibration: dict[str, Any] | None  # int8: where the ranges came from
     sensitivity: SensitivityResult | None  # --auto-keep-fp32
-    ort: OrtTarget | None  # --target ort
+    targets: tuple[TargetGraphs, ...]  # what each target wrote (--target NAME)
     parity: ParityResult  # every graph set's checks
     tokenizer: Path | None  # the checkpoint's tokenizer.json (copied into the export), when it has one
     serving_files: tuple[Path, ...] = ()  # the family's files for consumers (Hugging Face's config.json...), copied into onnx/
@@ -40,13 +40,14 @@ class ExportReport:
     def parity_extras(self) -> dict[str, Any]:
         """What the parity report shows besides the checks, in the order it shows it."""
         extras: dict[str, Any] = {}
-        fp32 = {kind.value: {"nodes": list(g.fp32_nodes), "tables": list(g.fp32_tables or ())} for kind, g in self.portable.graphs.items() if g.fp32_nodes is not None}
+        fp16 = {kind.value: g.passes["fp16"] for kind, g in self.portable.graphs.items() if "fp16" in g.passes}
+        fp32 = {kind: {"nodes": r["fp32_nodes"], "tables": r["fp32_ple_tables"]} for kind, r in fp16.items()}
         if fp32:
             extras["kept_fp32"] = fp32
         if self.calibration is not None:
             extras["calibration"] = self.calibration
             if self.options.precision.has_int8:
-                extras["int8_nodes"] = {kind.value: list(g.int8_nodes or ()) for kind, g in self.portable.graphs.items()}
+                extras["int8_nodes"] = {kind.value: g.passes.get("int8", {}).get("nodes", []) for kind, g in self.portable.graphs.items()}
         if self.quantization is not None:
             extras["quantization"] = self.quantization
         if self.sensitivity is not None:

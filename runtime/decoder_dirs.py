@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kiln.errors import BenchError
 from kiln.exporter.artifacts.manifest import Manifest
-from kiln.exporter.contract.io import GraphKind, kv_pairs
+from kiln.exporter.contract.io import CacheUpdate, GraphKind, kv_pairs
 from kiln.jsonfile import read_json_object
 
 __all__ = ["DecoderDir", "open_decoder_dir", "open_decoder_dirs", "shares_kv_buffer"]
@@ -49,9 +49,9 @@ def open_decoder_dirs(path: Path) -> list[DecoderDir]:
     targets = first.manifest.targets or {}
     extra = []
     for name, t in sorted(targets.items()):
-        # the ORT decode graph writes its KV in place when past and present are one buffer:
+        # a decode graph that writes its KV in place when past and present are one buffer is
         # timed that way, as a serving loop (kiln generate --target ort) runs it
-        shared = name == "ort" and shares_kv_buffer(first.manifest)
+        shared = shares_kv_buffer(first.manifest, name)
         aliases = {present: past for past, present in kv_pairs(first.manifest.model.n_layers)} if shared else {}
         decode, prefill = path / t.graphs["decode"].file, path / t.graphs["prefill"].file
         extra.append(dataclasses.replace(first, prefill=prefill, decode=decode, target=name, shared_kv_buffer=shared, present_to_past=aliases))
@@ -107,11 +107,8 @@ def _genai_dir(path: Path) -> DecoderDir:
     return DecoderDir(path, "genai", graph, graph, roles, shared, present_to_past=pairs, named_dims=named)
 
 
-def shares_kv_buffer(manifest: Manifest) -> bool:
-    """True when the export's ``--target ort`` decode graph has every layer's attention fused
-    into GroupQueryAttention, which writes the new key/value in place when past and present are
-    bound to one buffer (a layer left portable grows its cache with Concat)."""
-    ort = (manifest.targets or {}).get("ort")
-    if ort is None:
-        return False
-    return sorted(ort.graphs["decode"].fused_attention_layers) == list(range(manifest.model.n_layers))
+def shares_kv_buffer(manifest: Manifest, target: str) -> bool:
+    """True when the export's ``target`` graphs carry the cache in one buffer that past and
+    present are both bound to, written in place (its ``kv_cache`` contract: ``CacheUpdate``)."""
+    entry = (manifest.targets or {}).get(target)
+    return entry is not None and entry.kv_cache == CacheUpdate.SHARED.value

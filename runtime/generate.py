@@ -138,7 +138,7 @@ class Generator:
             if target not in targets:
                 raise GenerateError(f"{directory}: has no --target {target} graphs; export it with --target {target}")
             files = {kind: targets[target].graphs[kind.value].file for kind in files}
-            if shares_kv_buffer(manifest):
+            if shares_kv_buffer(manifest, target):
                 kv = SharedKv(n_layers)
         self.directory = directory
         self.manifest = manifest

@@ -54,7 +54,7 @@ def typed_manifest(data: dict[str, Any]) -> Manifest:
     every other field gets a placeholder of the right type."""
     spec = spec_of(tiny_config())
     base: dict[str, Any] = {
-        "manifest_version": 1,
+        "manifest_version": 2,
         "family": "native",
         "checkpoint": {"reference": None, "files": {}, "dtype": "float32"},
         "config": {},
@@ -129,6 +129,48 @@ class RecordedProgress:
 
     def note(self, message: str) -> None:
         self.notes.append(message)
+
+
+def downgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """A version-2 manifest in version 1's layout (what the previous kiln wrote): the inverse of
+    ``upgrade_v1``, which ``test_downgrade_inverts_the_upgrade`` proves on the fixtures."""
+    out = dict(data, manifest_version=1)
+    fields = {("int8", "nodes"): "int8_nodes", ("int4", "nodes"): "int4_nodes", ("fp8", "nodes"): "fp8_nodes",
+              ("fp16", "fp32_nodes"): "fp32_nodes", ("fp16", "fp32_ple_tables"): "fp32_ple_tables"}
+    out["graphs"] = {kind: _flat(g, fields) for kind, g in data["graphs"].items()}
+    if data.get("targets"):
+        ort = data["targets"]["ort"]
+        graphs = {kind: _ort_graph(kind, g) for kind, g in ort["graphs"].items()}
+        entry = {"precision": ort["precision"], "int8": (ort.get("record") or {}).get("int8"), "graphs": graphs, "weights": ort["weights"]}
+        if "int4" in (ort.get("record") or {}):
+            entry["int4"] = ort["record"]["int4"]
+        out["targets"] = {"ort": entry}
+    return out
+
+
+def _flat(graph: dict[str, Any], fields: dict[tuple[str, str], str]) -> dict[str, Any]:
+    out = {k: v for k, v in graph.items() if k != "passes"}
+    for (report, key), field in fields.items():
+        if key in graph.get("passes", {}).get(report, {}):
+            out[field] = graph["passes"][report][key]
+    return out
+
+
+def _ort_graph(kind: str, graph: dict[str, Any]) -> dict[str, Any]:
+    passes = graph.get("passes", {})
+    out = {
+        "file": graph["file"],
+        "fused_attention_layers": passes.get("attention", {}).get("layers", []),
+        "compact_decode_mask": passes.get("decode_mask", {}).get("compact", False),
+        "fused_rms_norms": passes.get("rms_norm", {}).get("fused", 0),
+        "fused_skip_norms": passes.get("skip_rms_norm", {}).get("fused", 0),
+        "packed_matmuls": passes.get("pack", {}).get("matmuls", []),
+        "int8_nodes": passes.get("nbits_int8", {}).get("nodes", []),
+    }
+    optional = {"int4_nodes": ("nbits_int4", "nodes"), "moe_layers": ("moe", "layers"), "moe_not_fused": ("moe", "not_fused"),
+                "local_window_layers": ("decode_mask", "local_window_layers")}
+    out |= {field: passes[r][k] for field, (r, k) in optional.items() if k in passes.get(r, {})}
+    return out
 
 
 HEAVY = ("torch", "onnxruntime", "transformers")

@@ -16,14 +16,14 @@ from kiln.exporter.artifacts.manifest import (
     ModelInfo,
     ParityInfo,
     TargetEntry,
+    TargetGraph,
     TargetWeights,
     WeightsInfo,
     export_settings,
     tool_versions,
 )
 from kiln.exporter.report import ExportReport
-from kiln.exporter.targets.ort import INT8_FORMAT, OrtTarget
-from kiln.exporter.targets.ort.int4 import INT4_FORMAT
+from kiln.exporter.targets.base import TargetGraphs
 
 __all__ = ["build_manifest"]
 
@@ -32,28 +32,18 @@ def _rel(path: Path, root: Path) -> str:
     return path.relative_to(root).as_posix()
 
 
-def _ort_entry(target: OrtTarget, root: Path, int4: dict[str, object] | None) -> TargetEntry:
-    graphs = {kind.value: entry for kind, entry in target.graphs.items()}
-    int8 = dict(INT8_FORMAT) if target.precision == "int8" else None
-    return TargetEntry(target.precision, int8, graphs, TargetWeights(_rel(target.weights.path, root), target.weights.bytes), int4)
-
-
-def _ort_int4(report: ExportReport) -> dict[str, object] | None:
-    if report.ort is None or report.ort.precision != "int4" or report.quantization is None:
-        return None
-    return INT4_FORMAT(int(report.quantization["block_size"]))
+def _target_entry(target: TargetGraphs, root: Path) -> TargetEntry:
+    """What a target wrote, as the manifest holds it: all of it the target's own data."""
+    graphs = {kind.value: TargetGraph(_rel(path, root), target.passes.get(kind) or None) for kind, path in target.paths.items()}
+    weights = TargetWeights(_rel(target.weights.path, root), target.weights.bytes)
+    return TargetEntry(target.precision, target.kv_cache.value, graphs, weights, dict(target.record) if target.record else None)
 
 
 def build_manifest(report: ExportReport, root: Path) -> Manifest:
     """The manifest of the export staged in ``root`` (its ``files`` are filled in last, once
-    every file is written: ``artifacts.export_dir``)."""
+    every file is written: ``exporter.emit``)."""
     spec, options = report.spec, report.options
-    graphs = {
-        kind.value: GraphEntry.of(
-            _rel(g.path, root), g.io, int8_nodes=g.int8_nodes, int4_nodes=g.int4_nodes, fp8_nodes=g.fp8_nodes, fp32_nodes=g.fp32_nodes, fp32_ple_tables=g.fp32_tables
-        )
-        for kind, g in report.portable.graphs.items()
-    }
+    graphs = {kind.value: GraphEntry.of(_rel(g.path, root), g.io, g.passes) for kind, g in report.portable.graphs.items()}
     weights = report.portable.weights
     return Manifest(
         manifest_version=MANIFEST_VERSION,
@@ -71,5 +61,5 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
         parity=ParityInfo(report.parity.passed, PARITY_REPORT),
         tools=tool_versions(),
         files={},
-        targets={"ort": _ort_entry(report.ort, root, _ort_int4(report))} if report.ort is not None else None,
+        targets={t.name: _target_entry(t, root) for t in report.targets} or None,
     )

@@ -21,6 +21,7 @@ from typing import Any
 
 from kiln import __version__
 from kiln.errors import ArtifactError
+from kiln.exporter.artifacts.manifest_v1 import upgrade_v1
 from kiln.exporter.artifacts.serde import OMIT_IF_NONE, from_json, to_json
 from kiln.exporter.contract.io import GraphIO, GraphKind, TensorSpec
 from kiln.exporter.options import (
@@ -46,7 +47,8 @@ __all__ = [
     "GraphEntry",
     "WeightsInfo",
     "ParityInfo",
-    "OrtGraphEntry",
+    "TargetGraph",
+    "TargetWeights",
     "TargetEntry",
     "EnginesEntry",
     "read",
@@ -56,7 +58,7 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 1 (before targets and passes reported their own data) is still read: ``manifest_v1``
 _TOOLS = ("torch", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "polygraphy", "transformers")  # transformers: the Hugging Face family's model code
 
 
@@ -136,15 +138,17 @@ class GraphEntry:
     file: str
     inputs: tuple[TensorEntry, ...]
     outputs: tuple[TensorEntry, ...]
-    int8_nodes: tuple[str, ...] | None = _omit()
-    int4_nodes: tuple[str, ...] | None = _omit()
-    fp8_nodes: tuple[str, ...] | None = _omit()
-    fp32_nodes: tuple[str, ...] | None = _omit()
-    fp32_ple_tables: tuple[str, ...] | None = _omit()
+    # what the graph's passes report, by report name (``passes.reports``): fp16's islands, the
+    # int8/int4/fp8 MatMuls; absent for a graph whose passes report nothing (fp32)
+    passes: dict[str, dict[str, Any]] | None = _omit()
 
     @classmethod
-    def of(cls, file: str, io: GraphIO, **extra: tuple[str, ...] | None) -> GraphEntry:
-        return cls(file, tuple(map(TensorEntry.of, io.inputs)), tuple(map(TensorEntry.of, io.outputs)), **extra)
+    def of(cls, file: str, io: GraphIO, passes: dict[str, dict[str, Any]] | None = None) -> GraphEntry:
+        return cls(file, tuple(map(TensorEntry.of, io.inputs)), tuple(map(TensorEntry.of, io.outputs)), passes or None)
+
+    def report(self, name: str) -> dict[str, Any]:
+        """One pass's report (empty when that pass did not run on this graph)."""
+        return (self.passes or {}).get(name, {})
 
     @property
     def input_names(self) -> list[str]:
@@ -165,20 +169,14 @@ class ParityInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class OrtGraphEntry:
-    """A ``--target ort`` graph and what the rewrite did to it."""
+class TargetGraph:
+    """A target's graph: its file and what the target's passes report of it (the target owns them)."""
 
     file: str
-    fused_attention_layers: tuple[int, ...]
-    compact_decode_mask: bool
-    fused_rms_norms: int
-    fused_skip_norms: int
-    packed_matmuls: tuple[str, ...]
-    int8_nodes: tuple[str, ...]
-    int4_nodes: tuple[str, ...] | None = _omit()
-    moe_layers: tuple[int, ...] | None = _omit()  # graphs with mixture-of-experts blocks: the layers whose experts became one MoE node
-    moe_not_fused: tuple[str, ...] | None = _omit()  # and "layer i: why" for each block left portable
-    local_window_layers: tuple[int, ...] | None = _omit()  # decode: the layers whose GQA applies the sliding window itself (local_window_size)
+    passes: dict[str, dict[str, Any]] | None = _omit()
+
+    def report(self, name: str) -> dict[str, Any]:
+        return (self.passes or {}).get(name, {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,11 +187,13 @@ class TargetWeights:
 
 @dataclasses.dataclass(frozen=True)
 class TargetEntry:
-    precision: str
-    int8: dict[str, Any] | None
-    graphs: dict[str, OrtGraphEntry]
+    """A target's graph set (``exporter.targets``): everything in it is the target's own data."""
+
+    precision: str  # of its graphs ("fp32", or "int8"/"int4" for weight-only MatMulNBits)
+    kv_cache: str  # how its decode step carries the cache (``contract.io.CacheUpdate``): what a runtime loop needs
+    graphs: dict[str, TargetGraph]
     weights: TargetWeights
-    int4: dict[str, Any] | None = _omit()  # MatMulNBits bits=4: block size, accuracy level
+    record: dict[str, Any] | None = _omit()  # what its graphs were written with (the MatMulNBits format...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,8 +293,10 @@ def read(root: Path) -> Manifest:
         raise ArtifactError(f"{root}: not a directory")
     data = read_json_object(path, ArtifactError, f"{root}: no {MANIFEST}; is this a kiln export directory?")
     version = data.get("manifest_version")
-    if version != MANIFEST_VERSION:
-        raise ArtifactError(f"{path}: manifest_version {version!r} is not supported (this kiln reads version {MANIFEST_VERSION}); re-export with this kiln")
+    if version == 1:
+        data = upgrade_v1(data, str(path))
+    elif version != MANIFEST_VERSION:
+        raise ArtifactError(f"{path}: manifest_version {version!r} is not supported (this kiln reads versions 1 and {MANIFEST_VERSION}); re-export with this kiln")
     manifest = Manifest.from_json(data, str(path))
     _check_ranges(manifest, path)
     return manifest

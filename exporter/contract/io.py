@@ -32,6 +32,7 @@ import enum
 from kiln.plugins.base import DecoderSpec
 
 __all__ = [
+    "CacheUpdate",
     "GraphKind",
     "TensorSpec",
     "GraphIO",
@@ -69,6 +70,14 @@ class GraphKind(str, enum.Enum):
 
 
 DECODER_KINDS = (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.UNIFIED)
+
+
+class CacheUpdate(str, enum.Enum):
+    """How a graph set's decode step carries the KV cache, which its run loop must follow (the
+    manifest records it per target: ``targets.<name>.kv_cache``; the portable graphs grow it)."""
+
+    GROWN = "grown"  # present = past + the new token's keys/values: a new, longer buffer each step (Concat)
+    SHARED = "shared"  # past and present bound to one buffer of fixed capacity, written in place (GroupQueryAttention)
 
 
 def graph_kinds(spec: DecoderSpec) -> tuple[GraphKind, ...]:

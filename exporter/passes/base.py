@@ -13,6 +13,7 @@ from typing import Generic, TypeVar
 
 import onnx_ir as ir
 from kiln.errors import ExportError, KilnError
+from kiln.exporter.passes.reports import Report
 
 __all__ = ["GraphRewrite", "run_passes", "pass_name"]
 
@@ -41,17 +42,25 @@ R = TypeVar("R")
 
 class GraphRewrite(ir.passes.InPlacePass, Generic[R]):
     """An in-place rewrite function (``rewrite(model) -> what it did``) as a pass: ``result``
-    holds what it returned. Postcondition: the graph's input and output names are those it had
-    (a rewrite replaces what computes the contract, never the contract itself)."""
+    holds what it returned, and, given a ``reporter``, ``report`` what the manifest records of it
+    under ``name`` (``passes.reports``). Postcondition: the graph's input and output names are
+    those it had (a rewrite replaces what computes the contract, never the contract itself)."""
 
-    def __init__(self, rewrite: Callable[[ir.Model], R]) -> None:
+    def __init__(self, rewrite: Callable[[ir.Model], R], name: str | None = None, reporter: Callable[[R], Report | None] | None = None) -> None:
         super().__init__()
         self.rewrite = rewrite
         self.result: R | None = None
+        self.report_name = name or repr(self)
+        self._reporter = reporter
         self._io: tuple[list[str | None], list[str | None]] = ([], [])
 
     def __repr__(self) -> str:
         return getattr(self.rewrite, "__name__", type(self).__name__)
+
+    @property
+    def report(self) -> Report | None:
+        """What the manifest records of this rewrite (None: it has not run, or reports nothing)."""
+        return self._reporter(self.result) if self._reporter is not None and self.result is not None else None
 
     def requires(self, model: ir.Model) -> None:
         self._io = ([v.name for v in model.graph.inputs], [v.name for v in model.graph.outputs])

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 import torch
+from kiln.exporter.passes.reports import Report
 from kiln.errors import ExportError
 from kiln.exporter.passes.bind import ModuleWeight, Transform
 from kiln.exporter.passes.ir_utils import set_dtype
@@ -248,6 +249,15 @@ class ConvertFp16(ir.passes.InPlacePass):
         self.policy = policy
         self.result: Fp16Result | None = None
 
+    report_name = "fp16"
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         converted, self.result = convert_to_fp16(model, self.policy)
         return ir.passes.PassResult(converted, modified=True)
+
+    @property
+    def report(self) -> Report | None:
+        """The manifest's ``passes.fp16``: the nodes kept in fp32 and the PLE tables kept fp32."""
+        if self.result is None:
+            return None
+        return {"fp32_nodes": list(self.result.kept_fp32), "fp32_ple_tables": list(self.result.fp32_tables)}

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
+from kiln.exporter.passes.reports import Report
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.passes.ir_utils import set_dtype
 from kiln.exporter.precision.int8 import Int8Policy, int8_targets
@@ -67,6 +68,7 @@ class QuantizeFp8(ir.passes.InPlacePass):
         self.calibrate, self.policy = calibrate, policy
         self.required = required  # --fp8-float rules: each must name some MatMul (a typo would keep nothing)
         self.quantized: list[str] = []
+        self._ran = False
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -92,7 +94,15 @@ class QuantizeFp8(ir.passes.InPlacePass):
             node.replace_input_with(0, activations[id(x)])
             self._weight(graph, node)
         self.quantized = [n.name or "" for n in targets]
+        self._ran = True
         return ir.passes.PassResult(model, modified=bool(targets))
+
+    report_name = "fp8"
+
+    @property
+    def report(self) -> Report | None:
+        """The manifest's ``passes.fp8``: the MatMuls with fp8 Q/DQ inputs."""
+        return {"nodes": list(self.quantized)} if self._ran else None
 
     def _activation(self, graph: ir.Graph, node: ir.Node, x: ir.Value, ranges: dict[str, tuple[float, float]]) -> ir.Value:
         if x.name not in ranges:

@@ -15,7 +15,7 @@ The LM head stays float by default (rules as ``--int8-float``'s); only MatMuls w
 ``Int4Quantizer`` computes every weight's ``(q, scale)`` once per export, lazily (a weight's
 numbers are computed when a graph's writer or a check first reads them), and every graph of the
 set reads the same numbers; the ``--target ort`` graphs read them back from the portable graphs'
-weights file (``targets.ort.int4``), so both forms hold the same quantized weights.
+weights file (the manifest's ``targets.ort.record.int4``), so both forms hold the same quantized weights.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx_ir as ir
+from kiln.exporter.passes.reports import Report
 from kiln.errors import ExportError
 from kiln.exporter.options import DEFAULT_INT4_METHOD, Int4Method
 from kiln.exporter.passes.bind import ModuleWeight
@@ -155,6 +156,16 @@ class QuantizeInt4(ir.passes.InPlacePass):
                 graph.initializers.pop(weight.name)
         self.record = Int4Record(tuple(n.name or "" for n, _, _ in plan), {n.name or "": b for n, _, b in plan}, left)
         return ir.passes.PassResult(model, modified=bool(plan))
+
+    report_name = "int4"
+
+    @property
+    def report(self) -> Report | None:
+        """The manifest's ``passes.int4``: the MatMuls with int4 weights, each one's block size, and
+        the candidates left float with why."""
+        if self.record is None:
+            return None
+        return {"nodes": list(self.record.nodes), "blocks": dict(self.record.blocks), "kept_float": dict(self.record.float_nodes)}
 
     def _quantize(self, graph: ir.Graph, node: ir.Node, weight: ir.Value, block: int) -> None:
         tensor = weight.const_value

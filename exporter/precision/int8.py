@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx
 import onnx_ir as ir
+from kiln.exporter.passes.reports import Report
 from kiln.errors import ExportError
 from kiln.exporter.precision.policy import rule_matches
 from kiln.exporter.precision.via_proto import via_proto
@@ -93,10 +94,19 @@ class QuantizeInt8(ir.passes.FunctionalPass):
         super().__init__()
         self.calibrate, self.policy = calibrate, policy
         self.quantized: list[str] = []
+        self._ran = False
+
+    report_name = "int8"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         quantized, self.quantized = quantize_int8(model, self.calibrate(model), self.policy)
+        self._ran = True
         return ir.passes.PassResult(quantized, modified=True)
+
+    @property
+    def report(self) -> Report | None:
+        """The manifest's ``passes.int8``: the quantized MatMul/Gemm nodes."""
+        return {"nodes": list(self.quantized)} if self._ran else None
 
 
 def _const(graph: onnx.GraphProto, name: str) -> np.ndarray | None:

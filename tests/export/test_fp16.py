@@ -49,7 +49,7 @@ def test_types_of_graph_io_and_weights(fp16_export: Path) -> None:
 
 def test_fp32_islands_are_named_and_really_fp32(fp16_export: Path) -> None:
     manifest = json.loads((fp16_export / "manifest.json").read_text())
-    kept = manifest["graphs"]["decode"]["fp32_nodes"]
+    kept = manifest["graphs"]["decode"]["passes"]["fp16"]["fp32_nodes"]
     assert "/layers.0.attn/Softmax" in kept and "/layers.1.attn/Softmax" in kept
     assert {"/final_norm/ReduceMean", "/final_norm/Add", "/final_norm/Sqrt"} <= set(kept)  # eps Add by propagation
     assert "/layers.0.attn.q_proj/MatMul" not in kept
@@ -77,7 +77,7 @@ def test_keep_fp32_by_name_and_module(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     options = ExportOptions(precision=Precision.FP16, parity_tokens=4, keep_fp32=("/layers.1.attn.o_proj/MatMul", "/layers.0.mlp.fc2/", "Gather"))
     manifest = export(ckpt, tmp_path / "out", options).manifest.to_json()
-    kept = manifest["graphs"]["model"]["fp32_nodes"]
+    kept = manifest["graphs"]["model"]["passes"]["fp16"]["fp32_nodes"]
     assert "/layers.1.attn.o_proj/MatMul" in kept and "/layers.0.mlp.fc2/MatMul" in kept
     assert "/layers.0.ple/Gather" in kept and "/embed/Gather" in kept
     assert manifest["export"]["keep_fp32"][-3:] == ["/layers.1.attn.o_proj/MatMul", "/layers.0.mlp.fc2/", "Gather"]
@@ -107,6 +107,6 @@ def test_auto_keep_finds_the_overflowing_module(tmp_path: Path) -> None:
     for group in found["groups"]:
         assert group["nodes"] and all(n.startswith(group["rule"]) for n in group["nodes"])
         assert not np.isfinite(group["error_in_fp16"]) or group["error_in_fp16"] > found["tolerance"]
-    kept = result.manifest.graphs["decode"].fp32_nodes
+    kept = result.manifest.graphs["decode"].report("fp16")["fp32_nodes"]
     assert any(n.startswith("/layers.1.mlp") for n in kept)
     assert torch.isfinite(torch.tensor(result.parity.tensors[0].max_abs))

@@ -58,7 +58,7 @@ def test_manifest_and_parity(fp8_export: Path) -> None:
     manifest = json.loads((fp8_export / "manifest.json").read_text())
     assert manifest["precision"] == "fp8" and manifest["kv_cache"]["dtype"] == "float16"
     assert manifest["export"]["quantization"]["method"] == "max" and manifest["export"]["calibration"]["settings"]["method"] == "max"
-    assert "/layers.1.mlp.fc2/MatMul" in manifest["graphs"]["decode"]["fp8_nodes"]
+    assert "/layers.1.mlp.fc2/MatMul" in manifest["graphs"]["decode"]["passes"]["fp8"]["nodes"]
     schema = json.loads((resources.files("kiln.exporter.artifacts") / "manifest.schema.json").read_text())
     Draft202012Validator(schema).validate(manifest)
     report = json.loads((fp8_export / "reports" / "parity.json").read_text())
@@ -122,8 +122,8 @@ def test_fp8_float_keeps_the_named_matmuls_fp16(tmp_path: Path) -> None:
         assert weight[nodes["/layers.0.mlp.fc2/MatMul"].input[1]].data_type == onnx.TensorProto.FLOAT16
     manifest = json.loads((out / "manifest.json").read_text())
     assert {"/layers.0.mlp.fc2/", "*.q_proj"} <= set(manifest["export"]["quantization"]["kept_float"]["rules"])
-    assert "/layers.0.mlp.fc2/MatMul" not in manifest["graphs"]["decode"]["fp8_nodes"]
-    assert "/layers.1.mlp.fc2/MatMul" in manifest["graphs"]["decode"]["fp8_nodes"]
+    assert "/layers.0.mlp.fc2/MatMul" not in manifest["graphs"]["decode"]["passes"]["fp8"]["nodes"]
+    assert "/layers.1.mlp.fc2/MatMul" in manifest["graphs"]["decode"]["passes"]["fp8"]["nodes"]
     assert json.loads((out / "reports" / "parity.json").read_text())["passed"]
 
 

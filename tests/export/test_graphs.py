@@ -89,7 +89,7 @@ def test_manifest_hashes_and_limits(exported: Path) -> None:
     from kiln.exporter.artifacts.hashing import sha256_file
 
     manifest = json.loads((exported / "manifest.json").read_text())
-    assert manifest["manifest_version"] == 1
+    assert manifest["manifest_version"] == 2
     assert manifest["limits"] == {"max_batch": 4, "max_context": 48}
     assert manifest["kv_cache"]["layout"] == "BNSH"
     assert set(manifest["files"]) == {

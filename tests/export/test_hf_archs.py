@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers", reason="the Hugging Face fami
 import torch
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.options import ExportOptions, Precision, Target
+from kiln.exporter.options import ExportOptions, Precision
 from kiln.exporter.parity import greedy, left_pad, make_prompts
 from kiln.exporter.pipeline import export
 from kiln.exporter.runners import OrtRunner
@@ -71,7 +71,7 @@ def test_every_architecture_has_a_tiny_model() -> None:
 @pytest.mark.parametrize("case", sorted(TINY))
 def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> None:
     ckpt = _save(case, tmp_path / "ckpt")
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, target=Target.ORT))
+    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, target="ort"))
     assert result.parity.passed, result.parity.failures()
     arch = TINY[case][0]
     assert result.manifest.config["architecture"] == arch
@@ -79,25 +79,26 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     stated = json.loads((tmp_path / "out" / "onnx" / "genai_config.json").read_text())["model"]["decoder"]
     own = transformers.AutoConfig.from_pretrained(ckpt)
     assert (stated["num_attention_heads"], stated["hidden_size"], stated["num_hidden_layers"]) == (own.num_attention_heads, own.hidden_size, own.num_hidden_layers)
-    assert result.report.ort is not None
-    fused = {kind: list(entry.fused_attention_layers) for kind, entry in result.report.ort.graphs.items() if kind is not GraphKind.UNIFIED}
+    assert result.manifest.targets is not None
+    ort = {GraphKind(kind): entry for kind, entry in result.manifest.targets["ort"].graphs.items()}
+    fused = {kind: entry.report("attention")["layers"] for kind, entry in ort.items() if kind is not GraphKind.UNIFIED}
     expected = [] if case in PORTABLE_ATTENTION else [0, 1]
     assert fused == {GraphKind.PREFILL: expected, GraphKind.DECODE: expected}, fused
     assert PORTABLE_ATTENTION.get(case, "GQA") in ARCHS[arch].ort, ARCHS[arch].ort  # what docs/architectures.md and kiln plugins say
-    for kind, entry in result.report.ort.graphs.items():
+    for kind, entry in ort.items():
         # decode only: the prompt graphs keep the per-expert MatMuls (measured faster there) and say so
         layers = MOE_LAYERS.get(case, []) if kind is GraphKind.DECODE else []
         why = {i: MOE_NOT_FUSED[case] for i in range(2)} if case in MOE_NOT_FUSED else {} if kind is GraphKind.DECODE else {i: PROMPT_GRAPH for i in MOE_LAYERS.get(case, [])}
-        assert list(entry.moe_layers or []) == layers, (kind, entry.moe_layers)
-        assert list(entry.moe_not_fused or []) == [f"layer {i}: {w}" for i, w in sorted(why.items())], (kind, entry.moe_not_fused)
+        assert entry.report("moe").get("layers", []) == layers, (kind, entry.report("moe"))
+        assert entry.report("moe").get("not_fused", []) == [f"layer {i}: {w}" for i, w in sorted(why.items())], (kind, entry.report("moe"))
         graph = onnx.load(tmp_path / "out" / entry.file, load_external_data=False)
         moe = [n for n in graph.graph.node if n.op_type == "MoE" and n.domain == "com.microsoft"]
         assert len(moe) == len(layers), (kind, len(moe))
-    windows = {kind: list(entry.local_window_layers or []) for kind, entry in result.report.ort.graphs.items()}
+    windows = {kind: entry.report("decode_mask").get("local_window_layers", []) for kind, entry in ort.items()}
     assert windows == {GraphKind.PREFILL: [], GraphKind.DECODE: WINDOW_LAYERS.get(case, []), GraphKind.UNIFIED: []}, windows
     if case in WINDOW_LAYERS:
-        assert result.report.ort.graphs[GraphKind.DECODE].compact_decode_mask  # the window is GQA's now, the bias only padding
-    decode = onnx.load(tmp_path / "out" / result.report.ort.graphs[GraphKind.DECODE].file, load_external_data=False)
+        assert ort[GraphKind.DECODE].report("decode_mask")["compact"]  # the window is GQA's now, the bias only padding
+    decode = onnx.load(tmp_path / "out" / ort[GraphKind.DECODE].file, load_external_data=False)
     local = {n.name: {a.name: a.i for a in n.attribute}.get("local_window_size", -1) for n in decode.graph.node if n.op_type == "GroupQueryAttention"}
     assert local == {f"/layers.{i}.attn/ort/GroupQueryAttention": 4 if i in WINDOW_LAYERS.get(case, []) else -1 for i in expected}, local
     if MOE_LAYERS.get(case):

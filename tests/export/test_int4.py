@@ -15,7 +15,7 @@ from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
 from kiln.cli import main
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.check import check_dir
-from kiln.exporter.options import ExportOptions, Int4Method, Precision, Target
+from kiln.exporter.options import ExportOptions, Int4Method, Precision
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.int4 import check_int4
 from kiln.exporter.precision.int4_numbers import unpack_int4
@@ -34,7 +34,7 @@ def _ids(path: Path, n: int = 6000, vocab: int = 101, seed: int = 0) -> Path:
 def int4_ort(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("int4")
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
-    export(ckpt, root / "out", ExportOptions(precision=Precision.INT4, int4_method=Int4Method.RTN, target=Target.ORT, parity_tokens=16))
+    export(ckpt, root / "out", ExportOptions(precision=Precision.INT4, int4_method=Int4Method.RTN, target="ort", parity_tokens=16))
     return root / "out"
 
 
@@ -99,10 +99,10 @@ def test_manifest_parity_and_check(int4_ort: Path) -> None:
     quant = manifest["export"]["quantization"]
     assert (quant["method"], quant["block_size"], quant["calibration"]) == ("rtn", 128, None)
     assert quant["layer_block_sizes"]["/layers.0.mlp.fc2/MatMul"] == 64 and quant["kept_float"]["rules"] == ["*.lm_head"]
-    assert "/lm_head/MatMul" not in manifest["graphs"]["decode"]["int4_nodes"]
+    assert "/lm_head/MatMul" not in manifest["graphs"]["decode"]["passes"]["int4"]["nodes"]
     ort = manifest["targets"]["ort"]
-    assert ort["precision"] == "int4" and ort["int4"] == {"op": "MatMulNBits", "bits": 4, "block_size": 128, "accuracy_level": 4}
-    assert "/layers.0.attn.o_proj/MatMul" in ort["graphs"]["decode"]["int4_nodes"]
+    assert ort["precision"] == "int4" and ort["record"]["int4"] == {"op": "MatMulNBits", "bits": 4, "block_size": 128, "accuracy_level": 4}
+    assert "/layers.0.attn.o_proj/MatMul" in ort["graphs"]["decode"]["passes"]["nbits_int4"]["nodes"]
     report = json.loads((int4_ort / "reports" / "parity.json").read_text())
     assert report["passed"] and report["tolerance"]["min_token_match"] == 0.7
     assert {g["target"] for g in report["generation"]} == {None, "ort"}

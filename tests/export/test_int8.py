@@ -75,7 +75,7 @@ def test_qdq_structure(int8_export: Path) -> None:
 def test_manifest_parity_and_check(int8_export: Path) -> None:
     manifest = json.loads((int8_export / "manifest.json").read_text())
     assert manifest["precision"] == "int8" and manifest["kv_cache"]["dtype"] == "float32"
-    quantized = manifest["graphs"]["decode"]["int8_nodes"]
+    quantized = manifest["graphs"]["decode"]["passes"]["int8"]["nodes"]
     assert "/layers.1.mlp.fc2/MatMul" in quantized and "/lm_head/MatMul" not in quantized
     assert manifest["export"]["calibration"]["settings"]["method"] == "max"
     report = json.loads((int8_export / "reports" / "parity.json").read_text())
@@ -154,7 +154,7 @@ def test_int8_fp16_demo_with_other_methods(tmp_path: Path, method: str) -> None:
 def test_all_matmuls(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     manifest = export(ckpt, tmp_path / "out", _int8(tmp_path, int8_all_matmuls=True, parity_tokens=4)).manifest.to_json()
-    assert "/lm_head/MatMul" in manifest["graphs"]["decode"]["int8_nodes"]
+    assert "/lm_head/MatMul" in manifest["graphs"]["decode"]["passes"]["int8"]["nodes"]
 
 
 def test_mse_threshold_trades_clipping_for_rounding() -> None:

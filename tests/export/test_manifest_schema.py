@@ -71,7 +71,7 @@ def test_fp16_logits_last_ple_input_manifest_is_valid(validator: Draft202012Vali
     assert manifest["export"]["ple"]["tables"] == "input" and manifest["tokenizer"] is None
     assert manifest["graphs"]["prefill"]["outputs"][0]["shape"][1] == 1
     assert any(t["name"] == "ple.0.scale" for t in manifest["graphs"]["decode"]["inputs"])
-    assert all(g["fp32_nodes"] for g in manifest["graphs"].values())
+    assert all(g["passes"]["fp16"]["fp32_nodes"] for g in manifest["graphs"].values())
     assert _errors(validator, manifest) == []
 
 
@@ -115,7 +115,7 @@ BROKEN_FP32: dict[str, tuple[Callable[[Manifest], None], str]] = {
     "unknown top-level key": (_set(("extra",), 1), "Additional properties are not allowed ('extra' was unexpected)"),
     "missing files": (_set(("files",), _DELETE), "'files' is a required property"),
     "missing graph": (_set(("graphs", "decode"), _DELETE), "'decode' is a required property"),
-    "manifest version": (_set(("manifest_version",), 2), "1 was expected"),
+    "manifest version": (_set(("manifest_version",), 1), "2 was expected"),
     "short sha256": (_set(("files", "onnx/model.onnx"), "abc123"), "does not match '^[0-9a-f]{64}$'"),
     "upper-case sha256": (_set(("files", "onnx/weights.bin"), "A" * 64), "does not match '^[0-9a-f]{64}$'"),
     "unknown precision": (_set(("precision",), "int2"), "'int2' is not one of ['fp32', 'fp16', 'int8', 'int8+fp16', 'int4', 'int4+fp16', 'fp8']"),
@@ -124,7 +124,7 @@ BROKEN_FP32: dict[str, tuple[Callable[[Manifest], None], str]] = {
     "negative dim": (_set(("graphs", "model", "outputs", 0, "shape", 2), -1), "-1 is not valid under any of the given schemas"),
     "inputs out of order": (_set(("graphs", "prefill", "inputs", 0, "name"), "attention_mask"), "'input_ids' was expected"),
     "unknown tensor name": (_set(("graphs", "decode", "outputs", 1, "name"), "present_0_key"), "does not match"),
-    "fp16 nodes in fp32": (_set(("graphs", "model", "fp32_nodes"), ["/embed/Gather"]), "should not be valid under"),
+    "fp16 nodes in fp32": (_set(("graphs", "model", "passes"), {"fp16": {"fp32_nodes": ["/embed/Gather"], "fp32_ple_tables": []}}), "should not be valid under"),
     "fp16 kv in fp32": (_set(("kv_cache", "dtype"), "float16"), "'float32' was expected"),
     "escaping path": (_set(("files", "../outside"), "0" * 64), "does not match"),
     "kv layout": (_set(("kv_cache", "layout"), "BSNH"), "'BNSH' was expected"),
@@ -146,8 +146,8 @@ def test_broken_fp32_manifest_is_rejected(validator: Draft202012Validator, demo_
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (_set(("graphs", "decode", "fp32_nodes"), _DELETE), "'fp32_nodes' is a required property"),
-        (_set(("graphs", "prefill", "fp32_ple_tables"), _DELETE), "'fp32_ple_tables' is a required property"),
+        (_set(("graphs", "decode", "passes", "fp16", "fp32_nodes"), _DELETE), "'fp32_nodes' is a required property"),
+        (_set(("graphs", "prefill", "passes", "fp16", "fp32_ple_tables"), _DELETE), "'fp32_ple_tables' is a required property"),
         (_set(("kv_cache", "dtype"), "float32"), "'float16' was expected"),
         (_set(("export", "ple", "tables"), "weights"), "is not valid under any of the given schemas"),
     ],

@@ -5,6 +5,7 @@ exactly like the portable graphs, with the rewrite asserted on the graphs themse
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from kiln.cli import main
 from kiln.errors import ConfigError
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import DECODER_KINDS, GraphKind
-from kiln.exporter.options import ExportOptions, Precision, Target
+from kiln.exporter.options import ExportOptions, Precision
 from kiln.exporter.pipeline import ExportResult, export
 from kiln.exporter.targets.ort.nbits import pack_int8_blocks
 from kiln.exporter.artifacts.verify import verify_dir
@@ -109,16 +110,16 @@ def _assert_manifest(out: Path, precision: str) -> dict:
 
 def test_native_ort_target_fp32(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    result = export(tiny_ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, parity_tokens=PARITY_TOKENS))
+    result = export(tiny_ckpt, out, ExportOptions(max_batch=4, target="ort", parity_tokens=PARITY_TOKENS))
     _assert_ort_checked(result, "fp32")
     # fp32 tolerances, as for the portable graphs
     assert all((t.atol, t.rtol) == (1e-5, 1e-4) for t in result.parity.tensors if t.graph.endswith(".ort"))
     # 2 layers x (attention norm, PLE norm, MLP norm) + the final norm
     _assert_rewritten(out, n_layers=2, n_norms=7)
     manifest = _assert_manifest(out, "fp32")
-    assert manifest["targets"]["ort"]["graphs"]["decode"]["fused_attention_layers"] == [0, 1]
-    # decode: the family's mask subgraph was proven to be padding-only and replaced
-    assert [manifest["targets"]["ort"]["graphs"][k]["compact_decode_mask"] for k in ("prefill", "decode", "model")] == [False, True, False]
+    assert manifest["targets"]["ort"]["graphs"]["decode"]["passes"]["attention"]["layers"] == [0, 1]
+    # decode: the family's mask subgraph was proven to be padding-only and replaced (the decode graph's only)
+    assert [manifest["targets"]["ort"]["graphs"][k]["passes"].get("decode_mask", {}).get("compact", False) for k in ("prefill", "decode", "model")] == [False, True, False]
     assert manifest["precision"] == "fp32" and manifest["graphs"]["decode"]["file"] == "onnx/decode.onnx"
 
     # kiln check re-runs parity on both sets of graphs
@@ -181,7 +182,7 @@ def test_native_rotary_inside_gqa_at_decode(tmp_path: Path) -> None:
     caller's (left-padded) position_ids; still exact to fp32 tolerances."""
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(d_model=64))
     out = tmp_path / "out"
-    result = export(ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, parity_tokens=PARITY_TOKENS))
+    result = export(ckpt, out, ExportOptions(max_batch=4, target="ort", parity_tokens=PARITY_TOKENS))
     _assert_ort_checked(result, "fp32")
     _assert_rewritten(out, n_layers=2, n_norms=7, rotary_in_gqa=True)
 
@@ -193,10 +194,10 @@ def test_hf_llama_ort_target_fp32(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     tiny_model("LlamaForCausalLM", seed=1).module.model.save_pretrained(ckpt, safe_serialization=True)
     out = tmp_path / "out"
-    result = export(ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, parity_tokens=PARITY_TOKENS))
+    result = export(ckpt, out, ExportOptions(max_batch=4, target="ort", parity_tokens=PARITY_TOKENS))
     _assert_ort_checked(result, "fp32")
     _assert_rewritten(out, n_layers=2, n_norms=5, rotary_in_gqa=True)  # the tiny Llama's head_dim is 16
-    assert _assert_manifest(out, "fp32")["targets"]["ort"]["graphs"]["decode"]["compact_decode_mask"]
+    assert _assert_manifest(out, "fp32")["targets"]["ort"]["graphs"]["decode"]["passes"]["decode_mask"]["compact"]
     assert _ops(out / "onnx" / "decode.ort.onnx")["GatherND"] == 0  # transformers' mask subgraph is gone
 
 
@@ -210,12 +211,12 @@ def test_other_hf_families(arch: str, int8: bool, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     tiny_model(arch, seed=1).module.model.save_pretrained(ckpt, safe_serialization=True)
     out = tmp_path / "out"
-    result = export(ckpt, out, ExportOptions(max_batch=4, target=Target.ORT, ort_int8=int8, parity_tokens=PARITY_TOKENS))
+    result = export(ckpt, out, ExportOptions(max_batch=4, target="ort", ort_int8=int8, parity_tokens=PARITY_TOKENS))
     _assert_ort_checked(result, "int8" if int8 else "fp32")
     graphs = _assert_manifest(out, "int8" if int8 else "fp32")["targets"]["ort"]["graphs"]
-    assert graphs["prefill"]["fused_attention_layers"] == graphs["decode"]["fused_attention_layers"] == [0, 1]
+    assert graphs["prefill"]["passes"]["attention"]["layers"] == graphs["decode"]["passes"]["attention"]["layers"] == [0, 1]
     if int8:  # GPT-2's projections are Gemms: 2 layers x (c_attn, c_proj, c_fc, mlp c_proj) + the head
-        assert len(graphs["decode"]["int8_nodes"]) == 9 and _ops(out / "onnx" / "decode.ort.onnx")["Gemm"] == 0
+        assert len(graphs["decode"]["passes"]["nbits_int8"]["nodes"]) == 9 and _ops(out / "onnx" / "decode.ort.onnx")["Gemm"] == 0
 
 
 def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> None:
@@ -247,7 +248,7 @@ def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> Non
         want = 9
         assert _ops(path)["MatMulNBits"] == want and _const_weight_matmuls(path) == 0
         assert _const_weight_matmuls(out / "onnx" / f"{kind.value}.onnx") == 15
-        assert len(manifest["targets"]["ort"]["graphs"][kind.value]["int8_nodes"]) == want
+        assert len(manifest["targets"]["ort"]["graphs"][kind.value]["passes"]["nbits_int8"]["nodes"]) == want
     # the three ORT graphs share one copy of the int8 weights
     assert manifest["targets"]["ort"]["weights"]["bytes"] < (out / "onnx" / "weights.bin").stat().st_size
 
@@ -257,6 +258,16 @@ def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> Non
     report = json.loads(bench.output)
     assert set(report["median_ms"]["decode"]) == {"kiln fp32 (out)", "kiln ort int8 (out)"}
     assert [d["shared_kv_buffer"] for d in report["directories"]] == [False, True]
+
+    # the same export as the previous kiln wrote it (manifest_version 1): its ORT decode graph still
+    # runs with the shared buffer, which version 2 states as targets.ort.kv_cache
+    from kiln_testing import downgrade
+
+    v1 = tmp_path / "v1"
+    shutil.copytree(out, v1)
+    (v1 / "manifest.json").write_text(json.dumps(downgrade(json.loads((v1 / "manifest.json").read_text()))))
+    run = CliRunner().invoke(main, ["generate", str(v1), "--target", "ort", "--ids", "1,2", "--max-new-tokens", "3", "--json"])
+    assert run.exit_code == 0 and json.loads(run.stdout)["kv_cache"] == "shared-buffer", run.output
 
 
 def test_int8_blocks_round_trip() -> None:
@@ -273,8 +284,8 @@ def test_int8_blocks_round_trip() -> None:
     ("options", "message"),
     [
         (dict(ort_int8=True), "--ort-int8 only applies to --target ort"),
-        (dict(target=Target.ORT, precision=Precision.FP16), "--target ort rewrites fp32 graphs and cannot be combined with --fp16/--int8/--fp8 (found fp16)"),
-        (dict(target=Target.ORT, precision=Precision.INT8, calib_data="synthetic"), "(found int8); for int8 on ONNX Runtime use --target ort --ort-int8"),
+        (dict(target="ort", precision=Precision.FP16), "--target ort rewrites fp32 graphs and cannot be combined with --fp16/--int8/--fp8 (found fp16)"),
+        (dict(target="ort", precision=Precision.INT8, calib_data="synthetic"), "(found int8); for int8 on ONNX Runtime use --target ort --ort-int8"),
     ],
 )
 def test_bad_combinations_refused(options: dict, message: str) -> None:

@@ -324,9 +324,9 @@ def test_bad_directories_are_one_clear_error(fp32_export: Path, tmp_path: Path) 
 
     future = _copy(fp32_export, tmp_path / "future")
     manifest = json.loads((future / "manifest.json").read_text())
-    manifest["manifest_version"] = 2
+    manifest["manifest_version"] = 3
     manifest_mod.write(future, Manifest.from_json(manifest))
-    with pytest.raises(ArtifactError, match=r"manifest_version 2 is not supported \(this kiln reads version 1\)"):
+    with pytest.raises(ArtifactError, match=r"manifest_version 3 is not supported \(this kiln reads versions 1 and 2\)"):
         write_triton_repo(future, "demo")
 
     tampered = _copy(fp32_export, tmp_path / "tampered")

@@ -202,3 +202,20 @@ def test_model_dims_the_graphs_do_not_have(export_dir: Path, key: str, value: in
 def test_the_pristine_export_verifies(pristine: Path) -> None:
     code, out, _ = _run("verify", str(pristine))
     assert code == 0 and out.startswith(f"{pristine}: all ") and out.strip().endswith("files match manifest.json")
+
+
+def test_a_version_1_export_still_runs(pristine: Path, tmp_path: Path) -> None:
+    """An export directory the previous kiln wrote (manifest_version 1): verify, generate and
+    check read it through the upgrade (manifest_v1), its files untouched."""
+    from kiln_testing import downgrade
+
+    directory = tmp_path / "v1"
+    shutil.copytree(pristine, directory)
+    data = json.loads((directory / "manifest.json").read_text())
+    (directory / "manifest.json").write_text(json.dumps(downgrade(data)))
+    code, out, _ = _run("verify", str(directory))
+    assert code == 0, out
+    code, out, err = _run("generate", str(directory), "--ids", "1,2", "--max-new-tokens", "3", "--json")
+    assert code == 0 and len(json.loads(out)["tokens"]) == 3, err
+    code, out, err = _run("check", str(directory))
+    assert code == 0 and "parity passed" in out, (out, err)

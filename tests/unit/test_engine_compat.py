@@ -414,7 +414,7 @@ def fake_export(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Any]
         k.value: {"file": f"onnx/{k.value}.onnx", "inputs": [t.to_dict() for t in graph_io(spec, k).inputs], "outputs": [t.to_dict() for t in graph_io(spec, k).outputs]}
         for k in DECODER_KINDS
     }
-    m: dict[str, Any] = {"manifest_version": 1, "limits": {"max_batch": 8, "max_context": 48}, "graphs": graphs}
+    m: dict[str, Any] = {"manifest_version": 2, "limits": {"max_batch": 8, "max_context": 48}, "graphs": graphs}
     directory = placeholder_export(root / "export", m)
     trt = fake_tensorrt(m)
     monkeypatch.setitem(sys.modules, "tensorrt", trt)

@@ -25,7 +25,7 @@ def manifest(max_batch: int = 8, max_context: int = 48, last: bool = False, tabl
     for kind in DECODER_KINDS:
         io = graph_io(spec, kind, last_logits_only=last, ple_tables=tables)
         graphs[kind.value] = {"file": f"onnx/{kind.value}.onnx", "inputs": [t.to_dict() for t in io.inputs], "outputs": [t.to_dict() for t in io.outputs]}
-    return {"manifest_version": 1, "limits": {"max_batch": max_batch, "max_context": max_context}, "graphs": graphs}
+    return {"manifest_version": 2, "limits": {"max_batch": max_batch, "max_context": max_context}, "graphs": graphs}
 
 
 def shapes(m: dict[str, Any], kind: GraphKind, options: BuildOptions | None = None) -> dict[str, tuple[tuple[int, ...], ...]]:

@@ -32,7 +32,7 @@ def manifest(max_batch: int = 8, max_context: int = 48, tables: tuple[tuple[int,
     for kind in DECODER_KINDS:
         io = graph_io(spec, kind, ple_tables=tables)
         graphs[kind.value] = {"file": f"onnx/{kind.value}.onnx", "inputs": [t.to_dict() for t in io.inputs], "outputs": [t.to_dict() for t in io.outputs]}
-    return {"manifest_version": 1, "precision": "fp32", "limits": {"max_batch": max_batch, "max_context": max_context}, "graphs": graphs}
+    return {"manifest_version": 2, "precision": "fp32", "limits": {"max_batch": max_batch, "max_context": max_context}, "graphs": graphs}
 
 
 def export_dir(root: Path, m: dict[str, Any] | None = None) -> Path:

@@ -23,10 +23,10 @@ from kiln.exporter.artifacts.manifest import (
     Limits,
     Manifest,
     ModelInfo,
-    OrtGraphEntry,
     ParityInfo,
     PleInfo,
     TargetEntry,
+    TargetGraph,
     TargetWeights,
     WeightsInfo,
     export_settings,
@@ -53,13 +53,15 @@ def manifest_for(options: ExportOptions, *, max_context: int = 48, trained_rows:
         kind.value: GraphEntry.of(
             f"onnx/{kind.value}.onnx",
             graph_io(SPEC, kind, last_logits_only=options.last_logits_only, kv_dtype=precision.kv_dtype, ple_tables=tables),
-            fp32_nodes=("/layers.0.attn/Softmax",) if precision.has_fp16 else None,
-            int8_nodes=("/layers.0.mlp.fc1/MatMul",) if precision.has_int8 else None,
+            {
+                **({"fp16": {"fp32_nodes": ["/layers.0.attn/Softmax"], "fp32_ple_tables": []}} if precision.has_fp16 else {}),
+                **({"int8": {"nodes": ["/layers.0.mlp.fc1/MatMul"]}} if precision.has_int8 else {}),
+            },
         )
         for kind in DECODER_KINDS
     }
     return Manifest(
-        manifest_version=1,
+        manifest_version=manifest_module.MANIFEST_VERSION,
         family="native",
         checkpoint=CheckpointRef("demo", {"model.safetensors": "0" * 64}),
         config={"d_model": 32, "ple": {"max_positions": 48}},
@@ -153,22 +155,24 @@ def test_to_json_omits_the_keys_only_some_exports_have() -> None:
 
 
 def test_to_json_writes_the_optional_keys_when_set() -> None:
+    passes = {"attention": {"layers": [0, 1]}, "pack": {"matmuls": ["/layers.0.attn/ort/packed/MatMul"]}, "nbits_int8": {"nodes": ["/layers.0.mlp.fc1/MatMulNBits"]}}
     ort = TargetEntry(
         "int8",
-        {"op": "MatMulNBits", "bits": 8},
-        {"decode": OrtGraphEntry("onnx/decode.ort.onnx", (0, 1), True, 5, 4, ("/layers.0.attn/ort/packed/MatMul",), ("/layers.0.mlp.fc1/MatMulNBits",))},
+        "shared",
+        {"decode": TargetGraph("onnx/decode.ort.onnx", passes)},
         TargetWeights("onnx/weights.ort.bin", 100),
+        {"int8": {"op": "MatMulNBits", "bits": 8}},
     )
     engines = EnginesEntry("engines/record.json", "10.13.0", None, "NVIDIA H200", "9.0", {"engines/decode.plan": "2" * 64})
     manifest = manifest_for(ExportOptions(max_context=48, precision=Precision.INT8_FP16, calib_data="synthetic"), targets={"ort": ort}, engines=engines)
     data = manifest.to_json()
-    assert data["targets"]["ort"]["graphs"]["decode"]["fused_attention_layers"] == [0, 1]
+    assert data["targets"]["ort"]["graphs"]["decode"]["passes"]["attention"]["layers"] == [0, 1]
     assert data["engines"]["cuda"] is None and data["engines"]["gpu"] == "NVIDIA H200"
-    assert data["graphs"]["prefill"]["fp32_nodes"] == ["/layers.0.attn/Softmax"]
-    assert data["graphs"]["prefill"]["int8_nodes"] == ["/layers.0.mlp.fc1/MatMul"]
-    assert "fp32_ple_tables" not in data["graphs"]["prefill"]
+    assert data["graphs"]["prefill"]["passes"]["fp16"]["fp32_nodes"] == ["/layers.0.attn/Softmax"]
+    assert data["graphs"]["prefill"]["passes"]["int8"]["nodes"] == ["/layers.0.mlp.fc1/MatMul"]
+    assert "fp8" not in data["graphs"]["prefill"]["passes"]
     back = through_json(manifest)
-    assert back == manifest and back.targets is not None and back.targets["ort"].graphs["decode"].packed_matmuls == ("/layers.0.attn/ort/packed/MatMul",)
+    assert back == manifest and back.targets is not None and back.targets["ort"].graphs["decode"].report("pack")["matmuls"] == ["/layers.0.attn/ort/packed/MatMul"]
 
 
 def test_typed_manifest_helper_round_trips() -> None:
@@ -217,9 +221,9 @@ def test_from_json_names_a_missing_key(path: str, message: str) -> None:
 
 
 def test_from_json_optional_keys_may_be_missing() -> None:
-    data = edited("graphs.decode.fp32_nodes", delete=True)
+    data = edited("graphs.decode.passes", delete=True)
     manifest = Manifest.from_json(data)
-    assert manifest.graphs["decode"].fp32_nodes is None and manifest.targets is None and manifest.engines is None
+    assert manifest.graphs["decode"].passes is None and manifest.targets is None and manifest.engines is None
 
 
 @pytest.mark.parametrize(
@@ -261,13 +265,13 @@ def test_write_and_read(tmp_path: Path) -> None:
     assert path == tmp_path / MANIFEST and path.read_text().endswith("}\n")
     assert manifest_module.read(tmp_path) == manifest
     data = json.loads(path.read_text())
-    data["manifest_version"] = 2
+    data["manifest_version"] = 3
     path.write_text(json.dumps(data))
     with pytest.raises(ArtifactError, match=exact(
-        f"artifacts: {path}: manifest_version 2 is not supported (this kiln reads version 1); re-export with this kiln"
+        f"artifacts: {path}: manifest_version 3 is not supported (this kiln reads versions 1 and 2); re-export with this kiln"
     )):
         manifest_module.read(tmp_path)
-    data["manifest_version"] = 1
+    data["manifest_version"] = 2
     del data["weights"]["bytes"]
     path.write_text(json.dumps(data))
     with pytest.raises(ArtifactError, match=exact(f"artifacts: {path}.weights: missing key 'bytes'")):

@@ -1,5 +1,5 @@
-"""The artifacts stage: everything of an export besides its graphs, written into the staged
-directory from the ``ExportReport``: the parity reports, the tokenizer, the serving configs
+"""The emit stage (docs/how-it-works.md): everything of an export besides its graphs, written into
+the staged directory from the ``ExportReport``, after parity: the parity reports, the tokenizer, the serving configs
 (ONNX Runtime GenAI's, and the Triton repository with ``--triton``), the family's files for
 consumers (a Hugging Face checkpoint's ``config.json`` and ``generation_config.json``, which
 Optimum reads beside ``model.onnx``) and, last, the manifest with the sha256 of every file (each

@@ -1,0 +1,182 @@
+"""The options of kiln's commands, grouped by concern (``cli.py`` applies them): ``kiln export``'s
+source, graph shape, each precision's, calibration, target and output options; those of check,
+build, bench and generate. Every option here is documented in docs/commands.md."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from kiln.exporter.targets import PORTABLE
+from kiln.exporter.targets import names as target_names
+
+__all__ = ["EXPORT", "CHECK", "BUILD", "BENCH", "GENERATE", "options"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+Option = Callable[[Any], Any]  # a click.option decorator
+
+
+def options(*groups: list[Option]) -> Callable[[F], F]:
+    """Apply every option of ``groups`` in order (the first listed is the first in --help)."""
+
+    def apply(func: F) -> F:
+        for option in reversed([o for group in groups for o in group]):
+            func = option(func)
+        return func
+
+    return apply
+
+
+def _targets_help() -> str:
+    from kiln.exporter.targets import target
+
+    return "portable: the portable graphs only; " + "; ".join(f"{name}: {target(name).description}" for name in target_names()) + "."
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:
+    if not value:
+        return ()
+    try:
+        out = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, found {value!r}") from None
+    if not out or min(out) < 0:
+        raise click.BadParameter(f"expected non-negative integers, found {value!r}")
+    return out
+
+
+def _escapes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    """``\\n``, ``\\t`` and ``\\\\`` as typed in a shell, turned into a newline, a tab and a backslash."""
+    table = {"n": "\n", "t": "\t", "\\": "\\"}
+    return tuple(re.sub(r"\\([nt\\])", lambda m: table[m.group(1)], v) for v in value)
+
+
+# kiln export: what is read and where it goes
+SOURCE: list[Option] = [
+    click.option("--model", "model", default="demo", show_default=True, help="Checkpoint directory (config.json + model.safetensors), a Hugging Face repo id ORG/NAME already in the local Hugging Face cache (kiln never downloads), or 'demo'."),
+    click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="Output directory (written whole, or not at all)."),
+]
+
+# kiln export: the graphs' shape and contract
+GRAPHS: list[Option] = [
+    click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True, help="Largest batch the graphs and engines must serve."),
+    click.option("--max-context", type=click.IntRange(min=2), default=None, help="Longest context (past + new tokens). Default: the model's limit."),
+    click.option("--logits", type=click.Choice(["all", "last"]), default="all", show_default=True, help="Prefill logits for every position, or the last one only."),
+    click.option("--opset", type=int, default=19, show_default=True, help="ONNX opset (18-23)."),
+    click.option("--ple-extend", type=click.IntRange(min=2), default=None, help="Build PLE tables with N rows (for contexts longer than the trained table)."),
+    click.option("--ple-extend-mode", type=click.Choice(["clamp", "interpolate"]), default="clamp", show_default=True, help="With --ple-extend: clamp = positions past the trained table reuse its last row; interpolate = the trained table stretched linearly over N rows (position interpolation)."),
+    click.option("--ple-tables", type=click.Choice(["constant", "input"]), default="constant", show_default=True, help="Folded PLE tables as constants or as graph inputs."),
+]
+
+# kiln export: fp16 and its fp32 islands
+FP16: list[Option] = [
+    click.option("--fp16", is_flag=True, help="fp16 weights, activations and KV cache, with fp32 islands (norm statistics, softmax, rotary angles, logits)."),
+    click.option("--keep-fp32", "keep_fp32", multiple=True, metavar="OP_TYPE|NODE_NAME", help="Also keep these op types, node names (/layers.0.attn/MatMul) or modules (/layers.0.mlp.fc2/, *.fc2: the nodes of exactly that module) in fp32. Repeatable."),
+    click.option("--auto-keep-fp32", is_flag=True, help="With --fp16: search (bisection on ONNX Runtime) for modules that must stay fp32 for parity, and keep them."),
+]
+
+# kiln export: int8 Q/DQ
+INT8: list[Option] = [
+    click.option("--int8", is_flag=True, help="int8 Q/DQ before MatMul/Gemm inputs (weights per channel, activations per tensor), calibrated on --calib-data; with --fp16 the rest is fp16."),
+    click.option("--int8-float", "int8_float", multiple=True, metavar="RULE", help="Also keep these nodes/modules/op types in float (rules as for --keep-fp32). Repeatable."),
+    click.option("--int8-all-matmuls", is_flag=True, help="Quantize the LM head and attention-score MatMuls too (kept in float by default)."),
+]
+
+# kiln export: calibration data (int8 and fp8 ranges, GPTQ's Hessians)
+CALIBRATION: list[Option] = [
+    click.option("--calib-data", default=None, metavar="PATH|synthetic", help="Calibration data: a text file, .jsonl (field 'text'), .npy/.npz token ids, or 'synthetic' (random tokens: poor ranges)."),
+    click.option("--calib-samples", type=click.IntRange(min=1), default=None, help="Calibration windows of 128 tokens (each: a prefill and teacher-forced decode steps). Default: 32, 256 for --int4-method gptq."),
+    click.option("--calib-method", type=click.Choice(["max", "percentile", "entropy", "mse"]), default="max", show_default=True, help="How an activation range is chosen from the calibration samples: max = the largest value seen; percentile = --calib-percentile of the values; entropy = least KL divergence; mse = least int8 quantization error."),
+    click.option("--calib-percentile", type=float, default=99.99, show_default=True, help="With --calib-method percentile: the percentile of the absolute activation values taken as the range."),
+    click.option("--calib-cache", type=click.Path(path_type=Path, file_okay=False), default=None, help="Directory of cached calibration ranges. Default: ~/.cache/kiln/calibration."),
+]
+
+# kiln export: weight-only int4
+INT4: list[Option] = [
+    click.option("--int4", is_flag=True, help="Weight-only int4 MatMul weights (symmetric blocks along K: DequantizeLinear at opset 21; with --target ort also MatMulNBits, the same numbers); with --fp16 the rest is fp16."),
+    click.option("--int4-block", type=click.Choice(["16", "32", "64", "128", "256"]), default="128", show_default=True, help="int4 block size along K (a weight whose K it does not divide gets the largest smaller power of two that does)."),
+    click.option("--int4-method", type=click.Choice(["rtn", "gptq"]), default="gptq", show_default=True, help="rtn = round to nearest (no data); gptq = GPTQ with a clip search on --calib-data (measured better)."),
+    click.option("--int4-float", "int4_float", multiple=True, metavar="RULE", help="Also keep these nodes/modules/op types in float under --int4 (rules as for --keep-fp32). Repeatable."),
+    click.option("--int4-all-matmuls", is_flag=True, help="Quantize the LM head to int4 too (kept in float by default)."),
+]
+
+# kiln export: fp8 E4M3
+FP8: list[Option] = [
+    click.option("--fp8", is_flag=True, help="fp8 E4M3 Q/DQ before MatMul inputs (weights per channel, activations per tensor from --calib-data), the rest fp16: for TensorRT on Ada/Hopper and later."),
+    click.option("--fp8-float", "fp8_float", multiple=True, metavar="RULE", help="Also keep these nodes/modules/op types fp16 under --fp8 (rules as for --keep-fp32: /layers.0.mlp.fc2/, *.q_proj). Repeatable."),
+]
+
+# kiln export: targets (exporter.targets)
+TARGET: list[Option] = [
+    click.option("--target", "target", type=click.Choice([PORTABLE, *target_names()]), default=PORTABLE, show_default=True, help=_targets_help()),
+    click.option("--ort-int8", is_flag=True, help="With --target ort: the ORT-target graphs use weight-only int8 MatMulNBits (no calibration data); the portable graphs keep their precision."),
+]
+
+# kiln export: parity, serving and the output directory
+OUTPUT: list[Option] = [
+    click.option("--parity-tokens", type=click.IntRange(min=1), default=64, show_default=True, help="Greedy tokens generated by the parity check."),
+    click.option("--triton", "triton", default=None, metavar="NAME", help="Also write a Triton model repository (DIR/triton/NAME)."),
+    click.option("--force", is_flag=True, help="Replace the output directory if it holds an earlier kiln export (anything else is refused, nothing deleted)."),
+    click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary instead of progress bars."),
+]
+
+
+EXPORT = [SOURCE, GRAPHS, FP16, INT8, CALIBRATION, INT4, FP8, TARGET, OUTPUT]
+
+# kiln check
+CHECK: list[Option] = [
+    click.option("--model", "model", default=None, help="Checkpoint to compare against (default: the one in the manifest)."),
+    click.option("--backend", type=click.Choice(["onnxruntime", "trt"]), default="onnxruntime", show_default=True, help="Check the ONNX graphs on ONNX Runtime, or the engines of kiln build on TensorRT."),
+    click.option("--verbose", is_flag=True, help="Print the whole parity report (Markdown: every tensor and generation run) instead of the table per graph set."),
+    click.option("--json", "as_json", is_flag=True, help="Print the parity report as JSON."),
+]
+
+# kiln build
+BUILD: list[Option] = [
+    click.option("--workspace", default="4G", show_default=True, help="Size of TensorRT's workspace memory pool (e.g. 4G, 512M)."),
+    click.option("--opt-level", type=click.IntRange(0, 5), default=3, show_default=True, help="Builder optimization level: 0 builds fastest, 5 searches longest."),
+    click.option("--timing-cache", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Timing cache file, loaded if it exists and saved back. Default: DIR/engines/timing.cache."),
+    click.option("--hardware-compat", type=click.Choice(["none", "ampere+", "same-cc"]), default="none", show_default=True, help="Which GPUs the engines may run on: none = only the GPU model they were built on (fastest); same-cc = any GPU of the same compute capability; ampere+ = any GPU of compute capability 8.0 or newer (slower)."),
+    click.option("--version-compatible", is_flag=True, help="Engines that also run on later TensorRT versions (may be slower)."),
+    click.option("--refittable", is_flag=True, help="Engines whose weights can be replaced without a rebuild."),
+    click.option("--opt-batch", type=click.IntRange(min=1), default=None, help="Batch size TensorRT tunes for. Default: 1."),
+    click.option("--opt-context", type=click.IntRange(min=1), default=None, help="Context (past + new tokens) TensorRT tunes for. Default: max_context / 2."),
+    click.option("--json", "as_json", is_flag=True, help="Print the engines record as JSON."),
+]
+
+# kiln bench
+BENCH: list[Option] = [
+    click.option("--compare", "compare", multiple=True, type=click.Path(path_type=Path), help="Also time this ONNX decoder directory (Optimum's model.onnx, GenAI builder output, another kiln export). Repeatable."),
+    click.option("--prefill-seq", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt length of the timed prefill (capped at the export's context limit)."),
+    click.option("--past", type=click.IntRange(min=1), default=256, show_default=True, help="Past length of the decode step."),
+    click.option("--runs", type=click.IntRange(min=3), default=30, show_default=True, help="Timed runs per measurement (median reported)."),
+    click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Threads of every timed backend (ONNX Runtime's intra-op pool and PyTorch's)."),
+    click.option("--sweep", callback=_int_list, default=None, metavar="P1,P2,...", help="Also time the decode step at these past lengths; fits ms per 1k past tokens."),
+    click.option("--sweep-runs", type=click.IntRange(min=3), default=15, show_default=True, help="Runs per sweep point up to past 512 (fewer beyond)."),
+    click.option("--no-torch", is_flag=True, help="No PyTorch eager row (for directories without a loadable checkpoint)."),
+    click.option("--no-roofline", is_flag=True, help="Skip the memory-bandwidth measurement."),
+    click.option("--out", "out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Write the JSON result here (and the sweep plot beside it, .png)."),
+    click.option("--plot", "plot", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Where to write the sweep plot (default: --out with .png)."),
+    click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of tables."),
+]
+
+# kiln generate
+GENERATE: list[Option] = [
+    click.option("--prompt", default=None, help="Text to continue (tokenized with the export's tokenizer.json)."),
+    click.option("--ids", default=None, metavar="ID,ID,...", help="Token ids to continue, instead of --prompt."),
+    click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Tokens to generate at most (fewer when the end-of-sequence token or --stop comes first)."),
+    click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token."),
+    click.option("--stop", "stops", multiple=True, metavar="STRING", callback=_escapes, help="End the text before the first occurrence of STRING (not included; \\n is a newline, \\t a tab, \\\\ a backslash). Repeatable."),
+    click.option("--temperature", type=float, default=0.0, show_default=True, help="Sample from softmax(logits / T), T finite; 0 is greedy (argmax), what parity checks; a T below 1e-5 is taken as 1e-5 (greedy in effect)."),
+    click.option("--top-k", type=int, default=0, show_default=True, help="With --temperature: sample among the K most likely tokens only (0, the default: among all of them)."),
+    click.option("--top-p", type=float, default=1.0, show_default=True, help="With --temperature: sample among the most likely tokens whose probabilities add up to P, in (0, 1] (1: all)."),
+    click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="Make tokens of the prompt and of the text so far less likely: positive logits / R, negative ones * R (1: off)."),
+    click.option("--seed", type=int, default=None, help="Seed of the sampling: the same seed gives the same text (default: a fresh one each run)."),
+    click.option("--target", type=click.Choice(target_names()), default=None, help="Run the export's graphs of this target instead of the portable ones (--target ort: its decode step writes the KV cache in place)."),
+    click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="ONNX Runtime intra-op threads."),
+    click.option("--json", "as_json", is_flag=True, help="Print tokens, text and speeds as JSON (nothing streamed)."),
+]

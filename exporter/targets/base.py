@@ -1,0 +1,81 @@
+"""What a target is (docs/how-it-works.md): given the portable graph set, it writes its own graphs
+beside them (never replacing them) and says what parity, the manifest and a run loop need.
+
+The pipeline iterates the registry (``exporter.targets``); a target is one folder behind this
+interface and one registration, and nothing outside its folder names it:
+
+- ``check(options)``: refuse, in one ``ConfigError``, export options it cannot build from (its
+  own flags without it too: every target checks every export);
+- ``wanted(options)``: whether this export writes it (``--target NAME``);
+- ``refuse(spec)``: refuse a model whose structure it cannot rewrite, before any work is done;
+- ``write(given)``: its graphs, from the portable ones, as ``TargetGraphs``: their paths, their
+  precision, its weights file, per graph what its passes report (``passes.reports``), its own
+  ``record`` and the ``CacheUpdate`` contract its decode step follows;
+- ``runner(paths, extra_feeds)``: how parity (and ``kiln check``) opens a runner over its graphs.
+
+The manifest stores a ``TargetGraphs`` as a ``TargetEntry`` (``artifacts.manifest``), data the
+target owns; ``kiln generate`` and ``kiln bench`` read the graph files and ``kv_cache`` from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kiln.exporter.contract.io import CacheUpdate, GraphKind
+
+if TYPE_CHECKING:  # the registry is read by the CLI before anything heavy is imported
+    from kiln.exporter.options import ExportOptions
+    from kiln.exporter.passes.weights import SharedWeights
+    from kiln.exporter.progress import Progress
+    from kiln.exporter.runners.base import Feeds, Runner
+    from kiln.plugins.base import DecoderSpec
+
+__all__ = ["Target", "TargetGiven", "TargetGraphs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetGiven:
+    """What a target is given: the portable graph files (in ``onnx_dir``, their weights beside
+    them) and what shaped them."""
+
+    onnx_dir: Path
+    portable: dict[GraphKind, Path]
+    spec: DecoderSpec
+    options: ExportOptions
+    max_context: int
+    progress: Progress
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetGraphs:
+    """What a target wrote."""
+
+    name: str
+    precision: str  # of its graphs (the manifest's targets.<name>.precision)
+    paths: dict[GraphKind, Path]
+    weights: SharedWeights  # the one more weights file its graphs read (besides the portable weights.bin)
+    passes: dict[GraphKind, dict[str, dict[str, Any]]]  # per graph, what its passes report
+    kv_cache: CacheUpdate  # how its decode step carries the cache
+    record: Mapping[str, Any] | None = None  # what its graphs were written with, for the manifest
+
+
+class Target(Protocol):
+    """One target; registered in ``exporter.targets``."""
+
+    name: str  # --target NAME
+    label: str  # what its graphs are, in a sentence ("ONNX Runtime-target")
+    description: str  # one line, for --help
+
+    def check(self, options: ExportOptions) -> None: ...
+
+    def wanted(self, options: ExportOptions) -> bool: ...
+
+    def refuse(self, spec: DecoderSpec) -> None: ...
+
+    def write(self, given: TargetGiven) -> TargetGraphs: ...
+
+    def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]: ...

@@ -1,0 +1,61 @@
+"""``--target ort`` as a ``Target`` (``targets.base``): which exports it takes, how it writes its
+graphs (``graphs.write_ort_target``, imported when it runs) and how parity runs them (ONNX
+Runtime's CPU provider, as the portable graphs)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kiln.errors import ConfigError
+from kiln.exporter.contract.io import GraphKind
+
+if TYPE_CHECKING:
+    from kiln.exporter.options import ExportOptions
+    from kiln.exporter.runners.base import Feeds, Runner
+    from kiln.exporter.targets.base import TargetGiven, TargetGraphs
+    from kiln.plugins.base import DecoderSpec
+
+__all__ = ["ORT", "OrtTarget"]
+
+
+class OrtTarget:
+    name = "ort"
+    label = "ONNX Runtime-target"
+    description = "also write ONNX Runtime-target graphs (onnx/*.ort.onnx: GroupQueryAttention, RotaryEmbedding, SimplifiedLayerNormalization), parity-checked like the portable ones"
+
+    def wanted(self, options: ExportOptions) -> bool:
+        return options.target == self.name
+
+    def check(self, options: ExportOptions) -> None:
+        if options.ort_int8 and not self.wanted(options):
+            raise ConfigError("--ort-int8 only applies to --target ort (it quantizes the ONNX Runtime-target graphs)")
+        if options.ort_int8 and options.precision.has_int4:
+            raise ConfigError("--ort-int8 and --int4 both quantize the ONNX Runtime-target weights; choose one")
+        if self.wanted(options) and (options.precision.has_fp16 or options.precision.needs_ranges):  # fp32 and int4 only
+            raise ConfigError(
+                f"--target ort rewrites fp32 graphs and cannot be combined with --fp16/--int8/--fp8 (found {options.precision.value}); "
+                "for int8 on ONNX Runtime use --target ort --ort-int8, for int4 --target ort --int4"
+            )
+
+    def refuse(self, spec: DecoderSpec) -> None:
+        if spec.encoder_dim is not None:
+            raise ConfigError("--target ort is not supported for cross-attention decoders yet: its attention rewrite knows causal self-attention only")
+
+    def write(self, given: TargetGiven) -> TargetGraphs:
+        from kiln.exporter.targets.ort.graphs import write_ort_target
+
+        options = given.options
+        int4 = options.int4_block if options.precision.has_int4 else None
+        with given.progress.stage("ONNX Runtime target graphs"):
+            return write_ort_target(given.onnx_dir, given.portable, given.spec, max_context=given.max_context, int8=options.ort_int8, int4_block=int4)
+
+    def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
+        from kiln.exporter.runners import OrtRunner
+
+        return OrtRunner.opener(paths, extra_feeds)
+
+
+ORT = OrtTarget()
