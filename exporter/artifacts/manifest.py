@@ -179,6 +179,7 @@ class OrtGraphEntry:
     moe_layers: tuple[int, ...] | None = _omit()  # graphs with mixture-of-experts blocks: the layers whose experts became one MoE node
     moe_not_fused: tuple[str, ...] | None = _omit()  # and "layer i: why" for each block left portable
     local_window_layers: tuple[int, ...] | None = _omit()  # decode: the layers whose GQA applies the sliding window itself (local_window_size)
+    not_fused: dict[str, tuple[str, ...]] | None = _omit()  # fusion -> "layer i: why" (or "<node>: why") for each candidate left unfused
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import onnx_ir as ir
 from kiln.exporter.artifacts.layout import ONNX_DIR
@@ -57,6 +59,7 @@ from kiln.exporter.targets.ort.nbits import (
 from kiln.exporter.targets.ort.norm import fuse_rms_norm, fuse_skip_rms_norm
 from kiln.exporter.targets.ort.pack import pack_shared_input_matmuls
 from kiln.exporter.targets.ort.rotary_tables import graph_tables
+from kiln.exporter.targets.ort.rules import NotFused
 from kiln.plugins.base import DecoderSpec
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
@@ -90,6 +93,7 @@ class _Rewrites:
     int8: GraphRewrite[list[str]] | None
     moe: GraphRewrite[MoeRewrite]
     int4: tuple[GraphRewrite[list[str]], GraphRewrite[list[str]]] | None = None  # unfold first, MatMulNBits last
+    not_fused: NotFused = dataclasses.field(default_factory=NotFused)  # what the fusions left, and why
 
     def record(self, path: Path) -> OrtGraphEntry:
         def names(rewrite: GraphRewrite[list[str]] | None) -> tuple[str, ...]:
@@ -110,34 +114,47 @@ class _Rewrites:
             moe_layers=moe.layers if moe is not None and has_moe else None,
             moe_not_fused=moe.not_fused if moe is not None and has_moe else None,
             local_window_layers=tuple(layer for layer, _ in windows) if windows else None,
+            not_fused=self.not_fused.record(),
         )
 
 
 def _rewrites(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, int8: bool, int4: bool) -> _Rewrites:
     attention = mask = None
+    log = NotFused()
     if kind is not GraphKind.UNIFIED:  # GQA's CPU kernel refuses batch > 1 with past and seq > 1
 
         def fuse(model: ir.Model) -> list[int]:
             tables = graph_tables(model, base_dir, max_context, spec.head_dim)
-            return fuse_attention(model, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, tables=tables, decode=kind is GraphKind.DECODE)
+            return fuse_attention(model, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, tables=tables, decode=kind is GraphKind.DECODE, not_fused=log)
 
         attention = GraphRewrite(functools.update_wrapper(fuse, fuse_attention))
         if kind is GraphKind.DECODE:
 
             def compact(model: ir.Model) -> DecodeMask:
-                return compact_decode_bias(model, base_dir, max_context) if attention.result else DecodeMask(False)
+                found = compact_decode_bias(model, base_dir, max_context) if attention.result else DecodeMask(False)
+                log.add("decode_mask", found.not_fused)
+                return found
 
             mask = GraphRewrite(functools.update_wrapper(compact, compact_decode_bias))
     return _Rewrites(
         attention,
         mask,
-        GraphRewrite(fuse_rms_norm),
-        GraphRewrite(fuse_skip_rms_norm),
-        GraphRewrite(pack_shared_input_matmuls),
+        GraphRewrite(_logging(fuse_rms_norm, log)),
+        GraphRewrite(_logging(fuse_skip_rms_norm, log)),
+        GraphRewrite(_logging(pack_shared_input_matmuls, log)),
         GraphRewrite(quantize_matmul_nbits) if int8 else None,
         GraphRewrite(functools.update_wrapper(functools.partial(fuse_moe, prompts=kind is not GraphKind.DECODE), fuse_moe)),
         (GraphRewrite(unfold_int4_weights), GraphRewrite(int4_matmul_nbits)) if int4 else None,
+        log,
     )
+
+
+R = TypeVar("R")
+
+
+def _logging(fusion: Callable[..., R], log: NotFused) -> Callable[[ir.Model], R]:
+    """``fusion(model, not_fused=log)``, named as ``fusion`` (the pass's name)."""
+    return functools.update_wrapper(functools.partial(fusion, not_fused=log), fusion)
 
 
 def ort_passes(rewrites: _Rewrites, writer: WeightsWriter) -> list[ir.passes.PassBase]:

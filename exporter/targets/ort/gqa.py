@@ -97,6 +97,14 @@ def _projection(value: ir.Value | None) -> ir.Node | None:
     return producer(value, "MatMul")
 
 
+def _maker(value: ir.Value | None) -> str:
+    """What computes a GQA input, behind its RotaryEmbedding."""
+    node = value.producer() if value is not None else None
+    if node is not None and node.op_type == "RotaryEmbedding" and node.inputs[0] is not None:
+        node = node.inputs[0].producer()
+    return node.op_type if node is not None else "a graph input"
+
+
 def _pack_qkv(model: ir.Model) -> list[str]:
     """Each fused layer's q/k/v projections -> one packed MatMul + Split (``pack``); "layer i:
     why" for each layer whose projections are not packable."""
@@ -104,13 +112,35 @@ def _pack_qkv(model: ir.Model) -> list[str]:
     for node in [n for n in model.graph if n.op_type == "GroupQueryAttention" and n.domain == MS_DOMAIN]:
         matmuls = [_projection(node.inputs[i]) for i in range(3)]
         found = [m for m in matmuls if m is not None]
-        reason = packable_reason(found) if len(found) == 3 else "q/k/v are not three MatMuls (a bias, a fused qkv projection or another op computes one)"
+        others = [f"{'qkv'[i]} by {_maker(node.inputs[i])}" for i, m in enumerate(matmuls) if m is None]
+        reason = packable_reason(found) if not others else f"q/k/v are not three MatMuls ({', '.join(others)})"
         if reason is not None:
             why.append(f"{where(node)}: q/k/v not packed: {reason}")
             continue
         layer = where(node).removeprefix("layer ")
         pack_matmuls(model.graph, found, f"layers.{layer}.attn.qkv_proj")
     return why
+
+
+def _readers(node: ir.Node) -> list[ir.Node]:
+    """What reads ``node``'s output, through Casts."""
+    found = []
+    for use in node.outputs[0].uses():
+        found.extend(_readers(use.node) if use.node.op_type == "Cast" else [use.node])
+    return found
+
+
+def _attention_softmax(node: ir.Node) -> bool:
+    """A Softmax of 4-D scores, or one read by a MatMul (not a router's, before its TopK)."""
+    if node.op_type != "Softmax" or node.domain != "":
+        return False
+    shape = node.inputs[0].shape if node.inputs[0] is not None else None
+    return (shape is not None and len(shape) == 4) or any(r.op_type == "MatMul" for r in _readers(node))
+
+
+def _unreached(softmax: ir.Node) -> str:
+    readers = ", ".join(sorted({r.op_type for r in _readers(softmax)})) or "nothing"
+    return f"the softmax is read by {readers}, not by a value MatMul -> Transpose -> Reshape (the core's end)"
 
 
 def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: TableFn, decode: bool = False, not_fused: NotFused | None = None) -> list[int]:
@@ -126,8 +156,8 @@ def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: T
     rules = [rule_of(attention)]
     apply_rules(model, rules, commute=True)
     log = not_fused if not_fused is not None else NotFused()
-    softmaxes = [n for n in model.graph if n.op_type == "Softmax" and n.domain == ""]
-    log.add("attention", explain(model, rules, softmaxes, commute=True, otherwise="its Softmax is not in a Reshape(Transpose(MatMul(Softmax(scores), V))) core"))
+    softmaxes = [n for n in model.graph if _attention_softmax(n)]
+    log.add("attention", explain(model, rules, softmaxes, commute=True, otherwise=_unreached))
     if not attention.fused:
         return []
     rotary = [rule_of(RotaryEmbeddingRule(values))]

@@ -58,10 +58,13 @@ def fuse_rotary_in_gqa(model: ir.Model, *, head_dim: int, not_fused: NotFused | 
     count = apply_rules(model, rules)
     if not_fused is not None:
         left = [n for n in model.graph if n.op_type == "GroupQueryAttention" and n.domain == MS_DOMAIN and _rotated(n)]
-        not_fused.add("gqa_rotary", explain(model, rules, left, otherwise="its q and k are not the RotaryEmbedding'd Split of one packed QKV"))
+        not_fused.add("gqa_rotary", explain(model, rules, left, otherwise=lambda _: "its q, k and v are not the Split of one packed QKV, q and k rotated alike"))
     return count
 
 
 def _rotated(gqa: ir.Node) -> bool:
+    """GQA reads a RotaryEmbedding of a Split: a packed, rotated QKV (``gqa.qkv_pack`` says why
+    the others are not packed)."""
     node = gqa.inputs[0].producer() if gqa.inputs[0] is not None else None
-    return node is not None and node.op_type == "RotaryEmbedding"
+    source = node.inputs[0].producer() if node is not None and node.op_type == "RotaryEmbedding" and node.inputs[0] is not None else None
+    return source is not None and source.op_type == "Split"

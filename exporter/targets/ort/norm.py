@@ -39,8 +39,8 @@ class RmsNorm(RewriteRuleClassBase):
         super().__init__("RmsNorm" if weighted else "RmsNormOnesWeight")
         self.weighted = weighted
 
-    def pattern(self, op: Any, x: Any, exponent: Any, eps: Any, weight: Any) -> Any:
-        mean = op.ReduceMean(op.Pow(x, exponent), _allow_other_inputs=True, _outputs=["mean"])
+    def pattern(self, op: Any, x: Any, squared: Any, exponent: Any, eps: Any, weight: Any) -> Any:
+        mean = op.ReduceMean(op.Pow(squared, exponent), _allow_other_inputs=True, _outputs=["mean"])
         normalized = op.Mul(x, op.Reciprocal(op.Sqrt(op.Add(mean, eps))), _outputs=["normalized"])
         return op.Mul(normalized, weight) if self.weighted else normalized
 
@@ -48,6 +48,8 @@ class RmsNorm(RewriteRuleClassBase):
         x: ir.Value = bound["x"]
         exponent, eps, mean, weight = bound["exponent"], bound["eps"], bound["mean"], bound.get("weight")
         node = mean.producer()
+        if bound["squared"] is not x:
+            return fail("it squares another tensor than the one it scales (x - mean: a LayerNorm?)")
         if scalar_of(exponent) != 2.0:
             return fail("the power is not a constant 2")
         if scalar_of(eps) is None:

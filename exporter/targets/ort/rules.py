@@ -20,7 +20,7 @@ from onnxscript.rewriter import MatchingTracer, MatchResult, MatchStatus, Rewrit
 
 __all__ = ["NotFused", "apply_rules", "explain", "fail", "first_match", "rule_of", "where"]
 
-_LAYER = re.compile(r"layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:layers|\.h)\.(\d+)\.")  # kiln's and Hugging Face's module names; GPT-2's h.i
 
 
 def fail(reason: str) -> MatchResult:
@@ -72,12 +72,20 @@ def apply_rules(model: ir.Model, rules: Sequence[RewriteRule], *, commute: bool 
     return int(RewriteRuleSet(list(rules), commute=commute).apply_to_model(model))
 
 
+def _reason(match: MatchResult, status: MatchStatus) -> str:
+    """A check's reason as it is; a pattern mismatch with the node it stopped at."""
+    if status is MatchStatus.CONDITION_FAILED or not match.reason:
+        return match.reason
+    at = next((n for n in match.failure_nodes_and_values if isinstance(n, ir.Node)), None)
+    return f"the pattern stops at {at.op_type} {at.name}: {match.reason}" if at is not None else match.reason
+
+
 def _best(attempts: list[tuple[MatchResult, MatchStatus]], around: ir.Node | None) -> str | None:
     """The reason of the failed attempt (around a node) that matched the most: a failing check
     beats a pattern mismatch."""
-    tried = [(status, len(m.nodes), m.reason) for m, status in attempts if status is not MatchStatus.SUCCESS and (around is None or around in m.nodes)]
+    tried = [(status, len(m.nodes), m) for m, status in attempts if status is not MatchStatus.SUCCESS and (around is None or around in m.nodes)]
     best = max(tried, default=None, key=lambda t: (t[0] is MatchStatus.CONDITION_FAILED, t[1]))
-    return best[2] if best is not None and best[2] else None
+    return _reason(best[2], best[0]) or None if best is not None else None
 
 
 def first_match(model: ir.Model, rules: Sequence[RewriteRule], node: ir.Node) -> RewriteRule | str:
@@ -98,10 +106,11 @@ def explain(
     *,
     commute: bool = False,
     label: Callable[[ir.Node], str] = where,
-    otherwise: str = "no pattern of this fusion matches around it",
+    otherwise: Callable[[ir.Node], str] = lambda _: "no pattern of this fusion matches around it",
 ) -> list[str]:
     """"<label>: reason" for each candidate node: the reason of the attempt that matched the most
-    of the pattern around it (``_best``), ``otherwise`` when none reached it. Nothing is rewritten."""
+    of the pattern around it (``_best``), ``otherwise(node)`` when none reached it. Nothing is
+    rewritten."""
     if not candidates:
         return []
     tracer = _Attempts()
@@ -109,4 +118,4 @@ def explain(
     for rule in RewriteRuleSet(list(rules), commute=commute):
         for node in list(graph):
             rule.match(model, graph, node, check_nodes_are_removable=rule.remove_nodes, tracer=tracer)
-    return [f"{label(c)}: {_best(tracer.attempts, c) or otherwise}" for c in candidates]
+    return [f"{label(c)}: {_best(tracer.attempts, c) or otherwise(c)}" for c in candidates]
