@@ -156,15 +156,17 @@ def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: T
     rules = [rule_of(attention)]
     apply_rules(model, rules, commute=True)
     log = not_fused if not_fused is not None else NotFused()
-    softmaxes = [n for n in model.graph if _attention_softmax(n)]
-    log.add("attention", explain(model, rules, softmaxes, commute=True, otherwise=_unreached))
+    if not_fused is not None:
+        left = [n for n in model.graph if _attention_softmax(n)]
+        not_fused.add("attention", explain(model, rules, left, commute=True, otherwise=_unreached))
     if not attention.fused:
         return []
     rotary = [rule_of(RotaryEmbeddingRule(values))]
     apply_rules(model, rotary)
-    log.add("rotary", explain(model, rotary, rotary_candidates(model), label=rotary_label))
+    if not_fused is not None:
+        not_fused.add("rotary", explain(model, rotary, rotary_candidates(model), label=rotary_label))
     log.add("qkv_pack", _pack_qkv(model))
     if decode:
-        fuse_rotary_in_gqa(model, head_dim=head_dim, not_fused=log)
+        fuse_rotary_in_gqa(model, head_dim=head_dim, not_fused=not_fused)
     use_ms_domain(model)
     return sorted(attention.fused)
