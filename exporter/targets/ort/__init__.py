@@ -20,6 +20,10 @@ contrib kernels into ``onnx/<kind>.ort.onnx`` by the passes ``ort_passes`` lists
 - ``--int4`` graphs: their int4 weights -> ``MatMulNBits`` (4 bits, the portable graphs' own
   numbers, read back from ``weights.bin``: ``int4``).
 
+Each fusion is an onnxscript rewrite rule (pattern / check / rewrite) or, where a pattern cannot
+say it, a hand-written matcher of the same shape; every candidate a fusion leaves says why in the
+graph's manifest entry (``not_fused``: fusion -> "layer i: reason"; ``rules``).
+
 The copies sit in the same directory as the portable graphs because ONNX Runtime refuses
 external data outside a model's directory; they share ``weights.bin`` for every weight they
 keep, and what the rewrite adds (cos/sin caches, packed and int8 weights) goes to one more file,

@@ -9,8 +9,8 @@ eager one) has one shape between the q/k/v heads and o_proj::
     scores = Where(allowed, scores, min) | scores + mask   [then a no-op Cast]
     out = Reshape(Transpose(MatMul(Softmax(scores) [Cast], repeat_kv(present.value))))   -> o_proj
 
-``AttentionCoreRule`` is that pattern (onnxscript's rewriter; ``commute`` adds the swapped
-operands of Mul and Add) and a check naming why a near miss is not one; its rewrite, in
+``AttentionCoreRule`` is that pattern (onnxscript's rewriter; either operand order of its Mul and
+Add) and a check naming why a near miss is not one; its rewrite, in
 ``gqa``, writes ONNX Runtime's GroupQueryAttention. q/k/v are matched as heads ``[B, N, S, hd]``
 whatever computes them (rotary, per-head norms); ``rotary`` then fuses the rotary on the
 flattened q and k GroupQueryAttention reads.
@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant, producer, scalar_of
 from kiln.exporter.targets.ort.rules import fail, rule_of
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet, pattern
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
 
 __all__ = ["AttentionCore", "AttentionCoreRule", "find_attention", "flatten_heads", "projection_of"]
 
@@ -120,6 +120,10 @@ def _split_present(present: ir.Value) -> tuple[ir.Value | None, ir.Value]:
     return None, present
 
 
+def _or(values: list[Any], tag: str, tags: list[Any] | None = None) -> Any:
+    return pattern.OrValue(values, tag_var=tag, tag_values=tags)
+
+
 def _read_once(value: ir.Value | None) -> bool:
     return value is not None and len(list(value.uses())) == 1 and not value.is_graph_output()
 
@@ -134,16 +138,17 @@ class AttentionCoreRule(RewriteRuleClassBase):
         self.core: AttentionCore | None = None
 
     def pattern(self, op: Any, q: Any, key: Any, value: Any, scale: Any, cap: Any, cap_div: Any, cond: Any, fill: Any, mask: Any, out_shape: Any) -> Any:
-        scores = op.MatMul(q, op.Transpose(key, perm=[0, 1, 3, 2]))
-        scaled = pattern.OrValue([op.Mul(scores, scale), op.Div(scores, scale), scores], tag_var="scale_op", tag_values=["Mul", "Div", None])
-        tanh = op.Tanh(pattern.OrValue([op.Div(scaled, cap_div), op.Mul(scaled, cap_div)], tag_var="cap_op", tag_values=["Div", "Mul"]))
-        capped = pattern.OrValue([op.Mul(tanh, cap), scaled], tag_var="capped", tag_values=[True, False])
-        masked = pattern.OrValue(
-            [op.Where(cond, capped, fill), op.Where(cond, fill, capped), op.Add(capped, mask)], tag_var="mask_kind", tag_values=["where", "where_inv", "add"]
-        )
+        # a Mul or Add of a computed value and a variable, in either order, is an OrValue of both
+        # (a Mul of two variables could not be told apart: then ``commute`` makes two rules);
         # every OrValue has a tag: onnxscript 0.7's commute() cannot copy one without
-        probs = op.Softmax(pattern.OrValue([op.Cast(masked, _outputs=["cast_in"]), masked], tag_var="cast_before"), _outputs=["probs"])
-        pv = op.MatMul(pattern.OrValue([op.Cast(probs, _outputs=["probs_cast"]), probs], tag_var="cast_after"), value, _outputs=["pv"])
+        scores = op.MatMul(q, op.Transpose(key, perm=[0, 1, 3, 2]))
+        scaled = _or([op.Mul(scores, scale), op.Mul(scale, scores), op.Div(scores, scale), scores], "scale_op", ["Mul", "Mul", "Div", None])
+        tanh = op.Tanh(_or([op.Div(scaled, cap_div), op.Mul(scaled, cap_div), op.Mul(cap_div, scaled)], "cap_op", ["Div", "Mul", "Mul"]))
+        capped = _or([op.Mul(tanh, cap), op.Mul(cap, tanh), scaled], "capped", [True, True, False])
+        where = [op.Where(cond, capped, fill), op.Where(cond, fill, capped)]
+        masked = _or([*where, op.Add(capped, mask), op.Add(mask, capped)], "mask_kind", ["where", "where_inv", "add", "add"])
+        probs = op.Softmax(_or([op.Cast(masked, _outputs=["cast_in"]), masked], "cast_before"), _outputs=["probs"])
+        pv = op.MatMul(_or([op.Cast(probs, _outputs=["probs_cast"]), probs], "cast_after"), value, _outputs=["pv"])
         return op.Reshape(op.Transpose(pv, perm=[0, 2, 1, 3], _outputs=["pv_bsnh"]), out_shape, _outputs=["out"])
 
     def check(self, op: Any, *_: Any, **bound: Any) -> MatchResult:  # op: the MatchContext (the base class names it so)
@@ -236,9 +241,9 @@ def find_attention(model: ir.Model, head_dim: int) -> list[AttentionCore]:
 
     finder = AttentionCoreRule(head_dim)
     cores: dict[int, AttentionCore] = {}
-    for rule in RewriteRuleSet([rule_of(finder)], commute=True):
-        for node in model.graph:
-            if node.op_type == "Reshape" and rule.match(model, model.graph, node, check_nodes_are_removable=False) and finder.core is not None:
-                found = find_rotary(model, finder.core.q)
-                cores.setdefault(finder.core.layer, dataclasses.replace(finder.core, rotary=(found.cos, found.sin) if not isinstance(found, str) else None))
+    rule = rule_of(finder)
+    for node in model.graph:
+        if node.op_type == "Reshape" and rule.match(model, model.graph, node, check_nodes_are_removable=False) and finder.core is not None:
+            found = find_rotary(model, finder.core.q)
+            cores.setdefault(finder.core.layer, dataclasses.replace(finder.core, rotary=(found.cos, found.sin) if not isinstance(found, str) else None))
     return [cores[layer] for layer in sorted(cores)]

@@ -154,11 +154,11 @@ def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: T
     values = GraphValues(model.graph, tables)
     attention = GroupQueryAttention(values, n_kv_heads=n_kv_heads, head_dim=head_dim, decode=decode)
     rules = [rule_of(attention)]
-    apply_rules(model, rules, commute=True)
+    apply_rules(model, rules)
     log = not_fused if not_fused is not None else NotFused()
     if not_fused is not None:
         left = [n for n in model.graph if _attention_softmax(n)]
-        not_fused.add("attention", explain(model, rules, left, commute=True, otherwise=_unreached))
+        not_fused.add("attention", explain(model, rules, left, otherwise=_unreached))
     if not attention.fused:
         return []
     rotary = [rule_of(RotaryEmbeddingRule(values))]

@@ -17,7 +17,7 @@ import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant, producer, scalar_of
 from kiln.exporter.targets.ort.rules import NotFused, apply_rules, explain, fail, rule_of
 from kiln.exporter.targets.ort.skip_norm import fuse_skip_rms_norm
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
 
 __all__ = ["RmsNorm", "fuse_rms_norm", "fuse_skip_rms_norm"]
 
@@ -35,14 +35,19 @@ def _last_axis(mean: ir.Node, x: ir.Value) -> bool:
 class RmsNorm(RewriteRuleClassBase):
     """``x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), -1) + eps)) [* weight]`` -> SimplifiedLayerNormalization."""
 
-    def __init__(self, weighted: bool) -> None:
-        super().__init__("RmsNorm" if weighted else "RmsNormOnesWeight")
-        self.weighted = weighted
+    def __init__(self, weighted: bool, swapped: bool) -> None:
+        super().__init__(f"RmsNorm{'' if weighted else 'OnesWeight'}{'Swapped' if swapped else ''}")
+        self.weighted, self.swapped = weighted, swapped  # swapped: the root Mul's operands (weight first; x second)
 
     def pattern(self, op: Any, x: Any, squared: Any, exponent: Any, eps: Any, weight: Any) -> Any:
+        # either operand order: an OrValue of both where one operand is computed (onnxscript 0.7's
+        # commute() cannot copy an OrValue without a tag); the root's two orders are two rules
         mean = op.ReduceMean(op.Pow(squared, exponent), _allow_other_inputs=True, _outputs=["mean"])
-        normalized = op.Mul(x, op.Reciprocal(op.Sqrt(op.Add(mean, eps))), _outputs=["normalized"])
-        return op.Mul(normalized, weight) if self.weighted else normalized
+        denominator = op.Reciprocal(op.Sqrt(pattern.OrValue([op.Add(mean, eps), op.Add(eps, mean)], tag_var="eps_second")))
+        if not self.weighted:
+            return op.Mul(denominator, x, _outputs=["normalized"]) if self.swapped else op.Mul(x, denominator, _outputs=["normalized"])
+        normalized = pattern.OrValue([op.Mul(x, denominator), op.Mul(denominator, x)], name="normalized", tag_var="x_second")
+        return op.Mul(weight, normalized) if self.swapped else op.Mul(normalized, weight)
 
     def check(self, op: Any, *_: Any, **bound: Any) -> MatchResult:  # op: the MatchContext (the base class names it so)
         x: ir.Value = bound["x"]
@@ -94,9 +99,9 @@ def _candidates(model: ir.Model) -> list[ir.Node]:
 def fuse_rms_norm(model: ir.Model, *, not_fused: NotFused | None = None) -> int:
     """Fuse every RMSNorm in ``model``; returns how many. ``not_fused`` gets the reason of each
     mean of a square left (fusion ``rms_norm``, by node name)."""
-    weighted = [rule_of(RmsNorm(True))]
-    ones = [rule_of(RmsNorm(False))]
-    count = apply_rules(model, weighted, commute=True) + apply_rules(model, ones, commute=True)
+    weighted = [rule_of(RmsNorm(True, swapped)) for swapped in (False, True)]
+    ones = [rule_of(RmsNorm(False, swapped)) for swapped in (False, True)]
+    count = apply_rules(model, weighted) + apply_rules(model, ones)
     if not_fused is not None:
-        not_fused.add("rms_norm", explain(model, weighted + ones, _candidates(model), commute=True, label=_name))
+        not_fused.add("rms_norm", explain(model, weighted + ones, _candidates(model), label=_name))
     return count
