@@ -1,53 +1,37 @@
-"""Pattern: each layer's attention core as the tracer writes it, found from its Softmax.
+"""Pattern: each layer's attention core as the tracer writes it, ending at the Reshape o_proj reads.
 
 The traced attention of both families (the native decoder's hand-written one and Hugging Face's
-eager one) has one shape between the q/k/v projections and o_proj::
+eager one) has one shape between the q/k/v heads and o_proj::
 
-    q/k/v = Transpose(heads(Reshape(proj)))       [B, N, S, hd]; heads: per-head ops (q/k norm) or none
-    q, k  = q*cos + rotate_half(q)*sin            (rotary, optional; partial: the first rotary_dim
-                                                   channels rotated, Concat with the rest)
     present.i.key/value = Concat(past, k / v)     (prefill: k / v themselves)
-    scores = MatMul(q, Transpose(repeat_kv(present.key))) * scale
-    scores = Where(allowed, scores, min) | scores + mask
-    out = Reshape(Transpose(MatMul(Softmax(scores), repeat_kv(present.value))))   -> o_proj
+    scores = MatMul(q, Transpose(repeat_kv(present.key))) [* scale | / scale]
+    scores = tanh(scores / cap) * cap             (soft-capping, Gemma 2/3; optional)
+    scores = Where(allowed, scores, min) | scores + mask   [then a no-op Cast]
+    out = Reshape(Transpose(MatMul(Softmax(scores) [Cast], repeat_kv(present.value))))   -> o_proj
 
-``find_attention`` matches it semantically (producers and consumers, not node names) into an
-``AttentionCore``; ``gqa`` replaces each core found by ONNX Runtime's fused kernels.
+``AttentionCoreRule`` is that pattern (onnxscript's rewriter; either operand order of its Mul and
+Add) and a check naming why a near miss is not one; its rewrite, in
+``gqa``, writes ONNX Runtime's GroupQueryAttention. q/k/v are matched as heads ``[B, N, S, hd]``
+whatever computes them (rotary, per-head norms); ``rotary`` then fuses the rotary on the
+flattened q and k GroupQueryAttention reads.
 """
-
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from kiln.exporter.passes.ir_utils import (
-    constant,
-    producer,
-    scalar_of,
-    single_consumer,
-    skip_casts,
-)
+from kiln.exporter.passes.ir_utils import constant, producer, scalar_of
+from kiln.exporter.targets.ort.rules import fail, rule_of
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
 
-__all__ = ["AttentionCore", "TableFn", "find_attention"]
+__all__ = ["AttentionCore", "AttentionCoreRule", "find_attention", "flatten_heads", "projection_of"]
 
 _PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
-
-_Bias = tuple[str, ir.Value, float | None]  # ("add", mask, None) | ("where", cond, fill) | ("where_inv", cond, fill)
-# (cos value, sin value) -> (cos_cache, sin_cache) [max_positions, hd/2], or None when the
-# tables cannot be evaluated (the subgraph reads more than position_ids)
-TableFn = Callable[[ir.Value, ir.Value], tuple[np.ndarray, np.ndarray] | None]
-
-
-@dataclasses.dataclass
-class _Rotary:
-    packed: ir.Value  # [B, S, N*hd], before Reshape/Transpose
-    cos: ir.Value
-    sin: ir.Value
-    dim: int | None  # rotated channels per head when partial (None: the whole head)
+Bias = tuple[str, ir.Value, float | None]  # ("add", mask, None) | ("where", cond, fill) | ("where_inv", cond, fill)
 
 
 @dataclasses.dataclass
@@ -55,121 +39,60 @@ class AttentionCore:
     """One layer's attention as found in the traced graph."""
 
     layer: int
-    q: ir.Value  # packed [B, S, H*hd] projection (before rotary)
-    k: ir.Value
+    q: ir.Value  # heads [B, N, S, hd] as the scores read them (rotated, normed, ...)
+    k: ir.Value  # the new keys' heads (before the Concat with the past)
     v: ir.Value
     n_heads: int
-    rotary: tuple[ir.Value, ir.Value] | None  # the graph's (cos, sin) values
-    rotary_dim: int | None  # partial rotary: the rotated channels per head (None: all)
-    rotated: tuple[ir.Value, ir.Value] | None  # with rotary: q and k packed after it (rotary left in the graph)
     past_key: ir.Value | None
     past_value: ir.Value | None
     present_key: ir.Value
     present_value: ir.Value
-    bias: _Bias
+    bias: Bias
     scale: float
     softcap: float | None  # Gemma 2's cap * tanh(scores / cap) on the scaled scores, before the mask
     out: ir.Value  # what o_proj reads: Reshape(Transpose(attention)), usually [B, S, H*hd]
     out_shape: ir.Value | None  # that Reshape's shape input (GPT-2 reshapes to 2-D [B*S, H*hd])
+    rotary: tuple[ir.Value, ir.Value] | None = None  # find_attention: q's rotary (cos, sin), when rotate-half
 
 
-def _unpack(value: ir.Value) -> ir.Value | None:
-    """Heads ``x`` [B, N, S, hd] -> their packed [B, S, N*hd] form: the projection itself when
-    x = Transpose(Reshape(projection), [0, 2, 1, 3]), else (per-head ops between the projection and
-    x, such as a q/k norm, which then stay in the graph before the fused attention) a new
-    ``Reshape(Transpose(x, [0, 2, 1, 3]), [0, 0, -1])``, exact for any such x."""
-    transpose = producer(value, "Transpose")
+def projection_of(heads: ir.Value) -> ir.Value | None:
+    """The packed ``[B, S, N*hd]`` value when ``heads = Transpose(Reshape(it), [0, 2, 1, 3])``."""
+    transpose = producer(heads, "Transpose")
     if transpose is not None and list(transpose.attributes.get_ints("perm", [])) == [0, 2, 1, 3]:
         reshape = producer(transpose.inputs[0], "Reshape")
         if reshape is not None:
             return reshape.inputs[0]
-    node = value.producer()
-    graph = node.graph if node is not None else None
-    if graph is None:
-        return None
-    made: dict[int, ir.Value] = graph.meta.setdefault("kiln.ort.flattened_heads", {})  # one flattening per value
-    if id(value) in made:
-        return made[id(value)]
-    # a match that is not fused leaves these nodes dead (the target's passes remove dead nodes)
-    shape = constant(graph, "ort/flatten_heads", np.array([0, 0, -1], dtype=np.int64))
-    name = f"/ort/heads/{value.name}"
-    bsnh = ir.node("Transpose", [value], {"perm": [0, 2, 1, 3]}, name=f"{name}/Transpose")
-    flat = ir.node("Reshape", [bsnh.outputs[0], shape], name=f"{name}/Reshape")
-    graph.extend([bsnh, flat])
-    out = flat.outputs[0]
-    dims = list(value.shape) if value.shape is not None and len(value.shape) == 4 else None
-    if dims is not None and isinstance(dims[1], int) and isinstance(dims[3], int):
-        out.shape = ir.Shape([dims[0], dims[2], dims[1] * dims[3]])
-    out.type = value.type
-    made[id(value)] = out
-    return out
-
-
-def _attributes(node: ir.Node) -> dict[str, str]:
-    return {k: repr(v.value) for k, v in node.attributes.items()}
-
-
-def _same(a: ir.Value | None, b: ir.Value | None, depth: int = 4) -> bool:
-    """The same value, or one computed by identical nodes from the same inputs (the tracer may
-    write a transpose twice)."""
-    if a is b:
-        return True
-    na, nb = (a.producer() if a is not None else None), (b.producer() if b is not None else None)
-    if depth == 0 or na is None or nb is None or (na.op_type, na.domain, len(na.inputs)) != (nb.op_type, nb.domain, len(nb.inputs)):
-        return False
-    return _attributes(na) == _attributes(nb) and all(_same(x, y, depth - 1) for x, y in zip(na.inputs, nb.inputs, strict=True))
-
-
-def _slice(value: ir.Value | None) -> tuple[ir.Value, int, int] | None:
-    """``Slice(x, [start], [end], [-1])`` on the last of 4 axes -> (x, start, end)."""
-    node = producer(value, "Slice")
-    if node is None or len(node.inputs) < 4 or node.inputs[0] is None:
-        return None
-    start, end, axis = (scalar_of(node.inputs[i]) for i in (1, 2, 3))
-    step = scalar_of(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else 1.0
-    if start is None or end is None or axis not in (-1.0, 3.0) or step != 1.0:
-        return None
-    return node.inputs[0], int(start), int(min(end, 2**62))
-
-
-def _rotate_half(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
-    """``x*cos + rotate_half(x)*sin`` -> (x, cos, sin)."""
-    add = producer(value, "Add")
-    if add is None:
-        return None
-    for a, b in (add.inputs, add.inputs[::-1]):
-        direct, rotated = producer(a, "Mul"), producer(b, "Mul")
-        if direct is None or rotated is None:
-            continue
-        for x, cos in (direct.inputs, direct.inputs[::-1]):
-            for half, sin in (rotated.inputs, rotated.inputs[::-1]):
-                concat = producer(half, "Concat")
-                if x is None or cos is None or sin is None or concat is None or len(concat.inputs) != 2:
-                    continue
-                neg = producer(concat.inputs[0], "Neg")
-                first = concat.inputs[1].producer() if concat.inputs[1] is not None else None
-                second = neg.inputs[0].producer() if neg is not None and neg.inputs[0] is not None else None
-                if first is not None and second is not None and _same(first.inputs[0], x) and _same(second.inputs[0], x):
-                    return x, cos, sin
     return None
 
 
-def _rotary(value: ir.Value) -> _Rotary | None:
-    """The rotated heads (``_rotate_half`` of x = Transpose(heads)), or partial rotary:
-    ``Concat(_rotate_half(x[..., :d]), x[..., d:])`` -> their parts."""
-    whole = _rotate_half(value)
-    if whole is not None:
-        packed = _unpack(whole[0])
-        return _Rotary(packed, whole[1], whole[2], None) if packed is not None else None
-    concat = producer(value, "Concat")
-    if concat is None or len(concat.inputs) != 2 or concat.attributes.get_int("axis", 0) not in (-1, 3) or concat.inputs[0] is None:
-        return None
-    part = _rotate_half(concat.inputs[0])
-    rotated, rest = (_slice(part[0]), _slice(concat.inputs[1])) if part is not None else (None, None)
-    if part is None or rotated is None or rest is None or not _same(rotated[0], rest[0]) or rotated[1] != 0 or rest[1] != rotated[2]:
-        return None
-    packed = _unpack(rotated[0])
-    return _Rotary(packed, part[1], part[2], rotated[2]) if packed is not None else None
+def flatten_heads(op: Any, heads: ir.Value) -> ir.Value:
+    """Heads ``[B, N, S, hd]`` -> packed ``[B, S, N*hd]``: ``projection_of`` when there is one, else
+    (per-head ops between the projection and here, which stay) a new ``Reshape(Transpose(heads))``."""
+    direct = projection_of(heads)
+    if direct is not None:
+        return direct
+    graph = heads.graph
+    assert isinstance(graph, ir.Graph), "matched heads belong to the graph"
+    shape = constant(graph, "ort/flatten_heads", np.array([0, 0, -1], dtype=np.int64))
+    name = f"/ort/heads/{heads.name}"
+    bsnh = op.Transpose(heads, perm=[0, 2, 1, 3], _name=f"{name}/Transpose")
+    flat: ir.Value = op.Reshape(bsnh, shape, _name=f"{name}/Reshape")
+    dims = list(heads.shape) if heads.shape is not None and len(heads.shape) == 4 else None
+    if dims is not None and isinstance(dims[1], int) and isinstance(dims[3], int):
+        flat.shape = ir.Shape([dims[0], dims[2], dims[1] * dims[3]])
+    flat.type = heads.type
+    return flat
+
+
+def _width(heads: ir.Value) -> int | None:
+    """N*hd of the packed ``[B, S, N*hd]`` form of heads ``[B, N, S, hd]``: the projection's last
+    dim when there is one (None unless it is 3-D), else from the heads' static dims."""
+    direct = projection_of(heads)
+    if direct is not None:
+        dims = list(direct.shape) if direct.shape is not None else []
+        return dims[-1] if len(dims) == 3 and isinstance(dims[-1], int) else None
+    dims = list(heads.shape) if heads.shape is not None else []
+    return dims[1] * dims[3] if len(dims) == 4 and isinstance(dims[1], int) and isinstance(dims[3], int) else None
 
 
 def _present_source(start: ir.Value | None, expect: str) -> tuple[int, ir.Value] | None:
@@ -197,152 +120,130 @@ def _split_present(present: ir.Value) -> tuple[ir.Value | None, ir.Value]:
     return None, present
 
 
-def _scores(value: ir.Value) -> tuple[ir.Node, float] | None:
-    """scores = MatMul(q, kT) [* c | / c] -> (the MatMul, the scale)."""
-    node = value.producer()
-    if node is not None and node.op_type in ("Mul", "Div") and node.domain == "":
-        for i, (a, b) in enumerate((node.inputs, node.inputs[::-1])):
-            if node.op_type == "Div" and i == 1:
-                break
-            c = scalar_of(b)
-            matmul = producer(a, "MatMul")
-            if c is not None and matmul is not None and c != 0.0:
-                return matmul, (c if node.op_type == "Mul" else 1.0 / c)
-        return None
-    matmul = producer(value, "MatMul")
-    return (matmul, 1.0) if matmul is not None else None
+def _or(values: list[Any], tag: str, tags: list[Any] | None = None) -> Any:
+    return pattern.OrValue(values, tag_var=tag, tag_values=tags)
 
 
-def _capped(value: ir.Value) -> tuple[ir.Node, float, float | None] | None:
-    """``_scores`` of value, or of x in Gemma 2's soft-capping ``tanh(x / cap) * cap`` ->
-    (the MatMul, the scale, the cap or None)."""
-    mul = producer(value, "Mul")
-    for tanh_out, cap_value in (mul.inputs, mul.inputs[::-1]) if mul is not None else ():
-        cap, tanh = scalar_of(cap_value), producer(tanh_out, "Tanh")
-        inner = producer(tanh.inputs[0], ("Div", "Mul")) if tanh is not None else None
-        if cap is None or cap <= 0.0 or inner is None or inner.inputs[0] is None:
-            continue
-        divisor = scalar_of(inner.inputs[1])
-        if divisor is None or not np.isclose(divisor if inner.op_type == "Div" else 1.0 / divisor, cap, rtol=1e-6, atol=0.0):
-            continue
-        got = _scores(inner.inputs[0])
-        if got is not None:
-            return got[0], got[1], cap
-    got = _scores(value)
-    return (got[0], got[1], None) if got is not None else None
+def _read_once(value: ir.Value | None) -> bool:
+    return value is not None and len(list(value.uses())) == 1 and not value.is_graph_output()
 
 
-def _masked_scores(softmax: ir.Node) -> tuple[tuple[ir.Node, float, float | None], _Bias] | None:
-    """Softmax(Where(allowed, scores, fill)) or Softmax(scores + mask) -> ((QK^T MatMul, scale,
-    soft cap), bias)."""
-    if softmax.inputs[0] is None:
-        return None
-    mnode = skip_casts(softmax.inputs[0]).producer()
-    if mnode is None or mnode.domain != "":
-        return None
-    if mnode.op_type == "Where":
-        cond, a, b = mnode.inputs
-        for scores, fill, kind in ((a, b, "where"), (b, a, "where_inv")):
-            fill_value = scalar_of(fill)
-            got = _capped(scores) if scores is not None else None
-            if got is not None and fill_value is not None and cond is not None:
-                return got, (kind, cond, fill_value)
-    elif mnode.op_type == "Add":
-        for scores, mask in (mnode.inputs, mnode.inputs[::-1]):
-            got = _capped(scores) if scores is not None else None
-            if got is not None and mask is not None:
-                return got, ("add", mask, None)
+class AttentionCoreRule(RewriteRuleClassBase):
+    """The attention core (module docstring); ``check`` leaves what it found in ``self.core``.
+    This class only matches (``find_attention``); ``gqa.GroupQueryAttention`` rewrites."""
+
+    def __init__(self, head_dim: int, name: str = "AttentionCore") -> None:
+        super().__init__(name, remove_nodes=False)  # the presents are graph outputs: rewired, not matched away
+        self.head_dim = head_dim
+        self.core: AttentionCore | None = None
+
+    def pattern(self, op: Any, q: Any, key: Any, value: Any, scale: Any, cap: Any, cap_div: Any, cond: Any, fill: Any, mask: Any, out_shape: Any) -> Any:
+        # a Mul or Add of a computed value and a variable, in either order, is an OrValue of both
+        # (a Mul of two variables could not be told apart: then ``commute`` makes two rules);
+        # every OrValue has a tag: onnxscript 0.7's commute() cannot copy one without
+        scores = op.MatMul(q, op.Transpose(key, perm=[0, 1, 3, 2]))
+        scaled = _or([op.Mul(scores, scale), op.Mul(scale, scores), op.Div(scores, scale), scores], "scale_op", ["Mul", "Mul", "Div", None])
+        tanh = op.Tanh(_or([op.Div(scaled, cap_div), op.Mul(scaled, cap_div), op.Mul(cap_div, scaled)], "cap_op", ["Div", "Mul", "Mul"]))
+        capped = _or([op.Mul(tanh, cap), op.Mul(cap, tanh), scaled], "capped", [True, True, False])
+        where = [op.Where(cond, capped, fill), op.Where(cond, fill, capped)]
+        masked = _or([*where, op.Add(capped, mask), op.Add(mask, capped)], "mask_kind", ["where", "where_inv", "add", "add"])
+        probs = op.Softmax(_or([op.Cast(masked, _outputs=["cast_in"]), masked], "cast_before"), _outputs=["probs"])
+        pv = op.MatMul(_or([op.Cast(probs, _outputs=["probs_cast"]), probs], "cast_after"), value, _outputs=["pv"])
+        return op.Reshape(op.Transpose(pv, perm=[0, 2, 1, 3], _outputs=["pv_bsnh"]), out_shape, _outputs=["out"])
+
+    def check(self, op: Any, *_: Any, **bound: Any) -> MatchResult:  # op: the MatchContext (the base class names it so)
+        self.core = None
+        scored = _scores(bound)
+        if isinstance(scored, MatchResult):
+            return scored
+        readers = _readers(bound)
+        if readers is not None:
+            return readers
+        caches = _presents(bound["key"], bound["value"])
+        if isinstance(caches, MatchResult):
+            return caches
+        (layer, present_key, past_key, new_key), (present_value, past_value, new_value) = caches
+        q: ir.Value = bound["q"]
+        if any(h.producer() is None for h in (q, new_key, new_value)):
+            return fail("the query, key or value heads are graph inputs (nothing to flatten for GroupQueryAttention)")
+        width = _width(q)
+        if width is None or width % self.head_dim:
+            return fail(f"the query is not [B, N, S, {self.head_dim}] heads of a static N, packed [B, S, N*{self.head_dim}] (width {width})")
+        if _width(new_key) is None or _width(new_value) is None:
+            return fail("the new keys or values are not heads [B, N, S, hd] of a static N whose packed form is [B, S, N*hd]")
+        scale, softcap, bias = scored
+        self.core = AttentionCore(layer, q, new_key, new_value, width // self.head_dim, past_key, past_value, present_key, present_value, bias, scale, softcap, bound["out"], bound["out_shape"])
+        return MatchResult()
+
+    def rewrite(self, op: Any, **_: Any) -> Any:
+        return None  # matching only: see gqa.GroupQueryAttention
+
+
+def _scores(bound: dict[str, Any]) -> MatchResult | tuple[float, float | None, Bias]:
+    """The scale, soft cap and bias of the matched scores, or why they do not fit."""
+    scale = 1.0
+    if bound.get("scale_op") is not None:
+        c = scalar_of(bound["scale"])
+        if c is None or c == 0.0:
+            return fail("the scores are scaled by something other than a nonzero constant")
+        scale = c if bound["scale_op"] == "Mul" else 1.0 / c
+    softcap = None
+    if bound.get("capped"):
+        cap, divisor = scalar_of(bound["cap"]), scalar_of(bound["cap_div"])
+        if cap is None or cap <= 0.0 or divisor is None or divisor == 0.0:
+            return fail("the soft cap is not a positive constant")
+        if not np.isclose(divisor if bound["cap_op"] == "Div" else 1.0 / divisor, cap, rtol=1e-6, atol=0.0):
+            return fail(f"tanh(scores / {divisor}) * {cap}: the soft cap divides by another constant than it multiplies by")
+        softcap = cap
+    kind = bound["mask_kind"]
+    if kind == "add":
+        return scale, softcap, ("add", bound["mask"], None)
+    fill = scalar_of(bound["fill"])
+    if fill is None:
+        return fail("the masked scores are filled with something other than a constant")
+    return scale, softcap, (kind, bound["cond"], fill)
+
+
+def _readers(bound: dict[str, Any]) -> MatchResult | None:
+    """Why the core's intermediate values cannot be replaced (a reader outside it), or None."""
+    cast = bound.get("cast_in")
+    if cast is not None:
+        node = cast.producer()
+        source = node.inputs[0] if node is not None else None
+        if source is None or source.dtype != cast.dtype:
+            return fail("the scores are cast to another type before the softmax")
+    if not _read_once(bound["probs"]) or (bound.get("probs_cast") is not None and not _read_once(bound["probs_cast"])):
+        return fail("the attention probabilities are read by more than the value MatMul")
+    if not _read_once(bound["pv"]) or not _read_once(bound["pv_bsnh"]):
+        return fail("the attention output is read by more than its Transpose and Reshape")
     return None
 
 
-def _caches(qk: ir.Node, softmax: ir.Node) -> tuple[tuple[int, ir.Value], tuple[int, ir.Value], ir.Node] | None:
-    """The layer's ``present.i.key`` behind QK^T, its ``present.i.value`` behind PV, and the
-    Reshape that turns PV back into [B, S, H*hd] for o_proj."""
-    kt = producer(qk.inputs[1], "Transpose")
-    if kt is None or list(kt.attributes.get_ints("perm", [])) != [0, 1, 3, 2]:
-        return None
-    key = _present_source(kt.inputs[0], "key")
-    uses = list(softmax.outputs[0].uses())
-    pv = uses[0].node if len(uses) == 1 else None
-    while pv is not None and pv.op_type == "Cast":
-        pv = single_consumer(pv.outputs[0], "MatMul") or single_consumer(pv.outputs[0], "Cast")
-    if key is None or pv is None or pv.op_type != "MatMul" or pv.inputs[0] is None:
-        return None
-    value = _present_source(pv.inputs[1], "value")
-    transpose = single_consumer(pv.outputs[0], "Transpose")
-    reshape = single_consumer(transpose.outputs[0], "Reshape") if transpose is not None else None
-    if value is None or value[0] != key[0] or transpose is None or reshape is None or list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
-        return None
-    return key, value, reshape
-
-
-def _projections(q_in: ir.Value, new_key: ir.Value, new_value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value, _Rotary | None] | None:
-    """The packed q/k/v projections [B, S, N*hd] behind the (rotated) heads, and q's rotary
-    (cos, sin and width: the same as k's)."""
-    q_rot, k_rot = _rotary(q_in), _rotary(new_key)
-    if (q_rot is None) != (k_rot is None):
-        return None
-    rotary: _Rotary | None = None
-    q: ir.Value | None
-    k: ir.Value | None
-    if q_rot is not None and k_rot is not None:
-        if (q_rot.cos, q_rot.sin, q_rot.dim) != (k_rot.cos, k_rot.sin, k_rot.dim):
-            return None
-        q, k, rotary = q_rot.packed, k_rot.packed, q_rot
-    else:
-        q, k = _unpack(q_in), _unpack(new_key)
-    v = _unpack(new_value)
-    if q is None or k is None or v is None:
-        return None
-    return q, k, v, rotary
-
-
-def _rotated(q_in: ir.Value, new_key: ir.Value) -> tuple[ir.Value, ir.Value] | None:
-    q, k = _unpack(q_in), _unpack(new_key)
-    return (q, k) if q is not None and k is not None else None
-
-
-def _core(softmax: ir.Node, head_dim: int) -> AttentionCore | None:
-    scored = _masked_scores(softmax)
-    if scored is None:
-        return None
-    (qk, scale, softcap), bias = scored
-    caches = _caches(qk, softmax)
-    if caches is None:
-        return None
-    key, value, reshape = caches
-    past_key, new_key = _split_present(key[1])
-    past_value, new_value = _split_present(value[1])
-    q_in = qk.inputs[0]
-    projections = _projections(q_in, new_key, new_value) if q_in is not None and (past_key is None) == (past_value is None) else None
-    if projections is None:
-        return None
-    q, k, v, rotary = projections
-    hidden = q.shape[-1] if q.shape is not None and len(q.shape) == 3 else None
-    if not isinstance(hidden, int) or hidden % head_dim:
-        return None
-    return AttentionCore(
-        layer=key[0],
-        q=q,
-        k=k,
-        v=v,
-        n_heads=hidden // head_dim,
-        rotary=(rotary.cos, rotary.sin) if rotary is not None else None,
-        rotary_dim=rotary.dim if rotary is not None else None,
-        rotated=_rotated(q_in, new_key) if rotary is not None and q_in is not None else None,
-        past_key=past_key,
-        past_value=past_value,
-        present_key=key[1],
-        present_value=value[1],
-        bias=bias,
-        scale=scale,
-        softcap=softcap,
-        out=reshape.outputs[0],
-        out_shape=reshape.inputs[1],
-    )
+def _presents(key: ir.Value, value: ir.Value) -> MatchResult | tuple[tuple[int, ir.Value, ir.Value | None, ir.Value], tuple[ir.Value, ir.Value | None, ir.Value]]:
+    """The layer's present.i.key behind the keys and present.i.value behind the values, each
+    split into (past, new)."""
+    got_key, got_value = _present_source(key, "key"), _present_source(value, "value")
+    if got_key is None:
+        return fail("the keys are not a present.i.key graph output (through repeat_kv)")
+    if got_value is None or got_value[0] != got_key[0]:
+        return fail(f"the values are not present.{got_key[0]}.value (through repeat_kv)")
+    past_key, new_key = _split_present(got_key[1])
+    past_value, new_value = _split_present(got_value[1])
+    if (past_key is None) != (past_value is None):
+        return fail("one of present.key and present.value is a Concat with its past, the other not")
+    return (got_key[0], got_key[1], past_key, new_key), (got_value[1], past_value, new_value)
 
 
 def find_attention(model: ir.Model, head_dim: int) -> list[AttentionCore]:
-    """Every layer's attention core that the pass can replace, in layer order."""
-    cores = [_core(node, head_dim) for node in model.graph if node.op_type == "Softmax" and node.domain == ""]
-    return sorted((c for c in cores if c is not None), key=lambda c: c.layer)
+    """Every layer's attention core that the pass can replace, in layer order (nothing rewritten);
+    ``rotary`` holds q's rotate-half (cos, sin) when it has one."""
+    from kiln.exporter.targets.ort.rotary import find_rotary
+
+    finder = AttentionCoreRule(head_dim)
+    cores: dict[int, AttentionCore] = {}
+    rule = rule_of(finder)
+    for node in model.graph:
+        if node.op_type == "Reshape" and rule.match(model, model.graph, node, check_nodes_are_removable=False) and finder.core is not None:
+            found = find_rotary(model, finder.core.q)
+            cores.setdefault(finder.core.layer, dataclasses.replace(finder.core, rotary=(found.cos, found.sin) if not isinstance(found, str) else None))
+    return [cores[layer] for layer in sorted(cores)]

@@ -9,6 +9,9 @@ spread up to ``max_context``; left-padded and unpadded rows), and only when ever
 the padding-only formula exactly does it feed GQA ``Where(attention_mask, 0, fill)`` instead. A
 family whose mask says more (a sliding window shorter than the context, say) fails a probe and
 keeps its own mask.
+
+Hand-written, not a rewrite rule: what is matched is a value (the bias), proven by running its
+subgraph, not a pattern of nodes. Its checks name why a bias is not proven (``DecodeMask.not_fused``).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class DecodeMask:
 
     compact: bool  # the family's bias replaced by the padding-only Where
     local_windows: tuple[tuple[int, int], ...] = ()  # (layer, window): GQA's local_window_size set on that layer
+    not_fused: tuple[str, ...] = ()  # not compact: "layer i: why" for each bias not proven
 
 
 def _window(got: np.ndarray, mask: np.ndarray, fill: float) -> int | None | bool:
@@ -81,34 +85,65 @@ def _window(got: np.ndarray, mask: np.ndarray, fill: float) -> int | None | bool
     return seen if np.array_equal(got, window) else False
 
 
-def _classify(session: Any, inputs: list[onnx.ValueInfoProto], max_context: int) -> tuple[float, int | None] | None:
+def _classify(session: Any, inputs: list[onnx.ValueInfoProto], max_context: int) -> tuple[float, int | None] | str:
     """Run one bias subgraph on the probes -> (its fill, None for padding-only or the window W
-    that every probe agrees on), or None when some probe is neither."""
+    that every probe agrees on), or why not."""
     fill: float | None = None
     results: list[tuple[np.ndarray, np.ndarray]] = []
     for mask in _probes(max_context):
         feeds = _feeds(inputs, mask)
         if feeds is None:
-            return None
+            return "its bias reads an input the probes do not feed"
         (got,) = session.run(None, feeds)
         if got.shape != (mask.shape[0], 1, 1, mask.shape[1]) or got.dtype != np.float32:
-            return None
+            return f"its bias is not a float32 [B, 1, 1, T] (found {got.dtype} {list(got.shape)})"
         masked = got[:, 0, 0, :][got[:, 0, 0, :] != 0.0]
         if fill is None and masked.size:
             fill = float(masked[0])
         results.append((got[:, 0, 0, :], mask))
     if fill is None or fill == 0.0:
-        return None
+        return "its bias masks no key on the probes"
     kinds = [(_window(got, mask, fill), mask.shape[1]) for got, mask in results]
     if any(kind is False for kind, _ in kinds):
-        return None
+        total = next(t for kind, t in kinds if kind is False)
+        return f"on the probe of {total} keys its bias is neither the padding mask nor padding and one sliding window"
     windows = {kind for kind, _ in kinds if kind is not None}
     if len(windows) > 1:
-        return None
+        return f"its bias shows sliding windows of different sizes on the probes ({sorted(windows)})"
     window = int(windows.pop()) if windows else None
     if window is not None and any(kind != window for kind, total in kinds if total > window):
-        return None  # a probe longer than the window that saw more than it
+        return f"a probe longer than its window of {window} saw more keys"
     return fill, window
+
+
+def _layers(nodes: list[ir.Node]) -> str:
+    found = sorted({int(m.group(1)) for n in nodes if (m := _LAYER.search(n.name or ""))})
+    return f"layer {', '.join(map(str, found))}" if found else ", ".join(n.name or n.op_type for n in nodes)
+
+
+def _proven(model: ir.Model, gqa: list[ir.Node], base_dir: Path, max_context: int) -> dict[int, tuple[float, int | None]] | str:
+    """Each GQA bias (by value id) -> (fill, window) proven on the probes, or "layer i: why not"."""
+    biases: dict[int, ir.Value] = {}
+    for node in gqa:
+        value = node.inputs[_BIAS_INPUT]
+        if value is None or value.name is None or value.is_graph_input():
+            return f"{_layers([node])}: its bias is {'a graph input' if value is not None and value.is_graph_input() else 'missing'}"
+        if node.attributes.get_int("causal", 1) != 1:
+            return f"{_layers([node])}: its GroupQueryAttention is not causal=1 (a prompt graph)"
+        biases[id(value)] = value
+    proto = ir.to_proto(model)
+    found: dict[int, tuple[float, int | None]] = {}
+    for key, bias in biases.items():
+        assert bias.name is not None
+        readers = [n for n in gqa if n.inputs[_BIAS_INPUT] is bias]
+        sub = cut_subgraph(proto, [bias.name], base_dir, name="decode_mask", max_external_bytes=1 << 20)  # a mask reads no weights
+        got = _classify(ort_session(sub.SerializeToString()), list(sub.graph.input), max_context) if sub is not None else "its bias subgraph reads more than the graph's inputs and small constants"
+        if isinstance(got, str):
+            return f"{_layers(readers)}: {got}"
+        found[key] = got
+    if len({fill for fill, _ in found.values()}) != 1:
+        return f"{_layers(gqa)}: the biases fill masked keys with different values"
+    return found
 
 
 def compact_decode_bias(model: ir.Model, base_dir: Path, max_context: int) -> DecodeMask:
@@ -119,27 +154,12 @@ def compact_decode_bias(model: ir.Model, base_dir: Path, max_context: int) -> De
     ``sliding_window`` W); returns what it did (nothing unless every bias is proven)."""
     graph = model.graph
     gqa = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == MS_DOMAIN and len(n.inputs) > _BIAS_INPUT]
-    biases: dict[int, ir.Value] = {}
-    for node in gqa:
-        value = node.inputs[_BIAS_INPUT]
-        if value is None or value.name is None or value.is_graph_input() or node.attributes.get_int("causal", 1) != 1:
-            return DecodeMask(False)
-        biases[id(value)] = value
-    if not biases:
+    if not gqa:
         return DecodeMask(False)
-    proto = ir.to_proto(model)
-    found: dict[int, tuple[float, int | None]] = {}
-    for key, bias in biases.items():
-        assert bias.name is not None
-        sub = cut_subgraph(proto, [bias.name], base_dir, name="decode_mask", max_external_bytes=1 << 20)  # a mask reads no weights
-        got = _classify(ort_session(sub.SerializeToString()), list(sub.graph.input), max_context) if sub is not None else None
-        if got is None:
-            return DecodeMask(False)
-        found[key] = got
-    fills = {fill for fill, _ in found.values()}
-    if len(fills) != 1:
-        return DecodeMask(False)
-    fill = fills.pop()
+    found = _proven(model, gqa, base_dir, max_context)
+    if isinstance(found, str):
+        return DecodeMask(False, not_fused=(found,))
+    fill = next(iter(found.values()))[0]
     attention_mask = next(v for v in graph.inputs if v.name == "attention_mask")
     cond = ir.node("Cast", [attention_mask], {"to": ir.DataType.BOOL}, name="/ort/decode_mask/Cast")
     where = ir.node(

@@ -20,6 +20,10 @@ contrib kernels into ``onnx/<kind>.ort.onnx`` by the passes ``ort_passes`` lists
 - ``--int4`` graphs: their int4 weights -> ``MatMulNBits`` (4 bits, the portable graphs' own
   numbers, read back from ``weights.bin``: ``int4``).
 
+Each fusion is an onnxscript rewrite rule (pattern / check / rewrite) or, where a pattern cannot
+say it, a hand-written matcher of the same shape; every candidate a fusion leaves says why in the
+graph's manifest entry (its ``not_fused`` report: fusion -> "layer i: reason"; ``rules``).
+
 The copies sit in the same directory as the portable graphs because ONNX Runtime refuses
 external data outside a model's directory; they share ``weights.bin`` for every weight they
 keep, and what the rewrite adds (cos/sin caches, packed and int8 weights) goes to one more file,
@@ -31,6 +35,7 @@ as it checks the portable ones.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +61,7 @@ from kiln.exporter.targets.ort.nbits import (
 from kiln.exporter.targets.ort.norm import fuse_rms_norm, fuse_skip_rms_norm
 from kiln.exporter.targets.ort.pack import pack_shared_input_matmuls
 from kiln.exporter.targets.ort.rotary_tables import graph_tables
+from kiln.exporter.targets.ort.rules import NotFused
 from kiln.plugins.base import DecoderSpec
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
@@ -83,7 +89,12 @@ def _moe_report(moe: MoeRewrite) -> Report | None:
     return {"layers": list(moe.layers), "not_fused": list(moe.not_fused)} if moe.layers or moe.not_fused else None
 
 
-def _attention(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int) -> list[GraphRewrite[Any]]:
+def _logging(fusion: Callable[..., Any], log: NotFused) -> Callable[[ir.Model], Any]:
+    """``fusion(model, not_fused=log)``, named as ``fusion`` (the pass's name)."""
+    return functools.update_wrapper(functools.partial(fusion, not_fused=log), fusion)
+
+
+def _attention(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, log: NotFused) -> list[GraphRewrite[Any]]:
     """Prefill and decode: attention -> RotaryEmbedding + GroupQueryAttention, and decode's mask
     compacted (GQA's CPU kernel refuses batch > 1 with past and seq > 1: model.onnx keeps its own)."""
     if kind is GraphKind.UNIFIED:
@@ -91,30 +102,34 @@ def _attention(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: 
 
     def fuse(model: ir.Model) -> list[int]:
         tables = graph_tables(model, base_dir, max_context, spec.head_dim)
-        return fuse_attention(model, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, tables=tables, decode=kind is GraphKind.DECODE)
+        return fuse_attention(model, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, tables=tables, decode=kind is GraphKind.DECODE, not_fused=log)
 
     attention: GraphRewrite[list[int]] = GraphRewrite(functools.update_wrapper(fuse, fuse_attention), "attention", _named("layers"))
     if kind is not GraphKind.DECODE:
         return [attention]
 
     def compact(model: ir.Model) -> DecodeMask:
-        return compact_decode_bias(model, base_dir, max_context) if attention.result else DecodeMask(False)
+        found = compact_decode_bias(model, base_dir, max_context) if attention.result else DecodeMask(False)
+        log.add("decode_mask", found.not_fused)
+        return found
 
     return [attention, GraphRewrite(functools.update_wrapper(compact, compact_decode_bias), "decode_mask", _mask_report)]
 
 
-def ort_passes(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, writer: WeightsWriter, *, int8: bool, int4: bool) -> list[ir.passes.PassBase]:
-    """The ORT target's passes of one graph, in order."""
+def ort_passes(
+    kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, writer: WeightsWriter, *, int8: bool, int4: bool, log: NotFused
+) -> list[ir.passes.PassBase]:
+    """The ORT target's passes of one graph, in order; ``log`` collects why candidates did not fuse."""
     unused = RemoveUnusedNodesPass
     moe = functools.update_wrapper(functools.partial(fuse_moe, prompts=kind is not GraphKind.DECODE), fuse_moe)
     return [
         *((GraphRewrite(unfold_int4_weights, "int4_unfold"),) if int4 else ()),
-        *_attention(kind, spec, base_dir, max_context),
+        *_attention(kind, spec, base_dir, max_context, log),
         GraphRewrite(moe, "moe", _moe_report),
-        GraphRewrite(fuse_rms_norm, "rms_norm", _named("fused")),
-        GraphRewrite(fuse_skip_rms_norm, "skip_rms_norm", _named("fused")),
+        GraphRewrite(_logging(fuse_rms_norm, log), "rms_norm", _named("fused")),
+        GraphRewrite(_logging(fuse_skip_rms_norm, log), "skip_rms_norm", _named("fused")),
         unused(),  # before packing and quantizing: the replaced q/k/v MatMuls are dead now
-        GraphRewrite(pack_shared_input_matmuls, "pack", _named("matmuls")),
+        GraphRewrite(_logging(pack_shared_input_matmuls, log), "pack", _named("matmuls")),
         unused(),  # the MatMuls packed away are dead now
         *((GraphRewrite(quantize_matmul_nbits, "nbits_int8", _named("nodes")), unused()) if int8 else ()),
         *((GraphRewrite(int4_matmul_nbits, "nbits_int4", _named("nodes")), unused()) if int4 else ()),
@@ -140,12 +155,14 @@ def write_ort_target(
     paths: dict[GraphKind, Path] = {}
     with WeightsWriter(onnx_dir / ORT_WEIGHTS_FILE, rename=False) as writer:
         for kind, path in graphs.items():
-            passes = ort_passes(kind, spec, onnx_dir, max_context, writer, int8=int8, int4=int4_block is not None)
+            log = NotFused()
+            passes = ort_passes(kind, spec, onnx_dir, max_context, writer, int8=int8, int4=int4_block is not None, log=log)
             model = run_passes(ir.load(path), passes, graph=f"{kind.value} (ORT target)")
             paths[kind] = onnx_dir / ort_graph_file(kind)
             ir.save(model, paths[kind])
             del model
-            reports[kind] = pass_reports(passes)
+            left = log.record()  # fusion -> "layer i: why" for each candidate left unfused
+            reports[kind] = pass_reports(passes) | ({"not_fused": {fusion: list(why) for fusion, why in left.items()}} if left else {})
         weights = writer.close()
     precision = "int8" if int8 else "int4" if int4_block is not None else "fp32"
     record = {"int8": dict(INT8_FORMAT)} if int8 else {"int4": INT4_FORMAT(int4_block)} if int4_block is not None else None

@@ -17,8 +17,9 @@ import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant, copy_type, set_dtype
 from kiln.exporter.precision.policy import module_of
 from kiln.exporter.targets.ort.int4 import BlockInt4, register
+from kiln.exporter.targets.ort.rules import NotFused
 
-__all__ = ["pack_matmuls", "pack_shared_input_matmuls", "packable"]
+__all__ = ["pack_matmuls", "pack_shared_input_matmuls", "packable", "packable_reason"]
 
 
 def _weight(node: ir.Node) -> ir.TensorProtocol | None:
@@ -29,14 +30,26 @@ def _weight(node: ir.Node) -> ir.TensorProtocol | None:
     return tensor
 
 
-def packable(nodes: list[ir.Node]) -> bool:
-    """Two or more MatMuls reading one input, each with a constant float [K, N_i] weight of one
-    K, none of them a graph output."""
+def packable_reason(nodes: list[ir.Node]) -> str | None:
+    """Why ``nodes`` cannot be packed, or None: two or more MatMuls reading one input, each with
+    a constant float [K, N_i] weight of one K, none of them a graph output."""
     weights = [_weight(n) for n in nodes]
-    if len(nodes) < 2 or nodes[0].inputs[0] is None or any(w is None for w in weights):
-        return False
-    k = {w.shape[0] for w in weights if w is not None}
-    return len(k) == 1 and all(n.op_type == "MatMul" and n.domain == "" and n.inputs[0] is nodes[0].inputs[0] and not n.outputs[0].is_graph_output() for n in nodes)
+    if len(nodes) < 2:
+        return "fewer than two MatMuls"
+    if any(w is None for w in weights):
+        return "a weight is not a constant float [K, N] matrix"
+    if nodes[0].inputs[0] is None or any(n.op_type != "MatMul" or n.domain != "" or n.inputs[0] is not nodes[0].inputs[0] for n in nodes):
+        return "they do not all read one input"
+    if len({w.shape[0] for w in weights if w is not None}) != 1:
+        return "their weights differ in K"
+    if any(n.outputs[0].is_graph_output() for n in nodes):
+        return "a MatMul's output is a graph output"
+    return None
+
+
+def packable(nodes: list[ir.Node]) -> bool:
+    """``packable_reason`` finds nothing against packing ``nodes``."""
+    return packable_reason(nodes) is None
 
 
 def pack_matmuls(graph: ir.Graph, nodes: list[ir.Node], prefix: str) -> list[ir.Value]:
@@ -61,9 +74,13 @@ def pack_matmuls(graph: ir.Graph, nodes: list[ir.Node], prefix: str) -> list[ir.
     return list(split.outputs)
 
 
-def pack_shared_input_matmuls(model: ir.Model) -> list[str]:
+def pack_shared_input_matmuls(model: ir.Model, *, not_fused: NotFused | None = None) -> list[str]:
     """Pack every group of two or more float MatMuls that share their first input and have
-    constant 2-D weights; returns the names of the packed MatMuls it wrote."""
+    constant 2-D weights; returns the names of the packed MatMuls it wrote. ``not_fused`` gets
+    why each other such group is not packed (fusion ``pack``, by the group's first MatMul).
+
+    Hand-written, not a rewrite rule: a group is every MatMul of one input, of any size, with
+    no node in common but that input (a pattern matches a fixed subgraph below one root)."""
     graph = model.graph
     groups: dict[int, list[ir.Node]] = {}
     for node in graph:
@@ -71,7 +88,10 @@ def pack_shared_input_matmuls(model: ir.Model) -> list[str]:
             groups.setdefault(id(node.inputs[0]), []).append(node)
     written: list[str] = []
     for nodes in groups.values():
-        if not packable(nodes):
+        reason = packable_reason(nodes) if len(nodes) > 1 else None
+        if reason is not None and not_fused is not None:
+            not_fused.add("pack", [f"{nodes[0].name}: {reason}"])
+        if len(nodes) < 2 or reason is not None:
             continue
         prefix = os.path.commonprefix([module_of(n) for n in nodes]).rstrip("._") or "graph"
         prefix += "" if not any(w.startswith(f"/{prefix}/") for w in written) else f".{len(written)}"

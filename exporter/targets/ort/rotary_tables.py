@@ -20,7 +20,7 @@ import onnx
 import onnx_ir as ir
 from kiln.exporter.passes.subgraph import cut_subgraph
 from kiln.exporter.runners.ort_runner import ort_session
-from kiln.exporter.targets.ort.attention import TableFn
+from kiln.exporter.targets.ort.graph_values import TableFn
 from onnx import helper
 
 __all__ = ["graph_tables"]
