@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant, producer, scalar_of
+from kiln.exporter.targets.ort.heads import Bias, flatten_heads, projection_of
 from kiln.exporter.targets.ort.rules import fail, rule_of
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
 
 __all__ = ["AttentionCore", "AttentionCoreRule", "find_attention", "flatten_heads", "projection_of"]
 
 _PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
-Bias = tuple[str, ir.Value, float | None]  # ("add", mask, None) | ("where", cond, fill) | ("where_inv", cond, fill)
 
 
 @dataclasses.dataclass
@@ -53,35 +53,6 @@ class AttentionCore:
     out: ir.Value  # what o_proj reads: Reshape(Transpose(attention)), usually [B, S, H*hd]
     out_shape: ir.Value | None  # that Reshape's shape input (GPT-2 reshapes to 2-D [B*S, H*hd])
     rotary: tuple[ir.Value, ir.Value] | None = None  # find_attention: q's rotary (cos, sin), when rotate-half
-
-
-def projection_of(heads: ir.Value) -> ir.Value | None:
-    """The packed ``[B, S, N*hd]`` value when ``heads = Transpose(Reshape(it), [0, 2, 1, 3])``."""
-    transpose = producer(heads, "Transpose")
-    if transpose is not None and list(transpose.attributes.get_ints("perm", [])) == [0, 2, 1, 3]:
-        reshape = producer(transpose.inputs[0], "Reshape")
-        if reshape is not None:
-            return reshape.inputs[0]
-    return None
-
-
-def flatten_heads(op: Any, heads: ir.Value) -> ir.Value:
-    """Heads ``[B, N, S, hd]`` -> packed ``[B, S, N*hd]``: ``projection_of`` when there is one, else
-    (per-head ops between the projection and here, which stay) a new ``Reshape(Transpose(heads))``."""
-    direct = projection_of(heads)
-    if direct is not None:
-        return direct
-    graph = heads.graph
-    assert isinstance(graph, ir.Graph), "matched heads belong to the graph"
-    shape = constant(graph, "ort/flatten_heads", np.array([0, 0, -1], dtype=np.int64))
-    name = f"/ort/heads/{heads.name}"
-    bsnh = op.Transpose(heads, perm=[0, 2, 1, 3], _name=f"{name}/Transpose")
-    flat: ir.Value = op.Reshape(bsnh, shape, _name=f"{name}/Reshape")
-    dims = list(heads.shape) if heads.shape is not None and len(heads.shape) == 4 else None
-    if dims is not None and isinstance(dims[1], int) and isinstance(dims[3], int):
-        flat.shape = ir.Shape([dims[0], dims[2], dims[1] * dims[3]])
-    flat.type = heads.type
-    return flat
 
 
 def _width(heads: ir.Value) -> int | None:

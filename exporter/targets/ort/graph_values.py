@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant
-from kiln.exporter.targets.ort.attention import Bias
+from kiln.exporter.targets.ort.heads import Bias
 
 __all__ = ["GraphValues", "TableFn"]
 

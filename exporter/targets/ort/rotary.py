@@ -22,7 +22,7 @@ from typing import Any
 
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import MS_DOMAIN, producer, scalar_of
-from kiln.exporter.targets.ort.attention import flatten_heads
+from kiln.exporter.targets.ort.heads import flatten_heads
 from kiln.exporter.targets.ort.graph_values import GraphValues
 from kiln.exporter.targets.ort.rules import fail, first_match, rule_of, where
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase, RewriteRuleSet
