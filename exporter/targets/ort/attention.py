@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from kiln.exporter.passes.ir_utils import constant, producer, scalar_of
+from kiln.exporter.passes.ir_utils import producer, scalar_of
 from kiln.exporter.targets.ort.heads import Bias, flatten_heads, projection_of
 from kiln.exporter.targets.ort.rules import fail, rule_of
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
