@@ -48,7 +48,7 @@ def test_concurrent_exports_one_wins(tiny_ckpt: Path, tmp_path: Path) -> None:
     second = _start(tiny_ckpt, out)
     _, err2 = second.communicate(timeout=120)
     assert second.returncode == 1
-    assert err2.strip().splitlines() == [f"error: artifacts: {out}: another kiln process is writing this directory (lock {tmp_path / '.out.lock'}); wait for it or choose another --out"]
+    assert err2.strip().splitlines() == [f"error: artifacts: {out}: another kiln process is writing this directory (pid {first.pid}, lock {tmp_path / '.out.lock'}); wait for it or choose another --out"]
     _, err1 = first.communicate(timeout=300)
     assert first.returncode == 0, err1
     assert (out / "manifest.json").is_file() and (out / "onnx" / "weights.bin").is_file()
