@@ -176,7 +176,7 @@ GENERATE: list[Option] = [
     click.option("--top-p", type=float, default=1.0, show_default=True, help="With --temperature: sample among the most likely tokens whose probabilities add up to P, in (0, 1] (1: all)."),
     click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="Make tokens of the prompt and of the text so far less likely: positive logits / R, negative ones * R (1: off)."),
     click.option("--seed", type=int, default=None, help="Seed of the sampling: the same seed gives the same text (default: a fresh one each run)."),
-    click.option("--target", type=click.Choice(target_names()), default=None, help="Run the export's graphs of this target instead of the portable ones (--target ort: its decode step writes the KV cache in place)."),
+    click.option("--target", type=click.Choice(target_names()), default=None, help="Run the export's graphs of this target instead of the portable ones (--target ort: its decode step writes the KV cache in place; --target onnx: every step writes into static buffers)."),
     click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="ONNX Runtime intra-op threads."),
     click.option("--json", "as_json", is_flag=True, help="Print tokens, text and speeds as JSON (nothing streamed)."),
 ]

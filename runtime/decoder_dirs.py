@@ -109,6 +109,7 @@ def _genai_dir(path: Path) -> DecoderDir:
 
 def shares_kv_buffer(manifest: Manifest, target: str) -> bool:
     """True when the export's ``target`` graphs carry the cache in one buffer that past and
-    present are both bound to, written in place (its ``kv_cache`` contract: ``CacheUpdate``)."""
+    present are both bound to, written in place (its ``kv_cache`` contract: ``CacheUpdate``
+    shared, or static: the graphs' own static buffers)."""
     entry = (manifest.targets or {}).get(target)
-    return entry is not None and entry.kv_cache == CacheUpdate.SHARED.value
+    return entry is not None and entry.kv_cache in (CacheUpdate.SHARED.value, CacheUpdate.STATIC.value)

@@ -108,6 +108,7 @@ def declared_inputs(session: Any) -> list[InputDecl]:
 _IDS = re.compile(r"(^|_)input_ids$")
 _MASK = re.compile(r"attention_mask$")
 _POS = re.compile(r"position_ids$")
+_WRITES = re.compile(r"^write_indices$")
 _KV = re.compile(r"(past|cache|key|value)", re.IGNORECASE)
 
 
@@ -137,6 +138,8 @@ def build_feeds(
             value = np.ones(shape)
         elif role == "position_ids":
             value = np.broadcast_to(np.arange(sizes.past, sizes.past + shape[-1]), shape)
+        elif role == "write_indices":  # a static cache's write slot of each row (contract.static_cache): after the past
+            value = np.full(shape, sizes.past)
         elif np.issubdtype(decl.dtype, np.floating):
             value = rng.standard_normal(shape) * 0.5
         else:
@@ -152,4 +155,6 @@ def _role(name: str) -> str:
         return "attention_mask"
     if _POS.search(name):
         return "position_ids"
+    if _WRITES.search(name):
+        return "write_indices"
     return "other"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,13 @@ import numpy as np
 from kiln.errors import GenerateError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.verify import require_verified
-from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, is_cross, kv_pairs
+from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind
 from kiln.exporter.contract.steps import Chooser, encoder_decoder_feeds, prompt_feeds, run_steps
-from kiln.runtime.decoder_dirs import shares_kv_buffer
+from kiln.runtime.kv_strategies import ConcatKv, KvStrategy, SharedKv, StaticKv, kv_strategy
 from kiln.runtime.sampling import Sampler, SamplingOptions
 from kiln.runtime.text import TextStream
 
-__all__ = ["ConcatKv", "GenerateOptions", "Generation", "generate_command", "Generator", "KvStrategy", "SharedKv", "find_tokenizer", "load_tokenizer", "parse_ids"]
+__all__ = ["ConcatKv", "GenerateOptions", "Generation", "generate_command", "Generator", "KvStrategy", "SharedKv", "StaticKv", "find_tokenizer", "load_tokenizer", "parse_ids"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,65 +59,6 @@ class Generation:
         return steps / self.decode_s if steps and self.decode_s > 0 else 0.0
 
 
-class KvStrategy:
-    """How KV tensors move from one step's outputs to the next step's inputs."""
-
-    def __init__(self, n_layers: int, cross: bool = False) -> None:
-        self._pairs = self.pairs = kv_pairs(n_layers, cross=cross)
-        self.presents = [present for _, present in self._pairs]  # prefill's, bound after ``logits``, in this order
-        self.step_presents = [present for past, present in self._pairs if not is_cross(past)]  # decode's (the cross cache never grows)
-
-    def start(self, prefill: dict[str, Any], capacity: int) -> None:
-        """Take the prompt's presents (OrtValues by name) before the first decode step."""
-
-    def bind(self, binding: Any, feeds: Mapping[str, Any]) -> None:
-        """Bind past inputs (the step's ``feeds``: OrtValues carried from the last step) and present outputs."""
-        raise NotImplementedError
-
-
-class ConcatKv(KvStrategy):
-    """For graphs that grow the cache with Concat: the runtime allocates each step's presents
-    (total length); they are bound, as OrtValues, as the next step's pasts."""
-
-    def bind(self, binding: Any, feeds: Mapping[str, Any]) -> None:
-        for past, present in self._pairs:
-            binding.bind_ortvalue_input(past, feeds[past])
-            if not is_cross(past):
-                binding.bind_output(present, "cpu")
-
-
-class SharedKv(KvStrategy):
-    """For decode graphs whose attention writes the new key/value in place (the ``--target ort``
-    graphs' GroupQueryAttention: it writes row ``total - 1`` and reads rows ``< total`` of a
-    past buffer of any capacity, and aliases present to past when both are bound to one buffer):
-    one ``[1, n_kv, capacity, head_dim]`` buffer per cache tensor, filled from the prompt's
-    presents once and then bound as both input and output of every step (bound once: an
-    IOBinding keeps its bindings between runs)."""
-
-    def __init__(self, n_layers: int) -> None:
-        super().__init__(n_layers)
-        self._buffers: dict[str, Any] = {}
-        self._bound: Any = None
-
-    def start(self, prefill: dict[str, Any], capacity: int) -> None:
-        from onnxruntime import OrtValue
-
-        for past, present in self._pairs:
-            prompt = prefill[present].numpy()  # [1, n_kv, n, head_dim]
-            buffer = np.zeros((*prompt.shape[:2], capacity, prompt.shape[3]), dtype=prompt.dtype)
-            buffer[:, :, : prompt.shape[2]] = prompt
-            self._buffers[past] = OrtValue.ortvalue_from_numpy(buffer)
-        self._bound = None
-
-    def bind(self, binding: Any, feeds: Mapping[str, Any]) -> None:
-        if binding is self._bound:
-            return
-        for past, present in self._pairs:
-            binding.bind_ortvalue_input(past, self._buffers[past])
-            binding.bind_ortvalue_output(present, self._buffers[past])
-        self._bound = binding
-
-
 class Generator:
     """The prefill and decode sessions of one verified kiln export directory, batch 1."""
 
@@ -131,15 +72,12 @@ class Generator:
         if manifest.model.encoder_dim is not None and not manifest.model.has_encoder:
             raise GenerateError(f"{directory}: a cross-attention decoder needs its encoder's output (encoder_hidden_states); kiln generate has no encoder to run")
         files = {kind: manifest.graph(kind).file for kind in (GraphKind.PREFILL, GraphKind.DECODE)}
-        n_layers = manifest.model.n_layers
-        kv: KvStrategy = ConcatKv(n_layers, cross=manifest.model.has_encoder)
         if target is not None:
             targets = manifest.targets or {}
             if target not in targets:
                 raise GenerateError(f"{directory}: has no --target {target} graphs; export it with --target {target}")
             files = {kind: targets[target].graphs[kind.value].file for kind in files}
-            if shares_kv_buffer(manifest, target):
-                kv = SharedKv(n_layers)
+        kv = kv_strategy(manifest, target)
         self.directory = directory
         self.manifest = manifest
         self.max_context = manifest.limits.max_context
@@ -149,7 +87,7 @@ class Generator:
         # an encoder-decoder: the prompt is the encoder's input; the decoder starts from its start token
         self._encoder = self._encoder_session(directory, manifest, threads) if manifest.model.has_encoder else None
         self._kv = kv
-        self.kv_cache = "shared-buffer" if isinstance(kv, SharedKv) else "concat"  # how each step's cache is written
+        self.kv_cache = "static-buffer" if isinstance(kv, StaticKv) else "shared-buffer" if isinstance(kv, SharedKv) else "concat"  # how each step's cache is written
         self._vocab = manifest.model.vocab_size
 
     def run(
@@ -251,8 +189,12 @@ class _BoundSteps:
     def run(self, kind: GraphKind, feeds: dict[str, Any]) -> dict[str, Any]:
         if kind is GraphKind.PREFILL:
             binding = self._prefill.io_binding()
-            for name in self._names:
-                binding.bind_output(name, "cpu")
+            binding.bind_output("logits", "cpu")
+            if isinstance(self._kv, StaticKv):  # the prompt writes into the buffers too
+                self._kv.bind_prompt(binding)
+            else:
+                for name in self._names[1:]:
+                    binding.bind_output(name, "cpu")
         else:
             binding = self._decode
             self._kv.bind(binding, feeds)

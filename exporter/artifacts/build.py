@@ -18,10 +18,12 @@ from kiln.exporter.artifacts.manifest import (
     TargetEntry,
     TargetGraph,
     TargetWeights,
+    TensorEntry,
     WeightsInfo,
     export_settings,
     tool_versions,
 )
+from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.report import ExportReport
 from kiln.exporter.targets.base import TargetGraphs
 
@@ -32,9 +34,15 @@ def _rel(path: Path, root: Path) -> str:
     return path.relative_to(root).as_posix()
 
 
+def _target_graph(target: TargetGraphs, kind: GraphKind, path: Path, root: Path) -> TargetGraph:
+    io = (target.io or {}).get(kind)
+    own = (tuple(map(TensorEntry.of, io.inputs)), tuple(map(TensorEntry.of, io.outputs))) if io is not None else (None, None)
+    return TargetGraph(_rel(path, root), target.passes.get(kind) or None, *own)
+
+
 def _target_entry(target: TargetGraphs, root: Path) -> TargetEntry:
     """What a target wrote, as the manifest holds it: all of it the target's own data."""
-    graphs = {kind.value: TargetGraph(_rel(path, root), target.passes.get(kind) or None) for kind, path in target.paths.items()}
+    graphs = {kind.value: _target_graph(target, kind, path, root) for kind, path in target.paths.items()}
     weights = TargetWeights(_rel(target.weights.path, root), target.weights.bytes)
     return TargetEntry(target.precision, target.kv_cache.value, graphs, weights, dict(target.record) if target.record else None)
 

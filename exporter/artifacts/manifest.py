@@ -170,10 +170,14 @@ class ParityInfo:
 
 @dataclasses.dataclass(frozen=True)
 class TargetGraph:
-    """A target's graph: its file and what the target's passes report of it (the target owns them)."""
+    """A target's graph: its file, what the target's passes report of it (the target owns them)
+    and, when they are not the portable graph's (a static cache: ``contract.static_cache``), its
+    inputs and outputs."""
 
     file: str
     passes: dict[str, dict[str, Any]] | None = _omit()
+    inputs: tuple[TensorEntry, ...] | None = _omit()
+    outputs: tuple[TensorEntry, ...] | None = _omit()
 
     def report(self, name: str) -> dict[str, Any]:
         return (self.passes or {}).get(name, {})

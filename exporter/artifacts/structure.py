@@ -72,7 +72,10 @@ def structure_problems(directory: Path, manifest: Manifest) -> list[str]:
             if portable is None:
                 problems.append(f"graph {target_graph.file}: a target graph of kind {kind!r}, which the portable graphs do not have")
                 continue
-            problems += _graph_problems(directory, manifest, target_graph.file, portable, with_dtypes=False)
+            if target_graph.inputs is not None and target_graph.outputs is not None:  # a contract of its own (static cache)
+                problems += _graph_problems(directory, manifest, target_graph.file, GraphEntry(target_graph.file, target_graph.inputs, target_graph.outputs), with_dtypes=True)
+            else:
+                problems += _graph_problems(directory, manifest, target_graph.file, portable, with_dtypes=False)
     return problems + _dim_problems(manifest)
 
 

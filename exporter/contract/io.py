@@ -78,6 +78,7 @@ class CacheUpdate(str, enum.Enum):
 
     GROWN = "grown"  # present = past + the new token's keys/values: a new, longer buffer each step (Concat)
     SHARED = "shared"  # past and present bound to one buffer of fixed capacity, written in place (GroupQueryAttention)
+    STATIC = "static"  # the buffer is the graphs' own static input and output, written at write_indices (``contract.static_cache``)
 
 
 def graph_kinds(spec: DecoderSpec) -> tuple[GraphKind, ...]:

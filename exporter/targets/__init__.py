@@ -20,7 +20,10 @@ if TYPE_CHECKING:
 __all__ = ["PORTABLE", "names", "target", "targets"]
 
 PORTABLE = "portable"  # --target portable: the portable graphs only (every export has them)
-_BUILTIN = {"ort": ("kiln.exporter.targets.ort", "ORT")}  # the one registration of each target
+_BUILTIN = {  # the one registration of each target
+    "ort": ("kiln.exporter.targets.ort", "ORT"),
+    "onnx": ("kiln.exporter.targets.standard", "STANDARD"),
+}
 _LOADED: dict[str, Target] = {}
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kiln.exporter.contract.io import CacheUpdate, GraphKind
+from kiln.exporter.contract.io import CacheUpdate, GraphIO, GraphKind
 
 if TYPE_CHECKING:  # the registry is read by the CLI before anything heavy is imported
     from kiln.exporter.options import ExportOptions
@@ -61,6 +61,7 @@ class TargetGraphs:
     passes: dict[GraphKind, dict[str, dict[str, Any]]]  # per graph, what its passes report
     kv_cache: CacheUpdate  # how its decode step carries the cache
     record: Mapping[str, Any] | None = None  # what its graphs were written with, for the manifest
+    io: Mapping[GraphKind, GraphIO] | None = None  # its graphs' inputs and outputs, when they are not the portable contract's
 
 
 class Target(Protocol):

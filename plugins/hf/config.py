@@ -155,7 +155,10 @@ def read_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
 
 
 def _manifest_config(cfg: Any, arch: str) -> dict[str, Any]:
-    """The config's scalar fields, and its sizes under the standard names too (``attribute_map``)."""
+    """The config's scalar fields, its sizes under the standard names too (``attribute_map``), and
+    ``layer_types`` (each layer's attention kind: a host, and ``--target onnx``, need its windows)."""
     own = {k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))}
     standard = {k: getattr(cfg, k) for k in getattr(cfg, "attribute_map", {}) if isinstance(getattr(cfg, k, None), (int, float, str, bool))}
-    return {"architecture": arch, **own, **standard}
+    kinds = getattr(cfg, "layer_types", None)
+    layers = {"layer_types": [str(kind) for kind in kinds]} if isinstance(kinds, (list, tuple)) else {}
+    return {"architecture": arch, **own, **standard, **layers}

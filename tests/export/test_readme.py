@@ -49,6 +49,7 @@ DOCS = (
     "docs/commands.md",
     "docs/precisions.md",
     "docs/ort-target.md",
+    "docs/onnx-target.md",
     "docs/parity.md",
     "docs/architectures.md",
     "docs/how-it-works.md",

@@ -73,11 +73,30 @@ def _present_source(start: ir.Value | None, expect: str) -> tuple[int, ir.Value]
         match = _PRESENT.match(value.name or "")
         if match and match.group(2) == expect and value.is_graph_output():
             return int(match.group(1)), value
+        twin = _twin_cast(value)
+        if twin is not None:  # an --fp16 prefill: repeat_kv reads its own Cast of the fp32 keys the present casts too
+            value = twin
+            continue
         node = producer(value, ("Reshape", "Expand", "Unsqueeze"))
         if node is None:
             return None
         value = node.inputs[0]
         seen += 1
+    return None
+
+
+def _twin_cast(value: ir.Value) -> ir.Value | None:
+    """When ``value = Cast(x)`` and another Cast of ``x`` to the same type is a graph output
+    (the fp16 pass casts an fp32 island's output once per reader), that output."""
+    node = producer(value, "Cast")
+    source = node.inputs[0] if node is not None else None
+    if node is None or source is None:
+        return None
+    to = node.attributes.get_int("to", 0)
+    for use in source.uses():
+        other = use.node
+        if other is not node and other.op_type == "Cast" and other.attributes.get_int("to", 0) == to and other.outputs[0].is_graph_output():
+            return other.outputs[0]
     return None
 
 
@@ -103,9 +122,10 @@ class AttentionCoreRule(RewriteRuleClassBase):
     """The attention core (module docstring); ``check`` leaves what it found in ``self.core``.
     This class only matches (``find_attention``); ``gqa.GroupQueryAttention`` rewrites."""
 
-    def __init__(self, head_dim: int, name: str = "AttentionCore") -> None:
+    def __init__(self, head_dim: int, name: str = "AttentionCore", *, softmax_island: bool = False) -> None:
         super().__init__(name, remove_nodes=False)  # the presents are graph outputs: rewired, not matched away
         self.head_dim = head_dim
+        self.softmax_island = softmax_island  # also match fp16 scores whose softmax runs in fp32 (an --fp16 graph's island)
         self.core: AttentionCore | None = None
 
     def pattern(self, op: Any, q: Any, key: Any, value: Any, scale: Any, cap: Any, cap_div: Any, cond: Any, fill: Any, mask: Any, out_shape: Any) -> Any:
@@ -127,7 +147,7 @@ class AttentionCoreRule(RewriteRuleClassBase):
         scored = _scores(bound)
         if isinstance(scored, MatchResult):
             return scored
-        readers = _readers(bound)
+        readers = _readers(bound, self.softmax_island)
         if readers is not None:
             return readers
         caches = _presents(bound["key"], bound["value"])
@@ -175,13 +195,20 @@ def _scores(bound: dict[str, Any]) -> MatchResult | tuple[float, float | None, B
     return scale, softcap, (kind, bound["cond"], fill)
 
 
-def _readers(bound: dict[str, Any]) -> MatchResult | None:
-    """Why the core's intermediate values cannot be replaced (a reader outside it), or None."""
+def _island(source: ir.Value | None, cast: ir.Value, bound: dict[str, Any]) -> bool:
+    """fp16 scores -> fp32 softmax -> probabilities cast back to fp16 (the fp16 pass's island)."""
+    back = bound.get("probs_cast")
+    return source is not None and (source.dtype, cast.dtype) == (ir.DataType.FLOAT16, ir.DataType.FLOAT) and back is not None and back.dtype == ir.DataType.FLOAT16
+
+
+def _readers(bound: dict[str, Any], softmax_island: bool = False) -> MatchResult | None:
+    """Why the core's intermediate values cannot be replaced (a reader outside it), or None;
+    ``softmax_island``: an fp16 core whose softmax runs in fp32 is one too."""
     cast = bound.get("cast_in")
     if cast is not None:
         node = cast.producer()
         source = node.inputs[0] if node is not None else None
-        if source is None or source.dtype != cast.dtype:
+        if source is None or (source.dtype != cast.dtype and not (softmax_island and _island(source, cast, bound))):
             return fail("the scores are cast to another type before the softmax")
     if not _read_once(bound["probs"]) or (bound.get("probs_cast") is not None and not _read_once(bound["probs_cast"])):
         return fail("the attention probabilities are read by more than the value MatMul")
@@ -205,12 +232,12 @@ def _presents(key: ir.Value, value: ir.Value) -> MatchResult | tuple[tuple[int, 
     return (got_key[0], got_key[1], past_key, new_key), (got_value[1], past_value, new_value)
 
 
-def find_attention(model: ir.Model, head_dim: int) -> list[AttentionCore]:
+def find_attention(model: ir.Model, head_dim: int, *, softmax_island: bool = False) -> list[AttentionCore]:
     """Every layer's attention core that the pass can replace, in layer order (nothing rewritten);
     ``rotary`` holds q's rotate-half (cos, sin) when it has one."""
     from kiln.exporter.targets.ort.rotary import find_rotary
 
-    finder = AttentionCoreRule(head_dim)
+    finder = AttentionCoreRule(head_dim, softmax_island=softmax_island)
     cores: dict[int, AttentionCore] = {}
     rule = rule_of(finder)
     for node in model.graph:

@@ -33,11 +33,14 @@ def _last_axis(mean: ir.Node, x: ir.Value) -> bool:
 
 
 class RmsNorm(RewriteRuleClassBase):
-    """``x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), -1) + eps)) [* weight]`` -> SimplifiedLayerNormalization."""
+    """``x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), -1) + eps)) [* weight]`` -> SimplifiedLayerNormalization
+    (ONNX Runtime's), or ``op_type`` RMSNormalization (ONNX's own, opset 23: the same inputs and
+    attributes, what ``--target onnx`` writes)."""
 
-    def __init__(self, weighted: bool, swapped: bool) -> None:
+    def __init__(self, weighted: bool, swapped: bool, op_type: str = "SimplifiedLayerNormalization") -> None:
         super().__init__(f"RmsNorm{'' if weighted else 'OnesWeight'}{'Swapped' if swapped else ''}")
         self.weighted, self.swapped = weighted, swapped  # swapped: the root Mul's operands (weight first; x second)
+        self.op_type = op_type
 
     def pattern(self, op: Any, x: Any, squared: Any, exponent: Any, eps: Any, weight: Any) -> Any:
         # either operand order: an OrValue of both where one operand is computed (onnxscript 0.7's
@@ -76,9 +79,9 @@ class RmsNorm(RewriteRuleClassBase):
             width = last if isinstance(last, int) else 0  # the check saw a static width
             gamma = constant(_graph(x), f"ort/ones_{width}", np.ones(width, dtype=np.float32))
         mul = normalized.producer()
-        name = f"{((mul.name if mul is not None else None) or '').rsplit('/', 1)[0]}/SimplifiedLayerNormalization"
-        attrs = {"axis": -1, "epsilon": float(scalar_of(eps) or 0.0), "stash_type": 1}
-        return op.SimplifiedLayerNormalization(x, gamma, **attrs, _name=name)  # type: ignore[no-any-return]
+        name = f"{((mul.name if mul is not None else None) or '').rsplit('/', 1)[0]}/{self.op_type}"
+        attrs = {"axis": -1, "epsilon": float(scalar_of(eps) or 0.0), "stash_type": 1}  # stash_type 1: computed in fp32 (TensorRT honours a fp16 stash and overflows)
+        return getattr(op, self.op_type)(x, gamma, **attrs, _name=name)  # type: ignore[no-any-return]
 
 
 def _graph(value: ir.Value) -> ir.Graph:
@@ -96,11 +99,11 @@ def _candidates(model: ir.Model) -> list[ir.Node]:
     return [n for n in model.graph if n.op_type == "ReduceMean" and n.domain == "" and producer(n.inputs[0], "Pow") is not None]
 
 
-def fuse_rms_norm(model: ir.Model, *, not_fused: NotFused | None = None) -> int:
-    """Fuse every RMSNorm in ``model``; returns how many. ``not_fused`` gets the reason of each
-    mean of a square left (fusion ``rms_norm``, by node name)."""
-    weighted = [rule_of(RmsNorm(True, swapped)) for swapped in (False, True)]
-    ones = [rule_of(RmsNorm(False, swapped)) for swapped in (False, True)]
+def fuse_rms_norm(model: ir.Model, *, not_fused: NotFused | None = None, op_type: str = "SimplifiedLayerNormalization") -> int:
+    """Fuse every RMSNorm in ``model`` into ``op_type`` (``RmsNorm``); returns how many.
+    ``not_fused`` gets the reason of each mean of a square left (fusion ``rms_norm``, by node name)."""
+    weighted = [rule_of(RmsNorm(True, swapped, op_type)) for swapped in (False, True)]
+    ones = [rule_of(RmsNorm(False, swapped, op_type)) for swapped in (False, True)]
     count = apply_rules(model, weighted) + apply_rules(model, ones)
     if not_fused is not None:
         not_fused.add("rms_norm", explain(model, weighted + ones, _candidates(model), label=_name))

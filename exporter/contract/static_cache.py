@@ -1,0 +1,48 @@
+"""The static-cache I/O contract of ``--target onnx`` (docs/commands.md, kiln export): a KV cache
+that is one buffer per layer of fixed capacity, written in place.
+
+Every graph of the set (prefill, decode, model) reads and writes the cache the same way:
+
+- ``past_key_values.{i}.key/.value`` ``[batch, n_kv_heads, max_context, head_dim]``: the
+  caller's buffers, **static** in their sequence dim (``max_context``, the export's limit), in
+  the graphs' float dtype. The caller owns them: it allocates them once per sequence (zeros:
+  an unused slot must be finite, NaN would leak through any mask) and binds each as both the
+  past input and the ``present.{i}.key/.value`` output of every step, so the step writes into it
+  (TensorScatter; TensorRT's ``IKVCacheUpdateLayer`` requires the two to share one address, ONNX
+  Runtime copies the whole buffer unless they are one OrtValue). Prefill takes them too: its
+  prompt's keys and values land in slots ``0 .. seq - 1``.
+- ``write_indices`` ``[batch]`` int64 (decode and model; prefill writes at 0): the slot of each
+  row's first new token. Row ``b`` writes its ``seq`` new keys/values to slots ``write_indices[b]
+  .. write_indices[b] + seq - 1`` and its query ``s`` sees slot ``j`` when ``j <= write_indices[b]
+  + s`` and ``attention_mask[b, j]`` is 1 (its own slot always). Keep ``write_indices[b] + seq <=
+  max_context``: ONNX Runtime refuses the step, TensorRT drops the write silently.
+- ``attention_mask`` ``[batch, total_seq]``: 1 for a slot that holds a real token, slots
+  ``0 .. total_seq - 1`` (``total_seq <= max_context``, the rest is taken as 0). For kiln's
+  left-padded batches every row writes at the same slot, the past length, so the mask is the
+  portable graphs' own; rows at different lengths (ragged) each write at their own slot.
+- ``input_ids``, ``position_ids`` ``[batch, seq]`` and ``logits`` as the portable contract
+  (``contract.io``); ``present.*`` have the buffers' shape.
+"""
+
+from __future__ import annotations
+
+from kiln.exporter.contract.io import BATCH, GraphIO, GraphKind, TensorSpec, graph_io, past_names, present_names
+from kiln.plugins.base import DecoderSpec
+
+__all__ = ["WRITE_INDICES", "static_io"]
+
+WRITE_INDICES = "write_indices"
+
+
+def static_io(spec: DecoderSpec, kind: GraphKind, *, max_context: int, kv_dtype: str = "float32", last_logits_only: bool = False) -> GraphIO:
+    """The inputs and outputs of one static-cache graph, in order: the portable contract's with
+    every cache tensor ``[batch, n_kv_heads, max_context, head_dim]`` and, after ``position_ids``,
+    ``write_indices`` (decode, model) and prefill's cache inputs."""
+    portable = graph_io(spec, kind, last_logits_only=last_logits_only, kv_dtype=kv_dtype)
+    buffer = (BATCH, spec.n_kv_heads, max_context, spec.head_dim)
+    caches = tuple(TensorSpec(name, kv_dtype, buffer) for i in range(spec.n_layers) for name in past_names(i))
+    ids = portable.inputs[:3]  # input_ids, attention_mask, position_ids
+    writes = () if kind is GraphKind.PREFILL else (TensorSpec(WRITE_INDICES, "int64", (BATCH,)),)
+    presents = {name for i in range(spec.n_layers) for name in present_names(i)}
+    outputs = tuple(TensorSpec(t.name, t.dtype, buffer) if t.name in presents else t for t in portable.outputs)
+    return GraphIO((*ids, *writes, *caches), outputs)

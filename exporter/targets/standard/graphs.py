@@ -1,0 +1,90 @@
+"""``--target onnx``'s graphs: copies of the portable graphs in ONNX's own operators (opset 24),
+with the KV cache a static buffer written in place (``contract.static_cache``), beside them.
+
+Each portable graph ``onnx/<kind>.onnx`` is reloaded (its weights stay in ``weights.bin``) and
+rewritten into ``onnx/<kind>.std.onnx`` by the passes ``standard_passes`` lists:
+
+- the graph converted to opset 24 (onnxscript's version converter),
+- attention -> ``TensorScatter`` into the static cache + ``Attention`` with an explicit mask
+  (``cache``, ``mask``),
+- RMSNorm -> ``RMSNormalization`` (the ORT target's rule, writing ONNX's op: ``targets.ort.norm``).
+
+Not written yet, and said in each graph's ``not_fused`` report: rotary stays the traced
+rotate-half arithmetic (not ``RotaryEmbedding``). What the graphs add (the mask's slot numbers)
+goes to ``weights.std.bin``.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import onnx_ir as ir
+from kiln.exporter.contract.io import CacheUpdate, GraphKind
+from kiln.exporter.contract.static_cache import static_io
+from kiln.exporter.passes import ExternalizeWeights, GraphRewrite, WeightsWriter, run_passes
+from kiln.exporter.passes.reports import Report, pass_reports
+from kiln.exporter.targets.base import TargetGraphs
+from kiln.exporter.targets.ort.norm import fuse_rms_norm
+from kiln.exporter.targets.ort.rules import NotFused
+from kiln.exporter.targets.standard.cache import StaticCache
+from kiln.exporter.targets.standard.windows import layer_windows
+from kiln.plugins.base import DecoderSpec
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
+__all__ = ["OPSET", "STD_WEIGHTS_FILE", "standard_graph_file", "standard_passes", "write_standard_target"]
+
+OPSET = 24  # Attention (23), RMSNormalization (23), TensorScatter (24)
+IR_VERSION = 11  # what opset 24 needs (onnx 1.19)
+STD_WEIGHTS_FILE = "weights.std.bin"
+
+
+def standard_graph_file(kind: GraphKind) -> str:
+    return f"{kind.value}.std.onnx"
+
+
+def to_opset(model: ir.Model) -> int:
+    """The graph in opset ``OPSET`` (its default domain; nodes whose form changed are rewritten)."""
+    from onnxscript.version_converter import convert_version
+
+    convert_version(model, OPSET)
+    model.ir_version = max(model.ir_version, IR_VERSION)
+    return OPSET
+
+
+def standard_passes(
+    kind: GraphKind, spec: DecoderSpec, max_context: int, writer: WeightsWriter, *, kv_dtype: str, last_logits_only: bool, log: NotFused
+) -> list[ir.passes.PassBase]:
+    """The target's passes of one graph, in order."""
+    norm = functools.update_wrapper(functools.partial(fuse_rms_norm, not_fused=log, op_type="RMSNormalization"), fuse_rms_norm)
+    return [
+        GraphRewrite(to_opset, "opset", lambda opset: {"version": opset}),
+        StaticCache(spec, kind, max_context, windows=layer_windows(spec), kv_dtype=kv_dtype, last_logits_only=last_logits_only),
+        GraphRewrite(norm, "rms_norm", lambda fused: {"fused": fused}),
+        RemoveUnusedNodesPass(),
+        TopologicalSortPass(),
+        ExternalizeWeights(writer),
+    ]
+
+
+def write_standard_target(
+    onnx_dir: Path, graphs: dict[GraphKind, Path], spec: DecoderSpec, *, max_context: int, precision: str = "fp32", kv_dtype: str = "float32", last_logits_only: bool = False
+) -> TargetGraphs:
+    """Write ``<kind>.std.onnx`` beside each portable graph in ``onnx_dir`` (of ``precision``,
+    its cache ``kv_dtype``: the portable graphs' own)."""
+    reports: dict[GraphKind, dict[str, Report]] = {}
+    paths: dict[GraphKind, Path] = {}
+    with WeightsWriter(onnx_dir / STD_WEIGHTS_FILE, rename=False) as writer:
+        for kind, path in graphs.items():
+            log = NotFused()
+            log.add("rotary", [f"layer {i}: rotate-half arithmetic kept (RotaryEmbedding is not written yet)" for i in range(spec.n_layers)])
+            passes = standard_passes(kind, spec, max_context, writer, kv_dtype=kv_dtype, last_logits_only=last_logits_only, log=log)
+            model = run_passes(ir.load(path), passes, graph=f"{kind.value} (onnx target)")
+            paths[kind] = onnx_dir / standard_graph_file(kind)
+            ir.save(model, paths[kind])
+            del model
+            left = log.record()
+            reports[kind] = pass_reports(passes) | ({"not_fused": {fusion: list(why) for fusion, why in left.items()}} if left else {})
+        weights = writer.close()
+    io = {kind: static_io(spec, kind, max_context=max_context, kv_dtype=kv_dtype, last_logits_only=last_logits_only) for kind in paths}
+    return TargetGraphs("onnx", precision, paths, weights, reports, CacheUpdate.STATIC, None, io)

@@ -1,0 +1,82 @@
+"""Parity over ``--target onnx``'s graphs: ONNX Runtime (CPU) sessions fed the portable contract.
+
+Parity asks every runner the same question in the portable contract (a past of ``past_seq``
+rows, presents of ``past_seq + seq``). ``StaticCacheRunner`` answers it through the static
+contract (``contract.static_cache``): each past goes into a zeroed ``max_context`` buffer,
+``write_indices`` is the past length in every row (kiln's batches are left-padded, so all rows
+write at one slot), and each present returned is the buffer's first ``past_seq + seq`` slots.
+That adaptation copies, which parity can afford; ``kiln generate --target onnx`` runs the
+graphs in place (one buffer bound as past and present: ``runtime.generate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.contract.static_cache import WRITE_INDICES
+from kiln.exporter.runners.base import Feeds
+from kiln.exporter.runners.ort_runner import OrtRunner
+
+__all__ = ["StaticCacheRunner", "buffer_capacity"]
+
+
+def buffer_capacity(graph: Path) -> int:
+    """The static sequence dim of a static-cache graph's cache inputs (its ``max_context``)."""
+    import onnx
+
+    model = onnx.load(str(graph), load_external_data=False)
+    for value in model.graph.input:
+        if value.name.startswith("past_key_values."):
+            return int(value.type.tensor_type.shape.dim[2].dim_value)
+    raise ValueError(f"{graph}: no cache input")
+
+
+class StaticCacheRunner(OrtRunner):
+    """``OrtRunner`` over static-cache graphs, in the portable contract (module docstring)."""
+
+    name = "onnxruntime (static cache)"
+
+    def __init__(self, paths: dict[GraphKind, Path], threads: int | None = None, extra_feeds: Feeds | None = None) -> None:
+        super().__init__(paths, threads, extra_feeds)
+        self._capacity = buffer_capacity(next(iter(paths.values())))
+
+    @classmethod
+    def opener(cls, paths: dict[GraphKind, Path], extra_feeds: Feeds | None = None) -> Callable[[], StaticCacheRunner]:
+        return lambda: cls(paths, extra_feeds=extra_feeds)
+
+    def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
+        batch, seq = feeds["input_ids"].shape
+        pasts = {name: value for name, value in feeds.items() if name.startswith("past_key_values.")}
+        past_seq = next(iter(pasts.values())).shape[2] if pasts else 0
+        static = {name: value for name, value in feeds.items() if name not in pasts}
+        for name, buffer in self._buffers(kind, pasts, batch).items():
+            static[name] = buffer
+        if kind is not GraphKind.PREFILL:
+            static[WRITE_INDICES] = np.full((batch,), past_seq, dtype=np.int64)
+        outputs = super().run(kind, static)
+        return {name: value[:, :, : past_seq + seq] if name.startswith("present.") else value for name, value in outputs.items()}
+
+    def _buffers(self, kind: GraphKind, pasts: Feeds, batch: int) -> Feeds:
+        if kind is GraphKind.PREFILL:  # the graph's cache inputs, zeroed
+            return {name: np.zeros((batch, *shape), dtype=dtype) for name, (shape, dtype) in self._caches().items()}
+        out = {}
+        for name, past in pasts.items():
+            buffer = np.zeros((*past.shape[:2], self._capacity, past.shape[3]), dtype=past.dtype)
+            buffer[:, :, : past.shape[2]] = past
+            out[name] = buffer
+        return out
+
+    def _caches(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Prefill's cache inputs: each one's shape without the batch, and its dtype."""
+        import onnx
+        from onnx.helper import tensor_dtype_to_np_dtype
+
+        model = onnx.load(str(self._paths[GraphKind.PREFILL]), load_external_data=False)
+        return {
+            v.name: (tuple(d.dim_value for d in v.type.tensor_type.shape.dim[1:]), np.dtype(tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)))
+            for v in model.graph.input
+            if v.name.startswith("past_key_values.")
+        }

@@ -1,0 +1,73 @@
+"""``--target onnx`` as a ``Target`` (``targets.base``): which exports it takes, how it writes its
+graphs (``graphs.write_standard_target``, imported when it runs) and how parity runs them
+(``runner.StaticCacheRunner``: ONNX Runtime's CPU provider through the static contract)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kiln.errors import ConfigError
+from kiln.exporter.contract.io import GraphKind
+
+if TYPE_CHECKING:
+    from kiln.exporter.options import ExportOptions
+    from kiln.exporter.runners.base import Feeds, Runner
+    from kiln.exporter.targets.base import TargetGiven, TargetGraphs
+    from kiln.plugins.base import DecoderSpec
+
+__all__ = ["BUILT", "STANDARD", "StandardTarget"]
+
+BUILT = ("fp32", "fp16")  # the precisions whose graphs it rewrites (fp16: with the portable graphs' fp32 islands)
+
+
+class StandardTarget:
+    name = "onnx"
+    label = "standard-ONNX-target"
+    description = (
+        "also write graphs in ONNX's own ops for TensorRT 10.15+ (onnx/*.std.onnx: Attention, RMSNormalization, a static KV cache written in place "
+        "by TensorScatter), parity-checked like the portable ones"
+    )
+
+    def wanted(self, options: ExportOptions) -> bool:
+        return options.target == self.name
+
+    def check(self, options: ExportOptions) -> None:
+        if not self.wanted(options):
+            return
+        if options.precision.value not in BUILT:
+            raise ConfigError(
+                f"--target onnx writes fp32 and fp16 graphs for now; --int8/--int4/--fp8 on its graphs are not built yet (found {options.precision.value}): "
+                "export them without --target onnx"
+            )
+        if options.ple_tables.value == "input":
+            raise ConfigError("--target onnx takes the PLE tables as constants; drop --ple-tables input")
+
+    def refuse(self, spec: DecoderSpec) -> None:
+        if spec.encoder_dim is not None:
+            raise ConfigError("--target onnx is not supported for cross-attention decoders: its static cache holds self-attention keys and values only")
+        from kiln.exporter.targets.standard.windows import layer_windows
+
+        layer_windows(spec)  # a window it cannot prove is refused here, before any work
+        cap = spec.config.get("attn_logit_softcapping")
+        if cap is not None:
+            raise ConfigError(f"--target onnx cannot write soft-capped attention (this model caps its scores at {cap}): TensorRT's Attention has no softcap; export it without --target onnx")
+
+    def write(self, given: TargetGiven) -> TargetGraphs:
+        from kiln.exporter.targets.standard.graphs import write_standard_target
+
+        with given.progress.stage("standard-ONNX target graphs"):
+            precision = given.options.precision
+            return write_standard_target(
+                given.onnx_dir, given.portable, given.spec, max_context=given.max_context, precision=precision.value, kv_dtype=precision.kv_dtype, last_logits_only=given.options.last_logits_only
+            )
+
+    def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
+        from kiln.exporter.targets.standard.runner import StaticCacheRunner
+
+        return StaticCacheRunner.opener(paths, extra_feeds)
+
+
+STANDARD = StandardTarget()

@@ -1,0 +1,133 @@
+"""How ``kiln generate`` carries the KV cache between steps (``runtime.generate``'s IOBinding
+loop): grown by the graph each step (the portable graphs), one buffer written in place by the
+attention (``--target ort``), or the graphs' own static buffers (``--target onnx``). Each export
+target's manifest says which (``targets.<name>.kv_cache``: ``contract.io.CacheUpdate``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from kiln.exporter.artifacts.manifest import Manifest
+from kiln.exporter.contract.io import CacheUpdate, GraphKind, is_cross, kv_pairs
+from kiln.exporter.contract.static_cache import WRITE_INDICES
+from kiln.runtime.decoder_dirs import shares_kv_buffer
+
+__all__ = ["ConcatKv", "KvStrategy", "SharedKv", "StaticKv", "kv_strategy"]
+
+
+class KvStrategy:
+    """How KV tensors move from one step's outputs to the next step's inputs."""
+
+    def __init__(self, n_layers: int, cross: bool = False) -> None:
+        self._pairs = self.pairs = kv_pairs(n_layers, cross=cross)
+        self.presents = [present for _, present in self._pairs]  # prefill's, bound after ``logits``, in this order
+        self.step_presents = [present for past, present in self._pairs if not is_cross(past)]  # decode's (the cross cache never grows)
+
+    def start(self, prefill: dict[str, Any], capacity: int) -> None:
+        """Take the prompt's presents (OrtValues by name) before the first decode step."""
+
+    def bind(self, binding: Any, feeds: Mapping[str, Any]) -> None:
+        """Bind past inputs (the step's ``feeds``: OrtValues carried from the last step) and present outputs."""
+        raise NotImplementedError
+
+
+class ConcatKv(KvStrategy):
+    """For graphs that grow the cache with Concat: the runtime allocates each step's presents
+    (total length); they are bound, as OrtValues, as the next step's pasts."""
+
+    def bind(self, binding: Any, feeds: Mapping[str, Any]) -> None:
+        for past, present in self._pairs:
+            binding.bind_ortvalue_input(past, feeds[past])
+            if not is_cross(past):
+                binding.bind_output(present, "cpu")
+
+
+class SharedKv(KvStrategy):
+    """For decode graphs whose attention writes the new key/value in place (the ``--target ort``
+    graphs' GroupQueryAttention: it writes row ``total - 1`` and reads rows ``< total`` of a
+    past buffer of any capacity, and aliases present to past when both are bound to one buffer):
+    one ``[1, n_kv, capacity, head_dim]`` buffer per cache tensor, filled from the prompt's
+    presents once and then bound as both input and output of every step (bound once: an
+    IOBinding keeps its bindings between runs)."""
+
+    def __init__(self, n_layers: int) -> None:
+        super().__init__(n_layers)
+        self._buffers: dict[str, Any] = {}
+        self._bound: Any = None
+
+    def start(self, prefill: dict[str, Any], capacity: int) -> None:
+        from onnxruntime import OrtValue
+
+        for past, present in self._pairs:
+            prompt = prefill[present].numpy()  # [1, n_kv, n, head_dim]
+            buffer = np.zeros((*prompt.shape[:2], capacity, prompt.shape[3]), dtype=prompt.dtype)
+            buffer[:, :, : prompt.shape[2]] = prompt
+            self._buffers[past] = OrtValue.ortvalue_from_numpy(buffer)
+        self._bound = None
+
+    def bind(self, binding: Any, feeds: Mapping[str, Any]) -> None:
+        if binding is self._bound:
+            return
+        for past, present in self._pairs:
+            binding.bind_ortvalue_input(past, self._buffers[past])
+            binding.bind_ortvalue_output(present, self._buffers[past])
+        self._bound = binding
+
+
+class StaticKv(KvStrategy):
+    """For static-cache graphs (``--target onnx``: ``contract.static_cache``): one zeroed
+    ``[1, n_kv, max_context, head_dim]`` buffer per cache tensor, made for each prompt and bound
+    as both the past input and the present output of the prompt's step and of every decode step,
+    so each step's TensorScatter writes its token into it in place (never a copy); each decode
+    step writes at ``write_indices`` = the tokens before it."""
+
+    def __init__(self, n_layers: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        super().__init__(n_layers)
+        self._shape, self._dtype = shape, dtype
+        self._buffers: dict[str, Any] = {}
+        self._bound: Any = None
+
+    def bind_prompt(self, binding: Any) -> None:
+        from onnxruntime import OrtValue
+
+        self._buffers = {past: OrtValue.ortvalue_from_numpy(np.zeros(self._shape, self._dtype)) for past, _ in self._pairs}
+        self._bound = None
+        self._bind_buffers(binding)
+
+    def bind(self, binding: Any, feeds: Mapping[str, Any]) -> None:
+        past = feeds["attention_mask"].shape[1] - feeds["input_ids"].shape[1]
+        binding.bind_cpu_input(WRITE_INDICES, np.array([past], dtype=np.int64))
+        if binding is not self._bound:
+            self._bind_buffers(binding)
+            self._bound = binding
+
+    def _bind_buffers(self, binding: Any) -> None:
+        for past, present in self._pairs:
+            binding.bind_ortvalue_input(past, self._buffers[past])
+            binding.bind_ortvalue_output(present, self._buffers[past])
+
+    @property
+    def buffers(self) -> dict[str, Any]:
+        """The cache buffers by past name (tests check they are what every step wrote into)."""
+        return dict(self._buffers)
+
+
+def _static_kv(manifest: Manifest, target: str) -> StaticKv:
+    """The buffers of ``target``'s static-cache graphs, shaped as its decode graph declares them (batch 1)."""
+    decode = (manifest.targets or {})[target].graphs[GraphKind.DECODE.value]
+    past = next(t for t in decode.inputs or () if t.name.startswith("past_key_values."))
+    return StaticKv(manifest.model.n_layers, (1, *(int(d) for d in past.shape[1:])), np.dtype(past.dtype))
+
+
+def kv_strategy(manifest: Manifest, target: str | None) -> KvStrategy:
+    """The strategy the export's graphs of ``target`` (None: the portable ones) need."""
+    n_layers = manifest.model.n_layers
+    entry = (manifest.targets or {}).get(target) if target is not None else None
+    if entry is not None and entry.kv_cache == CacheUpdate.STATIC.value:
+        return _static_kv(manifest, target or "")
+    if target is not None and shares_kv_buffer(manifest, target):
+        return SharedKv(n_layers)
+    return ConcatKv(n_layers, cross=manifest.model.has_encoder)

@@ -1,0 +1,346 @@
+"""``--target onnx``: graphs in ONNX's own operators (opset 24 ``Attention``, ``RMSNormalization``,
+a static KV cache written by ``TensorScatter``), really run by ONNX Runtime: parity (tensors and
+greedy tokens, left-padded batches) through the static contract at export and in ``kiln check``,
+``onnx.checker``'s full check on every graph, greedy tokens through the in-place loop equal to the
+portable graphs' and to transformers' ``generate()``, and no step copying the cache."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from jsonschema import Draft202012Validator
+
+from kiln.errors import ConfigError
+from kiln.exporter.artifacts.verify import verify_dir
+from kiln.exporter.check import check_dir
+from kiln.exporter.contract.io import DECODER_KINDS, GraphKind
+from kiln.exporter.contract.static_cache import static_io
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.pipeline import ExportResult, export
+from kiln.runtime.generate import Generator
+
+PARITY_TOKENS = 12
+COPY_WARNING = "in-place optimization not activated"  # ONNX Runtime's TensorScatter, when it copies past to present
+
+
+def _ops(path: Path) -> Counter[str]:
+    return Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
+
+
+def _assert_checked(result: ExportResult, precision: str = "fp32") -> None:
+    parity = result.parity
+    assert parity.passed, parity.failures()
+    assert parity.targets["onnx"].precision == precision and parity.targets["onnx"].passed
+    assert parity.targets["onnx"].backend == "onnxruntime (static cache)"
+    assert {"prefill.onnx", "decode.onnx", "model.onnx"} <= {t.graph for t in parity.tensors}
+    own = {"fp32": {(1e-5, 1e-4)}, "fp16": {(5e-2, 5e-3), (2e-2, 5e-3)}}[precision]  # the precision's own tolerances (logits, KV)
+    assert {(t.atol, t.rtol) for t in parity.tensors if t.graph.endswith(".onnx")} == own
+    runs = {(g.path, g.batch) for g in parity.generation}
+    assert {("onnx:prefill+decode", 1), ("onnx:prefill+decode", 3), ("onnx:model", 1), ("onnx:model", 3)} <= runs
+
+
+def _assert_graphs(out: Path, n_layers: int, n_norms: int | None, max_context: int, precision: str = "fp32") -> dict:
+    manifest = json.loads((out / "manifest.json").read_text())
+    schema = json.loads((Path(__file__).parents[2] / "exporter" / "artifacts" / "manifest.schema.json").read_text())
+    assert not [e.message for e in Draft202012Validator(schema).iter_errors(manifest)]
+    entry = manifest["targets"]["onnx"]
+    assert (entry["precision"], entry["kv_cache"], entry["weights"]["file"]) == (precision, "static", "onnx/weights.std.bin")
+    kv_dtype = {"fp32": "float32", "fp16": "float16"}[precision]
+    for kind in DECODER_KINDS:
+        graph = entry["graphs"][kind.value]
+        path = out / graph["file"]
+        assert graph["file"] == f"onnx/{kind.value}.std.onnx" and graph["file"] in manifest["files"]
+        onnx.checker.check_model(str(path), full_check=True)  # types and shapes inferred through every node
+        model = onnx.load(str(path), load_external_data=False)
+        assert [(o.domain, o.version) for o in model.opset_import] == [("", 24)] and model.ir_version == 11
+        ops = _ops(path)
+        assert ops["Attention"] == n_layers and ops["TensorScatter"] == 2 * n_layers, ops
+        portable = _ops(out / manifest["graphs"][kind.value]["file"])
+        assert ops["Softmax"] == portable["Softmax"] - n_layers and not {op for op in ops if op in ("GroupQueryAttention", "SimplifiedLayerNormalization")}, ops
+        if n_norms is not None:
+            assert ops["RMSNormalization"] == n_norms and ops["ReduceMean"] == 0, ops
+        # the recorded contract is the static one, and the graph's own
+        io = static_io(_spec(manifest), kind, max_context=max_context, kv_dtype=kv_dtype)
+        assert graph["inputs"] == [t.to_dict() for t in io.inputs] and graph["outputs"] == [t.to_dict() for t in io.outputs]
+        assert [t["name"] for t in graph["inputs"]] == io.input_names == [i.name for i in model.graph.input]
+        assert [t["name"] for t in graph["outputs"]] == io.output_names == [o.name for o in model.graph.output]
+        caches = [t for t in graph["inputs"] + graph["outputs"] if "key_values" in t["name"] or t["name"].startswith("present.")]
+        assert caches and all(t["shape"][2] == max_context for t in caches)
+        # every present is a TensorScatter's output, and every cache input is read by TensorScatter only
+        producers = {o: n.op_type for n in model.graph.node for o in n.output}
+        assert {producers[o.name] for o in model.graph.output if o.name.startswith("present.")} == {"TensorScatter"}
+        readers = {n.op_type for n in model.graph.node for i in n.input if i.startswith("past_key_values.")}
+        assert readers <= {"TensorScatter", "Shape"}, readers
+        assert entry["graphs"][kind.value]["passes"]["attention"]["layers"] == list(range(n_layers))
+    assert verify_dir(out).ok
+    return manifest
+
+
+def _spec(manifest: dict):  # the manifest's model numbers, as static_io takes them
+    from kiln.plugins.base import DecoderSpec
+
+    m = manifest["model"]
+    return DecoderSpec(manifest["family"], m["n_layers"], m["n_kv_heads"], m["head_dim"], m["vocab_size"], None)
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ExportResult]:
+    from kiln_testing import tiny_config, write_checkpoint
+
+    root = tmp_path_factory.mktemp("native_onnx")
+    ckpt = write_checkpoint(root / "ckpt", tiny_config())
+    out = root / "out"
+    return out, export(ckpt, out, ExportOptions(max_batch=4, target="onnx", parity_tokens=PARITY_TOKENS))
+
+
+def test_native_exports_checks_and_reruns(native: tuple[Path, ExportResult]) -> None:
+    out, result = native
+    _assert_checked(result)
+    # 2 layers x (attention norm, PLE norm, MLP norm) + the final norm
+    manifest = _assert_graphs(out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context)
+    assert manifest["graphs"]["decode"]["file"] == "onnx/decode.onnx"  # the portable graphs are untouched
+    # what is not written yet is said per layer
+    assert manifest["targets"]["onnx"]["graphs"]["decode"]["passes"]["not_fused"]["rotary"][0].startswith("layer 0: rotate-half arithmetic kept")
+    checked = check_dir(out)  # kiln check re-runs parity through the static contract
+    assert checked.passed and {"decode", "decode.onnx"} <= {t.graph for t in checked.tensors}
+    assert {g.path for g in checked.generation} == {"prefill+decode", "model", "onnx:prefill+decode", "onnx:model"}
+
+
+def test_in_place_loop_equals_the_portable_loop(native: tuple[Path, ExportResult]) -> None:
+    """kiln generate --target onnx: one buffer per cache tensor, bound as past and present of
+    every step; its tokens and logits are the portable loop's, and the buffer holds exactly the
+    keys of the tokens run (the prompt and every fed token), zeros beyond."""
+    out, _ = native
+    static, concat = Generator(out, target="onnx"), Generator(out)
+    assert (static.kv_cache, concat.kv_cache) == ("static-buffer", "concat")
+    prompt = [11, 42, 7, 3, 99, 15]
+    a = static.run(prompt, 24, stop_at_eos=False, keep_logits=True)
+    b = concat.run(prompt, 24, stop_at_eos=False, keep_logits=True)
+    assert a.tokens == b.tokens and len(a.tokens) == 24
+    assert a.logits is not None and b.logits is not None
+    np.testing.assert_allclose(a.logits, b.logits, atol=1e-4)
+    buffers = static._kv.buffers  # type: ignore[attr-defined]
+    written = len(prompt) + len(a.tokens) - 1  # the last token chosen is never fed
+    for buffer in buffers.values():
+        array = buffer.numpy()
+        assert array.shape[2] == static.max_context
+        assert np.abs(array[:, :, :written]).sum(axis=-1).all()  # every slot run holds a key or value
+        assert not array[:, :, written:].any()  # nothing beyond
+
+
+def _in_place_greedy(out: Path, prompts: list[list[int]], steps: int) -> np.ndarray:
+    """Greedy tokens of a left-padded batch through prefill.std + decode.std, every step bound to
+    the same zeroed buffers as past and present (IOBinding), write_indices = the tokens before."""
+    import onnxruntime as ort
+
+    from kiln.exporter.contract.steps import left_pad
+
+    prefill, decode = (ort.InferenceSession(str(out / "onnx" / f"{k}.std.onnx"), providers=["CPUExecutionProvider"]) for k in ("prefill", "decode"))
+    ids, mask, pos = left_pad(prompts, 0)
+    pasts = [i for i in decode.get_inputs() if i.name.startswith("past_key_values.")]
+    buffers = {p.name: ort.OrtValue.ortvalue_from_numpy(np.zeros((len(prompts), *p.shape[1:]), np.float32)) for p in pasts}
+    tokens = []
+    feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+    for step in range(steps):
+        session = prefill if step == 0 else decode
+        binding = session.io_binding()
+        binding.bind_output("logits", "cpu")
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        for name, buffer in buffers.items():
+            binding.bind_ortvalue_input(name, buffer)
+            binding.bind_ortvalue_output(name.replace("past_key_values.", "present."), buffer)
+        session.run_with_iobinding(binding)
+        tokens.append(binding.get_outputs()[0].numpy()[:, -1].argmax(-1))
+        written = mask.shape[1]
+        mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
+        pos = pos[:, -1:] + 1
+        feeds = {"input_ids": tokens[-1][:, None].astype(np.int64), "attention_mask": mask, "position_ids": pos, "write_indices": np.full(len(prompts), written, np.int64)}
+    return np.stack(tokens, axis=1)
+
+
+def test_left_padded_batch_in_place_equals_pytorch(native: tuple[Path, ExportResult]) -> None:
+    """A left-padded batch of three through the in-place loop: PyTorch's greedy tokens, row by row."""
+    from kiln.exporter.parity import greedy
+    from kiln.exporter.runners import TorchRunner
+    from kiln.plugins import load_model
+
+    out, result = native
+    prompts = [[11, 42, 7, 3, 99, 15], [5, 8], [23, 1, 9]]
+    loaded = load_model(out.parent / "ckpt")
+    want, _ = greedy(TorchRunner(loaded.module, loaded.spec.n_layers), loaded.spec, prompts, 16)
+    np.testing.assert_array_equal(_in_place_greedy(out, prompts, 16), want)
+
+
+def _decode_step(out: Path, *, one_buffer: bool) -> tuple[list[int], list[int]]:
+    """One decode step of decode.std.onnx at warning log level, each cache bound as past and as
+    present either to ONE OrtValue or to two; the data pointers of the buffers and of the
+    presents the step returned."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 1  # info and up: TensorScatter's copy warning is logged
+    session = ort.InferenceSession(str(out / "onnx" / "decode.std.onnx"), options, providers=["CPUExecutionProvider"])
+    pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    binding = session.io_binding()
+    binding.bind_output("logits", "cpu")
+    feeds = {"input_ids": np.array([[5]]), "attention_mask": np.ones((1, 4), np.int64), "position_ids": np.array([[3]]), "write_indices": np.array([3])}
+    for name, value in feeds.items():
+        binding.bind_cpu_input(name, value)
+    buffers = []
+    for past in pasts:
+        buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, *past.shape[1:]), np.float32))
+        present = buffer if one_buffer else ort.OrtValue.ortvalue_from_numpy(np.zeros((1, *past.shape[1:]), np.float32))
+        binding.bind_ortvalue_input(past.name, buffer)
+        binding.bind_ortvalue_output(past.name.replace("past_key_values.", "present."), present)
+        buffers.append(buffer.data_ptr())
+    session.run_with_iobinding(binding)
+    return buffers, [o.data_ptr() for o in binding.get_outputs()[1:]]
+
+
+def test_no_step_copies_the_cache(native: tuple[Path, ExportResult], capfd: pytest.CaptureFixture[str]) -> None:
+    """With one OrtValue bound as past and present (what kiln generate binds), the step's presents
+    are the buffers themselves and ONNX Runtime logs no copy; bound to two buffers (the control,
+    proving the check can fail) it copies every cache tensor and says so."""
+    out, result = native
+    buffers, presents = _decode_step(out, one_buffer=True)
+    assert presents == buffers
+    assert COPY_WARNING not in capfd.readouterr().err
+    _, copied = _decode_step(out, one_buffer=False)
+    assert copied != buffers
+    assert capfd.readouterr().err.count(COPY_WARNING) == 2 * result.report.spec.n_layers
+
+
+def test_native_fp16(tmp_path: Path) -> None:
+    """--fp16 --target onnx: the fp16 graphs' attention (its softmax an fp32 island) becomes an fp16
+    Attention over fp16 static buffers; fp16 parity, and the in-place loop's tokens are the
+    portable fp16 loop's."""
+    from kiln_testing import tiny_config, write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
+    out = tmp_path / "out"
+    result = export(ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=Precision.FP16, parity_tokens=PARITY_TOKENS))
+    _assert_checked(result, "fp16")
+    manifest = _assert_graphs(out, n_layers=2, n_norms=None, max_context=result.manifest.limits.max_context, precision="fp16")
+    assert manifest["targets"]["onnx"]["graphs"]["decode"]["inputs"][4]["dtype"] == "float16"
+    prompt = [11, 42, 7, 3, 99, 15]
+    static = Generator(out, target="onnx").run(prompt, 16, stop_at_eos=False)
+    assert static.tokens == Generator(out).run(prompt, 16, stop_at_eos=False).tokens
+
+
+def test_a_static_graph_not_matching_its_recorded_contract_is_caught(native: tuple[Path, ExportResult], tmp_path: Path) -> None:
+    """verify reads the target graphs' own recorded inputs (not the portable contract's): a
+    manifest claiming another capacity, or a graph swapped for the portable one, is reported."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(native[0], out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["targets"]["onnx"]["graphs"]["decode"]["inputs"][4]["shape"][2] = 99
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    problems = verify_dir(out).structure
+    assert len(problems) == 1 and problems[0].startswith("graph onnx/decode.std.onnx: its inputs are not the ones the manifest records"), problems
+    manifest["targets"]["onnx"]["graphs"]["decode"]["inputs"][4]["shape"][2] = native[1].manifest.limits.max_context
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert not verify_dir(out).structure
+    shutil.copy(out / "onnx" / "decode.onnx", out / "onnx" / "decode.std.onnx")  # the portable graph under the static one's name
+    problems = [p for p in verify_dir(out).structure if "decode.std.onnx" in p]
+    assert any("its inputs are not the ones the manifest records" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"precision": Precision.INT8, "calib_data": "synthetic"}, "found int8"),
+        ({"precision": Precision.FP8, "calib_data": "synthetic"}, "found fp8"),
+    ],
+)
+def test_unbuilt_precisions_refused(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        ExportOptions(target="onnx", **options)
+    assert str(err.value) == f"config: --target onnx writes fp32 and fp16 graphs for now; --int8/--int4/--fp8 on its graphs are not built yet ({message}): export them without --target onnx"
+
+
+# the windowed cases (window 4, shorter than their parity runs) prove the static mask's window
+HF_CASES = ["llama", "qwen3", "gpt2", "phi3-partial", "smollm3", "mistral-window", "mixtral-window", "qwen2-window", "starcoder2-window", "qwen3-moe", "gemma"]
+SOFTCAP = "config: --target onnx cannot write soft-capped attention (this model caps its scores at 50.0): TensorRT's Attention has no softcap; export it without --target onnx"
+REFUSED = {"gemma2-window": SOFTCAP, "gemma3-window": SOFTCAP}
+
+
+@pytest.mark.parametrize("case", HF_CASES)
+def test_hf_generation_equals_transformers_generate(case: str, tmp_path: Path) -> None:
+    """The tiny random model of each case, saved by transformers, exported --target onnx: parity
+    passes, and greedy tokens through the in-place loop (batch 1) equal transformers' own
+    generate() with its own cache."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kiln.plugins.hf import tiny_model
+
+    model = tiny_model(case, seed=1).module.model
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    model.save_pretrained(ckpt, safe_serialization=True)
+    result = export(ckpt, out, ExportOptions(max_batch=4, target="onnx", parity_tokens=8))
+    _assert_checked(result)
+    manifest = _assert_graphs(out, n_layers=result.report.spec.n_layers, n_norms=None, max_context=result.manifest.limits.max_context)
+    windows = manifest["targets"]["onnx"]["graphs"]["decode"]["passes"]["attention"].get("windows", {})
+    assert windows == ({"0": 4, "1": 4} if case in ("mistral-window", "mixtral-window", "starcoder2-window") else {"1": 4} if case == "qwen2-window" else {})
+    prompt = [5, 17, 3, 29, 11]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
+    got = Generator(out, target="onnx").run(prompt, 16, stop_at_eos=False)
+    assert list(got.tokens) == want[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_hf_soft_capping_refused_by_name(case: str, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from kiln.plugins.hf import tiny_model
+
+    ckpt = tmp_path / "ckpt"
+    tiny_model(case, seed=1).module.model.save_pretrained(ckpt, safe_serialization=True)
+    with pytest.raises(ConfigError) as err:
+        export(ckpt, tmp_path / "out", ExportOptions(target="onnx"))
+    assert str(err.value) == REFUSED[case]
+    assert not (tmp_path / "out").exists()
+
+
+def test_windows_read_from_the_config_or_refused() -> None:
+    from kiln.exporter.targets.standard.windows import layer_windows
+    from kiln.plugins.base import DecoderSpec
+
+    def spec(**config: object) -> DecoderSpec:
+        return DecoderSpec("hf", 3, 2, 8, 32, 64, config=dict(config))
+
+    assert layer_windows(spec(architecture="LlamaForCausalLM")) == {}
+    assert layer_windows(spec(architecture="MistralForCausalLM", sliding_window=16)) == {0: 16, 1: 16, 2: 16}
+    assert layer_windows(spec(architecture="Qwen2ForCausalLM", sliding_window=16, use_sliding_window=False)) == {}
+    kinds = ["full_attention", "sliding_attention", "sliding_attention"]
+    assert layer_windows(spec(architecture="Qwen2ForCausalLM", sliding_window=16, use_sliding_window=True, layer_types=kinds)) == {1: 16, 2: 16}
+    with pytest.raises(ConfigError) as err:
+        layer_windows(spec(architecture="Phi3ForCausalLM", sliding_window=2047))
+    assert str(err.value) == (
+        "config: --target onnx applies sliding windows only for MistralForCausalLM, MixtralForCausalLM, Starcoder2ForCausalLM, Qwen2ForCausalLM, Gemma2ForCausalLM, "
+        "Gemma3ForCausalLM, each proved by a test; this Phi3ForCausalLM model has a 2047-token window: export it without --target onnx"
+    )
+    with pytest.raises(ConfigError, match=r"config.layer_types \['full_attention', 'chunked_attention'\] is not one of"):
+        layer_windows(spec(architecture="Gemma3ForCausalLM", sliding_window=4, layer_types=["full_attention", "chunked_attention"]))
+
+
+def test_static_contract() -> None:
+    """The names and dims contract.static_cache promises, for a 2-layer model at 64 slots."""
+    from kiln.plugins.base import DecoderSpec
+
+    spec = DecoderSpec("native", 2, 2, 8, 32, 64)
+    prefill, decode = (static_io(spec, kind, max_context=64) for kind in (GraphKind.PREFILL, GraphKind.DECODE))
+    caches = ["past_key_values.0.key", "past_key_values.0.value", "past_key_values.1.key", "past_key_values.1.value"]
+    assert prefill.input_names == ["input_ids", "attention_mask", "position_ids", *caches]
+    assert decode.input_names == ["input_ids", "attention_mask", "position_ids", "write_indices", *caches]
+    assert decode.inputs[3].dims == ("batch",) and decode.inputs[3].dtype == "int64"
+    assert {t.dims for t in decode.inputs[4:]} == {("batch", 2, 64, 8)} == {t.dims for t in decode.outputs[1:]}
+    assert decode.output_names == ["logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value"]
