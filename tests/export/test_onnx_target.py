@@ -50,7 +50,7 @@ def _assert_graphs(out: Path, n_layers: int, n_norms: int | None, max_context: i
     assert not [e.message for e in Draft202012Validator(schema).iter_errors(manifest)]
     entry = manifest["targets"]["onnx"]
     assert (entry["precision"], entry["kv_cache"], entry["weights"]["file"]) == (precision, "static", "onnx/weights.std.bin")
-    kv_dtype = {"fp32": "float32", "fp16": "float16"}[precision]
+    kv_dtype = {"fp32": "float32", "fp16": "float16", "int4": "float32", "int4+fp16": "float16"}[precision]
     for kind in DECODER_KINDS:
         graph = entry["graphs"][kind.value]
         path = out / graph["file"]
@@ -233,6 +233,28 @@ def test_native_fp16(tmp_path: Path) -> None:
     assert static.tokens == Generator(out).run(prompt, 16, stop_at_eos=False).tokens
 
 
+@pytest.mark.parametrize("fp16", [False, True])
+def test_native_int4(fp16: bool, tmp_path: Path) -> None:
+    """--int4 (RTN) --target onnx: the portable graphs' block-DequantizeLinear weights are kept,
+    the attention rewritten; int4 parity, and the in-place loop's tokens are the portable loop's."""
+    from kiln_testing import tiny_config, write_checkpoint
+
+    from kiln.exporter.options import Int4Method
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
+    out = tmp_path / "out"
+    precision = Precision.INT4_FP16 if fp16 else Precision.INT4
+    result = export(ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=precision, int4_method=Int4Method.RTN, parity_tokens=PARITY_TOKENS))
+    assert result.parity.passed, result.parity.failures()
+    assert result.parity.targets["onnx"].precision == precision.value
+    _assert_graphs(out, n_layers=2, n_norms=None, max_context=result.manifest.limits.max_context, precision=precision.value)
+    for kind in DECODER_KINDS:
+        portable, static = _ops(out / "onnx" / f"{kind.value}.onnx"), _ops(out / "onnx" / f"{kind.value}.std.onnx")
+        assert static["DequantizeLinear"] == portable["DequantizeLinear"] > 0  # every int4 weight kept
+    prompt = [11, 42, 7, 3, 99, 15]
+    assert Generator(out, target="onnx").run(prompt, 16, stop_at_eos=False).tokens == Generator(out).run(prompt, 16, stop_at_eos=False).tokens
+
+
 def test_a_static_graph_not_matching_its_recorded_contract_is_caught(native: tuple[Path, ExportResult], tmp_path: Path) -> None:
     """verify reads the target graphs' own recorded inputs (not the portable contract's): a
     manifest claiming another capacity, or a graph swapped for the portable one, is reported."""
@@ -263,7 +285,7 @@ def test_a_static_graph_not_matching_its_recorded_contract_is_caught(native: tup
 def test_unbuilt_precisions_refused(options: dict, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         ExportOptions(target="onnx", **options)
-    assert str(err.value) == f"config: --target onnx writes fp32 and fp16 graphs for now; --int8/--int4/--fp8 on its graphs are not built yet ({message}): export them without --target onnx"
+    assert str(err.value) == f"config: --target onnx writes fp32, fp16 and int4 graphs for now; --int8 and --fp8 on its graphs are not built yet ({message}): export them without --target onnx"
 
 
 # the windowed cases (window 4, shorter than their parity runs) prove the static mask's window

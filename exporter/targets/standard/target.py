@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BUILT", "STANDARD", "StandardTarget"]
 
-BUILT = ("fp32", "fp16")  # the precisions whose graphs it rewrites (fp16: with the portable graphs' fp32 islands)
+BUILT = ("fp32", "fp16", "int4", "int4+fp16")  # the precisions whose graphs it rewrites (fp16: with the portable graphs' fp32 islands; int4: its block-DequantizeLinear weights kept); int8 and fp8 put Q/DQ on the attention MatMuls, which the rewrite does not read yet
 
 
 class StandardTarget:
@@ -39,7 +39,7 @@ class StandardTarget:
             return
         if options.precision.value not in BUILT:
             raise ConfigError(
-                f"--target onnx writes fp32 and fp16 graphs for now; --int8/--int4/--fp8 on its graphs are not built yet (found {options.precision.value}): "
+                f"--target onnx writes fp32, fp16 and int4 graphs for now; --int8 and --fp8 on its graphs are not built yet (found {options.precision.value}): "
                 "export them without --target onnx"
             )
         if options.ple_tables.value == "input":
