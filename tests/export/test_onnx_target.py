@@ -77,6 +77,8 @@ def _assert_graphs(out: Path, n_layers: int, n_norms: int | None, max_context: i
         readers = {n.op_type for n in model.graph.node for i in n.input if i.startswith("past_key_values.")}
         assert readers <= {"TensorScatter", "Shape"}, readers
         assert entry["graphs"][kind.value]["passes"]["attention"]["layers"] == list(range(n_layers))
+        rotated = entry["graphs"][kind.value]["passes"].get("rotary", {}).get("layers", [])
+        assert ops["RotaryEmbedding"] == 2 * len(rotated), ops  # q and k of each layer the report lists
     assert verify_dir(out).ok
     return manifest
 
@@ -104,8 +106,9 @@ def test_native_exports_checks_and_reruns(native: tuple[Path, ExportResult]) -> 
     # 2 layers x (attention norm, PLE norm, MLP norm) + the final norm
     manifest = _assert_graphs(out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context)
     assert manifest["graphs"]["decode"]["file"] == "onnx/decode.onnx"  # the portable graphs are untouched
-    # what is not written yet is said per layer
-    assert manifest["targets"]["onnx"]["graphs"]["decode"]["passes"]["not_fused"]["rotary"][0].startswith("layer 0: rotate-half arithmetic kept")
+    passes = manifest["targets"]["onnx"]["graphs"]["decode"]["passes"]
+    assert passes["rotary"] == {"layers": [0, 1]} and "not_fused" not in passes  # every rotary is RotaryEmbedding
+    assert _ops(out / "onnx" / "decode.std.onnx")["Neg"] == 0  # rotate_half is gone
     checked = check_dir(out)  # kiln check re-runs parity through the static contract
     assert checked.passed and {"decode", "decode.onnx"} <= {t.graph for t in checked.tensors}
     assert {g.path for g in checked.generation} == {"prefill+decode", "model", "onnx:prefill+decode", "onnx:model"}

@@ -5,13 +5,13 @@ Each portable graph ``onnx/<kind>.onnx`` is reloaded (its weights stay in ``weig
 rewritten into ``onnx/<kind>.std.onnx`` by the passes ``standard_passes`` lists:
 
 - the graph converted to opset 24 (onnxscript's version converter),
+- each attention's q and k rotary -> ``RotaryEmbedding`` (``rotary``),
 - attention -> ``TensorScatter`` into the static cache + ``Attention`` with an explicit mask
   (``cache``, ``mask``),
 - RMSNorm -> ``RMSNormalization`` (the ORT target's rule, writing ONNX's op: ``targets.ort.norm``).
 
-Not written yet, and said in each graph's ``not_fused`` report: rotary stays the traced
-rotate-half arithmetic (not ``RotaryEmbedding``). What the graphs add (the mask's slot numbers)
-goes to ``weights.std.bin``.
+What a pass leaves as traced is said in each graph's ``not_fused`` report. What the graphs add
+(the rotary tables, the mask's slot numbers) goes to ``weights.std.bin``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from kiln.exporter.targets.base import TargetGraphs
 from kiln.exporter.targets.ort.norm import fuse_rms_norm
 from kiln.exporter.targets.ort.rules import NotFused
 from kiln.exporter.targets.standard.cache import StaticCache
+from kiln.exporter.targets.standard.rotary import standard_rotary
 from kiln.exporter.targets.standard.windows import layer_windows
 from kiln.plugins.base import DecoderSpec
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
@@ -53,12 +54,14 @@ def to_opset(model: ir.Model) -> int:
 
 
 def standard_passes(
-    kind: GraphKind, spec: DecoderSpec, max_context: int, writer: WeightsWriter, *, kv_dtype: str, last_logits_only: bool, log: NotFused
+    kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, writer: WeightsWriter, *, kv_dtype: str, last_logits_only: bool, log: NotFused
 ) -> list[ir.passes.PassBase]:
     """The target's passes of one graph, in order."""
+    rotary = functools.update_wrapper(functools.partial(standard_rotary, base_dir=base_dir, max_context=max_context, head_dim=spec.head_dim, not_fused=log), standard_rotary)
     norm = functools.update_wrapper(functools.partial(fuse_rms_norm, not_fused=log, op_type="RMSNormalization"), fuse_rms_norm)
     return [
         GraphRewrite(to_opset, "opset", lambda opset: {"version": opset}),
+        GraphRewrite(rotary, "rotary", lambda layers: {"layers": list(layers)}),
         StaticCache(spec, kind, max_context, windows=layer_windows(spec), kv_dtype=kv_dtype, last_logits_only=last_logits_only),
         GraphRewrite(norm, "rms_norm", lambda fused: {"fused": fused}),
         RemoveUnusedNodesPass(),
@@ -77,8 +80,7 @@ def write_standard_target(
     with WeightsWriter(onnx_dir / STD_WEIGHTS_FILE, rename=False) as writer:
         for kind, path in graphs.items():
             log = NotFused()
-            log.add("rotary", [f"layer {i}: rotate-half arithmetic kept (RotaryEmbedding is not written yet)" for i in range(spec.n_layers)])
-            passes = standard_passes(kind, spec, max_context, writer, kv_dtype=kv_dtype, last_logits_only=last_logits_only, log=log)
+            passes = standard_passes(kind, spec, onnx_dir, max_context, writer, kv_dtype=kv_dtype, last_logits_only=last_logits_only, log=log)
             model = run_passes(ir.load(path), passes, graph=f"{kind.value} (onnx target)")
             paths[kind] = onnx_dir / standard_graph_file(kind)
             ir.save(model, paths[kind])

@@ -27,7 +27,7 @@ class StandardTarget:
     name = "onnx"
     label = "standard-ONNX-target"
     description = (
-        "also write graphs in ONNX's own ops for TensorRT 10.15+ (onnx/*.std.onnx: Attention, RMSNormalization, a static KV cache written in place "
+        "also write graphs in ONNX's own ops for TensorRT 10.15+ (onnx/*.std.onnx: Attention, RotaryEmbedding, RMSNormalization, a static KV cache written in place "
         "by TensorScatter), parity-checked like the portable ones"
     )
 
