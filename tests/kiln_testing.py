@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -196,3 +197,19 @@ def heavy_imports(*args: str) -> tuple[int, list[str]]:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     code, imported = json.loads(done.stdout.strip().splitlines()[-1])
     return int(code), list(imported)
+
+
+def exact(message: str) -> str:
+    """A ``pytest.raises(match=...)`` pattern matching ``message`` whole."""
+    return "^" + re.escape(message) + "$"
+
+
+def run_graph(model: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """An onnx-ir model run once by ONNX Runtime (CPU): its outputs by name."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    proto = ir.serde.serialize_model(model)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
+

@@ -4,12 +4,10 @@ with ONNX Runtime before and after: prefill (no past inputs, the past's shapes f
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 
 from kiln.errors import ExportError
@@ -18,22 +16,12 @@ from kiln.exporter.passes import ApplyContract, run_passes
 from kiln.exporter.passes.fold import FoldConstants
 from kiln.exporter.passes.specialise import LastLogits, SpecialiseDecode, SpecialisePrefill, specialise
 from kiln.plugins.native import spec_of
-from kiln_testing import tiny_config
+from kiln_testing import tiny_config, exact, run_graph as run
 
 SPEC = spec_of(tiny_config())  # vocab 101, 2 layers, 2 kv heads of 8
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
 D = 16  # hidden size of the graph below
 TOTAL = "past_seq + seq"  # how the trace names the total length
-
-
-def exact(message: str) -> str:
-    return "^" + re.escape(message) + "$"
-
-
-def run(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    proto = ir.serde.serialize_model(model)
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
 
 
 class Builder:

@@ -4,12 +4,11 @@ before and after: ``BindWeights`` (``passes.bind``), ``FoldWeightTransposes``
 
 from __future__ import annotations
 
-import re
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
+from kiln_testing import exact, run_graph as run
 import torch
 from torch import nn
 
@@ -21,16 +20,6 @@ from kiln.exporter.passes.transposes import TRANSPOSE, TRANSPOSED, FoldWeightTra
 
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
 OPSET = 19
-
-
-def exact(message: str) -> str:
-    return "^" + re.escape(message) + "$"
-
-
-def run(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    proto = ir.serde.serialize_model(model)
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
 
 
 def model_of(inputs: list[ir.Value], outputs: list[ir.Value], nodes: list[ir.Node], inits: list[ir.Value]) -> ir.Model:

@@ -20,18 +20,24 @@ from kiln.exporter.contract.static_cache import WRITE_INDICES
 from kiln.exporter.runners.base import Feeds
 from kiln.exporter.runners.ort_runner import OrtRunner
 
-__all__ = ["StaticCacheRunner", "buffer_capacity"]
+__all__ = ["StaticCacheRunner", "cache_inputs"]
 
 
-def buffer_capacity(graph: Path) -> int:
-    """The static sequence dim of a static-cache graph's cache inputs (its ``max_context``)."""
+def cache_inputs(graph: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """A static-cache graph's cache inputs: each one's shape without the batch (its sequence dim is
+    the buffers' capacity, ``max_context``) and its dtype, read once from the graph file."""
     import onnx
+    from onnx.helper import tensor_dtype_to_np_dtype
 
     model = onnx.load(str(graph), load_external_data=False)
-    for value in model.graph.input:
-        if value.name.startswith("past_key_values."):
-            return int(value.type.tensor_type.shape.dim[2].dim_value)
-    raise ValueError(f"{graph}: no cache input")
+    caches = {
+        v.name: (tuple(d.dim_value for d in v.type.tensor_type.shape.dim[1:]), np.dtype(tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)))
+        for v in model.graph.input
+        if v.name.startswith("past_key_values.")
+    }
+    if not caches:
+        raise ValueError(f"{graph}: no cache input")
+    return caches
 
 
 class StaticCacheRunner(OrtRunner):
@@ -41,7 +47,7 @@ class StaticCacheRunner(OrtRunner):
 
     def __init__(self, paths: dict[GraphKind, Path], threads: int | None = None, extra_feeds: Feeds | None = None) -> None:
         super().__init__(paths, threads, extra_feeds)
-        self._capacity = buffer_capacity(next(iter(paths.values())))
+        self._caches = cache_inputs(next(iter(paths.values())))  # every graph of the set declares the same buffers
 
     @classmethod
     def opener(cls, paths: dict[GraphKind, Path], extra_feeds: Feeds | None = None) -> Callable[[], StaticCacheRunner]:
@@ -61,22 +67,10 @@ class StaticCacheRunner(OrtRunner):
 
     def _buffers(self, kind: GraphKind, pasts: Feeds, batch: int) -> Feeds:
         if kind is GraphKind.PREFILL:  # the graph's cache inputs, zeroed
-            return {name: np.zeros((batch, *shape), dtype=dtype) for name, (shape, dtype) in self._caches().items()}
+            return {name: np.zeros((batch, *shape), dtype=dtype) for name, (shape, dtype) in self._caches.items()}
         out = {}
         for name, past in pasts.items():
-            buffer = np.zeros((*past.shape[:2], self._capacity, past.shape[3]), dtype=past.dtype)
+            buffer = np.zeros((past.shape[0], *self._caches[name][0]), dtype=past.dtype)
             buffer[:, :, : past.shape[2]] = past
             out[name] = buffer
         return out
-
-    def _caches(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        """Prefill's cache inputs: each one's shape without the batch, and its dtype."""
-        import onnx
-        from onnx.helper import tensor_dtype_to_np_dtype
-
-        model = onnx.load(str(self._paths[GraphKind.PREFILL]), load_external_data=False)
-        return {
-            v.name: (tuple(d.dim_value for d in v.type.tensor_type.shape.dim[1:]), np.dtype(tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)))
-            for v in model.graph.input
-            if v.name.startswith("past_key_values.")
-        }
