@@ -26,8 +26,8 @@ def cut_subgraph(
     allowed_inputs: Collection[str] | None = None,
     max_external_bytes: int | None = None,
 ) -> onnx.ModelProto | None:
-    """A model computing ``outputs`` from the graph inputs they depend on (float outputs, shapes
-    unknown), with external constants loaded from ``base_dir``. None when the outputs depend on
+    """A model computing ``outputs`` from the graph inputs they depend on (each output of the
+    type the graph records for it, float when it records none; shapes unknown), with external constants loaded from ``base_dir``. None when the outputs depend on
     an input not in ``allowed_inputs`` (when given), on an external constant larger than
     ``max_external_bytes`` (when given), on a non-standard-domain or subgraph-holding node, or on
     a value nothing produces."""
@@ -67,7 +67,9 @@ def cut_subgraph(
         else:
             return None
     ordered = [n for n in proto.graph.node if id(n) in nodes]
-    outs = [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for o in outputs]
+    # an fp16 graph's values are fp16: declared FLOAT, ONNX Runtime refuses the model (a type mismatch)
+    recorded = {v.name: v.type.tensor_type.elem_type for v in [*proto.graph.value_info, *proto.graph.output] if v.type.tensor_type.elem_type}
+    outs = [helper.make_tensor_value_info(o, recorded.get(o, onnx.TensorProto.FLOAT), None) for o in outputs]
     graph = helper.make_graph(ordered, name, list(inputs.values()), outs, list(inits.values()))
     opsets = [o for o in proto.opset_import if o.domain in ("", "ai.onnx")]
     return helper.make_model(graph, opset_imports=opsets, ir_version=proto.ir_version)

@@ -10,6 +10,7 @@
 - zero points float8e4m3fn zeros (they also give QuantizeLinear its output type), scales fp16
   (the graph around them is fp16), opset >= 19.
 
+A plain ``Gemm`` (GPT-2's Conv1D) is first written as ``MatMul`` + ``Add`` (``passes.gemm``).
 The LM head and the attention-score MatMuls stay float (``--int8``'s default rules), and the
 MatMuls ``--fp8-float`` names stay fp16 (the study's Llama: its first layer, measured). Written here,
 not with ONNX Runtime's ``quantize_static``: its fp8 calibration takes only the ``Distribution``
@@ -29,6 +30,7 @@ import onnx_ir as ir
 from kiln.exporter.passes.reports import Report
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.passes.ir_utils import set_dtype
+from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
 from kiln.exporter.precision.int8 import Int8Policy, int8_targets
 from kiln.exporter.precision.policy import module_of, rule_matches
 
@@ -78,6 +80,7 @@ class QuantizeFp8(ir.passes.InPlacePass):
             if not any(n.op_type == "MatMul" and rule_matches(rule, n) for n in graph):
                 raise ConfigError(f"--fp8-float {rule}: no MatMul of the {graph.name} graph matches it (modules look like /layers.0.mlp.fc2/, or *.fc2 for every layer's)")
         names = set(int8_targets(graph, self.policy))
+        names |= plain_gemms_as_matmuls(graph, names)  # GPT-2's Conv1D: passes.gemm
         targets = []
         for node in graph:
             weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" and node.name in names and len(node.inputs) == 2 else None

@@ -10,7 +10,10 @@ unknown to DequantizeLinear before 21: onnx.checker rejects it). TensorRT 10+ bu
 typed; ONNX Runtime's CPU runs it, so parity runs here.
 
 The LM head stays float by default (rules as ``--int8-float``'s); only MatMuls with a constant
-2-D float weight are candidates (the attention-score MatMuls have none).
+2-D float weight are candidates (the attention-score MatMuls have none). A plain ``Gemm`` the
+policy targets (GPT-2's Conv1D) is first written as ``MatMul`` + ``Add`` (``passes.gemm``), its
+MatMul then a candidate. A graph with no candidate at all is refused (its
+export would be int4 in name only).
 
 ``Int4Quantizer`` computes every weight's ``(q, scale)`` once per export, lazily (a weight's
 numbers are computed when a graph's writer or a check first reads them), and every graph of the
@@ -29,6 +32,7 @@ from kiln.exporter.passes.reports import Report
 from kiln.errors import ExportError
 from kiln.exporter.options import DEFAULT_INT4_METHOD, Int4Method
 from kiln.exporter.passes.bind import ModuleWeight
+from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
 from kiln.exporter.passes.ir_utils import set_dtype
 from kiln.exporter.precision.gptq import gptq
 from kiln.exporter.precision.int4_numbers import layer_block, pack_int4, rtn
@@ -136,6 +140,7 @@ class QuantizeInt4(ir.passes.InPlacePass):
         graph = model.graph
         raise_opset(model, MIN_INT4_OPSET)
         names = set(int8_targets(graph, self.policy))
+        names |= plain_gemms_as_matmuls(graph, names)
         plan: list[tuple[ir.Node, ir.Value, int]] = []
         left: dict[str, str] = {}
         for node in graph:
@@ -149,6 +154,10 @@ class QuantizeInt4(ir.passes.InPlacePass):
                 continue
             plan.append((node, weight, block))
             self.quantizer.want(_hessian_name(tensor, weight))
+        if not plan and not left:
+            raise ExportError(
+                "--int4 found no MatMul or plain Gemm weight to quantize in this graph (a constant 2-D float weight outside the kept-float rules): its export would be int4 in name only"
+            )
         for node, weight, block in plan:
             self._quantize(graph, node, weight, block)
         for _, weight, _ in plan:  # a float weight nothing else reads is not written

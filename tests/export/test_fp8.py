@@ -138,3 +138,23 @@ def test_fp8_float_refuses_a_rule_that_names_nothing_and_other_precisions(tmp_pa
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match="--fp8-float only applies to --fp8 exports"):
         ExportOptions(precision=Precision.FP16, fp8_float=("*.fc2",))
+
+
+def test_gpt2_conv1d_gemms_get_fp8_weights(tmp_path: Path) -> None:
+    """GPT-2's Conv1D traces to Gemm: written as MatMul + Add (``passes.gemm``), each one's weight
+    is fp8 (before, an --fp8 GPT-2 had no fp8 weight at all: fp8 in name only); parity passes."""
+    pytest.importorskip("transformers")
+    from kiln.plugins.hf import tiny_model
+
+    ckpt = tmp_path / "ckpt"
+    model = tiny_model("gpt2", seed=1).module.model
+    model.save_pretrained(ckpt, safe_serialization=True)
+    options = ExportOptions(max_batch=4, precision=Precision.FP8, calib_data=str(_calib(tmp_path)), calib_samples=8, calib_cache=tmp_path / "cache", parity_tokens=8)
+    result = export(ckpt, tmp_path / "out", options)
+    assert result.parity.passed, result.parity.failures()
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    modules = [f"/model.transformer.h.{i}.{m}/MatMul" for i in range(model.config.n_layer) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    for graph in manifest["graphs"].values():
+        assert graph["passes"]["fp8"]["nodes"] == modules
+        ops = {n.op_type for n in onnx.load(str(tmp_path / "out" / graph["file"]), load_external_data=False).graph.node}
+        assert "Gemm" not in ops

@@ -79,3 +79,17 @@ def test_cut_subgraph_refuses(outputs: list[str], limits: dict[str, object], tmp
     proto = saved(tmp_path)
     assert cut_subgraph(proto, outputs, tmp_path, name="piece", **limits) is None  # type: ignore[arg-type]
     assert cut_subgraph(proto, ["cos"], tmp_path, name="piece", allowed_inputs={"position_ids"}, max_external_bytes=16) is not None
+
+
+def test_cut_subgraph_keeps_an_fp16_output_fp16(tmp_path: Path) -> None:
+    """An output the graph records as fp16 (an --fp16 graph's rotary tables) is declared fp16:
+    declared FLOAT, ONNX Runtime refuses the cut model (a type mismatch)."""
+    nodes = [helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16), helper.make_node("Neg", ["h"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2])]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, value_info=[helper.make_tensor_value_info("h", TensorProto.FLOAT16, [2])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=10)
+    cut = cut_subgraph(proto, ["h", "y"], tmp_path, name="piece")
+    assert cut is not None and [o.type.tensor_type.elem_type for o in cut.graph.output] == [TensorProto.FLOAT16, TensorProto.FLOAT16]
+    got = run(cut, {"x": np.array([1.5, -2.0], np.float32)})
+    assert got["y"].dtype == np.float16 and got["y"].tolist() == [-1.5, 2.0]

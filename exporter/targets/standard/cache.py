@@ -13,9 +13,10 @@ cache to be a network input of static length and its output a network output (no
 and ONNX Runtime writes in place when one buffer is bound as both.
 
 What the layer must be, or the export stops naming it (its portable graphs are unaffected):
-every layer's attention found, no soft-capping (TensorRT's parser refuses ``softcap``), and
-nothing else reading a cache input (a graph that takes a length from the past's shape would
-read ``max_context`` now).
+every layer's attention found, and nothing else reading a cache input (a graph that takes a
+length from the past's shape would read ``max_context`` now). A soft-capped layer (Gemma 2:
+TensorRT's parser refuses ``Attention``'s ``softcap``) keeps the in-place cache and reads it with
+``decomposed.decomposed_attention``'s plain ops; ``report`` lists those layers and why.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kiln.errors import ExportError
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.contract.static_cache import WRITE_INDICES, static_io
 from kiln.exporter.passes.reports import Report
+from kiln.exporter.targets.standard.decomposed import DECOMPOSED_WHY, decomposed_attention
 from kiln.exporter.targets.ort.attention import AttentionCore, find_attention
 from kiln.exporter.targets.standard.mask import static_masks
 from kiln.plugins.base import DecoderSpec
@@ -49,20 +51,21 @@ class StaticCache(ir.passes.InPlacePass):
         self.windows = dict(windows or {})  # layer -> its sliding window (``windows.layer_windows``)
         self.io = static_io(spec, kind, max_context=max_context, kv_dtype=kv_dtype, last_logits_only=last_logits_only)
         self.layers: list[int] = []
+        self.decomposed: list[int] = []  # the soft-capped layers, read by decomposed_attention
 
     @property
     def report(self) -> Report | None:
+        if not self.layers:
+            return None
         windows = {str(layer): window for layer, window in sorted(self.windows.items())}
-        return {"layers": list(self.layers), "op": "Attention", "cache": "TensorScatter", **({"windows": windows} if windows else {})} if self.layers else None
+        decomposed = {"decomposed": {"layers": list(self.decomposed), "why": DECOMPOSED_WHY}} if self.decomposed else {}
+        return {"layers": list(self.layers), "op": "Attention", "cache": "TensorScatter", **({"windows": windows} if windows else {}), **decomposed}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         cores = find_attention(model, self.spec.head_dim, softmax_island=True)  # fp16: the Attention op takes the fp32 softmax island in
         missing = sorted(set(range(self.spec.n_layers)) - {c.layer for c in cores})
         if missing:
             raise ExportError(f"the attention of layer(s) {missing} is not the pattern --target onnx rewrites (attention core -> Attention); export without --target onnx")
-        capped = [c.layer for c in cores if c.softcap is not None]
-        if capped:
-            raise ExportError(f"layer(s) {capped} soft-cap their attention scores (Gemma 2): TensorRT's Attention has no softcap, --target onnx does not rewrite them yet")
         graph = model.graph
         writes = self._write_indices(graph)
         masks = static_masks(graph, max_context=self.max_context, prefill=self.kind is GraphKind.PREFILL, windows={self.windows.get(c.layer) for c in cores})
@@ -72,6 +75,7 @@ class StaticCache(ir.passes.InPlacePass):
         self._check_cache_readers(graph)
         self._order_inputs(graph)
         self.layers = [c.layer for c in cores]
+        self.decomposed = [c.layer for c in cores if c.softcap is not None]
         return ir.passes.PassResult(model, modified=True)
 
     def ensures(self, model: ir.Model) -> None:
@@ -109,8 +113,12 @@ class StaticCache(ir.passes.InPlacePass):
         # prefill's queries see only the prompt's keys: they are read as they are, not from the
         # max_context buffer (4.5x the portable prefill's time on the 33M Llama at seq 128, measured)
         keys = [core.k, core.v] if self.kind is GraphKind.PREFILL else caches
-        attention = _append(graph, "Attention", [core.q, *keys, mask], {"scale": float(core.scale), "is_causal": 0}, f"{prefix}/Attention")
-        attention.type, attention.shape = core.q.type, core.q.shape
+        if core.softcap is None:
+            attention = _append(graph, "Attention", [core.q, *keys, mask], {"scale": float(core.scale), "is_causal": 0}, f"{prefix}/Attention")
+            attention.type, attention.shape = core.q.type, core.q.shape
+        else:
+            heads = (core.n_heads, self.spec.n_kv_heads, self.spec.head_dim)
+            attention = decomposed_attention(graph, core.q, keys[0], keys[1], mask, scale=float(core.scale), softcap=core.softcap, heads=heads, prefix=f"{prefix}/decomposed")
         reshape = core.out.producer()
         transpose = reshape.inputs[0].producer() if reshape is not None and reshape.inputs[0] is not None else None
         assert transpose is not None, "the attention pattern ends in Reshape(Transpose(pv))"

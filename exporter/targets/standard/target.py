@@ -51,9 +51,6 @@ class StandardTarget:
         from kiln.exporter.targets.standard.windows import layer_windows
 
         layer_windows(spec)  # a window it cannot prove is refused here, before any work
-        cap = spec.config.get("attn_logit_softcapping")
-        if cap is not None:
-            raise ConfigError(f"--target onnx cannot write soft-capped attention (this model caps its scores at {cap}): TensorRT's Attention has no softcap; export it without --target onnx")
 
     def write(self, given: TargetGiven) -> TargetGraphs:
         from kiln.exporter.targets.standard.graphs import write_standard_target
