@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 from kiln.exporter.contract.io import (
@@ -48,7 +49,7 @@ def _upcast_output(module: nn.Module, args: object, output: torch.Tensor) -> tor
     return output.float()
 
 
-def computes_in_fp32(module: nn.Module) -> nn.Module:
+def computes_in_fp32(module: nn.Module, *, budget: int | None = None) -> nn.Module:
     """``module``, made to compute in fp32 whatever its weights are stored in (a bf16 checkpoint
     stays bf16 in memory). The graphs are fp32 (or fp16 from these fp32 values), so this is the
     reference parity measures them against. Each submodule that holds low-precision parameters
@@ -56,10 +57,19 @@ def computes_in_fp32(module: nn.Module) -> nn.Module:
     ``_Scratch``), so only the module being run has fp32 weights; an ``nn.Embedding`` instead
     gathers its bf16 rows and upcasts those (the same values, without converting the table).
     In place, once; a no-op for an fp32 module. A parameter read outside its own module's call
-    stays low-precision and fails loudly on the dtype, never silently."""
+    stays low-precision and fails loudly on the dtype, never silently.
+
+    When the fp32 copy of every low-precision weight fits ``budget`` bytes (default: half the
+    memory the system has available), the weights are instead converted once, in place (the
+    low-precision copies freed): the same fp32 values, without copying the whole model to fp32
+    at every step, which was most of a bf16 model's reference time (issue 24). A model too
+    large for that (an 8B bf16 model on 24 GB) computes as above, one module at a time."""
     if isinstance(getattr(module, _SCRATCH, None), _Scratch):
         return module
     scratch = _Scratch()
+    setattr(module, _SCRATCH, scratch)  # also the marker that this module is done
+    if _converted_in_place(module, budget):
+        return module
     for sub in module.modules():
         for name, buffer in list(sub.named_buffers(recurse=False)):
             if buffer.is_floating_point() and buffer.dtype != torch.float32:
@@ -73,8 +83,30 @@ def computes_in_fp32(module: nn.Module) -> nn.Module:
             sub.forward = functools.partial(_linear_in_slices, sub, scratch)  # type: ignore[method-assign]  # this module's forward, on this instance only
         else:
             _lend_during_calls(sub, low, scratch)
-    setattr(module, _SCRATCH, scratch)  # also the marker that this module is done
     return module
+
+
+def _converted_in_place(module: nn.Module, budget: int | None) -> bool:
+    """Whether ``module``'s low-precision weights and buffers fit ``budget`` bytes in fp32
+    (``computes_in_fp32``), converted in place when they do."""
+    weights = [t for t in module.parameters() if t.is_floating_point() and t.dtype != torch.float32]  # shared (tied) ones once
+    if sum(t.numel() * 4 for t in weights) > (_available_bytes() // 2 if budget is None else budget):
+        return False
+    for tensor in itertools.chain(weights, module.buffers()):
+        if tensor.is_floating_point() and tensor.dtype != torch.float32:
+            tensor.data = tensor.data.float()
+    return True
+
+
+def _available_bytes() -> int:
+    """The memory the system has available (``MemAvailable``); 0 where it cannot be read (then
+    ``computes_in_fp32`` lends weights per call: never more memory than needed)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0
 
 
 def drop_fp32_buffers(module: nn.Module) -> None:
