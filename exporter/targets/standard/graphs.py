@@ -22,8 +22,10 @@ from pathlib import Path
 import onnx_ir as ir
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.contract.static_cache import static_io
+from kiln.exporter.options import Precision
 from kiln.exporter.passes import ExternalizeWeights, GraphRewrite, WeightsWriter, run_passes
 from kiln.exporter.passes.reports import Report, pass_reports
+from kiln.exporter.precision.lowbit_check import CheckLowBit
 from kiln.exporter.targets.base import TargetGraphs
 from kiln.exporter.targets.ort.norm import fuse_rms_norm
 from kiln.exporter.targets.ort.rules import NotFused
@@ -31,7 +33,7 @@ from kiln.exporter.targets.standard.cache import StaticCache
 from kiln.exporter.targets.standard.rotary import standard_rotary
 from kiln.exporter.targets.standard.windows import layer_windows
 from kiln.plugins.base import DecoderSpec
-from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass, TopologicalSortPass
 
 __all__ = ["OPSET", "STD_WEIGHTS_FILE", "standard_graph_file", "standard_passes", "write_standard_target"]
 
@@ -54,16 +56,32 @@ def to_opset(model: ir.Model) -> int:
 
 
 def standard_passes(
-    kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, writer: WeightsWriter, *, kv_dtype: str, last_logits_only: bool, log: NotFused
+    kind: GraphKind,
+    spec: DecoderSpec,
+    base_dir: Path,
+    max_context: int,
+    writer: WeightsWriter,
+    *,
+    kv_dtype: str,
+    last_logits_only: bool,
+    log: NotFused,
+    precision: str = "fp32",
 ) -> list[ir.passes.PassBase]:
-    """The target's passes of one graph, in order."""
+    """The target's passes of one graph of ``precision``, in order. An int8 or fp8 graph gets
+    ONNX's shape inference first (it comes back from ONNX Runtime's quantizer without the shapes
+    the attention pattern reads: its heads' static dims); every low-bit graph is checked again by
+    TensorRT's Q/DQ rules for int4 and fp8 (``lowbit_check``) once rewritten."""
+    precision_of = Precision(precision)
+    infer_shapes = precision_of.has_int8 or precision_of.has_fp8
     rotary = functools.update_wrapper(functools.partial(standard_rotary, base_dir=base_dir, max_context=max_context, head_dim=spec.head_dim, not_fused=log), standard_rotary)
     norm = functools.update_wrapper(functools.partial(fuse_rms_norm, not_fused=log, op_type="RMSNormalization"), fuse_rms_norm)
     return [
         GraphRewrite(to_opset, "opset", lambda opset: {"version": opset}),
+        *([ShapeInferencePass()] if infer_shapes else []),
         GraphRewrite(rotary, "rotary", lambda layers: {"layers": list(layers)}),
         StaticCache(spec, kind, max_context, windows=layer_windows(spec), kv_dtype=kv_dtype, last_logits_only=last_logits_only),
         GraphRewrite(norm, "rms_norm", lambda fused: {"fused": fused}),
+        *([CheckLowBit()] if precision_of.has_int4 or precision_of.has_fp8 else []),
         RemoveUnusedNodesPass(),
         TopologicalSortPass(),
         ExternalizeWeights(writer),
@@ -80,7 +98,9 @@ def write_standard_target(
     with WeightsWriter(onnx_dir / STD_WEIGHTS_FILE, rename=False) as writer:
         for kind, path in graphs.items():
             log = NotFused()
-            passes = standard_passes(kind, spec, onnx_dir, max_context, writer, kv_dtype=kv_dtype, last_logits_only=last_logits_only, log=log)
+            passes = standard_passes(
+                kind, spec, onnx_dir, max_context, writer, kv_dtype=kv_dtype, last_logits_only=last_logits_only, log=log, precision=precision
+            )
             model = run_passes(ir.load(path), passes, graph=f"{kind.value} (onnx target)")
             paths[kind] = onnx_dir / standard_graph_file(kind)
             ir.save(model, paths[kind])
