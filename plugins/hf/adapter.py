@@ -217,6 +217,7 @@ def merge(model: nn.Module, adapters: Sequence[LoraAdapter]) -> None:
             )  # [out, in]
             assert isinstance(delta, Tensor)
             weight = module.weight
+            assert isinstance(weight, Tensor)
             update = delta.T if isinstance(module, Conv1D) else delta  # Conv1D: [in, out]
             weight.copy_((weight.float() + update).to(weight.dtype))
 
@@ -237,10 +238,11 @@ def peft_reference(model: nn.Module, adapters: Sequence[LoraAdapter]) -> nn.Modu
         peft = PeftModel.from_pretrained(model, str(adapters[0].path), adapter_name=names[0], is_trainable=False)
         for name, adapter in zip(names[1:], adapters[1:], strict=True):
             peft.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
-    peft.base_model.set_adapter(names, inference_mode=True)
+    lora: Any = peft.base_model  # PEFT's LoraModel (nn.Module attributes type as Tensor | Module)
+    lora.set_adapter(names, inference_mode=True)
     for layer in peft.modules():
         if isinstance(layer, LoraLayer):
             for name, adapter in zip(names, adapters, strict=True):
                 layer.set_scale(name, adapter.weight)
-    inner: nn.Module = peft.base_model.model
+    inner: nn.Module = lora.model
     return inner.eval()
