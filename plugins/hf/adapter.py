@@ -44,6 +44,7 @@ __all__ = ["CONFIG", "WEIGHTS", "LoraAdapter", "base_names", "check_base", "merg
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # what PEFT's saved keys start with: the LoRA model's wrapped model
 _HALVES = (".lora_A.weight", ".lora_B.weight")
+_SAVED = ".base_layer.weight"  # a base weight PEFT saves beside the LoRA (an lm_head target: in case the vocabulary was resized)
 # adapter_config.json fields that make an adapter more than B @ A per module (refused when set)
 _REFUSED = {
     "use_dora": "DoRA rescales every column of the merged weight by a learned magnitude",
@@ -77,6 +78,7 @@ class LoraAdapter:
     base: str | None  # base_model_name_or_path (None when empty)
     sha256: dict[str, str]  # of adapter_config.json and adapter_model.safetensors
     tensors: Mapping[str, tuple[Tensor, Tensor]]  # module path in the transformers model -> (A [r, in], B [out, r])
+    saved: Mapping[str, Tensor] = dataclasses.field(default_factory=dict)  # module path -> the base weight PEFT saved (must be the checkpoint's)
 
     @property
     def scaling(self) -> float:
@@ -111,9 +113,13 @@ def read_adapter(path: Path, weight: float) -> LoraAdapter:
     except (SafetensorError, OSError, ValueError) as exc:
         raise ConfigError(f"{where}: {WEIGHTS} is not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     base = config.get("base_model_name_or_path")
+    saved = {key[len(_PREFIX) : -len(_SAVED)]: tensors.pop(key) for key in list(tensors) if key.startswith(_PREFIX) and key.endswith(_SAVED)}
+    pairs = _pairs(tensors, where, rank)
+    if alone := sorted(set(saved) - set(pairs)):
+        raise ConfigError(f"{where}: {WEIGHTS} holds base weights of {', '.join(alone)} without a lora_A/lora_B for them, which kiln does not merge")
     return LoraAdapter(
         path, float(weight), rank, alpha, bool(config.get("use_rslora")), str(base) if base else None,
-        {CONFIG: _sha256(path / CONFIG), WEIGHTS: _sha256(path / WEIGHTS)}, _pairs(tensors, where, rank),
+        {CONFIG: _sha256(path / CONFIG), WEIGHTS: _sha256(path / WEIGHTS)}, pairs, saved,
     )
 
 
@@ -189,6 +195,8 @@ def check_base(adapter: LoraAdapter, model: nn.Module, names: set[str]) -> None:
                 f"{where}: {path} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, the base's weight needs [r, {inp}] and [{out}, r]"
                 " (an adapter of another base?)"
             )
+        if path in adapter.saved and not torch.equal(adapter.saved[path], module.weight.detach().to(adapter.saved[path].dtype)):
+            raise ConfigError(f"{where}: {WEIGHTS} holds its own {path} base weight, which is not the checkpoint's (a resized vocabulary?); kiln merges onto the checkpoint's weights only")
         if len(shared := owners[id(module.weight)]) > 1:
             raise ConfigError(f"{where}: {path}.weight is tied to {', '.join(n for n in shared if n != f'{path}.weight')}: merging into it would change both")
 
