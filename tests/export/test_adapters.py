@@ -37,7 +37,7 @@ from kiln.exporter.parity import greedy, left_pad, make_prompts
 from kiln.exporter.pipeline import export
 from kiln.exporter.runners import OrtRunner
 from kiln.plugins import load_model
-from kiln.plugins.hf import tiny_model
+from kiln_testing import hf_model, make_adapter, save_base
 
 STEPS = 16
 _ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -51,31 +51,6 @@ CASES = {
     "phi3-partial": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # fused projections
     "gpt2": ["c_attn", "c_proj", "c_fc"],  # Conv1D: weights [in, out], PEFT's fan_in_fan_out
 }
-
-
-def save_base(case: str, directory: Path, **overrides: Any) -> Path:
-    tiny_model(case, seed=1, **overrides).module.model.save_pretrained(directory, safe_serialization=True)
-    return directory
-
-
-def hf_model(ckpt: Path) -> Any:
-    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def make_adapter(ckpt: Path, directory: Path, targets: list[str], seed: int, scale: float = 0.3, **config: Any) -> Path:
-    """A LoRA adapter of ``ckpt`` made by PEFT, its lora_A/lora_B random N(0, scale) (not PEFT's zero B)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # GPT-2: PEFT sets fan_in_fan_out itself, and says so
-        model = peft.get_peft_model(hf_model(ckpt), peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": targets, **config}))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * scale)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # an lm_head target: PEFT saves its base weight too, and says so
-        model.save_pretrained(directory)
-    return directory
 
 
 def _generate(model: Any, ids: np.ndarray, mask: np.ndarray, steps: int) -> np.ndarray:
