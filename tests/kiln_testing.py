@@ -230,7 +230,7 @@ def hf_model(ckpt: Path) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def make_adapter(ckpt: Path, directory: Path, targets: list[str], seed: int, scale: float = 0.3, **config: Any) -> Path:
+def make_adapter(ckpt: Path, directory: Path, targets: list[str], seed: int, scale: float = 0.1, **config: Any) -> Path:
     """A LoRA adapter of ``ckpt`` made by PEFT (``LoraConfig`` r=4, alpha=8 unless ``config``
     says otherwise), its lora_A/lora_B random N(0, scale) (not PEFT's zero B), saved by PEFT."""
     import warnings
