@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ def write(root: Path, seed: int = 0) -> tuple[Path, Path]:
 
     from kiln.plugins.hf import tiny_model
 
-    model = tiny_model("llama", seed).module.model
+    model: Any = tiny_model("llama", seed).module.model  # transformers' LlamaForCausalLM (untyped)
     model.save_pretrained(root / "base", safe_serialization=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -36,7 +37,7 @@ def write(root: Path, seed: int = 0) -> tuple[Path, Path]:
         for name, param in lora.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)  # scaled B @ A: std ~0.06, the base weights 0.02
-    lora.save_pretrained(root / "adapter")
+    lora.save_pretrained(str(root / "adapter"))
     return root / "base", root / "adapter"
 
 

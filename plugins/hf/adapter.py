@@ -195,10 +195,16 @@ def check_base(adapter: LoraAdapter, model: nn.Module, names: set[str]) -> None:
                 f"{where}: {path} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, the base's weight needs [r, {inp}] and [{out}, r]"
                 " (an adapter of another base?)"
             )
-        if path in adapter.saved and not torch.equal(adapter.saved[path], module.weight.detach().to(adapter.saved[path].dtype)):
+        if path in adapter.saved and not torch.equal(adapter.saved[path], _weight(module).to(adapter.saved[path].dtype)):
             raise ConfigError(f"{where}: {WEIGHTS} holds its own {path} base weight, which is not the checkpoint's (a resized vocabulary?); kiln merges onto the checkpoint's weights only")
         if len(shared := owners[id(module.weight)]) > 1:
             raise ConfigError(f"{where}: {path}.weight is tied to {', '.join(n for n in shared if n != f'{path}.weight')}: merging into it would change both")
+
+
+def _weight(module: nn.Module) -> Tensor:
+    weight = module.weight
+    assert isinstance(weight, Tensor), "a Linear's or Conv1D's weight"
+    return weight.detach()
 
 
 def _shape(module: nn.Module, where: str, path: str) -> tuple[int, int]:
