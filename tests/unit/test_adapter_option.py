@@ -28,3 +28,12 @@ def test_a_weight_must_be_finite(weight: float) -> None:
 def test_adapter_directories_are_inputs_the_output_never_replaces() -> None:
     options = ExportOptions(adapters=(Adapter(Path("first")), Adapter(Path("second"), 0.5)))
     assert options.data_inputs[-2:] == (Path("first"), Path("second"))
+
+
+def test_a_checkpoint_goes_by_its_last_path_component() -> None:
+    """The names an adapter's base_model_name_or_path is compared with (lower case)."""
+    from kiln.plugins.hf.adapter import base_names
+
+    snapshot = Path("/cache/hub/models--Qwen--Qwen2.5-0.5B/snapshots/0123abcd")
+    assert base_names("Qwen/Qwen2.5-0.5B", snapshot) == {"qwen2.5-0.5b", "0123abcd"}
+    assert base_names("models/Llama-3.2-1B/", Path("models/Llama-3.2-1B")) == {"llama-3.2-1b"}
