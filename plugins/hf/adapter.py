@@ -219,7 +219,10 @@ def _shape(module: nn.Module, where: str, path: str) -> tuple[int, int]:
 
 
 def merge(model: nn.Module, adapters: Sequence[LoraAdapter]) -> None:
-    """``W += sum_i w_i * s_i * B_i @ A_i`` in float32, stored back in the weight's dtype (``check_base`` first)."""
+    """``W += sum_i w_i * s_i * B_i @ A_i`` in float32 (``check_base`` first). A bf16 or fp16
+    checkpoint's merged weights are kept in float32: rounded back to the checkpoint's dtype they
+    would differ from the adapter's model by that dtype's rounding (what PEFT's own
+    ``merge_and_unload`` does), more than fp32 parity allows."""
     from transformers.pytorch_utils import Conv1D
 
     modules = sorted({path for adapter in adapters for path in adapter.tensors})
@@ -233,7 +236,10 @@ def merge(model: nn.Module, adapters: Sequence[LoraAdapter]) -> None:
             weight = module.weight
             assert isinstance(weight, Tensor)
             update = delta.T if isinstance(module, Conv1D) else delta  # Conv1D: [in, out]
-            weight.copy_((weight.float() + update).to(weight.dtype))
+            if weight.dtype == torch.float32:
+                weight.add_(update)
+            else:  # W + delta is no bf16/fp16 value: the merged weight stays fp32 (the graphs' own dtype, which the reference computes in)
+                module.weight = nn.Parameter(weight.float() + update, requires_grad=False)
 
 
 def peft_reference(model: nn.Module, adapters: Sequence[LoraAdapter]) -> nn.Module:

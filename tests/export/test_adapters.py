@@ -174,3 +174,16 @@ def test_the_readme_s_adapter_example_runs_as_written(tmp_path: Path) -> None:
         assert done.returncode == 0, f"{line}\n{done.stderr[-3000:]}"
     manifest = json.loads((tmp_path / "build" / "lora" / "out" / "manifest.json").read_text())
     assert [a["path"] for a in manifest["checkpoint"]["adapters"]] == ["build/lora/adapter"]
+
+
+@pytest.mark.slow
+def test_a_bf16_checkpoint_keeps_its_merged_weights_in_fp32(tmp_path: Path) -> None:
+    """W + delta rounded back to bf16 would miss fp32 parity against PEFT's model (by bf16's
+    rounding); the merged modules stay fp32, the others bf16 as stored."""
+    hf_model(save_base("llama", tmp_path / "fp32")).to(torch.bfloat16).save_pretrained(tmp_path / "ckpt")
+    ckpt = tmp_path / "ckpt"
+    adapter = make_adapter(ckpt, tmp_path / "adapter", ["q_proj", "v_proj", "down_proj"], seed=2)
+    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, adapters=(Adapter(adapter),)))
+    assert result.parity.passed, result.parity.failures()
+    assert result.manifest.checkpoint.dtype == "bfloat16"
+    assert_tokens(tmp_path / "out", ckpt, [(adapter, 1.0)], [])
