@@ -55,9 +55,23 @@ def _escapes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...])
     return tuple(re.sub(r"\\([nt\\])", lambda m: table[m.group(1)], v) for v in value)
 
 
+def _adapters(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[tuple[Path, float], ...]:
+    """``DIR`` or ``DIR:WEIGHT`` -> (directory, weight): the text after the last ':' is the weight
+    when it is a number (a directory whose name ends in ':<number>' takes an explicit ':1')."""
+    out = []
+    for text in value:
+        head, sep, tail = text.rpartition(":")
+        try:
+            out.append((Path(head), float(tail)) if sep and head else (Path(text), 1.0))
+        except ValueError:
+            out.append((Path(text), 1.0))
+    return tuple(out)
+
+
 # kiln export: what is read and where it goes
 SOURCE: list[Option] = [
     click.option("--model", "model", default="demo", show_default=True, help="Checkpoint directory (config.json + model.safetensors), a Hugging Face repo id ORG/NAME already in the local Hugging Face cache (kiln never downloads), or 'demo'."),
+    click.option("--adapter", "adapters", multiple=True, metavar="DIR[:WEIGHT]", callback=_adapters, help="A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) merged into the Hugging Face checkpoint's weights before export, with WEIGHT (default 1): W + WEIGHT * scaling * B @ A per module; parity runs against PEFT's own model of base + adapters. Repeatable (a weighted sum, as PEFT's add_weighted_adapter with combination_type='cat')."),
     click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="Output directory (written whole, or not at all)."),
 ]
 

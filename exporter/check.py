@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln.errors import ArtifactError, CheckpointError
 from kiln.exporter.artifacts.hashing import sha256_file
@@ -10,13 +11,16 @@ from kiln.exporter.artifacts.manifest import Manifest, graph_options
 from kiln.exporter.artifacts.verify import require_verified
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import fold, table_feeds
-from kiln.exporter.load import prepare_reference
+from kiln.exporter.load import adapter_reference, prepare_reference, read_adapters
 from kiln.exporter.options import PLETables, Precision
 from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.runners import Feeds, OrtRunner
 from kiln.exporter.targets import target
 from kiln.plugins import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from kiln.plugins.hf.adapter import LoraAdapter
 
 __all__ = ["check_dir"]
 
@@ -33,7 +37,8 @@ def check_dir(directory: Path, model: str | Path | None = None, progress: Progre
         read_records(directory)
     loaded = _checkpoint(directory, manifest, model, progress)
     options = graph_options(manifest)  # the export's graph options; its precision is the manifest's (the graphs carry it)
-    reference = prepare_reference(loaded, options)
+    # with adapters, PEFT's model of the checkpoint and the recorded adapters, as the export's parity had
+    reference = adapter_reference(loaded, _adapters(directory, manifest, loaded, model)) if manifest.checkpoint.adapters else prepare_reference(loaded, options)
     extra: Feeds | None = None
     if options.ple_tables is PLETables.INPUT:
         extra = table_feeds(list(fold(reference, loaded.ple).tables), Precision(manifest.precision).kv_dtype)
@@ -55,6 +60,19 @@ def _checkpoint(directory: Path, manifest: Manifest, model: str | Path | None, p
         changed = sorted(k for k in set(recorded) | set(found) if recorded.get(k) != found.get(k))
         raise CheckpointError(f"{ref}: checkpoint files {changed} differ from the ones {directory} was exported from")
     return loaded
+
+
+def _adapters(directory: Path, manifest: Manifest, loaded: LoadedModel, model: str | Path | None) -> tuple[LoraAdapter, ...]:
+    """The adapters the manifest records (at their path, else where it resolved when the export
+    ran), refused when their files changed."""
+    records = manifest.checkpoint.adapters or ()
+    paths = [(Path(a.path) if Path(a.path).is_dir() else Path(a.resolved), a.weight) for a in records]
+    adapters = read_adapters(loaded, paths, model if model is not None else manifest.checkpoint.reference)
+    for record, adapter in zip(records, adapters, strict=True):
+        if adapter.sha256 != record.files:
+            changed = sorted(k for k in set(record.files) | set(adapter.sha256) if record.files.get(k) != adapter.sha256.get(k))
+            raise CheckpointError(f"--adapter {record.path}: adapter files {changed} differ from the ones {directory} was exported with")
+    return adapters
 
 
 def _load(ref: str | Path, resolved: str | None, progress: Progress) -> LoadedModel:

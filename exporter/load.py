@@ -1,18 +1,27 @@
-"""The load stage: the PyTorch side of an export. What may be exported (context limit, refusals)
-and the reference module that parity is measured against (shared by ``export`` and ``check``)."""
+"""The load stage: the PyTorch side of an export. What may be exported (context limit, refusals),
+the LoRA adapters merged into it (``--adapter``), and the reference module that parity is measured
+against (shared by ``export`` and ``check``): with adapters, PEFT's own model of base + adapters."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.targets import targets
 from kiln.plugins import LoadedModel
 from kiln.plugins.base import DecoderSpec
+from kiln.plugins.hub_cache import HF_EXTRA
 from torch import nn
 
-__all__ = ["Reference", "load_reference", "prepare_reference", "refuse_unsupported", "resolve_limits"]
+if TYPE_CHECKING:
+    from kiln.plugins.hf.adapter import LoraAdapter
+
+__all__ = ["Reference", "adapter_reference", "load_reference", "merge_adapters", "prepare_reference", "read_adapters", "refuse_unsupported", "resolve_limits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,3 +97,46 @@ def prepare_reference(loaded: LoadedModel, options: ExportOptions) -> nn.Module:
             raise ExportError("--ple-extend was given but the model has no PLE tables")
         loaded.ple.extend(loaded.module, options.ple_extend, options.ple_extend_mode)
     return loaded.module
+
+
+def read_adapters(loaded: LoadedModel, adapters: Sequence[tuple[Path, float]], model_ref: str | Path | None) -> tuple[LoraAdapter, ...]:
+    """``(directory, weight)`` adapters read and checked against ``loaded``'s base (its name and
+    every module's shapes); refused for anything but a Hugging Face decoder read from disk."""
+    from kiln.plugins.hf.adapter import base_names, check_base, read_adapter
+    from kiln.plugins.hf.decoder import HFDecoder
+
+    if not isinstance(loaded.module, HFDecoder):
+        kind = "an encoder-decoder" if loaded.spec.has_encoder else f"a {loaded.spec.family} checkpoint"
+        raise ConfigError(f"--adapter: kiln merges LoRA adapters into Hugging Face decoder checkpoints only; {loaded.source} is {kind}")
+    if not loaded.source.exists():
+        raise ConfigError(f"--adapter: {loaded.source} is not on disk; parity loads the base again for PEFT's model of base + adapters")
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(f"--adapter needs peft (parity's reference is PEFT's own model of base + adapters): {HF_EXTRA}")
+    read = tuple(read_adapter(Path(path), weight) for path, weight in adapters)
+    names = base_names(model_ref if model_ref is not None else loaded.source, loaded.source)
+    for adapter in read:
+        check_base(adapter, loaded.module.model, names)
+    return read
+
+
+def merge_adapters(loaded: LoadedModel, options: ExportOptions, model_ref: str | Path | None) -> tuple[LoraAdapter, ...]:
+    """``--adapter``: the adapters read, checked and merged into ``loaded``'s weights in place
+    (what is traced and deployed); none given: nothing changes."""
+    if not options.adapters:
+        return ()
+    from kiln.plugins.hf.adapter import merge
+
+    adapters = read_adapters(loaded, [(a.path, a.weight) for a in options.adapters], model_ref)
+    hf: Any = loaded.module  # an HFDecoder (read_adapters refuses other families)
+    merge(hf.model, adapters)
+    return adapters
+
+
+def adapter_reference(base: LoadedModel, adapters: Sequence[LoraAdapter]) -> nn.Module:
+    """Parity's reference with ``--adapter``: PEFT's model of ``base`` (loaded unmerged; changed in
+    place) and the adapters, behind the decoder contract. Never kiln's merged weights."""
+    from kiln.plugins.hf.adapter import peft_reference
+    from kiln.plugins.hf.decoder import HFDecoder
+
+    assert isinstance(base.module, HFDecoder), "read_adapters refuses other families"
+    return HFDecoder(peft_reference(base.module.model, adapters)).eval()

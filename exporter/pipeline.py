@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
@@ -33,7 +34,7 @@ from kiln.exporter.graphs import (
     fp32_graph,
     write_portable_graphs,
 )
-from kiln.exporter.load import Reference, load_reference, resolve_limits
+from kiln.exporter.load import Reference, adapter_reference, load_reference, merge_adapters, resolve_limits
 from kiln.exporter.options import ExportOptions, PLETables
 from kiln.exporter.parity import (
     TOLERANCES,
@@ -57,6 +58,9 @@ from kiln.exporter.targets import target, targets
 from kiln.exporter.targets.base import TargetGiven, TargetGraphs
 from kiln.exporter.trace import Traced, trace_unified
 from kiln.plugins import LoadedModel, config_spec, load_model, resolve_checkpoint
+
+if TYPE_CHECKING:
+    from kiln.plugins.hf.adapter import LoraAdapter
 
 __all__ = ["ExportResult", "export", "export_loaded", "release_weights"]
 
@@ -91,6 +95,7 @@ def export_loaded(
     PyTorch outputs (``export`` does this: it loaded the model itself), so a big model's
     weights and the runtime's never sit in memory together; ``loaded`` is unusable afterwards."""
     progress = progress or NullProgress()
+    adapters = merge_adapters(loaded, options, model_ref)  # --adapter: before anything reads the weights
     reference = load_reference(loaded, options)
     inputs = (loaded.source, *loaded.files, *options.data_inputs)  # never replaced by the output, whatever --force says
     needs = int(sum(p.numel() for p in reference.module.parameters()) * options.precision.min_bytes_per_weight)
@@ -111,15 +116,18 @@ def export_loaded(
         given = TargetGiven(root / ONNX_DIR, portable.paths, reference.spec, options, reference.max_context, progress)
         written = tuple(target.write(given) for target in targets() if target.wanted(options))
         release = release_weights(reference.module) if release_reference else None
+        parity_module = reference.module
+        if adapters:
+            parity_module, release = _peft_reference(loaded, adapters, release, progress)
         parity = check_parity(
-            reference.module, reference.spec, _candidates(folded, options, portable, written), _settings(reference, options), release_reference=release, progress=progress
+            parity_module, reference.spec, _candidates(folded, options, portable, written), _settings(reference, options), release_reference=release, progress=progress
         )
         if not parity.passed:
             raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
         report = ExportReport(
             reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, fp16.keep, portable, calibrated, sensitivity, written, parity,
             loaded.tokenizer, loaded.serving_files, _quantization(options, portable, int4),
-            checkpoint_path=str(loaded.source.absolute()) if loaded.source.exists() else None,
+            checkpoint_path=str(loaded.source.absolute()) if loaded.source.exists() else None, adapters=adapters,
         )
         manifest = write_artifacts(root, report)
     return ExportResult(out, manifest, parity, report)
@@ -134,6 +142,19 @@ def release_weights(module: torch.nn.Module) -> Callable[[], None]:
         drop_fp32_buffers(module)
 
     return release
+
+
+def _peft_reference(
+    loaded: LoadedModel, adapters: tuple[LoraAdapter, ...], release: Callable[[], None] | None, progress: Progress
+) -> tuple[torch.nn.Module, Callable[[], None] | None]:
+    """With ``--adapter``: parity's reference is PEFT's model of the base (loaded again) and the
+    adapters, built once the merged weights are freed (``release``, when the export may free them:
+    the two models then never sit in memory together), and the callback that frees it."""
+    if release is not None:
+        release()
+    with progress.stage("parity: PEFT's model of base + adapters"):
+        module = adapter_reference(load_model(loaded.source), adapters)
+    return module, release_weights(module) if release is not None else None
 
 
 def _calibration(reference: Reference, options: ExportOptions, checkpoint: dict[str, str], progress: Progress) -> Calibration | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.exporter.fold import FoldCheck
 from kiln.exporter.graphs import GraphSet
@@ -14,6 +14,9 @@ from kiln.exporter.parity.results import ParityResult
 from kiln.exporter.precision.sensitivity import SensitivityResult
 from kiln.exporter.targets.base import TargetGraphs
 from kiln.plugins.base import DecoderSpec
+
+if TYPE_CHECKING:
+    from kiln.plugins.hf.adapter import LoraAdapter
 
 __all__ = ["ExportReport"]
 
@@ -36,6 +39,7 @@ class ExportReport:
     serving_files: tuple[Path, ...] = ()  # the family's files for consumers (Hugging Face's config.json...), copied into onnx/
     quantization: dict[str, Any] | None = None  # int4 / fp8: what the manifest records of them (``export.quantization``)
     checkpoint_path: str | None = None  # the absolute path the checkpoint was read from (None: built in memory)
+    adapters: tuple[LoraAdapter, ...] = ()  # the LoRA adapters merged into it (--adapter)
 
     def parity_extras(self) -> dict[str, Any]:
         """What the parity report shows besides the checks, in the order it shows it."""

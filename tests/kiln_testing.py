@@ -213,3 +213,40 @@ def run_graph(model: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
 
+
+def save_base(case: str, directory: Path, **overrides: Any) -> Path:
+    """A tiny Hugging Face model of ``TINY[case]`` saved by transformers (safetensors) in ``directory``."""
+    from kiln.plugins.hf import tiny_model
+
+    tiny_model(case, seed=1, **overrides).module.model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def hf_model(ckpt: Path) -> Any:
+    """transformers' own model of a saved checkpoint (fp32, eager attention, as kiln loads it)."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def make_adapter(ckpt: Path, directory: Path, targets: list[str], seed: int, scale: float = 0.1, **config: Any) -> Path:
+    """A LoRA adapter of ``ckpt`` made by PEFT (``LoraConfig`` r=4, alpha=8 unless ``config``
+    says otherwise), its lora_A/lora_B random N(0, scale) (not PEFT's zero B), saved by PEFT."""
+    import warnings
+
+    import peft
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GPT-2: PEFT sets fan_in_fan_out itself, and says so
+        model = peft.get_peft_model(hf_model(ckpt), peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": targets, **config}))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an lm_head target: PEFT saves its base weight too, and says so
+        model.save_pretrained(directory)
+    return directory

@@ -8,6 +8,7 @@ from pathlib import Path
 from kiln.exporter.artifacts.layout import PARITY_REPORT, TOKENIZER
 from kiln.exporter.artifacts.manifest import (
     MANIFEST_VERSION,
+    AdapterRef,
     CheckpointRef,
     GraphEntry,
     KvCacheInfo,
@@ -47,6 +48,14 @@ def _target_entry(target: TargetGraphs, root: Path) -> TargetEntry:
     return TargetEntry(target.precision, target.kv_cache.value, graphs, weights, dict(target.record) if target.record else None)
 
 
+def _adapters(report: ExportReport) -> tuple[AdapterRef, ...] | None:
+    """What the manifest records of each ``--adapter`` (none: the key is left out)."""
+    refs = tuple(
+        AdapterRef(str(a.path), str(a.path.absolute()), dict(a.sha256), a.weight, a.rank, a.alpha, a.rslora, a.targets) for a in report.adapters
+    )
+    return refs or None
+
+
 def build_manifest(report: ExportReport, root: Path) -> Manifest:
     """The manifest of the export staged in ``root`` (its ``files`` are filled in last, once
     every file is written: ``exporter.emit``)."""
@@ -56,7 +65,7 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
     return Manifest(
         manifest_version=MANIFEST_VERSION,
         family=spec.family,
-        checkpoint=CheckpointRef(report.model_ref, report.checkpoint_files, spec.dtype, report.checkpoint_path),
+        checkpoint=CheckpointRef(report.model_ref, report.checkpoint_files, spec.dtype, report.checkpoint_path, _adapters(report)),
         config=spec.config,
         model=ModelInfo(spec.n_layers, spec.n_kv_heads, spec.head_dim, spec.vocab_size, spec.bos_token_id, spec.eos_token_id, spec.pad_token_id, spec.encoder_dim, spec.has_encoder, spec.decoder_start_token_id),
         precision=options.precision.value,

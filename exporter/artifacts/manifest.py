@@ -37,6 +37,7 @@ __all__ = [
     "MANIFEST",
     "MANIFEST_VERSION",
     "Manifest",
+    "AdapterRef",
     "CheckpointRef",
     "ModelInfo",
     "KvCacheInfo",
@@ -68,12 +69,27 @@ def _omit() -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdapterRef:
+    """A PEFT LoRA adapter merged into the checkpoint (``--adapter DIR[:WEIGHT]``)."""
+
+    path: str  # the directory as --adapter gave it (relative or absolute)
+    resolved: str  # its absolute path when the export ran (kiln check's fallback)
+    files: dict[str, str]  # sha256 of adapter_config.json and adapter_model.safetensors
+    weight: float  # w in W + sum w * s * B @ A
+    rank: int  # r
+    alpha: float  # lora_alpha
+    use_rslora: bool  # s = alpha / sqrt(r) (else alpha / r)
+    target_modules: tuple[str, ...]  # the names of the modules it changed (q_proj, c_attn), sorted
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointRef:
     reference: str | None  # what --model named ('demo', a path or ORG/NAME); None when unknown
     files: dict[str, str]  # sha256 of each checkpoint file read, by file name
     dtype: str = "float32"  # the dtype its weights are stored in (the graphs' is ``Manifest.precision``)
     # the absolute path ``reference`` resolved to (a repo id's cached snapshot): kiln check's fallback
     resolved: str | None = _omit()
+    adapters: tuple[AdapterRef, ...] | None = _omit()  # LoRA adapters merged into it, in --adapter order
 
 
 @dataclasses.dataclass(frozen=True)
