@@ -33,11 +33,11 @@ from kiln.exporter.passes.ir_utils import set_dtype
 from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
 from kiln.exporter.precision.int8 import Int8Policy, int8_targets
 from kiln.exporter.precision.policy import module_of, rule_matches
+from kiln.exporter.precision.qdq_rules import MIN_FP8_OPSET
 
-__all__ = ["QuantizeFp8", "check_fp8", "FP8_MAX", "MIN_FP8_OPSET"]
+__all__ = ["QuantizeFp8", "FP8_MAX", "MIN_FP8_OPSET"]
 
 FP8_MAX = 448.0  # E4M3's largest finite value
-MIN_FP8_OPSET = 19
 _FP8 = ir.DataType.FLOAT8E4M3FN
 _SCALE = ir.DataType.FLOAT16
 
@@ -146,39 +146,3 @@ class QuantizeFp8(ir.passes.InPlacePass):
         node.replace_input_with(1, dq.outputs[0])
         if not weight.uses() and not weight.is_graph_output() and weight.name is not None and weight.name in graph.initializers:
             graph.initializers.pop(weight.name)
-
-
-def check_fp8(model: ir.Model) -> int:
-    """TensorRT's rules for fp8 Q/DQ, or an ``ExportError`` naming the node; the number of fp8
-    DQs checked."""
-    opset = model.opset_imports.get("", 0)
-    checked = 0
-    for node in model.graph:
-        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
-            continue
-        zero = node.inputs[2] if len(node.inputs) > 2 else None
-        fp8 = (zero is not None and zero.dtype == _FP8) or (node.inputs[0] is not None and node.inputs[0].dtype == _FP8)
-        if not fp8:
-            continue
-        checked += node.op_type == "DequantizeLinear"
-        if opset < MIN_FP8_OPSET:
-            raise ExportError(f"{node.name}: fp8 Q/DQ needs opset {MIN_FP8_OPSET}, the graph has {opset}")
-        scale = node.inputs[1]
-        if scale is None or scale.const_value is None or zero is None or zero.const_value is None:
-            raise ExportError(f"{node.name}: fp8 Q/DQ needs a constant scale and a constant float8e4m3fn zero point")
-        values = scale.const_value.numpy().astype(np.float32)
-        if not (np.isfinite(values).all() and (values > 0).all()):
-            raise ExportError(f"{node.name}: scales must be finite and > 0, found min {values.min()}")
-        if zero.dtype != _FP8 or np.asarray(zero.const_value.numpy(), dtype=np.float32).any():
-            raise ExportError(f"{node.name}: the zero point must be float8e4m3fn zeros")
-        source = node.inputs[0]
-        weight = node.op_type == "DequantizeLinear" and source is not None and source.const_value is not None
-        if values.ndim == 1 and values.size > 1:
-            if not weight or source is None or source.const_value is None:
-                raise ExportError(f"{node.name}: activations must be quantized per tensor, found a scale of {values.size}")
-            shape = tuple(source.const_value.shape)
-            if len(shape) != 2 or node.attributes.get_int("axis", 1) not in (1, -1) or shape[1] != values.size:
-                raise ExportError(f"{node.name}: a per-channel fp8 weight scale must run along the output channels (axis 1 of [K, N])")
-        elif values.ndim > 1:
-            raise ExportError(f"{node.name}: scale must be a scalar or 1-D, found shape {values.shape}")
-    return checked

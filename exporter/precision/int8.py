@@ -22,11 +22,11 @@ import onnx_ir as ir
 from kiln.exporter.passes.reports import Report
 from kiln.errors import ExportError
 from kiln.exporter.precision.policy import rule_matches
+from kiln.exporter.precision.qdq_rules import MIN_INT8_OPSET, check_qdq
 from kiln.exporter.precision.via_proto import via_proto
 
 __all__ = ["QuantizeInt8", "Int8Policy", "DEFAULT_INT8_FLOAT", "int8_targets", "quantize_int8", "check_qdq", "MIN_INT8_OPSET"]
 
-MIN_INT8_OPSET = 19  # fp16 scales (int8 + fp16) need QuantizeLinear/DequantizeLinear-19
 # module-suffix rules, so that they hold for every family: kiln's `lm_head`/`layers.N.attn`,
 # Hugging Face's `model.lm_head`/`model.layers.N.self_attn` (Llama, Qwen2, Mistral) and
 # `transformer.h.N.attn` (GPT-2); only MatMuls of these modules themselves (QK^T, PV, the
@@ -82,7 +82,7 @@ def quantize_int8(model: ir.Model, ranges: dict[str, tuple[float, float]], polic
         return out
 
     quantized = via_proto(model, quantize)
-    check_qdq(ir.serde.serialize_model(quantized))
+    check_qdq(quantized)
     return quantized, targets
 
 
@@ -107,44 +107,3 @@ class QuantizeInt8(ir.passes.FunctionalPass):
     def report(self) -> Report | None:
         """The manifest's ``passes.int8``: the quantized MatMul/Gemm nodes."""
         return {"nodes": list(self.quantized)} if self._ran else None
-
-
-def _const(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
-    for init in graph.initializer:
-        if init.name == name:
-            return onnx.numpy_helper.to_array(init)
-    for node in graph.node:
-        if node.op_type == "Constant" and node.output[0] == name:
-            return onnx.numpy_helper.to_array(node.attribute[0].t)
-    return None
-
-
-def check_qdq(model: onnx.ModelProto) -> None:
-    """TensorRT's rules for explicit quantization, or an ``ExportError`` naming the node."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if opset < MIN_INT8_OPSET:
-        raise ExportError(f"Q/DQ graph has opset {opset}; int8 needs {MIN_INT8_OPSET} or later")
-    graph = model.graph
-    initializers = {i.name for i in graph.initializer}
-    for node in graph.node:
-        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
-            continue
-        scale = _const(graph, node.input[1])
-        if scale is None:
-            raise ExportError(f"{node.name}: the scale is not a constant")
-        if not (np.isfinite(scale).all() and (scale > 0).all()):
-            raise ExportError(f"{node.name}: scales must be finite and > 0, found min {scale.min()}")
-        if len(node.input) > 2 and node.input[2]:
-            zero = _const(graph, node.input[2])
-            if zero is None or zero.dtype != np.int8 or zero.any():
-                raise ExportError(f"{node.name}: the zero point must be an int8 constant of zeros")
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
-        weight = node.op_type == "DequantizeLinear" and node.input[0] in initializers
-        if scale.ndim == 1 and scale.size > 1:
-            if not weight:
-                raise ExportError(f"{node.name}: activations must be quantized per tensor, found a scale of {scale.size}")
-            w = _const(graph, node.input[0])
-            if w is None or w.ndim != 2 or axis not in (1, -1) or w.shape[1] != scale.size:
-                raise ExportError(f"{node.name}: a per-channel weight scale must run along the output channels (axis 1 of [K, N])")
-        elif scale.ndim > 1:
-            raise ExportError(f"{node.name}: scale must be a scalar or 1-D, found shape {scale.shape}")

@@ -1,5 +1,5 @@
 """The checks every low-bit graph passes before it is written (and again in the tests): kiln's
-rules for what TensorRT builds (``int4.check_int4``, ``fp8.check_fp8``) on the graph in memory,
+rules for what TensorRT builds (``int4.check_int4``, ``qdq_rules.check_qdq``) on the graph in memory,
 then ``onnx.checker`` with its full check (shape and type inference) on the file written."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ __all__ = ["CheckLowBit", "check_low_bit", "onnx_full_check"]
 
 
 def check_low_bit(model: ir.Model) -> int:
-    """Every int4 and fp8 Q/DQ rule; the number of low-bit DQs checked."""
-    from kiln.exporter.precision.fp8 import check_fp8
+    """Every int4, int8 and fp8 Q/DQ rule; the number of low-bit DQs checked."""
     from kiln.exporter.precision.int4 import check_int4
+    from kiln.exporter.precision.qdq_rules import check_qdq
 
-    return check_int4(model) + check_fp8(model)
+    return check_int4(model) + check_qdq(model)
 
 
 class CheckLowBit(ir.passes.InPlacePass):

@@ -14,7 +14,8 @@ from kiln_testing import tiny_config, write_checkpoint
 from kiln.errors import ExportError
 from kiln.exporter.options import ExportOptions, Precision
 from kiln.exporter.pipeline import export
-from kiln.exporter.precision.fp8 import check_fp8, fp8_weight
+from kiln.exporter.precision.fp8 import fp8_weight
+from kiln.exporter.precision.qdq_rules import check_qdq
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def test_qdq_structure_checker_and_rules(fp8_export: Path) -> None:
     for kind in ("prefill", "decode", "model"):
         path = fp8_export / "onnx" / f"{kind}.onnx"
         onnx.checker.check_model(path, full_check=True)
-        assert check_fp8(ir.load(path)) == 14 + 8  # 14 weight DQs, 8 activation pairs (q/k/v share one, gate/fc1 one)
+        assert check_qdq(ir.load(path)) == 14 + 8  # 14 weight DQs, 8 activation pairs (q/k/v share one, gate/fc1 one)
         model = onnx.load(path)
         assert model.opset_import[0].version == 19
         types = {i.name: i.data_type for i in model.graph.initializer}
@@ -79,10 +80,10 @@ def test_rule_check_names_what_is_wrong(fp8_export: Path) -> None:
     dq = next(n for n in model.graph if n.op_type == "DequantizeLinear" and n.inputs[0] is not None and n.inputs[0].const_value is not None)
     dq.inputs[1].const_value = ir.tensor(-np.ones(16, np.float16))  # type: ignore[union-attr]
     with pytest.raises(ExportError, match="scales must be finite and > 0"):
-        check_fp8(model)
+        check_qdq(model)
     model.opset_imports[""] = 18
-    with pytest.raises(ExportError, match="fp8 Q/DQ needs opset 19, the graph has 18"):
-        check_fp8(model)
+    with pytest.raises(ExportError, match="Q/DQ graph has opset 18; fp8 needs 19 or later"):
+        check_qdq(model)
 
 
 def _calib(root: Path) -> Path:
@@ -110,7 +111,7 @@ def test_fp8_float_keeps_the_named_matmuls_fp16(tmp_path: Path) -> None:
         onnx.checker.check_model(path, full_check=True)
         # 14 weight DQs less layers.0's fc2 and both q_proj; 8 activation pairs less layers.0
         # fc2's (q/k/v's pair stays: k and v still read it)
-        assert check_fp8(ir.load(path)) == 11 + 7
+        assert check_qdq(ir.load(path)) == 11 + 7
         model = onnx.load(path)
         producers = {o: n for n in model.graph.node for o in n.output}
         nodes = {n.name: n for n in model.graph.node}
