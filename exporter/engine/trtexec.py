@@ -136,7 +136,8 @@ def _graph_switch(default: GraphSet) -> list[str]:
         "  portable) ;;",
         '  *) echo "trtexec.sh: KILN_GRAPHS must be auto, portable or onnx, found $graphs" >&2; exit 2 ;;',
         "esac",
-        'echo "trtexec.sh: building the $graphs graphs (KILN_GRAPHS=${KILN_GRAPHS:-' + default.value + '}, trtexec TensorRT v$version)" >&2',
+        'if (( version > 0 )); then seen="trtexec TensorRT v$version"; else seen="trtexec\'s version not read"; fi',
+        'echo "trtexec.sh: building the $graphs graphs (KILN_GRAPHS=${KILN_GRAPHS:-' + default.value + '}, $seen)" >&2',
     ]
 
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kiln_testing import placeholder_export, tiny_config
+from kiln_testing import placeholder_export, tiny_config, with_std_target
 
 import kiln.exporter.engine.build as build_mod
 from kiln.errors import ArtifactError, EngineError
@@ -482,3 +482,98 @@ def test_parser_failure_names_every_node(tmp_path: Path, monkeypatch: pytest.Mon
     text = str(info.value)
     assert text.startswith(f"engine: {directory / 'onnx' / 'prefill.onnx'}: TensorRT's ONNX parser failed: node '/layers.0/Foo' (Foo): No importer")
     assert "node '/layers.4/Foo' (Foo)" in text and "/layers.5/" not in text and text.endswith("(and 2 more)")
+
+
+# --- engines of the --target onnx graphs (static cache), over the stand-in TensorRT --------------
+
+
+def fake_std_export(root: Path, monkeypatch: pytest.MonkeyPatch, version: str = "11.1.0.106", aliased: bool = True) -> tuple[Path, Any]:
+    """``fake_export`` with ``targets.onnx`` too; the stand-in's engines name their I/O and say
+    which output aliases which input, as ``ICudaEngine.get_aliased_input_tensor`` does (10.15+):
+    each ``present.*`` its ``past_key_values.*`` when ``aliased``, none otherwise."""
+    spec = spec_of(tiny_config())
+    graphs = {
+        k.value: {"file": f"onnx/{k.value}.onnx", "inputs": [t.to_dict() for t in graph_io(spec, k).inputs], "outputs": [t.to_dict() for t in graph_io(spec, k).outputs]}
+        for k in DECODER_KINDS
+    }
+    m = with_std_target({"manifest_version": 2, "limits": {"max_batch": 8, "max_context": 48}, "graphs": graphs})
+    directory = placeholder_export(root / "export", m)
+    by_stem = {**graphs, **{f"{k}.std": g for k, g in m["targets"]["onnx"]["graphs"].items()}}  # the stand-in parser reads graphs by file stem
+    trt = fake_tensorrt({"graphs": by_stem}, version)
+    trt.TensorIOMode = SimpleNamespace(INPUT="in", OUTPUT="out")
+    plain = trt.Runtime.deserialize_cuda_engine
+
+    def deserialize(self: Any, data: bytes) -> Any:
+        engine = plain(self, data)
+        inputs = list(json.loads(data)["profile"])
+        outputs = ["logits", *(n.replace("past_key_values.", "present.") for n in inputs if n.startswith("past_key_values."))]
+        names = [*inputs, *outputs]
+        engine.num_io_tensors = len(names)
+        engine.get_tensor_name = names.__getitem__
+        engine.get_tensor_mode = lambda name: "out" if name in outputs else "in"
+        engine.get_aliased_input_tensor = lambda name: name.replace("present.", "past_key_values.") if aliased and name.startswith("present.") else None
+        return engine
+
+    monkeypatch.setattr(trt.Runtime, "deserialize_cuda_engine", deserialize)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(build_mod, "current_runtime", lambda trt: RuntimeInfo(version, "13.0", "Fake GPU", "9.0"))
+    return directory, trt
+
+
+def test_std_build_flow_records_the_graph_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.exporter.engine import StaticTrtRunner, open_engines
+    from kiln.exporter.engine.options import GraphSet
+
+    directory, _ = fake_std_export(tmp_path, monkeypatch)
+    build_command(directory, BuildOptions(graphs=GraphSet.PORTABLE))  # first the portable set...
+    assert (directory / "engines" / "decode.plan").is_file()
+    summary = build_command(directory, BuildOptions(opt_batch=2))  # ...then auto: the std set replaces it
+    reason = "the export has --target onnx graphs and TensorRT 11.1.0.106 parses them (10.15+)"
+    assert summary["graphs"] == {"set": "onnx", "reason": reason}
+    decode = summary["engines"]["decode"]
+    assert (decode["file"], decode["onnx"], decode["graphs"]) == ("engines/decode.std.plan", "onnx/decode.std.onnx", "onnx")
+    assert decode["profiles"][0]["past_key_values.1.value"] == {"dtype": "float32", "min": [1, 2, 48, 8], "opt": [2, 2, 48, 8], "max": [8, 2, 48, 8]}
+    assert decode["profiles"][0]["write_indices"] == {"dtype": "int64", "min": [1], "opt": [2], "max": [8]}
+    plan = json.loads((directory / "engines" / "decode.std.plan").read_text())
+    assert plan["profile"]["past_key_values.0.key"] == [[1, 2, 48, 8], [2, 2, 48, 8], [8, 2, 48, 8]]
+    assert not (directory / "engines" / "decode.plan").exists() and not (directory / "engines" / "prefill.plan").exists()  # one set in engines/
+    assert read_records(directory)["graphs"] == {"set": "onnx", "reason": reason}
+    written = manifest_mod.read(directory).to_json()["engines"]
+    assert (written["graphs"], written["graphs_reason"], written["files"]["prefill"]) == ("onnx", reason, "engines/prefill.std.plan")
+    from jsonschema import Draft202012Validator
+
+    schema = json.loads((Path(__file__).parents[2] / "exporter" / "artifacts" / "manifest.schema.json").read_text())
+    engines_schema = Draft202012Validator({"$defs": schema["$defs"], **schema["properties"]["engines"]})
+    assert not list(engines_schema.iter_errors(written))
+    assert list(engines_schema.iter_errors({**written, "graphs": "auto"}))  # only a chosen set is recorded
+    assert verify_dir(directory).ok, verify_dir(directory).problems()
+    runner = open_engines(directory)
+    assert isinstance(runner, StaticTrtRunner) and runner.graphs() == (GraphKind.PREFILL, GraphKind.DECODE)
+    with pytest.raises(ArtifactError, match=r"its engines were built from the onnx graphs \(engines.json\), not the portable ones"):
+        TrtRunner.from_directory(directory)
+    summary = build_command(directory, BuildOptions(graphs=GraphSet.PORTABLE))
+    assert summary["graphs"] == {"set": "portable", "reason": "--graphs portable"} and isinstance(open_engines(directory), TrtRunner)
+    assert not (directory / "engines" / "decode.std.plan").exists() and verify_dir(directory).ok
+
+
+def test_std_engine_not_written_in_place_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    directory, _ = fake_std_export(tmp_path, monkeypatch, aliased=False)
+    with pytest.raises(EngineError, match=r"prefill.std.plan: the cache is not written in place: present.0.key -> None, .*TensorRT's parser did not lower TensorScatter to IKVCacheUpdateLayer"):
+        build_command(directory, BuildOptions())
+    assert not (directory / "engines" / "engines.json").exists() and verify_dir(directory).ok
+
+
+def test_std_graphs_on_tensorrt_10_14(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto builds the portable graphs on a TensorRT older than 10.15, and says why; --graphs onnx is refused there."""
+    from kiln.exporter.engine.options import GraphSet
+
+    directory, trt = fake_std_export(tmp_path, monkeypatch, version="10.14.1.48")
+    monkeypatch.setattr(compat, "network_flags", lambda trt: 0)  # the stand-in builds 11.x networks only
+    summary = build_command(directory, BuildOptions())
+    assert summary["graphs"]["set"] == "portable" and summary["graphs"]["reason"].startswith("TensorRT 10.14.1.48 is older than 10.15")
+    assert summary["engines"]["decode"]["file"] == "engines/decode.plan"
+    with pytest.raises(EngineError) as info:
+        build_command(directory, BuildOptions(graphs=GraphSet.ONNX))
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("engine: --graphs onnx needs TensorRT 10.15 or newer") and "found TensorRT 10.14.1.48" in text
+    assert "(wrote " in text and verify_dir(directory).ok
