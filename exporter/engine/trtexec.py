@@ -7,6 +7,9 @@ Flags checked against trtexec's option parser, ``samples/common/sampleOptions.cp
 ``--versionCompatible``, ``--refit``, ``--noTF32``, ``--skipInference`` and ``--stronglyTyped``
 (10.x: "Create a strongly typed network"; 11.x help: "[Deprecated] ... This flag is a no-op").
 The script works without TensorRT: it only needs the export directory and a trtexec binary.
+For an export with ``--target onnx`` graphs it holds both graph sets and chooses between them as
+``kiln build --graphs`` does (``engine.graphs``), from trtexec's own version line, unless
+``KILN_GRAPHS`` says which.
 """
 
 from __future__ import annotations
