@@ -577,3 +577,133 @@ def test_std_graphs_on_tensorrt_10_14(tmp_path: Path, monkeypatch: pytest.Monkey
     text = str(info.value)
     assert "\n" not in text and text.startswith("engine: --graphs onnx needs TensorRT 10.15 or newer") and "found TensorRT 10.14.1.48" in text
     assert "(wrote " in text and verify_dir(directory).ok
+
+
+class _FakeCuda:
+    """polygraphy.cuda's DeviceArray/Stream over host arrays, each at an address of its own: what
+    StaticTrtRunner calls, so the stand-in context can check which buffer each tensor is bound to."""
+
+    def __init__(self) -> None:
+        self.memory: dict[int, Any] = {}
+        cuda = self
+
+        class DeviceArray:
+            def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+                import numpy as np
+
+                self.array = np.zeros(shape, dtype)
+                self.ptr = 1000 + len(cuda.memory)
+                cuda.memory[self.ptr] = self
+
+            def resize(self, shape: tuple[int, ...]) -> None:
+                import numpy as np
+
+                self.array = np.zeros(shape, self.array.dtype)
+
+            def copy_from(self, host: Any, stream: Any = None) -> None:
+                assert host.shape == self.array.shape and host.dtype == self.array.dtype
+                self.array = host.copy()
+
+            def numpy(self) -> Any:
+                return self.array.copy()
+
+            def free(self) -> None:
+                cuda.memory.pop(self.ptr, None)
+
+        class Stream:
+            ptr = 7
+
+            def synchronize(self) -> None:
+                pass
+
+            def free(self) -> None:
+                pass
+
+        self.DeviceArray, self.Stream = DeviceArray, Stream
+
+
+def test_static_runner_binds_each_present_at_its_past(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """StaticTrtRunner over a stand-in engine whose context writes the new tokens into the buffer
+    bound to each present, and fails (as TensorRT's API error) when a present is not bound at its
+    past's address: the portable question (a past of 3) comes back as presents of 4 slots, the past
+    kept, the new slot written in place. Plumbing only: the real engines run in tests/gpu."""
+    import numpy as np
+    import polygraphy
+
+    import kiln.exporter.engine.runner as runner_mod
+    from kiln.exporter.engine import StaticTrtRunner, open_engines
+
+    directory, trt = fake_std_export(tmp_path, monkeypatch)
+    build_command(directory, BuildOptions())
+    cuda = _FakeCuda()
+    monkeypatch.setattr(polygraphy, "cuda", cuda, raising=False)
+    monkeypatch.setattr(runner_mod, "current_runtime", lambda trt: RuntimeInfo("11.1.0.106", "13.0", "Fake GPU", "9.0"))
+    trt.nptype = lambda t: np.dtype(t)
+    plain = trt.Runtime.deserialize_cuda_engine
+
+    class Context:
+        def __init__(self, engine: Any) -> None:
+            self.engine, self.shapes, self.addresses = engine, {}, {}
+
+        def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
+            self.shapes[name] = tuple(shape)
+            return True
+
+        def set_tensor_address(self, name: str, ptr: int) -> bool:
+            self.addresses[name] = ptr
+            return True
+
+        def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+            assert name == "logits"
+            return (*self.shapes["input_ids"], 32)
+
+        def execute_async_v3(self, stream: int) -> bool:
+            batch, seq = self.shapes["input_ids"]
+            writes = cuda.memory[self.addresses["write_indices"]].array if "write_indices" in self.addresses and "write_indices" in self.shapes else np.zeros(batch, np.int64)
+            for name in (n for n in self.addresses if n.startswith("present.")):
+                if self.addresses[name] != self.addresses[name.replace("present.", "past_key_values.")]:
+                    return False  # TensorRT: "If different addresses are assigned, TensorRT reports an API error"
+                cache = cuda.memory[self.addresses[name]].array
+                for b in range(batch):
+                    cache[b, :, writes[b] : writes[b] + seq, :] = 1.0 + writes[b] + np.arange(seq)[:, None]
+            cuda.memory[self.addresses["logits"]].array[...] = 7.0
+            return True
+
+    def deserialize(self: Any, data: bytes) -> Any:
+        engine = plain(self, data)
+        engine.get_tensor_dtype = lambda name: "int64" if name in ("input_ids", "attention_mask", "position_ids", "write_indices") else "float32"
+        engine.get_tensor_shape = lambda name: (-1, 2, 48, 8) if "key_values" in name or name.startswith("present.") else (-1, -1)
+        engine.create_execution_context = lambda: Context(engine)
+        return engine
+
+    monkeypatch.setattr(trt.Runtime, "deserialize_cuda_engine", deserialize)
+    runner = open_engines(directory)
+    assert isinstance(runner, StaticTrtRunner)
+    past = np.full((2, 2, 3, 8), 0.5, np.float32)
+    feeds = {"input_ids": np.zeros((2, 1), np.int64), "attention_mask": np.ones((2, 4), np.int64), "position_ids": np.full((2, 1), 3, np.int64)}
+    feeds |= {f"past_key_values.{i}.{kv}": past for i in range(2) for kv in ("key", "value")}
+    with runner:
+        out = runner.run(GraphKind.DECODE, feeds)
+        prefill = runner.run(GraphKind.PREFILL, {k: np.zeros((1, 5), np.int64) for k in ("input_ids", "attention_mask", "position_ids")})
+    assert out["logits"].shape == (2, 1, 32) and (out["logits"] == 7.0).all()
+    for i in range(2):
+        present = out[f"present.{i}.key"]
+        assert present.shape == (2, 2, 4, 8) and (present[:, :, :3] == 0.5).all() and (present[:, :, 3] == 4.0).all()
+    assert prefill["present.1.value"].shape == (1, 2, 5, 8) and (prefill["present.1.value"][0, :, :, 0] == np.arange(1.0, 6.0)).all()
+    assert not cuda.memory  # every buffer freed on exit
+    with pytest.raises(EngineError, match="inside a with block"):
+        runner.run(GraphKind.DECODE, feeds)
+
+
+def test_cli_build_says_which_graphs_and_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    directory, _ = fake_std_export(tmp_path, monkeypatch)
+    result = CliRunner().invoke(main, ["build", str(directory)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"wrote engines/prefill.std.plan, engines/decode.std.plan in {directory} from the onnx graphs "
+                                    "(the export has --target onnx graphs and TensorRT 11.1.0.106 parses them (10.15+); TensorRT 11.1.0.106, Fake GPU")
+    result = CliRunner().invoke(main, ["build", str(directory), "--graphs", "portable", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["graphs"] == {"set": "portable", "reason": "--graphs portable"}
