@@ -230,13 +230,14 @@ def triton(directory: Path, name: str, as_json: bool) -> None:
 @click.argument("directory", type=click.Path(path_type=Path))
 @options(cli_options.BUILD)
 @_reports_errors
-def build(directory: Path, workspace: str, hardware_compat: str, as_json: bool, **flags: Any) -> None:
-    """Build the TensorRT engines of an export directory (engines/prefill.plan, engines/decode.plan).
+def build(directory: Path, workspace: str, hardware_compat: str, graphs: str, as_json: bool, **flags: Any) -> None:
+    """Build the TensorRT engines of an export directory (engines/prefill.plan, engines/decode.plan;
+    from the --target onnx graphs, engines/prefill.std.plan and engines/decode.std.plan).
 
     engines/trtexec.sh, the equivalent trtexec commands, is written first, also where TensorRT is not installed."""
-    from kiln.exporter.engine import BuildOptions, HardwareCompat, build_command, parse_size
+    from kiln.exporter.engine import BuildOptions, GraphSet, HardwareCompat, build_command, parse_size
 
-    options = BuildOptions(workspace=parse_size(workspace), hardware_compat=HardwareCompat(hardware_compat), **flags)  # the rest named as BuildOptions' fields
+    options = BuildOptions(workspace=parse_size(workspace), hardware_compat=HardwareCompat(hardware_compat), graphs=GraphSet(graphs), **flags)  # the rest named as BuildOptions' fields
     try:
         result = build_command(directory, options)
     except KilnError as exc:
@@ -248,8 +249,9 @@ def build(directory: Path, workspace: str, hardware_compat: str, as_json: bool, 
         return
     engines = list(result["engines"].values())
     click.echo(
-        f"wrote {', '.join(e['file'] for e in engines)} in {directory} (TensorRT {engines[0]['tensorrt']}, {engines[0]['gpu']}, "
-        f"compute capability {engines[0]['compute_capability']}); record in {result['record']}, trtexec commands in {result['trtexec']}"
+        f"wrote {', '.join(e['file'] for e in engines)} in {directory} from the {result['graphs']['set']} graphs ({result['graphs']['reason']}; "
+        f"TensorRT {engines[0]['tensorrt']}, {engines[0]['gpu']}, compute capability {engines[0]['compute_capability']}); "
+        f"record in {result['record']}, trtexec commands in {result['trtexec']}"
     )
 
 

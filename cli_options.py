@@ -159,6 +159,11 @@ BUILD: list[Option] = [
     click.option("--refittable", is_flag=True, help="Engines whose weights can be replaced without a rebuild."),
     click.option("--opt-batch", type=click.IntRange(min=1), default=None, help="Batch size TensorRT tunes for. Default: 1."),
     click.option("--opt-context", type=click.IntRange(min=1), default=None, help="Context (past + new tokens) TensorRT tunes for. Default: max_context / 2."),
+    click.option(
+        "--graphs", type=click.Choice(["auto", "portable", "onnx"]), default="auto", show_default=True,
+        help="Which graphs to build: onnx = the --target onnx graphs (onnx/*.std.onnx: Attention, a static KV cache written in place; TensorRT 10.15+); "
+        "portable = onnx/*.onnx (any TensorRT); auto = onnx where the export has them and TensorRT is 10.15+, else portable.",
+    ),
     click.option("--json", "as_json", is_flag=True, help="Print the engines record as JSON."),
 ]
 

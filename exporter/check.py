@@ -98,10 +98,13 @@ def _graph_paths(directory: Path, files: dict[GraphKind, str]) -> dict[GraphKind
 
 def _candidates(directory: Path, manifest: Manifest, backend: str, extra: Feeds | None) -> list[Candidate]:
     """The engines (TensorRT), or the portable graphs and then every target's (ONNX Runtime)."""
-    if backend == "tensorrt":
-        from kiln.exporter.engine import TrtRunner
+    if backend == "tensorrt":  # the runner of the engines' contract: the portable graphs' or --target onnx's (static cache)
+        from kiln.exporter.engine import open_engines
+        from kiln.exporter.engine.records import read_records
 
-        return [Candidate(lambda: TrtRunner.from_directory(directory, extra_feeds=extra), (GraphKind.PREFILL, GraphKind.DECODE), manifest.precision)]
+        std = read_records(directory).get("graphs", {}).get("set") == "onnx"
+        precision = (manifest.targets or {})["onnx"].precision if std else manifest.precision
+        return [Candidate(lambda: open_engines(directory, extra_feeds=extra), (GraphKind.PREFILL, GraphKind.DECODE), precision)]
     graphs = _graph_paths(directory, {GraphKind(kind): entry.file for kind, entry in manifest.graphs.items()})
     candidates = [Candidate(OrtRunner.opener(graphs, extra), tuple(graphs), manifest.precision)]
     for name, entry in (manifest.targets or {}).items():  # each target's graphs, opened its way

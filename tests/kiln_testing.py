@@ -77,6 +77,21 @@ def typed_manifest(data: dict[str, Any]) -> Manifest:
     return Manifest.from_json(merged)
 
 
+def with_std_target(m: dict[str, Any], kv_dtype: str = "float32") -> dict[str, Any]:
+    """``m`` (a manifest dict of the tiny native model, with its limits) with ``targets.onnx``: the
+    ``--target onnx`` graphs' I/O recorded as the export records it (``contract.static_cache.static_io``)."""
+    from kiln.exporter.contract.io import DECODER_KINDS
+    from kiln.exporter.contract.static_cache import static_io
+
+    spec = spec_of(tiny_config())
+    graphs = {}
+    for kind in DECODER_KINDS:
+        io = static_io(spec, kind, max_context=m["limits"]["max_context"], kv_dtype=kv_dtype)
+        graphs[kind.value] = {"file": f"onnx/{kind.value}.std.onnx", "inputs": [t.to_dict() for t in io.inputs], "outputs": [t.to_dict() for t in io.outputs]}
+    m["targets"] = {"onnx": {"precision": "fp32", "kv_cache": "static", "graphs": graphs, "weights": {"file": "onnx/weights.std.bin", "bytes": 0}}}
+    return m
+
+
 def _io_graph(graph: dict[str, Any]) -> bytes:
     """An ONNX model with exactly a manifest graph entry's inputs and outputs and no nodes: what
     kiln verify reads of a graph (tests of code that never runs it, such as the engine build
@@ -98,10 +113,11 @@ def placeholder_export(directory: Path, m: dict[str, Any]) -> Path:
     from kiln.exporter.artifacts.hashing import hash_tree
 
     typed = typed_manifest(m)  # the placeholders of the fields m leaves out
-    for graph in m["graphs"].values():
+    targets = [entry for entry in (m.get("targets") or {}).values()]  # a target's graphs and weights too (--target onnx's static contract)
+    for graph in [*m["graphs"].values(), *(g for entry in targets for g in entry["graphs"].values())]:
         (directory / graph["file"]).parent.mkdir(parents=True, exist_ok=True)
         (directory / graph["file"]).write_bytes(_io_graph(graph))
-    for rel in (typed.weights.file, typed.parity.report):
+    for rel in (typed.weights.file, typed.parity.report, *(entry["weights"]["file"] for entry in targets)):
         (directory / rel).parent.mkdir(parents=True, exist_ok=True)
         (directory / rel).write_bytes(b"placeholder")
     m["files"] = hash_tree(directory)

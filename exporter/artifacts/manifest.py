@@ -226,6 +226,8 @@ class EnginesEntry:
     gpu: str
     compute_capability: str
     files: dict[str, str]
+    graphs: str | None = _omit()  # "portable" | "onnx": the graph set they were built from (kiln build --graphs)
+    graphs_reason: str | None = _omit()  # why that set, in words
 
 
 @dataclasses.dataclass(frozen=True)

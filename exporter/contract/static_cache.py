@@ -26,12 +26,16 @@ Every graph of the set (prefill, decode, model) reads and writes the cache the s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
 from kiln.exporter.contract.io import BATCH, GraphIO, GraphKind, TensorSpec, graph_io, past_names, present_names
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["WRITE_INDICES", "static_io"]
+__all__ = ["WRITE_INDICES", "CacheBuffers", "static_io", "static_feeds", "portable_outputs"]
 
 WRITE_INDICES = "write_indices"
+CacheBuffers = Mapping[str, tuple[tuple[int, ...], np.dtype]]  # each cache input: its shape without the batch, its dtype
 
 
 def static_io(spec: DecoderSpec, kind: GraphKind, *, max_context: int, kv_dtype: str = "float32", last_logits_only: bool = False) -> GraphIO:
@@ -46,3 +50,30 @@ def static_io(spec: DecoderSpec, kind: GraphKind, *, max_context: int, kv_dtype:
     presents = {name for i in range(spec.n_layers) for name in present_names(i)}
     outputs = tuple(TensorSpec(t.name, t.dtype, buffer) if t.name in presents else t for t in portable.outputs)
     return GraphIO((*ids, *writes, *caches), outputs)
+
+
+def static_feeds(kind: GraphKind, feeds: Mapping[str, np.ndarray], caches: CacheBuffers) -> tuple[dict[str, np.ndarray], int]:
+    """Feeds of the portable contract (a past of ``past_seq`` slots, none for prefill) as this
+    contract's: each past copied into a zeroed buffer of its capacity, ``write_indices`` the past
+    length in every row (kiln's batches are left-padded: every row writes at one slot), prefill's
+    caches zeroed. Returns them and ``past_seq + seq``, the slots of each present that the portable
+    contract returns (``portable_outputs``). Every runner of these graphs asks through this one
+    function: ONNX Runtime's (``targets.standard.runner``) and TensorRT's (``engine.static_runner``)."""
+    batch, seq = feeds["input_ids"].shape
+    pasts = {name: value for name, value in feeds.items() if name.startswith("past_key_values.")}
+    past_seq = next(iter(pasts.values())).shape[2] if pasts else 0
+    static = {name: value for name, value in feeds.items() if name not in pasts}
+    if kind is GraphKind.PREFILL:  # the graph's cache inputs, zeroed
+        static.update({name: np.zeros((batch, *shape), dtype=dtype) for name, (shape, dtype) in caches.items()})
+        return static, seq
+    for name, past in pasts.items():
+        buffer = np.zeros((past.shape[0], *caches[name][0]), dtype=past.dtype)
+        buffer[:, :, : past.shape[2]] = past
+        static[name] = buffer
+    static[WRITE_INDICES] = np.full((batch,), past_seq, dtype=np.int64)
+    return static, past_seq + seq
+
+
+def portable_outputs(outputs: Mapping[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+    """A step's outputs in the portable contract: each present cut to its first ``length`` slots."""
+    return {name: value[:, :, :length] if name.startswith("present.") else value for name, value in outputs.items()}

@@ -34,11 +34,14 @@ from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.device import current_runtime
 from kiln.exporter.engine.gpus import require_gpu_for
-from kiln.exporter.engine.options import BuildOptions
+from kiln.exporter.engine.graphs import GraphChoice, choose_graphs
+from kiln.exporter.engine.options import BuildOptions, GraphSet
 from kiln.exporter.engine.profiles import (
+    ENGINE_GRAPHS,
     EngineProfile,
     InputShape,
     Shape,
+    engine_file,
     engine_profiles,
 )
 from kiln.exporter.engine.records import (
@@ -52,7 +55,7 @@ from kiln.exporter.engine.trtexec import SCRIPT, timing_cache_path
 if TYPE_CHECKING:
     import tensorrt as trt_types
 
-__all__ = ["INSTALL_HINT", "TrtLog", "make_logger", "load_tensorrt", "format_parser_error", "parser_errors", "build_engine", "build_engines"]
+__all__ = ["INSTALL_HINT", "TrtLog", "make_logger", "load_tensorrt", "format_parser_error", "parser_errors", "check_in_place", "build_engine", "build_engines"]
 
 INSTALL_HINT = (
     "pip install tensorrt on a machine with an NVIDIA GPU and CUDA (then run kiln build again there), "
@@ -228,8 +231,29 @@ def _builder_config(trt: ModuleType, builder: trt_types.Builder, options: BuildO
     return config, not compat.disable_tf32(trt, config)
 
 
-def build_engine(directory: Path, profile: EngineProfile, options: BuildOptions, built_with: RuntimeInfo) -> EngineRecord:
-    """Build ``profile.engine`` from ``profile.onnx`` (both relative to ``directory``);
+def check_in_place(trt: ModuleType, engine: trt_types.ICudaEngine, where: str) -> dict[str, str]:
+    """The static-cache contract's promise, checked on a built engine of the ``--target onnx``
+    graphs: every ``present.{i}.*`` output aliases its ``past_key_values.{i}.*`` input (the ONNX
+    parser lowered each ``TensorScatter`` to an in-place ``IKVCacheUpdateLayer``, whose output "must
+    be a network output and shares the same device memory address with the cache input": TensorRT
+    operators reference, KVCacheUpdate). Returns the aliases (output -> input)."""
+    aliases = compat.aliased_inputs(trt, engine)
+    if aliases is None:
+        raise EngineError(f"{where}: this TensorRT {trt.__version__} cannot report aliased tensors (ICudaEngine.get_aliased_input_tensor, 10.15+); the --target onnx engines need 10.15 or newer")
+    outputs = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    presents = [name for name in outputs if name.startswith("present.")]
+    wrong = [f"{name} -> {aliases.get(name)}" for name in presents if aliases.get(name) != "past_key_values." + name.removeprefix("present.")]
+    if not presents or wrong:
+        raise EngineError(
+            f"{where}: the cache is not written in place: {', '.join(wrong) or 'no present output'} (each present.{{i}}.* must alias past_key_values.{{i}}.*); "
+            "TensorRT's parser did not lower TensorScatter to IKVCacheUpdateLayer: build the portable graphs (--graphs portable)"
+        )
+    return aliases
+
+
+def build_engine(directory: Path, profile: EngineProfile, options: BuildOptions, built_with: RuntimeInfo, graphs: GraphSet = GraphSet.PORTABLE) -> EngineRecord:
+    """Build ``profile.engine`` from ``profile.onnx`` (both relative to ``directory``; ``graphs``: the
+    set they belong to, the --target onnx engines checked for their in-place cache);
     ``load_tensorrt()`` must have succeeded."""
     import tensorrt as trt
 
@@ -265,6 +289,8 @@ def build_engine(directory: Path, profile: EngineProfile, options: BuildOptions,
     if engine is None:
         raise EngineError(f"{engine_path}: TensorRT built the engine but cannot load it: {log.last_error()}")
     _check_profile(engine, dynamic, profile.onnx)
+    if graphs is GraphSet.ONNX:
+        check_in_place(trt, engine, str(engine_path))
     return EngineRecord(
         kind=profile.kind.value,
         file=profile.engine,
@@ -280,24 +306,35 @@ def build_engine(directory: Path, profile: EngineProfile, options: BuildOptions,
         profiles=(profile.shapes(),),
         device_memory_bytes=compat.device_memory_bytes(engine),
         weights_bytes=compat.weights_bytes(trt, engine),
+        graphs=graphs.value,
     )
 
 
-def build_engines(directory: Path, options: BuildOptions, profiles: Sequence[EngineProfile] | None = None) -> dict[str, EngineRecord]:
-    """Build the prefill and decode engines (or those of ``profiles``) into ``DIR/engines/`` and
-    write ``engines/engines.json``; returns the records by kind. ``build_command`` also writes
-    trtexec.sh and records the engines in the manifest."""
+def build_engines(
+    directory: Path, options: BuildOptions, profiles: Sequence[EngineProfile] | None = None, choice: GraphChoice | None = None
+) -> dict[str, EngineRecord]:
+    """Build the prefill and decode engines of the chosen graph set (``choice``, else
+    ``engine.graphs.choose_graphs`` for ``options.graphs`` and this TensorRT; ``profiles``, else that
+    set's) into ``DIR/engines/`` and write ``engines/engines.json``; returns the records by kind.
+    The other set's engines are removed first: ``engines/`` holds one set, the one engines.json
+    records. ``build_command`` also writes trtexec.sh and records the engines in the manifest."""
     from kiln.exporter.artifacts import manifest as manifest_mod
 
     trt = load_tensorrt()
     manifest = manifest_mod.read(directory)
+    if choice is None:
+        choice = choose_graphs(manifest, options.graphs, compat.trt_version(trt))
     if profiles is None:
-        profiles = engine_profiles(manifest, options)
+        profiles = engine_profiles(manifest, options, choice.graphs)
     built_with = current_runtime(trt)
     require_gpu_for(manifest.precision, built_with.compute_capability, built_with.gpu)
     (directory / ENGINES_JSON).unlink(missing_ok=True)  # a failed build leaves no record of stale plans
+    for kind in ENGINE_GRAPHS:
+        for graphs in (GraphSet.PORTABLE, GraphSet.ONNX):
+            if graphs is not choice.graphs:
+                (directory / engine_file(kind, graphs)).unlink(missing_ok=True)  # kiln build's own name: one set in engines/
     records: dict[str, EngineRecord] = {}
     for profile in profiles:
-        records[profile.kind.value] = build_engine(directory, profile, options, built_with)
-    write_records(directory, records, options.to_dict(), SCRIPT)
+        records[profile.kind.value] = build_engine(directory, profile, options, built_with, choice.graphs)
+    write_records(directory, records, options.to_dict(), SCRIPT, choice.to_dict())
     return records

@@ -35,6 +35,7 @@ __all__ = [
     "allow_host_code",
     "device_memory_bytes",
     "weights_bytes",
+    "aliased_inputs",
 ]
 
 MIN_VERSION = (10, 12)  # docs/commands.md, kiln build: "TensorRT 10.12+ and 11.x"
@@ -156,3 +157,21 @@ def weights_bytes(trt: ModuleType, engine: trt_types.ICudaEngine) -> int | None:
         return None
     value = get_stat(stats.TOTAL_WEIGHTS_SIZE)
     return int(value) if isinstance(value, int) and value >= 0 else None
+
+
+def aliased_inputs(trt: ModuleType, engine: trt_types.ICudaEngine) -> dict[str, str] | None:
+    """Each output the engine writes in place, mapped to the input it shares its memory with:
+    ``ICudaEngine.get_aliased_input_tensor(name)``, "the name of the input tensor that shares memory
+    with the given output tensor name ... ``None`` [if] the output does not alias with any input"
+    (pyCoreDoc.h and pyCore.cpp, ``release/10.15``, ``release/10.16`` and ``main`` = 11.1; not in
+    10.13 nor in the 10.13 ``tensorrt-stubs``: looked up with getattr). An ``IKVCacheUpdateLayer``'s
+    output aliases its cache input ("The cache input tensor and the output tensor must share the
+    same device memory ... If different addresses are assigned, TensorRT reports an API error":
+    TensorRT 10.16 docs, inference-library/transformers-kv-cache.html). None where the method is
+    missing (TensorRT before 10.15)."""
+    get_alias = getattr(engine, "get_aliased_input_tensor", None)
+    if get_alias is None:
+        return None
+    outputs = (engine.get_tensor_name(i) for i in range(engine.num_io_tensors))
+    found = {name: get_alias(name) for name in outputs if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT}
+    return {name: str(source) for name, source in found.items() if source}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kiln.errors import ConfigError
 
-__all__ = ["HardwareCompat", "BuildOptions", "parse_size", "MIB", "GIB", "MAX_OPT_LEVEL"]
+__all__ = ["HardwareCompat", "GraphSet", "BuildOptions", "parse_size", "MIB", "GIB", "MAX_OPT_LEVEL"]
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -25,6 +25,14 @@ class HardwareCompat(str, enum.Enum):
     SAME_CC = "same-cc"  # every GPU of the compute capability it was built on
 
 
+class GraphSet(str, enum.Enum):
+    """Which graphs ``kiln build`` builds engines from (``--graphs``; ``engine.graphs`` chooses)."""
+
+    AUTO = "auto"  # the --target onnx graphs where the export has them and TensorRT is 10.15+, else the portable ones
+    PORTABLE = "portable"  # onnx/{prefill,decode}.onnx: any TensorRT kiln builds with (10.12+)
+    ONNX = "onnx"  # onnx/{prefill,decode}.std.onnx (manifest targets.onnx): TensorRT 10.15+
+
+
 @dataclasses.dataclass(frozen=True)
 class BuildOptions:
     workspace: int = 4 * GIB  # bytes of the WORKSPACE memory pool
@@ -35,6 +43,7 @@ class BuildOptions:
     refittable: bool = False  # weights can be replaced later without a rebuild
     opt_batch: int | None = None  # None: 1
     opt_context: int | None = None  # past + new tokens at the opt point; None: max_context // 2
+    graphs: GraphSet = GraphSet.AUTO
 
     def __post_init__(self) -> None:
         if self.workspace < MIB:
@@ -47,6 +56,8 @@ class BuildOptions:
             raise ConfigError(f"--opt-context must be at least 1, found {self.opt_context}")
         if not isinstance(self.hardware_compat, HardwareCompat):
             raise ConfigError(f"--hardware-compat must be one of none, ampere+, same-cc, found {self.hardware_compat!r}")
+        if not isinstance(self.graphs, GraphSet):
+            raise ConfigError(f"--graphs must be one of auto, portable, onnx, found {self.graphs!r}")
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -58,6 +69,7 @@ class BuildOptions:
             "refittable": self.refittable,
             "opt_batch": self.opt_batch,
             "opt_context": self.opt_context,
+            "graphs": self.graphs.value,
         }
 
 

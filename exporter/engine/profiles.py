@@ -10,6 +10,14 @@ manifest's ``limits`` (docs/commands.md, kiln build):
 
 Any other input with int dims only (e.g. ``ple.{i}.scale`` under ``--ple-tables input``) gets
 its fixed shape as min = opt = max.
+
+The ``--target onnx`` graphs (``graphs=GraphSet.ONNX``: the manifest's ``targets.onnx.graphs``,
+``engines/<kind>.std.plan``) follow the static-cache contract (``contract.static_cache``), and the
+same rules give their profiles: every cache input ``past_key_values.{i}.*`` is ``[batch, n_kv_heads,
+max_context, head_dim]`` with ``max_context`` an int in the manifest, so fixed (min = opt = max, as
+``IKVCacheUpdateLayer`` requires: a static sequence dim), batch ranged; ``write_indices`` ``[batch]``;
+``attention_mask`` is prefill's ``[batch, seq]`` and decode's ``[batch, total_seq]``, both up to
+``max_context``; ``input_ids`` and ``position_ids`` as the portable graphs'.
 """
 
 from __future__ import annotations
@@ -27,9 +35,10 @@ from kiln.exporter.contract.io import (
     TOTAL_SEQ,
     GraphKind,
 )
-from kiln.exporter.engine.options import BuildOptions
+from kiln.exporter.engine.graphs import STD_TARGET
+from kiln.exporter.engine.options import BuildOptions, GraphSet
 
-__all__ = ["ENGINE_GRAPHS", "DimRange", "InputShape", "EngineProfile", "dim_ranges", "engine_profile", "engine_profiles"]
+__all__ = ["ENGINE_GRAPHS", "DimRange", "InputShape", "EngineProfile", "dim_ranges", "engine_file", "engine_profile", "engine_profiles"]
 
 ENGINE_GRAPHS = (GraphKind.PREFILL, GraphKind.DECODE)  # one engine each; model.onnx gets none
 Shape = tuple[int, ...]
@@ -120,16 +129,42 @@ def _input_shape(kind: GraphKind, spec: TensorEntry, ranges: Mapping[str, DimRan
     return InputShape(name, dtype, tuple(lo), tuple(mid), tuple(hi))
 
 
-def engine_profile(manifest: Manifest, kind: GraphKind, options: BuildOptions) -> EngineProfile:
-    """The profile of the ``kind`` engine: every input of ``graphs.<kind>`` with its range."""
-    graph = manifest.graphs.get(kind.value)
-    if graph is None:
-        raise ArtifactError(f"manifest has no graphs.{kind.value}; re-export with this kiln")
+def engine_file(kind: GraphKind, graphs: GraphSet) -> str:
+    """The engine of ``kind`` built from ``graphs``, relative to the export directory."""
+    return f"engines/{kind.value}.std.plan" if graphs is GraphSet.ONNX else f"engines/{kind.value}.plan"
+
+
+def _graph_inputs(manifest: Manifest, kind: GraphKind, graphs: GraphSet) -> tuple[str, tuple[TensorEntry, ...]]:
+    """The graph file and the inputs of ``kind`` in ``graphs``, as the manifest records them."""
+    if graphs is GraphSet.PORTABLE:
+        graph = manifest.graphs.get(kind.value)
+        if graph is None:
+            raise ArtifactError(f"manifest has no graphs.{kind.value}; re-export with this kiln")
+        return graph.file, graph.inputs
+    entry = (manifest.targets or {}).get(STD_TARGET)
+    std = None if entry is None else entry.graphs.get(kind.value)
+    if std is None or std.inputs is None:
+        raise ArtifactError(f"manifest has no targets.{STD_TARGET}.graphs.{kind.value} with its inputs; re-export with --target onnx")
+    max_context = manifest.limits.max_context
+    for spec in std.inputs:  # the contract: every cache buffer holds max_context slots, a fixed dim
+        if spec.name.startswith("past_key_values.") and (len(spec.shape) != 4 or spec.shape[2] != max_context):
+            raise ArtifactError(
+                f"manifest targets.{STD_TARGET}.graphs.{kind.value}: cache input {spec.name} is {list(spec.shape)}, expected [batch, n_kv_heads, {max_context}, head_dim] "
+                "(its sequence dim fixed at limits.max_context); re-export with --target onnx"
+            )
+    return std.file, std.inputs
+
+
+def engine_profile(manifest: Manifest, kind: GraphKind, options: BuildOptions, graphs: GraphSet = GraphSet.PORTABLE) -> EngineProfile:
+    """The profile of the ``kind`` engine: every input of its graph in ``graphs`` with its range."""
+    if graphs is GraphSet.AUTO:
+        raise ValueError("engine_profile takes a chosen graph set (engine.graphs.choose_graphs), not auto")
+    file, inputs = _graph_inputs(manifest, kind, graphs)
     ranges = dim_ranges(kind, manifest.limits, options)
-    shapes = tuple(_input_shape(kind, spec, ranges) for spec in graph.inputs)
-    return EngineProfile(kind, graph.file, f"engines/{kind.value}.plan", shapes)
+    shapes = tuple(_input_shape(kind, spec, ranges) for spec in inputs)
+    return EngineProfile(kind, file, engine_file(kind, graphs), shapes)
 
 
-def engine_profiles(manifest: Manifest, options: BuildOptions) -> tuple[EngineProfile, ...]:
-    """The prefill and decode profiles, in that order."""
-    return tuple(engine_profile(manifest, kind, options) for kind in ENGINE_GRAPHS)
+def engine_profiles(manifest: Manifest, options: BuildOptions, graphs: GraphSet = GraphSet.PORTABLE) -> tuple[EngineProfile, ...]:
+    """The prefill and decode profiles of ``graphs``, in that order."""
+    return tuple(engine_profile(manifest, kind, options, graphs) for kind in ENGINE_GRAPHS)

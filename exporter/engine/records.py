@@ -82,6 +82,7 @@ class EngineRecord:
     profiles: tuple[dict[str, dict[str, Any]], ...]
     device_memory_bytes: int | None = None
     weights_bytes: int | None = None
+    graphs: str = "portable"  # GraphSet value: the portable graphs or --target onnx's (the static-cache contract)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -91,6 +92,7 @@ class EngineRecord:
             "bytes": self.bytes,
             "onnx": self.onnx,
             "onnx_sha256": self.onnx_sha256,
+            "graphs": self.graphs,
             "tensorrt": self.built_with.tensorrt,
             "cuda": self.built_with.cuda,
             "gpu": self.built_with.gpu,
@@ -160,13 +162,15 @@ def check_engine_compat(engine_record: Mapping[str, Any], runtime_info: RuntimeI
         raise EngineError("; ".join(problems))
 
 
-def write_records(directory: Path, records: Mapping[str, EngineRecord], build_options: Mapping[str, Any], trtexec: str) -> Path:
-    """Write ``DIR/engines/engines.json`` (no timestamps) and return its path."""
+def write_records(directory: Path, records: Mapping[str, EngineRecord], build_options: Mapping[str, Any], trtexec: str, graphs: Mapping[str, str] | None = None) -> Path:
+    """Write ``DIR/engines/engines.json`` (no timestamps) and return its path; ``graphs``: the graph
+    set the engines were built from and why (``GraphChoice.to_dict``)."""
     path = directory / ENGINES_JSON
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "engines_version": ENGINES_VERSION,
         "build_options": dict(build_options),
+        "graphs": dict(graphs) if graphs is not None else {"set": "portable", "reason": "not recorded"},
         "engines": {kind: record.to_dict() for kind, record in records.items()},
         "trtexec": trtexec,
     }
@@ -183,10 +187,11 @@ def read_records(directory: Path) -> dict[str, Any]:
     return data
 
 
-def update_manifest(directory: Path, records: Mapping[str, EngineRecord] | None) -> Manifest:
+def update_manifest(directory: Path, records: Mapping[str, EngineRecord] | None, graphs: Mapping[str, str] | None = None) -> Manifest:
     """Record the files under ``engines/`` (sha256) in ``manifest.json`` so that ``kiln verify``
     still passes, and, after a build (``records``), the engines with their TensorRT, CUDA and GPU
-    under ``manifest.engines``; without engines.json that entry is dropped. Returns the manifest."""
+    and the graph set they were built from (``graphs``: ``GraphChoice.to_dict``) under
+    ``manifest.engines``; without engines.json that entry is dropped. Returns the manifest."""
     from kiln.exporter.artifacts import manifest as manifest_mod
     from kiln.exporter.artifacts.hashing import rehash_subtree
 
@@ -195,8 +200,12 @@ def update_manifest(directory: Path, records: Mapping[str, EngineRecord] | None)
     if not (directory / ENGINES_JSON).is_file():
         engines = None  # no (or a failed) build: nothing to record
     elif records:
-        first = next(iter(records.values())).built_with
-        engines = EnginesEntry(ENGINES_JSON, first.tensorrt, first.cuda, first.gpu, first.compute_capability, {kind: r.file for kind, r in records.items()})
+        first_record = next(iter(records.values()))
+        first = first_record.built_with
+        chosen = graphs or {"set": first_record.graphs, "reason": "not recorded"}
+        engines = EnginesEntry(
+            ENGINES_JSON, first.tensorrt, first.cuda, first.gpu, first.compute_capability, {kind: r.file for kind, r in records.items()}, chosen["set"], chosen["reason"]
+        )
     manifest = dataclasses.replace(manifest, files=rehash_subtree(manifest.files, directory, _ENGINES_PREFIX.rstrip("/")), engines=engines)
     manifest_mod.write(directory, manifest)
     return manifest

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,9 +34,64 @@ from kiln.exporter.engine.records import check_engine_compat, read_records
 if TYPE_CHECKING:
     import tensorrt as trt_types
 
-__all__ = ["TrtRunner"]
+__all__ = ["TrtRunner", "recorded_engines", "output_names", "load_engines"]
 
 Feeds = dict[str, np.ndarray]
+
+
+def recorded_engines(directory: Path, graphs: str) -> tuple[dict[GraphKind, Path], dict[GraphKind, Mapping[str, Any]]]:
+    """The prefill and decode engines engines.json records, each checked against its sha256 and
+    against ``graphs``, the graph set the caller's contract is for ("portable" | "onnx")."""
+    data = read_records(directory)
+    built_from = data.get("graphs", {}).get("set", "portable")
+    if built_from != graphs:
+        raise ArtifactError(
+            f"{directory}: its engines were built from the {built_from} graphs (engines.json), not the {graphs} ones; "
+            "open them with kiln.exporter.engine.open_engines, which picks the runner of their contract"
+        )
+    engines: dict[GraphKind, Path] = {}
+    records: dict[GraphKind, Mapping[str, Any]] = {}
+    for kind in ENGINE_GRAPHS:
+        record = data["engines"].get(kind.value)
+        if not isinstance(record, dict):
+            raise ArtifactError(f"{directory}: engines.json has no {kind.value} engine; rebuild with kiln build {directory}")
+        path = directory / str(record["file"])
+        if not path.is_file():
+            raise ArtifactError(f"{path}: engine file missing; rebuild with kiln build {directory}")
+        if sha256_file(path) != record.get("sha256"):
+            raise ArtifactError(f"{path}: sha256 differs from engines.json; rebuild with kiln build {directory}")
+        engines[kind], records[kind] = path, record
+    return engines, records
+
+
+def output_names(trt: ModuleType, engine: trt_types.ICudaEngine) -> tuple[str, ...]:
+    """The engine's output tensors, in order."""
+    names = (engine.get_tensor_name(i) for i in range(engine.num_io_tensors))
+    return tuple(name for name in names if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT)
+
+
+def load_engines(
+    trt: ModuleType, paths: Mapping[GraphKind, Path], records: Mapping[GraphKind, Mapping[str, Any]]
+) -> tuple[list[Any], dict[GraphKind, trt_types.ICudaEngine]]:
+    """Deserialize each plan after checking its record against this machine's TensorRT and GPU
+    (``records.check_engine_compat``). Returns what must outlive the engines (logger, runtime) and
+    the engines."""
+    if records:
+        here = current_runtime(trt)
+        for record in records.values():
+            check_engine_compat(record, here)
+    log = TrtLog()
+    logger = make_logger(log)
+    runtime: trt_types.Runtime = trt.Runtime(logger)
+    if any(r.get("version_compatible") for r in records.values()):
+        compat.allow_host_code(runtime)  # only plans kiln built and recorded
+    engines: dict[GraphKind, trt_types.ICudaEngine] = {}
+    for kind, path in paths.items():
+        engine: trt_types.ICudaEngine | None = runtime.deserialize_cuda_engine(path.read_bytes())  # None on failure
+        if engine is None:
+            raise EngineError(f"{path}: TensorRT cannot load this engine: {log.last_error()}")
+        engines[kind] = engine
+    return [logger, runtime], engines
 
 
 class TrtRunner(contextlib.AbstractContextManager["TrtRunner"]):
@@ -58,20 +114,9 @@ class TrtRunner(contextlib.AbstractContextManager["TrtRunner"]):
 
     @classmethod
     def from_directory(cls, directory: Path, extra_feeds: Feeds | None = None) -> TrtRunner:
-        """The engines of ``DIR/engines/engines.json``, after checking their sha256."""
-        data = read_records(directory)
-        engines: dict[GraphKind, Path] = {}
-        records: dict[GraphKind, Mapping[str, Any]] = {}
-        for kind in ENGINE_GRAPHS:
-            record = data["engines"].get(kind.value)
-            if not isinstance(record, dict):
-                raise ArtifactError(f"{directory}: engines.json has no {kind.value} engine; rebuild with kiln build {directory}")
-            path = directory / str(record["file"])
-            if not path.is_file():
-                raise ArtifactError(f"{path}: engine file missing; rebuild with kiln build {directory}")
-            if sha256_file(path) != record.get("sha256"):
-                raise ArtifactError(f"{path}: sha256 differs from engines.json; rebuild with kiln build {directory}")
-            engines[kind], records[kind] = path, record
+        """The engines of ``DIR/engines/engines.json``, after checking their sha256 (engines of the
+        portable graphs: those of ``--target onnx``'s are ``static_runner.StaticTrtRunner``'s)."""
+        engines, records = recorded_engines(directory, "portable")
         return cls(engines, records, extra_feeds)
 
     def graphs(self) -> tuple[GraphKind, ...]:
@@ -84,26 +129,10 @@ class TrtRunner(contextlib.AbstractContextManager["TrtRunner"]):
             TrtRunner as PolygraphyTrtRunner,  # no py.typed (Any: .ci/mypy)
         )
 
-        if self._records:
-            here = current_runtime(trt)
-            for record in self._records.values():
-                check_engine_compat(record, here)
-        log = TrtLog()
-        logger = make_logger(log)
-        runtime: trt_types.Runtime = trt.Runtime(logger)
-        if any(r.get("version_compatible") for r in self._records.values()):
-            compat.allow_host_code(runtime)  # only plans kiln built and recorded
-        self._keep = [logger, runtime]
+        self._keep, engines = load_engines(trt, self._paths, self._records)
         try:
-            for kind, path in self._paths.items():
-                engine: trt_types.ICudaEngine | None = runtime.deserialize_cuda_engine(path.read_bytes())  # None on failure
-                if engine is None:
-                    raise EngineError(f"{path}: TensorRT cannot load this engine: {log.last_error()}")
-                self._outputs[kind] = tuple(
-                    name
-                    for name in (engine.get_tensor_name(i) for i in range(engine.num_io_tensors))
-                    if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT
-                )
+            for kind, engine in engines.items():
+                self._outputs[kind] = output_names(trt, engine)
                 runner = PolygraphyTrtRunner(engine, name=f"tensorrt:{kind.value}")
                 runner.activate()
                 self._runners[kind] = runner

@@ -7,6 +7,9 @@ Flags checked against trtexec's option parser, ``samples/common/sampleOptions.cp
 ``--versionCompatible``, ``--refit``, ``--noTF32``, ``--skipInference`` and ``--stronglyTyped``
 (10.x: "Create a strongly typed network"; 11.x help: "[Deprecated] ... This flag is a no-op").
 The script works without TensorRT: it only needs the export directory and a trtexec binary.
+For an export with ``--target onnx`` graphs it holds both graph sets and chooses between them as
+``kiln build --graphs`` does (``engine.graphs``), from trtexec's own version line, unless
+``KILN_GRAPHS`` says which.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from pathlib import Path
 
 from kiln.errors import ConfigError
 from kiln.exporter.engine.gpus import gpu_note
-from kiln.exporter.engine.options import MIB, BuildOptions, HardwareCompat
+from kiln.exporter.engine.graphs import STD_MIN_VERSION
+from kiln.exporter.engine.options import MIB, BuildOptions, GraphSet, HardwareCompat
 from kiln.exporter.engine.profiles import EngineProfile, InputShape, Shape
 
 __all__ = ["SCRIPT", "DEFAULT_TIMING_CACHE", "timing_cache_path", "trtexec_args", "trtexec_command", "render_script", "write_script"]
@@ -32,6 +36,7 @@ _HARDWARE = {
     HardwareCompat.AMPERE_PLUS: "ampere+",
     HardwareCompat.SAME_CC: "sameComputeCapability",
 }
+_STD_VERSION_INT = STD_MIN_VERSION[0] * 10000 + STD_MIN_VERSION[1] * 100  # NV_TENSORRT_VERSION of 10.15.0
 _UNSAFE_NAME = set(":,' \t\n\"=")  # trtexec splits shape lists on ',' and name from dims on ':'
 
 
@@ -100,9 +105,56 @@ def trtexec_command(profile: EngineProfile, options: BuildOptions, timing_cache:
     return shlex.join(["trtexec", *trtexec_args(profile, options, timing_cache)])
 
 
-def render_script(profiles: Sequence[EngineProfile], options: BuildOptions, timing_cache: str = DEFAULT_TIMING_CACHE, precision: str | None = None) -> str:
+def _commands(profiles: Sequence[EngineProfile], options: BuildOptions, timing_cache: str, indent: str = "") -> list[str]:
+    lines = []
+    for profile in profiles:
+        args = trtexec_args(profile, options, timing_cache)
+        lines.append("")
+        lines.append(f"{indent}# {profile.kind.value}: {profile.onnx} -> {profile.engine}")
+        lines.append(f"{indent}trtexec \\")
+        lines.extend(f"{indent}  {shlex.quote(arg)} \\" for arg in args[:-1])
+        lines.append(f"{indent}  {shlex.quote(args[-1])}")
+    return lines
+
+
+def _graph_switch(default: GraphSet) -> list[str]:
+    """The lines that set ``graphs`` to ``onnx`` or ``portable`` (``KILN_GRAPHS``, else ``default``),
+    reading trtexec's version from the first line every trtexec run prints, ``&&&& RUNNING
+    TensorRT.trtexec [TensorRT v<NV_TENSORRT_VERSION>] ...``, its --help included
+    (``samples/common/logging.h`` ``defineTest`` and ``samples/trtexec/trtexec.cpp`` on
+    ``release/10.15`` and ``main`` = 11.1; ``NV_TENSORRT_VERSION`` = major * 10000 + minor * 100 +
+    patch, ``NvInferRuntimeBase.h``)."""
+    need = _STD_VERSION_INT
+    return [
+        f'graphs="${{KILN_GRAPHS:-{default.value}}}"',
+        "version=0",
+        'if [[ $graphs != portable ]]; then',
+        "  banner=$(trtexec --help 2>&1 || true)",
+        r"  re='\[TensorRT v([0-9]+)\]'",
+        '  if [[ $banner =~ $re ]]; then version=${BASH_REMATCH[1]}; fi',
+        "fi",
+        "case $graphs in",
+        f"  auto) if (( version >= {need} )); then graphs=onnx; else graphs=portable; fi ;;",
+        f'  onnx) if (( version > 0 && version < {need} )); then echo "trtexec.sh: KILN_GRAPHS=onnx needs TensorRT 10.15 or newer, trtexec is TensorRT v$version; use KILN_GRAPHS=portable" >&2; exit 1; fi ;;',
+        "  portable) ;;",
+        '  *) echo "trtexec.sh: KILN_GRAPHS must be auto, portable or onnx, found $graphs" >&2; exit 2 ;;',
+        "esac",
+        'if (( version > 0 )); then seen="trtexec TensorRT v$version"; else seen="trtexec\'s version not read"; fi',
+        'echo "trtexec.sh: building the $graphs graphs (KILN_GRAPHS=${KILN_GRAPHS:-' + default.value + '}, $seen)" >&2',
+    ]
+
+
+def render_script(
+    profiles: Sequence[EngineProfile],
+    options: BuildOptions,
+    timing_cache: str = DEFAULT_TIMING_CACHE,
+    precision: str | None = None,
+    std: Sequence[EngineProfile] | None = None,
+) -> str:
     """The text of ``engines/trtexec.sh``: one trtexec command per engine, run from the export
-    directory (``precision``: the export's, for the note on which GPUs build it)."""
+    directory (``precision``: the export's, for the note on which GPUs build it). With ``std``
+    (the ``--target onnx`` graphs' profiles) it holds both sets and a switch between them, chosen as
+    ``kiln build --graphs`` chooses (``engine.graphs``), ``options.graphs`` the default."""
     lines = [
         "#!/usr/bin/env bash",
         "# Builds this export's TensorRT engines with trtexec; written by `kiln build`, equivalent to it.",
@@ -112,29 +164,32 @@ def render_script(profiles: Sequence[EngineProfile], options: BuildOptions, timi
         "# --stronglyTyped is for TensorRT 10.x (precision comes from the ONNX types); on 11.x every",
         "# network is strongly typed and the flag is a no-op. No precision flags: int8/int4/fp8 are Q/DQ in the ONNX.",
         *([note] if (note := gpu_note(precision or "")) is not None else []),
-        "set -euo pipefail",
-        'cd "$(dirname "$0")/.."',
-        "mkdir -p engines",
     ]
-    for profile in profiles:
-        args = trtexec_args(profile, options, timing_cache)
-        lines.append("")
-        lines.append(f"# {profile.kind.value}: {profile.onnx} -> {profile.engine}")
-        lines.append("trtexec \\")
-        lines.extend(f"  {shlex.quote(arg)} \\" for arg in args[:-1])
-        lines.append(f"  {shlex.quote(args[-1])}")
+    if std:
+        lines += [
+            "# Two graph sets: the portable graphs (onnx/*.onnx, any TensorRT 10.12+) and the --target onnx graphs",
+            "# (onnx/*.std.onnx: Attention, RotaryEmbedding, RMSNormalization, a static KV cache written in place by",
+            "# TensorScatter; TensorRT 10.15+). KILN_GRAPHS=auto|portable|onnx picks, as kiln build --graphs does;",
+            f"# default {options.graphs.value}. auto: the --target onnx graphs when trtexec is TensorRT 10.15 or newer.",
+        ]
+    lines += ["set -euo pipefail", 'cd "$(dirname "$0")/.."', "mkdir -p engines"]
+    if not std:
+        return "\n".join([*lines, *_commands(profiles, options, timing_cache)]) + "\n"
+    lines += _graph_switch(options.graphs)
+    lines += ["", "if [[ $graphs == onnx ]]; then", *_commands(std, options, timing_cache, "  ")[1:], "else", *_commands(profiles, options, timing_cache, "  ")[1:], "fi"]
     return "\n".join(lines) + "\n"
 
 
-def write_script(directory: Path, profiles: Sequence[EngineProfile], options: BuildOptions) -> Path:
-    """Write ``DIR/engines/trtexec.sh`` (mode 755) and return its path."""
+def write_script(directory: Path, profiles: Sequence[EngineProfile], options: BuildOptions, std: Sequence[EngineProfile] | None = None) -> Path:
+    """Write ``DIR/engines/trtexec.sh`` (mode 755; ``std``: the ``--target onnx`` graphs' profiles,
+    when the export has them) and return its path."""
     path = directory / SCRIPT
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     from kiln.exporter.artifacts import manifest as manifest_mod
 
     precision = manifest_mod.read(directory).precision if (directory / manifest_mod.MANIFEST).is_file() else None
-    tmp.write_text(render_script(profiles, options, _script_cache(directory, options), precision))
+    tmp.write_text(render_script(profiles, options, _script_cache(directory, options), precision, std))
     mode = tmp.stat().st_mode
     tmp.chmod(mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     os.replace(tmp, path)

@@ -89,6 +89,8 @@ def test_manifest_with_triton_files_and_engines_is_valid(validator: Draft202012V
         "gpu": "NVIDIA H200",
         "compute_capability": "9.0",
         "files": {"prefill": "engines/prefill.plan", "decode": "engines/decode.plan"},
+        "graphs": "portable",
+        "graphs_reason": "the export has no --target onnx graphs (manifest targets.onnx)",
     }
     assert _errors(validator, manifest) == []
 

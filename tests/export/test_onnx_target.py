@@ -488,3 +488,41 @@ def test_static_contract() -> None:
     assert decode.inputs[3].dims == ("batch",) and decode.inputs[3].dtype == "int64"
     assert {t.dims for t in decode.inputs[4:]} == {("batch", 2, 64, 8)} == {t.dims for t in decode.outputs[1:]}
     assert decode.output_names == ["logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value"]
+
+
+def test_engine_profiles_and_trtexec_of_the_static_graphs(native: tuple[Path, ExportResult], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kiln build's profiles of the real std graphs: every input the graph file declares, its fixed
+    dims fixed (each cache's max_context slots), batch ranged; without TensorRT trtexec.sh holds both
+    graph sets and the export stays verifiable (no engine is built here: no TensorRT, no GPU)."""
+    import shutil
+    import sys
+
+    from kiln.errors import EngineError
+    from kiln.exporter.artifacts import manifest as manifest_mod
+    from kiln.exporter.engine import BuildOptions, GraphSet, build_command
+    from kiln.exporter.engine.profiles import engine_profiles
+
+    directory = Path(shutil.copytree(native[0], tmp_path / "export"))
+    manifest = manifest_mod.read(directory)
+    limits = manifest.limits
+    for profile in engine_profiles(manifest, BuildOptions(), GraphSet.ONNX):
+        graph = onnx.load(str(directory / profile.onnx), load_external_data=False).graph
+        dims = {v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim] for v in graph.input}
+        assert [s.name for s in profile.inputs] == list(dims)
+        for spec in profile.inputs:
+            assert len(spec.min) == len(dims[spec.name])
+            for i, dim in enumerate(dims[spec.name]):
+                if isinstance(dim, int):
+                    assert spec.min[i] == spec.opt[i] == spec.max[i] == dim
+                elif dim == "batch":
+                    assert (spec.min[i], spec.max[i]) == (1, limits.max_batch)
+            if spec.name.startswith("past_key_values."):
+                assert dims[spec.name][2] == spec.max[2] == spec.min[2] == limits.max_context
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    with pytest.raises(EngineError, match="TensorRT is not installed"):
+        build_command(directory, BuildOptions())
+    script = (directory / "engines" / "trtexec.sh").read_text()
+    kv = manifest.targets["onnx"].graphs["decode"].inputs[4]
+    assert kv.name == "past_key_values.0.key" and f"--maxShapes=input_ids:{limits.max_batch}x1," in script
+    assert f"past_key_values.0.key:{limits.max_batch}x{kv.shape[1]}x{limits.max_context}x{kv.shape[3]}" in script and "--onnx=onnx/decode.std.onnx" in script
+    assert verify_dir(directory).ok, verify_dir(directory).problems()

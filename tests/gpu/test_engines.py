@@ -162,3 +162,52 @@ def test_parser_error_names_the_node(tmp_path: Path) -> None:
     message = str(info.value)
     assert "bad.onnx: TensorRT's ONNX parser failed: node 'mystery_node' (NoSuchOp):" in message
     assert "\n" not in message
+
+
+# --- engines of the --target onnx graphs (TensorRT 10.15+: Attention, RotaryEmbedding, RMSNormalization, TensorScatter in place)
+
+
+@pytest.fixture(scope="module", params=["fp32", "fp16"])
+def built_std(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from kiln.exporter.engine import GraphSet, compat
+    from kiln.exporter.engine.graphs import STD_MIN_VERSION
+
+    trt = load_tensorrt()
+    if compat.trt_version(trt)[:2] < STD_MIN_VERSION:
+        pytest.skip(f"the --target onnx engines need TensorRT 10.15 or newer; this is {trt.__version__} (kiln build --graphs auto builds the portable ones here)")
+    options = dataclasses.replace(_export_options(request.param), target="onnx")
+    root = tmp_path_factory.mktemp(f"std-engines-{request.param}")
+    ckpt = write_checkpoint(root / "ckpt", tiny_config())
+    directory = export(ckpt, root / "export", options).out
+    summary = build_command(directory, BuildOptions(workspace=1 << 30, opt_batch=2, graphs=GraphSet.ONNX))
+    return {"dir": directory, "summary": summary, "precision": request.param}
+
+
+def test_std_engines_are_recorded_and_write_in_place(built_std: dict[str, Any]) -> None:
+    import tensorrt as trt
+
+    from kiln.exporter.engine import StaticTrtRunner, open_engines
+    from kiln.exporter.engine.build import check_in_place
+
+    directory: Path = built_std["dir"]
+    record = json.loads((directory / "engines" / "engines.json").read_text())
+    assert record["graphs"]["set"] == "onnx" and json.loads((directory / "manifest.json").read_text())["engines"]["graphs"] == "onnx"
+    for kind in ("prefill", "decode"):
+        entry = record["engines"][kind]
+        assert (entry["file"], entry["onnx"], entry["graphs"]) == (f"engines/{kind}.std.plan", f"onnx/{kind}.std.onnx", "onnx")
+        engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine((directory / entry["file"]).read_bytes())
+        aliases = check_in_place(trt, engine, entry["file"])  # every present.* aliases its past_key_values.* (IKVCacheUpdateLayer)
+        assert set(aliases) == {n for n in (engine.get_tensor_name(i) for i in range(engine.num_io_tensors)) if n.startswith("present.")}
+        shapes = engine.get_tensor_profile_shape("past_key_values.0.key", 0)
+        assert len({tuple(s)[1:] for s in shapes}) == 1  # the cache's dims but batch are fixed: static max_context
+    assert not (directory / "engines" / "prefill.plan").exists() and verify_dir(directory).ok
+    assert isinstance(open_engines(directory), StaticTrtRunner)
+
+
+def test_std_engine_parity(built_std: dict[str, Any]) -> None:
+    """kiln check --backend tensorrt on the std engines: tensors and greedy tokens (batch 1 and a
+    left-padded batch) against PyTorch, through StaticTrtRunner (one buffer as past and present)."""
+    from kiln.exporter.check import check_dir
+
+    result = check_dir(built_std["dir"], backend="tensorrt")
+    assert result.passed, result.failures()

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kiln_testing import placeholder_export, tiny_config
+from kiln_testing import placeholder_export, tiny_config, with_std_target
 
 import kiln.exporter.engine.build as build_mod
 from kiln.errors import ArtifactError, EngineError
@@ -482,3 +482,228 @@ def test_parser_failure_names_every_node(tmp_path: Path, monkeypatch: pytest.Mon
     text = str(info.value)
     assert text.startswith(f"engine: {directory / 'onnx' / 'prefill.onnx'}: TensorRT's ONNX parser failed: node '/layers.0/Foo' (Foo): No importer")
     assert "node '/layers.4/Foo' (Foo)" in text and "/layers.5/" not in text and text.endswith("(and 2 more)")
+
+
+# --- engines of the --target onnx graphs (static cache), over the stand-in TensorRT --------------
+
+
+def fake_std_export(root: Path, monkeypatch: pytest.MonkeyPatch, version: str = "11.1.0.106", aliased: bool = True) -> tuple[Path, Any]:
+    """``fake_export`` with ``targets.onnx`` too; the stand-in's engines name their I/O and say
+    which output aliases which input, as ``ICudaEngine.get_aliased_input_tensor`` does (10.15+):
+    each ``present.*`` its ``past_key_values.*`` when ``aliased``, none otherwise."""
+    spec = spec_of(tiny_config())
+    graphs = {
+        k.value: {"file": f"onnx/{k.value}.onnx", "inputs": [t.to_dict() for t in graph_io(spec, k).inputs], "outputs": [t.to_dict() for t in graph_io(spec, k).outputs]}
+        for k in DECODER_KINDS
+    }
+    m = with_std_target({"manifest_version": 2, "limits": {"max_batch": 8, "max_context": 48}, "graphs": graphs})
+    directory = placeholder_export(root / "export", m)
+    by_stem = {**graphs, **{f"{k}.std": g for k, g in m["targets"]["onnx"]["graphs"].items()}}  # the stand-in parser reads graphs by file stem
+    trt = fake_tensorrt({"graphs": by_stem}, version)
+    trt.TensorIOMode = SimpleNamespace(INPUT="in", OUTPUT="out")
+    plain = trt.Runtime.deserialize_cuda_engine
+
+    def deserialize(self: Any, data: bytes) -> Any:
+        engine = plain(self, data)
+        inputs = list(json.loads(data)["profile"])
+        outputs = ["logits", *(n.replace("past_key_values.", "present.") for n in inputs if n.startswith("past_key_values."))]
+        names = [*inputs, *outputs]
+        engine.num_io_tensors = len(names)
+        engine.get_tensor_name = names.__getitem__
+        engine.get_tensor_mode = lambda name: "out" if name in outputs else "in"
+        engine.get_aliased_input_tensor = lambda name: name.replace("present.", "past_key_values.") if aliased and name.startswith("present.") else None
+        return engine
+
+    monkeypatch.setattr(trt.Runtime, "deserialize_cuda_engine", deserialize)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(build_mod, "current_runtime", lambda trt: RuntimeInfo(version, "13.0", "Fake GPU", "9.0"))
+    return directory, trt
+
+
+def test_std_build_flow_records_the_graph_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.exporter.engine import StaticTrtRunner, open_engines
+    from kiln.exporter.engine.options import GraphSet
+
+    directory, _ = fake_std_export(tmp_path, monkeypatch)
+    build_command(directory, BuildOptions(graphs=GraphSet.PORTABLE))  # first the portable set...
+    assert (directory / "engines" / "decode.plan").is_file()
+    summary = build_command(directory, BuildOptions(opt_batch=2))  # ...then auto: the std set replaces it
+    reason = "the export has --target onnx graphs and TensorRT 11.1.0.106 parses them (10.15+)"
+    assert summary["graphs"] == {"set": "onnx", "reason": reason}
+    decode = summary["engines"]["decode"]
+    assert (decode["file"], decode["onnx"], decode["graphs"]) == ("engines/decode.std.plan", "onnx/decode.std.onnx", "onnx")
+    assert decode["profiles"][0]["past_key_values.1.value"] == {"dtype": "float32", "min": [1, 2, 48, 8], "opt": [2, 2, 48, 8], "max": [8, 2, 48, 8]}
+    assert decode["profiles"][0]["write_indices"] == {"dtype": "int64", "min": [1], "opt": [2], "max": [8]}
+    plan = json.loads((directory / "engines" / "decode.std.plan").read_text())
+    assert plan["profile"]["past_key_values.0.key"] == [[1, 2, 48, 8], [2, 2, 48, 8], [8, 2, 48, 8]]
+    assert not (directory / "engines" / "decode.plan").exists() and not (directory / "engines" / "prefill.plan").exists()  # one set in engines/
+    assert read_records(directory)["graphs"] == {"set": "onnx", "reason": reason}
+    written = manifest_mod.read(directory).to_json()["engines"]
+    assert (written["graphs"], written["graphs_reason"], written["files"]["prefill"]) == ("onnx", reason, "engines/prefill.std.plan")
+    from jsonschema import Draft202012Validator
+
+    schema = json.loads((Path(__file__).parents[2] / "exporter" / "artifacts" / "manifest.schema.json").read_text())
+    engines_schema = Draft202012Validator({"$defs": schema["$defs"], **schema["properties"]["engines"]})
+    assert not list(engines_schema.iter_errors(written))
+    assert list(engines_schema.iter_errors({**written, "graphs": "auto"}))  # only a chosen set is recorded
+    assert verify_dir(directory).ok, verify_dir(directory).problems()
+    runner = open_engines(directory)
+    assert isinstance(runner, StaticTrtRunner) and runner.graphs() == (GraphKind.PREFILL, GraphKind.DECODE)
+    with pytest.raises(ArtifactError, match=r"its engines were built from the onnx graphs \(engines.json\), not the portable ones"):
+        TrtRunner.from_directory(directory)
+    summary = build_command(directory, BuildOptions(graphs=GraphSet.PORTABLE))
+    assert summary["graphs"] == {"set": "portable", "reason": "--graphs portable"} and isinstance(open_engines(directory), TrtRunner)
+    assert not (directory / "engines" / "decode.std.plan").exists() and verify_dir(directory).ok
+
+
+def test_std_engine_not_written_in_place_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    directory, _ = fake_std_export(tmp_path, monkeypatch, aliased=False)
+    with pytest.raises(EngineError, match=r"prefill.std.plan: the cache is not written in place: present.0.key -> None, .*TensorRT's parser did not lower TensorScatter to IKVCacheUpdateLayer"):
+        build_command(directory, BuildOptions())
+    assert not (directory / "engines" / "engines.json").exists() and verify_dir(directory).ok
+
+
+def test_std_graphs_on_tensorrt_10_14(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto builds the portable graphs on a TensorRT older than 10.15, and says why; --graphs onnx is refused there."""
+    from kiln.exporter.engine.options import GraphSet
+
+    directory, trt = fake_std_export(tmp_path, monkeypatch, version="10.14.1.48")
+    monkeypatch.setattr(compat, "network_flags", lambda trt: 0)  # the stand-in builds 11.x networks only
+    summary = build_command(directory, BuildOptions())
+    assert summary["graphs"]["set"] == "portable" and summary["graphs"]["reason"].startswith("TensorRT 10.14.1.48 is older than 10.15")
+    assert summary["engines"]["decode"]["file"] == "engines/decode.plan"
+    with pytest.raises(EngineError) as info:
+        build_command(directory, BuildOptions(graphs=GraphSet.ONNX))
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("engine: --graphs onnx needs TensorRT 10.15 or newer") and "found TensorRT 10.14.1.48" in text
+    assert "(wrote " in text and verify_dir(directory).ok
+
+
+class _FakeCuda:
+    """polygraphy.cuda's DeviceArray/Stream over host arrays, each at an address of its own: what
+    StaticTrtRunner calls, so the stand-in context can check which buffer each tensor is bound to."""
+
+    def __init__(self) -> None:
+        self.memory: dict[int, Any] = {}
+        cuda = self
+
+        class DeviceArray:
+            def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+                import numpy as np
+
+                self.array = np.zeros(shape, dtype)
+                self.ptr = 1000 + len(cuda.memory)
+                cuda.memory[self.ptr] = self
+
+            def resize(self, shape: tuple[int, ...]) -> None:
+                import numpy as np
+
+                self.array = np.zeros(shape, self.array.dtype)
+
+            def copy_from(self, host: Any, stream: Any = None) -> None:
+                assert host.shape == self.array.shape and host.dtype == self.array.dtype
+                self.array = host.copy()
+
+            def numpy(self) -> Any:
+                return self.array.copy()
+
+            def free(self) -> None:
+                cuda.memory.pop(self.ptr, None)
+
+        class Stream:
+            ptr = 7
+
+            def synchronize(self) -> None:
+                pass
+
+            def free(self) -> None:
+                pass
+
+        self.DeviceArray, self.Stream = DeviceArray, Stream
+
+
+def test_static_runner_binds_each_present_at_its_past(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """StaticTrtRunner over a stand-in engine whose context writes the new tokens into the buffer
+    bound to each present, and fails (as TensorRT's API error) when a present is not bound at its
+    past's address: the portable question (a past of 3) comes back as presents of 4 slots, the past
+    kept, the new slot written in place. Plumbing only: the real engines run in tests/gpu."""
+    import numpy as np
+    import polygraphy
+
+    import kiln.exporter.engine.runner as runner_mod
+    from kiln.exporter.engine import StaticTrtRunner, open_engines
+
+    directory, trt = fake_std_export(tmp_path, monkeypatch)
+    build_command(directory, BuildOptions())
+    cuda = _FakeCuda()
+    monkeypatch.setattr(polygraphy, "cuda", cuda, raising=False)
+    monkeypatch.setattr(runner_mod, "current_runtime", lambda trt: RuntimeInfo("11.1.0.106", "13.0", "Fake GPU", "9.0"))
+    trt.nptype = lambda t: np.dtype(t)
+    plain = trt.Runtime.deserialize_cuda_engine
+
+    class Context:
+        def __init__(self, engine: Any) -> None:
+            self.engine, self.shapes, self.addresses = engine, {}, {}
+
+        def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
+            self.shapes[name] = tuple(shape)
+            return True
+
+        def set_tensor_address(self, name: str, ptr: int) -> bool:
+            self.addresses[name] = ptr
+            return True
+
+        def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+            assert name == "logits"
+            return (*self.shapes["input_ids"], 32)
+
+        def execute_async_v3(self, stream: int) -> bool:
+            batch, seq = self.shapes["input_ids"]
+            writes = cuda.memory[self.addresses["write_indices"]].array if "write_indices" in self.addresses and "write_indices" in self.shapes else np.zeros(batch, np.int64)
+            for name in (n for n in self.addresses if n.startswith("present.")):
+                if self.addresses[name] != self.addresses[name.replace("present.", "past_key_values.")]:
+                    return False  # TensorRT: "If different addresses are assigned, TensorRT reports an API error"
+                cache = cuda.memory[self.addresses[name]].array
+                for b in range(batch):
+                    cache[b, :, writes[b] : writes[b] + seq, :] = 1.0 + writes[b] + np.arange(seq)[:, None]
+            cuda.memory[self.addresses["logits"]].array[...] = 7.0
+            return True
+
+    def deserialize(self: Any, data: bytes) -> Any:
+        engine = plain(self, data)
+        engine.get_tensor_dtype = lambda name: "int64" if name in ("input_ids", "attention_mask", "position_ids", "write_indices") else "float32"
+        engine.get_tensor_shape = lambda name: (-1, 2, 48, 8) if "key_values" in name or name.startswith("present.") else (-1, -1)
+        engine.create_execution_context = lambda: Context(engine)
+        return engine
+
+    monkeypatch.setattr(trt.Runtime, "deserialize_cuda_engine", deserialize)
+    runner = open_engines(directory)
+    assert isinstance(runner, StaticTrtRunner)
+    past = np.full((2, 2, 3, 8), 0.5, np.float32)
+    feeds = {"input_ids": np.zeros((2, 1), np.int64), "attention_mask": np.ones((2, 4), np.int64), "position_ids": np.full((2, 1), 3, np.int64)}
+    feeds |= {f"past_key_values.{i}.{kv}": past for i in range(2) for kv in ("key", "value")}
+    with runner:
+        out = runner.run(GraphKind.DECODE, feeds)
+        prefill = runner.run(GraphKind.PREFILL, {k: np.zeros((1, 5), np.int64) for k in ("input_ids", "attention_mask", "position_ids")})
+    assert out["logits"].shape == (2, 1, 32) and (out["logits"] == 7.0).all()
+    for i in range(2):
+        present = out[f"present.{i}.key"]
+        assert present.shape == (2, 2, 4, 8) and (present[:, :, :3] == 0.5).all() and (present[:, :, 3] == 4.0).all()
+    assert prefill["present.1.value"].shape == (1, 2, 5, 8) and (prefill["present.1.value"][0, :, :, 0] == np.arange(1.0, 6.0)).all()
+    assert not cuda.memory  # every buffer freed on exit
+    with pytest.raises(EngineError, match="inside a with block"):
+        runner.run(GraphKind.DECODE, feeds)
+
+
+def test_cli_build_says_which_graphs_and_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    directory, _ = fake_std_export(tmp_path, monkeypatch)
+    result = CliRunner().invoke(main, ["build", str(directory)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"wrote engines/prefill.std.plan, engines/decode.std.plan in {directory} from the onnx graphs "
+                                    "(the export has --target onnx graphs and TensorRT 11.1.0.106 parses them (10.15+); TensorRT 11.1.0.106, Fake GPU")
+    result = CliRunner().invoke(main, ["build", str(directory), "--graphs", "portable", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["graphs"] == {"set": "portable", "reason": "--graphs portable"}

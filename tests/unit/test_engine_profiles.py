@@ -6,10 +6,10 @@ import itertools
 from typing import Any
 
 import pytest
-from kiln_testing import tiny_config, typed_manifest
+from kiln_testing import tiny_config, typed_manifest, with_std_target
 
 from kiln.errors import ArtifactError, ConfigError
-from kiln.exporter.engine.options import GIB, MIB, BuildOptions, HardwareCompat, parse_size
+from kiln.exporter.engine.options import GIB, MIB, BuildOptions, GraphSet, HardwareCompat, parse_size
 from kiln.exporter.engine.profiles import ENGINE_GRAPHS, dim_ranges, engine_profile, engine_profiles
 from kiln.exporter.artifacts.manifest import Limits
 from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
@@ -161,3 +161,63 @@ def test_parse_size(text: str, nbytes: int) -> None:
 def test_parse_size_refuses_garbage() -> None:
     with pytest.raises(ConfigError, match="--workspace: expected a size such as 4G"):
         parse_size("lots")
+
+
+# --- the --target onnx graphs (the static-cache contract, exporter/contract/static_cache.py) ------
+
+
+def std_manifest(max_batch: int = 8, max_context: int = 48) -> dict[str, Any]:
+    """A manifest with ``targets.onnx``, its graphs' I/O recorded as the export records it (``static_io``)."""
+    return with_std_target(manifest(max_batch, max_context))
+
+
+def std_shapes(m: dict[str, Any], kind: GraphKind, options: BuildOptions | None = None) -> dict[str, tuple[tuple[int, ...], ...]]:
+    profile = engine_profile(typed_manifest(m), kind, options or BuildOptions(), GraphSet.ONNX)
+    assert (profile.onnx, profile.engine) == (f"onnx/{kind.value}.std.onnx", f"engines/{kind.value}.std.plan")
+    return {s.name: (s.min, s.opt, s.max) for s in profile.inputs}
+
+
+def test_std_prefill_profile() -> None:
+    """Prefill takes the zeroed buffers too: max_context fixed, batch ranged; its ids as the portable prefill's."""
+    got = std_shapes(std_manifest(), GraphKind.PREFILL)
+    assert list(got) == ["input_ids", "attention_mask", "position_ids", *KV]
+    for name in ("input_ids", "attention_mask", "position_ids"):
+        assert got[name] == shapes(manifest(), GraphKind.PREFILL)[name] == ((1, 1), (1, 24), (8, 48))
+    for name in KV:  # [batch, n_kv_heads, max_context, head_dim]: only the batch moves
+        assert got[name] == ((1, 2, 48, 8), (1, 2, 48, 8), (8, 2, 48, 8))
+
+
+def test_std_decode_profile() -> None:
+    got = std_shapes(std_manifest(), GraphKind.DECODE, BuildOptions(opt_batch=4, opt_context=40))
+    assert list(got) == ["input_ids", "attention_mask", "position_ids", "write_indices", *KV]
+    assert got["input_ids"] == got["position_ids"] == ((1, 1), (4, 1), (8, 1))
+    assert got["attention_mask"] == ((1, 2), (4, 40), (8, 48))  # [batch, total_seq], up to max_context
+    assert got["write_indices"] == ((1,), (4,), (8,))  # [batch]
+    for name in KV:
+        assert got[name] == ((1, 2, 48, 8), (4, 2, 48, 8), (8, 2, 48, 8))
+
+
+@pytest.mark.parametrize(("max_batch", "max_context"), [(1, 2), (8, 48), (3, 64)])
+def test_std_cache_dims_are_static(max_batch: int, max_context: int) -> None:
+    for kind in ENGINE_GRAPHS:
+        for name, (lo, mid, hi) in std_shapes(std_manifest(max_batch, max_context), kind).items():
+            if name.startswith("past_key_values."):
+                assert lo[1:] == mid[1:] == hi[1:] == (2, max_context, 8) and (lo[0], hi[0]) == (1, max_batch)
+
+
+def test_std_profiles_need_the_target_and_the_contract() -> None:
+    with pytest.raises(ArtifactError, match=r"no targets.onnx.graphs.prefill with its inputs; re-export with --target onnx"):
+        engine_profile(typed_manifest(manifest()), GraphKind.PREFILL, BuildOptions(), GraphSet.ONNX)
+    m = std_manifest()
+    m["targets"]["onnx"]["graphs"]["decode"]["inputs"][5]["shape"] = ["batch", 2, "total_seq", 8]  # a grown cache: not this contract
+    with pytest.raises(ArtifactError, match=r"cache input past_key_values.0.value is \['batch', 2, 'total_seq', 8\], expected \[batch, n_kv_heads, 48, head_dim\]"):
+        engine_profile(typed_manifest(m), GraphKind.DECODE, BuildOptions(), GraphSet.ONNX)
+    with pytest.raises(ValueError, match="not auto"):
+        engine_profile(typed_manifest(m), GraphKind.DECODE, BuildOptions(), GraphSet.AUTO)
+    assert [p.engine for p in engine_profiles(typed_manifest(m), BuildOptions())] == ["engines/prefill.plan", "engines/decode.plan"]  # the default: portable
+
+
+def test_graphs_option() -> None:
+    assert BuildOptions().graphs is GraphSet.AUTO and BuildOptions().to_dict()["graphs"] == "auto"
+    with pytest.raises(ConfigError, match="--graphs must be one of auto, portable, onnx"):
+        BuildOptions(graphs="onnx")  # type: ignore[arg-type]

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kiln_testing import placeholder_export, tiny_config, typed_manifest
+from kiln_testing import placeholder_export, tiny_config, typed_manifest, with_std_target
 
 from kiln.errors import ArtifactError, ConfigError, EngineError
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.engine import BuildOptions, HardwareCompat, build_command
 from kiln.exporter.engine.build import load_tensorrt
-from kiln.exporter.engine.options import MIB
+from kiln.exporter.engine.options import MIB, GraphSet
 from kiln.exporter.engine.profiles import engine_profiles
 from kiln.exporter.engine.trtexec import render_script, trtexec_args, trtexec_command, write_script
 from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
@@ -255,3 +255,117 @@ def test_build_writes_only_into_an_engines_folder_kiln_wrote(tmp_path: Path, mon
     with pytest.raises(EngineError, match="TensorRT is not installed"):
         build_command(directory, BuildOptions())
     assert {"engines/trtexec.sh", "engines/prefill.plan"} <= set(manifest_mod.read(directory).files)
+
+
+# --- both graph sets: the portable graphs and --target onnx's (static cache), and the switch -------
+
+
+def _kv(shape: str) -> str:
+    return ",".join(f"past_key_values.{i}.{kv}:{shape}" for i in range(2) for kv in ("key", "value"))
+
+
+STD_PREFILL = (
+    "trtexec --onnx=onnx/prefill.std.onnx --saveEngine=engines/prefill.std.plan"
+    f" --minShapes=input_ids:1x1,attention_mask:1x1,position_ids:1x1,{_kv('1x2x48x8')}"
+    f" --optShapes=input_ids:1x24,attention_mask:1x24,position_ids:1x24,{_kv('1x2x48x8')}"
+    f" --maxShapes=input_ids:8x48,attention_mask:8x48,position_ids:8x48,{_kv('8x2x48x8')}"
+    " --timingCacheFile=engines/timing.cache --memPoolSize=workspace:4096M --builderOptimizationLevel=3"
+    " --stronglyTyped --noTF32 --hardwareCompatibilityLevel=none --skipInference"
+)
+STD_DECODE = (
+    "trtexec --onnx=onnx/decode.std.onnx --saveEngine=engines/decode.std.plan"
+    f" --minShapes=input_ids:1x1,attention_mask:1x2,position_ids:1x1,write_indices:1,{_kv('1x2x48x8')}"
+    f" --optShapes=input_ids:1x1,attention_mask:1x24,position_ids:1x1,write_indices:1,{_kv('1x2x48x8')}"
+    f" --maxShapes=input_ids:8x1,attention_mask:8x48,position_ids:8x1,write_indices:8,{_kv('8x2x48x8')}"
+    " --timingCacheFile=engines/timing.cache --memPoolSize=workspace:4096M --builderOptimizationLevel=3"
+    " --stronglyTyped --noTF32 --hardwareCompatibilityLevel=none --skipInference"
+)
+
+
+def _both(options: BuildOptions | None = None) -> str:
+    m = typed_manifest(with_std_target(manifest()))
+    options = options or BuildOptions()
+    return render_script(engine_profiles(m, options), options, std=engine_profiles(m, options, GraphSet.ONNX))
+
+
+def test_std_script_holds_both_sets_and_a_switch() -> None:
+    text = _both()
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    lines = text.splitlines()
+    assert 'graphs="${KILN_GRAPHS:-auto}"' in lines and "if [[ $graphs == onnx ]]; then" in lines and lines[-1] == "fi"
+    assert "  banner=$(trtexec --help 2>&1 || true)" in lines
+    assert any("auto) if (( version >= 101500 )); then graphs=onnx; else graphs=portable; fi ;;" in line for line in lines)
+    flat = text.replace(" \\\n    ", " ").splitlines()
+    commands = [line.strip() for line in flat if line.strip().startswith("trtexec --onnx")]
+    assert commands == [STD_PREFILL, STD_DECODE, PREFILL, DECODE]  # the std set under `then`, the portable one under `else`
+    assert 'graphs="${KILN_GRAPHS:-portable}"' in _both(BuildOptions(graphs=GraphSet.PORTABLE)).splitlines()
+    assert 'graphs="${KILN_GRAPHS:-onnx}"' in _both(BuildOptions(graphs=GraphSet.ONNX)).splitlines()
+    portable_only = render_script(engine_profiles(typed_manifest(manifest()), BuildOptions()), BuildOptions())
+    assert "KILN_GRAPHS" not in portable_only and "std" not in portable_only  # an export without the target: today's script
+
+
+def _fake_trtexec(root: Path, version: int | None) -> dict[str, str]:
+    """A trtexec on PATH that prints the first line every trtexec prints (samples/common/logging.h)
+    for ``--help`` and logs every other call."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    banner = f"&&&& RUNNING TensorRT.trtexec [TensorRT v{version}] [b29] # trtexec --help" if version is not None else "trtexec of no known version"
+    fake = bin_dir / "trtexec"
+    fake.write_text(f'#!/usr/bin/env bash\nif [[ $1 == --help ]]; then echo "{banner}"; echo "=== Model Options ==="; exit 0; fi\necho "$*" >> "$TRTEXEC_LOG"\n')
+    fake.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TRTEXEC_LOG": str(root / "calls.log")}
+
+
+@pytest.mark.parametrize(
+    ("version", "graphs", "built"),
+    [
+        (101501, None, "std"), (110100, None, "std"), (101400, None, "portable"), (None, None, "portable"),
+        (101400, "portable", "portable"), (110100, "portable", "portable"), (None, "onnx", "std"), (101600, "onnx", "std"),
+    ],
+)
+def test_std_script_picks_by_trtexec_version(tmp_path: Path, version: int | None, graphs: str | None, built: str) -> None:
+    directory = export_dir(tmp_path, with_std_target(manifest()))
+    m = manifest_mod.read(directory)
+    script = write_script(directory, engine_profiles(m, BuildOptions()), BuildOptions(), engine_profiles(m, BuildOptions(), GraphSet.ONNX))
+    env = _fake_trtexec(tmp_path, version)
+    if graphs is not None:
+        env["KILN_GRAPHS"] = graphs
+    done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, check=True, capture_output=True, text=True)
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    expected = [STD_PREFILL, STD_DECODE] if built == "std" else [PREFILL, DECODE]
+    assert calls == [c[len("trtexec "):] for c in expected]
+    chosen = "onnx" if built == "std" else "portable"
+    seen = f"trtexec TensorRT v{version}" if version is not None and graphs != "portable" else "trtexec's version not read"  # portable by name: not asked
+    assert f"trtexec.sh: building the {chosen} graphs (KILN_GRAPHS={graphs or 'auto'}, {seen})" in done.stderr
+
+
+def test_std_script_refuses_onnx_on_an_older_trtexec(tmp_path: Path) -> None:
+    directory = export_dir(tmp_path, with_std_target(manifest()))
+    m = manifest_mod.read(directory)
+    script = write_script(directory, engine_profiles(m, BuildOptions()), BuildOptions(), engine_profiles(m, BuildOptions(), GraphSet.ONNX))
+    for graphs, version, code, message in (("onnx", 101400, 1, "KILN_GRAPHS=onnx needs TensorRT 10.15 or newer, trtexec is TensorRT v101400"), ("std", 110100, 2, "KILN_GRAPHS must be auto, portable or onnx, found std")):
+        env = {**_fake_trtexec(tmp_path, version), "KILN_GRAPHS": graphs}
+        done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert done.returncode == code and message in done.stderr
+        assert not (tmp_path / "calls.log").exists()  # nothing built
+
+
+def test_std_export_without_tensorrt_writes_both_sets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    directory = export_dir(tmp_path, with_std_target(manifest()))
+    with pytest.raises(EngineError) as info:
+        build_command(directory, BuildOptions())
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("engine: TensorRT is not installed")
+    assert text.endswith(f"(wrote {directory / 'engines' / 'trtexec.sh'} (it builds the --target onnx graphs where trtexec is TensorRT 10.15+, else the portable ones))")
+    script = (directory / "engines" / "trtexec.sh").read_text()
+    assert "--onnx=onnx/decode.std.onnx" in script and "--onnx=onnx/decode.onnx" in script
+    assert verify_dir(directory).ok, verify_dir(directory).problems()
+
+
+def test_graphs_onnx_without_the_target_is_refused_before_anything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    directory = export_dir(tmp_path)
+    with pytest.raises(ConfigError, match=r"--graphs onnx builds the --target onnx graphs .* and this export has none"):
+        build_command(directory, BuildOptions(graphs=GraphSet.ONNX))
+    assert not (directory / "engines").exists()

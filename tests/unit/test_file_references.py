@@ -30,6 +30,7 @@ OTHER = {
     "neural_compressor/weight_only.py": "ONNX Runtime's quantizer (onnx-neural-compressor)",
     "qa/common/gen_qa_implicit_models.py": "Triton server's tests",
     "float16.py": "ONNX Runtime's fp16 converter",
+    "docs/operators.md": "onnx-tensorrt's operator support matrix (the TensorRT ONNX parser)",
 }
 
 

@@ -2,9 +2,10 @@
 
 Parity asks every runner the same question in the portable contract (a past of ``past_seq``
 rows, presents of ``past_seq + seq``). ``StaticCacheRunner`` answers it through the static
-contract (``contract.static_cache``): each past goes into a zeroed ``max_context`` buffer,
-``write_indices`` is the past length in every row (kiln's batches are left-padded, so all rows
-write at one slot), and each present returned is the buffer's first ``past_seq + seq`` slots.
+contract (``contract.static_cache.static_feeds``, which TensorRT's ``engine.static_runner`` shares):
+each past goes into a zeroed ``max_context`` buffer, ``write_indices`` is the past length in every
+row (kiln's batches are left-padded, so all rows write at one slot), and each present returned is
+the buffer's first ``past_seq + seq`` slots.
 That adaptation copies, which parity can afford; ``kiln generate --target onnx`` runs the
 graphs in place (one buffer bound as past and present: ``runtime.generate``).
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.contract.static_cache import WRITE_INDICES
+from kiln.exporter.contract.static_cache import portable_outputs, static_feeds
 from kiln.exporter.runners.base import Feeds
 from kiln.exporter.runners.ort_runner import OrtRunner
 
@@ -54,23 +55,5 @@ class StaticCacheRunner(OrtRunner):
         return lambda: cls(paths, extra_feeds=extra_feeds)
 
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
-        batch, seq = feeds["input_ids"].shape
-        pasts = {name: value for name, value in feeds.items() if name.startswith("past_key_values.")}
-        past_seq = next(iter(pasts.values())).shape[2] if pasts else 0
-        static = {name: value for name, value in feeds.items() if name not in pasts}
-        for name, buffer in self._buffers(kind, pasts, batch).items():
-            static[name] = buffer
-        if kind is not GraphKind.PREFILL:
-            static[WRITE_INDICES] = np.full((batch,), past_seq, dtype=np.int64)
-        outputs = super().run(kind, static)
-        return {name: value[:, :, : past_seq + seq] if name.startswith("present.") else value for name, value in outputs.items()}
-
-    def _buffers(self, kind: GraphKind, pasts: Feeds, batch: int) -> Feeds:
-        if kind is GraphKind.PREFILL:  # the graph's cache inputs, zeroed
-            return {name: np.zeros((batch, *shape), dtype=dtype) for name, (shape, dtype) in self._caches.items()}
-        out = {}
-        for name, past in pasts.items():
-            buffer = np.zeros((past.shape[0], *self._caches[name][0]), dtype=past.dtype)
-            buffer[:, :, : past.shape[2]] = past
-            out[name] = buffer
-        return out
+        static, length = static_feeds(kind, feeds, self._caches)
+        return portable_outputs(super().run(kind, static), length)
