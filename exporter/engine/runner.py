@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from kiln.errors import ArtifactError, EngineError
@@ -34,7 +34,7 @@ from kiln.exporter.engine.records import check_engine_compat, read_records
 if TYPE_CHECKING:
     import tensorrt as trt_types
 
-__all__ = ["TrtRunner", "recorded_engines", "output_names", "load_engines"]
+__all__ = ["RecordedEngines", "TrtRunner", "recorded_engines", "output_names", "load_engines"]
 
 Feeds = dict[str, np.ndarray]
 
@@ -94,8 +94,42 @@ def load_engines(
     return [logger, runtime], engines
 
 
-class TrtRunner(contextlib.AbstractContextManager["TrtRunner"]):
-    """TensorRT engines over ``{kind: plan path}``; engines and contexts exist only while active."""
+_Runner = TypeVar("_Runner", bound="RecordedEngines")
+
+
+class RecordedEngines:
+    """What both TensorRT runners hold: ``{kind: plan path}``, their engines.json entries (checked
+    against this machine when loaded), the inputs fed to every run (e.g. PLE tables), and the
+    logger and runtime that must outlive the engines. ``graph_set``: which engines.json set
+    ``from_directory`` reads."""
+
+    graph_set = "portable"
+
+    def __init__(
+        self,
+        engines: Mapping[GraphKind, Path],
+        records: Mapping[GraphKind, Mapping[str, Any]] | None = None,
+        extra_feeds: Feeds | None = None,
+    ) -> None:
+        self._paths = dict(engines)
+        self._records = dict(records or {})
+        self._extra = dict(extra_feeds or {})
+        self._keep: list[Any] = []
+
+    @classmethod
+    def from_directory(cls: type[_Runner], directory: Path, extra_feeds: Feeds | None = None) -> _Runner:
+        """The engines of ``DIR/engines/engines.json`` of this runner's graph set, after checking
+        their sha256."""
+        engines, records = recorded_engines(directory, cls.graph_set)
+        return cls(engines, records, extra_feeds)
+
+    def graphs(self) -> tuple[GraphKind, ...]:
+        return tuple(self._paths)
+
+
+class TrtRunner(RecordedEngines, contextlib.AbstractContextManager["TrtRunner"]):
+    """TensorRT engines of the portable graphs over ``{kind: plan path}`` (those of ``--target
+    onnx``'s are ``static_runner.StaticTrtRunner``'s); engines and contexts exist only while active."""
 
     name = "tensorrt"
 
@@ -105,22 +139,9 @@ class TrtRunner(contextlib.AbstractContextManager["TrtRunner"]):
         records: Mapping[GraphKind, Mapping[str, Any]] | None = None,
         extra_feeds: Feeds | None = None,
     ) -> None:
-        self._paths = dict(engines)
-        self._records = dict(records or {})  # engines.json entries: checked against this machine
-        self._extra = dict(extra_feeds or {})  # inputs fed to every run (e.g. PLE tables)
+        super().__init__(engines, records, extra_feeds)
         self._runners: dict[GraphKind, Any] = {}
         self._outputs: dict[GraphKind, tuple[str, ...]] = {}
-        self._keep: list[Any] = []  # logger and runtime outlive the engines
-
-    @classmethod
-    def from_directory(cls, directory: Path, extra_feeds: Feeds | None = None) -> TrtRunner:
-        """The engines of ``DIR/engines/engines.json``, after checking their sha256 (engines of the
-        portable graphs: those of ``--target onnx``'s are ``static_runner.StaticTrtRunner``'s)."""
-        engines, records = recorded_engines(directory, "portable")
-        return cls(engines, records, extra_feeds)
-
-    def graphs(self) -> tuple[GraphKind, ...]:
-        return tuple(self._paths)
 
     def __enter__(self) -> TrtRunner:
         load_tensorrt()  # one clear error where it is missing

@@ -44,7 +44,7 @@ from kiln.errors import EngineError
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.contract.static_cache import portable_outputs, static_feeds
 from kiln.exporter.engine.build import check_in_place, load_tensorrt
-from kiln.exporter.engine.runner import load_engines, output_names, recorded_engines
+from kiln.exporter.engine.runner import RecordedEngines, load_engines, output_names
 
 if TYPE_CHECKING:
     import tensorrt as trt_types
@@ -115,11 +115,12 @@ class _Session:
         self._buffers.clear()
 
 
-class StaticTrtRunner(contextlib.AbstractContextManager["StaticTrtRunner"]):
+class StaticTrtRunner(RecordedEngines, contextlib.AbstractContextManager["StaticTrtRunner"]):
     """TensorRT engines of the ``--target onnx`` graphs over ``{kind: plan path}``, in the portable
     contract (module docstring); engines, contexts and buffers exist only while active."""
 
     name = "tensorrt (static cache)"
+    graph_set = "onnx"
 
     def __init__(
         self,
@@ -127,22 +128,9 @@ class StaticTrtRunner(contextlib.AbstractContextManager["StaticTrtRunner"]):
         records: Mapping[GraphKind, Mapping[str, Any]] | None = None,
         extra_feeds: Feeds | None = None,
     ) -> None:
-        self._paths = dict(engines)
-        self._records = dict(records or {})  # engines.json entries: checked against this machine
-        self._extra = dict(extra_feeds or {})
+        super().__init__(engines, records, extra_feeds)
         self._sessions: dict[GraphKind, _Session] = {}
         self._stream: Any = None
-        self._keep: list[Any] = []  # logger and runtime outlive the engines
-
-    @classmethod
-    def from_directory(cls, directory: Path, extra_feeds: Feeds | None = None) -> StaticTrtRunner:
-        """The engines of ``DIR/engines/engines.json`` built from the ``--target onnx`` graphs, after
-        checking their sha256."""
-        engines, records = recorded_engines(directory, "onnx")
-        return cls(engines, records, extra_feeds)
-
-    def graphs(self) -> tuple[GraphKind, ...]:
-        return tuple(self._paths)
 
     def __enter__(self) -> StaticTrtRunner:
         load_tensorrt()  # one clear error where it is missing
