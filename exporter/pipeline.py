@@ -42,6 +42,7 @@ from kiln.exporter.parity import (
     ParityResult,
     ParitySettings,
     check_parity,
+    quantized_model,
 )
 from kiln.exporter.precision.int4 import DEFAULT_INT4_FLOAT, Int4Quantizer
 from kiln.exporter.precision.int8 import DEFAULT_INT8_FLOAT, Int8Policy
@@ -120,7 +121,13 @@ def export_loaded(
         if adapters:
             parity_module, release = _peft_reference(loaded, adapters, release, progress)
         parity = check_parity(
-            parity_module, reference.spec, _candidates(folded, options, portable, written), _settings(reference, options), release_reference=release, progress=progress
+            parity_module,
+            reference.spec,
+            _candidates(folded, options, portable, written),
+            _settings(reference, options),
+            release_reference=release,
+            progress=progress,
+            quantized=quantized_model(options.precision, portable.paths.values(), options.parity_agreement == "gate"),
         )
         if not parity.passed:
             raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
@@ -268,8 +275,8 @@ def _settings(reference: Reference, options: ExportOptions) -> ParitySettings:
 def _candidates(folded: Folded, options: ExportOptions, portable: GraphSet, written: tuple[TargetGraphs, ...]) -> list[Candidate]:
     """The graph sets parity checks: the portable graphs, then each target's (opened its way)."""
     feeds = table_feeds(list(folded.tables), options.precision.kv_dtype) if options.ple_tables is PLETables.INPUT else None
-    candidates = [Candidate(OrtRunner.opener(portable.paths, feeds), tuple(portable.paths), options.precision.value)]
+    candidates = [Candidate(OrtRunner.opener(portable.paths, feeds), tuple(portable.paths), options.precision.value, quantized=options.precision.weight_only_float)]
     for graphs in written:
-        opener = target(graphs.name).runner(graphs.paths, feeds)
-        candidates.append(Candidate(opener, tuple(graphs.paths), graphs.precision, target=graphs.name))
+        chosen = target(graphs.name)
+        candidates.append(Candidate(chosen.runner(graphs.paths, feeds), tuple(graphs.paths), graphs.precision, target=graphs.name, quantized=chosen.quantized_precision(graphs.precision)))
     return candidates

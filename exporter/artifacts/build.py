@@ -75,7 +75,7 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
         graphs=graphs,
         weights=WeightsInfo(_rel(weights.path, root), weights.tensors, weights.bytes),
         tokenizer=TOKENIZER if report.tokenizer is not None else None,
-        parity=ParityInfo(report.parity.passed, PARITY_REPORT),
+        parity=ParityInfo(report.parity.passed, PARITY_REPORT, options.parity_agreement if report.parity.quantized is not None else None),
         tools=tool_versions(),
         files={},
         targets={t.name: _target_entry(t, root) for t in report.targets} or None,

@@ -182,6 +182,7 @@ class WeightsInfo:
 class ParityInfo:
     passed: bool
     report: str
+    agreement: str | None = _omit()  # int4: "gate" or "record" (--parity-agreement): whether agreement with the checkpoint's model gated it
 
 
 @dataclasses.dataclass(frozen=True)

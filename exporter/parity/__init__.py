@@ -19,8 +19,10 @@ from __future__ import annotations
 from kiln.exporter.parity.driver import (
     Candidate,
     ParitySettings,
+    QuantizedModel,
     check_parity,
     parity_plan,
+    quantized_model,
     run_parity,
 )
 from kiln.exporter.parity.generation import (
@@ -57,7 +59,9 @@ __all__ = [
     "TargetParity",
     "Candidate",
     "ParitySettings",
+    "QuantizedModel",
     "check_parity",
+    "quantized_model",
     "parity_plan",
     "run_parity",
 ]

@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import Precision
 from kiln.exporter.parity.generation import generation_parity, greedy, make_prompts
+from kiln.exporter.parity.quantized import Int4Weight, read_int4_weights, use_int4_weights
 from kiln.exporter.parity.results import ParityResult
 from kiln.exporter.parity.tensors import tensor_feeds, tensor_parity
-from kiln.exporter.parity.tolerances import TOLERANCES
+from kiln.exporter.parity.tolerances import TOLERANCES, Tolerance
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.runners import RecordingRunner, Runner, TorchRunner
 from kiln.plugins.base import DecoderSpec
 from torch import nn
 
-__all__ = ["Candidate", "ParitySettings", "check_parity", "run_parity", "parity_plan"]
+__all__ = ["Candidate", "ParitySettings", "QuantizedModel", "check_parity", "quantized_model", "run_parity", "parity_plan"]
 
 
 def parity_plan(max_context: int, max_batch: int, tokens: int) -> tuple[list[int], list[int], int]:
@@ -49,12 +51,58 @@ class ParitySettings:
 class Candidate:
     """One graph set to check: how to open its runner (sessions exist only while it is open),
     which graphs it runs, whose tolerances apply, and, for a target set, the name its checks
-    are merged under (``None``: the export's own portable graphs, or the engines)."""
+    are merged under (``None``: the export's own portable graphs, or the engines).
+    ``quantized``: the precision whose tolerances judge it against the quantized model (the
+    float precision of a weight-only int4 set; None: not checked against one)."""
 
     open: Callable[[], contextlib.AbstractContextManager[Runner]]
     graphs: tuple[GraphKind, ...]
     precision: str
     target: str | None = None
+    quantized: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedModel:
+    """The second reference of a low-bit export (``parity.quantized``): the int4 weights its
+    graphs hold, and whether agreement with the checkpoint's model gates the export (else it is
+    recorded only: ``--parity-agreement record``)."""
+
+    int4: Callable[[], Iterable[Int4Weight]]  # read when the checkpoint's model has been recorded
+    agreement_gates: bool = True
+
+
+def quantized_model(precision: Precision, paths: Iterable[Path], agreement_gates: bool = True) -> QuantizedModel | None:
+    """The quantized model of a weight-only int4 export whose graphs are at ``paths`` (None for
+    any other precision: its graphs have only the checkpoint's model to be judged against)."""
+    if precision.weight_only_float is None:
+        return None
+    graphs = tuple(paths)
+    return QuantizedModel(lambda: read_int4_weights(graphs), agreement_gates)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recorded:
+    """One reference's recorded outputs: its runner (frozen) and its greedy runs per batch."""
+
+    runner: RecordingRunner
+    runs: list[tuple[np.ndarray, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What every run of one parity check feeds: the prompts per batch, their padded length, the steps."""
+
+    batches: list[list[list[int]]]
+    length: int
+    steps: int
+    seed: int
+
+    @classmethod
+    def of(cls, spec: DecoderSpec, settings: ParitySettings) -> _Plan:
+        single, padded, steps = parity_plan(settings.max_context, settings.max_batch, settings.tokens)
+        seed = settings.seed
+        return cls([make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)], single[0], steps, seed)
 
 
 def check_parity(
@@ -65,22 +113,58 @@ def check_parity(
     *,
     release_reference: Callable[[], None] | None = None,
     progress: Progress | None = None,
+    quantized: QuantizedModel | None = None,
 ) -> ParityResult:
     """Every candidate against PyTorch, in one result: the first candidate's checks, then each
-    target's under its name. PyTorch runs once, for the first candidate; later ones replay its
-    recording (``release_reference`` frees the model's weights as soon as it is recorded)."""
-    recorder = RecordingRunner(TorchRunner(reference, spec.n_layers, settings.last_logits_only))
+    target's under its name. PyTorch runs first, once, and is recorded; ``release_reference``
+    then frees the model's weights, before any runtime loads its own, so the two never sit in
+    memory together; the comparisons replay the recording. With ``quantized``, the module is
+    then made to compute with the graphs' int4 weights and recorded again (before the release),
+    and every candidate with a ``quantized`` precision is also judged against that recording, at
+    that precision's tolerances (``ParityResult.quantized``)."""
+    progress = progress or NullProgress()
+    plan, first = _Plan.of(spec, settings), candidates[0]
+    kv_dtype = np.dtype(Precision(first.precision).kv_dtype)
+    graphs = tuple(dict.fromkeys(kind for c in candidates for kind in c.graphs))
+    recorded = _record(TorchRunner(reference, spec.n_layers, settings.last_logits_only), spec, graphs, plan, kv_dtype, progress, "parity: PyTorch reference")
+    quantized_recorded = None
+    if quantized is not None:
+        use_int4_weights(reference, quantized.int4())
+        runner = TorchRunner(reference, spec.n_layers, settings.last_logits_only)
+        quantized_recorded = _record(runner, spec, graphs, plan, kv_dtype, progress, "parity: PyTorch on the int4 weights")
     del reference
+    if release_reference is not None:
+        release_reference()
     result: ParityResult | None = None
     for candidate in candidates:
-        checked = run_parity(recorder, spec, candidate, settings, release_reference=release_reference if result is None else None, progress=progress)
+        checked, against_quantized = _check_candidate(recorded, quantized_recorded, spec, candidate, plan, progress)
         if result is None:
             result = checked
+            if quantized is not None:
+                result.agreement_gates = quantized.agreement_gates
         else:
             assert candidate.target is not None, "only the first candidate is not a target"
             result.merge(candidate.target, checked)
+        if against_quantized is not None:
+            result.merge_quantized(candidate.target, against_quantized)
     assert result is not None, "check_parity needs a candidate"
     return result
+
+
+def _record(
+    torch_runner: Runner, spec: DecoderSpec, graphs: tuple[GraphKind, ...], plan: _Plan, kv_dtype: np.dtype, progress: Progress, label: str
+) -> _Recorded:
+    """Every PyTorch output parity compares with, recorded, then frozen: the tensor feeds of each
+    graph and the greedy runs of every batch."""
+    recorder = RecordingRunner(torch_runner)
+    with progress.stage(label, total=len(graphs) + len(plan.batches)) as bar:
+        for kind in graphs:
+            recorder.run(kind, tensor_feeds(spec, kind, plan.seed, kv_dtype, recorder))
+            bar.advance()
+        runs = _reference_runs(recorder, spec, plan.batches, plan.steps, plan.length)
+        bar.advance(len(plan.batches))
+    recorder.freeze()
+    return _Recorded(recorder, runs)
 
 
 def _reference_runs(reference: Runner, spec: DecoderSpec, batches: list[list[list[int]]], steps: int, length: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -103,49 +187,47 @@ def _reference_runs(reference: Runner, spec: DecoderSpec, batches: list[list[lis
     return runs
 
 
+def _check_candidate(
+    recorded: _Recorded, quantized: _Recorded | None, spec: DecoderSpec, candidate: Candidate, plan: _Plan, progress: Progress
+) -> tuple[ParityResult, ParityResult | None]:
+    """The candidate against the recording (by its precision's tolerances) and, when it has a
+    ``quantized`` precision and there is a quantized recording, against that one too: one
+    session for both."""
+    against_quantized = quantized is not None and candidate.quantized is not None
+    runs = len(plan.batches) * (2 if GraphKind.UNIFIED in candidate.graphs else 1)
+    label = f"parity: {candidate.precision} {candidate.target + ' ' if candidate.target else ''}graphs"  # the session's start counts in it
+    with progress.stage(label, total=(1 + runs) * (2 if against_quantized else 1)) as bar, candidate.open() as runner:
+        checked = run_parity(recorded.runner, runner, spec, candidate, TOLERANCES[candidate.precision], plan, recorded.runs, bar.advance)
+        if not against_quantized:
+            return checked, None
+        assert quantized is not None and candidate.quantized is not None
+        return checked, run_parity(quantized.runner, runner, spec, candidate, TOLERANCES[candidate.quantized], plan, quantized.runs, bar.advance)
+
+
 def run_parity(
-    recorder: RecordingRunner,
+    reference: RecordingRunner,
+    runner: Runner,
     spec: DecoderSpec,
     candidate: Candidate,
-    settings: ParitySettings,
-    *,
-    release_reference: Callable[[], None] | None = None,
-    progress: Progress | None = None,
+    tolerance: Tolerance,
+    plan: _Plan,
+    reference_runs: list[tuple[np.ndarray, np.ndarray]],
+    advance: Callable[[int], None],
 ) -> ParityResult:
-    """Tensor parity of the candidate's graphs, then greedy generation through prefill + decode
-    and (when it has it) model.onnx, for batch 1 and a padded batch (``parity_plan``).
-
-    Every PyTorch output is computed first and recorded; ``release_reference`` (if given) then
-    frees the model's weights before the runtime loads its own, so the two never sit in memory
-    together; the comparisons replay the recorded outputs (a recording already frozen by an
-    earlier candidate replays only)."""
-    progress = progress or NullProgress()
-    tolerance = TOLERANCES[candidate.precision]
+    """Tensor parity of the candidate's graphs against a frozen recording, then greedy
+    generation through prefill + decode and (when it has it) model.onnx, for batch 1 and a padded
+    batch (``parity_plan``), teacher-forced on the recording's greedy runs."""
     kv_dtype = np.dtype(Precision(candidate.precision).kv_dtype)
-    seed, graphs = settings.seed, candidate.graphs
-    single, padded, steps = parity_plan(settings.max_context, settings.max_batch, settings.tokens)
-    batches, length = [make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)], single[0]
-    paths = [False, True] if GraphKind.UNIFIED in graphs else [False]
-    with progress.stage("parity: PyTorch reference", total=len(graphs) + len(batches)) as bar:
-        for kind in graphs:
-            recorder.run(kind, tensor_feeds(spec, kind, seed, kv_dtype, recorder))
-            bar.advance()
-        reference_runs = _reference_runs(recorder, spec, batches, steps, length)
-        bar.advance(len(batches))
-    recorder.freeze()
-    if release_reference is not None:
-        release_reference()
-    label = f"parity: {candidate.precision} {candidate.target + ' ' if candidate.target else ''}graphs"  # the session's start counts in it
-    with progress.stage(label, total=1 + len(paths) * len(batches)) as bar, candidate.open() as runner:
-        result = ParityResult(backend=runner.name, precision=candidate.precision, tolerance=tolerance)
-        result.tensors = tensor_parity(recorder, runner, spec, tolerance, seed, kv_dtype)
-        bar.advance()
-        for prompts, reference_run in zip(batches, reference_runs, strict=True):
-            for unified in paths:
-                result.generation.append(
-                    generation_parity(
-                        recorder, runner, spec, prompts, steps, tolerance, unified=unified, kv_dtype=kv_dtype, reference_run=reference_run, length=length
-                    )
+    paths = [False, True] if GraphKind.UNIFIED in candidate.graphs else [False]
+    result = ParityResult(backend=runner.name, precision=candidate.precision, tolerance=tolerance)
+    result.tensors = tensor_parity(reference, runner, spec, tolerance, plan.seed, kv_dtype)
+    advance(1)
+    for prompts, reference_run in zip(plan.batches, reference_runs, strict=True):
+        for unified in paths:
+            result.generation.append(
+                generation_parity(
+                    reference, runner, spec, prompts, plan.steps, tolerance, unified=unified, kv_dtype=kv_dtype, reference_run=reference_run, length=plan.length
                 )
-                bar.advance()
+            )
+            advance(1)
     return result

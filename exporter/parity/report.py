@@ -40,6 +40,21 @@ def _precisions(result: ParityResult) -> str:
     return ", ".join(f"{s.name} {s.precision}" for s in result.sets())
 
 
+def _labelled_sets(result: ParityResult) -> list[tuple[str, GraphSetParity, bool]]:
+    """Every graph set with its label and whether it gates: against the quantized model first
+    (an int4 export's), then against the checkpoint's model (its agreement)."""
+    if result.quantized is None:
+        return [(s.name, s, True) for s in result.sets()]
+    agreement = "agreement, gating" if result.agreement_gates else "agreement, recorded only"
+    return [(f"{s.name} vs int4 weights", s, True) for s in result.quantized.sets()] + [
+        (f"{s.name} vs checkpoint ({agreement})", s, result.agreement_gates) for s in result.sets()
+    ]
+
+
+def _ok(passed: bool, gates: bool) -> str:
+    return _yes(passed) if passed or gates else "no (not gating)"
+
+
 def _cells(t: TensorCheck | None) -> str:
     """Two table cells (no ``|`` inside): the worst row's error, and its tolerance with the rule's
     figures, ``0.00159 | 1e-05 + 0.0001 x 40.3 = 0.00404`` (the row's max abs reference: 40.3)."""
@@ -57,10 +72,10 @@ def summary_table(result: ParityResult) -> list[str]:
         "| KV/other tolerance: atol + rtol x its row's max abs value | cosine at least | lowest token match | token match at least | ok |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for s in result.sets():
+    for name, s, gates in _labelled_sets(result):
         lines.append(
-            f"| {s.name} | {s.precision} | {_cells(s.worst(True))} | {_cells(s.worst(False))} | {s.tolerance.min_cosine:g} "
-            f"| {s.token_match:.2%} | {s.tolerance.min_token_match:.0%} | {_yes(s.passed)} |"
+            f"| {name} | {s.precision} | {_cells(s.worst(True))} | {_cells(s.worst(False))} | {s.tolerance.min_cosine:g} "
+            f"| {s.token_match:.2%} | {s.tolerance.min_token_match:.0%} | {_ok(s.passed, gates)} |"
         )
     return lines
 
@@ -83,17 +98,17 @@ def _set_figures(s: GraphSetParity) -> str:
 def verdict(result: ParityResult) -> str:
     """One line: passed or failed, and each graph set's worst logits and KV rows against their
     tolerances (the rule's figures) and its lowest token match."""
-    sets = result.sets()
-    figures = "; ".join(f"{s.name} ({s.precision}): {_set_figures(s)}" if len(sets) > 1 else _set_figures(s) for s in sets)
+    sets = _labelled_sets(result)
+    figures = "; ".join(f"{name} ({s.precision}): {_set_figures(s)}" if len(sets) > 1 else _set_figures(s) for name, s, _ in sets)
     return f"parity {'passed' if result.passed else 'FAILED'}: {figures}"
 
 
-def _tensor_rows(result: ParityResult) -> list[str]:
+def _tensor_rows(sets: list[GraphSetParity]) -> list[str]:
     lines = [
         "| graph | output | max abs | worst row's error | its tolerance: atol + rtol x the row's max abs reference | max rel | cosine | cosine at least | top-1 | ok |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for s in result.sets():
+    for s in sets:
         for t in s.tensors:
             top1 = f"{t.top1:.4f}" if t.top1 is not None else ""
             lines.append(
@@ -102,12 +117,12 @@ def _tensor_rows(result: ParityResult) -> list[str]:
     return lines
 
 
-def _generation_rows(result: ParityResult) -> list[str]:
+def _generation_rows(sets: list[GraphSetParity]) -> list[str]:
     lines = [
         "| path | batch | prompt lengths | steps | token match | at least | first divergence | ties | max logit error | max abs logit | ok |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for s in result.sets():
+    for s in sets:
         for g in s.generation:
             worst = max(g.per_step_max_abs, default=0.0)
             div = "-" if g.first_divergence is None else str(g.first_divergence)
@@ -131,17 +146,23 @@ def markdown(result: ParityResult, extras: Mapping[str, Any] | None = None) -> s
         "",
         *summary_table(result),
         "",
-        "## Tensors",
-        "",
-        *_tensor_rows(result),
-        "",
-        "## Greedy generation (teacher-forced on PyTorch's tokens)",
-        "",
-        *_generation_rows(result),
+        *_check_sections(result),
     ]
     for key, value in (extras or {}).items():
         lines += ["", f"## {key}", "", *_section(value)]
     return "\n".join(lines) + "\n"
+
+
+def _check_sections(result: ParityResult) -> list[str]:
+    """The tensor and generation tables; an int4 export's twice: against the quantized model (the
+    graphs' own int4 weights in PyTorch), then against the checkpoint's model (agreement)."""
+    parts = [("", result.sets())]
+    if result.quantized is not None:
+        parts = [(" against the int4 weights' model", result.quantized.sets()), (" against the checkpoint's model (agreement)", result.sets())]
+    lines: list[str] = []
+    for title, sets in parts:
+        lines += ["## Tensors" + title, "", *_tensor_rows(sets), "", "## Greedy generation (teacher-forced on PyTorch's tokens)" + title, "", *_generation_rows(sets), ""]
+    return lines[:-1]
 
 
 def _cell(value: Any) -> str:

@@ -112,19 +112,42 @@ class GraphSetParity:
 
 @dataclasses.dataclass
 class ParityResult:
+    """The checks of every graph set of an export against PyTorch. For an int4 export, the
+    checks against the checkpoint's own model (these lists) measure the quantized model's
+    agreement with it; ``quantized`` holds the same graph sets' checks against the quantized model
+    (PyTorch on the graphs' own int4 weights, ``parity.quantized``), judged at the float
+    precision's tolerances: what proves each graph computes what it should. Those always gate;
+    agreement gates unless ``agreement_gates`` is off (``--parity-agreement record``)."""
+
     backend: str
     precision: str
     tolerance: Tolerance
     tensors: list[TensorCheck] = dataclasses.field(default_factory=list)
     generation: list[GenerationCheck] = dataclasses.field(default_factory=list)
     targets: dict[str, TargetParity] = dataclasses.field(default_factory=dict)
+    quantized: ParityResult | None = None
+    agreement_gates: bool = True
+
+    @property
+    def agreed(self) -> bool:
+        """Whether every check against the checkpoint's model passed."""
+        return all(t.passed for t in self.tensors) and all(g.passed for g in self.generation)
 
     @property
     def passed(self) -> bool:
-        return all(t.passed for t in self.tensors) and all(g.passed for g in self.generation)
+        exact = self.quantized is None or self.quantized.passed
+        return exact and (self.agreed or not self.agreement_gates)
 
     def failures(self) -> list[str]:
-        """One line per failed check, each against its own graph set's tolerances."""
+        """One line per failed check that gates, each against its own graph set's tolerances
+        (those against the quantized model first, named so)."""
+        out = [f"against the int4 weights' model: {line}" for line in self.quantized.failures()] if self.quantized is not None else []
+        if not self.agreement_gates:
+            return out
+        prefix = "agreement with the checkpoint's model: " if self.quantized is not None else ""
+        return out + [prefix + line for line in self._own_failures()]
+
+    def _own_failures(self) -> list[str]:
         out: list[str] = []
         for s in self.sets():
             out += [
@@ -149,6 +172,17 @@ class ParityResult:
         self.targets[target] = TargetParity(other.backend, other.precision, other.passed, other.tolerance)
         return self
 
+    def merge_quantized(self, target: str | None, other: ParityResult) -> ParityResult:
+        """A graph set's checks against the quantized model: ``quantized`` itself for the first
+        set (``target`` None), merged into it under the target's name for the others."""
+        if target is None:
+            assert self.quantized is None, "the first graph set comes first"
+            self.quantized = other
+        else:
+            assert self.quantized is not None, "the portable graphs are checked against the quantized model before any target"
+            self.quantized.merge(target, other)
+        return self
+
     def sets(self) -> list[GraphSetParity]:
         """The checks grouped by graph set, each with its own precision and tolerances: the
         portable graphs (or the engines) first, then every target in the order merged."""
@@ -170,4 +204,5 @@ class ParityResult:
             "tensors": [dataclasses.asdict(t) for t in self.tensors],
             "generation": [dataclasses.asdict(g) for g in self.generation],
             **({"targets": {name: dataclasses.asdict(t) for name, t in self.targets.items()}} if self.targets else {}),
+            **({"quantized": self.quantized.to_dict(), "agreement_gates": self.agreement_gates} if self.quantized is not None else {}),
         }

@@ -16,7 +16,7 @@ from collections import Counter
 
 import onnx_ir as ir
 
-__all__ = ["NameNodes", "name_nodes"]
+__all__ = ["NameNodes", "name_nodes", "module_of"]
 
 _SCOPES = "pkg.torch.onnx.name_scopes"
 _WRAPPED = "model."  # GraphModule wraps the decoder as .model
@@ -60,3 +60,10 @@ class NameNodes(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         return ir.passes.PassResult(name_nodes(model), modified=True)
+
+
+def module_of(node: ir.Node) -> str:
+    """The module a node belongs to: ``layers.0.attn`` for ``/layers.0.attn/MatMul`` (kiln names
+    nodes after their module, ``name_nodes``); empty for other names."""
+    name = node.name or ""
+    return name[1 : name.rfind("/")] if name.startswith("/") and name.count("/") >= 2 else ""

@@ -32,7 +32,8 @@ from kiln.errors import ConfigError, ExportError
 from kiln.exporter.passes.ir_utils import set_dtype
 from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
 from kiln.exporter.precision.int8 import Int8Policy, int8_targets
-from kiln.exporter.precision.policy import module_of, rule_matches
+from kiln.exporter.passes.names import module_of
+from kiln.exporter.precision.policy import rule_matches
 from kiln.exporter.precision.qdq_rules import MIN_FP8_OPSET
 
 __all__ = ["QuantizeFp8", "FP8_MAX", "MIN_FP8_OPSET"]

@@ -37,7 +37,7 @@ from kiln.exporter.passes.ir_utils import set_dtype
 from kiln.exporter.precision.gptq import gptq
 from kiln.exporter.precision.int4_numbers import layer_block, pack_int4, rtn
 from kiln.exporter.precision.int8 import Int8Policy, int8_targets
-from kiln.exporter.precision.policy import module_of
+from kiln.exporter.passes.names import module_of
 
 __all__ = [
     "Int4Method",

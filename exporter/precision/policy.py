@@ -19,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 
 import onnx_ir as ir
+from kiln.exporter.passes.names import module_of
 from kiln.errors import ConfigError
 
-__all__ = ["Fp16Policy", "DEFAULT_KEEP_FP32", "module_of", "resolve_kept_nodes", "rule_matches"]
+__all__ = ["Fp16Policy", "DEFAULT_KEEP_FP32", "resolve_kept_nodes", "rule_matches"]
 
 DEFAULT_KEEP_FP32: tuple[str, ...] = (
     "LayerNormalization",  # mean/variance over d_model
@@ -43,13 +44,6 @@ class Fp16Policy:
 
     def widened(self, extra: tuple[str, ...]) -> Fp16Policy:
         return Fp16Policy(self.keep + tuple(r for r in extra if r not in self.keep))
-
-
-def module_of(node: ir.Node) -> str:
-    """The module a node belongs to: ``layers.0.attn`` for ``/layers.0.attn/MatMul`` (kiln names
-    nodes after their module, ``passes.names``); empty for other names."""
-    name = node.name or ""
-    return name[1 : name.rfind("/")] if name.startswith("/") and name.count("/") >= 2 else ""
 
 
 def rule_matches(rule: str, node: ir.Node) -> bool:

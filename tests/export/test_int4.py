@@ -109,6 +109,60 @@ def test_manifest_parity_and_check(int4_ort: Path) -> None:
     assert check_dir(int4_ort).passed
 
 
+def test_graphs_are_judged_against_their_own_int4_weights(int4_ort: Path) -> None:
+    """Both graph sets against PyTorch on the graphs' int4 numbers: the portable set at fp32's
+    tolerances (weight-only: nothing else approximates), the ORT set at int8's (its MatMulNBits
+    quantize activations, accuracy_level 4); then their agreement with the checkpoint's model,
+    gating (the default), at int4's."""
+    report = json.loads((int4_ort / "reports" / "parity.json").read_text())
+    quantized = report["quantized"]
+    assert report["agreement_gates"] is True and quantized["passed"]
+    assert quantized["tolerance"]["logits_rtol"] == 1e-4 and quantized["targets"]["ort"]["tolerance"]["min_token_match"] == 0.9
+    portable = [t for t in quantized["tensors"] if t["target"] is None]
+    assert {t["graph"] for t in portable} == set(KINDS) and all(t["error"] <= t["atol"] + t["rtol"] * t["scale"] for t in portable)
+    assert max(t["error"] / (t["atol"] + t["rtol"] * t["scale"]) for t in portable) < 0.1  # fp32 rounding, far inside the limit
+    assert {g["target"] for g in quantized["generation"]} == {None, "ort"} and all(g["token_match_rate"] == 1.0 for g in quantized["generation"])
+    assert json.loads((int4_ort / "manifest.json").read_text())["parity"]["agreement"] == "gate"
+    markdown = (int4_ort / "reports" / "parity.md").read_text()
+    assert "| portable vs int4 weights | int4 |" in markdown and "| ort vs checkpoint (agreement, gating) | int4 |" in markdown
+    assert "## Tensors against the int4 weights' model" in markdown
+    checked = check_dir(int4_ort)
+    assert checked.quantized is not None and checked.quantized.passed and checked.agreement_gates
+
+
+def test_int4_numbers_other_than_the_graphs_fail_where_agreement_passes(int4_ort: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One weight's scales 2% off (PyTorch computing other numbers than the graphs): far inside
+    int4's agreement with the checkpoint's model, and refused against the quantized model."""
+    import dataclasses
+
+    from kiln.exporter.parity import driver
+    from kiln.exporter.parity.quantized import read_int4_weights
+
+    def off(paths):  # type: ignore[no-untyped-def]
+        for i, weight in enumerate(read_int4_weights(paths)):
+            yield dataclasses.replace(weight, scale=weight.scale * 1.02) if i == 0 else weight
+
+    monkeypatch.setattr(driver, "read_int4_weights", off)
+    checked = check_dir(int4_ort)
+    assert checked.agreed and checked.quantized is not None and not checked.quantized.passed and not checked.passed
+    failures = checked.failures()
+    assert failures and all(f.startswith("against the int4 weights' model: ") for f in failures)
+    assert any("max abs" in f and "tolerance 1e-05 + 0.0001 x max|row|" in f for f in failures), failures
+
+
+def test_agreement_can_be_recorded_only_for_int4(tiny_ckpt: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        ExportOptions(precision=Precision.FP16, parity_agreement="record")
+    assert str(err.value) == (
+        "config: --parity-agreement record only applies to --int4 exports, whose graphs are also checked against PyTorch on their own int4 weights; "
+        "a fp16 export's only proof is its agreement with the checkpoint's model"
+    )
+    base = ["export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out")]
+    assert _error(*base, "--int8", "--calib-data", "synthetic", "--parity-agreement", "record").startswith("--parity-agreement record only applies to --int4 exports")
+    assert "'maybe' is not one of 'gate', 'record'" in CliRunner().invoke(main, [*base, "--parity-agreement", "maybe"]).output
+    assert not (tmp_path / "out").exists()
+
+
 def test_manifest_matches_the_schema(int4_ort: Path) -> None:
     from importlib import resources
 

@@ -18,7 +18,8 @@ from onnx.reference import ReferenceEvaluator
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.precision.fp16 import FP16_MAX, ConvertFp16, _drop_cast_round_trips, convert_to_fp16
 from kiln.exporter.precision.int8 import DEFAULT_INT8_FLOAT, MIN_INT8_OPSET, Int8Policy, check_qdq, int8_targets, quantize_int8
-from kiln.exporter.precision.policy import DEFAULT_KEEP_FP32, Fp16Policy, module_of, resolve_kept_nodes, rule_matches
+from kiln.exporter.passes.names import module_of
+from kiln.exporter.precision.policy import DEFAULT_KEEP_FP32, Fp16Policy, resolve_kept_nodes, rule_matches
 
 F32, F16, I8 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT8
 

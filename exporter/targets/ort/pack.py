@@ -15,7 +15,7 @@ import os
 import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant, copy_type, set_dtype
-from kiln.exporter.precision.policy import module_of
+from kiln.exporter.passes.names import module_of
 from kiln.exporter.targets.ort.int4 import BlockInt4, register
 from kiln.exporter.targets.ort.rules import NotFused
 

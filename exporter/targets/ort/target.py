@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from kiln.errors import ConfigError
 from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.options import Precision
 
 if TYPE_CHECKING:
     from kiln.exporter.options import ExportOptions
@@ -51,6 +52,13 @@ class OrtTarget:
         int4 = options.int4_block if options.precision.has_int4 else None
         with given.progress.stage("ONNX Runtime target graphs"):
             return write_ort_target(given.onnx_dir, given.portable, given.spec, max_context=given.max_context, int8=options.ort_int8, int4_block=int4)
+
+    def quantized_precision(self, precision: str) -> str | None:
+        """int4: int8's tolerances. Its MatMulNBits hold the portable graphs' int4 numbers but,
+        at ``accuracy_level`` 4, quantize the activations to int8 per block: the approximation
+        left between it and PyTorch on those weights (--ort-int8's own weights are not the
+        portable graphs': None)."""
+        return "int8" if Precision(precision).has_int4 else None
 
     def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
         from kiln.exporter.runners import OrtRunner

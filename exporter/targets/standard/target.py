@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from kiln.errors import ConfigError
 from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.options import Precision
 
 if TYPE_CHECKING:
     from kiln.exporter.options import ExportOptions
@@ -70,6 +71,9 @@ class StandardTarget:
             return write_standard_target(
                 given.onnx_dir, given.portable, given.spec, max_context=given.max_context, precision=precision.value, kv_dtype=precision.kv_dtype, last_logits_only=given.options.last_logits_only
             )
+
+    def quantized_precision(self, precision: str) -> str | None:
+        return Precision(precision).weight_only_float  # the portable graphs' int4 DQ MatMuls, unchanged
 
     def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
         from kiln.exporter.targets.standard.runner import StaticCacheRunner
