@@ -174,7 +174,8 @@ def check(directory: Path, model: str | None, backend: str, verbose: bool, as_js
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        checks = f"{len(result.tensors)} tensors and {len(result.generation)} generation runs"
+        parts = [result, *([result.quantized] if result.quantized is not None else [])]  # an int4 export: against both references
+        checks = f"{sum(len(r.tensors) for r in parts)} tensors and {sum(len(r.generation) for r in parts)} generation runs"
         click.echo(markdown(result) if verbose else f"{directory}: {result.backend} vs PyTorch, {checks}\n\n" + "\n".join(summary_table(result)) + "\n")
         click.echo(verdict(result) + ("" if verbose else f" (every check: kiln check {directory} --verbose)"))
     if not result.passed:

@@ -24,6 +24,8 @@ from torch import nn
 
 __all__ = ["Transform", "ModuleWeight", "WeightSource", "BindWeights"]
 
+_UNBOUND = "kiln-trace-cache-unbound"  # trace.cache.UNBOUND (kept apart: passes do not import the trace stage)
+
 _TORCH_DTYPES = {
     ir.DataType.FLOAT: torch.float32,
     ir.DataType.FLOAT16: torch.float16,
@@ -122,9 +124,11 @@ class ModuleWeight(ir.LazyTensor):
 
 
 def _unbound(value: ir.Value) -> bool:
-    """An initializer still holding the exporter's tensor of a meta-device parameter."""
+    """An initializer still holding the exporter's tensor of a meta-device parameter (or the
+    trace cache's placeholder of one: ``trace.cache``)."""
     raw = getattr(value.const_value, "raw", None)
-    return isinstance(raw, torch.Tensor) and raw.device.type == "meta"
+    placeholder = isinstance(value.const_value, ir.ExternalTensor) and value.const_value.location == _UNBOUND
+    return placeholder or (isinstance(raw, torch.Tensor) and raw.device.type == "meta")
 
 
 def _bound(source: WeightSource, name: str, value: ir.Value) -> ModuleWeight:

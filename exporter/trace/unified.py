@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import onnx_ir as ir
 from kiln.errors import ExportError
@@ -33,6 +34,7 @@ from kiln.exporter.passes.fold import FoldConstants
 from kiln.exporter.passes.stamp import StampLayers, StampPlan
 from kiln.exporter.passes.transposes import FoldWeightTransposes
 from kiln.exporter.progress import Progress
+from kiln.exporter.trace.cache import as_cached, from_cached, trace_cache
 from kiln.exporter.trace.torch_export import PHASES, trace_graph
 from torch import nn
 
@@ -108,10 +110,9 @@ def _trace(
     on_phase: Callable[[], None],
 ) -> ir.Model:
     spec = dataclasses.replace(reference.spec, n_layers=layers)
-    model = trace_graph(
-        module,
-        kind,
-        graph_io(spec, kind, last_logits_only=options.last_logits_only),
+    arguments: dict[str, Any] = dict(
+        kind=kind,
+        io_spec=graph_io(spec, kind, last_logits_only=options.last_logits_only),
         n_layers=layers,
         vocab=spec.vocab_size,
         opset=options.opset,
@@ -120,10 +121,27 @@ def _trace(
         max_context=reference.max_context,
         meta=meta,
         translations=reference.loaded.translations,
-        on_phase=on_phase,
     )
+    model = _cached_trace(module, arguments, on_phase) if meta else trace_graph(module, on_phase=on_phase, **arguments)
     passes = [NameNodes(), BindWeights(WeightSource(folded.module)), FoldWeightTransposes(transposed), FoldConstants()]
     return run_passes(model, passes, graph="traced")
+
+
+def _cached_trace(module: nn.Module, arguments: dict[str, Any], on_phase: Callable[[], None]) -> ir.Model:
+    """A meta-device template's trace, from the trace cache when an identical one was traced
+    before (``trace.cache``: the same phases counted), else traced and kept there; either way
+    as the cache holds it (``as_cached``), so both give the same graphs."""
+    cache = trace_cache()
+    key = cache.key(module, arguments) if cache is not None else None
+    model = cache.get(key) if cache is not None and key is not None else None
+    if model is not None:
+        for _ in range(PHASES):
+            on_phase()
+        return model
+    proto = as_cached(trace_graph(module, on_phase=on_phase, **arguments))
+    if cache is not None and key is not None:
+        cache.put(key, proto)
+    return from_cached(proto)
 
 
 def _checked(model: ir.Model, stamp: StampPlan) -> ir.Model:
