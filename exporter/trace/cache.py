@@ -34,7 +34,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 import torch
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]  # onnx.load's error for bytes that are no model
 from torch import nn
 
 __all__ = ["UNBOUND", "TraceCache", "as_cached", "from_cached", "trace_cache"]
@@ -103,7 +103,7 @@ def _placeholder_proto(model: ir.Model) -> onnx.ModelProto:
         if isinstance(raw, torch.Tensor) and raw.device.type == "meta" and value.dtype is not None:
             swapped.append((value, value.const_value))
             shape = value.shape if value.shape is not None else ir.Shape(list(raw.shape))
-            value.const_value = ir.ExternalTensor(UNBOUND, 0, 0, value.dtype, shape=shape, name=value.name)
+            value.const_value = ir.ExternalTensor(UNBOUND, 0, 0, value.dtype, shape=shape, name=value.name or "")
     try:
         return ir.serde.serialize_model(model)
     finally:
