@@ -114,20 +114,16 @@ def _preflight(model: str, out: Path, options: Any) -> None:
 
 
 def _export_options(flags: dict[str, Any]) -> Any:
-    """``ExportOptions`` from ``kiln export``'s flags (named after its fields; the enums by value)."""
-    from kiln.errors import ConfigError
-    from kiln.exporter.options import Adapter, ExportOptions, Int4Method, LogitsMode, PLEExtendMode, PLETables, Precision
+    """``ExportOptions`` from ``kiln export``'s flags (named after its fields; the enums by value;
+    the precision kinds' flags by ``Precision.from_flags``)."""
+    from kiln.exporter.options import Adapter, ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
+    from kiln.exporter.precision.kinds.base import Needs
 
     enums: dict[str, Any] = {"logits": LogitsMode, "ple_extend_mode": PLEExtendMode, "ple_tables": PLETables}
-    fp16, int8, int4, fp8 = flags.pop("fp16"), flags.pop("int8"), flags.pop("int4"), flags.pop("fp8")
+    precision = Precision.from_flags(flags)
     fields = {name: enums[name](value) if name in enums else value for name, value in flags.items()}
-    fields["calib_cache"] = (fields["calib_cache"] or Path.home() / ".cache" / "kiln" / "calibration") if int8 or fp8 else None
-    fields["int4_block"] = int(fields["int4_block"])
-    fields["int4_method"] = Int4Method(fields["int4_method"])
+    fields["calib_cache"] = (fields["calib_cache"] or Path.home() / ".cache" / "kiln" / "calibration") if precision.needs(Needs.RANGES) else None
     fields["adapters"] = tuple(Adapter(path, weight) for path, weight in fields["adapters"])
-    precision = Precision.of(fp16=fp16, int8=int8, int4=int4, fp8=fp8)
-    if not int4 and (flags["int4_method"] != "gptq" or flags["int4_block"] != "128"):
-        raise ConfigError("--int4-method and --int4-block only apply to --int4 exports")
     return ExportOptions(precision=precision, **fields)
 
 

@@ -86,19 +86,24 @@ GRAPHS: list[Option] = [
     click.option("--ple-tables", type=click.Choice(["constant", "input"]), default="constant", show_default=True, help="Folded PLE tables as constants or as graph inputs."),
 ]
 
-# kiln export: fp16 and its fp32 islands
-FP16: list[Option] = [
-    click.option("--fp16", is_flag=True, help="fp16 weights, activations and KV cache, with fp32 islands (norm statistics, softmax, rotary angles, logits)."),
-    click.option("--keep-fp32", "keep_fp32", multiple=True, metavar="OP_TYPE|NODE_NAME", help="Also keep these op types, node names (/layers.0.attn/MatMul) or modules (/layers.0.mlp.fc2/, *.fc2: the nodes of exactly that module) in fp32. Repeatable."),
-    click.option("--auto-keep-fp32", is_flag=True, help="With --fp16: search (bisection on ONNX Runtime) for modules that must stay fp32 for parity, and keep them."),
-]
+# kiln export: each precision kind's --NAME and its own options (``exporter.precision.kinds``)
+def _kind_options() -> list[Option]:
+    from kiln.exporter.precision.kinds.registry import kinds
 
-# kiln export: int8 Q/DQ
-INT8: list[Option] = [
-    click.option("--int8", is_flag=True, help="int8 Q/DQ before MatMul/Gemm inputs (weights per channel, activations per tensor), calibrated on --calib-data; with --fp16 the rest is fp16."),
-    click.option("--int8-float", "int8_float", multiple=True, metavar="RULE", help="Also keep these nodes/modules/op types in float (rules as for --keep-fp32). Repeatable."),
-    click.option("--int8-all-matmuls", is_flag=True, help="Quantize the LM head and attention-score MatMuls too (kept in float by default)."),
-]
+    out: list[Option] = []
+    for kind in kinds():
+        out.append(click.option(kind.flag(), kind.name, is_flag=True, help=kind.help))
+        for flag in (f for group in kind.flags for f in group):
+            if flag.is_flag:
+                out.append(click.option(flag.option, flag.dest, is_flag=True, help=flag.help))
+            elif flag.choices:
+                out.append(click.option(flag.option, flag.dest, type=click.Choice(flag.choices), default=flag.default, show_default=True, help=flag.help))
+            else:
+                out.append(click.option(flag.option, flag.dest, multiple=flag.multiple, metavar=flag.metavar, help=flag.help))
+    return out
+
+
+PRECISION: list[Option] = _kind_options()
 
 # kiln export: calibration data (int8 and fp8 ranges, GPTQ's Hessians)
 CALIBRATION: list[Option] = [
@@ -107,21 +112,6 @@ CALIBRATION: list[Option] = [
     click.option("--calib-method", type=click.Choice(["max", "percentile", "entropy", "mse"]), default="max", show_default=True, help="How an activation range is chosen from the calibration samples: max = the largest value seen; percentile = --calib-percentile of the values; entropy = least KL divergence; mse = least int8 quantization error."),
     click.option("--calib-percentile", type=float, default=99.99, show_default=True, help="With --calib-method percentile: the percentile of the absolute activation values taken as the range."),
     click.option("--calib-cache", type=click.Path(path_type=Path, file_okay=False), default=None, help="Directory of cached calibration ranges. Default: ~/.cache/kiln/calibration."),
-]
-
-# kiln export: weight-only int4
-INT4: list[Option] = [
-    click.option("--int4", is_flag=True, help="Weight-only int4 MatMul weights (symmetric blocks along K: DequantizeLinear at opset 21; with --target ort also MatMulNBits, the same numbers); with --fp16 the rest is fp16."),
-    click.option("--int4-block", type=click.Choice(["16", "32", "64", "128", "256"]), default="128", show_default=True, help="int4 block size along K (a weight whose K it does not divide gets the largest smaller power of two that does)."),
-    click.option("--int4-method", type=click.Choice(["rtn", "gptq"]), default="gptq", show_default=True, help="rtn = round to nearest (no data); gptq = GPTQ with a clip search on --calib-data (measured better)."),
-    click.option("--int4-float", "int4_float", multiple=True, metavar="RULE", help="Also keep these nodes/modules/op types in float under --int4 (rules as for --keep-fp32). Repeatable."),
-    click.option("--int4-all-matmuls", is_flag=True, help="Quantize the LM head to int4 too (kept in float by default)."),
-]
-
-# kiln export: fp8 E4M3
-FP8: list[Option] = [
-    click.option("--fp8", is_flag=True, help="fp8 E4M3 Q/DQ before MatMul inputs (weights per channel, activations per tensor from --calib-data), the rest fp16: for TensorRT on Ada/Hopper and later."),
-    click.option("--fp8-float", "fp8_float", multiple=True, metavar="RULE", help="Also keep these nodes/modules/op types fp16 under --fp8 (rules as for --keep-fp32: /layers.0.mlp.fc2/, *.q_proj). Repeatable."),
 ]
 
 # kiln export: targets (exporter.targets)
@@ -146,7 +136,7 @@ OUTPUT: list[Option] = [
 ]
 
 
-EXPORT = [SOURCE, GRAPHS, FP16, INT8, CALIBRATION, INT4, FP8, TARGET, OUTPUT]
+EXPORT = [SOURCE, GRAPHS, PRECISION, CALIBRATION, TARGET, OUTPUT]
 
 # kiln check
 CHECK: list[Option] = [

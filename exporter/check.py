@@ -12,8 +12,10 @@ from kiln.exporter.artifacts.verify import require_verified
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import fold, table_feeds
 from kiln.exporter.load import adapter_reference, prepare_reference, read_adapters
-from kiln.exporter.options import PLETables, Precision
+from kiln.exporter.candidates import candidate
+from kiln.exporter.options import PLETables
 from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity, quantized_model
+from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.runners import Feeds, OrtRunner
 from kiln.exporter.targets import target
@@ -41,12 +43,13 @@ def check_dir(directory: Path, model: str | Path | None = None, progress: Progre
     reference = adapter_reference(loaded, _adapters(directory, manifest, loaded, model)) if manifest.checkpoint.adapters else prepare_reference(loaded, options)
     extra: Feeds | None = None
     if options.ple_tables is PLETables.INPUT:
-        extra = table_feeds(list(fold(reference, loaded.ple).tables), Precision(manifest.precision).kv_dtype)
+        extra = table_feeds(list(fold(reference, loaded.ple).tables), Precision.parse(manifest.precision).kv_dtype)
     assert options.max_context is not None, "an export's manifest records its context"
     settings = ParitySettings(options.max_context, options.max_batch, options.parity_tokens, options.last_logits_only)
     # an int4 export: against PyTorch on its own int4 weights too (read from its portable graphs), its agreement gating as the export chose
     gates = manifest.parity.agreement != "record"
-    quantized = quantized_model(Precision(manifest.precision), _portable_paths(directory, manifest).values(), gates)
+    weight_only = Precision.parse(manifest.precision).weight_only_float is not None
+    quantized = quantized_model(_portable_paths(directory, manifest).values(), gates) if weight_only else None
     return check_parity(reference, loaded.spec, _candidates(directory, manifest, backend, extra), settings, progress=progress, quantized=quantized)
 
 
@@ -108,13 +111,13 @@ def _candidates(directory: Path, manifest: Manifest, backend: str, extra: Feeds 
         std = read_records(directory).get("graphs", {}).get("set") == "onnx"
         precision = (manifest.targets or {})["onnx"].precision if std else manifest.precision
         # TensorRT computes int4 weight-only MatMuls in the engine's float precision
-        return [Candidate(lambda: open_engines(directory, extra_feeds=extra), (GraphKind.PREFILL, GraphKind.DECODE), precision, quantized=Precision(precision).weight_only_float)]
+        return [candidate(lambda: open_engines(directory, extra_feeds=extra), (GraphKind.PREFILL, GraphKind.DECODE), precision, Precision.parse(precision).weight_only_float)]
     graphs = _portable_paths(directory, manifest)
-    candidates = [Candidate(OrtRunner.opener(graphs, extra), tuple(graphs), manifest.precision, quantized=Precision(manifest.precision).weight_only_float)]
+    candidates = [candidate(OrtRunner.opener(graphs, extra), tuple(graphs), manifest.precision, Precision.parse(manifest.precision).weight_only_float)]
     for name, entry in (manifest.targets or {}).items():  # each target's graphs, opened its way
         paths = _graph_paths(directory, {GraphKind(kind): graph.file for kind, graph in entry.graphs.items()})
         chosen = target(name)
-        candidates.append(Candidate(chosen.runner(paths, extra), tuple(paths), entry.precision, target=name, quantized=chosen.quantized_precision(entry.precision)))
+        candidates.append(candidate(chosen.runner(paths, extra), tuple(paths), entry.precision, chosen.quantized_precision(entry.precision), name))
     return candidates
 
 

@@ -2,14 +2,13 @@
 by its passes (specialisation, the per-layer stamp, contract, precision, weights), one graph at a
 time, into ``onnx/<kind>.onnx`` + one shared ``weights.bin``.
 
-The passes of these graphs are composed here and nowhere else (``contract_passes``,
-``precision_passes``); the ``--target ort`` set composes its own in ``targets.ort``.
+The passes of these graphs are composed here and nowhere else (``contract_passes``, then the
+precision kinds' passes: ``precision.prepare``); each target composes its own in its folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 
 import onnx_ir as ir
@@ -29,18 +28,12 @@ from kiln.exporter.passes.reports import Report, pass_reports
 from kiln.exporter.passes.specialise import specialise
 from kiln.exporter.passes.stamp import StampLayers
 from kiln.exporter.passes.weights import WEIGHTS_FILE
-from kiln.exporter.precision.fp16 import ConvertFp16
-from kiln.exporter.precision.fp8 import QuantizeFp8
-from kiln.exporter.precision.int4 import Int4Quantizer, QuantizeInt4
-from kiln.exporter.precision.int8 import Int8Policy, QuantizeInt8
-from kiln.exporter.precision.lowbit_check import CheckLowBit, onnx_full_check
-from kiln.exporter.precision.policy import Fp16Policy
+from kiln.exporter.precision.lowbit_check import onnx_full_check
+from kiln.exporter.precision.prepare import PreparedPrecision
 from kiln.exporter.progress import Progress
 from kiln.exporter.trace import Traced
 
-__all__ = ["GraphRecord", "GraphSet", "PrecisionPlan", "Ranges", "contract_io", "fp32_graph", "write_portable_graphs"]
-
-Ranges = dict[str, tuple[float, float]]  # tensor -> calibrated (lo, hi)
+__all__ = ["GraphRecord", "GraphSet", "contract_io", "fp32_graph", "write_portable_graphs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +53,10 @@ class GraphSet:
     def paths(self) -> dict[GraphKind, Path]:
         return {kind: record.path for kind, record in self.graphs.items()}
 
-
-@dataclasses.dataclass(frozen=True)
-class PrecisionPlan:
-    """What the precision passes do: the fp16 policy (already widened by ``--keep-fp32`` and the
-    sensitivity search), the int8 policy and, for int8, the calibration of each graph."""
-
-    fp16: Fp16Policy
-    int8: Int8Policy
-    calibrate: Callable[[GraphKind, ir.Model], Ranges] | None = None
-    int4: Int4Quantizer | None = None  # int4: computes each weight's numbers once for all graphs
-    int4_policy: Int8Policy | None = None
+    @property
+    def reports(self) -> dict[GraphKind, dict[str, Report]]:
+        """Per graph, what its passes report."""
+        return {kind: record.passes for kind, record in self.graphs.items()}
 
 
 def contract_io(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, kv_dtype: str = "float32") -> GraphIO:
@@ -87,25 +73,6 @@ def contract_passes(reference: Reference, folded: Folded, options: ExportOptions
     return [*derive, *stamp, *tables, ApplyContract(contract_io(reference, folded, options, kind), kind)]
 
 
-def precision_passes(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, plan: PrecisionPlan) -> list[ir.passes.PassBase]:
-    passes: list[ir.passes.PassBase] = []
-    if options.precision.needs_ranges:
-        assert plan.calibrate is not None, "an int8 or fp8 export calibrates every graph"
-        calibrate = plan.calibrate
-        if options.precision.has_int8:
-            passes.append(QuantizeInt8(lambda model: calibrate(kind, model), plan.int8))
-        else:
-            passes.append(QuantizeFp8(lambda model: calibrate(kind, model), plan.int8, options.fp8_float))
-    if options.precision.has_int4:
-        assert plan.int4 is not None and plan.int4_policy is not None, "an int4 export has a quantizer"
-        passes.append(QuantizeInt4(plan.int4, plan.int4_policy, ir.DataType.FLOAT16 if options.precision.has_fp16 else ir.DataType.FLOAT))
-    if options.precision.has_fp16:
-        passes += [ConvertFp16(plan.fp16), ApplyContract(contract_io(reference, folded, options, kind, "float16"), kind)]
-    if options.precision.has_int4 or options.precision.has_fp8:
-        passes.append(CheckLowBit())
-    return passes
-
-
 def fp32_graph(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, traced: Traced) -> ir.Model:
     """The fp32 graph of ``kind``, with the contract's I/O (a new model: ``traced`` is kept)."""
     source = traced.graphs.get(kind, traced.model)
@@ -113,17 +80,17 @@ def fp32_graph(reference: Reference, folded: Folded, options: ExportOptions, kin
 
 
 def write_portable_graphs(
-    reference: Reference, folded: Folded, options: ExportOptions, traced: Traced, plan: PrecisionPlan, onnx_dir: Path, progress: Progress
+    reference: Reference, folded: Folded, options: ExportOptions, traced: Traced, precision: PreparedPrecision, onnx_dir: Path, progress: Progress
 ) -> GraphSet:
     """Every graph of the contract, one at a time: derive it, pass it, move its weights into the
     shared file, save, drop (so at most one graph's weight being written is in memory). The
     first graph reads and writes every weight; the others find theirs already written."""
     records: dict[GraphKind, GraphRecord] = {}
-    final_dtype = options.precision.kv_dtype
+    final_dtype = precision.precision.kv_dtype
     with WeightsWriter(onnx_dir / WEIGHTS_FILE, rename=True) as writer:
         for kind in graph_kinds(reference.spec):
             path = onnx_dir / f"{kind.value}.onnx"
-            passes = precision_passes(reference, folded, options, kind, plan)
+            passes = precision.passes(kind)
             with progress.stage(f"{path.name}: graph passes"):
                 model = run_passes(fp32_graph(reference, folded, options, kind, traced), passes, graph=kind.value)
             with progress.stage(f"{path.name}: weights", total=len(writer.pending(model))) as bar:
@@ -132,7 +99,7 @@ def write_portable_graphs(
             del model
             records[kind] = GraphRecord(kind, path, contract_io(reference, folded, options, kind, final_dtype), pass_reports(passes))
         weights = writer.close()
-    if options.precision.has_int4 or options.precision.has_fp8:
+    if precision.precision.full_check:
         with progress.stage("low-bit graphs: onnx.checker (full check)"):
             for record in records.values():
                 onnx_full_check(record.path)

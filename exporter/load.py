@@ -45,18 +45,8 @@ def load_reference(loaded: LoadedModel, options: ExportOptions) -> Reference:
 
 def refuse_unsupported(spec: DecoderSpec, options: ExportOptions) -> None:
     """What a model's structure rules out, before any work is done."""
-    if spec.has_encoder and (options.precision.needs_ranges or options.precision.has_int4):
-        raise ConfigError(
-            f"{options.precision.value} exports are not supported for encoder-decoders yet: calibration and GPTQ run decoder-only"
-            " prompts, with no encoder inputs; export --fp16 or fp32"
-        )
-    if spec.has_encoder and options.auto_keep_fp32:
-        raise ConfigError("--auto-keep-fp32 is not supported for encoder-decoders yet: its search runs the decoder's unified graph only, never the encoder; pass --keep-fp32 rules")
-    if spec.encoder_dim is not None and options.precision.has_int8:
-        raise ConfigError(
-            "--int8 is not supported for cross-attention decoders yet: calibration needs encoder_hidden_states"
-            " samples, which kiln's calibration data formats do not carry; export --fp16 or fp32"
-        )
+    for kind in options.precision.kinds:  # what each precision kind cannot be applied to
+        kind.refuse(spec, options)
     for target in targets():
         if target.wanted(options):
             target.refuse(spec)

@@ -1,7 +1,7 @@
 """``export``: the chain of stages that turns a checkpoint into an export directory.
 
-    load -> fold -> (calibrate, fp16 policy) -> trace + graph passes -> target graphs
-         -> parity -> artifacts (reports, serving configs, manifest) -> commit
+    load -> fold -> calibration -> trace -> precision kinds prepared -> graph passes
+         -> target graphs -> parity -> artifacts (reports, serving configs, manifest) -> commit
 
 Every stage is a function of the one before it; the export is staged in a temporary directory
 and renamed into place only when every stage has passed (``artifacts.staging``).
@@ -15,11 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import onnx_ir as ir
 import torch
-from kiln.calibration import WINDOW, Calibration, load_calibration_data
-from kiln.calibration.hessians import collect_hessians
+from kiln.calibration import Calibration
 from kiln.errors import ParityError
 from kiln.exporter.emit import write_artifacts
 from kiln.exporter.artifacts.hashing import sha256_file
@@ -30,27 +28,22 @@ from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import Folded, fold, table_feeds
 from kiln.exporter.graphs import (
     GraphSet,
-    PrecisionPlan,
+    contract_io,
     fp32_graph,
     write_portable_graphs,
 )
 from kiln.exporter.load import Reference, adapter_reference, load_reference, merge_adapters, resolve_limits
 from kiln.exporter.options import ExportOptions, PLETables
+from kiln.exporter.candidates import candidate
 from kiln.exporter.parity import (
-    TOLERANCES,
     Candidate,
     ParityResult,
     ParitySettings,
     check_parity,
     quantized_model,
 )
-from kiln.exporter.precision.int4 import DEFAULT_INT4_FLOAT, Int4Quantizer
-from kiln.exporter.precision.int8 import DEFAULT_INT8_FLOAT, Int8Policy
-from kiln.exporter.precision.policy import Fp16Policy
-from kiln.exporter.precision.sensitivity import (
-    SensitivityResult,
-    search_against_reference,
-)
+from kiln.exporter.precision.kinds.base import Needs, PrecisionContext, Ranges
+from kiln.exporter.precision.prepare import prepare_precision
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.report import ExportReport
 from kiln.exporter.runners import OrtRunner, TorchRunner
@@ -106,13 +99,13 @@ def export_loaded(
         checkpoint = {path.name: sha256_file(path) for path in loaded.files}  # hashed once
         calibration = _calibration(reference, options, checkpoint, progress)
         traced = trace_unified(reference, folded, options, progress)  # its own stage
-        fp16, sensitivity = _fp16_policy(reference, folded, options, traced, progress)
-        int4 = _int4(reference, options, progress)
-        plan = PrecisionPlan(
-            fp16, _int8_policy(options), _calibrate(reference, options, calibration, progress), int4.quantizer if int4 else None, int4.policy if int4 else None
+        context = PrecisionContext(
+            reference, options, progress, _calibrate(reference, options, calibration, progress),
+            lambda kind, kv_dtype: contract_io(reference, folded, options, kind, kv_dtype), lambda kind: fp32_graph(reference, folded, options, kind, traced),
         )
+        precision = prepare_precision(context)
         (root / ONNX_DIR).mkdir()
-        portable = write_portable_graphs(reference, folded, options, traced, plan, root / ONNX_DIR, progress)
+        portable = write_portable_graphs(reference, folded, options, traced, precision, root / ONNX_DIR, progress)
         calibrated = calibration.finish(root / CALIBRATION_DIR) if calibration is not None else None
         given = TargetGiven(root / ONNX_DIR, portable.paths, reference.spec, options, reference.max_context, progress)
         written = tuple(target.write(given) for target in targets() if target.wanted(options))
@@ -127,13 +120,13 @@ def export_loaded(
             _settings(reference, options),
             release_reference=release,
             progress=progress,
-            quantized=quantized_model(options.precision, portable.paths.values(), options.parity_agreement == "gate"),
+            quantized=quantized_model(portable.paths.values(), options.parity_agreement == "gate") if options.precision.weight_only_float else None,
         )
         if not parity.passed:
             raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
         report = ExportReport(
-            reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, fp16.keep, portable, calibrated, sensitivity, written, parity,
-            loaded.tokenizer, loaded.serving_files, _quantization(options, portable, int4),
+            reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, portable, calibrated, written, parity,
+            loaded.tokenizer, loaded.serving_files, precision.record(portable.reports), precision.extras(portable.reports),
             checkpoint_path=str(loaded.source.absolute()) if loaded.source.exists() else None, adapters=adapters,
         )
         manifest = write_artifacts(root, report)
@@ -165,10 +158,11 @@ def _peft_reference(
 
 
 def _calibration(reference: Reference, options: ExportOptions, checkpoint: dict[str, str], progress: Progress) -> Calibration | None:
-    """int8 and fp8: the calibration data and settings (and ranges, when the cache has them)."""
-    if not options.precision.needs_ranges:
+    """The kinds that read activation ranges (int8, fp8): the calibration data and settings (and
+    ranges, when the cache has them)."""
+    if not options.precision.needs(Needs.RANGES):
         return None
-    assert options.calib_data is not None, "ExportOptions refuses --int8 without --calib-data"
+    assert options.calib_data is not None, "the kinds that read ranges refuse to go without --calib-data"
     files = reference.loaded.files
     calibration = Calibration.prepare(
         options.calib_data,
@@ -193,79 +187,11 @@ def _calibration(reference: Reference, options: ExportOptions, checkpoint: dict[
     return calibration
 
 
-def _calibrate(
-    reference: Reference, options: ExportOptions, calibration: Calibration | None, progress: Progress
-) -> Callable[[GraphKind, ir.Model], dict[str, tuple[float, float]]] | None:
+def _calibrate(reference: Reference, options: ExportOptions, calibration: Calibration | None, progress: Progress) -> Callable[[GraphKind, ir.Model], Ranges] | None:
     if calibration is None:
         return None
     runner = TorchRunner(reference.module, reference.spec.n_layers, options.last_logits_only)  # runs the teacher-forced decode feeds
     return lambda kind, model: calibration.ranges_for(kind, model, reference.spec, runner, progress)
-
-
-def _fp16_policy(reference: Reference, folded: Folded, options: ExportOptions, traced: Traced, progress: Progress) -> tuple[Fp16Policy, SensitivityResult | None]:
-    """The fp32 islands: the default policy, ``--keep-fp32`` and what ``--auto-keep-fp32`` finds."""
-    policy = Fp16Policy().widened(options.keep_fp32)
-    if not options.auto_keep_fp32:
-        return policy, None
-    with progress.stage("fp16 sensitivity search"):
-        unified = fp32_graph(reference, folded, options, GraphKind.UNIFIED, traced)
-        found = search_against_reference(reference.module, reference.spec, unified, policy, TOLERANCES["fp16"].logits_atol)
-    return policy.widened(tuple(g.rule for g in found.groups)), found
-
-
-def _int8_policy(options: ExportOptions) -> Int8Policy:
-    return Int8Policy(() if options.int8_all_matmuls else DEFAULT_INT8_FLOAT + options.int8_float + options.fp8_float)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Int4Setup:
-    quantizer: Int4Quantizer
-    policy: Int8Policy
-    calibration: dict[str, object] | None  # GPTQ: the data the Hessians come from
-
-
-def _int4(reference: Reference, options: ExportOptions, progress: Progress) -> _Int4Setup | None:
-    """int4: the quantizer all graphs share (GPTQ: Hessians from --calib-data through PyTorch,
-    collected the first time a weight is quantized) and the policy of what stays float."""
-    if not options.precision.has_int4:
-        return None
-    policy = Int8Policy(() if options.int4_all_matmuls else DEFAULT_INT4_FLOAT + options.int4_float)
-    hessians, record = None, None
-    if options.gptq:
-        assert options.calib_data is not None, "ExportOptions refuses gptq without --calib-data"
-        data = load_calibration_data(
-            options.calib_data, tokenizer=reference.loaded.tokenizer, vocab_size=reference.spec.vocab_size, samples=options.samples, window=min(WINDOW, reference.max_context)
-        )
-
-        def hessians(names: tuple[str, ...]) -> dict[str, np.ndarray]:
-            with progress.stage(f"GPTQ: input Hessians of {len(names)} weights, windows", total=len(data.windows)) as stage:
-                return collect_hessians(reference.module, reference.spec.n_layers, names, data.windows, stage.advance)
-
-        record = {"source": data.source, "data_sha256": data.sha256, "windows": len(data.windows), "window": int(len(data.windows[0]))}
-    return _Int4Setup(Int4Quantizer(options.int4_method, options.int4_block, hessians), policy, record)
-
-
-def _quantization(options: ExportOptions, portable: GraphSet, int4: _Int4Setup | None) -> dict[str, object] | None:
-    """What the manifest records of an int4 or fp8 export (``export.quantization``)."""
-    if int4 is not None:
-        reports = [g.passes.get("int4", {}) for g in portable.graphs.values()]
-        blocks = {n: b for r in reports for n, b in r.get("blocks", {}).items() if b != options.int4_block}
-        kept = {n: why for r in reports for n, why in r.get("kept_float", {}).items()}
-        return {
-            "format": "int4 weight-only: DequantizeLinear(INT4 [K, N], scale [K/B, N], axis=0, block_size=B), symmetric, no zero point",
-            "method": options.int4_method.value,
-            "block_size": options.int4_block,
-            "layer_block_sizes": dict(sorted(blocks.items())),  # layers whose K the block size does not divide
-            "kept_float": {"rules": list(int4.policy.keep_float), "nodes": dict(sorted(kept.items()))},
-            "calibration": int4.calibration,
-        }
-    if options.precision.has_fp8:
-        return {
-            "format": "fp8 E4M3 Q/DQ: weights float8e4m3fn per output channel (DequantizeLinear axis 1), activations per tensor, scales amax/448 in fp16",
-            "method": options.calib_method,
-            "kept_float": {"rules": list(_int8_policy(options).keep_float), "nodes": {}},
-        }
-    return None
 
 
 def _settings(reference: Reference, options: ExportOptions) -> ParitySettings:
@@ -275,8 +201,8 @@ def _settings(reference: Reference, options: ExportOptions) -> ParitySettings:
 def _candidates(folded: Folded, options: ExportOptions, portable: GraphSet, written: tuple[TargetGraphs, ...]) -> list[Candidate]:
     """The graph sets parity checks: the portable graphs, then each target's (opened its way)."""
     feeds = table_feeds(list(folded.tables), options.precision.kv_dtype) if options.ple_tables is PLETables.INPUT else None
-    candidates = [Candidate(OrtRunner.opener(portable.paths, feeds), tuple(portable.paths), options.precision.value, quantized=options.precision.weight_only_float)]
+    candidates = [candidate(OrtRunner.opener(portable.paths, feeds), tuple(portable.paths), options.precision.value, options.precision.weight_only_float)]
     for graphs in written:
         chosen = target(graphs.name)
-        candidates.append(Candidate(chosen.runner(graphs.paths, feeds), tuple(graphs.paths), graphs.precision, target=graphs.name, quantized=chosen.quantized_precision(graphs.precision)))
+        candidates.append(candidate(chosen.runner(graphs.paths, feeds), tuple(graphs.paths), graphs.precision, chosen.quantized_precision(graphs.precision), graphs.name))
     return candidates

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # importing kiln.plugins.base must stay cheap: the CLI reads specs without torch
     from torch import Tensor, nn
 
-__all__ = ["MAX_DIM", "DecoderSpec", "LayerPlan", "LoadedModel", "ModelFamily", "PLEExtendMode", "PLEFolding", "dim_error", "non_finite"]
+__all__ = ["MAX_DIM", "DecoderSpec", "LayerPlan", "LoadedModel", "ModelFamily", "PLEExtendMode", "PLEFolding", "PLETables", "dim_error", "non_finite"]
 
 # the largest dimension a config may give: TensorRT's dimensions and ONNX Runtime GenAI's config are 32-bit
 MAX_DIM = 2**31 - 1
@@ -56,6 +56,11 @@ def dim_error(name: str, value: object) -> str | None:
 class PLEExtendMode(str, enum.Enum):
     CLAMP = "clamp"  # positions past the trained table reuse its last row
     INTERPOLATE = "interpolate"  # position interpolation: row p samples the table at p*(M-1)/(N-1)
+
+
+class PLETables(str, enum.Enum):
+    CONSTANT = "constant"  # folded tables are initializers in the weights file
+    INPUT = "input"  # folded tables are graph inputs (serving stacks that swap them)
 
 
 class PLEFolding(Protocol):

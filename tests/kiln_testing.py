@@ -215,6 +215,20 @@ def heavy_imports(*args: str) -> tuple[int, list[str]]:
     return int(code), list(imported)
 
 
+def config_error(*args: str) -> str:
+    """The one-line ``config`` refusal of ``kiln ARGS`` (exit code 1, no traceback), without its prefix."""
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: config: "), line
+    return line.removeprefix("error: config: ")
+
+
 def exact(message: str) -> str:
     """A ``pytest.raises(match=...)`` pattern matching ``message`` whole."""
     return "^" + re.escape(message) + "$"

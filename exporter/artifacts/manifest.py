@@ -281,7 +281,7 @@ def export_settings(
     if trained_rows is not None:
         extend = options.ple_extend_mode.value if options.ple_extend else None
         ple = PleInfo(True, trained_rows, options.ple_extend or trained_rows, extend, options.ple_tables.value)
-    return ExportSettings(options.graph_opset, keep_fp32 if options.precision.has_fp16 else (), calibration, options.logits.value, ple, quantization)
+    return ExportSettings(options.graph_opset, keep_fp32 if options.precision.float16 else (), calibration, options.logits.value, ple, quantization)
 
 
 def graph_options(manifest: Manifest) -> ExportOptions:
@@ -300,7 +300,7 @@ def graph_options(manifest: Manifest) -> ExportOptions:
 
 
 def precision_of(manifest: Manifest) -> Precision:
-    return Precision(manifest.precision)
+    return Precision.parse(manifest.precision)
 
 
 def write(root: Path, manifest: Manifest) -> Path:

@@ -9,15 +9,19 @@ fail deep in TensorRT's tactic selection, so it is refused first, in one line.
 
 from __future__ import annotations
 
-from kiln.errors import EngineError
+from kiln.errors import ConfigError, EngineError
+from kiln.exporter.precision.kinds.plan import Precision
 
-__all__ = ["MIN_COMPUTE_CAPABILITY", "require_gpu_for", "gpu_note"]
+__all__ = ["min_compute_capability", "require_gpu_for", "gpu_note"]
 
-MIN_COMPUTE_CAPABILITY: dict[str, tuple[int, int, str]] = {
-    "int4": (8, 0, "Ampere (A100, A10, RTX 30) or later"),
-    "int4+fp16": (8, 0, "Ampere (A100, A10, RTX 30) or later"),
-    "fp8": (8, 9, "Ada (L4, L40S, RTX 40) or Hopper (H100, H200) or later"),
-}
+
+def min_compute_capability(precision: str) -> tuple[int, int, str] | None:
+    """The oldest GPUs that build ``precision`` (each kind declares its own: ``precision.kinds``);
+    None: any TensorRT GPU (a name kiln does not write too: nothing to say of it)."""
+    try:
+        return Precision.parse(precision).min_compute_capability
+    except ConfigError:
+        return None
 
 
 def _parse(capability: str) -> tuple[int, int]:
@@ -27,7 +31,7 @@ def _parse(capability: str) -> tuple[int, int]:
 
 def require_gpu_for(precision: str, compute_capability: str, gpu: str) -> None:
     """An ``EngineError`` when ``gpu`` (of ``compute_capability``) cannot build ``precision``."""
-    need = MIN_COMPUTE_CAPABILITY.get(precision)
+    need = min_compute_capability(precision)
     if need is not None and _parse(compute_capability) < need[:2]:
         raise EngineError(
             f"{precision} engines need a GPU of compute capability {need[0]}.{need[1]} or later ({need[2]}); "
@@ -37,5 +41,5 @@ def require_gpu_for(precision: str, compute_capability: str, gpu: str) -> None:
 
 def gpu_note(precision: str) -> str | None:
     """The trtexec.sh comment line saying which GPUs build ``precision`` (None: any TensorRT GPU)."""
-    need = MIN_COMPUTE_CAPABILITY.get(precision)
+    need = min_compute_capability(precision)
     return None if need is None else f"# {precision} graphs build on GPUs of compute capability {need[0]}.{need[1]} or later: {need[2]}."

@@ -39,13 +39,12 @@ from kiln.exporter.parity.results import (
     TensorCheck,
 )
 from kiln.exporter.parity.tensors import tensor_feeds, tensor_parity
-from kiln.exporter.parity.tolerances import RULE, TOLERANCES, Bound, Tolerance
+from kiln.exporter.parity.tolerances import RULE, Bound, Tolerance
 
 __all__ = [
     "Bound",
     "RULE",
     "Tolerance",
-    "TOLERANCES",
     "TensorCheck",
     "GenerationCheck",
     "ParityResult",

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import numpy as np
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.options import Precision
 from kiln.exporter.parity.generation import generation_parity, greedy, make_prompts
 from kiln.exporter.parity.quantized import Int4Weight, read_int4_weights, use_int4_weights
 from kiln.exporter.parity.results import ParityResult
 from kiln.exporter.parity.tensors import tensor_feeds, tensor_parity
-from kiln.exporter.parity.tolerances import TOLERANCES, Tolerance
+from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.runners import RecordingRunner, Runner, TorchRunner
 from kiln.plugins.base import DecoderSpec
@@ -50,16 +49,19 @@ class ParitySettings:
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One graph set to check: how to open its runner (sessions exist only while it is open),
-    which graphs it runs, whose tolerances apply, and, for a target set, the name its checks
-    are merged under (``None``: the export's own portable graphs, or the engines).
-    ``quantized``: the precision whose tolerances judge it against the quantized model (the
-    float precision of a weight-only int4 set; None: not checked against one)."""
+    which graphs it runs, its precision's name, tolerances and KV dtype (``exporter.candidates``
+    makes them from the name), and, for a target set, the name its checks are merged under
+    (``None``: the export's own portable graphs, or the engines). ``quantized``: the tolerances
+    that judge it against the quantized model (its float precision's, for a weight-only int4
+    set; None: not checked against one)."""
 
     open: Callable[[], contextlib.AbstractContextManager[Runner]]
     graphs: tuple[GraphKind, ...]
     precision: str
+    tolerance: Tolerance
+    kv_dtype: str = "float32"
     target: str | None = None
-    quantized: str | None = None
+    quantized: Tolerance | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +74,9 @@ class QuantizedModel:
     agreement_gates: bool = True
 
 
-def quantized_model(precision: Precision, paths: Iterable[Path], agreement_gates: bool = True) -> QuantizedModel | None:
-    """The quantized model of a weight-only int4 export whose graphs are at ``paths`` (None for
-    any other precision: its graphs have only the checkpoint's model to be judged against)."""
-    if precision.weight_only_float is None:
-        return None
+def quantized_model(paths: Iterable[Path], agreement_gates: bool = True) -> QuantizedModel:
+    """The quantized model of a weight-only int4 export whose graphs are at ``paths`` (any other
+    precision has no such model: its graphs have only the checkpoint's model to be judged against)."""
     graphs = tuple(paths)
     return QuantizedModel(lambda: read_int4_weights(graphs), agreement_gates)
 
@@ -124,7 +124,7 @@ def check_parity(
     that precision's tolerances (``ParityResult.quantized``)."""
     progress = progress or NullProgress()
     plan, first = _Plan.of(spec, settings), candidates[0]
-    kv_dtype = np.dtype(Precision(first.precision).kv_dtype)
+    kv_dtype = np.dtype(first.kv_dtype)
     graphs = tuple(dict.fromkeys(kind for c in candidates for kind in c.graphs))
     recorded = _record(TorchRunner(reference, spec.n_layers, settings.last_logits_only), spec, graphs, plan, kv_dtype, progress, "parity: PyTorch reference")
     quantized_recorded = None
@@ -197,11 +197,11 @@ def _check_candidate(
     runs = len(plan.batches) * (2 if GraphKind.UNIFIED in candidate.graphs else 1)
     label = f"parity: {candidate.precision} {candidate.target + ' ' if candidate.target else ''}graphs"  # the session's start counts in it
     with progress.stage(label, total=(1 + runs) * (2 if against_quantized else 1)) as bar, candidate.open() as runner:
-        checked = run_parity(recorded.runner, runner, spec, candidate, TOLERANCES[candidate.precision], plan, recorded.runs, bar.advance)
+        checked = run_parity(recorded.runner, runner, spec, candidate, candidate.tolerance, plan, recorded.runs, bar.advance)
         if not against_quantized:
             return checked, None
         assert quantized is not None and candidate.quantized is not None
-        return checked, run_parity(quantized.runner, runner, spec, candidate, TOLERANCES[candidate.quantized], plan, quantized.runs, bar.advance)
+        return checked, run_parity(quantized.runner, runner, spec, candidate, candidate.quantized, plan, quantized.runs, bar.advance)
 
 
 def run_parity(
@@ -217,7 +217,7 @@ def run_parity(
     """Tensor parity of the candidate's graphs against a frozen recording, then greedy
     generation through prefill + decode and (when it has it) model.onnx, for batch 1 and a padded
     batch (``parity_plan``), teacher-forced on the recording's greedy runs."""
-    kv_dtype = np.dtype(Precision(candidate.precision).kv_dtype)
+    kv_dtype = np.dtype(candidate.kv_dtype)
     paths = [False, True] if GraphKind.UNIFIED in candidate.graphs else [False]
     result = ParityResult(backend=runner.name, precision=candidate.precision, tolerance=tolerance)
     result.tensors = tensor_parity(reference, runner, spec, tolerance, plan.seed, kv_dtype)

@@ -1,4 +1,6 @@
-"""Parity tolerances, by precision, and the one rule every output is judged by.
+"""Parity tolerances: the one rule every output is judged by, and why it is that rule (the rule
+and the ``Tolerance`` type live in ``exporter.tolerance``; each precision kind declares its own
+figures, ``precision.TOLERANCES`` names them by precision).
 
 For every row (the last axis: one position's logits over the vocabulary, one head's key or value
 at one position, one position's encoder state) and every element ``a`` of the candidate against
@@ -26,100 +28,11 @@ cosine passes); one padding position attended, 550 to 23000 times. Cosine and to
 equality stay as they were.
 
 fp16 and the low-bit forms keep their former absolute figures as atol (set on unit-scale models)
-and add an rtol so that they scale too.
+and add an rtol so that they scale too (each kind's figures say how, beside them).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TypeVar
+from kiln.exporter.tolerance import FP32, RULE, Bound, Tolerance
 
-import numpy as np
-
-__all__ = ["Bound", "Tolerance", "TOLERANCES", "RULE"]
-
-RULE = "|a - b| <= atol + rtol * max|b| of each row"
-_Scale = TypeVar("_Scale", float, np.ndarray)
-
-
-@dataclasses.dataclass(frozen=True)
-class Bound:
-    """The rule's two figures for one kind of output."""
-
-    atol: float
-    rtol: float
-
-    def limit(self, scale: _Scale) -> _Scale:
-        """The largest error allowed in a row whose reference values reach ``scale`` in magnitude
-        (a float, or an array of rows' scales)."""
-        return self.atol + self.rtol * scale
-
-    def worst_row(self, want: np.ndarray, got: np.ndarray) -> tuple[float, float]:
-        """The max abs error and the max |reference| of the row (the last axis) closest to its
-        limit, or furthest past it; a row with a NaN is the worst. Pass iff error <= limit(scale)."""
-        w = want.astype(np.float64).reshape(-1, want.shape[-1] if want.ndim else 1)
-        g = got.astype(np.float64).reshape(w.shape)
-        if not w.size:
-            return 0.0, 0.0
-        error, scale = np.abs(w - g).max(axis=1), np.abs(w).max(axis=1)
-        worst = int(np.argmax(np.nan_to_num(error / self.limit(scale), nan=np.inf)))
-        return float(error[worst]), float(scale[worst])
-
-    def holds(self, want: np.ndarray, got: np.ndarray) -> bool:
-        """Whether every row of ``got`` is within its limit of ``want``'s."""
-        error, scale = self.worst_row(want, got)
-        return error <= self.limit(scale)
-
-    def describe(self, scale: float) -> str:
-        """The rule with its figures, at ``scale``: ``1e-05 + 0.0001 x max|row| = 0.00424 at max|row| 42.3``."""
-        return f"{self.atol:g} + {self.rtol:g} x max|row| = {self.limit(scale):.3g} at max|row| {scale:.3g}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    """One precision's figures: the rule's for the logits and for every other output, cosine, tokens."""
-
-    logits_atol: float  # logits: atol + rtol * max|reference logit| of each position
-    logits_rtol: float
-    kv_atol: float  # every other output (present keys/values, encoder states), by the same rule
-    kv_rtol: float
-    min_cosine: float  # of each output, flattened
-    min_token_match: float = 1.0  # teacher-forced argmax agreement; 1.0: any non-tie difference fails
-
-    def __post_init__(self) -> None:
-        assert self.logits_atol > 0 and self.kv_atol > 0, "an atol of 0 would judge an all-zero row by nothing"
-
-    @property
-    def logits(self) -> Bound:
-        return Bound(self.logits_atol, self.logits_rtol)
-
-    @property
-    def kv(self) -> Bound:
-        return Bound(self.kv_atol, self.kv_rtol)
-
-    def bound(self, output: str) -> Bound:
-        """The bound that judges ``output``: the logits', or every other output's."""
-        return self.logits if output == "logits" else self.kv
-
-
-_LOW_BITS: dict[str, dict[str, float]] = {
-    "int8": dict(logits_atol=1.5, logits_rtol=0.05, kv_atol=1.0, kv_rtol=0.05, min_cosine=0.99, min_token_match=0.9),
-    "int4": dict(logits_atol=3.0, logits_rtol=0.1, kv_atol=2.0, kv_rtol=0.1, min_cosine=0.97, min_token_match=0.7),
-}
-
-TOLERANCES = {
-    "fp32": Tolerance(logits_atol=1e-5, logits_rtol=1e-4, kv_atol=1e-5, kv_rtol=1e-4, min_cosine=0.999999),
-    # fp16 weights, activations and KV (10-bit mantissa) against fp32 PyTorch: the former absolute
-    # figures stay as atol, rtol is 5 fp16 ulps of the row's scale (the cache is itself rounded to
-    # fp16: half an ulp, 4.9e-4 of it; measured rows reach 2e-3 of their scale)
-    "fp16": Tolerance(logits_atol=5e-2, logits_rtol=5e-3, kv_atol=2e-2, kv_rtol=5e-3, min_cosine=0.9999),
-    # int8 MatMuls: an approximation by design; judged by agreement (cosine, tokens), the bound a
-    # guard against gross breakage: the former absolute figures, plus 5% of the row's scale
-    "int8": Tolerance(**_LOW_BITS["int8"]),
-    "int8+fp16": Tolerance(**_LOW_BITS["int8"]),
-    # int4 weights (16 levels a block): agreement again, looser than int8's
-    "int4": Tolerance(**_LOW_BITS["int4"]),
-    "int4+fp16": Tolerance(**_LOW_BITS["int4"]),
-    # fp8 E4M3 weights and activations (3 mantissa bits): int8's agreement
-    "fp8": Tolerance(**_LOW_BITS["int8"]),
-}
+__all__ = ["Bound", "Tolerance", "RULE", "FP32"]

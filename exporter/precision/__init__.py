@@ -1,12 +1,14 @@
-"""Precision variants: every one is an ONNX graph that carries its own types (docs/precisions.md)."""
+"""Precision variants: every one is an ONNX graph that carries its own types (docs/precisions.md).
+
+An export's precision (``plan.Precision``) composes registered kinds (``kinds``: fp16, int8, fp8,
+int4), each one file declaring its options, checks, passes, calibration needs, tolerances,
+manifest record and GPU requirement (``base.PrecisionKind``); the passes themselves are the
+modules beside them (``fp16``, ``int8``, ``int4``, ``fp8``, with ``policy`` for which nodes
+stay float and ``qdq_rules``/``lowbit_check`` for what TensorRT builds).
+"""
 
 from __future__ import annotations
 
-from kiln.exporter.precision.fp16 import Fp16Result, convert_to_fp16
-from kiln.exporter.precision.policy import (
-    DEFAULT_KEEP_FP32,
-    Fp16Policy,
-    resolve_kept_nodes,
-)
+from kiln.exporter.precision.kinds.plan import TOLERANCES, Precision
 
-__all__ = ["DEFAULT_KEEP_FP32", "Fp16Policy", "Fp16Result", "convert_to_fp16", "resolve_kept_nodes"]
+__all__ = ["Precision", "TOLERANCES"]

@@ -22,7 +22,9 @@ values are clipped to +-448 first.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
@@ -31,12 +33,19 @@ from kiln.exporter.passes.reports import Report
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.passes.ir_utils import set_dtype
 from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
-from kiln.exporter.precision.int8 import Int8Policy, int8_targets
+from kiln.exporter.precision.int8 import DEFAULT_INT8_FLOAT, int8_targets
 from kiln.exporter.passes.names import module_of
-from kiln.exporter.precision.policy import rule_matches
+from kiln.exporter.precision.kinds.base import Prepared
+from kiln.exporter.precision.lowbit_check import CheckLowBit
+from kiln.exporter.precision.policy import KeepFloat, rule_matches
 from kiln.exporter.precision.qdq_rules import MIN_FP8_OPSET
 
-__all__ = ["QuantizeFp8", "FP8_MAX", "MIN_FP8_OPSET"]
+if TYPE_CHECKING:
+    from kiln.exporter.contract.io import GraphKind
+    from kiln.exporter.precision.kinds.base import GraphReports, PrecisionContext, Ranges
+    from kiln.exporter.precision.kinds.fp8 import Fp8
+
+__all__ = ["prepare", "QuantizeFp8", "FP8_MAX", "MIN_FP8_OPSET"]
 
 FP8_MAX = 448.0  # E4M3's largest finite value
 _FP8 = ir.DataType.FLOAT8E4M3FN
@@ -66,7 +75,7 @@ class QuantizeFp8(ir.passes.InPlacePass):
     """fp8 Q/DQ on the MatMuls ``policy`` does not keep float; activation ranges from ``calibrate``
     (run on the fp32 graph). ``quantized`` names the MatMuls."""
 
-    def __init__(self, calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]], policy: Int8Policy, required: tuple[str, ...] = ()) -> None:
+    def __init__(self, calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]], policy: KeepFloat, required: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.calibrate, self.policy = calibrate, policy
         self.required = required  # --fp8-float rules: each must name some MatMul (a typo would keep nothing)
@@ -147,3 +156,31 @@ class QuantizeFp8(ir.passes.InPlacePass):
         node.replace_input_with(1, dq.outputs[0])
         if not weight.uses() and not weight.is_graph_output() and weight.name is not None and weight.name in graph.initializers:
             graph.initializers.pop(weight.name)
+
+
+_FORMAT = "fp8 E4M3 Q/DQ: weights float8e4m3fn per output channel (DequantizeLinear axis 1), activations per tensor, scales amax/448 in fp16"
+
+
+def prepare(kind: Fp8, context: PrecisionContext) -> Prepared:
+    """The fp8 kind's machinery (``kinds.fp8``): int8's default float rules and ``--fp8-float``'s,
+    and each graph's pass on that graph's calibrated ranges."""
+    assert context.ranges is not None, "the pipeline calibrates every Needs.RANGES export"
+    return _Fp8Prepared(KeepFloat(DEFAULT_INT8_FLOAT + kind.float_rules), kind.float_rules, context.ranges, context.options.calib_method)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fp8Prepared(Prepared):
+    policy: KeepFloat
+    required: tuple[str, ...]  # --fp8-float rules: each must name a MatMul
+    ranges: Callable[[GraphKind, ir.Model], Ranges]
+    method: str  # --calib-method
+
+    def passes(self, kind: GraphKind) -> list[ir.passes.PassBase]:
+        ranges = self.ranges
+        return [QuantizeFp8(lambda model: ranges(kind, model), self.policy, self.required)]
+
+    def checks(self, kind: GraphKind) -> list[ir.passes.PassBase]:
+        return [CheckLowBit()]
+
+    def record(self, reports: GraphReports) -> dict[str, Any]:
+        return {"quantization": {"format": _FORMAT, "method": self.method, "kept_float": {"rules": list(self.policy.keep_float), "nodes": {}}}}

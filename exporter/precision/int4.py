@@ -25,18 +25,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.reports import Report
 from kiln.errors import ExportError
-from kiln.exporter.options import DEFAULT_INT4_METHOD, Int4Method
 from kiln.exporter.passes.bind import ModuleWeight
 from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
 from kiln.exporter.passes.ir_utils import set_dtype
 from kiln.exporter.precision.gptq import gptq
 from kiln.exporter.precision.int4_numbers import layer_block, pack_int4, rtn
-from kiln.exporter.precision.int8 import Int8Policy, int8_targets
+from kiln.exporter.precision.kinds.int4 import DEFAULT_INT4_METHOD, MIN_INT4_OPSET, Int4Method
+from kiln.exporter.precision.int8 import int8_targets
+from kiln.exporter.precision.kinds.base import Prepared
+from kiln.exporter.precision.lowbit_check import CheckLowBit, check_int4
+from kiln.exporter.precision.policy import KeepFloat
 from kiln.exporter.passes.names import module_of
 
 __all__ = [
@@ -49,13 +53,19 @@ __all__ = [
     "DEFAULT_INT4_FLOAT",
     "DEFAULT_INT4_METHOD",
     "MIN_INT4_OPSET",
+    "gptq_hessians",
+    "prepare",
 ]
 
-MIN_INT4_OPSET = 21
 DEFAULT_INT4_FLOAT: tuple[str, ...] = ("*.lm_head",)
 # ops whose meaning (not only their type lists) changed between opsets 19 and 21: a graph holding
 # one is not raised to 21 silently (kiln's graphs hold none)
 _CHANGED_BY_21 = frozenset({"DFT", "GridSample", "GroupNormalization", "ReduceMax", "ReduceMin"})
+
+if TYPE_CHECKING:
+    from kiln.exporter.contract.io import GraphKind
+    from kiln.exporter.precision.kinds.base import GraphReports, PrecisionContext
+    from kiln.exporter.precision.kinds.int4 import Int4
 
 Hessians = Callable[[tuple[str, ...]], Mapping[str, np.ndarray]]  # weight names -> H [K, K]
 
@@ -109,6 +119,25 @@ class Int4Quantizer:
         return self._hessians[name]
 
 
+def gptq_hessians(context: PrecisionContext) -> tuple[Hessians, dict[str, Any]]:
+    """GPTQ's Hessians of the weights it is asked for, from ``--calib-data`` through the PyTorch
+    reference (collected when the first weight is quantized), and the record of that data."""
+    from kiln.calibration import WINDOW, load_calibration_data
+    from kiln.calibration.hessians import collect_hessians
+
+    reference, options, progress = context.reference, context.options, context.progress
+    assert options.calib_data is not None, "Int4.check refuses gptq without --calib-data"
+    data = load_calibration_data(
+        options.calib_data, tokenizer=reference.loaded.tokenizer, vocab_size=reference.spec.vocab_size, samples=options.samples, window=min(WINDOW, reference.max_context)
+    )
+
+    def hessians(names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        with progress.stage(f"GPTQ: input Hessians of {len(names)} weights, windows", total=len(data.windows)) as stage:
+            return collect_hessians(reference.module, reference.spec.n_layers, names, data.windows, stage.advance)
+
+    return hessians, {"source": data.source, "data_sha256": data.sha256, "windows": len(data.windows), "window": int(len(data.windows[0]))}
+
+
 def raise_opset(model: ir.Model, opset: int) -> None:
     """The default-domain opset of ``model`` raised to ``opset`` (IR version 10 for it), refused
     when the graph holds an op whose semantics changed on the way."""
@@ -131,7 +160,7 @@ class QuantizeInt4(ir.passes.InPlacePass):
     """The constant weights of the MatMuls ``policy`` does not keep float -> int4 block DQ.
     ``record`` says what it did; ``float_dtype`` is the graph's final float type (the scales')."""
 
-    def __init__(self, quantizer: Int4Quantizer, policy: Int8Policy, float_dtype: ir.DataType) -> None:
+    def __init__(self, quantizer: Int4Quantizer, policy: KeepFloat, float_dtype: ir.DataType) -> None:
         super().__init__()
         self.quantizer, self.policy, self.float_dtype = quantizer, policy, float_dtype
         self.record: Int4Record | None = None
@@ -204,42 +233,45 @@ def _hessian_name(tensor: ir.TensorProtocol, weight: ir.Value) -> str:
     return tensor.module_name if isinstance(tensor, ModuleWeight) else weight.name or ""
 
 
-def check_int4(model: ir.Model) -> int:
-    """TensorRT's rules for int4 block dequantization (and ONNX's), or an ``ExportError`` naming
-    the node; returns how many int4 DQs it checked. Reads the scales (small), never the weights."""
-    opset = model.opset_imports.get("", 0)
-    checked = 0
-    for node in model.graph:
-        if node.op_type == "QuantizeLinear" and node.inputs[0] is not None and node.inputs[0].const_value is not None:
-            raise ExportError(f"{node.name}: a QuantizeLinear on a constant weight; int4 weights are stored quantized (DequantizeLinear only)")
-        if node.op_type != "DequantizeLinear" or node.inputs[0] is None or node.inputs[0].dtype not in (ir.DataType.INT4, ir.DataType.UINT4):
-            continue
-        checked += 1
-        if opset < MIN_INT4_OPSET:
-            raise ExportError(f"{node.name}: int4 block DequantizeLinear needs opset {MIN_INT4_OPSET}, the graph has {opset}")
-        weight, scale = node.inputs[0], node.inputs[1]
-        zero = node.inputs[2] if len(node.inputs) > 2 else None
-        if weight.dtype != ir.DataType.INT4 or weight.const_value is None or len(weight.const_value.shape) != 2:
-            raise ExportError(f"{node.name}: the weight must be a constant signed INT4 [K, N] (TensorRT: symmetric only)")
-        if scale is None or scale.const_value is None:
-            raise ExportError(f"{node.name}: the scale is not a constant")
-        k, n = weight.const_value.shape.numpy()
-        block = node.attributes.get_int("block_size", 0)
-        axis = node.attributes.get_int("axis", 1)
-        values = scale.const_value.numpy().astype(np.float32)
-        if axis != 0 or block <= 0 or k % block or tuple(values.shape) != (k // block, n):
-            raise ExportError(
-                f"{node.name}: expected axis 0, a block_size dividing K={k} and scale [K/B, N]; found axis {axis}, block_size {block}, scale {tuple(values.shape)}"
-            )
-        if not (np.isfinite(values).all() and (values > 0).all()):
-            raise ExportError(f"{node.name}: scales must be finite and > 0, found min {values.min()}")
-        if zero is not None and (zero.const_value is None or zero.const_value.numpy().astype(np.int8).any()):
-            raise ExportError(f"{node.name}: the zero point must be absent or a constant of zeros (TensorRT: symmetric only)")
-        uses = list(node.outputs[0].uses())
-        if not uses or any(u.node.op_type != "MatMul" or u.idx != 1 for u in uses):
-            raise ExportError(f"{node.name}: an int4 weight must feed MatMul input B only")
-        for use in uses:
-            other = use.node.inputs[0]
-            if other is not None and other.dtype is not None and other.dtype != scale.dtype:
-                raise ExportError(f"{node.name}: scale type {scale.dtype} differs from the MatMul's activation type {other.dtype} (the DQ outputs the scale's type)")
-    return checked
+
+
+_FORMAT = "int4 weight-only: DequantizeLinear(INT4 [K, N], scale [K/B, N], axis=0, block_size=B), symmetric, no zero point"
+
+
+def prepare(kind: Int4, context: PrecisionContext) -> Prepared:
+    """The int4 kind's machinery (``kinds.int4``): the quantizer every graph shares (GPTQ:
+    Hessians from --calib-data through PyTorch, collected the first time a weight is quantized)
+    and the policy of what stays float."""
+    policy = KeepFloat(() if kind.all_matmuls else DEFAULT_INT4_FLOAT + kind.float_rules)
+    hessians, record = gptq_hessians(context) if kind.gptq else (None, None)
+    return _Int4Prepared(kind, Int4Quantizer(kind.method, kind.block, hessians), policy, record, context.precision.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Int4Prepared(Prepared):
+    kind: Int4
+    quantizer: Int4Quantizer  # computes each weight's numbers once for all graphs
+    policy: KeepFloat
+    calibration: dict[str, Any] | None  # GPTQ: the data its Hessians come from
+    float16: bool  # the graphs' float type (the scales')
+
+    def passes(self, kind: GraphKind) -> list[ir.passes.PassBase]:
+        return [QuantizeInt4(self.quantizer, self.policy, ir.DataType.FLOAT16 if self.float16 else ir.DataType.FLOAT)]
+
+    def checks(self, kind: GraphKind) -> list[ir.passes.PassBase]:
+        return [CheckLowBit()]
+
+    def record(self, reports: GraphReports) -> dict[str, Any]:
+        passes = [r.get("int4", {}) for r in reports.values()]
+        blocks = {n: b for r in passes for n, b in r.get("blocks", {}).items() if b != self.kind.block}
+        kept = {n: why for r in passes for n, why in r.get("kept_float", {}).items()}
+        return {
+            "quantization": {
+                "format": _FORMAT,
+                "method": self.kind.method.value,
+                "block_size": self.kind.block,
+                "layer_block_sizes": dict(sorted(blocks.items())),  # layers whose K the block size does not divide
+                "kept_float": {"rules": list(self.policy.keep_float), "nodes": dict(sorted(kept.items()))},
+                "calibration": self.calibration,
+            }
+        }

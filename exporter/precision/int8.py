@@ -15,17 +15,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 from kiln.exporter.passes.reports import Report
 from kiln.errors import ExportError
-from kiln.exporter.precision.policy import rule_matches
+from kiln.exporter.precision.kinds.base import Prepared
+from kiln.exporter.precision.policy import KeepFloat, rule_matches
 from kiln.exporter.precision.qdq_rules import MIN_INT8_OPSET, check_qdq
 from kiln.exporter.precision.via_proto import via_proto
 
-__all__ = ["QuantizeInt8", "Int8Policy", "DEFAULT_INT8_FLOAT", "int8_targets", "quantize_int8", "check_qdq", "MIN_INT8_OPSET"]
+if TYPE_CHECKING:
+    from kiln.exporter.contract.io import GraphKind
+    from kiln.exporter.precision.kinds.base import GraphReports, PrecisionContext, Ranges
+    from kiln.exporter.precision.kinds.int8 import Int8
+
+__all__ = ["prepare", "QuantizeInt8", "Int8Policy", "DEFAULT_INT8_FLOAT", "int8_targets", "quantize_int8", "check_qdq", "MIN_INT8_OPSET"]
 
 # module-suffix rules, so that they hold for every family: kiln's `lm_head`/`layers.N.attn`,
 # Hugging Face's `model.lm_head`/`model.layers.N.self_attn` (Llama, Qwen2, Mistral) and
@@ -35,16 +42,18 @@ DEFAULT_INT8_FLOAT: tuple[str, ...] = ("*.lm_head", "*.attn", "*.self_attn", "*.
 
 
 @dataclasses.dataclass(frozen=True)
-class Int8Policy:
-    keep_float: tuple[str, ...] = DEFAULT_INT8_FLOAT  # rules as in precision.policy
+class Int8Policy(KeepFloat):
+    """int8's keep-float policy: the LM head and attention scores by default."""
+
+    keep_float: tuple[str, ...] = DEFAULT_INT8_FLOAT
 
 
-def int8_targets(graph: ir.Graph, policy: Int8Policy) -> list[str]:
+def int8_targets(graph: ir.Graph, policy: KeepFloat) -> list[str]:
     """Names of the MatMul/Gemm nodes the policy quantizes, in graph order."""
     return [n.name for n in graph if n.op_type in ("MatMul", "Gemm") and n.name and not any(rule_matches(r, n) for r in policy.keep_float)]
 
 
-def quantize_int8(model: ir.Model, ranges: dict[str, tuple[float, float]], policy: Int8Policy) -> tuple[ir.Model, list[str]]:
+def quantize_int8(model: ir.Model, ranges: dict[str, tuple[float, float]], policy: KeepFloat) -> tuple[ir.Model, list[str]]:
     """A new model with Q/DQ before the inputs of every MatMul/Gemm the policy does not keep in
     float, and the names of the quantized nodes."""
     from onnxruntime.quantization import QuantType
@@ -90,7 +99,7 @@ class QuantizeInt8(ir.passes.FunctionalPass):
     """``quantize_int8`` as a pass, on the ranges ``calibrate`` computes for the graph it is
     given (calibration runs the fp32 graph itself); ``quantized`` names the quantized nodes."""
 
-    def __init__(self, calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]], policy: Int8Policy) -> None:
+    def __init__(self, calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]], policy: KeepFloat) -> None:
         super().__init__()
         self.calibrate, self.policy = calibrate, policy
         self.quantized: list[str] = []
@@ -107,3 +116,23 @@ class QuantizeInt8(ir.passes.FunctionalPass):
     def report(self) -> Report | None:
         """The manifest's ``passes.int8``: the quantized MatMul/Gemm nodes."""
         return {"nodes": list(self.quantized)} if self._ran else None
+
+
+def prepare(kind: Int8, context: PrecisionContext) -> Prepared:
+    """The int8 kind's machinery (``kinds.int8``): its policy, and each graph's pass on that
+    graph's calibrated ranges."""
+    assert context.ranges is not None, "the pipeline calibrates every Needs.RANGES export"
+    return _Int8Prepared(Int8Policy(() if kind.all_matmuls else DEFAULT_INT8_FLOAT + kind.float_rules), context.ranges)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Int8Prepared(Prepared):
+    policy: KeepFloat
+    ranges: Callable[[GraphKind, ir.Model], Ranges]
+
+    def passes(self, kind: GraphKind) -> list[ir.passes.PassBase]:
+        ranges = self.ranges
+        return [QuantizeInt8(lambda model: ranges(kind, model), self.policy)]
+
+    def extras(self, reports: GraphReports) -> dict[str, Any]:
+        return {"int8_nodes": {kind.value: r.get("int8", {}).get("nodes", []) for kind, r in reports.items()}}

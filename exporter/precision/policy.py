@@ -22,7 +22,7 @@ import onnx_ir as ir
 from kiln.exporter.passes.names import module_of
 from kiln.errors import ConfigError
 
-__all__ = ["Fp16Policy", "DEFAULT_KEEP_FP32", "resolve_kept_nodes", "rule_matches"]
+__all__ = ["Fp16Policy", "KeepFloat", "DEFAULT_KEEP_FP32", "resolve_kept_nodes", "rule_matches"]
 
 DEFAULT_KEEP_FP32: tuple[str, ...] = (
     "LayerNormalization",  # mean/variance over d_model
@@ -44,6 +44,14 @@ class Fp16Policy:
 
     def widened(self, extra: tuple[str, ...]) -> Fp16Policy:
         return Fp16Policy(self.keep + tuple(r for r in extra if r not in self.keep))
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepFloat:
+    """The MatMuls a quantizing kind (int8, int4, fp8) leaves in float: rules as above, matched
+    against each MatMul/Gemm node (each kind's defaults: ``precision.int8.Int8Policy``, ...)."""
+
+    keep_float: tuple[str, ...] = ()
 
 
 def rule_matches(rule: str, node: ir.Node) -> bool:

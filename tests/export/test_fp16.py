@@ -10,12 +10,12 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from kiln_testing import tiny_config, write_checkpoint
+from kiln_testing import config_error, tiny_config, write_checkpoint
 from safetensors.torch import load_file, save_file
 
 from kiln.errors import ConfigError
 from kiln.exporter.check import check_dir
-from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.options import ExportOptions, Fp16, Precision
 from kiln.exporter.pipeline import export
 
 FP16 = ExportOptions(precision=Precision.FP16, parity_tokens=16)
@@ -75,17 +75,16 @@ def test_parity_and_check(fp16_export: Path) -> None:
 
 def test_keep_fp32_by_name_and_module(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    options = ExportOptions(precision=Precision.FP16, parity_tokens=4, keep_fp32=("/layers.1.attn.o_proj/MatMul", "/layers.0.mlp.fc2/", "Gather"))
+    options = ExportOptions(precision=Precision.of(Fp16(keep_fp32=("/layers.1.attn.o_proj/MatMul", "/layers.0.mlp.fc2/", "Gather"))), parity_tokens=4)
     manifest = export(ckpt, tmp_path / "out", options).manifest.to_json()
     kept = manifest["graphs"]["model"]["passes"]["fp16"]["fp32_nodes"]
     assert "/layers.1.attn.o_proj/MatMul" in kept and "/layers.0.mlp.fc2/MatMul" in kept
     assert "/layers.0.ple/Gather" in kept and "/embed/Gather" in kept
     assert manifest["export"]["keep_fp32"][-3:] == ["/layers.1.attn.o_proj/MatMul", "/layers.0.mlp.fc2/", "Gather"]
     with pytest.raises(ConfigError, match=r"--keep-fp32 /layers.7.attn/MatMul: no node of the prefill graph has that name"):
-        export(ckpt, tmp_path / "bad", ExportOptions(precision=Precision.FP16, keep_fp32=("/layers.7.attn/MatMul",)))
+        export(ckpt, tmp_path / "bad", ExportOptions(precision=Precision.of(Fp16(keep_fp32=("/layers.7.attn/MatMul",)))))
     assert not (tmp_path / "bad").exists()
-    with pytest.raises(ConfigError, match="only apply to --fp16 exports"):
-        ExportOptions(keep_fp32=("Softmax",))
+    assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "bad"), "--keep-fp32", "Softmax").endswith("only apply to --fp16 exports")
 
 
 def test_auto_keep_finds_the_overflowing_module(tmp_path: Path) -> None:
@@ -97,9 +96,9 @@ def test_auto_keep_finds_the_overflowing_module(tmp_path: Path) -> None:
     state["layers.1.mlp.fc1.weight"] *= 1e5
     state["layers.1.mlp.fc2.weight"] /= 1e5
     save_file(state, ckpt / "model.safetensors")
-    result = export(ckpt, tmp_path / "auto", ExportOptions(precision=Precision.FP16, parity_tokens=8, auto_keep_fp32=True))
+    result = export(ckpt, tmp_path / "auto", ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True)), parity_tokens=8))
     assert result.parity.passed
-    found = dataclasses.asdict(result.report.sensitivity)
+    found = result.report.precision_extras["fp16_sensitivity"]
     rules = [g["rule"] for g in found["groups"]]
     assert rules and all(r.startswith("/layers.1.mlp") for r in rules), rules
     assert not np.isfinite(found["error_default"])  # fp16 overflow: inf/NaN logits with the default policy

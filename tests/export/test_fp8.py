@@ -9,10 +9,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from kiln_testing import tiny_config, write_checkpoint
+from kiln_testing import config_error, tiny_config, write_checkpoint
 
 from kiln.errors import ExportError
-from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.options import ExportOptions, Fp8, Precision
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.fp8 import fp8_weight
 from kiln.exporter.precision.qdq_rules import check_qdq
@@ -132,13 +132,13 @@ def test_fp8_float_refuses_a_rule_that_names_nothing_and_other_precisions(tmp_pa
     from kiln.errors import ConfigError
 
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    options = ExportOptions(precision=Precision.FP8, calib_data=str(_calib(tmp_path)), calib_samples=2, calib_cache=tmp_path / "cache",
-                            parity_tokens=4, fp8_float=("/layers.0.mlp.fc3/",))
+    options = ExportOptions(precision=Precision.of(Fp8(float_rules=("/layers.0.mlp.fc3/",))), calib_data=str(_calib(tmp_path)), calib_samples=2,
+                            calib_cache=tmp_path / "cache", parity_tokens=4)
     with pytest.raises(ConfigError, match=r"--fp8-float /layers.0.mlp.fc3/: no MatMul of the .* graph matches it"):
         export(ckpt, tmp_path / "out", options)
     assert not (tmp_path / "out").exists()
-    with pytest.raises(ConfigError, match="--fp8-float only applies to --fp8 exports"):
-        ExportOptions(precision=Precision.FP16, fp8_float=("*.fc2",))
+    out = str(tmp_path / "out")
+    assert config_error("export", "--model", str(ckpt), "--out", out, "--fp16", "--fp8-float", "*.fc2") == "--fp8-float only applies to --fp8 exports"
 
 
 def test_gpt2_conv1d_gemms_get_fp8_weights(tmp_path: Path) -> None:

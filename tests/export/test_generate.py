@@ -17,7 +17,8 @@ from kiln.cli import main
 from kiln.errors import GenerateError
 from kiln.runtime.generate import Generator, parse_ids
 from kiln.exporter.options import ExportOptions
-from kiln.exporter.parity import TOLERANCES, greedy, make_prompts
+from kiln.exporter.parity import greedy, make_prompts
+from kiln.exporter.precision import TOLERANCES
 from kiln.exporter.pipeline import export
 from kiln.exporter.runners import TorchRunner
 from kiln.plugins import load_model

@@ -15,7 +15,7 @@ from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
 from kiln.cli import main
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.check import check_dir
-from kiln.exporter.options import ExportOptions, Int4Method, Precision
+from kiln.exporter.options import ExportOptions, Fp16, Int4, Int4Method, Precision
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.int4 import check_int4
 from kiln.exporter.precision.int4_numbers import unpack_int4
@@ -34,7 +34,7 @@ def _ids(path: Path, n: int = 6000, vocab: int = 101, seed: int = 0) -> Path:
 def int4_ort(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("int4")
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
-    export(ckpt, root / "out", ExportOptions(precision=Precision.INT4, int4_method=Int4Method.RTN, target="ort", parity_tokens=16))
+    export(ckpt, root / "out", ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN)), target="ort", parity_tokens=16))
     return root / "out"
 
 
@@ -177,7 +177,7 @@ def test_manifest_matches_the_schema(int4_ort: Path) -> None:
 
 def test_gptq_with_fp16(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    options = ExportOptions(precision=Precision.INT4_FP16, calib_data=str(_ids(tmp_path / "calib.npy")), calib_samples=16, int4_block=32, parity_tokens=8)
+    options = ExportOptions(precision=Precision.of(Int4(block=32), Fp16()), calib_data=str(_ids(tmp_path / "calib.npy")), calib_samples=16, parity_tokens=8)
     progress = RecordedProgress()
     result = export(ckpt, tmp_path / "out", options, progress)
     assert result.parity.passed and result.manifest.precision == "int4+fp16"
@@ -272,7 +272,7 @@ def test_bad_combinations_are_one_line(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert _error(*base, "--int4-float", "*.fc2") == "--int4-float and --int4-all-matmuls only apply to --int4 exports"
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match="--int4-block must be one of 16, 32, 64, 128, 256, found 100"):
-        ExportOptions(precision=Precision.INT4, int4_method=Int4Method.RTN, int4_block=100)
+        ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN, block=100)))
 
 
 def test_numbers_round_trip() -> None:

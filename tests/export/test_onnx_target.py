@@ -20,7 +20,7 @@ from kiln.exporter.artifacts.verify import verify_dir
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import DECODER_KINDS, GraphKind
 from kiln.exporter.contract.static_cache import static_io
-from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.options import ExportOptions, Fp16, Int4, Int4Method, Precision
 from kiln.exporter.pipeline import ExportResult, export
 from kiln.runtime.generate import Generator
 
@@ -247,12 +247,11 @@ def test_native_int4(fp16: bool, tmp_path: Path) -> None:
     the attention rewritten; int4 parity, and the in-place loop's tokens are the portable loop's."""
     from kiln_testing import tiny_config, write_checkpoint
 
-    from kiln.exporter.options import Int4Method
-
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     out = tmp_path / "out"
-    precision = Precision.INT4_FP16 if fp16 else Precision.INT4
-    result = export(ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=precision, int4_method=Int4Method.RTN, parity_tokens=PARITY_TOKENS))
+    rtn = Int4(method=Int4Method.RTN)
+    precision = Precision.of(rtn, Fp16()) if fp16 else Precision.of(rtn)
+    result = export(ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=precision, parity_tokens=PARITY_TOKENS))
     assert result.parity.passed, result.parity.failures()
     assert result.parity.targets["onnx"].precision == precision.value
     _assert_graphs(out, n_layers=2, n_norms=None, max_context=result.manifest.limits.max_context, precision=precision.value)
@@ -431,7 +430,7 @@ def test_hf_int4_generation_equals_transformers_generate(case: str, tmp_path: Pa
     tokens of the transformers model holding the same int4 numbers."""
     from kiln.exporter.options import Int4Method
 
-    model, out, result = _hf_export(case, tmp_path, precision=Precision.INT4, int4_method=Int4Method.RTN, int4_block=INT4_BLOCK)
+    model, out, result = _hf_export(case, tmp_path, precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)))
     assert result.parity.passed, result.parity.failures()
     _assert_graphs(out, n_layers=result.report.spec.n_layers, n_norms=None, max_context=result.manifest.limits.max_context, precision="int4")
     written = _rtn_int4(model, INT4_BLOCK)
@@ -449,7 +448,7 @@ def test_hf_int4_agreement_refuses_a_near_tie_model(tmp_path: Path) -> None:
     from kiln.exporter.options import Int4Method
 
     with pytest.raises(ParityError) as err:
-        _hf_export("gemma2-window", tmp_path, precision=Precision.INT4, int4_method=Int4Method.RTN, int4_block=INT4_BLOCK)
+        _hf_export("gemma2-window", tmp_path, precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)))
     assert "agreement with the checkpoint's model: " in str(err.value) and "token match" in str(err.value), str(err.value)
     assert "against the int4 weights' model" not in str(err.value)  # the graphs compute the quantized model: only agreement fails
     assert not (tmp_path / "out").exists()
@@ -466,7 +465,7 @@ def test_hf_int4_near_tie_model_exports_with_agreement_recorded(tmp_path: Path) 
     from kiln.exporter.parity import greedy
     from kiln.exporter.runners import OrtRunner
 
-    model, out, result = _hf_export("gemma2-window", tmp_path, precision=Precision.INT4, int4_method=Int4Method.RTN, int4_block=INT4_BLOCK, parity_agreement="record")
+    model, out, result = _hf_export("gemma2-window", tmp_path, precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)), parity_agreement="record")
     quantized = result.parity.quantized
     assert result.parity.passed and not result.parity.agreed and quantized is not None and quantized.passed
     assert quantized.tolerance.logits_rtol == 1e-4 and set(quantized.targets) == {"onnx"}

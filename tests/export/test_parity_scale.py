@@ -44,6 +44,7 @@ from kiln.exporter.load import prepare_reference
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity, greedy, make_prompts
 from kiln.exporter.parity.report import verdict
+from kiln.exporter.parity.tolerances import FP32
 from kiln.exporter.pipeline import ExportResult, export
 from kiln.exporter.runners import OrtRunner
 from kiln.plugins import load_model
@@ -183,7 +184,7 @@ def parity_of(exported: Exported, graphs: Path, max_batch: int = 4) -> ParityRes
     paths = {GraphKind(kind): graphs / Path(entry.file).name for kind, entry in manifest.graphs.items()}
     assert options.max_context is not None
     settings = ParitySettings(options.max_context, max_batch, STEPS, options.last_logits_only)
-    return check_parity(prepare_reference(loaded, options), loaded.spec, [Candidate(OrtRunner.opener(paths), tuple(paths), "fp32")], settings)
+    return check_parity(prepare_reference(loaded, options), loaded.spec, [Candidate(OrtRunner.opener(paths), tuple(paths), "fp32", FP32)], settings)
 
 
 def flip_one_weight(graphs: Path) -> str:

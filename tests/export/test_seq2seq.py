@@ -29,7 +29,7 @@ from kiln.cli import main
 from kiln.errors import CheckpointError, ConfigError
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.options import ExportOptions, Int4Method, Precision
+from kiln.exporter.options import ExportOptions, Fp16, Int4, Int4Method, Precision
 from kiln.exporter.contract.steps import right_pad
 from kiln.exporter.parity import greedy, make_prompts
 from kiln.exporter.pipeline import export
@@ -204,9 +204,9 @@ def _validator() -> Draft202012Validator:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (ExportOptions(precision=Precision.INT4, int4_method=Int4Method.RTN), "int4 exports are not supported for encoder-decoders yet"),
+        (ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN))), "int4 exports are not supported for encoder-decoders yet"),
         (ExportOptions(target="ort"), "--target ort is not supported for cross-attention decoders yet"),
-        (ExportOptions(auto_keep_fp32=True, precision=Precision.FP16), "--auto-keep-fp32 is not supported for encoder-decoders yet"),
+        (ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True))), "--auto-keep-fp32 is not supported for encoder-decoders yet"),
     ],
 )
 def test_what_is_not_done_yet_is_refused(options: ExportOptions, message: str, bart_export: Path, tmp_path: Path) -> None:

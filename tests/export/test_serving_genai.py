@@ -22,8 +22,9 @@ og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a tes
 from tokenizers import Tokenizer  # noqa: E402
 
 from kiln.errors import ArtifactError  # noqa: E402
-from kiln.exporter.options import ExportOptions, Int4Method, Precision  # noqa: E402
-from kiln.exporter.parity import TOLERANCES, greedy, make_prompts  # noqa: E402
+from kiln.exporter.options import ExportOptions, Int4, Int4Method, Precision  # noqa: E402
+from kiln.exporter.parity import greedy, make_prompts  # noqa: E402
+from kiln.exporter.precision import TOLERANCES  # noqa: E402
 from kiln.exporter.pipeline import export  # noqa: E402
 from kiln.exporter.runners import TorchRunner  # noqa: E402
 from kiln.exporter.serving import write_genai_config  # noqa: E402
@@ -203,7 +204,7 @@ def test_fp16_agrees_up_to_near_ties(fp16_dir: Path, demo: tuple[LoadedModel, To
 
 @pytest.fixture(scope="module")
 def int4_ort_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    options = ExportOptions(precision=Precision.INT4, int4_method=Int4Method.RTN, target="ort", parity_tokens=8)
+    options = ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN)), target="ort", parity_tokens=8)
     return _export(tmp_path_factory.mktemp("genai-int4"), options)
 
 

@@ -27,9 +27,10 @@ from kiln.exporter.engine.device import current_runtime
 from kiln.exporter.engine.profiles import EngineProfile, InputShape, engine_profiles
 from kiln.exporter.engine.records import RuntimeInfo, check_engine_compat
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.engine.gpus import MIN_COMPUTE_CAPABILITY
+from kiln.exporter.engine.gpus import min_compute_capability
 from kiln.exporter.options import ExportOptions, Int4Method
-from kiln.exporter.parity import TOLERANCES, generation_parity, greedy, make_prompts, tensor_parity
+from kiln.exporter.parity import generation_parity, greedy, make_prompts, tensor_parity
+from kiln.exporter.precision import TOLERANCES
 from kiln.exporter.pipeline import export
 from kiln.exporter.load import prepare_reference
 from kiln.exporter.runners import TorchRunner
@@ -73,7 +74,7 @@ def _export_options(precision: str) -> ExportOptions:
         variant["calib_data"] = "synthetic"
     if value.has_int4:
         variant["int4_method"] = Int4Method.RTN  # GPTQ's numbers are tested on the CPU; the engine sees int4 either way
-    need = MIN_COMPUTE_CAPABILITY.get(precision)
+    need = min_compute_capability(precision)
     if need is not None:
         runtime = current_runtime(load_tensorrt())
         major, minor = (int(p) for p in runtime.compute_capability.split("."))

@@ -33,7 +33,7 @@ from kiln.exporter.artifacts.manifest import (
     graph_options,
 )
 from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
-from kiln.exporter.options import ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
+from kiln.exporter.options import ExportOptions, Fp16, LogitsMode, PLEExtendMode, PLETables, Precision
 from kiln.plugins.native import spec_of
 from kiln_testing import tiny_config, typed_manifest
 
@@ -54,8 +54,8 @@ def manifest_for(options: ExportOptions, *, max_context: int = 48, trained_rows:
             f"onnx/{kind.value}.onnx",
             graph_io(SPEC, kind, last_logits_only=options.last_logits_only, kv_dtype=precision.kv_dtype, ple_tables=tables),
             {
-                **({"fp16": {"fp32_nodes": ["/layers.0.attn/Softmax"], "fp32_ple_tables": []}} if precision.has_fp16 else {}),
-                **({"int8": {"nodes": ["/layers.0.mlp.fc1/MatMul"]}} if precision.has_int8 else {}),
+                **({"fp16": {"fp32_nodes": ["/layers.0.attn/Softmax"], "fp32_ple_tables": []}} if "fp16" in precision else {}),
+                **({"int8": {"nodes": ["/layers.0.mlp.fc1/MatMul"]}} if "int8" in precision else {}),
             },
         )
         for kind in DECODER_KINDS
@@ -69,7 +69,7 @@ def manifest_for(options: ExportOptions, *, max_context: int = 48, trained_rows:
         precision=precision.value,
         kv_cache=KvCacheInfo("BNSH", ("batch", "n_kv_heads", "seq", "head_dim"), precision.kv_dtype),
         limits=Limits(options.max_batch, options.max_context or max_context),
-        export=export_settings(options, trained_rows=trained_rows, keep_fp32=("Softmax", "/layers.0.mlp/") if precision.has_fp16 else (), calibration=None),
+        export=export_settings(options, trained_rows=trained_rows, keep_fp32=("Softmax", "/layers.0.mlp/") if "fp16" in precision else (), calibration=None),
         graphs=graphs,
         weights=WeightsInfo("onnx/weights.bin", 12, 34567),
         tokenizer="onnx/tokenizer.json",
@@ -99,7 +99,7 @@ OPTIONS = [
     ExportOptions(max_context=96, ple_extend=96, ple_extend_mode=PLEExtendMode.INTERPOLATE),
     ExportOptions(max_context=64, ple_extend=64, ple_extend_mode=PLEExtendMode.CLAMP, ple_tables=PLETables.INPUT),
     ExportOptions(max_context=48, ple_tables=PLETables.INPUT, opset=23),
-    ExportOptions(max_context=48, opset=18, logits=LogitsMode.LAST, precision=Precision.FP16, keep_fp32=("/layers.0.mlp/",)),
+    ExportOptions(max_context=48, opset=18, logits=LogitsMode.LAST, precision=Precision.of(Fp16(keep_fp32=("/layers.0.mlp/",)))),
     ExportOptions(max_context=48, precision=Precision.INT8_FP16, calib_data="synthetic", opset=21),
 ]
 
@@ -111,7 +111,7 @@ def test_options_manifest_options_round_trip(options: ExportOptions) -> None:
     assert back == manifest
     assert graph_fields(graph_options(back)) == graph_fields(options)
     assert graph_options(back).precision is Precision.FP32  # the graphs carry their precision: not an option of the re-run
-    assert manifest_module.precision_of(back) is options.precision
+    assert manifest_module.precision_of(back) is Precision.parse(options.precision.value)  # the name; a kind's options are recorded apart (export.keep_fp32...)
 
 
 def test_round_trip_resolves_the_default_context() -> None:
@@ -134,7 +134,7 @@ def test_ple_extend_mode_only_with_an_extension() -> None:
 
 def test_keep_fp32_recorded_only_for_fp16() -> None:
     rules = ("Softmax",)
-    assert export_settings(ExportOptions(precision=Precision.FP16, keep_fp32=rules), trained_rows=None, keep_fp32=rules, calibration=None).keep_fp32 == rules
+    assert export_settings(ExportOptions(precision=Precision.of(Fp16(keep_fp32=rules))), trained_rows=None, keep_fp32=rules, calibration=None).keep_fp32 == rules
     assert export_settings(ExportOptions(), trained_rows=None, keep_fp32=rules, calibration=None).keep_fp32 == ()
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.parity.tensors import real_positions, tensor_feeds, tensor_parity
-from kiln.exporter.parity.tolerances import TOLERANCES
+from kiln.exporter.precision import TOLERANCES
 from kiln.exporter.runners.base import Feeds
 from kiln.plugins.base import DecoderSpec
 

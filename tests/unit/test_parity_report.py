@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from kiln.exporter.parity import TOLERANCES, GenerationCheck, ParityResult, TensorCheck
+from kiln.exporter.parity import GenerationCheck, ParityResult, TensorCheck
+from kiln.exporter.precision import TOLERANCES
 from kiln.exporter.parity.plot import figure, plot_lines, tolerance_lines
 from kiln.exporter.parity.report import markdown, summary_table, verdict, write_parity_reports
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.parity import TOLERANCES, generation_parity
+from kiln.exporter.parity import generation_parity
+from kiln.exporter.precision import TOLERANCES
 from kiln.exporter.parity.tensors import tensor_parity
 from kiln.exporter.runners.base import Feeds
 from kiln.plugins.base import DecoderSpec

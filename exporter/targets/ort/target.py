@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 
 from kiln.errors import ConfigError
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.options import Precision
+from kiln.exporter.precision.kinds.base import Needs
+from kiln.exporter.precision.kinds.int4 import Int4
+from kiln.exporter.precision.kinds.plan import Precision
 
 if TYPE_CHECKING:
     from kiln.exporter.options import ExportOptions
@@ -33,9 +35,9 @@ class OrtTarget:
     def check(self, options: ExportOptions) -> None:
         if options.ort_int8 and not self.wanted(options):
             raise ConfigError("--ort-int8 only applies to --target ort (it quantizes the ONNX Runtime-target graphs)")
-        if options.ort_int8 and options.precision.has_int4:
+        if options.ort_int8 and "int4" in options.precision:
             raise ConfigError("--ort-int8 and --int4 both quantize the ONNX Runtime-target weights; choose one")
-        if self.wanted(options) and (options.precision.has_fp16 or options.precision.needs_ranges):  # fp32 and int4 only
+        if self.wanted(options) and (options.precision.float16 or options.precision.needs(Needs.RANGES)):  # fp32 and int4 only
             raise ConfigError(
                 f"--target ort rewrites fp32 graphs and cannot be combined with --fp16/--int8/--fp8 (found {options.precision.value}); "
                 "for int8 on ONNX Runtime use --target ort --ort-int8, for int4 --target ort --int4"
@@ -49,7 +51,7 @@ class OrtTarget:
         from kiln.exporter.targets.ort.graphs import write_ort_target
 
         options = given.options
-        int4 = options.int4_block if options.precision.has_int4 else None
+        int4 = kind.block if isinstance(kind := options.precision.get("int4"), Int4) else None
         with given.progress.stage("ONNX Runtime target graphs"):
             return write_ort_target(given.onnx_dir, given.portable, given.spec, max_context=given.max_context, int8=options.ort_int8, int4_block=int4)
 
@@ -58,7 +60,7 @@ class OrtTarget:
         at ``accuracy_level`` 4, quantize the activations to int8 per block: the approximation
         left between it and PyTorch on those weights (--ort-int8's own weights are not the
         portable graphs': None)."""
-        return "int8" if Precision(precision).has_int4 else None
+        return "int8" if "int4" in Precision.parse(precision) else None
 
     def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
         from kiln.exporter.runners import OrtRunner

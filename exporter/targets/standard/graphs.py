@@ -22,7 +22,8 @@ from pathlib import Path
 import onnx_ir as ir
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.contract.static_cache import static_io
-from kiln.exporter.options import Precision
+from kiln.exporter.precision.kinds.base import Needs
+from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.passes import ExternalizeWeights, GraphRewrite, WeightsWriter, run_passes
 from kiln.exporter.passes.reports import Report, pass_reports
 from kiln.exporter.precision.lowbit_check import CheckLowBit
@@ -71,8 +72,8 @@ def standard_passes(
     ONNX's shape inference first (it comes back from ONNX Runtime's quantizer without the shapes
     the attention pattern reads: its heads' static dims); every low-bit graph is checked again by
     TensorRT's Q/DQ rules for int4 and fp8 (``lowbit_check``) once rewritten."""
-    precision_of = Precision(precision)
-    infer_shapes = precision_of.has_int8 or precision_of.has_fp8
+    precision_of = Precision.parse(precision)
+    infer_shapes = precision_of.needs(Needs.RANGES)  # int8, fp8
     rotary = functools.update_wrapper(functools.partial(standard_rotary, base_dir=base_dir, max_context=max_context, head_dim=spec.head_dim, not_fused=log), standard_rotary)
     norm = functools.update_wrapper(functools.partial(fuse_rms_norm, not_fused=log, op_type="RMSNormalization"), fuse_rms_norm)
     return [
@@ -81,7 +82,7 @@ def standard_passes(
         GraphRewrite(rotary, "rotary", lambda layers: {"layers": list(layers)}),
         StaticCache(spec, kind, max_context, windows=layer_windows(spec), kv_dtype=kv_dtype, last_logits_only=last_logits_only),
         GraphRewrite(norm, "rms_norm", lambda fused: {"fused": fused}),
-        *([CheckLowBit()] if precision_of.has_int4 or precision_of.has_fp8 else []),
+        *([CheckLowBit()] if precision_of.full_check else []),  # int4, fp8
         RemoveUnusedNodesPass(),
         TopologicalSortPass(),
         ExternalizeWeights(writer),

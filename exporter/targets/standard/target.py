@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from kiln.errors import ConfigError
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.options import Precision
+from kiln.exporter.precision.kinds.plan import Precision
 
 if TYPE_CHECKING:
     from kiln.exporter.options import ExportOptions
@@ -49,7 +49,7 @@ class StandardTarget:
     def check(self, options: ExportOptions) -> None:
         if not self.wanted(options):
             return
-        if options.precision.has_int8:
+        if "int8" in options.precision:
             raise ConfigError(QDQ_PROPAGATION)
         if options.precision.value not in BUILT:
             raise ConfigError(f"--target onnx writes {', '.join(BUILT)} graphs; not {options.precision.value}: export it without --target onnx")
@@ -73,7 +73,7 @@ class StandardTarget:
             )
 
     def quantized_precision(self, precision: str) -> str | None:
-        return Precision(precision).weight_only_float  # the portable graphs' int4 DQ MatMuls, unchanged
+        return Precision.parse(precision).weight_only_float  # the portable graphs' int4 DQ MatMuls, unchanged
 
     def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
         from kiln.exporter.targets.standard.runner import StaticCacheRunner

@@ -1,0 +1,92 @@
+"""``--int4``: weight-only int4 MatMul weights, symmetric blocks along K, quantized once per
+export (GPTQ on calibration data, or round to nearest) and written as block DequantizeLinear at
+opset 21 (``--target ort`` also writes them as MatMulNBits, the same numbers); with ``--fp16`` the
+rest of the graph is fp16. Its machinery (the quantizer and the pass) is ``precision.int4``."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING, ClassVar
+
+from kiln.errors import ConfigError
+from kiln.exporter.precision.kinds.base import Flag, Needs, PrecisionKind, Role, refuse_encoder
+from kiln.exporter.tolerance import Tolerance
+
+if TYPE_CHECKING:
+    from kiln.exporter.options import ExportOptions
+    from kiln.plugins.base import DecoderSpec
+
+__all__ = ["Int4", "Int4Method", "DEFAULT_INT4_METHOD", "INT4_BLOCKS", "GPTQ_SAMPLES", "MIN_INT4_OPSET"]
+
+
+class Int4Method(str, enum.Enum):
+    RTN = "rtn"  # round to nearest, scale amax/7 per block; no data
+    GPTQ = "gptq"  # GPTQ (error feedback through the inputs' Hessian) with a clip search, on --calib-data
+
+
+DEFAULT_INT4_METHOD = Int4Method.GPTQ  # the one that measured best (docs/benchmarks.md, the demo model's accuracy)
+INT4_BLOCKS = (16, 32, 64, 128, 256)  # MatMulNBits' blocks are powers of two >= 16
+MIN_INT4_OPSET = 21  # DequantizeLinear's block_size
+GPTQ_SAMPLES = 256  # default windows for GPTQ: with 16 it overfits the Hessians (measured on the demo in issue 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4(PrecisionKind):
+    block: int = 128  # block size along K (a weight whose K it does not divide gets a smaller power of two)
+    method: Int4Method = DEFAULT_INT4_METHOD
+    float_rules: tuple[str, ...] = ()  # kept float besides the LM head
+    all_matmuls: bool = False  # quantize the LM head too
+
+    name: ClassVar[str] = "int4"
+    role: ClassVar[Role] = Role.MATMULS
+    machinery: ClassVar[str] = "kiln.exporter.precision.int4"
+    help: ClassVar[str] = (
+        "Weight-only int4 MatMul weights (symmetric blocks along K: DequantizeLinear at opset 21; with --target ort also MatMulNBits, the same numbers); with --fp16 the rest is fp16."
+    )
+    flags: ClassVar[tuple[tuple[Flag, ...], ...]] = (
+        (
+            Flag(
+                "--int4-method", "method", choices=tuple(m.value for m in Int4Method), default=DEFAULT_INT4_METHOD.value, convert=Int4Method,
+                help="rtn = round to nearest (no data); gptq = GPTQ with a clip search on --calib-data (measured better).",
+            ),
+            Flag(
+                "--int4-block", "block", choices=tuple(map(str, INT4_BLOCKS)), default="128", convert=int,
+                help="int4 block size along K (a weight whose K it does not divide gets the largest smaller power of two that does).",
+            ),
+        ),
+        (
+            Flag("--int4-float", "float_rules", multiple=True, metavar="RULE", help="Also keep these nodes/modules/op types in float under --int4 (rules as for --keep-fp32). Repeatable."),
+            Flag("--int4-all-matmuls", "all_matmuls", is_flag=True, help="Quantize the LM head to int4 too (kept in float by default)."),
+        ),
+    )
+    # 16 levels a block: judged by agreement again, looser than int8's; the graphs are also proved
+    # at their float precision's tolerances against PyTorch on these numbers (``weight_only``)
+    tolerance: ClassVar[Tolerance] = Tolerance(logits_atol=3.0, logits_rtol=0.1, kv_atol=2.0, kv_rtol=0.1, min_cosine=0.97, min_token_match=0.7)
+    bytes_per_weight: ClassVar[float] = 0.5
+    min_opset: ClassVar[int] = MIN_INT4_OPSET
+    min_compute_capability: ClassVar[tuple[int, int, str] | None] = (8, 0, "Ampere (A100, A10, RTX 30) or later")
+    weight_only: ClassVar[bool] = True
+    full_check: ClassVar[bool] = True
+    calibration_use: ClassVar[str | None] = "--int4 (method gptq)"
+    default_windows: ClassVar[int] = GPTQ_SAMPLES
+
+    def __post_init__(self) -> None:
+        if self.block not in INT4_BLOCKS:
+            raise ConfigError(f"--int4-block must be one of {', '.join(map(str, INT4_BLOCKS))}, found {self.block}")
+
+    @property
+    def gptq(self) -> bool:
+        return self.method is Int4Method.GPTQ
+
+    def needs(self) -> Needs:
+        return Needs.HESSIANS if self.gptq else Needs.NOTHING
+
+    def check(self, options: ExportOptions) -> None:
+        if self.gptq and options.calib_data is None:
+            raise ConfigError(
+                "--int4-method gptq (the default) needs --calib-data: a text file, .jsonl (field 'text') or .npy/.npz token ids; or pass --int4-method rtn"
+            )
+
+    def refuse(self, spec: DecoderSpec, options: ExportOptions) -> None:
+        refuse_encoder(spec, options)

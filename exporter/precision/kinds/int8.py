@@ -1,0 +1,56 @@
+"""``--int8``: explicit int8 Q/DQ before MatMul/Gemm inputs (weights per output channel,
+activations per tensor, calibrated), the LM head and attention scores kept float by default;
+with ``--fp16`` the rest of the graph is fp16. Its machinery (pass and policy) is ``precision.int8``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar
+
+from kiln.errors import ConfigError
+from kiln.exporter.precision.kinds.base import Flag, Needs, PrecisionKind, Role, check_ranges, refuse_encoder
+from kiln.exporter.tolerance import Tolerance
+
+if TYPE_CHECKING:
+    from kiln.exporter.options import ExportOptions
+    from kiln.plugins.base import DecoderSpec
+
+__all__ = ["Int8", "EIGHT_BIT"]
+
+# an approximation by design, judged by agreement (cosine, tokens); the bound a guard against gross
+# breakage: the former absolute figures, plus 5% of the row's scale (fp8 shares them)
+EIGHT_BIT = Tolerance(logits_atol=1.5, logits_rtol=0.05, kv_atol=1.0, kv_rtol=0.05, min_cosine=0.99, min_token_match=0.9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8(PrecisionKind):
+    float_rules: tuple[str, ...] = ()  # kept float besides the LM head and attention scores
+    all_matmuls: bool = False  # quantize the LM head and attention scores too
+
+    name: ClassVar[str] = "int8"
+    role: ClassVar[Role] = Role.MATMULS
+    machinery: ClassVar[str] = "kiln.exporter.precision.int8"
+    help: ClassVar[str] = "int8 Q/DQ before MatMul/Gemm inputs (weights per channel, activations per tensor), calibrated on --calib-data; with --fp16 the rest is fp16."
+    flags: ClassVar[tuple[tuple[Flag, ...], ...]] = (
+        (
+            Flag("--int8-float", "float_rules", multiple=True, metavar="RULE", help="Also keep these nodes/modules/op types in float (rules as for --keep-fp32). Repeatable."),
+            Flag("--int8-all-matmuls", "all_matmuls", is_flag=True, help="Quantize the LM head and attention-score MatMuls too (kept in float by default)."),
+        ),
+    )
+    tolerance: ClassVar[Tolerance] = EIGHT_BIT
+    bytes_per_weight: ClassVar[float] = 1.0
+    calibration_use: ClassVar[str | None] = "--int8"
+
+    def needs(self) -> Needs:
+        return Needs.RANGES
+
+    def check(self, options: ExportOptions) -> None:
+        check_ranges(self.flag(), options)
+
+    def refuse(self, spec: DecoderSpec, options: ExportOptions) -> None:
+        refuse_encoder(spec, options)
+        if spec.encoder_dim is not None:
+            raise ConfigError(
+                "--int8 is not supported for cross-attention decoders yet: calibration needs encoder_hidden_states"
+                " samples, which kiln's calibration data formats do not carry; export --fp16 or fp32"
+            )
