@@ -8,7 +8,9 @@ rewritten into ``onnx/<kind>.std.onnx`` by the passes ``standard_passes`` lists:
 - each attention's q and k rotary -> ``RotaryEmbedding`` (``rotary``),
 - attention -> ``TensorScatter`` into the static cache + ``Attention`` with an explicit mask
   (``cache``, ``mask``),
-- RMSNorm -> ``RMSNormalization`` (the ORT target's rule, writing ONNX's op: ``targets.ort.norm``).
+- RMSNorm -> ``RMSNormalization`` (the ORT target's rule, writing ONNX's op: ``targets.ort.norm``),
+- int8 Q/DQ in the form ONNX Runtime loads at opset 24 (``precision.int8_form``: no zero point,
+  the QuantizeLinear's ``output_dtype`` INT8).
 
 What a pass leaves as traced is said in each graph's ``not_fused`` report. What the graphs add
 (the rotary tables, the mask's slot numbers) goes to ``weights.std.bin``.
@@ -25,6 +27,7 @@ from kiln.exporter.contract.static_cache import static_io
 from kiln.exporter.options import Precision
 from kiln.exporter.passes import ExternalizeWeights, GraphRewrite, WeightsWriter, run_passes
 from kiln.exporter.passes.reports import Report, pass_reports
+from kiln.exporter.precision.int8_form import int8_type_attribute_form
 from kiln.exporter.precision.lowbit_check import CheckLowBit
 from kiln.exporter.targets.base import TargetGraphs
 from kiln.exporter.targets.ort.norm import fuse_rms_norm
@@ -69,8 +72,9 @@ def standard_passes(
 ) -> list[ir.passes.PassBase]:
     """The target's passes of one graph of ``precision``, in order. An int8 or fp8 graph gets
     ONNX's shape inference first (it comes back from ONNX Runtime's quantizer without the shapes
-    the attention pattern reads: its heads' static dims); every low-bit graph is checked again by
-    TensorRT's Q/DQ rules for int4 and fp8 (``lowbit_check``) once rewritten."""
+    the attention pattern reads: its heads' static dims); an int8 graph's Q/DQ get the type-attribute
+    form (``int8_form``); every low-bit graph is checked again by TensorRT's Q/DQ rules
+    (``lowbit_check``) once rewritten."""
     precision_of = Precision(precision)
     infer_shapes = precision_of.has_int8 or precision_of.has_fp8
     rotary = functools.update_wrapper(functools.partial(standard_rotary, base_dir=base_dir, max_context=max_context, head_dim=spec.head_dim, not_fused=log), standard_rotary)
@@ -81,7 +85,8 @@ def standard_passes(
         GraphRewrite(rotary, "rotary", lambda layers: {"layers": list(layers)}),
         StaticCache(spec, kind, max_context, windows=layer_windows(spec), kv_dtype=kv_dtype, last_logits_only=last_logits_only),
         GraphRewrite(norm, "rms_norm", lambda fused: {"fused": fused}),
-        *([CheckLowBit()] if precision_of.has_int4 or precision_of.has_fp8 else []),
+        *([GraphRewrite(int8_type_attribute_form, "int8_form", lambda count: {"qdq": count})] if precision_of.has_int8 else []),
+        *([CheckLowBit()] if precision_of.has_int4 or precision_of.has_fp8 or precision_of.has_int8 else []),
         RemoveUnusedNodesPass(),
         TopologicalSortPass(),
         ExternalizeWeights(writer),
