@@ -8,7 +8,8 @@ rewritten into ``onnx/<kind>.std.onnx`` by the passes ``standard_passes`` lists:
 - each attention's q and k rotary -> ``RotaryEmbedding`` (``rotary``),
 - attention -> ``TensorScatter`` into the static cache + ``Attention`` with an explicit mask
   (``cache``, ``mask``),
-- RMSNorm -> ``RMSNormalization`` (the ORT target's rule, writing ONNX's op: ``targets.ort.norm``),
+- RMSNorm -> ``RMSNormalization`` (the ORT target's rule, writing ONNX's op: ``targets.ort.norm``;
+  in fp16 graphs the fp16 pass's island first, fp16 in and out with fp32 statistics: ``norm_fp16``),
 - int8 Q/DQ in the form ONNX Runtime loads at opset 24 (``precision.int8_form``: no zero point,
   the QuantizeLinear's ``output_dtype`` INT8).
 
@@ -33,6 +34,7 @@ from kiln.exporter.targets.base import TargetGraphs
 from kiln.exporter.targets.ort.norm import fuse_rms_norm
 from kiln.exporter.targets.ort.rules import NotFused
 from kiln.exporter.targets.standard.cache import StaticCache
+from kiln.exporter.targets.standard.norm_fp16 import fuse_fp16_rms_norm
 from kiln.exporter.targets.standard.rotary import standard_rotary
 from kiln.exporter.targets.standard.windows import layer_windows
 from kiln.plugins.base import DecoderSpec
@@ -84,6 +86,7 @@ def standard_passes(
         *([ShapeInferencePass()] if infer_shapes else []),
         GraphRewrite(rotary, "rotary", lambda layers: {"layers": list(layers)}),
         StaticCache(spec, kind, max_context, windows=layer_windows(spec), kv_dtype=kv_dtype, last_logits_only=last_logits_only),
+        *([GraphRewrite(fuse_fp16_rms_norm, "rms_norm_fp16", lambda fused: {"fused": fused})] if precision_of.has_fp16 else []),
         GraphRewrite(norm, "rms_norm", lambda fused: {"fused": fused}),
         *([GraphRewrite(int8_type_attribute_form, "int8_form", lambda count: {"qdq": count})] if precision_of.has_int8 else []),
         *([CheckLowBit()] if precision_of.has_int4 or precision_of.has_fp8 or precision_of.has_int8 else []),
