@@ -235,8 +235,22 @@ def test_native_fp16(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = export(ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=Precision.FP16, parity_tokens=PARITY_TOKENS))
     _assert_checked(result, "fp16")
-    manifest = _assert_graphs(out, n_layers=2, n_norms=None, max_context=result.manifest.limits.max_context, precision="fp16")
+    manifest = _assert_graphs(out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision="fp16")  # every RMSNorm island fused
     assert manifest["targets"]["onnx"]["graphs"]["decode"]["inputs"][4]["dtype"] == "float16"
+    passes = manifest["targets"]["onnx"]["graphs"]["decode"]["passes"]
+    assert passes["rms_norm_fp16"] == {"fused": 7} and passes["rms_norm"] == {"fused": 0} and "rms_norm" not in passes.get("not_fused", {})
+    for kind in DECODER_KINDS:  # each norm reads fp32 casts of the fp16 stream and weight (fp32 statistics by type), its output cast to fp16
+        graph = onnx.load(str(out / "onnx" / f"{kind.value}.std.onnx"), load_external_data=False).graph
+        producers = {o: n for n in graph.node for o in n.output}
+        readers = {i: n for n in graph.node for i in n.input}
+        norms = [n for n in graph.node if n.op_type == "RMSNormalization"]
+        ones = {i.name: i.data_type for i in graph.initializer if i.name.startswith("ort/ones")}
+        scales = Counter("ones" if n.input[1] in ones else producers[n.input[1]].op_type for n in norms)
+        assert scales == {"Cast": 5, "ones": 2} and set(ones.values()) == {onnx.TensorProto.FLOAT}  # each PLE norm's scale is fp32 ones
+        assert {(producers[n.input[0]].op_type, readers[n.output[0]].op_type) for n in norms} == {("Cast", "Cast")}
+        assert {next(a.i for a in n.attribute if a.name == "stash_type") for n in norms} == {1}
+        assert {next(a.i for a in producers[i].attribute if a.name == "to") for n in norms for i in n.input if i not in ones} == {onnx.TensorProto.FLOAT}
+        assert not {n.op_type for n in graph.node} & {"ReduceMean", "Pow", "Sqrt", "Reciprocal"}
     prompt = [11, 42, 7, 3, 99, 15]
     static = Generator(out, target="onnx").run(prompt, 16, stop_at_eos=False)
     assert static.tokens == Generator(out).run(prompt, 16, stop_at_eos=False).tokens
@@ -256,7 +270,7 @@ def test_native_int4(fp16: bool, tmp_path: Path) -> None:
     result = export(ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=precision, int4_method=Int4Method.RTN, parity_tokens=PARITY_TOKENS))
     assert result.parity.passed, result.parity.failures()
     assert result.parity.targets["onnx"].precision == precision.value
-    _assert_graphs(out, n_layers=2, n_norms=None, max_context=result.manifest.limits.max_context, precision=precision.value)
+    _assert_graphs(out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision=precision.value)  # every norm fused, the fp16 ones too
     for kind in DECODER_KINDS:
         portable, static = _ops(out / "onnx" / f"{kind.value}.onnx"), _ops(out / "onnx" / f"{kind.value}.std.onnx")
         assert static["DequantizeLinear"] == portable["DequantizeLinear"] > 0  # every int4 weight kept
@@ -299,7 +313,7 @@ def test_native_fp8(tmp_path: Path) -> None:
     result = export(ckpt, out, options)
     assert result.parity.passed, result.parity.failures()
     assert result.parity.targets["onnx"].precision == precision.value
-    _assert_graphs(out, n_layers=2, n_norms=None, max_context=result.manifest.limits.max_context, precision=precision.value)
+    _assert_graphs(out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision=precision.value)  # every norm fused, the fp16 ones too
     for kind in DECODER_KINDS:
         portable, static = _ops(out / "onnx" / f"{kind.value}.onnx"), _ops(out / "onnx" / f"{kind.value}.std.onnx")
         assert (static["QuantizeLinear"], static["DequantizeLinear"]) == (portable["QuantizeLinear"], portable["DequantizeLinear"]) and portable["QuantizeLinear"] > 0
@@ -357,7 +371,7 @@ def test_native_int8(precision: Precision, tmp_path: Path) -> None:
     assert result.parity.passed, result.parity.failures()
     assert result.parity.targets["onnx"].precision == precision.value
     assert {(t.atol, t.rtol) for t in result.parity.tensors if t.graph.endswith(".onnx")} == {(1.5, 0.05), (1.0, 0.05)}  # int8's own tolerances
-    _assert_graphs(out, n_layers=2, n_norms=None if precision.has_fp16 else 7, max_context=result.manifest.limits.max_context, precision=precision.value)
+    _assert_graphs(out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision=precision.value)
     for kind in DECODER_KINDS:
         portable, path = out / "onnx" / f"{kind.value}.onnx", out / "onnx" / f"{kind.value}.std.onnx"
         counts = _ops(portable), _ops(path)
