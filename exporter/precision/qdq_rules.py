@@ -66,7 +66,8 @@ def _form(node: ir.Node) -> _Form | None:
     if zero is not None and zero.dtype is not None:
         return _FORMS.get(zero.dtype, _INT8)
     if node.op_type == "QuantizeLinear":
-        return _FORMS.get(_output_dtype(node), _INT8)
+        declared = _output_dtype(node)
+        return _INT8 if declared is None else _FORMS.get(declared, _INT8)
     source = node.inputs[0]
     if node.op_type == "DequantizeLinear" and source is not None and source.dtype in _BLOCK_TYPES:
         return None
