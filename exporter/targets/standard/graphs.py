@@ -9,7 +9,7 @@ rewritten into ``onnx/<kind>.std.onnx`` by the passes ``standard_passes`` lists:
 - attention -> ``TensorScatter`` into the static cache + ``Attention`` with an explicit mask
   (``cache``, ``mask``),
 - RMSNorm -> ``RMSNormalization`` (the ORT target's rule, writing ONNX's op: ``targets.ort.norm``;
-  in fp16 graphs the fp16 pass's island first, fp16 in and out with fp32 statistics: ``norm_fp16``),
+  in fp16 graphs the fp16 pass's island first, computed over fp32 casts of it: ``norm_fp16``),
 - int8 Q/DQ in the form ONNX Runtime loads at opset 24 (``precision.int8_form``: no zero point,
   the QuantizeLinear's ``output_dtype`` INT8).
 
