@@ -3,12 +3,15 @@
 
 - the scale a constant, finite and > 0;
 - the zero point a constant of zeros of the form's type (int8: optional; fp8: float8e4m3fn, required);
+- an int8 Q/DQ without a zero point int8 all the same: a QuantizeLinear says ``output_dtype`` INT8
+  (opset 21+; without it ONNX makes it uint8), a DequantizeLinear reads an int8 tensor;
 - activations per tensor (a scalar or one-element scale); a per-channel scale only on a constant
   weight ``[K, N]``'s DequantizeLinear, along its output channels (axis 1);
 - no scale of more than one dimension; the graph's opset at least the form's.
 
-A node's form is its zero point's type, else its quantized value's (int4 block DQs are
-``int4.check_int4``'s); a Q/DQ of neither type is judged as int8.
+A node's form is its zero point's type, else its quantized value's (a QuantizeLinear's
+``output_dtype``, a DequantizeLinear's input; int4 block DQs are ``int4.check_int4``'s); a Q/DQ of
+neither type is judged as int8.
 """
 
 from __future__ import annotations
@@ -62,12 +65,29 @@ def _form(node: ir.Node) -> _Form | None:
     zero = node.inputs[2] if len(node.inputs) > 2 else None
     if zero is not None and zero.dtype is not None:
         return _FORMS.get(zero.dtype, _INT8)
+    if node.op_type == "QuantizeLinear":
+        declared = _output_dtype(node)
+        return _INT8 if declared is None else _FORMS.get(declared, _INT8)
     source = node.inputs[0]
     if node.op_type == "DequantizeLinear" and source is not None and source.dtype in _BLOCK_TYPES:
         return None
     if node.op_type == "DequantizeLinear" and source is not None and source.dtype in _FORMS:
         return _FORMS[source.dtype]
     return _INT8
+
+
+def _output_dtype(node: ir.Node) -> ir.DataType | None:
+    attribute = node.attributes.get_int("output_dtype", 0)
+    return ir.DataType(attribute) if attribute else None
+
+
+def _check_int8_type(node: ir.Node) -> None:
+    """An int8 Q/DQ without a zero point: its quantized type must still be int8."""
+    if node.op_type == "QuantizeLinear" and _output_dtype(node) != ir.DataType.INT8:
+        raise ExportError(f"{node.name}: a QuantizeLinear without a zero point must set output_dtype to int8 (without either it writes uint8)")
+    source = node.inputs[0]
+    if node.op_type == "DequantizeLinear" and source is not None and source.dtype not in (None, ir.DataType.INT8):
+        raise ExportError(f"{node.name}: a DequantizeLinear without a zero point must read int8, found {source.dtype.name.lower()}")
 
 
 def _array(value: ir.Value | None) -> np.ndarray | None:
@@ -87,6 +107,8 @@ def _check_node(node: ir.Node, form: _Form) -> None:
         zero = _array(zero_value)
         if zero is None or zero_value is None or zero_value.dtype not in form.zero_types or zero.astype(np.float32).any():
             raise ExportError(f"{node.name}: {form.zero_rule}")
+    elif form is _INT8:
+        _check_int8_type(node)
     if scale.ndim > 1:
         raise ExportError(f"{node.name}: scale must be a scalar or 1-D, found shape {scale.shape}")
     if scale.ndim == 1 and scale.size > 1:

@@ -28,7 +28,8 @@ from kiln.exporter.engine.profiles import EngineProfile, InputShape, engine_prof
 from kiln.exporter.engine.records import RuntimeInfo, check_engine_compat
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.engine.gpus import min_compute_capability
-from kiln.exporter.options import ExportOptions, Int4Method
+from kiln.exporter.options import ExportOptions, Int4, Int4Method, Precision
+from kiln.exporter.precision.kinds.base import Needs
 from kiln.exporter.parity import generation_parity, greedy, make_prompts, tensor_parity
 from kiln.exporter.precision import TOLERANCES
 from kiln.exporter.pipeline import export
@@ -62,18 +63,14 @@ def _export_options(precision: str) -> ExportOptions:
     """fp32, or the precision variant where the exporter has one (and a parity tolerance for it)."""
     if precision == "fp32":
         return ExportOptions(parity_tokens=TOKENS, max_batch=MAX_BATCH)
-    fields = {f.name: f for f in dataclasses.fields(ExportOptions)}
-    if "precision" not in fields or precision not in TOLERANCES:
-        pytest.skip("precision variants not built yet")
-    try:
-        value = type(getattr(ExportOptions(), "precision"))(precision)
-    except ValueError:
-        pytest.skip("precision variants not built yet")
+    if precision not in TOLERANCES:
+        pytest.skip(f"kiln writes no {precision} graphs")
+    value = Precision.parse(precision)
     variant: dict[str, Any] = {"precision": value}
-    if value.needs_ranges:  # the tiny model has no tokenizer and no text: random tokens (ranges are poor, parity is loose)
+    if value.needs(Needs.RANGES):  # the tiny model has no tokenizer and no text: random tokens (ranges are poor, parity is loose)
         variant["calib_data"] = "synthetic"
-    if value.has_int4:
-        variant["int4_method"] = Int4Method.RTN  # GPTQ's numbers are tested on the CPU; the engine sees int4 either way
+    if "int4" in value:  # GPTQ's numbers are tested on the CPU; the engine sees int4 either way
+        variant["precision"] = Precision.of(*(Int4(method=Int4Method.RTN) if k.name == "int4" else k for k in value.kinds))
     need = min_compute_capability(precision)
     if need is not None:
         runtime = current_runtime(load_tensorrt())

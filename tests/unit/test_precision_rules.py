@@ -401,12 +401,30 @@ def test_check_qdq_rules(kwargs: dict[str, object], message: str) -> None:
         check_qdq(qdq_graph(**kwargs))
 
 
-def test_check_qdq_missing_zero_point_is_allowed_and_a_3d_weight_is_not() -> None:
-    proto = qdq_graph()
+def _without_zero_points(proto: onnx.ModelProto, output_dtype: int | None = None) -> onnx.ModelProto:
     for node in proto.graph.node:
         if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
             del node.input[2:]
-    check_qdq(proto)  # an absent zero point is zero
+            if node.op_type == "QuantizeLinear" and output_dtype is not None:
+                node.attribute.append(helper.make_attribute("output_dtype", output_dtype))
+    return proto
+
+
+def test_check_qdq_missing_zero_point_must_still_be_int8_and_a_3d_weight_is_not_allowed() -> None:
+    proto = _without_zero_points(qdq_graph(opset=21), output_dtype=I8)
+    check_qdq(proto)  # an absent zero point is zero; output_dtype says int8 (opset 21+)
+    x = np.array([[0.1, -0.2, 0.33, 1.0], [2.0, -6.35, 0.0, 0.07]], dtype=np.float32)
+    np.testing.assert_allclose(run(proto, {"x": x})[0], run(qdq_graph(opset=21), {"x": x})[0], rtol=1e-6)  # the numbers of the explicit zero points
+    message = "export: /fc/x/QuantizeLinear: a QuantizeLinear without a zero point must set output_dtype to int8 (without either it writes uint8)"
+    with pytest.raises(ExportError, match=exact(message)):
+        check_qdq(_without_zero_points(qdq_graph()))  # uint8, by ONNX's default
+    with pytest.raises(ExportError, match=exact(message)):
+        check_qdq(_without_zero_points(qdq_graph(opset=21), output_dtype=TensorProto.UINT8))
+    unsigned = qdq_graph()
+    next(t for t in unsigned.graph.initializer if t.name == "w_q").CopyFrom(numpy_helper.from_array(np.ones((4, 3), dtype=np.uint8), "w_q"))
+    del next(n for n in unsigned.graph.node if n.name == "/fc/w/DequantizeLinear").input[2:]
+    with pytest.raises(ExportError, match=exact("export: /fc/w/DequantizeLinear: a DequantizeLinear without a zero point must read int8, found uint8")):
+        check_qdq(unsigned)
     proto = qdq_graph()
     w = next(t for t in proto.graph.initializer if t.name == "w_q")
     w.CopyFrom(numpy_helper.from_array(np.ones((1, 4, 3), dtype=np.int8), "w_q"))

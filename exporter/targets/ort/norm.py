@@ -19,7 +19,7 @@ from kiln.exporter.targets.ort.rules import NotFused, apply_rules, explain, fail
 from kiln.exporter.targets.ort.skip_norm import fuse_skip_rms_norm
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
 
-__all__ = ["RmsNorm", "fuse_rms_norm", "fuse_skip_rms_norm"]
+__all__ = ["RmsNorm", "fuse_rms_norm", "fuse_skip_rms_norm", "ones_weight"]
 
 
 def _last_axis(mean: ir.Node, x: ir.Value) -> bool:
@@ -73,15 +73,20 @@ class RmsNorm(RewriteRuleClassBase):
         return MatchResult()
 
     def rewrite(self, op: Any, x: ir.Value, eps: ir.Value, normalized: ir.Value, weight: ir.Value | None = None, **_: Any) -> ir.Value:
-        gamma = weight
-        if not self.weighted or gamma is None:
-            last = x.shape[-1] if x.shape is not None else None
-            width = last if isinstance(last, int) else 0  # the check saw a static width
-            gamma = constant(_graph(x), f"ort/ones_{width}", np.ones(width, dtype=np.float32))
+        gamma = weight if self.weighted and weight is not None else ones_weight(x)
         mul = normalized.producer()
         name = f"{((mul.name if mul is not None else None) or '').rsplit('/', 1)[0]}/{self.op_type}"
         attrs = {"axis": -1, "epsilon": float(scalar_of(eps) or 0.0), "stash_type": 1}  # stash_type 1: computed in fp32 (TensorRT honours a fp16 stash and overflows)
         return getattr(op, self.op_type)(x, gamma, **attrs, _name=name)  # type: ignore[no-any-return]
+
+
+def ones_weight(x: ir.Value, dtype: ir.DataType | None = None) -> ir.Value:
+    """A ones weight as wide as ``x``'s last (static: the check saw it) axis, of ``dtype`` (default
+    ``x``'s: the scale's type is the output's, an fp16 norm's must be fp16)."""
+    last = x.shape[-1] if x.shape is not None else None
+    width = last if isinstance(last, int) else 0
+    half = (dtype or x.dtype) == ir.DataType.FLOAT16
+    return constant(_graph(x), f"ort/ones{'16' if half else ''}_{width}", np.ones(width, dtype=np.float16 if half else np.float32))
 
 
 def _graph(value: ir.Value) -> ir.Graph:

@@ -8,7 +8,10 @@ rewritten into ``onnx/<kind>.std.onnx`` by the passes ``standard_passes`` lists:
 - each attention's q and k rotary -> ``RotaryEmbedding`` (``rotary``),
 - attention -> ``TensorScatter`` into the static cache + ``Attention`` with an explicit mask
   (``cache``, ``mask``),
-- RMSNorm -> ``RMSNormalization`` (the ORT target's rule, writing ONNX's op: ``targets.ort.norm``).
+- RMSNorm -> ``RMSNormalization`` (the ORT target's rule, writing ONNX's op: ``targets.ort.norm``;
+  in fp16 graphs the fp16 pass's island first, computed over fp32 casts of it: ``norm_fp16``),
+- int8 Q/DQ in the form ONNX Runtime loads at opset 24 (``precision.int8_form``: no zero point,
+  the QuantizeLinear's ``output_dtype`` INT8).
 
 What a pass leaves as traced is said in each graph's ``not_fused`` report. What the graphs add
 (the rotary tables, the mask's slot numbers) goes to ``weights.std.bin``.
@@ -22,15 +25,17 @@ from pathlib import Path
 import onnx_ir as ir
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.contract.static_cache import static_io
-from kiln.exporter.precision.kinds.base import Needs
+from kiln.exporter.precision.kinds.base import Needs, Role
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.passes import ExternalizeWeights, GraphRewrite, WeightsWriter, run_passes
 from kiln.exporter.passes.reports import Report, pass_reports
+from kiln.exporter.precision.int8_form import int8_type_attribute_form
 from kiln.exporter.precision.lowbit_check import CheckLowBit
 from kiln.exporter.targets.base import TargetGraphs
 from kiln.exporter.targets.ort.norm import fuse_rms_norm
 from kiln.exporter.targets.ort.rules import NotFused
 from kiln.exporter.targets.standard.cache import StaticCache
+from kiln.exporter.targets.standard.norm_fp16 import fuse_fp16_rms_norm
 from kiln.exporter.targets.standard.rotary import standard_rotary
 from kiln.exporter.targets.standard.windows import layer_windows
 from kiln.plugins.base import DecoderSpec
@@ -70,10 +75,12 @@ def standard_passes(
 ) -> list[ir.passes.PassBase]:
     """The target's passes of one graph of ``precision``, in order. An int8 or fp8 graph gets
     ONNX's shape inference first (it comes back from ONNX Runtime's quantizer without the shapes
-    the attention pattern reads: its heads' static dims); every low-bit graph is checked again by
-    TensorRT's Q/DQ rules for int4 and fp8 (``lowbit_check``) once rewritten."""
+    the attention pattern reads: its heads' static dims); an int8 graph's Q/DQ get the type-attribute
+    form (``int8_form``); every low-bit graph is checked again by TensorRT's Q/DQ rules
+    (``lowbit_check``) once rewritten."""
     precision_of = Precision.parse(precision)
     infer_shapes = precision_of.needs(Needs.RANGES)  # int8, fp8
+    low_bit = any(k.role is Role.MATMULS for k in precision_of.kinds)  # int8, fp8, int4
     rotary = functools.update_wrapper(functools.partial(standard_rotary, base_dir=base_dir, max_context=max_context, head_dim=spec.head_dim, not_fused=log), standard_rotary)
     norm = functools.update_wrapper(functools.partial(fuse_rms_norm, not_fused=log, op_type="RMSNormalization"), fuse_rms_norm)
     return [
@@ -81,8 +88,10 @@ def standard_passes(
         *([ShapeInferencePass()] if infer_shapes else []),
         GraphRewrite(rotary, "rotary", lambda layers: {"layers": list(layers)}),
         StaticCache(spec, kind, max_context, windows=layer_windows(spec), kv_dtype=kv_dtype, last_logits_only=last_logits_only),
+        *([GraphRewrite(fuse_fp16_rms_norm, "rms_norm_fp16", lambda fused: {"fused": fused})] if precision_of.float16 else []),
         GraphRewrite(norm, "rms_norm", lambda fused: {"fused": fused}),
-        *([CheckLowBit()] if precision_of.full_check else []),  # int4, fp8
+        *([GraphRewrite(int8_type_attribute_form, "int8_form", lambda count: {"qdq": count})] if "int8" in precision_of else []),
+        *([CheckLowBit()] if low_bit else []),
         RemoveUnusedNodesPass(),
         TopologicalSortPass(),
         ExternalizeWeights(writer),

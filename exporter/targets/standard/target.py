@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from kiln.errors import ConfigError
 from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.precision.kinds.int8 import Int8
 from kiln.exporter.precision.kinds.plan import Precision
 
 if TYPE_CHECKING:
@@ -19,19 +20,14 @@ if TYPE_CHECKING:
     from kiln.exporter.targets.base import TargetGiven, TargetGraphs
     from kiln.plugins.base import DecoderSpec
 
-__all__ = ["BUILT", "STANDARD", "StandardTarget"]
+__all__ = ["ALL_MATMULS", "STANDARD", "StandardTarget"]
 
-# the precisions whose graphs it rewrites (fp16: with the portable graphs' fp32 islands; the low-bit
-# forms: their Q/DQ and block-DequantizeLinear weights kept, the attention MatMuls being float)
-BUILT = ("fp32", "fp16", "int4", "int4+fp16", "fp8")
-# --int8 (with or without --fp16): the rewritten opset-24 graph is valid ONNX (onnx.checker's full
-# check) and its parity passes with --fp16, but ONNX Runtime 1.32's QDQPropagationTransformer cannot
-# load it in a default session: it propagates a QuantizeLinear across the prefill's present
-# Reshape/Transpose with a uint8 zero point of its own against output_dtype INT8 (measured; it loads
-# with that optimizer disabled). fp8's Q/DQ are not propagated and load.
-QDQ_PROPAGATION = (
-    "--target onnx does not write --int8 graphs yet: ONNX Runtime 1.32's QDQ propagation cannot load their opset-24 form "
-    "(a QuantizeLinear it adds has a uint8 zero point against output_dtype INT8); export --int8 without --target onnx, or --fp8 with it"
+# every precision is written (int8's Q/DQ in the form precision.int8_form gives them); the attention
+# score MatMuls stay float: each layer's attention becomes one ONNX Attention (measured with
+# --int8-all-matmuls: the attention pattern is not found behind their Q/DQ, and the export stops)
+ALL_MATMULS = (
+    "--target onnx does not take --int8-all-matmuls: it writes each layer's attention as one ONNX Attention, whose score MatMuls are float; "
+    "drop --int8-all-matmuls, or export without --target onnx"
 )
 
 
@@ -49,10 +45,8 @@ class StandardTarget:
     def check(self, options: ExportOptions) -> None:
         if not self.wanted(options):
             return
-        if "int8" in options.precision:
-            raise ConfigError(QDQ_PROPAGATION)
-        if options.precision.value not in BUILT:
-            raise ConfigError(f"--target onnx writes {', '.join(BUILT)} graphs; not {options.precision.value}: export it without --target onnx")
+        if isinstance(int8 := options.precision.get("int8"), Int8) and int8.all_matmuls:
+            raise ConfigError(ALL_MATMULS)
         if options.ple_tables.value == "input":
             raise ConfigError("--target onnx takes the PLE tables as constants; drop --ple-tables input")
 
