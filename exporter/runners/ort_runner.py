@@ -24,6 +24,7 @@ def ort_session(
     initializers: Mapping[str, object] | None = None,
     fp16_weights_stay_fp16: bool = False,
     weight_only_dq: bool = False,
+    qdq_as_written: bool = False,
 ) -> Any:
     """An ONNX Runtime CPU session over a graph file or serialized model: the one place kiln
     sets session options. ``threads`` pins intra-op threads (and inter-op to one);
@@ -46,7 +47,15 @@ def ort_session(
     would be checked against int8 activations that TensorRT never computes (0.5-0.8% relative
     error on a single MatMul, measured in issue 16; tests/export/test_int4.py shows the gap). Level
     0 keeps the fusion
-    (fast) and computes in float: exactly the weight-only product. Parity uses it."""
+    (fast) and computes in float: exactly the weight-only product. Parity uses it.
+
+    ``qdq_as_written``: with its QDQ fusions, ONNX Runtime (1.32) runs an int8 Q/DQ MatMul as
+    ``QLinearMatMul`` over uint8 activations (``QDQS8ToU8Transformer``), whose kernel on x86 CPUs
+    without VNNI (AVX2) differs from the graph's exact int8 products: 0.38 on a tiny model's prefill
+    logits, measured, enough to flip near-tied tokens of the demo's int8 export. TensorRT computes
+    the Q/DQ as written (int32 accumulation); so does ONNX Runtime with
+    ``session.disable_quant_qdq``: each DequantizeLinear, then the float MatMul. Parity uses it for
+    graphs that quantize activations (int8, fp8)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -63,6 +72,8 @@ def ort_session(
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if weight_only_dq:
         opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    if qdq_as_written:
+        opts.add_session_config_entry("session.disable_quant_qdq", "1")
     if not prepacking:
         opts.add_session_config_entry("session.disable_prepacking", "1")
     for name, value in (initializers or {}).items():
@@ -112,7 +123,8 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
             # prepacking would make a private copy of every MatMul weight again
             initializers = self._shared.initializers(path)
             session = ort_session(
-                path, threads=self._threads, prepacking=False, initializers=initializers, fp16_weights_stay_fp16=self._shared.has_fp16(path), weight_only_dq=True
+                path, threads=self._threads, prepacking=False, initializers=initializers, fp16_weights_stay_fp16=self._shared.has_fp16(path), weight_only_dq=True,
+                qdq_as_written=self._shared.quantizes(path),
             )
             runner = OnnxrtRunner(session, name=f"onnxruntime:{kind.value}")
             runner.activate()
@@ -144,10 +156,15 @@ class _SharedInitializers:
         self._maps: dict[Path, np.memmap] = {}
         self._values: dict[tuple[Path, str], object] = {}
         self._fp16: dict[Path, bool] = {}
+        self._quantizes: set[Path] = set()
 
     def has_fp16(self, graph: Path) -> bool:
         """Whether the graph's external weights include fp16 ones (``initializers`` read it)."""
         return self._fp16.get(graph, False)
+
+    def quantizes(self, graph: Path) -> bool:
+        """Whether the graph quantizes activations (a QuantizeLinear: int8, fp8; ``initializers`` read it)."""
+        return graph in self._quantizes
 
     def initializers(self, graph: Path) -> dict[str, object]:
         import onnx
@@ -155,6 +172,8 @@ class _SharedInitializers:
         from onnxruntime import OrtValue
 
         model = onnx.load(str(graph), load_external_data=False)
+        if any(node.op_type == "QuantizeLinear" for node in model.graph.node):
+            self._quantizes.add(graph)
         out: dict[str, object] = {}
         for init in model.graph.initializer:
             if init.data_location != onnx.TensorProto.EXTERNAL or init.data_type in _UNSHAREABLE:
