@@ -20,6 +20,8 @@ first read from disk. It takes tens of minutes and GBs; run it by hand, not as a
         --shape qwen2-0.5b@24 --shape qwen2-0.5b@48 --precision fp32 --tools kiln
 
     python benchmarks/export_scale.py --work /work/scale --shape bart-base --tools kiln,optimum   # an encoder-decoder
+    python benchmarks/export_scale.py --work /work/scale --shape llama-tiny --tools kiln,genai \\
+        --precision fp32 --precision int4 --trace-cache cold    # then --trace-cache warm
 
 A shape ``NAME@N`` is NAME with N layers (the depth sweep; of an encoder-decoder, the decoder's). The peers' venvs: benchmarks/peers/README.md.
 The GenAI builder has no BART: encoder-decoder shapes run kiln and Optimum only.
@@ -51,6 +53,13 @@ SHAPES: dict[str, dict[str, Any]] = {
     # the shapes of the released models (hidden, layers, heads / KV heads, MLP width, vocab)
     "qwen2-0.5b": {**QWEN2, "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864},
     "qwen2-1.5b": {**QWEN2, "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960},
+    "llama3-8b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+                  "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001},
+    # a 2-layer Llama for the fixed costs (trace, sessions, parity) of a small export
+    "llama-tiny": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "intermediate_size": 688, "vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                   "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
     "llama2-7b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                   "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
                   "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
@@ -59,6 +68,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                   "vocab_size": 50265, "max_position_embeddings": 1024, "bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2},
 }
 SHARD_BYTES = 500 * 2**20
+CALIB_TEXT = Path(__file__).resolve().parents[1] / "demo" / "checkpoint" / "heldout.txt"  # GPTQ's calibration text (the demo's held-out Python)
 PEERS_VENV, GENAI_VENV = Path("/work/peers-venv"), Path("/work/peers-genai-venv")
 
 
@@ -123,12 +133,23 @@ def _random(name: str, shape: tuple[int, ...], generator: torch.Generator) -> to
     return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
 
 
-def measure(cmd: list[str], log: Path) -> dict[str, Any]:
+def _trace_cache_env(work: Path, trace_cache: str) -> dict[str, str]:
+    """kiln's trace cache for a run: ``cold`` an empty one (the first export of an architecture),
+    ``warm`` the one under ``work`` that earlier runs filled (a re-export), ``off`` none."""
+    if trace_cache == "cold":
+        root = work / "kiln-cache-cold"
+        subprocess.run(["rm", "-rf", str(root)], check=True)
+    else:
+        root = work / "kiln-cache"
+    return {**os.environ, "KILN_CACHE": "off" if trace_cache == "off" else str(root)}
+
+
+def measure(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Wall seconds and peak RSS of one child process (its own rusage, via wait4); its stdout
     in ``log``, its stderr beside it (``.err``)."""
     start = time.perf_counter()
     with log.open("wb") as out, log.with_suffix(".err").open("wb") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     code = os.waitstatus_to_exitcode(status)
@@ -146,11 +167,19 @@ def warm(directory: Path) -> None:
                 pass
 
 
-def commands(tool: str, ckpt: Path, out: Path, precision: str, parity_tokens: int, seq2seq: bool = False) -> list[str] | None:
+KILN_FLAGS = {  # kiln's flags per precision row (int4: for ONNX Runtime, as the GenAI builder's int4 is)
+    "fp32": [],
+    "fp16": ["--fp16"],
+    "int4": ["--int4", "--target", "ort", "--calib-data", str(CALIB_TEXT)],  # GPTQ, the default method
+    "int4-rtn": ["--int4", "--int4-method", "rtn", "--target", "ort"],
+}
+
+
+def commands(tool: str, ckpt: Path, out: Path, precision: str, parity_tokens: int | None, seq2seq: bool = False) -> list[str] | None:
     if tool == "kiln":
-        flags = ["--fp16"] if precision == "fp16" else []
-        return [sys.executable, "-m", "kiln.cli", "export", "--model", str(ckpt), "--out", str(out), "--force", "--json", "--parity-tokens", str(parity_tokens), *flags]
-    if tool == "genai" and not seq2seq:
+        tokens = ["--parity-tokens", str(parity_tokens)] if parity_tokens is not None else []  # None: kiln's default, as users run it
+        return [sys.executable, "-m", "kiln.cli", "export", "--model", str(ckpt), "--out", str(out), "--force", "--json", *tokens, *KILN_FLAGS[precision]]
+    if tool == "genai" and not seq2seq and precision != "int4-rtn":  # the builder's int4 is round to nearest: one row, "int4"
         return [str(GENAI_VENV / "bin/python"), "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out), "-p", precision, "-e", "cpu", "-c", str(out) + ".cache"]
     if tool == "optimum" and precision == "fp32":
         task = "text2text-generation-with-past" if seq2seq else "text-generation-with-past"
@@ -158,7 +187,7 @@ def commands(tool: str, ckpt: Path, out: Path, precision: str, parity_tokens: in
     return None  # Optimum's fp16 export needs --device cuda
 
 
-def run_one(tool: str, ckpt: Path, work: Path, shape: str, precision: str, parity_tokens: int) -> dict[str, Any] | None:
+def run_one(tool: str, ckpt: Path, work: Path, shape: str, precision: str, parity_tokens: int | None, trace_cache: str) -> dict[str, Any] | None:
     out = work / "out" / f"{shape}-{precision}-{tool}"
     cmd = commands(tool, ckpt, out, precision, parity_tokens, seq2seq=SHAPES[shape.partition("@")[0]].get("is_encoder_decoder", False))
     if cmd is None:
@@ -166,8 +195,11 @@ def run_one(tool: str, ckpt: Path, work: Path, shape: str, precision: str, parit
     subprocess.run(["rm", "-rf", str(out), str(out) + ".cache"], check=True)
     warm(ckpt)
     load = os.getloadavg()[0]
-    row = measure(cmd, work / "logs" / f"{shape}-{precision}-{tool}.log")
+    env = _trace_cache_env(work, trace_cache) if tool == "kiln" else None
+    row = measure(cmd, work / "logs" / f"{shape}-{precision}-{tool}.log", env)
     row["load_average_before"] = round(load, 2)  # on a shared machine: how loaded it was
+    if tool == "kiln":
+        row["trace_cache"] = trace_cache
     if tool == "kiln" and row["exit"] == 0:
         stages = json.loads((work / "logs" / f"{shape}-{precision}-{tool}.log").read_text())["stages"]
         row["stages_s"] = stages
@@ -183,9 +215,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/work/scale"))
     parser.add_argument("--shape", action="append", default=[], help=f"{', '.join(SHAPES)}, or NAME@LAYERS (repeatable; default qwen2-0.5b)")
-    parser.add_argument("--precision", action="append", choices=["fp32", "fp16"], default=[], help="repeatable; default fp32")
+    parser.add_argument("--precision", action="append", choices=list(KILN_FLAGS), default=[], help="repeatable; default fp32 (int4: kiln --int4 --target ort, GPTQ; int4-rtn: kiln's round to nearest; the builder's int4 once)")
     parser.add_argument("--tools", default="kiln,genai,optimum", help="comma-separated: kiln, genai, optimum")
-    parser.add_argument("--parity-tokens", type=int, default=16)
+    parser.add_argument("--parity-tokens", type=int, default=None, help="kiln's --parity-tokens (default: kiln's own default, as users run it)")
+    parser.add_argument("--trace-cache", choices=["cold", "warm", "off"], default="cold", help="kiln's trace cache: empty before each run, kept across runs, or off")
     parser.add_argument("--out", type=Path, default=None, help="also write the results here (JSON)")
     args = parser.parse_args()
     (args.work / "logs").mkdir(parents=True, exist_ok=True)
@@ -196,7 +229,7 @@ def main() -> None:
         size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
         for precision in args.precision or ["fp32"]:
             for tool in args.tools.split(","):
-                row = run_one(tool, ckpt, args.work, shape, precision, args.parity_tokens)
+                row = run_one(tool, ckpt, args.work, shape, precision, args.parity_tokens, args.trace_cache)
                 if row is None:
                     continue
                 row.update(shape=shape, layers=config.get("num_hidden_layers", config.get("decoder_layers")), precision=precision, tool=tool, checkpoint_bytes=size,
