@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import onnx_ir as ir
 import torch
 from kiln.calibration import WINDOW, Calibration, load_calibration_data
-from kiln.calibration.hessians import collect_hessians
+from kiln.calibration.hessians import Quantize, quantize_layerwise
 from kiln.errors import ParityError
 from kiln.exporter.emit import write_artifacts
 from kiln.exporter.artifacts.hashing import sha256_file
@@ -225,24 +224,24 @@ class _Int4Setup:
 
 
 def _int4(reference: Reference, options: ExportOptions, progress: Progress) -> _Int4Setup | None:
-    """int4: the quantizer all graphs share (GPTQ: Hessians from --calib-data through PyTorch,
-    collected the first time a weight is quantized) and the policy of what stays float."""
+    """int4: the quantizer all graphs share (GPTQ: layer by layer over --calib-data through PyTorch,
+    the first time a weight is quantized) and the policy of what stays float."""
     if not options.precision.has_int4:
         return None
     policy = Int8Policy(() if options.int4_all_matmuls else DEFAULT_INT4_FLOAT + options.int4_float)
-    hessians, record = None, None
+    layerwise, record = None, None
     if options.gptq:
         assert options.calib_data is not None, "ExportOptions refuses gptq without --calib-data"
         data = load_calibration_data(
             options.calib_data, tokenizer=reference.loaded.tokenizer, vocab_size=reference.spec.vocab_size, samples=options.samples, window=min(WINDOW, reference.max_context)
         )
+        prefix = reference.loaded.layers.prefix if reference.loaded.layers is not None else None
 
-        def hessians(names: tuple[str, ...]) -> dict[str, np.ndarray]:
-            with progress.stage(f"GPTQ: input Hessians of {len(names)} weights, windows", total=len(data.windows)) as stage:
-                return collect_hessians(reference.module, reference.spec.n_layers, names, data.windows, stage.advance)
+        def layerwise(todo: Collection[str], done: Collection[str], quantize: Quantize) -> None:
+            quantize_layerwise(reference.module, prefix, reference.spec.n_layers, data.windows, todo, done, quantize, progress)
 
         record = {"source": data.source, "data_sha256": data.sha256, "windows": len(data.windows), "window": int(len(data.windows[0]))}
-    return _Int4Setup(Int4Quantizer(options.int4_method, options.int4_block, hessians), policy, record)
+    return _Int4Setup(Int4Quantizer(options.int4_method, options.int4_block, layerwise), policy, record)
 
 
 def _quantization(options: ExportOptions, portable: GraphSet, int4: _Int4Setup | None) -> dict[str, object] | None:

@@ -42,7 +42,10 @@ def gptq(weight: np.ndarray, hessian: np.ndarray, block: int, scale_dtype: np.dt
     h[dead, dead] = 1.0
     w[dead, :] = 0.0
     h[np.diag_indices(k)] += percdamp * float(np.mean(np.diag(h)))
-    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H^-1 = U^T U
+    inverse = np.linalg.inv(h)
+    del h  # at most two [K, K] float64 matrices at once (1.6 GB each at K = 14336)
+    u = np.linalg.cholesky(inverse).T  # upper: H^-1 = U^T U
+    del inverse
     q = np.zeros((k, n), np.int8)
     scale = np.zeros((k // block, n), dtype=scale_dtype)
     lazy = max(block, (_LAZY // block) * block)

@@ -181,8 +181,8 @@ def test_gptq_with_fp16(tmp_path: Path) -> None:
     progress = RecordedProgress()
     result = export(ckpt, tmp_path / "out", options, progress)
     assert result.parity.passed and result.manifest.precision == "int4+fp16"
-    # progress counts the calibration windows GPTQ's Hessians come from, and the trace's phases
-    assert progress.stages["GPTQ: input Hessians of 14 weights, windows"] == [16, 16]
+    # progress counts the decoder layers GPTQ quantizes one at a time (over 16 windows), and the trace's phases
+    assert progress.stages["GPTQ: 14 weights, 16 windows, layer by layer"] == [2, 2]
     assert progress.stages["trace"] == [3, 3]
     quant = result.manifest.export.quantization
     assert quant is not None and quant["method"] == "gptq" and quant["calibration"]["windows"] == 16
