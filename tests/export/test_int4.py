@@ -195,6 +195,37 @@ def test_gptq_with_fp16(tmp_path: Path) -> None:
     assert len(scales) == 14 and all(i.data_type == onnx.TensorProto.FLOAT16 for i in scales)  # the DQ outputs fp16
 
 
+def test_gptq_hf_layer_by_layer_leaves_the_reference_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hugging Face decoder with a sliding-window and a full-attention layer (Qwen2): GPTQ runs
+    its layers one at a time (progress per layer) and the graphs compute its int4 numbers (parity
+    against them gates); when parity first runs the checkpoint's model, its weights are bit for
+    bit what they were before the export (parity itself then makes it the quantized model)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import kiln.exporter.pipeline as pipeline
+    from kiln.plugins.hf import tiny_model
+
+    loaded = tiny_model("qwen2-window", seed=1)
+    before = {name: tensor.clone() for name, tensor in loaded.module.state_dict().items()}
+    seen: list[dict[str, torch.Tensor]] = []
+    check_parity = pipeline.check_parity
+
+    def recording(module: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        seen.append({name: tensor.clone() for name, tensor in module.state_dict().items()})
+        return check_parity(module, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "check_parity", recording)
+    options = ExportOptions(
+        precision=Precision.INT4, calib_data=str(_ids(tmp_path / "calib.npy", vocab=128)), calib_samples=8, int4_block=16, parity_tokens=8, parity_agreement="record"
+    )
+    progress = RecordedProgress()
+    result = pipeline.export_loaded(loaded, tmp_path / "out", options, progress)
+    assert result.parity.passed and progress.stages["GPTQ: 14 weights, 8 windows, layer by layer"] == [2, 2]
+    assert len(seen) == 1 and sorted(seen[0]) == sorted(before)
+    assert all(torch.equal(before[name], seen[0][name]) for name in before)
+
+
 def _block_dq_graph(k: int = 64, n: int = 8, block: int = 16) -> tuple[bytes, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     q = rng.integers(-8, 8, size=(k, n)).astype(np.int8)
