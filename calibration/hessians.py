@@ -171,7 +171,10 @@ def _quantize_layer(module: nn.Module, layer: nn.Module, index: int, batches: Se
                 batch.calls[index].run(layer, batch.hidden)
                 sums.next_batch()
         hessians = sums.finish()
-    weights = {name: quantize(name, hessians.pop(name)) for name in sorted(todo)}  # each Hessian freed once its weights are done
+    shared: dict[int, list[str]] = {}  # the weights of each Hessian, one after the other
+    for name in sorted(todo):
+        shared.setdefault(id(hessians[name]), []).append(name)
+    weights = {name: quantize(name, hessians.pop(name)) for names in shared.values() for name in names}  # each Hessian freed once its weights are done
     weights.update({name: quantize(name, None) for name in sorted(done)})
     with _weights_in_place(module, weights):
         for batch in batches:

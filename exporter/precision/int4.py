@@ -24,6 +24,7 @@ weights file (the manifest's ``targets.ort.record.int4``), so both forms hold th
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Collection
 
 import numpy as np
@@ -34,7 +35,7 @@ from kiln.exporter.options import DEFAULT_INT4_METHOD, Int4Method
 from kiln.exporter.passes.bind import ModuleWeight
 from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
 from kiln.exporter.passes.ir_utils import set_dtype
-from kiln.exporter.precision.gptq import gptq
+from kiln.exporter.precision.gptq import InverseFactor, gptq_factored, inverse_factor
 from kiln.exporter.passes.transposes import TRANSPOSE
 from kiln.exporter.precision.int4_numbers import dequantize, layer_block, pack_int4, rtn, unpack_int4
 from kiln.exporter.precision.int8 import Int8Policy, int8_targets
@@ -132,11 +133,12 @@ class Int4Quantizer:
         for slot, wanted in self._wanted.items():
             (done if slot in self._done else todo).setdefault(wanted.module, []).append(wanted)
         done = {name: found for name, found in done.items() if name not in todo}
+        factors = _Factors()
 
         def quantize(name: str, hessian: np.ndarray | None) -> np.ndarray:
             for wanted in todo.get(name, []):
                 assert hessian is not None, "a weight to quantize comes with its Hessian"
-                q, scale = gptq(np.asarray(wanted.tensor.numpy(), dtype=np.float32), hessian, wanted.block, wanted.scale_dtype.numpy())
+                q, scale = gptq_factored(np.asarray(wanted.tensor.numpy(), dtype=np.float32), factors.of(hessian), wanted.block, wanted.scale_dtype.numpy())
                 self._done[wanted.slot] = (pack_int4(q), scale)
             first = (todo.get(name) or done[name])[0]  # the layer computes with its first graph's numbers
             packed, scale = self._done[first.slot]
@@ -147,6 +149,21 @@ class Int4Quantizer:
         missing = sorted(w.module for s, w in self._wanted.items() if s not in self._done)
         if missing:
             raise ExportError(f"GPTQ quantized no numbers for {missing[:3]}")
+
+
+class _Factors:
+    """Each Hessian's ``InverseFactor``, computed once for the weights that share it (q/k/v read one
+    input) and dropped when the Hessian is (the run frees each once its weights are done)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, InverseFactor] = {}
+
+    def of(self, hessian: np.ndarray) -> InverseFactor:
+        key = id(hessian)
+        if key not in self._by_id:
+            self._by_id[key] = inverse_factor(hessian)
+            weakref.finalize(hessian, self._by_id.pop, key, None)
+        return self._by_id[key]
 
 
 def module_layout(tensor: ir.TensorProtocol, values: np.ndarray) -> np.ndarray:

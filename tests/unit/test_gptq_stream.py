@@ -21,7 +21,7 @@ from kiln.exporter.passes.bind import ModuleWeight, Transform, WeightSource
 from kiln.exporter.passes.transposes import TRANSPOSE
 from kiln.exporter.precision.gptq import gptq
 from kiln.exporter.precision.int4 import Int4Quantizer, module_layout
-from kiln.exporter.precision.int4_numbers import dequantize, pack_int4
+from kiln.exporter.precision.int4_numbers import dequantize, pack_int4, rtn
 from kiln.plugins.native.build import random_model
 from kiln.plugins.native.model import PLEDecoder, causal_padding_mask
 
@@ -205,14 +205,21 @@ def _weight(model: nn.Module, name: str) -> ModuleWeight:
     return ModuleWeight(WeightSource(model), name, ir.DataType.FLOAT, (TRANSPOSE,))
 
 
-def test_quantizer_runs_gptq_once_for_every_weight_wanted_then_only_for_new_ones() -> None:
+def test_quantizer_runs_gptq_once_for_every_weight_wanted_then_only_for_new_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """``numbers`` starts one layer-by-layer run with every weight the graphs registered; a weight
-    wanted later gets its own run, told which weights are done (their numbers are applied)."""
+    wanted later gets its own run, told which weights are done (their numbers are applied). The
+    weights handed one Hessian (q/k) share its factorisation."""
+    import kiln.exporter.precision.int4 as int4
+
     model = random_model(tiny_config(), 0)
     runs: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+    hessians = {k: np.eye(k) + 0.1 for k in (32, 64)}
+    factored: list[int] = []
+    inverse_factor = int4.inverse_factor
+    monkeypatch.setattr(int4, "inverse_factor", lambda h: factored.append(h.shape[0]) or inverse_factor(h))
 
     def hessian(k: int) -> np.ndarray:
-        return np.eye(k) + 0.1
+        return hessians[k]
 
     def layerwise(todo, done, quantize) -> None:  # type: ignore[no-untyped-def]
         runs.append((tuple(sorted(todo)), tuple(sorted(done))))
@@ -232,10 +239,10 @@ def test_quantizer_runs_gptq_once_for_every_weight_wanted_then_only_for_new_ones
     q_ref, scale_ref = gptq(q_proj.numpy(), hessian(32), BLOCK, F32)
     assert np.array_equal(packed, pack_int4(q_ref)) and np.array_equal(scale, scale_ref)
     quantizer.numbers(_weight(model, names[1]), _weight(model, names[1]).key, names[1], BLOCK, ir.DataType.FLOAT)
-    assert runs == [(tuple(sorted(names)), ())]
+    assert runs == [(tuple(sorted(names)), ())] and factored == [32]
     later = "model.layers.1.mlp.fc2.weight"
     quantizer.numbers(_weight(model, later), _weight(model, later).key, later, BLOCK, ir.DataType.FLOAT)
-    assert runs[1] == ((later,), tuple(sorted(names)))
+    assert runs[1] == ((later,), tuple(sorted(names))) and factored == [32, 64]
 
 
 def test_module_layout_undoes_transposes_only() -> None:
@@ -246,3 +253,43 @@ def test_module_layout_undoes_transposes_only() -> None:
     assert np.array_equal(module_layout(weight, values), model.layers[0].attn.o_proj.weight.detach().numpy())
     with pytest.raises(ExportError, match=r"GPTQ: the graph weight model.layers.0.attn.o_proj.weight is the module tensor through 'odd'"):
         module_layout(weight.then(Transform("odd", lambda w: w)), values)
+
+
+def _textbook_gptq(weight: np.ndarray, hessian: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ as the paper first states it (OBQ's update, one row at a time): quantize row i, spread
+    its error over the rows not yet quantized through H^-1, remove row i from H^-1; no Cholesky,
+    no lazy batches. Damping, dead channels and each block's clip search as kiln's."""
+    from kiln.exporter.precision.gptq import CLIP_RATIOS, PERCDAMP
+    from kiln.exporter.precision.int4_numbers import clip_scales
+
+    w, h = weight.astype(np.float64).copy(), hessian.astype(np.float64).copy()
+    dead = np.diag(h) == 0
+    h[dead, dead], w[dead] = 1.0, 0.0
+    h[np.diag_indices(len(h))] += PERCDAMP * np.mean(np.diag(h))
+    inverse = np.linalg.inv(h)
+    q, scale = np.zeros(w.shape, np.int8), np.zeros((len(w) // block, w.shape[1]), np.float32)
+    for i in range(len(w)):
+        if i % block == 0:
+            scale[i // block] = clip_scales(w[i : i + block][None], F32, CLIP_RATIOS)[0]
+        s = scale[i // block].astype(np.float64)
+        q[i] = np.clip(np.rint(w[i] / s), -8, 7)
+        w[i + 1 :] -= np.outer(inverse[i + 1 :, i] / inverse[i, i], w[i] - q[i] * s)
+        inverse -= np.outer(inverse[:, i], inverse[i]) / inverse[i, i]
+    return q, scale
+
+
+def test_gptq_equals_the_textbook_algorithm() -> None:
+    """Lazy batches of 128 rows over two blocks of 64 and the Cholesky factor give the textbook
+    numbers; a dead input channel's weights are zero."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((512, 192)) * rng.uniform(0.2, 3.0, 192)
+    x[:, 5] = 0.0
+    hessian = (2.0 / 512 * x.T @ x).astype(np.float32)
+    weight = (rng.standard_normal((192, 24)) * 0.05).astype(np.float32)
+    q, scale = gptq(weight, hessian, 64, F32)
+    q_ref, scale_ref = _textbook_gptq(weight, hessian, 64)
+    assert np.array_equal(q, q_ref) and np.array_equal(q[5], np.zeros(24, np.int8))
+    np.testing.assert_allclose(scale, scale_ref, rtol=1e-6)
+    rtn_error = weight - dequantize(*rtn(weight, 64, F32))
+    gptq_error = weight - dequantize(q, scale)
+    assert np.einsum("kn,kj,jn->", gptq_error, hessian, gptq_error) < 0.8 * np.einsum("kn,kj,jn->", rtn_error, hessian, rtn_error)
