@@ -19,7 +19,7 @@ import onnx_ir as ir
 import torch
 from kiln.calibration import WINDOW, Calibration, load_calibration_data
 from kiln.calibration.hessians import Quantize, quantize_layerwise
-from kiln.errors import ParityError
+from kiln.errors import ConfigError, ParityError
 from kiln.exporter.emit import write_artifacts
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.artifacts.layout import CALIBRATION_DIR, ONNX_DIR
@@ -232,6 +232,8 @@ def _int4(reference: Reference, options: ExportOptions, progress: Progress) -> _
     layerwise, record = None, None
     if options.gptq:
         assert options.calib_data is not None, "ExportOptions refuses gptq without --calib-data"
+        if reference.spec.encoder_dim is not None:
+            raise ConfigError("--int4-method gptq is not supported for cross-attention decoders yet: its calibration runs prompts without encoder_hidden_states; use --int4-method rtn")
         data = load_calibration_data(
             options.calib_data, tokenizer=reference.loaded.tokenizer, vocab_size=reference.spec.vocab_size, samples=options.samples, window=min(WINDOW, reference.max_context)
         )

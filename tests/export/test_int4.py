@@ -226,6 +226,22 @@ def test_gptq_hf_layer_by_layer_leaves_the_reference_as_it_was(tmp_path: Path, m
     assert all(torch.equal(before[name], seen[0][name]) for name in before)
 
 
+def test_gptq_refuses_a_cross_attention_decoder(tmp_path: Path) -> None:
+    """Its calibration prompts carry no encoder states: one line saying so and what to use, not a
+    traceback from the model."""
+    from kiln.exporter.load import load_reference
+    from kiln.exporter.pipeline import _int4
+    from kiln.exporter.progress import NullProgress
+    from kiln.plugins import load_model
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(cross_attention=True))
+    options = ExportOptions(precision=Precision.INT4, calib_data=str(_ids(tmp_path / "calib.npy")), calib_samples=2)
+    reference = load_reference(load_model(ckpt), options)
+    with pytest.raises(ConfigError, match=r"^config: --int4-method gptq is not supported for cross-attention decoders yet: .*; use --int4-method rtn$"):
+        _int4(reference, options, NullProgress())  # the export's int4 setup, before any graph is written (the trace before it is not needed here)
+    assert _int4(reference, ExportOptions(precision=Precision.INT4, int4_method=Int4Method.RTN), NullProgress()) is not None
+
+
 def _block_dq_graph(k: int = 64, n: int = 8, block: int = 16) -> tuple[bytes, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     q = rng.integers(-8, 8, size=(k, n)).astype(np.int8)
