@@ -8,7 +8,8 @@ this quantized model to fp32's tolerance (parity against its own int4 weights ga
 export), so these are the export's figures without the export's fixed costs.
 
 Rows: RTN; GPTQ layer by layer at each ``--samples`` x ``--window``; with ``--float64`` the same
-with the Hessians summed in float64 (the accumulation's own error); with ``--whole`` GPTQ as
+with the Hessians summed in float64 (the accumulation's own error); with ``--float32-numbers``
+GPTQ's factor and updates in float32 (``gptq.NUMERICS``); with ``--whole`` GPTQ as
 before issue 24 (every Hessian from one pass over the float model, float64). Time: the GPTQ run
 alone (calibration forwards, Hessians, GPTQ numbers), wall seconds, and the load average.
 
@@ -38,6 +39,7 @@ from kiln.calibration import hessians as hessians_module
 from kiln.exporter.options import Int4Method
 from kiln.exporter.passes.bind import ModuleWeight, WeightSource
 from kiln.exporter.passes.transposes import TRANSPOSE
+from kiln.exporter.precision import gptq as gptq_module
 from kiln.exporter.precision.int4 import Int4Quantizer
 from kiln.exporter.precision.int4_numbers import dequantize, layer_block, unpack_int4
 from kiln.exporter.progress import NullProgress
@@ -48,13 +50,14 @@ from accuracy import WIN, _scores  # noqa: E402  (benchmarks/ is no package)
 
 
 @contextlib.contextmanager
-def _accumulate(dtype: torch.dtype) -> Iterator[None]:
-    saved = hessians_module.ACCUMULATE
-    hessians_module.ACCUMULATE = dtype
+def _precisions(accumulate: torch.dtype, numerics: type[np.floating[Any]]) -> Iterator[None]:
+    """The Hessian sums in ``accumulate``, GPTQ's factor and updates in ``numerics``."""
+    saved = hessians_module.ACCUMULATE, gptq_module.NUMERICS
+    hessians_module.ACCUMULATE, gptq_module.NUMERICS = accumulate, numerics
     try:
         yield
     finally:
-        hessians_module.ACCUMULATE = saved
+        hessians_module.ACCUMULATE, gptq_module.NUMERICS = saved
 
 
 def _linears(module: torch.nn.Module) -> list[str]:
@@ -115,6 +118,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--windows", type=int, default=32, help="evaluation windows of 256 tokens")
     parser.add_argument("--float64", action="store_true", help="also each setting with the Hessians summed in float64")
+    parser.add_argument("--float32-numbers", action="store_true", help="also each setting with GPTQ's factor and updates in float32 (gptq.NUMERICS)")
     parser.add_argument("--whole", action="store_true", help="also GPTQ as before issue 24: all Hessians from one pass over the float model (float64)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -135,16 +139,18 @@ def main() -> None:
             data = load_calibration_data(str(ckpt / "heldout.txt"), tokenizer=loaded.tokenizer, vocab_size=spec.vocab_size, samples=samples, window=window)
             calib = list(data.windows)
             settings = {"samples": len(calib), "window": window}
-            variants = [("layer by layer, float32", torch.float32, prefix)]
-            variants += [("layer by layer, float64", torch.float64, prefix)] if args.float64 else []
-            variants += [("whole model at once, float64 (before issue 24)", torch.float64, None)] if args.whole else []
+            variants = [("layer by layer, float32", torch.float32, np.float64, prefix)]
+            variants += [("layer by layer, float64", torch.float64, np.float64, prefix)] if args.float64 else []
+            variants += [("layer by layer, float32, numbers float32", torch.float32, np.float32, prefix)] if args.float32_numbers else []
+            variants += [("whole model at once, float64 (before issue 24)", torch.float64, np.float64, None)] if args.whole else []
             first: Numbers | None = None
-            for label, dtype, plan in variants:
-                with _accumulate(dtype):
+            for label, accumulate, numerics, plan in variants:
+                with _precisions(accumulate, numerics):
                     quantized, seconds, numbers = _quantized(module, Int4Method.GPTQ, args.block, calib, plan, spec.n_layers)
                 first = first or numbers
                 differ = _codes_differing(first, numbers)  # against the float32 layer-by-layer run
-                rows.append(_row(f"gptq {len(calib)} x {window}, {label}", quantized, seconds, windows, ref, base, **settings, accumulate=str(dtype), layerwise=plan is not None, codes_differing=differ))
+                extra = {"accumulate": str(accumulate), "numerics": numerics.__name__, "layerwise": plan is not None, "codes_differing": differ}
+                rows.append(_row(f"gptq {len(calib)} x {window}, {label}", quantized, seconds, windows, ref, base, **settings, **extra))
     args.out.write_text(json.dumps({"checkpoint": str(ckpt), "fp32_perplexity": base, "eval_windows": args.windows, "block": args.block, "rows": rows}, indent=2) + "\n")
 
 

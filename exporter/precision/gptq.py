@@ -34,21 +34,22 @@ __all__ = ["gptq", "gptq_factored", "inverse_factor", "InverseFactor", "CLIP_RAT
 CLIP_RATIOS = tuple(float(r) for r in np.linspace(1.0, 0.6, 9))  # clip search: amax * r / 7
 PERCDAMP = 0.1  # diagonal damping, a fraction of H's mean diagonal (0.1 beat 0.01 on the demo, measured in issue 16)
 _LAZY = 128  # rows updated together before the rest of the matrix is
+NUMERICS = np.float64  # the factor and the updates (float32: measured in docs/benchmarks.md, streaming GPTQ)
 
 
 @dataclasses.dataclass(frozen=True)
 class InverseFactor:
-    """What GPTQ reads of a Hessian: the upper ``U`` with ``H^-1 = U^T U`` (``H`` damped), float64
-    ``[K, K]``, and the input channels that never fired (their weights do not matter)."""
+    """What GPTQ reads of a Hessian: the upper ``U`` with ``H^-1 = U^T U`` (``H`` damped), ``[K, K]``
+    of ``NUMERICS``, and the input channels that never fired (their weights do not matter)."""
 
     u: torch.Tensor
     dead: np.ndarray
 
 
 def inverse_factor(hessian: np.ndarray, percdamp: float = PERCDAMP) -> InverseFactor:
-    """``hessian [K, K]`` (any float type) -> its ``InverseFactor``; at most two ``[K, K]`` float64
-    matrices exist at once (1.6 GB each at K = 14336)."""
-    h = torch.from_numpy(np.array(hessian, dtype=np.float64))  # a copy, damped in place
+    """``hessian [K, K]`` (any float type) -> its ``InverseFactor``; at most two ``[K, K]`` matrices
+    of ``NUMERICS`` exist at once (1.6 GB each at K = 14336 in float64)."""
+    h = torch.from_numpy(np.array(hessian, dtype=NUMERICS))  # a copy, damped in place
     diag = h.diagonal()
     dead = (diag == 0).numpy()
     diag[torch.from_numpy(dead)] = 1.0
@@ -70,9 +71,9 @@ def gptq_factored(weight: np.ndarray, factor: InverseFactor, block: int, scale_d
     k, n = weight.shape
     if k % block:
         raise ValueError(f"K={k} is not a multiple of the block size {block}")
-    w = torch.from_numpy(np.array(weight, dtype=np.float64))  # updated in place
+    w = torch.from_numpy(np.array(weight, dtype=NUMERICS))  # updated in place
     w[torch.from_numpy(factor.dead)] = 0.0
-    u = factor.u
+    u = factor.u.to(w.dtype)
     q = np.zeros((k, n), np.int8)
     scale = np.zeros((k // block, n), dtype=scale_dtype)
     lazy = max(block, (_LAZY // block) * block)
@@ -84,7 +85,7 @@ def gptq_factored(weight: np.ndarray, factor: InverseFactor, block: int, scale_d
             row = i1 + i
             if row % block == 0:  # a new block: its scale from the weights as updated so far
                 scale[row // block] = clip_scales(w1[i : i + block].numpy()[None], scale_dtype, CLIP_RATIOS)[0]
-            s = torch.from_numpy(scale[row // block].astype(np.float64))
+            s = torch.from_numpy(scale[row // block].astype(NUMERICS))
             qi = torch.clamp(torch.round(w1[i] / s), -8, 7)
             q[row] = qi.numpy()
             e = (w1[i] - qi * s) / u[row, row]
