@@ -6,7 +6,8 @@ does not (GPTQ's numbers: each Hessian's factor, K^3, and each weight's updates,
 A random native Llama (RMSNorm, RoPE, SwiGLU, GQA) of ``--layers`` layers at ``--hidden`` /
 ``--intermediate`` (8B: 4096 / 14336, 32 / 8 heads of 128), quantized by kiln's GPTQ
 (``Int4Quantizer`` over ``quantize_layerwise``) on ``--samples`` random windows of ``--window``
-tokens; then, apart, GPTQ's numbers alone for one layer's weights at the same shapes.
+tokens; then, apart, GPTQ's numbers alone for one layer's weights at the same shapes. Peak RSS is
+the process's by the end of the run (the model included: ``model_gb``).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/gptq_scale.py --hidden 1024 --intermediate 3584 --samples 32
 """
@@ -17,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -105,12 +107,14 @@ def main() -> None:
     began = time.perf_counter()
     quantizer.numbers(weights[names[0]], weights[names[0]].key, names[0], 128, ir.DataType.FLOAT)
     total = time.perf_counter() - began
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB, the run's (before the numbers-only timing below)
     layers = [round(b - a, 2) for a, b in zip(clock.marks[:-1], clock.marks[1:], strict=True)]
     numbers = _numbers_only(args.hidden, args.intermediate, kv * args.head_dim)
     result = {
         "shape": {"hidden": args.hidden, "intermediate": args.intermediate, "heads": heads, "kv_heads": kv, "layers": args.layers},
         "calibration": {"samples": args.samples, "window": args.window, "tokens": args.samples * args.window},
         "total_s": round(total, 2), "per_layer_s": layers, "numbers_only_one_layer_s": numbers, "numbers_sum_s": round(sum(numbers.values()), 2),
+        "model_gb": round(sum(p.numel() * 4 for p in model.parameters()) / 1e9, 3), "peak_rss_gb": round(peak / 1e6, 3),
         "load": os.getloadavg(),
     }  # fmt: skip
     print(json.dumps(result, indent=2))
