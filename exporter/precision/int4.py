@@ -24,7 +24,9 @@ weights file (the manifest's ``targets.ort.record.int4``), so both forms hold th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import dataclasses
+import weakref
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,8 +36,9 @@ from kiln.errors import ExportError
 from kiln.exporter.passes.bind import ModuleWeight
 from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
 from kiln.exporter.passes.ir_utils import set_dtype
-from kiln.exporter.precision.gptq import gptq
-from kiln.exporter.precision.int4_numbers import layer_block, pack_int4, rtn
+from kiln.exporter.passes.transposes import TRANSPOSE
+from kiln.exporter.precision.gptq import InverseFactor, gptq_factored, inverse_factor
+from kiln.exporter.precision.int4_numbers import dequantize, layer_block, pack_int4, rtn, unpack_int4
 from kiln.exporter.precision.kinds.int4 import DEFAULT_INT4_METHOD, MIN_INT4_OPSET, Int4Method
 from kiln.exporter.precision.int8 import int8_targets
 from kiln.exporter.precision.kinds.base import Prepared
@@ -53,7 +56,7 @@ __all__ = [
     "DEFAULT_INT4_FLOAT",
     "DEFAULT_INT4_METHOD",
     "MIN_INT4_OPSET",
-    "gptq_hessians",
+    "gptq_layerwise",
     "prepare",
 ]
 
@@ -67,7 +70,11 @@ if TYPE_CHECKING:
     from kiln.exporter.precision.kinds.base import GraphReports, PrecisionContext
     from kiln.exporter.precision.kinds.int4 import Int4
 
-Hessians = Callable[[tuple[str, ...]], Mapping[str, np.ndarray]]  # weight names -> H [K, K]
+# GPTQ, layer by layer (``calibration.hessians.quantize_layerwise`` over the calibration data):
+# (weights to quantize, weights quantized already, quantize) -> None, calling quantize(name, H)
+# for each of the first in layer order and quantize(name, None) for each of the second
+Quantize = Callable[[str, np.ndarray | None], np.ndarray]
+Layerwise = Callable[[Collection[str], Collection[str], Quantize], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +84,22 @@ class Int4Record:
     float_nodes: dict[str, str]  # candidates left float, and why (no whole block divides K)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Wanted:
+    """One weight a graph quantizes: its tensor (the graph's ``[K, N]``), the module tensor it is
+    (GPTQ's Hessian is of that module's input), its block and scale type."""
+
+    tensor: ir.TensorProtocol
+    key: str
+    module: str
+    block: int
+    scale_dtype: ir.DataType
+
+    @property
+    def slot(self) -> tuple[str, int, ir.DataType]:
+        return (self.key, self.block, self.scale_dtype)
+
+
 def _weight_key(tensor: ir.TensorProtocol, name: str) -> str:
     return tensor.key if isinstance(tensor, ModuleWeight) else f"{name}:{tuple(tensor.shape)}"
 
@@ -84,58 +107,105 @@ def _weight_key(tensor: ir.TensorProtocol, name: str) -> str:
 class Int4Quantizer:
     """Each weight's ``(packed q, scale)``, computed once for all graphs of an export.
 
-    ``hessians`` (GPTQ) is called once, with every weight GPTQ will need, the first time one is
-    quantized; the pass registers the weights of each graph before asking (``want``)."""
+    GPTQ (``layerwise``) quantizes every weight wanted so far in one layer-by-layer run over the
+    calibration data, the first time one is asked for: the pass registers the weights of each
+    graph before asking (``want``); a weight wanted later gets a run of its own, in which the
+    layers compute with the numbers already made."""
 
-    def __init__(self, method: Int4Method, block: int, hessians: Hessians | None = None) -> None:
-        if method is Int4Method.GPTQ and hessians is None:
+    def __init__(self, method: Int4Method, block: int, layerwise: Layerwise | None = None) -> None:
+        if method is Int4Method.GPTQ and layerwise is None:
             raise ExportError("--int4-method gptq needs calibration data (--calib-data)")
         self.method, self.block = method, block
-        self._hessians_of = hessians
-        self._hessians: Mapping[str, np.ndarray] | None = None
-        self._wanted: set[str] = set()
+        self._layerwise = layerwise
+        self._wanted: dict[tuple[str, int, ir.DataType], _Wanted] = {}
         self._done: dict[tuple[str, int, ir.DataType], tuple[np.ndarray, np.ndarray]] = {}
 
-    def want(self, hessian_name: str) -> None:
-        self._wanted.add(hessian_name)
+    def want(self, tensor: ir.TensorProtocol, key: str, hessian_name: str, block: int, scale_dtype: ir.DataType) -> None:
+        wanted = _Wanted(tensor, key, hessian_name, block, scale_dtype)
+        self._wanted.setdefault(wanted.slot, wanted)
 
     def numbers(self, tensor: ir.TensorProtocol, key: str, hessian_name: str, block: int, scale_dtype: ir.DataType) -> tuple[np.ndarray, np.ndarray]:
         """(ONNX INT4 bytes of q [K, N], scale [K/B, N]) of ``tensor``."""
-        slot = (key, block, scale_dtype)
-        if slot not in self._done:
-            weight = np.asarray(tensor.numpy(), dtype=np.float32)
-            dtype = scale_dtype.numpy()
+        wanted = _Wanted(tensor, key, hessian_name, block, scale_dtype)
+        if wanted.slot not in self._done:
             if self.method is Int4Method.GPTQ:
-                q, scale = gptq(weight, self._hessian(hessian_name), block, dtype)
+                self._wanted.setdefault(wanted.slot, wanted)
+                self._run_gptq()
             else:
-                q, scale = rtn(weight, block, dtype)
-            self._done[slot] = (pack_int4(q), scale)
-        return self._done[slot]
+                q, scale = rtn(np.asarray(tensor.numpy(), dtype=np.float32), block, scale_dtype.numpy())
+                self._done[wanted.slot] = (pack_int4(q), scale)
+        return self._done[wanted.slot]
 
-    def _hessian(self, name: str) -> np.ndarray:
-        if self._hessians is None or name not in self._hessians:
-            assert self._hessians_of is not None, "checked in __init__"
-            self._hessians = {**(self._hessians or {}), **self._hessians_of(tuple(sorted(self._wanted | {name})))}
-        return self._hessians[name]
+    def _run_gptq(self) -> None:
+        """GPTQ for every weight wanted and not done, layer by layer."""
+        assert self._layerwise is not None, "checked in __init__"
+        todo: dict[str, list[_Wanted]] = {}
+        done: dict[str, list[_Wanted]] = {}
+        for slot, wanted in self._wanted.items():
+            (done if slot in self._done else todo).setdefault(wanted.module, []).append(wanted)
+        done = {name: found for name, found in done.items() if name not in todo}
+        factors = _Factors()
+
+        def quantize(name: str, hessian: np.ndarray | None) -> np.ndarray:
+            for wanted in todo.get(name, []):
+                assert hessian is not None, "a weight to quantize comes with its Hessian"
+                q, scale = gptq_factored(np.asarray(wanted.tensor.numpy(), dtype=np.float32), factors.of(hessian), wanted.block, wanted.scale_dtype.numpy())
+                self._done[wanted.slot] = (pack_int4(q), scale)
+            first = (todo.get(name) or done[name])[0]  # the layer computes with its first graph's numbers
+            packed, scale = self._done[first.slot]
+            k, n = first.tensor.shape.numpy()
+            return module_layout(first.tensor, dequantize(unpack_int4(packed, (k, n)), scale))
+
+        self._layerwise(tuple(todo), tuple(done), quantize)
+        missing = sorted(w.module for s, w in self._wanted.items() if s not in self._done)
+        if missing:
+            raise ExportError(f"GPTQ quantized no numbers for {missing[:3]}")
 
 
-def gptq_hessians(context: PrecisionContext) -> tuple[Hessians, dict[str, Any]]:
-    """GPTQ's Hessians of the weights it is asked for, from ``--calib-data`` through the PyTorch
-    reference (collected when the first weight is quantized), and the record of that data."""
+class _Factors:
+    """Each Hessian's ``InverseFactor``, computed once for the weights that share it (q/k/v read one
+    input) and dropped when the Hessian is (the run frees each once its weights are done)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, InverseFactor] = {}
+
+    def of(self, hessian: np.ndarray) -> InverseFactor:
+        key = id(hessian)
+        if key not in self._by_id:
+            self._by_id[key] = inverse_factor(hessian)
+            weakref.finalize(hessian, self._by_id.pop, key, None)
+        return self._by_id[key]
+
+
+def module_layout(tensor: ir.TensorProtocol, values: np.ndarray) -> np.ndarray:
+    """A graph weight's values (``[K, N]``) in its module tensor's layout (an ``nn.Linear``'s
+    ``[N, K]``): its recipe's transposes undone; any other transform cannot be, and is refused."""
+    if not isinstance(tensor, ModuleWeight):
+        raise ExportError(f"GPTQ: the graph weight {tensor.name} is no module tensor: the layer it belongs to cannot compute with its quantized values")
+    for transform in reversed(tensor.transforms):
+        if transform.name != TRANSPOSE.name:
+            raise ExportError(f"GPTQ: the graph weight {tensor.name} is the module tensor through {transform.name!r}, which cannot be undone to run its quantized layer")
+        values = values.T
+    return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def gptq_layerwise(context: PrecisionContext) -> tuple[Layerwise, dict[str, Any]]:
+    """GPTQ over ``--calib-data`` through the PyTorch reference, layer by layer as GPTQ's reference
+    does (run when the first weight is quantized), and the record of that data."""
     from kiln.calibration import WINDOW, load_calibration_data
-    from kiln.calibration.hessians import collect_hessians
+    from kiln.calibration.hessians import quantize_layerwise
 
     reference, options, progress = context.reference, context.options, context.progress
     assert options.calib_data is not None, "Int4.check refuses gptq without --calib-data"
     data = load_calibration_data(
         options.calib_data, tokenizer=reference.loaded.tokenizer, vocab_size=reference.spec.vocab_size, samples=options.samples, window=min(WINDOW, reference.max_context)
     )
+    prefix = reference.loaded.layers.prefix if reference.loaded.layers is not None else None
 
-    def hessians(names: tuple[str, ...]) -> dict[str, np.ndarray]:
-        with progress.stage(f"GPTQ: input Hessians of {len(names)} weights, windows", total=len(data.windows)) as stage:
-            return collect_hessians(reference.module, reference.spec.n_layers, names, data.windows, stage.advance)
+    def layerwise(todo: Collection[str], done: Collection[str], quantize: Quantize) -> None:
+        quantize_layerwise(reference.module, prefix, reference.spec.n_layers, data.windows, todo, done, quantize, progress)
 
-    return hessians, {"source": data.source, "data_sha256": data.sha256, "windows": len(data.windows), "window": int(len(data.windows[0]))}
+    return layerwise, {"source": data.source, "data_sha256": data.sha256, "windows": len(data.windows), "window": int(len(data.windows[0]))}
 
 
 def raise_opset(model: ir.Model, opset: int) -> None:
@@ -182,7 +252,7 @@ class QuantizeInt4(ir.passes.InPlacePass):
                 left[node.name or ""] = f"K={tensor.shape.numpy()[0]} has no whole block of at least 16"
                 continue
             plan.append((node, weight, block))
-            self.quantizer.want(_hessian_name(tensor, weight))
+            self.quantizer.want(tensor, _weight_key(tensor, weight.name or ""), _hessian_name(tensor, weight), block, self.float_dtype)
         if not plan and not left:
             raise ExportError(
                 "--int4 found no MatMul or plain Gemm weight to quantize in this graph (a constant 2-D float weight outside the kept-float rules): its export would be int4 in name only"
@@ -240,11 +310,11 @@ _FORMAT = "int4 weight-only: DequantizeLinear(INT4 [K, N], scale [K/B, N], axis=
 
 def prepare(kind: Int4, context: PrecisionContext) -> Prepared:
     """The int4 kind's machinery (``kinds.int4``): the quantizer every graph shares (GPTQ:
-    Hessians from --calib-data through PyTorch, collected the first time a weight is quantized)
+    GPTQ layer by layer over --calib-data through PyTorch, the first time a weight is quantized)
     and the policy of what stays float."""
     policy = KeepFloat(() if kind.all_matmuls else DEFAULT_INT4_FLOAT + kind.float_rules)
-    hessians, record = gptq_hessians(context) if kind.gptq else (None, None)
-    return _Int4Prepared(kind, Int4Quantizer(kind.method, kind.block, hessians), policy, record, context.precision.float16)
+    layerwise, record = gptq_layerwise(context) if kind.gptq else (None, None)
+    return _Int4Prepared(kind, Int4Quantizer(kind.method, kind.block, layerwise), policy, record, context.precision.float16)
 
 
 @dataclasses.dataclass(frozen=True)

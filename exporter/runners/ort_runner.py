@@ -43,19 +43,15 @@ def ort_session(
 
     ``weight_only_dq``: ONNX Runtime (1.32) fuses ``DequantizeLinear(constant weight) -> MatMul``
     into ``MatMulNBits`` with ``accuracy_level`` 4 at ``ORT_ENABLE_EXTENDED`` and above, which
-    quantizes the *activations* to int8 per block: an int4 (or per-channel int8) weight-only graph
-    would be checked against int8 activations that TensorRT never computes (0.5-0.8% relative
-    error on a single MatMul, measured in issue 16; tests/export/test_int4.py shows the gap). Level
-    0 keeps the fusion
-    (fast) and computes in float: exactly the weight-only product. Parity uses it.
+    quantizes the *activations* to int8 per block: a weight-only graph would be checked against
+    int8 activations TensorRT never computes (0.5-0.8% relative error on one MatMul, measured in
+    issue 16: tests/export/test_int4.py). Level 0 keeps the fusion, in float. Parity uses it.
 
-    ``qdq_as_written``: with its QDQ fusions, ONNX Runtime (1.32) runs an int8 Q/DQ MatMul as
-    ``QLinearMatMul`` over uint8 activations (``QDQS8ToU8Transformer``), whose kernel on x86 CPUs
-    without VNNI (AVX2) differs from the graph's exact int8 products: 0.38 on a tiny model's prefill
-    logits, measured, enough to flip near-tied tokens of the demo's int8 export. TensorRT computes
-    the Q/DQ as written (int32 accumulation); so does ONNX Runtime with
-    ``session.disable_quant_qdq``: each DequantizeLinear, then the float MatMul. Parity uses it for
-    graphs that quantize activations (int8, fp8)."""
+    ``qdq_as_written``: ONNX Runtime (1.32) runs an int8 Q/DQ MatMul as ``QLinearMatMul`` over
+    uint8 activations, whose kernel on x86 CPUs without VNNI (AVX2) is not the graph's exact int8
+    products (0.38 off a tiny model's logits, measured: it flips near-tied tokens of the demo's
+    int8 export); ``session.disable_quant_qdq`` computes the Q/DQ as written, as TensorRT does.
+    Parity uses it for graphs that quantize activations (int8, fp8)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()

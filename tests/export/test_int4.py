@@ -181,8 +181,8 @@ def test_gptq_with_fp16(tmp_path: Path) -> None:
     progress = RecordedProgress()
     result = export(ckpt, tmp_path / "out", options, progress)
     assert result.parity.passed and result.manifest.precision == "int4+fp16"
-    # progress counts the calibration windows GPTQ's Hessians come from, and the trace's phases
-    assert progress.stages["GPTQ: input Hessians of 14 weights, windows"] == [16, 16]
+    # progress counts the decoder layers GPTQ quantizes one at a time (over 16 windows), and the trace's phases
+    assert progress.stages["GPTQ: 14 weights, 16 windows, layer by layer"] == [2, 2]
     assert progress.stages["trace"] == [3, 3]
     quant = result.manifest.export.quantization
     assert quant is not None and quant["method"] == "gptq" and quant["calibration"]["windows"] == 16
@@ -193,6 +193,53 @@ def test_gptq_with_fp16(tmp_path: Path) -> None:
     inits = {i.name: i for i in model.graph.initializer}
     scales = [inits[n.input[1]] for n in model.graph.node if n.op_type == "DequantizeLinear"]
     assert len(scales) == 14 and all(i.data_type == onnx.TensorProto.FLOAT16 for i in scales)  # the DQ outputs fp16
+
+
+def test_gptq_hf_layer_by_layer_leaves_the_reference_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hugging Face decoder with a sliding-window and a full-attention layer (Qwen2): GPTQ runs
+    its layers one at a time (progress per layer) and the graphs compute its int4 numbers (parity
+    against them gates); when parity first runs the checkpoint's model, its weights are bit for
+    bit what they were before the export (parity itself then makes it the quantized model)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import kiln.exporter.pipeline as pipeline
+    from kiln.plugins.hf import tiny_model
+
+    loaded = tiny_model("qwen2-window", seed=1)
+    before = {name: tensor.clone() for name, tensor in loaded.module.state_dict().items()}
+    seen: list[dict[str, torch.Tensor]] = []
+    check_parity = pipeline.check_parity
+
+    def recording(module: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        seen.append({name: tensor.clone() for name, tensor in module.state_dict().items()})
+        return check_parity(module, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "check_parity", recording)
+    options = ExportOptions(
+        precision=Precision.of(Int4(block=16)), calib_data=str(_ids(tmp_path / "calib.npy", vocab=128)), calib_samples=8, parity_tokens=8, parity_agreement="record"
+    )
+    progress = RecordedProgress()
+    result = pipeline.export_loaded(loaded, tmp_path / "out", options, progress)
+    assert result.parity.passed and progress.stages["GPTQ: 14 weights, 8 windows, layer by layer"] == [2, 2]
+    assert len(seen) == 1 and sorted(seen[0]) == sorted(before)
+    assert all(torch.equal(before[name], seen[0][name]) for name in before)
+
+
+def test_gptq_refuses_a_cross_attention_decoder(tmp_path: Path) -> None:
+    """Its calibration prompts carry no encoder states: one line saying so and what to use, before
+    anything is written, not a traceback from the model; round to nearest is not refused by it."""
+    from kiln_testing import config_error
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(cross_attention=True))
+    calib = str(_ids(tmp_path / "calib.npy"))
+    line = config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--int4", "--calib-data", calib, "--calib-samples", "2")
+    assert line == "--int4-method gptq is not supported for cross-attention decoders yet: its calibration runs prompts without encoder_hidden_states; use --int4-method rtn"
+    assert not (tmp_path / "out").exists()
+    from kiln.plugins import load_model
+
+    rtn = Int4(method=Int4Method.RTN)
+    rtn.refuse(load_model(ckpt).spec, ExportOptions(precision=Precision.of(rtn)))  # returns
 
 
 def _block_dq_graph(k: int = 64, n: int = 8, block: int = 16) -> tuple[bytes, np.ndarray, np.ndarray]:

@@ -90,3 +90,8 @@ class Int4(PrecisionKind):
 
     def refuse(self, spec: DecoderSpec, options: ExportOptions) -> None:
         refuse_encoder(spec, options)
+        if self.gptq and spec.encoder_dim is not None:
+            raise ConfigError(
+                "--int4-method gptq is not supported for cross-attention decoders yet: its calibration runs prompts without"
+                " encoder_hidden_states; use --int4-method rtn"
+            )
