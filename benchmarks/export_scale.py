@@ -134,13 +134,12 @@ def _random(name: str, shape: tuple[int, ...], generator: torch.Generator) -> to
 
 
 def _trace_cache_env(work: Path, trace_cache: str) -> dict[str, str]:
-    """kiln's trace cache for a run: ``cold`` an empty one (the first export of an architecture),
-    ``warm`` the one under ``work`` that earlier runs filled (a re-export), ``off`` none."""
+    """kiln's trace cache for a run, ``work/kiln-cache``: ``cold`` emptied first (the first export
+    of an architecture; it fills the cache), ``warm`` as earlier runs left it (a re-export: run it
+    after a cold run, with no change to kiln's code between), ``off`` none."""
+    root = work / "kiln-cache"
     if trace_cache == "cold":
-        root = work / "kiln-cache-cold"
         subprocess.run(["rm", "-rf", str(root)], check=True)
-    else:
-        root = work / "kiln-cache"
     return {**os.environ, "KILN_CACHE": "off" if trace_cache == "off" else str(root)}
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.parity.generation import generation_parity, greedy, make_prompts
+from kiln.exporter.parity.generation import greedy, joined_generation_parity, make_prompts
 from kiln.exporter.parity.quantized import Int4Weight, read_int4_weights, use_int4_weights
-from kiln.exporter.parity.results import ParityResult
+from kiln.exporter.parity.results import GenerationCheck, ParityResult
 from kiln.exporter.parity.tensors import tensor_feeds, tensor_parity
 from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.progress import NullProgress, Progress
@@ -97,12 +97,17 @@ class _Plan:
     length: int
     steps: int
     seed: int
+    joined: bool  # every batch's rows in one greedy run (``joins_batches``), within the export's max batch
 
     @classmethod
     def of(cls, spec: DecoderSpec, settings: ParitySettings) -> _Plan:
         single, padded, steps = parity_plan(settings.max_context, settings.max_batch, settings.tokens)
-        seed = settings.seed
-        return cls([make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)], single[0], steps, seed)
+        seed, joined = settings.seed, joins_batches(spec) and len(single) + len(padded) <= settings.max_batch
+        return cls([make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)], single[0], steps, seed, joined)
+
+    def groups(self) -> list[list[list[list[int]]]]:
+        """The batches as they run: all in one group when joined, else one group each."""
+        return [self.batches] if self.joined else [[prompts] for prompts in self.batches]
 
 
 def check_parity(
@@ -159,32 +164,39 @@ def _record(
     recorder = RecordingRunner(torch_runner)
     with progress.stage(label, total=len(graphs) + len(plan.batches)) as bar:
         for kind in graphs:
-            recorder.run(kind, tensor_feeds(spec, kind, plan.seed, kv_dtype, recorder))
+            feeds = tensor_feeds(spec, kind, plan.seed, kv_dtype, recorder)
+            recorder.run(kind, feeds)
+            recorder.run(kind, {name: value[1:2] for name, value in feeds.items()})  # tensor_parity's single_row
             bar.advance()
-        runs = _reference_runs(recorder, spec, plan.batches, plan.steps, plan.length)
+        runs = _reference_runs(recorder, spec, plan)
         bar.advance(len(plan.batches))
     recorder.freeze()
     return _Recorded(recorder, runs)
 
 
-def _reference_runs(reference: Runner, spec: DecoderSpec, batches: list[list[list[int]]], steps: int, length: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def _reference_runs(reference: Runner, spec: DecoderSpec, plan: _Plan) -> list[tuple[np.ndarray, np.ndarray]]:
     """The reference's greedy tokens and logits for each batch of prompts (every one padded to
-    ``length``), all rows in one batch: one forward per step for every run instead of one per
-    batch per step (the PyTorch reference's time is its weights read per step, nearly the same
-    for 4 rows as for 1). Rows are independent (each row's mask and positions are its own), so
-    row b of the joined run is row b of its batch's own run, up to the float rounding of a
-    different batch size (the candidates are checked against these tokens, teacher-forced, with
-    ties allowed). A cross-attention decoder's stand-in encoder states depend on the batch size
-    (``encoder_states``): its batches run apart."""
-    if spec.encoder_dim is not None and not spec.has_encoder:
-        return [greedy(reference, spec, prompts, steps, length=length) for prompts in batches]
-    tokens, logits = greedy(reference, spec, [p for prompts in batches for p in prompts], steps, length=length)
-    runs, start = [], 0
-    for prompts in batches:
-        rows = slice(start, start + len(prompts))
-        runs.append((tokens[rows], logits[:, rows]))
-        start += len(prompts)
+    the plan's length), a joined plan's rows in one batch: one forward per step for every run
+    instead of one per batch per step (the PyTorch reference's time is its weights read per step,
+    nearly the same for 4 rows as for 1). Row b of the joined run is row b of its batch's own run,
+    up to the float rounding of a different batch size (the candidates are checked against these
+    tokens, teacher-forced, with ties allowed)."""
+    runs = []
+    for group in plan.groups():
+        tokens, logits = greedy(reference, spec, [p for prompts in group for p in prompts], plan.steps, length=plan.length)
+        start = 0
+        for prompts in group:
+            rows = slice(start, start + len(prompts))
+            runs.append((tokens[rows], logits[:, rows]))
+            start += len(prompts)
     return runs
+
+
+def joins_batches(spec: DecoderSpec) -> bool:
+    """Whether parity's batches may run as one (every row in one greedy run; ``_reference_runs``,
+    ``joined_generation_parity``): not a cross-attention decoder's, whose stand-in encoder
+    states depend on the batch size. ``_Plan`` also keeps the rows within the export's max batch."""
+    return spec.encoder_dim is None or spec.has_encoder
 
 
 def _check_candidate(
@@ -194,7 +206,7 @@ def _check_candidate(
     ``quantized`` precision and there is a quantized recording, against that one too: one
     session for both."""
     against_quantized = quantized is not None and candidate.quantized is not None
-    runs = len(plan.batches) * (2 if GraphKind.UNIFIED in candidate.graphs else 1)
+    runs = len(plan.groups()) * (2 if GraphKind.UNIFIED in candidate.graphs else 1)
     label = f"parity: {candidate.precision} {candidate.target + ' ' if candidate.target else ''}graphs"  # the session's start counts in it
     with progress.stage(label, total=(1 + runs) * (2 if against_quantized else 1)) as bar, candidate.open() as runner:
         checked = run_parity(recorded.runner, runner, spec, candidate, candidate.tolerance, plan, recorded.runs, bar.advance)
@@ -214,20 +226,24 @@ def run_parity(
     reference_runs: list[tuple[np.ndarray, np.ndarray]],
     advance: Callable[[int], None],
 ) -> ParityResult:
-    """Tensor parity of the candidate's graphs against a frozen recording, then greedy
-    generation through prefill + decode and (when it has it) model.onnx, for batch 1 and a padded
-    batch (``parity_plan``), teacher-forced on the recording's greedy runs."""
+    """Tensor parity of the candidate's graphs against a frozen recording (batch 2 with a padded
+    row, and batch 1), then greedy generation through prefill + decode and (when it has it)
+    model.onnx of batch 1 and a padded batch (``parity_plan``), teacher-forced on the recording's
+    greedy runs: both batches' rows in one run per path where the plan joins them (``_Plan``),
+    judged batch by batch as their own runs would be."""
     kv_dtype = np.dtype(candidate.kv_dtype)
     paths = [False, True] if GraphKind.UNIFIED in candidate.graphs else [False]
     result = ParityResult(backend=runner.name, precision=candidate.precision, tolerance=tolerance)
     result.tensors = tensor_parity(reference, runner, spec, tolerance, plan.seed, kv_dtype)
+    result.tensors += tensor_parity(reference, runner, spec, tolerance, plan.seed, kv_dtype, single_row=True)
     advance(1)
-    for prompts, reference_run in zip(plan.batches, reference_runs, strict=True):
+    runs = iter(reference_runs)
+    by_path: dict[bool, list[GenerationCheck]] = {unified: [] for unified in paths}
+    for batches in plan.groups():
+        mine = [next(runs) for _ in batches]
         for unified in paths:
-            result.generation.append(
-                generation_parity(
-                    reference, runner, spec, prompts, plan.steps, tolerance, unified=unified, kv_dtype=kv_dtype, reference_run=reference_run, length=plan.length
-                )
-            )
+            checks = joined_generation_parity(runner, spec, batches, mine, plan.steps, tolerance, unified=unified, kv_dtype=kv_dtype, length=plan.length)
+            by_path[unified] += checks
             advance(1)
+    result.generation = [check for row in zip(*by_path.values(), strict=True) for check in row]  # batch by batch, each path's
     return result

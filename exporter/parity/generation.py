@@ -12,7 +12,7 @@ from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["greedy", "generation_parity", "make_prompts", "left_pad", "encoder_states"]  # left_pad: contract.steps
+__all__ = ["greedy", "generation_parity", "joined_generation_parity", "make_prompts", "left_pad", "encoder_states"]  # left_pad: contract.steps
 
 
 def make_prompts(spec: DecoderSpec, lengths: Sequence[int], seed: int) -> list[list[int]]:
@@ -105,8 +105,43 @@ def generation_parity(
 ) -> GenerationCheck:
     """The candidate teacher-forced on the reference's greedy tokens (``reference_run``, or run
     here), the prompts padded to ``length`` as ``greedy`` pads them."""
-    ref_tokens, ref_logits = reference_run or greedy(reference, spec, prompts, steps, length=length)
-    _, cand_logits = greedy(candidate, spec, prompts, steps, unified=unified, forced=ref_tokens, kv_dtype=kv_dtype, length=length)
+    run = reference_run or greedy(reference, spec, prompts, steps, length=length)
+    (check,) = joined_generation_parity(candidate, spec, [prompts], [run], steps, tolerance, unified=unified, kv_dtype=kv_dtype, length=length)
+    return check
+
+
+def joined_generation_parity(
+    candidate: Runner,
+    spec: DecoderSpec,
+    batches: Sequence[Sequence[Sequence[int]]],
+    reference_runs: Sequence[tuple[np.ndarray, np.ndarray]],
+    steps: int,
+    tolerance: Tolerance,
+    *,
+    unified: bool,
+    kv_dtype: np.dtype = np.dtype(np.float32),
+    length: int | None = None,
+) -> list[GenerationCheck]:
+    """Every batch's rows in one teacher-forced greedy run of the candidate (one call per step for
+    all of them), judged batch by batch against its own reference run. Rows are independent (each
+    row's mask and positions are its own), so a batch's rows compute what its own run would, up to
+    the float rounding of another batch size; a cross-attention decoder's stand-in encoder states
+    depend on the batch size (``encoder_states``), so its batches must run apart (one each)."""
+    forced = np.concatenate([tokens for tokens, _ in reference_runs])
+    rows = [p for prompts in batches for p in prompts]
+    _, logits = greedy(candidate, spec, rows, steps, unified=unified, forced=forced, kv_dtype=kv_dtype, length=length)
+    checks, start = [], 0
+    for prompts, run in zip(batches, reference_runs, strict=True):
+        checks.append(_judge(prompts, run, logits[:, start : start + len(prompts)], tolerance, unified, length))
+        start += len(prompts)
+    return checks
+
+
+def _judge(
+    prompts: Sequence[Sequence[int]], reference_run: tuple[np.ndarray, np.ndarray], cand_logits: np.ndarray, tolerance: Tolerance, unified: bool, length: int | None
+) -> GenerationCheck:
+    """One batch's candidate logits ``[steps, B, vocab]`` against its reference run's tokens and logits."""
+    ref_tokens, ref_logits = reference_run
     cand_tokens = cand_logits.argmax(-1).T  # [B, steps]
     mismatch = cand_tokens != ref_tokens
     scale = np.abs(ref_logits).max(axis=2)  # [steps, B]: each row's own scale, as the tensor checks'
@@ -117,7 +152,7 @@ def generation_parity(
         batch=len(prompts),
         prompt_lengths=tuple(len(p) for p in prompts),
         padded_to=max([len(p) for p in prompts] + [length or 0]),
-        steps=steps,
+        steps=ref_tokens.shape[1],
         token_match_rate=match,
         first_divergence=first,
         ties=ties,

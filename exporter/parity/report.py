@@ -105,14 +105,14 @@ def verdict(result: ParityResult) -> str:
 
 def _tensor_rows(sets: list[GraphSetParity]) -> list[str]:
     lines = [
-        "| graph | output | max abs | worst row's error | its tolerance: atol + rtol x the row's max abs reference | max rel | cosine | cosine at least | top-1 | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| graph | batch | output | max abs | worst row's error | its tolerance: atol + rtol x the row's max abs reference | max rel | cosine | cosine at least | top-1 | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sets:
         for t in s.tensors:
             top1 = f"{t.top1:.4f}" if t.top1 is not None else ""
             lines.append(
-                f"| {t.graph} | {t.output} | {t.max_abs:.3g} | {_cells(t)} | {t.max_rel:.3g} | {t.cosine:.8f} | {s.tolerance.min_cosine:g} | {top1} | {_yes(t.passed)} |"
+                f"| {t.graph} | {t.batch} | {t.output} | {t.max_abs:.3g} | {_cells(t)} | {t.max_rel:.3g} | {t.cosine:.8f} | {s.tolerance.min_cosine:g} | {top1} | {_yes(t.passed)} |"
             )
     return lines
 

@@ -27,6 +27,12 @@ class TensorCheck:
     scale: float  # ... and that row's max |reference|
     passed: bool
     target: str | None = None  # the graph set: None for the portable graphs (or engines), else the target's name
+    batch: int = 2  # the feeds' batch: 2 (a left-padded row and a full one), or 1 (the full row alone)
+
+    @property
+    def label(self) -> str:
+        """``prefill:logits``, ``prefill (batch 1):logits``."""
+        return f"{self.graph}{' (batch 1)' if self.batch == 1 else ''}:{self.output}"
 
     @property
     def limit(self) -> float:
@@ -151,7 +157,7 @@ class ParityResult:
         out: list[str] = []
         for s in self.sets():
             out += [
-                f"{t.graph}:{t.output} max abs {t.describe()}, cosine {t.cosine:.6f} (at least {s.tolerance.min_cosine:g})"
+                f"{t.label} max abs {t.describe()}, cosine {t.cosine:.6f} (at least {s.tolerance.min_cosine:g})"
                 for t in s.tensors
                 if not t.passed
             ]

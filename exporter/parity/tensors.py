@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.parity.generation import encoder_states
@@ -104,14 +106,26 @@ def _encoder_mask(batch: int, length: int) -> np.ndarray:
 
 
 def tensor_parity(
-    reference: Runner, candidate: Runner, spec: DecoderSpec, tolerance: Tolerance, seed: int = 0, kv_dtype: np.dtype = np.dtype(np.float32)
+    reference: Runner,
+    candidate: Runner,
+    spec: DecoderSpec,
+    tolerance: Tolerance,
+    seed: int = 0,
+    kv_dtype: np.dtype = np.dtype(np.float32),
+    *,
+    single_row: bool = False,
 ) -> list[TensorCheck]:
+    """Every output of each of the candidate's graphs against the reference's on ``tensor_feeds``
+    (batch 2); with ``single_row``, on their unpadded row alone (batch 1)."""
     checks: list[TensorCheck] = []
     for kind in candidate.graphs():
         feeds = tensor_feeds(spec, kind, seed, kv_dtype, reference)
+        if single_row:
+            feeds = {name: value[1:2] for name, value in feeds.items()}  # every feed's first axis is the batch
         want = reference.run(kind, feeds)
         got = candidate.run(kind, feeds)
         for name, value in want.items():
             real = real_positions(name, feeds["attention_mask"], value.shape)
-            checks.append(_compare(kind.value, name, value, got[name], tolerance.bound(name), tolerance.min_cosine, real))
+            check = _compare(kind.value, name, value, got[name], tolerance.bound(name), tolerance.min_cosine, real)
+            checks.append(dataclasses.replace(check, batch=len(feeds["attention_mask"])))
     return checks

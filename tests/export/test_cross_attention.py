@@ -127,7 +127,7 @@ def test_check_passes_on_a_cross_attention_export(cross_export: Path) -> None:
     assert lines[6].endswith(f"), tokens 100% equal over {steps} steps in {runs} runs (every check: kiln check {cross_export} --verbose)")
     assert lines[6].count("(tolerance 1e-05 + 0.0001 x max|row| = ") == 2  # the logits' and the KV cache's
     verbose = CliRunner().invoke(main, ["check", str(cross_export), "--verbose"])
-    assert verbose.exit_code == 0 and "## Tensors" in verbose.stdout and "| prefill | present.1.cross_value |" in verbose.stdout
+    assert verbose.exit_code == 0 and "## Tensors" in verbose.stdout and "| prefill | 2 | present.1.cross_value |" in verbose.stdout
     assert verbose.stdout.strip().splitlines()[-1].startswith("parity passed: ")
     report = json.loads((cross_export / "reports" / "parity.json").read_text())
     graphs = {(t["graph"], t["output"]) for t in report["tensors"]}
