@@ -42,7 +42,10 @@ __all__ = ["UNBOUND", "TraceCache", "as_cached", "from_cached", "trace_cache"]
 UNBOUND = "kiln-trace-cache-unbound"  # the location of a cached initializer's placeholder (never a file; passes.bind knows it)
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _VERSIONED = ("torch", "onnx", "onnx-ir", "onnxscript", "transformers")
-_WHERE_FROM = frozenset({"_name_or_path", "name_or_path", "_commit_hash"})  # a config's source, not what it computes
+# a config's source or identity, not what it computes; transformers' GenerationConfig (a model's
+# ``generation_config``) keeps ``hash(self)`` in ``_original_object_hash``, which differs in every
+# process (hash randomisation): read, it made every Hugging Face key new (measured: no hit at all)
+_WHERE_FROM = frozenset({"_name_or_path", "name_or_path", "_commit_hash", "_original_object_hash"})
 
 
 def trace_cache() -> TraceCache | None:

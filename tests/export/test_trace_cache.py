@@ -56,6 +56,30 @@ def test_what_the_trace_reads_changes_the_key(tmp_path: Path, monkeypatch: pytes
     assert len(_entries(tmp_path / "cache")) == 3
 
 
+def test_a_hugging_face_export_in_another_process_reads_the_entry(tmp_path: Path) -> None:
+    """The key is the same in every process: two ``kiln export`` processes of a saved Llama with
+    different hash seeds (a GenerationConfig keeps its own ``hash()``), the second reads the first's
+    entry and writes nothing."""
+    pytest.importorskip("transformers")
+    import os
+    import subprocess
+    import sys
+
+    from kiln_testing import save_base
+
+    ckpt = save_base("llama", tmp_path / "ckpt")
+    env = {**os.environ, "KILN_CACHE": str(tmp_path / "cache")}
+    for seed, out in (("1", "a"), ("2", "b")):
+        command = [sys.executable, "-m", "kiln.cli", "export", "--model", str(ckpt), "--out", str(tmp_path / out), "--parity-tokens", "4", "--json"]
+        done = subprocess.run(command, env={**env, "PYTHONHASHSEED": seed}, capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr
+        if out == "a":
+            (entry,) = _entries(tmp_path / "cache")
+            written = entry.stat().st_mtime_ns
+    assert _entries(tmp_path / "cache") == [entry] and entry.stat().st_mtime_ns == written
+    assert _graphs(tmp_path / "a") == _graphs(tmp_path / "b")
+
+
 def test_an_unreadable_entry_is_traced_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
