@@ -98,12 +98,13 @@ class _Plan:
     steps: int
     seed: int
     joined: bool  # every batch's rows in one greedy run (``joins_batches``), within the export's max batch
+    max_batch: int  # no run feeds more rows (an engine's profile ends there)
 
     @classmethod
     def of(cls, spec: DecoderSpec, settings: ParitySettings) -> _Plan:
         single, padded, steps = parity_plan(settings.max_context, settings.max_batch, settings.tokens)
         seed, joined = settings.seed, joins_batches(spec) and len(single) + len(padded) <= settings.max_batch
-        return cls([make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)], single[0], steps, seed, joined)
+        return cls([make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)], single[0], steps, seed, joined, settings.max_batch)
 
     def groups(self) -> list[list[list[list[int]]]]:
         """The batches as they run: all in one group when joined, else one group each."""
@@ -227,14 +228,14 @@ def run_parity(
     advance: Callable[[int], None],
 ) -> ParityResult:
     """Tensor parity of the candidate's graphs against a frozen recording (batch 2 with a padded
-    row, and batch 1), then greedy generation through prefill + decode and (when it has it)
+    row, unless the export's max batch is 1, and batch 1), then greedy generation through prefill + decode and (when it has it)
     model.onnx of batch 1 and a padded batch (``parity_plan``), teacher-forced on the recording's
     greedy runs: both batches' rows in one run per path where the plan joins them (``_Plan``),
     judged batch by batch as their own runs would be."""
     kv_dtype = np.dtype(candidate.kv_dtype)
     paths = [False, True] if GraphKind.UNIFIED in candidate.graphs else [False]
     result = ParityResult(backend=runner.name, precision=candidate.precision, tolerance=tolerance)
-    result.tensors = tensor_parity(reference, runner, spec, tolerance, plan.seed, kv_dtype)
+    result.tensors = tensor_parity(reference, runner, spec, tolerance, plan.seed, kv_dtype) if plan.max_batch > 1 else []  # batch 2
     result.tensors += tensor_parity(reference, runner, spec, tolerance, plan.seed, kv_dtype, single_row=True)
     advance(1)
     runs = iter(reference_runs)

@@ -45,13 +45,13 @@ class Arch:
 
 
 def _falcon_kv_heads(cfg: Any) -> int:
-    """Falcon's 40B layout broadcasts K/V to every query head before caching; the 7B layout
-    (``multi_query``) caches one head; otherwise ``num_kv_heads`` (default: every head)."""
-    if cfg.new_decoder_architecture:
-        return int(cfg.num_attention_heads)
-    if cfg.multi_query:
-        return 1
-    return int(cfg.num_kv_heads or cfg.num_attention_heads)
+    """The heads Falcon caches, as ``FalconAttention`` counts them (transformers 5.25): the 40B
+    layout (``new_decoder_architecture``) and a multi-head model cache ``num_kv_heads`` (repeated
+    to every query head at attention time), the 7B layout (``multi_query``) one head. Releases
+    before 5.25 broadcast the 40B layout's keys/values to every query head before caching."""
+    if cfg.new_decoder_architecture or not cfg.multi_query:
+        return int(cfg.num_kv_heads or cfg.num_attention_heads)
+    return 1
 
 
 _BIDIRECTIONAL = Refusal("use_bidirectional_attention", _truthy, "non-causal attention is not a decoder")
@@ -94,7 +94,7 @@ ARCHS: Mapping[str, Arch] = {
         kv_heads=_falcon_kv_heads,
         refusals=(Refusal("alibi", _truthy, "Falcon's ALiBi computes its biases in bfloat16, which ONNX Runtime's CPU cannot run for parity"),),
         notes="7B (multi-query) and 40B (new decoder architecture) layouts",
-        ort="GQA (7B layout); portable attention (40B layout)",
+        ort="GQA",
     ),
     "BloomForCausalLM": Arch(
         "Bloom", context=None, notes="ALiBi: no context limit of its own, --max-context is required", ort="portable attention (ALiBi)"

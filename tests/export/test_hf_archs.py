@@ -34,7 +34,7 @@ from kiln.plugins.hf.tiny import TINY
 
 STEPS = 24
 # the cases whose attention --target ort leaves portable (ARCHS[arch].ort says so), and why
-PORTABLE_ATTENTION = {"gpt2-upcast": "reorder_and_upcast_attn", "falcon-40b": "40B layout", "bloom": "ALiBi", "gpt-oss-window": "attention sinks"}
+PORTABLE_ATTENTION = {"gpt2-upcast": "reorder_and_upcast_attn", "bloom": "ALiBi", "gpt-oss-window": "attention sinks"}
 # the mixture-of-experts cases: the layers whose experts --target ort turns into ONNX Runtime's MoE
 # op in every graph, and the reason each block left as per-expert MatMuls gives (the manifest's
 # moe_not_fused; ARCHS[arch].ort says so)

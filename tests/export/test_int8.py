@@ -19,7 +19,7 @@ from kiln.calibration import mse_threshold
 from kiln.cli import main
 from kiln.errors import CalibrationError, ConfigError
 from kiln.exporter.check import check_dir
-from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.options import ExportOptions, Int8, Precision
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.int8 import check_qdq
 
@@ -153,7 +153,7 @@ def test_int8_fp16_demo_with_other_methods(tmp_path: Path, method: str) -> None:
 
 def test_all_matmuls(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    manifest = export(ckpt, tmp_path / "out", _int8(tmp_path, int8_all_matmuls=True, parity_tokens=4)).manifest.to_json()
+    manifest = export(ckpt, tmp_path / "out", _int8(tmp_path, precision=Precision.of(Int8(all_matmuls=True)), parity_tokens=4)).manifest.to_json()
     assert "/lm_head/MatMul" in manifest["graphs"]["decode"]["passes"]["int8"]["nodes"]
 
 

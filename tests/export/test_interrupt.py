@@ -45,8 +45,12 @@ def test_concurrent_exports_one_wins(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     first = _start(tiny_ckpt, out)
     _wait_for_staging(tmp_path, "out", first)
-    second = _start(tiny_ckpt, out)
-    _, err2 = second.communicate(timeout=120)
+    first.send_signal(signal.SIGSTOP)  # held mid-export while the second runs: a fast first export (a cached trace) ended before the second looked
+    try:
+        second = _start(tiny_ckpt, out)
+        _, err2 = second.communicate(timeout=120)
+    finally:
+        first.send_signal(signal.SIGCONT)
     assert second.returncode == 1
     assert err2.strip().splitlines() == [f"error: artifacts: {out}: another kiln process is writing this directory (pid {first.pid}, lock {tmp_path / '.out.lock'}); wait for it or choose another --out"]
     _, err1 = first.communicate(timeout=300)

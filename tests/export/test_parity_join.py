@@ -106,3 +106,13 @@ def test_batches_beyond_the_max_batch_run_apart(exported: Path) -> None:
     calls: list[tuple[str, int]] = []
     assert _parity(exported, calls, max_batch=3).passed
     assert {batch for graph, batch in calls if graph == "decode"} >= {1, 3} and all(batch <= 3 for _, batch in calls)
+
+
+def test_no_call_exceeds_a_max_batch_of_one(exported: Path) -> None:
+    """At --max-batch 1 (an engine profile's end) every call is batch 1: the tensors on the
+    unpadded row only, the padded run a shorter prompt padded at batch 1."""
+    calls: list[tuple[str, int]] = []
+    result = _parity(exported, calls, max_batch=1)
+    assert result.passed, result.failures()
+    assert {batch for _, batch in calls} == {1} and {t.batch for t in result.tensors} == {1}
+    assert [g.label for g in result.generation][2:] == ["prefill+decode, batch 1, 8 (padded to 12)", "model, batch 1, 8 (padded to 12)"]

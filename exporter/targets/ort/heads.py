@@ -16,12 +16,15 @@ Bias = tuple[str, ir.Value, float | None]  # ("add", mask, None) | ("where", con
 
 
 def projection_of(heads: ir.Value) -> ir.Value | None:
-    """The packed ``[B, S, N*hd]`` value when ``heads = Transpose(Reshape(it), [0, 2, 1, 3])``."""
+    """The packed ``[B, S, N*hd]`` value when ``heads = Transpose(Reshape(it), [0, 2, 1, 3])``.
+    A Reshape of another rank's value is no packing: Falcon's 40B layout (transformers 5.25)
+    flattens its queries from ``[B, S, kv, group, hd]`` slices of the fused projection."""
     transpose = producer(heads, "Transpose")
     if transpose is not None and list(transpose.attributes.get_ints("perm", [])) == [0, 2, 1, 3]:
         reshape = producer(transpose.inputs[0], "Reshape")
-        if reshape is not None:
-            return reshape.inputs[0]
+        packed = reshape.inputs[0] if reshape is not None else None
+        if packed is not None and (packed.shape is None or len(packed.shape) == 3):
+            return packed
     return None
 
 
