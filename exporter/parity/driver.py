@@ -165,9 +165,8 @@ def _record(
     recorder = RecordingRunner(torch_runner)
     with progress.stage(label, total=len(graphs) + len(plan.batches)) as bar:
         for kind in graphs:
-            feeds = tensor_feeds(spec, kind, plan.seed, kv_dtype, recorder)
-            recorder.run(kind, feeds)
-            recorder.run(kind, {name: value[1:2] for name, value in feeds.items()})  # tensor_parity's single_row
+            for single_row in (False, True):  # tensor_parity's two cases
+                recorder.run(kind, tensor_feeds(spec, kind, plan.seed, kv_dtype, recorder, single_row=single_row))
             bar.advance()
         runs = _reference_runs(recorder, spec, plan)
         bar.advance(len(plan.batches))

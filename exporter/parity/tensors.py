@@ -56,11 +56,17 @@ def real_positions(name: str, attention_mask: np.ndarray, shape: tuple[int, ...]
 
 
 def tensor_feeds(
-    spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dtype = np.dtype(np.float32), reference: Runner | None = None
+    spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dtype = np.dtype(np.float32), reference: Runner | None = None, *, single_row: bool = False
 ) -> Feeds:
-    """Inputs for one graph: batch 2, the first row left-padded, a non-empty past where allowed.
-    With a ``reference`` runner the past is the keys/values it computes for random past tokens
-    (what a graph sees in use); without one, random normal values."""
+    """Inputs for one graph: batch 2, the first row left-padded, a non-empty past where allowed
+    (``single_row``: the unpadded row alone, batch 1). With a ``reference`` runner the past is the
+    keys/values it computes for random past tokens (what a graph sees in use); without one,
+    random normal values."""
+    feeds = _batch_of_two(spec, kind, seed, kv_dtype, reference)
+    return {name: value[1:2] for name, value in feeds.items()} if single_row else feeds  # every feed's first axis is the batch
+
+
+def _batch_of_two(spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dtype, reference: Runner | None) -> Feeds:
     rng = np.random.default_rng(seed)
     if kind is GraphKind.ENCODER:
         return {"input_ids": rng.integers(0, spec.vocab_size, size=(2, 6), dtype=np.int64), "attention_mask": _encoder_mask(2, 6)}
@@ -119,9 +125,7 @@ def tensor_parity(
     (batch 2); with ``single_row``, on their unpadded row alone (batch 1)."""
     checks: list[TensorCheck] = []
     for kind in candidate.graphs():
-        feeds = tensor_feeds(spec, kind, seed, kv_dtype, reference)
-        if single_row:
-            feeds = {name: value[1:2] for name, value in feeds.items()}  # every feed's first axis is the batch
+        feeds = tensor_feeds(spec, kind, seed, kv_dtype, reference, single_row=single_row)
         want = reference.run(kind, feeds)
         got = candidate.run(kind, feeds)
         for name, value in want.items():

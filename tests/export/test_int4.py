@@ -10,7 +10,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
-from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
+from kiln_testing import RecordedProgress, config_error, tiny_config, write_checkpoint
 
 from kiln.cli import main
 from kiln.errors import ConfigError, ExportError
@@ -158,7 +158,7 @@ def test_agreement_can_be_recorded_only_for_int4(tiny_ckpt: Path, tmp_path: Path
         "a fp16 export's only proof is its agreement with the checkpoint's model"
     )
     base = ["export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out")]
-    assert _error(*base, "--int8", "--calib-data", "synthetic", "--parity-agreement", "record").startswith("--parity-agreement record only applies to --int4 exports")
+    assert config_error(*base, "--int8", "--calib-data", "synthetic", "--parity-agreement", "record").startswith("--parity-agreement record only applies to --int4 exports")
     assert "'maybe' is not one of 'gate', 'record'" in CliRunner().invoke(main, [*base, "--parity-agreement", "maybe"]).output
     assert not (tmp_path / "out").exists()
 
@@ -229,8 +229,6 @@ def test_gptq_hf_layer_by_layer_leaves_the_reference_as_it_was(tmp_path: Path, m
 def test_gptq_refuses_a_cross_attention_decoder(tmp_path: Path) -> None:
     """Its calibration prompts carry no encoder states: one line saying so and what to use, before
     anything is written, not a traceback from the model; round to nearest is not refused by it."""
-    from kiln_testing import config_error
-
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(cross_attention=True))
     calib = str(_ids(tmp_path / "calib.npy"))
     line = config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--int4", "--calib-data", calib, "--calib-samples", "2")
@@ -295,28 +293,19 @@ def test_rule_check_names_what_is_wrong() -> None:
     assert "the zero point must be absent or a constant of zeros" in _rule_error("zero")
 
 
-def _error(*args: str) -> str:
-    result = CliRunner().invoke(main, list(args))
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.stderr
-    line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: config: "), line
-    return line.removeprefix("error: config: ")
-
-
 def test_bad_combinations_are_one_line(tiny_ckpt: Path, tmp_path: Path) -> None:
     base = ["export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out")]
-    assert _error(*base, "--int4") == (
+    assert config_error(*base, "--int4") == (
         "--int4-method gptq (the default) needs --calib-data: a text file, .jsonl (field 'text') or .npy/.npz token ids; or pass --int4-method rtn"
     )
-    assert _error(*base, "--int4", "--int8", "--calib-data", "synthetic") == "--int8 and --int4 are different precisions of the same MatMuls; choose one"
-    assert _error(*base, "--int4-method", "rtn") == "--int4-method and --int4-block only apply to --int4 exports"
-    assert _error(*base, "--int4", "--int4-method", "rtn", "--calib-data", "synthetic") == (
+    assert config_error(*base, "--int4", "--int8", "--calib-data", "synthetic") == "--int8 and --int4 are different precisions of the same MatMuls; choose one"
+    assert config_error(*base, "--int4-method", "rtn") == "--int4-method and --int4-block only apply to --int4 exports"
+    assert config_error(*base, "--int4", "--int4-method", "rtn", "--calib-data", "synthetic") == (
         "--calib-data only applies to --int8, --fp8 and --int4 (method gptq) exports"
     )
-    assert "--target ort rewrites fp32 graphs" in _error(*base, "--int4", "--fp16", "--int4-method", "rtn", "--target", "ort")
-    assert "choose one" in _error(*base, "--int4", "--int4-method", "rtn", "--target", "ort", "--ort-int8")
-    assert _error(*base, "--int4-float", "*.fc2") == "--int4-float and --int4-all-matmuls only apply to --int4 exports"
+    assert "--target ort rewrites fp32 graphs" in config_error(*base, "--int4", "--fp16", "--int4-method", "rtn", "--target", "ort")
+    assert "choose one" in config_error(*base, "--int4", "--int4-method", "rtn", "--target", "ort", "--ort-int8")
+    assert config_error(*base, "--int4-float", "*.fc2") == "--int4-float and --int4-all-matmuls only apply to --int4 exports"
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match="--int4-block must be one of 16, 32, 64, 128, 256, found 100"):
         ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN, block=100)))

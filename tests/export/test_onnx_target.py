@@ -297,21 +297,28 @@ def test_a_static_graph_not_matching_its_recorded_contract_is_caught(native: tup
     assert any("its inputs are not the ones the manifest records" in p for p in problems), problems
 
 
-def test_native_fp8(tmp_path: Path) -> None:
-    """--fp8 --target onnx: the portable graphs' Q/DQ kept (the attention MatMuls are float), the
-    attention rewritten, TensorRT's fp8 rules checked again; fp8 parity, and the in-place loop's
-    tokens are the portable loop's."""
-    precision = Precision.FP8
+def _calibrated_export(tmp_path: Path, out: Path, precision: Precision) -> ExportResult:
+    """The native tiny model exported ``--target onnx`` at a calibrated precision (int8, fp8), parity
+    passed and the target's graphs at that precision."""
     from kiln_testing import tiny_config, write_checkpoint
 
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     rng = np.random.default_rng(0)
     np.save(tmp_path / "calib.npy", (np.cumsum(rng.integers(1, 4, size=4000)) % 101).astype(np.int64))
-    out = tmp_path / "out"
     options = ExportOptions(max_batch=4, target="onnx", precision=precision, calib_data=str(tmp_path / "calib.npy"), calib_samples=8, parity_tokens=PARITY_TOKENS)
     result = export(ckpt, out, options)
     assert result.parity.passed, result.parity.failures()
     assert result.parity.targets["onnx"].precision == precision.value
+    return result
+
+
+def test_native_fp8(tmp_path: Path) -> None:
+    """--fp8 --target onnx: the portable graphs' Q/DQ kept (the attention MatMuls are float), the
+    attention rewritten, TensorRT's fp8 rules checked again; fp8 parity, and the in-place loop's
+    tokens are the portable loop's."""
+    precision = Precision.FP8
+    out = tmp_path / "out"
+    result = _calibrated_export(tmp_path, out, precision)
     _assert_graphs(out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision=precision.value)  # every norm fused, the fp16 ones too
     for kind in DECODER_KINDS:
         portable, static = _ops(out / "onnx" / f"{kind.value}.onnx"), _ops(out / "onnx" / f"{kind.value}.std.onnx")
@@ -356,19 +363,12 @@ def test_native_int8(precision: Precision, tmp_path: Path) -> None:
     loop is that reference too, and its tokens are asserted as well."""
     import onnxruntime as ort
     import onnx_ir as ir
-    from kiln_testing import tiny_config, write_checkpoint
 
     from kiln.exporter.parity import greedy
     from kiln.exporter.precision.qdq_rules import check_qdq
 
-    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    rng = np.random.default_rng(0)
-    np.save(tmp_path / "calib.npy", (np.cumsum(rng.integers(1, 4, size=4000)) % 101).astype(np.int64))
     out = tmp_path / "out"
-    options = ExportOptions(max_batch=4, target="onnx", precision=precision, calib_data=str(tmp_path / "calib.npy"), calib_samples=8, parity_tokens=PARITY_TOKENS)
-    result = export(ckpt, out, options)
-    assert result.parity.passed, result.parity.failures()
-    assert result.parity.targets["onnx"].precision == precision.value
+    result = _calibrated_export(tmp_path, out, precision)
     assert {(t.atol, t.rtol) for t in result.parity.tensors if t.graph.endswith(".onnx")} == {(1.5, 0.05), (1.0, 0.05)}  # int8's own tolerances
     _assert_graphs(out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision=precision.value)
     for kind in DECODER_KINDS:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from kiln.exporter.progress import Progress
     from kiln.plugins.base import DecoderSpec
 
-__all__ = ["Role", "Needs", "Flag", "PrecisionKind", "PrecisionContext", "Prepared", "GraphReports", "Ranges", "check_ranges", "refuse_encoder"]
+__all__ = ["Role", "Needs", "Flag", "PrecisionKind", "PrecisionContext", "Prepared", "GraphReports", "Ranges", "RangesKind", "check_ranges", "refuse_encoder"]
 
 GraphReports = Mapping["GraphKind", Mapping[str, Any]]  # per graph, what its passes report (``passes.reports``)
 Ranges = dict[str, tuple[float, float]]  # tensor -> calibrated (lo, hi)
@@ -163,6 +163,20 @@ class PrecisionKind(abc.ABC):
     @classmethod
     def flag(cls) -> str:
         return f"--{cls.name}"
+
+
+class RangesKind(PrecisionKind):
+    """A kind that quantizes activations by calibrated ranges (int8, fp8): it reads them, checks
+    the calibration options, and refuses encoder-decoders."""
+
+    def needs(self) -> Needs:
+        return Needs.RANGES
+
+    def check(self, options: ExportOptions) -> None:
+        check_ranges(self.flag(), options)
+
+    def refuse(self, spec: DecoderSpec, options: ExportOptions) -> None:
+        refuse_encoder(spec, options)
 
 
 def check_ranges(flag: str, options: ExportOptions) -> None:

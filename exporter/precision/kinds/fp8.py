@@ -5,20 +5,16 @@ Hopper and later. Its machinery (the pass) is ``precision.fp8``."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-from kiln.exporter.precision.kinds.base import Flag, Needs, PrecisionKind, Role, check_ranges, refuse_encoder
+from kiln.exporter.precision.kinds.base import Flag, RangesKind, Role
 from kiln.exporter.precision.kinds.int8 import EIGHT_BIT
 from kiln.exporter.tolerance import Tolerance
-
-if TYPE_CHECKING:
-    from kiln.exporter.options import ExportOptions
-    from kiln.plugins.base import DecoderSpec
 
 __all__ = ["Fp8"]
 
 @dataclasses.dataclass(frozen=True)
-class Fp8(PrecisionKind):
+class Fp8(RangesKind):
     float_rules: tuple[str, ...] = ()  # MatMuls kept fp16 besides the LM head and attention scores
 
     name: ClassVar[str] = "fp8"
@@ -41,12 +37,3 @@ class Fp8(PrecisionKind):
     min_compute_capability: ClassVar[tuple[int, int, str] | None] = (8, 9, "Ada (L4, L40S, RTX 40) or Hopper (H100, H200) or later")
     full_check: ClassVar[bool] = True
     calibration_use: ClassVar[str | None] = "--fp8"
-
-    def needs(self) -> Needs:
-        return Needs.RANGES
-
-    def check(self, options: ExportOptions) -> None:
-        check_ranges(self.flag(), options)
-
-    def refuse(self, spec: DecoderSpec, options: ExportOptions) -> None:
-        refuse_encoder(spec, options)

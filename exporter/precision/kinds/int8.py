@@ -8,7 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING, ClassVar
 
 from kiln.errors import ConfigError
-from kiln.exporter.precision.kinds.base import Flag, Needs, PrecisionKind, Role, check_ranges, refuse_encoder
+from kiln.exporter.precision.kinds.base import Flag, RangesKind, Role
 from kiln.exporter.tolerance import Tolerance
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ EIGHT_BIT = Tolerance(logits_atol=1.5, logits_rtol=0.05, kv_atol=1.0, kv_rtol=0.
 
 
 @dataclasses.dataclass(frozen=True)
-class Int8(PrecisionKind):
+class Int8(RangesKind):
     float_rules: tuple[str, ...] = ()  # kept float besides the LM head and attention scores
     all_matmuls: bool = False  # quantize the LM head and attention scores too
 
@@ -41,14 +41,8 @@ class Int8(PrecisionKind):
     bytes_per_weight: ClassVar[float] = 1.0
     calibration_use: ClassVar[str | None] = "--int8"
 
-    def needs(self) -> Needs:
-        return Needs.RANGES
-
-    def check(self, options: ExportOptions) -> None:
-        check_ranges(self.flag(), options)
-
     def refuse(self, spec: DecoderSpec, options: ExportOptions) -> None:
-        refuse_encoder(spec, options)
+        super().refuse(spec, options)
         if spec.encoder_dim is not None:
             raise ConfigError(
                 "--int8 is not supported for cross-attention decoders yet: calibration needs encoder_hidden_states"
