@@ -159,14 +159,14 @@ def plugins(as_json: bool) -> None:
 @click.argument("directory", type=click.Path(path_type=Path))
 @options(cli_options.CHECK)
 @_reports_errors
-def check(directory: Path, model: str | None, backend: str, verbose: bool, as_json: bool) -> None:
+def check(directory: Path, model: str | None, backend: str, verbose: bool, adapter: Path | None, as_json: bool) -> None:
     """Re-run tensor and generation parity of an export directory against PyTorch: a table per
     graph set and a closing verdict (--verbose: every check)."""
     from kiln.errors import ParityError
     from kiln.exporter.check import check_dir
     from kiln.exporter.parity.report import markdown, summary_table, verdict
 
-    result = check_dir(directory, model, _progress(as_json), backend="tensorrt" if backend == "trt" else "onnxruntime")
+    result = check_dir(directory, model, _progress(as_json), backend="tensorrt" if backend == "trt" else "onnxruntime", adapter=adapter)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
@@ -176,6 +176,26 @@ def check(directory: Path, model: str | None, backend: str, verbose: bool, as_js
         click.echo(verdict(result) + ("" if verbose else f" (every check: kiln check {directory} --verbose)"))
     if not result.passed:
         raise ParityError(f"{directory}: " + "; ".join(result.failures()[:5]))
+
+
+@main.command()
+@click.argument("adapter_dir", metavar="DIR", type=click.Path(path_type=Path))
+@options(cli_options.ADAPTER)
+@_reports_errors
+def adapter(adapter_dir: Path, directory: Path, out: Path | None, no_check: bool, force: bool, as_json: bool) -> None:
+    """Convert a PEFT LoRA adapter directory into an adapter file for an export's LoRA slots
+    (kiln export --lora-slots), after checking the export's graphs fed it against PEFT's model."""
+    from kiln.exporter.adapter import convert_adapter
+    from kiln.exporter.parity.report import verdict
+
+    result = convert_adapter(directory, adapter_dir, out, force=force, check=not no_check, progress=_progress(as_json))
+    summary = {"file": str(result.path), "modules": list(result.modules), "rank": result.rank, "parity": result.parity.to_dict() if result.parity is not None else None}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    if result.parity is not None:
+        click.echo(verdict(result.parity))
+    click.echo(f"wrote {result.path}: rank {result.rank} on {len(result.modules)} modules (kiln generate {directory} --adapter {result.path})")
 
 
 @main.command()
@@ -288,7 +308,7 @@ def generate(directory: Path, prompt: str | None, ids: str | None, as_json: bool
     sampling = SamplingOptions(*(flags.pop(k) for k in ("temperature", "top_k", "top_p", "repetition_penalty", "seed")))
     options = GenerateOptions(
         max_new_tokens=flags["max_new_tokens"], stop_at_eos=not flags["ignore_eos"], stops=flags["stops"], sampling=sampling,
-        target=flags["target"], threads=flags["threads"],
+        target=flags["target"], threads=flags["threads"], adapter=flags["adapter"],
     )
     if as_json:
         click.echo(json.dumps(generate_command(directory, prompt, ids, options), indent=2))

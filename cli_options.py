@@ -73,6 +73,7 @@ SOURCE: list[Option] = [
     click.option("--model", "model", default="demo", show_default=True, help="Checkpoint directory (config.json + model.safetensors), a Hugging Face repo id ORG/NAME already in the local Hugging Face cache (kiln never downloads), or 'demo'."),
     click.option("--adapter", "adapters", multiple=True, metavar="DIR[:WEIGHT]", callback=_adapters, help="A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) merged into the Hugging Face checkpoint's weights before export, with WEIGHT (default 1): W + WEIGHT * scaling * B @ A per module; parity runs against PEFT's own model of base + adapters. Repeatable (a weighted sum, as PEFT's add_weighted_adapter with combination_type='cat')."),
     click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="Output directory (written whole, or not at all)."),
+    click.option("--lora-slots", "lora_slots", type=click.IntRange(min=1), default=None, metavar="RANK", help="Swappable LoRA adapters: every Linear but the output head takes optional adapter inputs of rank up to RANK (nothing fed: the base model); kiln adapter converts a PEFT adapter for them. fp32/fp16 portable graphs of Hugging Face decoders."),
 ]
 
 # kiln export: the graphs' shape and contract
@@ -143,7 +144,17 @@ CHECK: list[Option] = [
     click.option("--model", "model", default=None, help="Checkpoint to compare against (default: the one in the manifest)."),
     click.option("--backend", type=click.Choice(["onnxruntime", "trt"]), default="onnxruntime", show_default=True, help="Check the ONNX graphs on ONNX Runtime, or the engines of kiln build on TensorRT."),
     click.option("--verbose", is_flag=True, help="Print the whole parity report (Markdown: every tensor and generation run) instead of the table per graph set."),
+    click.option("--adapter", "adapter", type=click.Path(path_type=Path), default=None, metavar="DIR", help="An export with --lora-slots: check its graphs fed this PEFT adapter (as kiln adapter converts it) against PEFT's model of the checkpoint and the adapter."),
     click.option("--json", "as_json", is_flag=True, help="Print the parity report as JSON."),
+]
+
+# kiln adapter
+ADAPTER: list[Option] = [
+    click.option("--export", "directory", type=click.Path(path_type=Path), required=True, help="The kiln export (with --lora-slots) the adapter is for."),
+    click.option("--out", "out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="The adapter file to write. Default: beside the adapter directory, DIR.onnx_adapter."),
+    click.option("--no-check", is_flag=True, help="Skip parity against PEFT's model (kiln check --adapter runs it later)."),
+    click.option("--force", is_flag=True, help="Replace an existing adapter file."),
+    click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
 ]
 
 # kiln build
@@ -193,6 +204,7 @@ GENERATE: list[Option] = [
     click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="Make tokens of the prompt and of the text so far less likely: positive logits / R, negative ones * R (1: off)."),
     click.option("--seed", type=int, default=None, help="Seed of the sampling: the same seed gives the same text (default: a fresh one each run)."),
     click.option("--target", type=click.Choice(target_names()), default=None, help="Run the export's graphs of this target instead of the portable ones (--target ort: its decode step writes the KV cache in place; --target onnx: every step writes into static buffers)."),
+    click.option("--adapter", "adapter", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE", help="An adapter file of kiln adapter, active for the whole generation (an export with --lora-slots)."),
     click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="ONNX Runtime intra-op threads."),
     click.option("--json", "as_json", is_flag=True, help="Print tokens, text and speeds as JSON (nothing streamed)."),
 ]

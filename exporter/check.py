@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kiln.errors import ArtifactError, CheckpointError
+from kiln.errors import ArtifactError, CheckpointError, ConfigError
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.artifacts.manifest import Manifest, graph_options
 from kiln.exporter.artifacts.verify import require_verified
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import fold, table_feeds
 from kiln.exporter.load import adapter_reference, prepare_reference, read_adapters
+from kiln.exporter.lora.adapter_file import swapped_adapter
 from kiln.exporter.candidates import candidate
 from kiln.exporter.options import PLETables
 from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity, quantized_model
@@ -27,23 +28,33 @@ if TYPE_CHECKING:
 __all__ = ["check_dir"]
 
 
-def check_dir(directory: Path, model: str | Path | None = None, progress: Progress | None = None, backend: str = "onnxruntime") -> ParityResult:
+def check_dir(
+    directory: Path, model: str | Path | None = None, progress: Progress | None = None, backend: str = "onnxruntime", adapter: Path | None = None
+) -> ParityResult:
     """Re-run parity on an export directory against its checkpoint (or ``model``), on ONNX
     Runtime (the ONNX graphs) or TensorRT (``backend="tensorrt"``: the engines of ``kiln build``,
-    refused when built by another TensorRT version or for another compute capability)."""
+    refused when built by another TensorRT version or for another compute capability). With
+    ``adapter`` (a PEFT adapter directory; an export with ``--lora-slots``): the graphs fed that
+    adapter's slot tensors, against PEFT's model of the checkpoint and the adapter."""
     progress = progress or NullProgress()
     manifest = require_verified(directory)
+    if adapter is not None and backend != "onnxruntime":
+        raise ConfigError("--adapter: adapters are checked on ONNX Runtime only (TensorRT engines take no LoRA slots yet)")
     if backend == "tensorrt":  # before loading anything: are there engines at all?
         from kiln.exporter.engine.records import read_records
 
         read_records(directory)
     loaded = _checkpoint(directory, manifest, model, progress)
     options = graph_options(manifest)  # the export's graph options; its precision is the manifest's (the graphs carry it)
+    swapped = swapped_adapter(directory, manifest.lora, (manifest.checkpoint.reference, manifest.checkpoint.resolved), adapter) if adapter is not None else None
     # with adapters, PEFT's model of the checkpoint and the recorded adapters, as the export's parity had
-    reference = adapter_reference(loaded, _adapters(directory, manifest, loaded, model)) if manifest.checkpoint.adapters else prepare_reference(loaded, options)
-    extra: Feeds | None = None
+    if swapped is not None or manifest.checkpoint.adapters:
+        reference = adapter_reference(loaded, (swapped[0],) if swapped is not None else _adapters(directory, manifest, loaded, model))
+    else:
+        reference = prepare_reference(loaded, options)
+    extra: Feeds | None = dict(swapped[1]) if swapped is not None else None
     if options.ple_tables is PLETables.INPUT:
-        extra = table_feeds(list(fold(reference, loaded.ple).tables), Precision.parse(manifest.precision).kv_dtype)
+        extra = {**(extra or {}), **table_feeds(list(fold(reference, loaded.ple).tables), Precision.parse(manifest.precision).kv_dtype)}
     assert options.max_context is not None, "an export's manifest records its context"
     settings = ParitySettings(options.max_context, options.max_batch, options.parity_tokens, options.last_logits_only)
     # an int4 export: against PyTorch on its own int4 weights too (read from its portable graphs), its agreement gating as the export chose

@@ -15,6 +15,7 @@ import onnx_ir as ir
 from kiln.exporter.contract.io import GraphIO, GraphKind, graph_io, graph_kinds
 from kiln.exporter.fold import Folded
 from kiln.exporter.load import Reference
+from kiln.exporter.contract.lora import LoraSlots
 from kiln.exporter.options import ExportOptions, PLETables
 from kiln.exporter.passes import (
     ApplyContract,
@@ -24,6 +25,7 @@ from kiln.exporter.passes import (
     run_passes,
 )
 from kiln.exporter.passes.ir_utils import clone
+from kiln.exporter.passes.lora_slots import AddLoraSlots
 from kiln.exporter.passes.reports import Report, pass_reports
 from kiln.exporter.passes.specialise import specialise
 from kiln.exporter.passes.stamp import StampLayers
@@ -48,6 +50,7 @@ class GraphRecord:
 class GraphSet:
     graphs: dict[GraphKind, GraphRecord]
     weights: SharedWeights
+    lora: LoraSlots | None = None  # --lora-slots: the adapter inputs every graph takes
 
     @property
     def paths(self) -> dict[GraphKind, Path]:
@@ -80,7 +83,14 @@ def fp32_graph(reference: Reference, folded: Folded, options: ExportOptions, kin
 
 
 def write_portable_graphs(
-    reference: Reference, folded: Folded, options: ExportOptions, traced: Traced, precision: PreparedPrecision, onnx_dir: Path, progress: Progress
+    reference: Reference,
+    folded: Folded,
+    options: ExportOptions,
+    traced: Traced,
+    precision: PreparedPrecision,
+    onnx_dir: Path,
+    progress: Progress,
+    lora: LoraSlots | None = None,
 ) -> GraphSet:
     """Every graph of the contract, one at a time: derive it, pass it, move its weights into the
     shared file, save, drop (so at most one graph's weight being written is in memory). The
@@ -90,7 +100,7 @@ def write_portable_graphs(
     with WeightsWriter(onnx_dir / WEIGHTS_FILE, rename=True) as writer:
         for kind in graph_kinds(reference.spec):
             path = onnx_dir / f"{kind.value}.onnx"
-            passes = precision.passes(kind)
+            passes = [*precision.passes(kind), *([AddLoraSlots(lora)] if lora is not None else [])]
             with progress.stage(f"{path.name}: graph passes"):
                 model = run_passes(fp32_graph(reference, folded, options, kind, traced), passes, graph=kind.value)
             with progress.stage(f"{path.name}: weights", total=len(writer.pending(model))) as bar:
@@ -103,4 +113,4 @@ def write_portable_graphs(
         with progress.stage("low-bit graphs: onnx.checker (full check)"):
             for record in records.values():
                 onnx_full_check(record.path)
-    return GraphSet(records, weights)
+    return GraphSet(records, weights, lora)

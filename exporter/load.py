@@ -19,9 +19,10 @@ from kiln.plugins.hub_cache import HF_EXTRA
 from torch import nn
 
 if TYPE_CHECKING:
+    from kiln.exporter.contract.lora import LoraSlots
     from kiln.plugins.hf.adapter import LoraAdapter
 
-__all__ = ["Reference", "adapter_reference", "load_reference", "merge_adapters", "prepare_reference", "read_adapters", "refuse_unsupported", "resolve_limits"]
+__all__ = ["Reference", "adapter_reference", "load_reference", "lora_slots", "merge_adapters", "prepare_reference", "read_adapters", "refuse_unsupported", "resolve_limits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,8 @@ def refuse_unsupported(spec: DecoderSpec, options: ExportOptions) -> None:
     for target in targets():
         if target.wanted(options):
             target.refuse(spec)
+    if options.lora_slots is not None and spec.encoder_dim is not None:
+        raise ConfigError("--lora-slots: cross-attention decoders are not built with slots yet; merge the adapter with --adapter")
     if spec.encoder_dim is not None and options.triton is not None:
         raise ConfigError(
             "triton: cross-attention decoders are not supported yet (the ensemble would need encoder_hidden_states"
@@ -87,6 +90,19 @@ def prepare_reference(loaded: LoadedModel, options: ExportOptions) -> nn.Module:
             raise ExportError("--ple-extend was given but the model has no PLE tables")
         loaded.ple.extend(loaded.module, options.ple_extend, options.ple_extend_mode)
     return loaded.module
+
+
+def lora_slots(reference: Reference, options: ExportOptions) -> LoraSlots | None:
+    """``--lora-slots RANK``: the slots of a Hugging Face decoder (other families have no PEFT
+    module paths to name them by, and are refused)."""
+    if options.lora_slots is None:
+        return None
+    from kiln.exporter.lora import plan_slots
+    from kiln.plugins.hf.decoder import HFDecoder
+
+    if not isinstance(reference.module, HFDecoder):
+        raise ConfigError(f"--lora-slots: kiln writes LoRA slots on Hugging Face decoder checkpoints only; {reference.loaded.source} is not one")
+    return plan_slots(reference.module.model, options.lora_slots, options.precision.kv_dtype)
 
 
 def read_adapters(loaded: LoadedModel, adapters: Sequence[tuple[Path, float]], model_ref: str | Path | None) -> tuple[LoraAdapter, ...]:

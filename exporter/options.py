@@ -61,6 +61,7 @@ class ExportOptions:
     triton: str | None = None  # also write a Triton model repository under this model name
     force: bool = False  # replace a non-empty output directory
     adapters: tuple[Adapter, ...] = ()  # PEFT LoRA adapters merged into a Hugging Face checkpoint (``plugins.hf.adapter``)
+    lora_slots: int | None = None  # --lora-slots RANK: swappable LoRA inputs on every Linear, rank up to RANK (``exporter.lora``)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -86,6 +87,7 @@ class ExportOptions:
             each.check(self)
         if self.triton is not None and not TRITON_NAME.match(self.triton):
             raise ConfigError(f"triton: model name {self.triton!r} must start with a letter or digit and hold only letters, digits, '_', '.' and '-'")
+        self._check_lora_slots()
         if self.parity_tokens < 1:
             raise ConfigError(f"parity tokens must be at least 1, found {self.parity_tokens}")
         if self.parity_agreement not in ("gate", "record"):
@@ -96,6 +98,21 @@ class ExportOptions:
                 f"--parity-agreement record only applies to {weight_only} exports, whose graphs are also checked against PyTorch on their own int4 weights; "
                 f"a {self.precision.value} export's only proof is its agreement with the checkpoint's model"
             )
+
+    def _check_lora_slots(self) -> None:
+        """What ``--lora-slots`` is built for so far: the portable graphs, fp32 or fp16, no merge."""
+        if self.lora_slots is None:
+            return
+        if self.lora_slots < 1:
+            raise ConfigError(f"--lora-slots must be at least 1 (the largest adapter rank the graphs take), found {self.lora_slots}")
+        if self.adapters:
+            raise ConfigError("--lora-slots with --adapter: either merge the adapters (--adapter) or export slots and convert each adapter with kiln adapter, not both")
+        if any(not isinstance(k, Fp16) for k in self.precision.kinds):
+            raise ConfigError(f"--lora-slots with {self.precision.value}: slots are built on fp32 and fp16 graphs only (a low-bit base with float adapters is not built yet)")
+        if self.target != "portable":
+            raise ConfigError(f"--lora-slots with --target {self.target}: slots are built on the portable graphs only")
+        if self.triton is not None:
+            raise ConfigError("--lora-slots with --triton: the Triton configuration does not declare the adapter inputs yet")
 
     @property
     def samples(self) -> int:

@@ -32,7 +32,7 @@ from kiln.exporter.graphs import (
     fp32_graph,
     write_portable_graphs,
 )
-from kiln.exporter.load import Reference, adapter_reference, load_reference, merge_adapters, resolve_limits
+from kiln.exporter.load import Reference, adapter_reference, load_reference, lora_slots, merge_adapters, resolve_limits
 from kiln.exporter.options import ExportOptions, PLETables
 from kiln.exporter.candidates import candidate
 from kiln.exporter.parity import (
@@ -105,7 +105,7 @@ def export_loaded(
         )
         precision = prepare_precision(context)
         (root / ONNX_DIR).mkdir()
-        portable = write_portable_graphs(reference, folded, options, traced, precision, root / ONNX_DIR, progress)
+        portable = write_portable_graphs(reference, folded, options, traced, precision, root / ONNX_DIR, progress, lora_slots(reference, options))
         calibrated = calibration.finish(root / CALIBRATION_DIR) if calibration is not None else None
         given = TargetGiven(root / ONNX_DIR, portable.paths, reference.spec, options, reference.max_context, progress)
         written = tuple(target.write(given) for target in targets() if target.wanted(options))

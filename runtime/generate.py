@@ -62,10 +62,11 @@ class Generation:
 class Generator:
     """The prefill and decode sessions of one verified kiln export directory, batch 1."""
 
-    def __init__(self, directory: Path, threads: int = 2, target: str | None = None) -> None:
+    def __init__(self, directory: Path, threads: int = 2, target: str | None = None, adapter: Path | None = None) -> None:
         from kiln.exporter.runners import ort_session
 
         manifest = require_verified(directory)
+        self._adapter = _adapter_values(manifest, adapter, target) if adapter is not None else {}
         ple = manifest.export.ple
         if ple is not None and ple.tables == "input":
             raise GenerateError(f"{directory}: exported with --ple-tables input; kiln generate runs graphs with the tables as constants")
@@ -105,7 +106,7 @@ class Generator:
         greedy; ``forced`` tokens instead, for teacher-forced parity). ``on_token`` sees every new
         token as it comes and ends the generation by returning True (a stop string)."""
         self._check(prompt, max_new_tokens)
-        steps = _BoundSteps(self._prefill, self._decode, self._kv, self._vocab, capacity=len(prompt) + max_new_tokens)
+        steps = _BoundSteps(self._prefill, self._decode, self._kv, self._vocab, capacity=len(prompt) + max_new_tokens, adapter=self._adapter)
         pick: Chooser = (lambda step, logits: np.array([forced[step]])) if forced is not None else choose or _greedy
         tokens: list[int] = []
         kept: list[np.ndarray] = []
@@ -176,19 +177,24 @@ class _BoundSteps:
     caches stay OrtValues between steps (bound by the ``KvStrategy``), the decode step's logits
     land in one preallocated buffer, and only the logits are read into numpy."""
 
-    def __init__(self, prefill: Any, decode: Any, kv: KvStrategy, vocab: int, capacity: int) -> None:
+    def __init__(self, prefill: Any, decode: Any, kv: KvStrategy, vocab: int, capacity: int, adapter: dict[str, Any]) -> None:
         from onnxruntime import OrtValue
 
+        self._adapter = adapter  # an adapter file's OrtValues by slot input (--adapter), bound to every run
         self._prefill, self._kv, self._capacity = prefill, kv, capacity
         self._names = ["logits", *kv.presents]  # the order prefill's outputs are bound in
         self._step_names = ["logits", *kv.step_presents]  # and decode's
         self._decode = decode.io_binding()
+        for name, value in adapter.items():
+            self._decode.bind_ortvalue_input(name, value)
         self._decode.bind_ortvalue_output("logits", OrtValue.ortvalue_from_shape_and_type([1, 1, vocab], np.float32))
         self._session = decode
 
     def run(self, kind: GraphKind, feeds: dict[str, Any]) -> dict[str, Any]:
         if kind is GraphKind.PREFILL:
             binding = self._prefill.io_binding()
+            for name, value in self._adapter.items():
+                binding.bind_ortvalue_input(name, value)
             binding.bind_output("logits", "cpu")
             if isinstance(self._kv, StaticKv):  # the prompt writes into the buffers too
                 self._kv.bind_prompt(binding)
@@ -208,6 +214,25 @@ class _BoundSteps:
         return outputs
 
 
+def _adapter_values(manifest: Manifest, adapter: Path, target: str | None) -> dict[str, Any]:
+    """The adapter file's tensors as OrtValues by slot input, once the file is checked against the
+    export's slots. They are bound as inputs: ONNX Runtime (1.32) ignores ``RunOptions``' active
+    adapters in ``run_with_iobinding`` (it warns "won't have an effect"); GenAI's ``og.Adapters``
+    goes through ``Run``, where they apply."""
+    import onnxruntime as ort
+
+    from kiln.errors import ConfigError
+    from kiln.exporter.lora.adapter_file import read_adapter_file
+
+    if target is not None:
+        raise GenerateError(f"--adapter with --target {target}: LoRA slots are on the portable graphs only")
+    try:
+        tensors = read_adapter_file(adapter, manifest.lora, f"--adapter {adapter}")
+    except ConfigError as exc:
+        raise GenerateError(str(exc)) from None
+    return {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in tensors.items()}  # each OrtValue keeps its array alive
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateOptions:
     """``kiln generate``'s options besides the prompt."""
@@ -218,6 +243,7 @@ class GenerateOptions:
     sampling: SamplingOptions = SamplingOptions()  # greedy by default
     target: str | None = None  # "ort": the export's --target ort graphs
     threads: int = 2
+    adapter: Path | None = None  # --adapter FILE: kiln adapter's file, active for the whole generation
 
     def __post_init__(self) -> None:
         if any(not s for s in self.stops):
@@ -231,7 +257,7 @@ def generate_command(directory: Path, prompt: str | None, ids: str | None, optio
     export has a tokenizer, with --ids too)."""
     if (prompt is None) == (ids is None):
         raise GenerateError("give exactly one of --prompt TEXT or --ids 1,2,3")
-    generator = Generator(directory, options.threads, target=options.target)
+    generator = Generator(directory, options.threads, target=options.target, adapter=options.adapter)
     tokenizer = find_tokenizer(directory, generator.manifest)
     if prompt is not None:
         if not prompt.strip():

@@ -79,4 +79,5 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
         tools=tool_versions(),
         files={},
         targets={t.name: _target_entry(t, root) for t in report.targets} or None,
+        lora=report.portable.lora,
     )

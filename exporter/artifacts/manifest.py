@@ -24,6 +24,7 @@ from kiln.errors import ArtifactError
 from kiln.exporter.artifacts.manifest_v1 import upgrade_v1
 from kiln.exporter.artifacts.serde import OMIT_IF_NONE, from_json, to_json
 from kiln.exporter.contract.io import GraphIO, GraphKind, TensorSpec
+from kiln.exporter.contract.lora import LoraSlots
 from kiln.exporter.options import (
     ExportOptions,
     LogitsMode,
@@ -250,6 +251,7 @@ class Manifest:
     files: dict[str, str]
     targets: dict[str, TargetEntry] | None = _omit()
     engines: EnginesEntry | None = _omit()
+    lora: LoraSlots | None = _omit()  # --lora-slots: every portable graph's optional adapter inputs (``exporter.lora``)
 
     def graph(self, kind: GraphKind) -> GraphEntry:
         return self.graphs[kind.value]

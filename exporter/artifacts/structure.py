@@ -9,7 +9,7 @@ fine, and a model section can claim a billion layers. ``structure_problems`` fin
   export, without ``..``, and is one of the files it lists (hashed);
 - every graph's external data is read from a listed file beside the graph, within its size;
 - every graph's inputs and outputs are the ones the manifest records (a target's graphs: those
-  of the portable graph of the same kind), and the model's dims (layers, KV heads, head size,
+  of the portable graph of the same kind; LoRA slots after the contract's inputs), and the model's dims (layers, KV heads, head size,
   vocabulary) are the ones the graphs declare.
 
 Links are reported by ``verify`` itself (a listed file is a regular file). Ranges that need no
@@ -65,7 +65,7 @@ def structure_problems(directory: Path, manifest: Manifest) -> list[str]:
     if problems:
         return problems  # graph files are read only from paths proved inside the export
     for entry in manifest.graphs.values():
-        problems += _graph_problems(directory, manifest, entry.file, entry, with_dtypes=True)
+        problems += _graph_problems(directory, manifest, entry.file, _with_lora(entry, manifest), with_dtypes=True)
     for target in (manifest.targets or {}).values():
         for kind, target_graph in target.graphs.items():
             portable = manifest.graphs.get(kind)
@@ -77,6 +77,14 @@ def structure_problems(directory: Path, manifest: Manifest) -> list[str]:
             else:
                 problems += _graph_problems(directory, manifest, target_graph.file, portable, with_dtypes=False)
     return problems + _dim_problems(manifest)
+
+
+def _with_lora(entry: GraphEntry, manifest: Manifest) -> GraphEntry:
+    """A portable graph's inputs with its LoRA slots' after them (``--lora-slots``: the manifest's ``lora``)."""
+    if manifest.lora is None:
+        return entry
+    slots = [TensorEntry(name, manifest.lora.dtype, (d0, d1)) for name, (_, d0, d1) in manifest.lora.inputs().items()]
+    return GraphEntry(entry.file, (*entry.inputs, *slots), entry.outputs, entry.passes)
 
 
 def _graph_problems(directory: Path, manifest: Manifest, file: str, want: GraphEntry, with_dtypes: bool) -> list[str]:

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from kiln.errors import ConfigError
 from kiln.jsonfile import read_json_object
 
-__all__ = ["CONFIG", "WEIGHTS", "LoraAdapter", "base_names", "check_base", "merge", "peft_reference", "read_adapter"]
+__all__ = ["CONFIG", "WEIGHTS", "LoraAdapter", "base_names", "check_base", "check_base_name", "merge", "peft_reference", "read_adapter"]
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # what PEFT's saved keys start with: the LoRA model's wrapped model
@@ -172,15 +172,20 @@ def base_names(model_ref: str | Path, source: Path) -> set[str]:
     return {name.lower() for name in names if name}
 
 
-def check_base(adapter: LoraAdapter, model: nn.Module, names: set[str]) -> None:
-    """The adapter was trained on this base: its named base (when it names one) and every
-    module's shapes. ``model`` is the transformers model (``HFDecoder.model``)."""
-    where = f"--adapter {adapter.path}"
+def check_base_name(adapter: LoraAdapter, names: set[str], where: str) -> None:
+    """The adapter's named base (when it names one) is one of ``names`` (``base_names``)."""
     if adapter.base is not None and PurePosixPath(adapter.base.rstrip("/")).name.lower() not in names:
         raise ConfigError(
             f"{where}: its base_model_name_or_path {adapter.base!r} is not this checkpoint ({', '.join(sorted(names))}): kiln compares the last"
             f" path components; export it onto its own base, or empty base_model_name_or_path in {CONFIG} if this is that model under another name"
         )
+
+
+def check_base(adapter: LoraAdapter, model: nn.Module, names: set[str]) -> None:
+    """The adapter was trained on this base: its named base (when it names one) and every
+    module's shapes. ``model`` is the transformers model (``HFDecoder.model``)."""
+    where = f"--adapter {adapter.path}"
+    check_base_name(adapter, names, where)
     owners: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(param), []).append(name)

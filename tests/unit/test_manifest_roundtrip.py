@@ -143,14 +143,14 @@ def test_keep_fp32_recorded_only_for_fp16() -> None:
 
 def test_to_json_omits_the_keys_only_some_exports_have() -> None:
     data = manifest_for(ExportOptions(max_context=48)).to_json()
-    assert "targets" not in data and "engines" not in data
+    assert "targets" not in data and "engines" not in data and "lora" not in data
     for graph in data["graphs"].values():
         assert graph.keys() == {"file", "inputs", "outputs"}
     # keys every manifest has stay, even when null
     assert data["model"]["pad_token_id"] is None and data["export"]["calibration"] is None
     assert "tokenizer" in data and data["export"]["ple"] == {"folded": True, "trained_rows": 48, "rows": 48, "extend_mode": None, "tables": "constant"}
     assert data["graphs"]["decode"]["inputs"][0] == {"name": "input_ids", "dtype": "int64", "shape": ["batch", 1]}
-    assert list(data) == [f.name for f in dataclasses.fields(Manifest) if f.name not in ("targets", "engines")]
+    assert list(data) == [f.name for f in dataclasses.fields(Manifest) if f.name not in ("targets", "engines", "lora")]
     json.dumps(data)  # plain JSON: lists, not tuples or records
 
 

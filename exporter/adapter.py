@@ -1,0 +1,56 @@
+"""``kiln adapter DIR --export OUT``: a PEFT LoRA adapter converted for an export's LoRA slots,
+proved against PEFT's own model of base + adapter, and written as an ONNX Runtime adapter file.
+
+The order keeps a failure from leaving anything: the adapter is read and refused by name
+(``plugins.hf.adapter``: DoRA, other PEFT types...) and against the export's manifest (its base's
+name, a slot per module, the sizes, the rank); parity runs the export's graphs fed its tensors
+against PEFT's model (``kiln check OUT --adapter DIR`` runs the same); only then is the file
+written (read back bit for bit before it is renamed into place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kiln.errors import ConfigError, ParityError
+from kiln.exporter.lora.adapter_file import SUFFIX, swapped_adapter, write_adapter_file
+
+if TYPE_CHECKING:
+    from kiln.exporter.parity import ParityResult
+    from kiln.exporter.progress import Progress
+
+__all__ = ["AdapterResult", "convert_adapter", "default_path"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterResult:
+    path: Path  # the adapter file written
+    modules: tuple[str, ...]  # the slots it fills
+    rank: int
+    parity: ParityResult | None  # None: --no-check
+
+
+def default_path(adapter_dir: Path) -> Path:
+    """Beside the adapter directory: ``build/lora/adapter`` -> ``build/lora/adapter.onnx_adapter``."""
+    absolute = adapter_dir.absolute()
+    return absolute.with_name(absolute.name + SUFFIX)
+
+
+def convert_adapter(directory: Path, adapter_dir: Path, out: Path | None, *, force: bool, check: bool, progress: Progress) -> AdapterResult:
+    from kiln.exporter.artifacts.verify import require_verified
+    from kiln.exporter.check import check_dir
+
+    manifest = require_verified(directory)
+    adapter, tensors = swapped_adapter(directory, manifest.lora, (manifest.checkpoint.reference, manifest.checkpoint.resolved), adapter_dir)
+    path = out if out is not None else default_path(adapter_dir)
+    if path.is_dir() or (path.exists() and not force):
+        raise ConfigError(f"{path}: already exists; pass --force to replace it" if not path.is_dir() else f"{path}: is a directory; --out names the adapter file")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{path}: its directory {path.parent} does not exist")
+    parity = check_dir(directory, progress=progress, adapter=adapter_dir) if check else None
+    if parity is not None and not parity.passed:
+        raise ParityError(f"{adapter_dir}: the export's graphs fed this adapter differ from PEFT's model: " + "; ".join(parity.failures()[:5]))
+    write_adapter_file(tensors, path)
+    return AdapterResult(path, tuple(sorted(adapter.tensors)), adapter.rank, parity)
