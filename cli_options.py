@@ -184,6 +184,7 @@ BENCH: list[Option] = [
     click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True, help="Threads of every timed backend (ONNX Runtime's intra-op pool and PyTorch's)."),
     click.option("--sweep", callback=_int_list, default=None, metavar="P1,P2,...", help="Also time the decode step at these past lengths; fits ms per 1k past tokens."),
     click.option("--sweep-runs", type=click.IntRange(min=3), default=15, show_default=True, help="Runs per sweep point up to past 512 (fewer beyond)."),
+    click.option("--adapter", "adapter", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE", help="An adapter file of kiln adapter: every export with LoRA slots is also timed with it active, beside its rank-0 row."),
     click.option("--no-torch", is_flag=True, help="No PyTorch eager row (for directories without a loadable checkpoint)."),
     click.option("--no-roofline", is_flag=True, help="Skip the memory-bandwidth measurement."),
     click.option("--out", "out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Write the JSON result here (and the sweep plot beside it, .png)."),

@@ -21,6 +21,7 @@ from kiln.errors import BenchError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.runners import ort_session
 from kiln.exporter.artifacts import manifest as manifest_mod
+from kiln.exporter.lora.adapter_file import read_adapter_file
 from kiln.runtime.decoder_dirs import DecoderDir, open_decoder_dirs
 from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs
 from kiln.runtime.roofline import BandwidthProbe, weights_bytes_per_step
@@ -44,6 +45,7 @@ class BenchOptions:
     roofline: bool = True  # measure read bandwidth and report decode steps against it
     sweep: tuple[int, ...] = ()  # past lengths of the decode-step sweep
     sweep_runs: int = 15  # runs at past <= 512; fewer beyond (each step costs more)
+    adapter: Path | None = None  # --adapter FILE: every export with LoRA slots also timed with it active
 
 
 def load_warning(load_average: Sequence[float], cores: int) -> str | None:
@@ -81,7 +83,7 @@ def _check_same_checkpoint(kiln_dirs: list[DecoderDir]) -> None:
 def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
     """Every directory's prefill and decode graphs (and PyTorch eager), measured interleaved;
     the first directory is the baseline of the ratios."""
-    decoders = [entry for d in directories for entry in open_decoder_dirs(d)]
+    decoders = _with_adapter([entry for d in directories for entry in open_decoder_dirs(d)], options.adapter)
     kiln_dirs = [d for d in decoders if d.manifest is not None and d.target is None]
     if kiln_dirs:
         _check_same_checkpoint(kiln_dirs)
@@ -108,6 +110,23 @@ def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
     if worker is not None:
         result["pytorch"] = {"threads": worker.info["threads"], "omp_wait_policy": worker.info["omp_wait_policy"], "process": "worker"}
     return result
+
+
+def _with_adapter(decoders: list[DecoderDir], adapter: Path | None) -> list[DecoderDir]:
+    """``--adapter FILE``: after each kiln export with LoRA slots, the same graphs with the adapter
+    bound (checked against that export's slots first), timed beside the rank-0 row."""
+    if adapter is None:
+        return decoders
+    slotted = [d for d in decoders if d.manifest is not None and d.manifest.lora is not None and d.target is None]
+    if not slotted:
+        raise BenchError(f"--adapter {adapter}: no directory given is a kiln export with LoRA slots (kiln export --lora-slots RANK)")
+    for d in slotted:
+        assert d.manifest is not None
+        read_adapter_file(adapter, d.manifest.lora, f"--adapter {adapter} for {d.path}")
+    out = []
+    for d in decoders:
+        out += [d, dataclasses.replace(d, adapter=adapter)] if any(d is s for s in slotted) else [d]
+    return out
 
 
 def _measure(

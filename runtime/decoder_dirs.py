@@ -30,9 +30,12 @@ class DecoderDir:
     manifest: Manifest | None = None  # kiln exports only
     named_dims: tuple[tuple[str, int], ...] = ()  # symbolic dims with a known size (see graph_feeds.Sizes.named)
     target: str | None = None  # kiln exports: "ort" for the --target ort graphs, None for the portable ones
+    adapter: Path | None = None  # kiln exports with --lora-slots: an adapter file of kiln adapter, bound to every run
 
     @property
     def label(self) -> str:
+        if self.adapter is not None:
+            return f"{dataclasses.replace(self, adapter=None).label} + {self.adapter.name}"
         if self.manifest is not None and self.target is not None:
             return f"kiln {self.target} {(self.manifest.targets or {})[self.target].precision} ({self.path.name})"
         if self.manifest is not None:

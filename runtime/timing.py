@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kiln.exporter.lora.adapter_file import read_adapter_file
 from kiln.runtime.decoder_dirs import DecoderDir
 from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs
 from kiln.runtime.torch_row import SelfTimed
@@ -26,6 +27,9 @@ class Timed:
 
         sizes = dataclasses.replace(sizes, named=decoder.named_dims, capacity=sizes.total if decoder.shared_kv_buffer else None)
         feeds = build_feeds(declared_inputs(sess), sizes, vocab=vocab, roles=decoder.roles)
+        if decoder.adapter is not None:  # the slot inputs (overridable initializers, not declared inputs) get the adapter's tensors
+            assert decoder.manifest is not None, "only kiln exports take adapters (run_bench)"
+            feeds |= read_adapter_file(decoder.adapter, decoder.manifest.lora, f"--adapter {decoder.adapter}")
         self._values = {name: OrtValue.ortvalue_from_numpy(array) for name, array in feeds.items()}
         self._binding = sess.io_binding()
         for name, value in self._values.items():

@@ -235,3 +235,18 @@ def test_an_export_without_slots_is_refused(tmp_path: Path) -> None:
     assert read_manifest(tmp_path / "plain").lora is None
     assert config_error("adapter", str(adapter), "--export", str(tmp_path / "plain")).startswith(f"--adapter {adapter}: {tmp_path / 'plain'} has no LoRA slots")
     assert config_error("check", str(tmp_path / "plain"), "--adapter", str(adapter)).startswith(f"--adapter {adapter}: {tmp_path / 'plain'} has no LoRA slots")
+
+
+def test_bench_times_an_adapter_beside_rank_0(slots: dict[str, Path], tmp_path: Path) -> None:
+    """kiln bench --adapter: the export's rank-0 row and the same graphs with the adapter bound
+    (what the adapter's slots cost); timings are not asserted, only that both rows ran."""
+    out, file = str(slots["out"]), str(slots["wide_file"])
+    run = CliRunner().invoke(main, ["bench", out, "--adapter", file, "--runs", "3", "--no-torch", "--no-roofline", "--past", "8", "--prefill-seq", "8", "--json"])
+    assert run.exit_code == 0, run.output
+    result = json.loads(run.output[run.output.index("{") :])
+    labels = ["kiln fp32 (out)", "kiln fp32 (out) + wide.onnx_adapter"]
+    assert [d["label"] for d in result["directories"]] == labels and all(result["median_ms"][k][lab] > 0 for k in ("prefill", "decode") for lab in labels)
+    plain = tmp_path / "plain"
+    export(slots["ckpt"], plain, ExportOptions(max_batch=2, parity_tokens=4))
+    run = CliRunner().invoke(main, ["bench", str(plain), "--adapter", file, "--runs", "3", "--no-torch"])
+    assert run.exit_code == 1 and f"--adapter {file}: no directory given is a kiln export with LoRA slots (kiln export --lora-slots RANK)" in run.output, run.output
