@@ -107,8 +107,8 @@ class ExportOptions:
             raise ConfigError(f"--lora-slots must be at least 1 (the largest adapter rank the graphs take), found {self.lora_slots}")
         if self.adapters:
             raise ConfigError("--lora-slots with --adapter: either merge the adapters (--adapter) or export slots and convert each adapter with kiln adapter, not both")
-        if any(not isinstance(k, Fp16) for k in self.precision.kinds):
-            raise ConfigError(f"--lora-slots with {self.precision.value}: slots are built on fp32 and fp16 graphs only (a low-bit base with float adapters is not built yet)")
+        if any(not isinstance(k, (Fp16, Int4)) for k in self.precision.kinds):
+            raise ConfigError(f"--lora-slots with {self.precision.value}: slots are built on float and int4 (weight-only) bases only; int8 and fp8 quantize the activations the adapters would read")
         if self.target != "portable":
             raise ConfigError(f"--lora-slots with --target {self.target}: slots are built on the portable graphs only")
         if self.triton is not None:

@@ -95,6 +95,9 @@ def _module(root: nn.Module, name: str, weight: Int4Weight) -> nn.Module:
         sub = root.get_submodule(name)
     except AttributeError:
         raise ExportError(f"parity: {weight.node} belongs to {name}, which the model has no module of") from None
+    # PEFT's model of an adapter over this base (an export with --lora-slots, kiln adapter's
+    # parity): the Linear is its LoRA layer's base_layer, which the LoRA layer calls
+    sub = getattr(sub, "base_layer", sub)
     k, n = weight.q.shape
     own = getattr(sub, "weight", None)
     expected = (n, k) if isinstance(sub, nn.Linear) else (k, n) if type(sub).__name__ == "Conv1D" else None
