@@ -16,10 +16,17 @@ from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.plugins.base import PLEExtendMode, PLETables
 
-__all__ = ["Adapter", "Precision", "Fp16", "Int8", "Fp8", "Int4", "Int4Method", "LogitsMode", "PLEExtendMode", "PLETables", "ExportOptions", "MIN_OPSET", "MAX_OPSET", "TRITON_NAME"]
+__all__ = ["Adapter", "Precision", "Fp16", "Int8", "Fp8", "Int4", "Int4Method", "LogitsMode", "PLEExtendMode", "PLETables", "ExportOptions", "MIN_OPSET", "MAX_OPSET", "TRITON_NAME", "LORA_TRITON_REASON"]
 
 MIN_OPSET, MAX_OPSET = 18, 23
 TRITON_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a Triton model name (and a directory name)
+# Why a slotted export gets no Triton repository (exporter/serving/triton.py, "LoRA slots"): refused
+# by kiln export --triton and by kiln triton alike.
+LORA_TRITON_REASON = (
+    "every model kiln writes for Triton batches requests (max_batch_size > 0: Triton adds a batch dim to each input and its backends"
+    " require the graph's first dim to be that batch), but a slot's A [in, r] and B [r, out] have none and one run applies one adapter"
+    " to the whole batch, so a per-request adapter cannot be declared; serve it with ONNX Runtime (kiln generate --adapter, GenAI og.Adapters)"
+)
 
 
 class LogitsMode(str, enum.Enum):
@@ -112,7 +119,7 @@ class ExportOptions:
         if self.target != "portable":
             raise ConfigError(f"--lora-slots with --target {self.target}: slots are built on the portable graphs only")
         if self.triton is not None:
-            raise ConfigError("--lora-slots with --triton: the Triton configuration does not declare the adapter inputs yet")
+            raise ConfigError(f"--lora-slots with --triton: {LORA_TRITON_REASON}")
 
     @property
     def samples(self) -> int:

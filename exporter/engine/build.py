@@ -4,7 +4,7 @@ API used, as bound in NVIDIA/TensorRT ``python/src/infer/pyCore.cpp`` and
 ``python/src/parsers/pyOnnx.cpp`` (``release/10.13`` and ``main`` = 11.1) and typed by
 ``tensorrt-stubs`` 10.13: ``Builder(logger)``, ``Builder.create_network(flags)``,
 ``OnnxParser(network, logger)``, ``OnnxParser.parse_from_file(path)`` (resolves external data
-beside the file), ``OnnxParser.num_errors``/``get_error(i)`` with ``ParserError.desc()``,
+beside the file), ``OnnxParser.parse(model_bytes, path)`` (the same, for a graph kiln edited: ``slot_free_graph``), ``OnnxParser.num_errors``/``get_error(i)`` with ``ParserError.desc()``,
 ``node()``, ``node_name()``, ``node_operator()``; ``Builder.create_builder_config()``,
 ``IBuilderConfig.set_memory_pool_limit(MemoryPoolType.WORKSPACE, n)``,
 ``builder_optimization_level``, ``hardware_compatibility_level``, ``set_flag``/``clear_flag``,
@@ -55,7 +55,7 @@ from kiln.exporter.engine.trtexec import SCRIPT, timing_cache_path
 if TYPE_CHECKING:
     import tensorrt as trt_types
 
-__all__ = ["INSTALL_HINT", "TrtLog", "make_logger", "load_tensorrt", "format_parser_error", "parser_errors", "check_in_place", "build_engine", "build_engines"]
+__all__ = ["INSTALL_HINT", "TrtLog", "make_logger", "load_tensorrt", "format_parser_error", "parser_errors", "slot_free_graph", "check_in_place", "build_engine", "build_engines"]
 
 INSTALL_HINT = (
     "pip install tensorrt on a machine with an NVIDIA GPU and CUDA (then run kiln build again there), "
@@ -145,10 +145,34 @@ def parser_errors(parser: object) -> list[str]:
     return [format_parser_error(get_error(i)) for i in range(count)]
 
 
-def _parse(trt: ModuleType, builder: trt_types.Builder, logger: trt_types.ILogger, onnx: Path) -> tuple[trt_types.INetworkDefinition, trt_types.OnnxParser]:
+def slot_free_graph(onnx: Path, slots: Sequence[str]) -> bytes:
+    """The graph of ``onnx`` (its weights left in their external file) without the initializers of
+    the LoRA slot inputs ``slots``. TensorRT's ONNX parser does not know overridable initializers: it
+    takes a graph input that has an initializer for a constant, never a network input
+    (onnx-tensorrt ``ModelImporter.cpp`` ``importInputs``: "Initializers are not really network
+    inputs, so they need to be excluded"), which would build the base model with no adapter input.
+    Without them the slots are ordinary inputs, ranged by the profile and always bound."""
+    import onnx as onnx_lib
+
+    proto = onnx_lib.load(str(onnx), load_external_data=False)
+    names = set(slots)
+    kept = [init for init in proto.graph.initializer if init.name not in names]
+    if len(proto.graph.initializer) - len(kept) != len(names):
+        raise ArtifactError(f"{onnx}: the manifest's {len(names)} LoRA slot inputs are not all initializers of the graph; re-export the directory")
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(kept)
+    return bytes(proto.SerializeToString())
+
+
+def _parse(
+    trt: ModuleType, builder: trt_types.Builder, logger: trt_types.ILogger, onnx: Path, slots: Sequence[str] = ()
+) -> tuple[trt_types.INetworkDefinition, trt_types.OnnxParser]:
     network = builder.create_network(compat.network_flags(trt))
     parser: trt_types.OnnxParser = trt.OnnxParser(network, logger)
-    ok = bool(parser.parse_from_file(str(onnx)))  # the 10.13 stubs' `bool` is trt.bool: coerce
+    if slots:  # parse(model, path): path locates the external weights beside the graph (pyOnnx.cpp)
+        ok = bool(parser.parse(slot_free_graph(onnx, slots), str(onnx)))
+    else:
+        ok = bool(parser.parse_from_file(str(onnx)))  # the 10.13 stubs' `bool` is trt.bool: coerce
     errors = parser_errors(parser)
     if not ok or errors:
         shown = "; ".join(errors[:_MAX_ERRORS]) or "the parser reported failure without an error"
@@ -266,7 +290,7 @@ def build_engine(directory: Path, profile: EngineProfile, options: BuildOptions,
         builder: trt_types.Builder = trt.Builder(logger)
     except (TypeError, RuntimeError) as exc:  # pybind11: "factory function returned nullptr" without a GPU
         raise EngineError(f"TensorRT could not create a builder ({log.last_error() if log.errors else exc}); is a CUDA GPU visible?") from None
-    network, _parser = _parse(trt, builder, logger, onnx)
+    network, _parser = _parse(trt, builder, logger, onnx, profile.slot_inputs)
 
     config, tf32 = _builder_config(trt, builder, options)
     dynamic = _add_profile(trt, builder, network, config, profile)

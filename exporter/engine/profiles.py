@@ -8,6 +8,15 @@ manifest's ``limits`` (docs/commands.md, kiln build):
 - decode: batch ``[1, opt_batch, max_batch]`` x past_seq ``[1, opt_context - 1, max_context - 1]``,
   so total_seq = past_seq + 1 is ``[2, opt_context, max_context]`` and the new tokens are one.
 
+An export with LoRA slots (``--lora-slots RANK``: the manifest's ``lora``) has, on its portable
+graphs only, each slot's ``A`` ``[in, 0..RANK]`` and ``B`` ``[0..RANK, out]`` (``lora_shapes``; the
+``--target onnx`` graphs have no slots, so their profiles are unchanged). A min rank of 0 is legal:
+``IOptimizationProfile::setDimensions`` requires ``0 <= min <= opt <= max`` since TensorRT 8
+(NvInferRuntime.h; TensorRT 7 required ``1 <= min``), and TensorRT runs zero-volume tensors
+(developer guide, "Empty Tensors"), so rank 0 is the base model, as on ONNX Runtime. opt is RANK:
+the builder times kernels at opt, and an adapter's rank is what a served request carries (rank 0
+is an empty product that costs nothing to tune).
+
 Any other input with int dims only (e.g. ``ple.{i}.scale`` under ``--ple-tables input``) gets
 its fixed shape as min = opt = max.
 
@@ -35,10 +44,11 @@ from kiln.exporter.contract.io import (
     TOTAL_SEQ,
     GraphKind,
 )
+from kiln.exporter.contract.lora import LoraSlots
 from kiln.exporter.engine.graphs import STD_TARGET
 from kiln.exporter.engine.options import BuildOptions, GraphSet
 
-__all__ = ["ENGINE_GRAPHS", "DimRange", "InputShape", "EngineProfile", "dim_ranges", "engine_file", "engine_profile", "engine_profiles"]
+__all__ = ["ENGINE_GRAPHS", "DimRange", "InputShape", "EngineProfile", "dim_ranges", "engine_file", "lora_shapes", "engine_profile", "engine_profiles"]
 
 ENGINE_GRAPHS = (GraphKind.PREFILL, GraphKind.DECODE)  # one engine each; model.onnx gets none
 Shape = tuple[int, ...]
@@ -73,6 +83,7 @@ class EngineProfile:
     onnx: str  # path relative to the export directory
     engine: str  # path relative to the export directory
     inputs: tuple[InputShape, ...]
+    slot_inputs: tuple[str, ...] = ()  # the LoRA slot inputs among them: ONNX initializers the build turns into inputs
 
     def shapes(self) -> dict[str, dict[str, object]]:
         return {s.name: s.to_dict() for s in self.inputs}
@@ -129,6 +140,17 @@ def _input_shape(kind: GraphKind, spec: TensorEntry, ranges: Mapping[str, DimRan
     return InputShape(name, dtype, tuple(lo), tuple(mid), tuple(hi))
 
 
+def lora_shapes(lora: LoraSlots) -> tuple[InputShape, ...]:
+    """Every slot's A ``[in, 0..max_rank]`` and B ``[0..max_rank, out]``, in the manifest's slot order
+    (the order the graphs list them, after the contract's inputs)."""
+    r = lora.max_rank
+    shapes: list[InputShape] = []
+    for s in lora.slots:
+        shapes.append(InputShape(s.a, lora.dtype, (s.in_features, 0), (s.in_features, r), (s.in_features, r)))
+        shapes.append(InputShape(s.b, lora.dtype, (0, s.out_features), (r, s.out_features), (r, s.out_features)))
+    return tuple(shapes)
+
+
 def engine_file(kind: GraphKind, graphs: GraphSet) -> str:
     """The engine of ``kind`` built from ``graphs``, relative to the export directory."""
     return f"engines/{kind.value}.std.plan" if graphs is GraphSet.ONNX else f"engines/{kind.value}.plan"
@@ -162,7 +184,8 @@ def engine_profile(manifest: Manifest, kind: GraphKind, options: BuildOptions, g
     file, inputs = _graph_inputs(manifest, kind, graphs)
     ranges = dim_ranges(kind, manifest.limits, options)
     shapes = tuple(_input_shape(kind, spec, ranges) for spec in inputs)
-    return EngineProfile(kind, file, engine_file(kind, graphs), shapes)
+    slots = lora_shapes(manifest.lora) if graphs is GraphSet.PORTABLE and manifest.lora is not None else ()  # portable graphs only
+    return EngineProfile(kind, file, engine_file(kind, graphs), shapes + slots, tuple(s.name for s in slots))
 
 
 def engine_profiles(manifest: Manifest, options: BuildOptions, graphs: GraphSet = GraphSet.PORTABLE) -> tuple[EngineProfile, ...]:

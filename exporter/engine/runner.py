@@ -9,6 +9,14 @@ host and synchronizes; ``deactivate()`` frees its buffers). Its host output buff
 the next ``infer``, so ``run`` returns copies. Each engine has one optimization profile (index 0,
 the default), so no profile is selected.
 
+An export with LoRA slots (the manifest's ``lora``) has engines whose slot inputs are ordinary
+network inputs (``build.slot_free_graph``): TensorRT has no optional inputs, so every run binds
+each slot, by default an empty ``[in, 0]`` / ``[0, out]`` tensor (rank 0: the base model, as
+ONNX Runtime's rank-0 initializers are; ``lora_default_feeds``). A zero-volume binding still needs
+a non-null, distinct address (TensorRT developer guide, "Empty Tensors"); polygraphy 0.53.6's
+``_get_array_on_gpu`` allocates one byte per such input for that reason. Adapter tensors fed by
+the caller (``extra_feeds`` or a run's feeds) replace the defaults.
+
 Before loading, every engine is checked against this machine's TensorRT and GPU
 (``records.check_engine_compat``) and its sha256 against engines.json. Not run in kiln's CPU CI.
 """
@@ -25,6 +33,7 @@ import numpy as np
 from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.contract.lora import LoraSlots
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.build import TrtLog, load_tensorrt, make_logger
 from kiln.exporter.engine.device import current_runtime
@@ -34,7 +43,7 @@ from kiln.exporter.engine.records import check_engine_compat, read_records
 if TYPE_CHECKING:
     import tensorrt as trt_types
 
-__all__ = ["RecordedEngines", "TrtRunner", "recorded_engines", "output_names", "load_engines"]
+__all__ = ["RecordedEngines", "TrtRunner", "recorded_engines", "output_names", "load_engines", "lora_default_feeds"]
 
 Feeds = dict[str, np.ndarray]
 
@@ -62,6 +71,19 @@ def recorded_engines(directory: Path, graphs: str) -> tuple[dict[GraphKind, Path
             raise ArtifactError(f"{path}: sha256 differs from engines.json; rebuild with kiln build {directory}")
         engines[kind], records[kind] = path, record
     return engines, records
+
+
+def lora_default_feeds(lora: LoraSlots | None) -> Feeds:
+    """Every slot input at rank 0 (``[in, 0]``, ``[0, out]`` in the slots' dtype): what an engine of a
+    slotted export is bound to when no adapter is fed. Empty without slots."""
+    if lora is None:
+        return {}
+    dtype = np.dtype(lora.dtype)
+    feeds: Feeds = {}
+    for slot in lora.slots:
+        feeds[slot.a] = np.zeros((slot.in_features, 0), dtype=dtype)
+        feeds[slot.b] = np.zeros((0, slot.out_features), dtype=dtype)
+    return feeds
 
 
 def output_names(trt: ModuleType, engine: trt_types.ICudaEngine) -> tuple[str, ...]:
@@ -114,14 +136,24 @@ class RecordedEngines:
         self._paths = dict(engines)
         self._records = dict(records or {})
         self._extra = dict(extra_feeds or {})
+        self._defaults: Feeds = {}  # inputs bound when a run feeds nothing for them (LoRA slots at rank 0)
         self._keep: list[Any] = []
 
     @classmethod
     def from_directory(cls: type[_Runner], directory: Path, extra_feeds: Feeds | None = None) -> _Runner:
         """The engines of ``DIR/engines/engines.json`` of this runner's graph set, after checking
         their sha256."""
+        from kiln.exporter.artifacts import manifest as manifest_mod
+
         engines, records = recorded_engines(directory, cls.graph_set)
-        return cls(engines, records, extra_feeds)
+        runner = cls(engines, records, extra_feeds)
+        if cls.graph_set == "portable":  # slots exist on the portable graphs only
+            runner._defaults = lora_default_feeds(manifest_mod.read(directory).lora)
+        return runner
+
+    def feeds(self, feeds: Feeds) -> Feeds:
+        """What one run binds: the defaults, then the run's feeds, then the inputs fed to every run."""
+        return {**self._defaults, **feeds, **self._extra}
 
     def graphs(self) -> tuple[GraphKind, ...]:
         return tuple(self._paths)
@@ -173,5 +205,5 @@ class TrtRunner(RecordedEngines, contextlib.AbstractContextManager["TrtRunner"])
         runner = self._runners.get(kind)
         if runner is None:
             raise EngineError(f"the TensorRT runner has no active {kind.value} engine (use it inside a with block)")
-        outputs = runner.infer({**feeds, **self._extra}, check_inputs=False)
+        outputs = runner.infer(self.feeds(feeds), check_inputs=False)
         return {name: np.array(outputs[name], copy=True) for name in self._outputs[kind]}

@@ -160,5 +160,5 @@ class StaticTrtRunner(RecordedEngines, contextlib.AbstractContextManager["Static
         session = self._sessions.get(kind)
         if session is None:
             raise EngineError(f"the TensorRT runner has no active {kind.value} engine (use it inside a with block)")
-        static, length = static_feeds(kind, {**feeds, **self._extra}, session.caches)
+        static, length = static_feeds(kind, self.feeds(feeds), session.caches)
         return portable_outputs(session.step(static, self._stream), length)

@@ -172,6 +172,13 @@ def render_script(
             "# TensorScatter; TensorRT 10.15+). KILN_GRAPHS=auto|portable|onnx picks, as kiln build --graphs does;",
             f"# default {options.graphs.value}. auto: the --target onnx graphs when trtexec is TensorRT 10.15 or newer.",
         ]
+    if any(p.slot_inputs for p in profiles):
+        lines += [
+            "# LoRA slots (--lora-slots): each slot's A/B carry the rank range [0, max_rank] below. In onnx/*.onnx they are also",
+            "# initializers (ONNX Runtime's optional inputs), which TensorRT's parser takes for constants: kiln build parses the",
+            "# graphs without them, but trtexec reads the file as it is (and refuses external weights under ../, so no slot-free",
+            "# copy can sit in engines/): these commands build engines that take no adapter. Build slotted engines with kiln build.",
+        ]
     lines += ["set -euo pipefail", 'cd "$(dirname "$0")/.."', "mkdir -p engines"]
     if not std:
         return "\n".join([*lines, *_commands(profiles, options, timing_cache)]) + "\n"

@@ -26,6 +26,15 @@ Facts from Triton's sources that this relies on (triton-inference-server/common
   ``initial_state`` when a request carries the ``sequence_start`` flag;
 - an input with a variable dim and no ``allow_ragged_batch`` is batched only with requests of the
   same shape, so requests in one batch share their prompt and past lengths;
+- LoRA slots (``--lora-slots``) are refused (``options.LORA_TRITON_REASON``), by ``kiln export
+  --triton`` and ``kiln triton`` alike: both models batch (``max_batch_size > 0``), so Triton adds a
+  batch dim to every input and the ONNX Runtime and TensorRT backends refuse a graph input whose
+  first dim is not a variable batch (backend ``CompareDimsSupported``: "model configuration
+  supports batching but first dimension ... is not a variable-size batch dimension"); a slot's
+  ``A`` [in, r] / ``B`` [r, out] has none, and the graph applies one adapter to a whole batch, so
+  the batchers would run one request's adapter on another's tokens. ``optional: true`` inputs
+  would not change either. Serving slots needs per-request adapter routing (batch-1 models without
+  the batchers, or a BLS/python model grouping requests by adapter), not written yet;
 - ``initial_state`` dims may not be -1; a dim of 0 passes that check, but whether the server and
   backend accept a zero-length initial state at run time is unverified (no server here).
 """
@@ -40,14 +49,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import ArtifactError
+from kiln.errors import ArtifactError, ConfigError
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.artifacts.hashing import rehash_subtree
 from kiln.exporter.artifacts.manifest import Manifest, TensorEntry
 from kiln.exporter.artifacts.staging import Owner, require_replaceable, staged_output
 from kiln.exporter.artifacts.verify import require_verified, unlisted
 from kiln.exporter.contract.io import BATCH, PAST_SEQ, GraphKind, past_names, present_names
-from kiln.exporter.options import TRITON_NAME
+from kiln.exporter.options import LORA_TRITON_REASON, TRITON_NAME
 from kiln.exporter.serving.triton_readme import IDLE_MICROSECONDS, readme
 
 __all__ = [
@@ -252,6 +261,8 @@ def triton_models(directory: Path, manifest: Manifest, name: str) -> list[Triton
     """The models of the repository: ``NAME`` (ONNX Runtime) and, with engines, ``NAME_prefill``/``NAME_decode``."""
     if not TRITON_NAME.match(name):
         raise ArtifactError(f"triton: model name {name!r} must start with a letter or digit and hold only letters, digits, '_', '.' and '-'")
+    if manifest.lora is not None:
+        raise ConfigError(f"triton: {directory} was exported with --lora-slots: {LORA_TRITON_REASON}")
     if manifest.model.encoder_dim is not None:
         raise ArtifactError(
             "triton: cross-attention decoders are not supported yet (the ensemble would need encoder_hidden_states"
