@@ -39,7 +39,7 @@ def check_dir(
     progress = progress or NullProgress()
     manifest = require_verified(directory)
     if adapter is not None and backend != "onnxruntime":
-        raise ConfigError("--adapter: adapters are checked on ONNX Runtime only (TensorRT engines take no LoRA slots yet)")
+        raise ConfigError("--adapter: adapters are checked on ONNX Runtime only (kiln build's engines take the slot inputs, but feeding them an adapter has not run on a GPU yet)")
     if backend == "tensorrt":  # before loading anything: are there engines at all?
         from kiln.exporter.engine.records import read_records
 

@@ -166,7 +166,7 @@ def test_the_readme_s_adapter_example_runs_as_written(tmp_path: Path) -> None:
     command does not install), so ``test_readme`` skips them; here they run as written."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     lines = [line.strip().split("  #")[0].strip() for line in readme.splitlines() if line.startswith("    ") and "build/lora" in line]
-    assert [line.split()[:3] for line in lines] == [["python", "-m", "kiln.demo.lora"], ["kiln", "export", "--model"]], lines
+    assert [line.split()[:2] for line in lines] == [["python", "-m"], ["kiln", "export"], ["kiln", "export"], ["kiln", "adapter"], ["kiln", "generate"]], lines
     for line in lines:
         args = shlex.split(line)
         command = [sys.executable, *args[1:]] if args[0] == "python" else [sys.executable, "-m", "kiln.cli", *args[1:]]
@@ -174,6 +174,8 @@ def test_the_readme_s_adapter_example_runs_as_written(tmp_path: Path) -> None:
         assert done.returncode == 0, f"{line}\n{done.stderr[-3000:]}"
     manifest = json.loads((tmp_path / "build" / "lora" / "out" / "manifest.json").read_text())
     assert [a["path"] for a in manifest["checkpoint"]["adapters"]] == ["build/lora/adapter"]
+    assert (tmp_path / "build" / "lora" / "adapter.onnx_adapter").is_file()  # kiln adapter's file, which kiln generate read
+    assert json.loads((tmp_path / "build" / "lora" / "slots" / "manifest.json").read_text())["lora"]["max_rank"] == 16
 
 
 @pytest.mark.slow
