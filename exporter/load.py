@@ -102,7 +102,7 @@ def lora_slots(reference: Reference, options: ExportOptions) -> LoraSlots | None
 
     if not isinstance(reference.module, HFDecoder):
         raise ConfigError(f"--lora-slots: kiln writes LoRA slots on Hugging Face decoder checkpoints only; {reference.loaded.source} is not one")
-    return plan_slots(reference.module.model, options.lora_slots, options.precision.kv_dtype)
+    return plan_slots(reference.module.model, options.lora_slots, options.precision.kv_dtype, options.lora_targets)
 
 
 def read_adapters(loaded: LoadedModel, adapters: Sequence[tuple[Path, float]], model_ref: str | Path | None) -> tuple[LoraAdapter, ...]:

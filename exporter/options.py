@@ -69,6 +69,7 @@ class ExportOptions:
     force: bool = False  # replace a non-empty output directory
     adapters: tuple[Adapter, ...] = ()  # PEFT LoRA adapters merged into a Hugging Face checkpoint (``plugins.hf.adapter``)
     lora_slots: int | None = None  # --lora-slots RANK: swappable LoRA inputs on every Linear, rank up to RANK (``exporter.lora``)
+    lora_targets: tuple[str, ...] = ()  # --lora-targets: the slots on these module names only (PEFT's target_modules)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -109,6 +110,8 @@ class ExportOptions:
     def _check_lora_slots(self) -> None:
         """What ``--lora-slots`` is built for so far: the portable graphs, fp32 or fp16, no merge."""
         if self.lora_slots is None:
+            if self.lora_targets:
+                raise ConfigError("--lora-targets only applies with --lora-slots RANK")
             return
         if self.lora_slots < 1:
             raise ConfigError(f"--lora-slots must be at least 1 (the largest adapter rank the graphs take), found {self.lora_slots}")

@@ -44,7 +44,7 @@ def slot_tensors(adapter: LoraAdapter, lora: LoraSlots, where: str) -> dict[str,
     for module, (a, b) in adapter.tensors.items():
         slot = slots.get(module)
         if slot is None:
-            raise ConfigError(f"{where}: the export has no LoRA slot for {module} (slots are on every Linear but the output head); merge this adapter with kiln export --adapter")
+            raise ConfigError(f"{where}: the export has no LoRA slot for {module} (slots: every Linear but the output head, or those --lora-targets names); merge this adapter with kiln export --adapter")
         if (a.shape[1], b.shape[0]) != (slot.in_features, slot.out_features):
             raise ConfigError(f"{where}: {module} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; the export's slot takes [r, {slot.in_features}] and [{slot.out_features}, r] (an adapter of another base?)")
         scale = adapter.weight * adapter.scaling

@@ -30,9 +30,10 @@ __all__ = ["LoraSlot", "LoraSlots", "plan_slots", "GRAPH_PREFIX"]
 
 
 
-def plan_slots(model: nn.Module, rank: int, dtype: str) -> LoraSlots:
+def plan_slots(model: nn.Module, rank: int, dtype: str, targets: tuple[str, ...] = ()) -> LoraSlots:
     """The slots of a transformers model (``HFDecoder.model``): every Linear and Conv1D but the
-    output head and tied weights, in module order."""
+    output head and tied weights, in module order; with ``targets`` (``--lora-targets``, module
+    names as PEFT's ``target_modules`` gives them) only those, each of which must name one."""
     from transformers.pytorch_utils import Conv1D
 
     hf: Any = model  # a transformers PreTrainedModel (untyped)
@@ -40,12 +41,17 @@ def plan_slots(model: nn.Module, rank: int, dtype: str) -> LoraSlots:
     owners: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         owners[id(param)] = owners.get(id(param), 0) + 1
-    slots = []
+    slots, names = [], set()
     for path, module in model.named_modules():
         if module is head or not isinstance(module, (nn.Linear, Conv1D)) or owners.get(id(module.weight), 0) > 1:
             continue
+        names.add(path.rsplit(".", 1)[-1])
+        if targets and path.rsplit(".", 1)[-1] not in targets:
+            continue
         rows, cols = (int(d) for d in module.weight.shape)
         slots.append(LoraSlot.of(path, cols, rows) if isinstance(module, nn.Linear) else LoraSlot.of(path, rows, cols))  # Conv1D's weight is [in, out]
+    if unknown := sorted(set(targets) - names):
+        raise ConfigError(f"--lora-targets: {', '.join(unknown)} names no Linear of the model that can take a slot; it has {', '.join(sorted(names))}")
     if not slots:
         raise ConfigError("--lora-slots: the model has no Linear or Conv1D layer besides its output head to give a slot")
     return LoraSlots(rank, dtype, tuple(slots))

@@ -206,7 +206,7 @@ def test_kiln_check_adapter_and_a_changed_slot_fails(slots: dict[str, Path], tmp
 def test_refusals(slots: dict[str, Path], tmp_path: Path) -> None:
     ckpt, out = slots["ckpt"], str(slots["out"])
     head = make_adapter(ckpt, tmp_path / "head", ["q_proj", "lm_head"], seed=4)
-    assert config_error("adapter", str(head), "--export", out) == f"--adapter {head}: the export has no LoRA slot for lm_head (slots are on every Linear but the output head); merge this adapter with kiln export --adapter"
+    assert config_error("adapter", str(head), "--export", out) == f"--adapter {head}: the export has no LoRA slot for lm_head (slots: every Linear but the output head, or those --lora-targets names); merge this adapter with kiln export --adapter"
     big = make_adapter(ckpt, tmp_path / "big", ["q_proj"], seed=4, r=16)
     assert config_error("adapter", str(big), "--export", out) == f"--adapter {big}: its rank 16 exceeds the export's --lora-slots 8; export again with --lora-slots 16 or more"
     assert config_error("adapter", str(slots["wide"]), "--export", out) == f"{slots['wide_file']}: already exists; pass --force to replace it"
@@ -223,7 +223,23 @@ def test_refusals(slots: dict[str, Path], tmp_path: Path) -> None:
     assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-slots", "4", "--target", "ort") == "--lora-slots with --target ort: slots are built on the portable graphs only"
     assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-slots", "4", "--adapter", str(slots["wide"])).startswith("--lora-slots with --adapter: either merge")
     assert config_error("export", "--model", "demo", "--out", str(tmp_path / "x"), "--lora-slots", "4").startswith("--lora-slots: kiln writes LoRA slots on Hugging Face decoder checkpoints only")
+    assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-slots", "4", "--lora-targets", "q_proj,qproj") == (
+        "--lora-targets: qproj names no Linear of the model that can take a slot; it has down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"
+    )
+    assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-targets", "q_proj") == "--lora-targets only applies with --lora-slots RANK"
     assert not (tmp_path / "x").exists()
+
+
+def test_lora_targets_slot_those_modules_only(slots: dict[str, Path], tmp_path: Path) -> None:
+    """--lora-targets q_proj,v_proj: slots on those only; the narrow adapter (q_proj, v_proj)
+    converts and generates PEFT's tokens, the wide one is refused by its first unslotted module."""
+    out = tmp_path / "qv"
+    assert export(slots["ckpt"], out, ExportOptions(max_batch=4, parity_tokens=4, lora_slots=4, lora_targets=("q_proj", "v_proj"))).parity.passed
+    assert [s.module.rsplit(".", 2)[-1] for s in read(out).lora.slots] == ["q_proj", "v_proj"] * 2  # type: ignore[union-attr]
+    assert config_error("adapter", str(slots["wide"]), "--export", str(out), "--no-check").startswith(f"--adapter {slots['wide']}: the export has no LoRA slot for model.layers.0.mlp.down_proj")
+    run = CliRunner().invoke(main, ["adapter", str(slots["narrow"]), "--export", str(out), "--out", str(tmp_path / "n.onnx_adapter")])
+    assert run.exit_code == 0, run.output
+    _assert_tokens(out, slots["ckpt"], slots["narrow"], tmp_path / "n.onnx_adapter")
 
 
 def test_an_export_without_slots_is_refused(tmp_path: Path) -> None:
