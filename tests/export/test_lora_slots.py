@@ -153,7 +153,11 @@ def test_architectures_swap_adapters(case: str, tmp_path: Path) -> None:
     assert read(tmp_path / "out").lora.dtype == ("float16" if precision == "fp16" else "float32")  # type: ignore[union-attr]
     if precision == "fp16":  # fp16 graphs: kiln adapter's parity (fp16 tolerances) is the proof; greedy ties may flip against fp32 PEFT
         return
-    assert _assert_tokens(tmp_path / "out", ckpt, adapter, tmp_path / "a.onnx_adapter") != _assert_tokens(tmp_path / "out", ckpt, None, None)
+    other = make_adapter(ckpt, tmp_path / "other", targets[-2:], seed=5, r=2, scale=0.3)  # a second adapter on fewer modules (the MLP), another rank
+    run = CliRunner().invoke(main, ["adapter", str(other), "--export", str(tmp_path / "out"), "--out", str(tmp_path / "b.onnx_adapter"), "--no-check"])
+    assert run.exit_code == 0 and "parity" not in run.output, run.output
+    seen = [_assert_tokens(tmp_path / "out", ckpt, a, f) for a, f in ((adapter, tmp_path / "a.onnx_adapter"), (other, tmp_path / "b.onnx_adapter"), (None, None))]
+    assert seen[0] != seen[2] and seen[1] != seen[2] and seen[0] != seen[1]
 
 
 def test_genai_loads_kiln_s_adapter_files(slots: dict[str, Path]) -> None:
