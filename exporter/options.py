@@ -100,7 +100,8 @@ class ExportOptions:
             )
 
     def _check_lora_slots(self) -> None:
-        """What ``--lora-slots`` is built for so far: the portable graphs, fp32 or fp16, no merge."""
+        """What ``--lora-slots`` is built for so far: the portable graphs (fp32 or fp16) and
+        ``--target ort``'s fp32 ones, no merge."""
         if self.lora_slots is None:
             return
         if self.lora_slots < 1:
@@ -109,8 +110,10 @@ class ExportOptions:
             raise ConfigError("--lora-slots with --adapter: either merge the adapters (--adapter) or export slots and convert each adapter with kiln adapter, not both")
         if any(not isinstance(k, Fp16) for k in self.precision.kinds):
             raise ConfigError(f"--lora-slots with {self.precision.value}: slots are built on fp32 and fp16 graphs only (a low-bit base with float adapters is not built yet)")
-        if self.target != "portable":
-            raise ConfigError(f"--lora-slots with --target {self.target}: slots are built on the portable graphs only")
+        if self.target not in ("portable", "ort"):
+            raise ConfigError(f"--lora-slots with --target {self.target}: slots are built on the portable graphs and --target ort only")
+        if self.ort_int8:
+            raise ConfigError("--lora-slots with --ort-int8: slots are built on fp32 ONNX Runtime-target graphs only (int8 MatMulNBits weights with float adapters are not built yet)")
         if self.triton is not None:
             raise ConfigError("--lora-slots with --triton: the Triton configuration does not declare the adapter inputs yet")
 
