@@ -101,7 +101,8 @@ class ExportOptions:
 
     def _check_lora_slots(self) -> None:
         """What ``--lora-slots`` is built for so far: the portable graphs (fp32 or fp16) and
-        ``--target ort``'s fp32 ones, no merge."""
+        ``--target ort``'s (fp32, or ``--ort-int8``: the slots stay float MatMuls beside the int8
+        weights), no merge."""
         if self.lora_slots is None:
             return
         if self.lora_slots < 1:
@@ -112,8 +113,6 @@ class ExportOptions:
             raise ConfigError(f"--lora-slots with {self.precision.value}: slots are built on fp32 and fp16 graphs only (a low-bit base with float adapters is not built yet)")
         if self.target not in ("portable", "ort"):
             raise ConfigError(f"--lora-slots with --target {self.target}: slots are built on the portable graphs and --target ort only")
-        if self.ort_int8:
-            raise ConfigError("--lora-slots with --ort-int8: slots are built on fp32 ONNX Runtime-target graphs only (int8 MatMulNBits weights with float adapters are not built yet)")
         if self.triton is not None:
             raise ConfigError("--lora-slots with --triton: the Triton configuration does not declare the adapter inputs yet")
 

@@ -10,7 +10,8 @@ PEFT adapter (random A and B, large enough to change the greedy tokens: asserted
 ``kiln adapter``, whose parity covers the ORT graphs fed it; ``kiln generate --target ort
 --adapter`` (the in-place KV cache, the adapter bound through IOBinding) gives PEFT's
 ``generate()`` tokens. Qwen2 (q/k/v biases: its projections are not packed, as without slots) the
-same way. ``--target onnx`` and ``--ort-int8`` are refused by name.
+same way. With ``--ort-int8`` the base weights are int8 MatMulNBits and the slots stay float
+MatMuls beside them. ``--target onnx`` is refused by name.
 """
 
 from __future__ import annotations
@@ -63,12 +64,13 @@ def _generate(model: Any, prompts: list[list[int]], steps: int = STEPS) -> np.nd
     return np.asarray(out[:, ids.shape[1] :].numpy())
 
 
-def _exported(case: str, root: Path) -> dict[str, Path]:
-    """``case`` exported with slots of rank 8 and --target ort (parity passed), and one adapter on
-    every projection converted by ``kiln adapter`` (its parity passed, the ORT graphs among them)."""
+def _exported(case: str, root: Path, **options: Any) -> dict[str, Path]:
+    """``case`` exported with slots of rank 8 and --target ort (and ``options``; parity passed),
+    and one adapter on every projection converted by ``kiln adapter`` (its parity passed, the ORT
+    graphs among them)."""
     ckpt = save_base(case, root / "ckpt")
     paths = {"ckpt": ckpt, "adapter": make_adapter(ckpt, root / "adapter", ALL, seed=2), "out": root / "out"}
-    result = export(ckpt, paths["out"], ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8, target="ort"))
+    result = export(ckpt, paths["out"], ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8, target="ort", **options))
     assert result.parity.passed, result.parity.failures()
     run = CliRunner().invoke(main, ["adapter", str(paths["adapter"]), "--export", str(paths["out"]), "--json"])
     assert run.exit_code == 0, run.output
@@ -166,12 +168,28 @@ def test_qwen2_biased_projections(tmp_path: Path) -> None:
     _assert_tokens(paths)
 
 
+@pytest.mark.slow
+def test_ort_int8_keeps_the_slots_float(tmp_path: Path) -> None:
+    """--ort-int8: every base weight MatMul (q/k/v and gate/up packed, o, down, the head) is an
+    int8 MatMulNBits, every slot's A and B a float MatMul (``_assert_ort_slots``) whose delta is
+    added to the MatMulNBits' output (or the packed one's Split); kiln adapter's parity, at the
+    int8 tolerances against PEFT's model, passed on these graphs, and the adapter changes the
+    tokens (int8 weights: PEFT's fp32 greedy tokens are parity's agreement, not asserted here)."""
+    paths = _exported("llama", tmp_path, ort_int8=True)
+    decode = _assert_ort_slots(paths["out"])[GraphKind.DECODE]
+    made = {out: node.op_type for node in decode.graph.node for out in node.output}
+    assert len(_ops(decode, "MatMulNBits")) == 2 * 4 + 1 and len(_ops(decode, "MatMul")) == 2 * 2 * len(ALL)  # the slots' two MatMuls each
+    lora = [n for n in _ops(decode, "Add") if "/lora/" in n.name]
+    assert sorted(made[n.input[0]] for n in lora) == ["MatMulNBits"] * 6 + ["Split"] * 4  # packed q/k/v, o, down; gate and up
+    spec = load_model(paths["ckpt"]).spec
+    (prompt,) = make_prompts(spec, [9], seed=1)
+    runs = [Generator(paths["out"], target="ort", adapter=file).run(prompt, STEPS, stop_at_eos=False).tokens for file in (paths["file"], None)]
+    assert runs[0] != runs[1]
+
+
 def test_refusals(llama: dict[str, Path], tmp_path: Path) -> None:
     ckpt = str(llama["ckpt"])
     assert config_error("export", "--model", ckpt, "--out", str(tmp_path / "x"), "--lora-slots", "4", "--target", "onnx") == (
         "--lora-slots with --target onnx: slots are built on the portable graphs and --target ort only"
-    )
-    assert config_error("export", "--model", ckpt, "--out", str(tmp_path / "x"), "--lora-slots", "4", "--target", "ort", "--ort-int8") == (
-        "--lora-slots with --ort-int8: slots are built on fp32 ONNX Runtime-target graphs only (int8 MatMulNBits weights with float adapters are not built yet)"
     )
     assert not (tmp_path / "x").exists()
