@@ -108,7 +108,9 @@ class ExportOptions:
             )
 
     def _check_lora_slots(self) -> None:
-        """What ``--lora-slots`` is built for so far: the portable graphs, fp32 or fp16, no merge."""
+        """What ``--lora-slots`` is built for so far: the portable graphs (fp32, fp16 or an int4
+        base) and ``--target ort``'s (the slots stay float MatMuls beside MatMulNBits weights),
+        no merge."""
         if self.lora_slots is None:
             if self.lora_targets:
                 raise ConfigError("--lora-targets only applies with --lora-slots RANK")
@@ -119,8 +121,8 @@ class ExportOptions:
             raise ConfigError("--lora-slots with --adapter: either merge the adapters (--adapter) or export slots and convert each adapter with kiln adapter, not both")
         if any(not isinstance(k, (Fp16, Int4)) for k in self.precision.kinds):
             raise ConfigError(f"--lora-slots with {self.precision.value}: slots are built on float and int4 (weight-only) bases only; int8 and fp8 quantize the activations the adapters would read")
-        if self.target != "portable":
-            raise ConfigError(f"--lora-slots with --target {self.target}: slots are built on the portable graphs only")
+        if self.target not in ("portable", "ort"):
+            raise ConfigError(f"--lora-slots with --target {self.target}: slots are built on the portable graphs and --target ort only")
         if self.triton is not None:
             raise ConfigError(f"--lora-slots with --triton: {LORA_TRITON_REASON}")
 

@@ -66,7 +66,7 @@ class Generator:
         from kiln.exporter.runners import ort_session
 
         manifest = require_verified(directory)
-        self._adapter = _adapter_values(manifest, adapter, target) if adapter is not None else {}
+        self._adapter = _adapter_values(manifest, adapter) if adapter is not None else {}
         ple = manifest.export.ple
         if ple is not None and ple.tables == "input":
             raise GenerateError(f"{directory}: exported with --ple-tables input; kiln generate runs graphs with the tables as constants")
@@ -85,6 +85,7 @@ class Generator:
         self.eos = manifest.model.eos_token_id
         self._prefill = ort_session(directory / files[GraphKind.PREFILL], threads=threads, spinning=False)
         self._decode = ort_session(directory / files[GraphKind.DECODE], threads=threads, spinning=False)
+        _check_slots(self._prefill, self._decode, self._adapter, target)
         # an encoder-decoder: the prompt is the encoder's input; the decoder starts from its start token
         self._encoder = self._encoder_session(directory, manifest, threads) if manifest.model.has_encoder else None
         self._kv = kv
@@ -214,7 +215,17 @@ class _BoundSteps:
         return outputs
 
 
-def _adapter_values(manifest: Manifest, adapter: Path, target: str | None) -> dict[str, Any]:
+def _check_slots(prefill: Any, decode: Any, adapter: dict[str, Any], target: str | None) -> None:
+    """Every tensor of the adapter is a slot input of both graphs: the portable graphs of a
+    ``--lora-slots`` export have them, and so do its ``--target ort`` graphs (they keep the
+    portable graphs' slots); a target's graphs without them are refused by name."""
+    for session in (prefill, decode):
+        names = {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}  # a slot is the latter
+        if missing := sorted(set(adapter) - names):
+            raise GenerateError(f"--adapter with --target {target or 'portable'}: its graphs have no LoRA slot input {missing[0]} (and {len(missing) - 1} more)")
+
+
+def _adapter_values(manifest: Manifest, adapter: Path) -> dict[str, Any]:
     """The adapter file's tensors as OrtValues by slot input, once the file is checked against the
     export's slots. They are bound as inputs: ONNX Runtime (1.32) ignores ``RunOptions``' active
     adapters in ``run_with_iobinding`` (it warns "won't have an effect"); GenAI's ``og.Adapters``
@@ -224,8 +235,6 @@ def _adapter_values(manifest: Manifest, adapter: Path, target: str | None) -> di
     from kiln.errors import ConfigError
     from kiln.exporter.lora.adapter_file import read_adapter_file
 
-    if target is not None:
-        raise GenerateError(f"--adapter with --target {target}: LoRA slots are on the portable graphs only")
     try:
         tensors = read_adapter_file(adapter, manifest.lora, f"--adapter {adapter}")
     except ConfigError as exc:

@@ -251,7 +251,7 @@ class Manifest:
     files: dict[str, str]
     targets: dict[str, TargetEntry] | None = _omit()
     engines: EnginesEntry | None = _omit()
-    lora: LoraSlots | None = _omit()  # --lora-slots: every portable graph's optional adapter inputs (``exporter.lora``)
+    lora: LoraSlots | None = _omit()  # --lora-slots: every portable graph's optional adapter inputs, and --target ort's graphs' (``exporter.lora``)
 
     def graph(self, kind: GraphKind) -> GraphEntry:
         return self.graphs[kind.value]

@@ -75,12 +75,13 @@ def structure_problems(directory: Path, manifest: Manifest) -> list[str]:
             if target_graph.inputs is not None and target_graph.outputs is not None:  # a contract of its own (static cache)
                 problems += _graph_problems(directory, manifest, target_graph.file, GraphEntry(target_graph.file, target_graph.inputs, target_graph.outputs), with_dtypes=True)
             else:
-                problems += _graph_problems(directory, manifest, target_graph.file, portable, with_dtypes=False)
+                problems += _graph_problems(directory, manifest, target_graph.file, _with_lora(portable, manifest), with_dtypes=False)
     return problems + _dim_problems(manifest)
 
 
 def _with_lora(entry: GraphEntry, manifest: Manifest) -> GraphEntry:
-    """A portable graph's inputs with its LoRA slots' after them (``--lora-slots``: the manifest's ``lora``)."""
+    """A portable graph's inputs with its LoRA slots' after them (``--lora-slots``: the manifest's
+    ``lora``); a target's graphs of the portable contract (``--target ort``) keep the same slots."""
     if manifest.lora is None:
         return entry
     slots = [TensorEntry(name, manifest.lora.dtype, (d0, d1)) for name, (_, d0, d1) in manifest.lora.inputs().items()]

@@ -224,7 +224,6 @@ def test_refusals(slots: dict[str, Path], tmp_path: Path) -> None:
     assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-slots", "4", "--int8", "--calib-data", "synthetic") == (
         "--lora-slots with int8: slots are built on float and int4 (weight-only) bases only; int8 and fp8 quantize the activations the adapters would read"
     )
-    assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-slots", "4", "--target", "ort") == "--lora-slots with --target ort: slots are built on the portable graphs only"
     assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-slots", "4", "--adapter", str(slots["wide"])).startswith("--lora-slots with --adapter: either merge")
     assert config_error("export", "--model", "demo", "--out", str(tmp_path / "x"), "--lora-slots", "4").startswith("--lora-slots: kiln writes LoRA slots on Hugging Face decoder checkpoints only")
     assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-slots", "4", "--lora-targets", "q_proj,qproj") == (

@@ -39,6 +39,7 @@ from kiln.exporter.passes.ir_utils import MS_DOMAIN, copy_type, producer, use_ms
 from kiln.exporter.targets.ort.attention import AttentionCore, AttentionCoreRule, flatten_heads
 from kiln.exporter.targets.ort.graph_values import GraphValues, TableFn
 from kiln.exporter.targets.ort.gqa_rotary import fuse_rotary_in_gqa
+from kiln.exporter.targets.ort.lora import SlotDelta, carry_deltas, slot_delta
 from kiln.exporter.targets.ort.pack import pack_matmuls, packable_reason
 from kiln.exporter.targets.ort.rotary import RotaryEmbeddingRule, rotary_candidates, rotary_label
 from kiln.exporter.targets.ort.rules import NotFused, apply_rules, explain, rule_of, where
@@ -89,36 +90,47 @@ def _rewire_presents(core: AttentionCore, present_key: ir.Value, present_value: 
         graph.outputs[graph.outputs.index(old)] = new
 
 
-def _projection(value: ir.Value | None) -> ir.Node | None:
-    """The MatMul behind a GQA input, through its RotaryEmbedding when it has one."""
+def _unrotated(value: ir.Value | None) -> ir.Value | None:
+    """A GQA input behind its RotaryEmbedding when it has one."""
     node = value.producer() if value is not None else None
     if node is not None and node.op_type == "RotaryEmbedding" and node.domain == MS_DOMAIN:
-        value = node.inputs[0]
-    return producer(value, "MatMul")
+        return node.inputs[0]
+    return value
 
 
 def _maker(value: ir.Value | None) -> str:
     """What computes a GQA input, behind its RotaryEmbedding."""
-    node = value.producer() if value is not None else None
-    if node is not None and node.op_type == "RotaryEmbedding" and node.inputs[0] is not None:
-        node = node.inputs[0].producer()
+    source = _unrotated(value)
+    node = source.producer() if source is not None else None
     return node.op_type if node is not None else "a graph input"
 
 
+def _qkv_reason(node: ir.Node, matmuls: list[ir.Node | None], slotted: list[SlotDelta | None]) -> str | None:
+    """Why a fused layer's q/k/v projections cannot be packed, or None."""
+    if others := [f"{'qkv'[i]} by {_maker(node.inputs[i])}" for i, m in enumerate(matmuls) if m is None]:
+        return f"q/k/v are not three MatMuls ({', '.join(others)})"
+    if any(slotted) and not all(slotted):
+        return "only some of q/k/v carry a LoRA slot"
+    return packable_reason([m for m in matmuls if m is not None])
+
+
 def _pack_qkv(model: ir.Model) -> list[str]:
-    """Each fused layer's q/k/v projections -> one packed MatMul + Split (``pack``); "layer i:
-    why" for each layer whose projections are not packable."""
+    """Each fused layer's q/k/v projections -> one packed MatMul + Split (``pack``), their LoRA
+    slots' deltas carried into it (``lora.carry_deltas``); "layer i: why" for each layer whose
+    projections are not packable."""
     why = []
     for node in [n for n in model.graph if n.op_type == "GroupQueryAttention" and n.domain == MS_DOMAIN]:
-        matmuls = [_projection(node.inputs[i]) for i in range(3)]
-        found = [m for m in matmuls if m is not None]
-        others = [f"{'qkv'[i]} by {_maker(node.inputs[i])}" for i, m in enumerate(matmuls) if m is None]
-        reason = packable_reason(found) if not others else f"q/k/v are not three MatMuls ({', '.join(others)})"
+        sources = [_unrotated(node.inputs[i]) for i in range(3)]
+        slotted = [slot_delta(v) for v in sources]
+        matmuls = [s[0] if s is not None else producer(v, "MatMul") for v, s in zip(sources, slotted, strict=True)]
+        reason = _qkv_reason(node, matmuls, slotted)
         if reason is not None:
             why.append(f"{where(node)}: q/k/v not packed: {reason}")
             continue
         layer = where(node).removeprefix("layer ")
-        pack_matmuls(model.graph, found, f"layers.{layer}.attn.qkv_proj")
+        outputs = pack_matmuls(model.graph, [m for m in matmuls if m is not None], f"layers.{layer}.attn.qkv_proj")
+        if all(slotted):
+            carry_deltas(model.graph, outputs, [s for s in slotted if s is not None])
     return why
 
 

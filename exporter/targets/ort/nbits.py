@@ -21,6 +21,7 @@ from kiln.exporter.passes.ir_utils import (
     producer,
     use_ms_domain,
 )
+from kiln.exporter.targets.ort.lora import fixed_weight
 
 __all__ = ["ACCURACY_LEVEL", "BLOCK_SIZE", "pack_int8_blocks", "quantize_matmul_nbits", "replace_with_nbits"]
 
@@ -107,7 +108,7 @@ def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accurac
         transposed = producer(b, "Transpose")  # a tied LM head reads the embedding through a Transpose
         if transposed is not None and list(transposed.attributes.get_ints("perm", [1, 0])) == [1, 0] and transposed.inputs[0] is not None:
             b = transposed.inputs[0]
-        tensor = b.const_value if b is not None else None
+        tensor = fixed_weight(b)  # a LoRA slot's A and B stay float MatMuls, fed at run time
         if a is None or b is None or tensor is None or tensor.dtype != ir.DataType.FLOAT or len(tensor.shape) != 2:
             continue
         weight = tensor.numpy().T if (gemm is not None and gemm[0]) or transposed is not None else tensor.numpy()

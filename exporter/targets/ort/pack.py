@@ -17,14 +17,14 @@ import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant, copy_type, set_dtype
 from kiln.exporter.passes.names import module_of
 from kiln.exporter.targets.ort.int4 import BlockInt4, register
+from kiln.exporter.targets.ort.lora import fixed_weight
 from kiln.exporter.targets.ort.rules import NotFused
 
 __all__ = ["pack_matmuls", "pack_shared_input_matmuls", "packable", "packable_reason"]
 
 
 def _weight(node: ir.Node) -> ir.TensorProtocol | None:
-    weight = node.inputs[1] if len(node.inputs) == 2 else None
-    tensor = weight.const_value if weight is not None else None
+    tensor = fixed_weight(node.inputs[1]) if len(node.inputs) == 2 else None  # a LoRA slot's A is no constant
     if tensor is None or len(tensor.shape) != 2 or tensor.dtype != ir.DataType.FLOAT:
         return None
     return tensor
