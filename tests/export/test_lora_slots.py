@@ -274,7 +274,8 @@ def test_bench_times_an_adapter_beside_rank_0(slots: dict[str, Path], tmp_path: 
 @pytest.mark.slow
 def test_an_int4_base_with_float_adapters(slots: dict[str, Path], tmp_path: Path) -> None:
     """QLoRA-style serving: int4 (RTN) base weights, the adapter in float on the slots. kiln
-    adapter's parity is against PEFT's model over the export's own int4 numbers (fp32 tolerance);
+    adapter's parity is against PEFT's model over the export's own int4 numbers (fp32 tolerance;
+    the --target ort graphs' MatMulNBits at theirs);
     here the tokens are compared independently: kiln generate with the adapter equals PEFT's
     generate() over the dequantized int4 base, and without one the int4 base alone."""
     from kiln.exporter.options import Int4, Int4Method
@@ -282,10 +283,11 @@ def test_an_int4_base_with_float_adapters(slots: dict[str, Path], tmp_path: Path
     from kiln.plugins.hf.decoder import HFDecoder
 
     ckpt, out = slots["ckpt"], tmp_path / "out"
-    options = ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8, precision=Precision.of(Int4(method=Int4Method.RTN, block=16)), parity_agreement="record")
+    int4 = Precision.of(Int4(method=Int4Method.RTN, block=16))
+    options = ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8, precision=int4, parity_agreement="record", target="ort")  # MatMulNBits there
     assert export(ckpt, out, options).parity.passed
     run = CliRunner().invoke(main, ["adapter", str(slots["wide"]), "--export", str(out), "--out", str(tmp_path / "a.onnx_adapter")])
-    assert run.exit_code == 0 and "portable vs int4 weights" in run.output, run.output
+    assert run.exit_code == 0 and "portable vs int4 weights" in run.output and "ort vs int4 weights" in run.output, run.output
     graphs = [out / read(out).graph(k).file for k in (GraphKind.PREFILL,)]
     (prompt,) = make_prompts(load_model(ckpt).spec, [9], seed=1)
     seen = []
