@@ -280,3 +280,33 @@ def make_adapter(ckpt: Path, directory: Path, targets: list[str], seed: int, sca
         warnings.simplefilter("ignore")  # an lm_head target: PEFT saves its base weight too, and says so
         model.save_pretrained(directory)
     return directory
+
+
+def peft_of(ckpt: Path, adapter: Path | None) -> Any:
+    """PEFT's model of ``ckpt`` with the adapter directory ``adapter`` (transformers' own model of
+    ``ckpt`` when None), in eval mode."""
+    import warnings
+
+    import peft
+
+    model = hf_model(ckpt)
+    if adapter is None:
+        return model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return peft.PeftModel.from_pretrained(model, str(adapter)).eval()
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], steps: int) -> Any:
+    """``model.generate()``'s greedy tokens after ``prompts``, left-padded with 0 (no end token)."""
+    import numpy as np
+    import torch
+
+    from kiln.exporter.parity import left_pad
+
+    ids, mask, _ = left_pad(prompts, 0)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    return np.asarray(out[:, ids.shape[1] :].numpy())

@@ -13,7 +13,6 @@ model's tokens. The refusals are asserted as the one line the CLI prints.
 from __future__ import annotations
 
 import json
-import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,6 @@ transformers = pytest.importorskip("transformers", reason="the Hugging Face fami
 peft = pytest.importorskip("peft", reason="LoRA adapters need peft (pip install -e .[hf])")
 
 import onnx  # noqa: E402
-import torch  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 from jsonschema import Draft202012Validator  # noqa: E402
 
@@ -34,33 +32,15 @@ from kiln.exporter.contract.io import GraphKind  # noqa: E402
 from kiln.exporter.lora.adapter_file import read_adapter_file  # noqa: E402
 from kiln.exporter.artifacts.manifest import read  # noqa: E402
 from kiln.exporter.options import ExportOptions, Precision  # noqa: E402
-from kiln.exporter.parity import greedy, left_pad, make_prompts  # noqa: E402
+from kiln.exporter.parity import greedy, make_prompts  # noqa: E402
 from kiln.exporter.pipeline import export  # noqa: E402
 from kiln.exporter.runners import OrtRunner  # noqa: E402
 from kiln.plugins import load_model  # noqa: E402
 from kiln.runtime.generate import Generator  # noqa: E402
-from kiln_testing import config_error, hf_model, make_adapter, save_base  # noqa: E402
+from kiln_testing import config_error, hf_greedy, make_adapter, peft_of, save_base  # noqa: E402
 
 STEPS = 12
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _peft(ckpt: Path, adapter: Path | None) -> Any:
-    model = hf_model(ckpt)
-    if adapter is None:
-        return model
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return peft.PeftModel.from_pretrained(model, str(adapter)).eval()
-
-
-def _generate(model: Any, prompts: list[list[int]], steps: int = STEPS) -> np.ndarray:
-    ids, mask, _ = left_pad(prompts, 0)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None
-        )
-    return np.asarray(out[:, ids.shape[1] :].numpy())
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +89,9 @@ def _assert_tokens(out: Path, ckpt: Path, adapter: Path | None, file: Path | Non
     returns the batch-1 tokens."""
     spec = load_model(ckpt).spec
     manifest = read(out)
-    model = _peft(ckpt, adapter)
+    model = peft_of(ckpt, adapter)
     (prompt,) = make_prompts(spec, [9], seed=1)
-    want = _generate(model, [prompt])
+    want = hf_greedy(model, [prompt], STEPS)
     got = Generator(out, adapter=file).run(prompt, STEPS, stop_at_eos=False).tokens
     assert list(got) == want[0].tolist(), adapter
     batch = make_prompts(spec, [9, 5], seed=2)
@@ -119,7 +99,7 @@ def _assert_tokens(out: Path, ckpt: Path, adapter: Path | None, file: Path | Non
     graphs = {k: out / manifest.graph(k).file for k in (GraphKind.PREFILL, GraphKind.DECODE)}
     with OrtRunner(graphs, extra_feeds=feeds) as runner:
         tokens, _ = greedy(runner, spec, batch, STEPS)
-    np.testing.assert_array_equal(tokens, _generate(model, batch), err_msg=str(adapter))
+    np.testing.assert_array_equal(tokens, hf_greedy(model, batch, STEPS), err_msg=str(adapter))
     return [int(t) for t in want[0]]
 
 
@@ -181,7 +161,7 @@ def test_genai_loads_kiln_s_adapter_files(slots: dict[str, Path]) -> None:
         while not generator.is_done():
             generator.generate_next_token()
         got = generator.get_sequence(0)[len(prompt) :].tolist()
-        want = _generate(_peft(ckpt, slots[name] if name else None), [prompt])[0].tolist()
+        want = hf_greedy(peft_of(ckpt, slots[name] if name else None), [prompt], STEPS)[0].tolist()
         want = want[: want.index(eos) + 1] if eos in want else want  # GenAI stops at the end token
         assert got == want and len(want) >= 4, (name, got, want)
 
@@ -292,10 +272,10 @@ def test_an_int4_base_with_float_adapters(slots: dict[str, Path], tmp_path: Path
     (prompt,) = make_prompts(load_model(ckpt).spec, [9], seed=1)
     seen = []
     for adapter, file in ((slots["wide"], tmp_path / "a.onnx_adapter"), (None, None)):
-        model = _peft(ckpt, adapter)
+        model = peft_of(ckpt, adapter)
         inner = model.base_model.model if adapter is not None else model  # the transformers model PEFT injected into
         assert use_int4_weights(HFDecoder(inner), read_int4_weights(graphs))  # PEFT's LoRA layers keep calling their base_layer
-        want = _generate(model, [prompt])[0].tolist()
+        want = hf_greedy(model, [prompt], STEPS)[0].tolist()
         assert list(Generator(out, adapter=file).run(prompt, STEPS, stop_at_eos=False).tokens) == want
         seen.append(want)
     assert seen[0] != seen[1]

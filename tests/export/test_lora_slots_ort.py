@@ -17,51 +17,30 @@ MatMuls beside them. ``--target onnx`` is refused by name.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
 peft = pytest.importorskip("peft", reason="LoRA adapters need peft (pip install -e .[hf])")
 
 import onnx  # noqa: E402
-import torch  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 
 from kiln.cli import main  # noqa: E402
 from kiln.exporter.artifacts.manifest import read  # noqa: E402
 from kiln.exporter.contract.io import GraphKind  # noqa: E402
 from kiln.exporter.options import ExportOptions  # noqa: E402
-from kiln.exporter.parity import left_pad, make_prompts  # noqa: E402
+from kiln.exporter.parity import make_prompts  # noqa: E402
 from kiln.exporter.pipeline import export  # noqa: E402
 from kiln.plugins import load_model  # noqa: E402
 from kiln.runtime.generate import Generator  # noqa: E402
-from kiln_testing import config_error, hf_model, make_adapter, save_base  # noqa: E402
+from kiln_testing import config_error, hf_greedy, make_adapter, peft_of, save_base  # noqa: E402
 
 STEPS = 12
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 KINDS = (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.UNIFIED)
-
-
-def _peft(ckpt: Path, adapter: Path | None) -> Any:
-    model = hf_model(ckpt)
-    if adapter is None:
-        return model
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return peft.PeftModel.from_pretrained(model, str(adapter)).eval()
-
-
-def _generate(model: Any, prompts: list[list[int]], steps: int = STEPS) -> np.ndarray:
-    ids, mask, _ = left_pad(prompts, 0)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None
-        )
-    return np.asarray(out[:, ids.shape[1] :].numpy())
 
 
 def _exported(case: str, root: Path, **options: Any) -> dict[str, Path]:
@@ -123,7 +102,7 @@ def _assert_tokens(paths: dict[str, Path]) -> None:
         generator = Generator(paths["out"], target="ort", adapter=file)
         assert generator.kv_cache == "shared-buffer"  # the in-place decode, the adapter bound beside it
         tokens[adapter] = list(generator.run(prompt, STEPS, stop_at_eos=False).tokens)
-        assert tokens[adapter] == _generate(_peft(paths["ckpt"], adapter), [prompt])[0].tolist(), adapter
+        assert tokens[adapter] == hf_greedy(peft_of(paths["ckpt"], adapter), [prompt], STEPS)[0].tolist(), adapter
     assert tokens[paths["adapter"]] != tokens[None]  # the adapter changes the tokens
 
 
