@@ -177,10 +177,11 @@ KILN_FLAGS = {  # kiln's flags per precision row (int4: for ONNX Runtime, as the
 }
 
 
-def commands(tool: str, ckpt: Path, out: Path, precision: str, parity_tokens: int | None, seq2seq: bool = False) -> list[str] | None:
+def commands(tool: str, ckpt: Path, out: Path, precision: str, parity_tokens: int | None, seq2seq: bool = False, agreement: str | None = None) -> list[str] | None:
     if tool == "kiln":
         tokens = ["--parity-tokens", str(parity_tokens)] if parity_tokens is not None else []  # None: kiln's default, as users run it
-        return [sys.executable, "-m", "kiln.cli", "export", "--model", str(ckpt), "--out", str(out), "--force", "--json", *tokens, *KILN_FLAGS[precision]]
+        gate = ["--parity-agreement", agreement] if agreement is not None else []  # record: a random model's int4 logits are near-ties
+        return [sys.executable, "-m", "kiln.cli", "export", "--model", str(ckpt), "--out", str(out), "--force", "--json", *tokens, *gate, *KILN_FLAGS[precision]]
     if tool == "genai" and not seq2seq and precision != "int4-rtn":  # the builder's int4 is round to nearest: one row, "int4"
         return [str(GENAI_VENV / "bin/python"), "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out), "-p", precision, "-e", "cpu", "-c", str(out) + ".cache"]
     if tool == "optimum" and precision == "fp32":
@@ -189,9 +190,11 @@ def commands(tool: str, ckpt: Path, out: Path, precision: str, parity_tokens: in
     return None  # Optimum's fp16 export needs --device cuda
 
 
-def run_one(tool: str, ckpt: Path, work: Path, shape: str, precision: str, parity_tokens: int | None, trace_cache: str) -> dict[str, Any] | None:
+def run_one(
+    tool: str, ckpt: Path, work: Path, shape: str, precision: str, parity_tokens: int | None, trace_cache: str, agreement: str | None = None
+) -> dict[str, Any] | None:
     out = work / "out" / f"{shape}-{precision}-{tool}"
-    cmd = commands(tool, ckpt, out, precision, parity_tokens, seq2seq=SHAPES[shape.partition("@")[0]].get("is_encoder_decoder", False))
+    cmd = commands(tool, ckpt, out, precision, parity_tokens, seq2seq=SHAPES[shape.partition("@")[0]].get("is_encoder_decoder", False), agreement=agreement)
     if cmd is None:
         return None
     subprocess.run(["rm", "-rf", str(out), str(out) + ".cache"], check=True)
@@ -220,6 +223,7 @@ def main() -> None:
     parser.add_argument("--precision", action="append", choices=list(KILN_FLAGS), default=[], help="repeatable; default fp32 (int4: kiln --int4 --target ort, GPTQ; int4-rtn: kiln's round to nearest; the builder's int4 once)")
     parser.add_argument("--tools", default="kiln,genai,optimum", help="comma-separated: kiln, genai, optimum")
     parser.add_argument("--parity-tokens", type=int, default=None, help="kiln's --parity-tokens (default: kiln's own default, as users run it)")
+    parser.add_argument("--parity-agreement", choices=["gate", "record"], default=None, help="kiln's --parity-agreement (default: kiln's own, gate)")
     parser.add_argument("--trace-cache", choices=["cold", "warm", "off"], default="cold", help="kiln's trace cache: empty before each run, kept across runs, or off")
     parser.add_argument("--out", type=Path, default=None, help="also write the results here (JSON)")
     args = parser.parse_args()
@@ -231,7 +235,7 @@ def main() -> None:
         size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
         for precision in args.precision or ["fp32"]:
             for tool in args.tools.split(","):
-                row = run_one(tool, ckpt, args.work, shape, precision, args.parity_tokens, args.trace_cache)
+                row = run_one(tool, ckpt, args.work, shape, precision, args.parity_tokens, args.trace_cache, args.parity_agreement)
                 if row is None:
                     continue
                 row.update(shape=shape, layers=config.get("num_hidden_layers", config.get("decoder_layers")), precision=precision, tool=tool, checkpoint_bytes=size,

@@ -27,6 +27,7 @@ import onnx_ir as ir
 import torch
 from kiln.errors import ExportError
 from kiln.exporter.passes.names import module_of
+from kiln.exporter.runners.torch_runner import Scratch, computes_in_fp32, fp32_scratch
 from torch import nn
 
 __all__ = ["Int4Weight", "read_int4_weights", "use_int4_weights"]
@@ -74,12 +75,12 @@ def use_int4_weights(module: nn.Module, weights: Iterable[Int4Weight]) -> list[s
     """Make each weight's submodule of ``module`` compute with it (in place, for the rest of the
     module's life; its float weight freed as it goes, so the two are never whole in memory
     together); the modules changed. Refuses a module it cannot map."""
-    shared, changed = _shared_parameters(module), []
+    shared, changed, scratch = _shared_parameters(module), [], fp32_scratch(computes_in_fp32(module))
     for weight in weights:
         sub = _module(module, weight.module, weight)
         sub.register_buffer(_Q, torch.from_numpy(weight.q), persistent=False)
         sub.register_buffer(_SCALE, torch.from_numpy(weight.scale), persistent=False)
-        sub.forward = functools.partial(_int4_forward, sub, weight.q.shape[0] // weight.scale.shape[0])  # this instance only
+        sub.forward = functools.partial(_int4_forward, sub, weight.q.shape[0] // weight.scale.shape[0], scratch)  # this instance only
         own = sub._parameters["weight"]
         if own is not None and id(own) not in shared:
             own.data = torch.empty(0, dtype=own.dtype)  # its float values are never read again
@@ -118,12 +119,16 @@ def _shared_parameters(module: nn.Module) -> set[int]:
     return {key for key, count in seen.items() if count > 1}
 
 
-def _int4_forward(module: nn.Module, block: int, x: torch.Tensor) -> torch.Tensor:
+def _int4_forward(module: nn.Module, block: int, scratch: Scratch, x: torch.Tensor) -> torch.Tensor:
     """``x @ (q * scale) + bias`` in fp32: what the graph's ``MatMul(x, DequantizeLinear(q,
-    scale, axis=0, block_size))`` computes (and the bias its Add adds)."""
+    scale, axis=0, block_size))`` computes (and the bias its Add adds). The fp32 weight is written
+    in one pass into a buffer the model's other calls reuse (an 8B model's weights dequantized at
+    every step would otherwise allocate and fault in 28 GB per step)."""
     q, scale = module.get_buffer(_Q), module.get_buffer(_SCALE)
     k, n = q.shape
-    weight = (q.float().view(k // block, block, n) * scale.float()[:, None, :]).view(k, n)
+    weight = scratch.empty((k, n))
+    torch.mul(q.view(k // block, block, n), scale[:, None, :], out=weight.view(k // block, block, n))
     out = x.float() @ weight
+    scratch.give_back(weight)
     bias = getattr(module, "bias", None)
     return out + bias.float() if isinstance(bias, torch.Tensor) else out

@@ -19,13 +19,13 @@ from kiln.exporter.runners.base import Feeds
 from kiln.exporter.trace.wrapper import EncoderModule, GraphModule
 from torch import nn
 
-__all__ = ["TorchRunner", "computes_in_fp32", "drop_fp32_buffers"]
+__all__ = ["TorchRunner", "computes_in_fp32", "drop_fp32_buffers", "fp32_scratch"]
 
 
 _SCRATCH = "_kiln_fp32_scratch"
 
 
-class _Scratch:
+class Scratch:
     """fp32 buffers by shape, lent for one module call and given back: the same few buffers serve
     every layer, so computing in fp32 allocates nothing per call (allocating and freeing a model's
     worth of fp32 weights per forward grows glibc's heap by GBs, or faults every page in again)."""
@@ -34,9 +34,12 @@ class _Scratch:
         self._free: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
     def lend(self, tensor: torch.Tensor) -> torch.Tensor:
-        free = self._free.get(tuple(tensor.shape))
-        buffer = free.pop() if free else torch.empty(tensor.shape, dtype=torch.float32)
-        return buffer.copy_(tensor.detach())
+        return self.empty(tuple(tensor.shape)).copy_(tensor.detach())
+
+    def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A buffer of ``shape`` to fill (uninitialised), given back like a lent one."""
+        free = self._free.get(shape)
+        return free.pop() if free else torch.empty(shape, dtype=torch.float32)
 
     def give_back(self, buffer: torch.Tensor) -> None:
         self._free.setdefault(tuple(buffer.shape), []).append(buffer)
@@ -54,7 +57,7 @@ def computes_in_fp32(module: nn.Module, *, budget: int | None = None) -> nn.Modu
     stays bf16 in memory). The graphs are fp32 (or fp16 from these fp32 values), so this is the
     reference parity measures them against. Each submodule that holds low-precision parameters
     gets them as fp32 copies for the duration of its own call (forward hooks, buffers from one
-    ``_Scratch``), so only the module being run has fp32 weights; an ``nn.Embedding`` instead
+    ``Scratch``), so only the module being run has fp32 weights; an ``nn.Embedding`` instead
     gathers its bf16 rows and upcasts those (the same values, without converting the table).
     In place, once; a no-op for an fp32 module. A parameter read outside its own module's call
     stays low-precision and fails loudly on the dtype, never silently.
@@ -64,9 +67,9 @@ def computes_in_fp32(module: nn.Module, *, budget: int | None = None) -> nn.Modu
     low-precision copies freed): the same fp32 values, without copying the whole model to fp32
     at every step, which was most of a bf16 model's reference time (issue 24). A model too
     large for that (an 8B bf16 model on 24 GB) computes as above, one module at a time."""
-    if isinstance(getattr(module, _SCRATCH, None), _Scratch):
+    if isinstance(getattr(module, _SCRATCH, None), Scratch):
         return module
-    scratch = _Scratch()
+    scratch = Scratch()
     setattr(module, _SCRATCH, scratch)  # also the marker that this module is done
     if _converted_in_place(module, budget):
         return module
@@ -109,18 +112,26 @@ def _available_bytes() -> int:
         return 0
 
 
+def fp32_scratch(module: nn.Module) -> Scratch:
+    """The fp32 buffers of ``module`` (``computes_in_fp32``, which it must have been through):
+    what a forward that computes its own fp32 weight (``parity.quantized``) fills and gives back."""
+    scratch = getattr(module, _SCRATCH, None)
+    assert isinstance(scratch, Scratch), "computes_in_fp32(module) attaches the scratch buffers"
+    return scratch
+
+
 def drop_fp32_buffers(module: nn.Module) -> None:
     """Free the fp32 buffers ``computes_in_fp32`` keeps between calls (about one layer's weights
     and the LM head's); the next call allocates them again."""
     scratch = getattr(module, _SCRATCH, None)
-    if isinstance(scratch, _Scratch):
+    if isinstance(scratch, Scratch):
         scratch.clear()
 
 
 _CHUNK_ELEMENTS = 1 << 24  # a Linear weight above this (64 MB in fp32, e.g. an LM head) is lent in row slices
 
 
-def _linear_in_slices(module: nn.Linear, scratch: _Scratch, x: torch.Tensor) -> torch.Tensor:
+def _linear_in_slices(module: nn.Linear, scratch: Scratch, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` in fp32 with its weight's rows lent a slice at a time (the output features
     are independent dot products): a 152k-token LM head never exists whole in fp32."""
     weight, bias = module.weight, module.bias
@@ -133,7 +144,7 @@ def _linear_in_slices(module: nn.Linear, scratch: _Scratch, x: torch.Tensor) -> 
     return torch.cat(parts, dim=-1)
 
 
-def _lend_during_calls(module: nn.Module, names: list[str], scratch: _Scratch) -> None:
+def _lend_during_calls(module: nn.Module, names: list[str], scratch: Scratch) -> None:
     stored: list[dict[str, nn.Parameter | None]] = []  # a stack: a module may be re-entered
 
     # Module._parameters is private, but no public API swaps a parameter for a plain tensor for one
