@@ -26,6 +26,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 from kiln.errors import ExportError
+from kiln.exporter.passes.ir_utils import read_uncached
 from kiln.exporter.passes.names import module_of
 from kiln.exporter.runners.torch_runner import Scratch, computes_in_fp32, fp32_scratch
 from torch import nn
@@ -67,7 +68,7 @@ def _int4_weight(node: ir.Node) -> Int4Weight | None:
     modules = {module_of(u) for u in users}
     if scale is None or not users or len(modules) != 1 or "" in modules:
         raise ExportError(f"parity: the int4 weight of {node.name} does not feed the MatMul of one named module (found {sorted(modules)})")
-    q = np.asarray(weight.const_value.numpy()).astype(np.int8)
+    q = read_uncached(weight.const_value, np.dtype(np.int8))
     return Int4Weight(modules.pop(), node.name or "", q, np.array(scale.numpy(), dtype=np.float32))  # a copy: torch wants it writable
 
 

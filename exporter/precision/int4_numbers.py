@@ -48,6 +48,8 @@ def clip_scales(wb: np.ndarray, scale_dtype: np.dtype, ratios: tuple[float, ...]
     for r in ratios:
         s = (amax * r / QMAX).astype(scale_dtype)
         s = np.where(s > 0, s, np.asarray(1, dtype=scale_dtype))  # an all-zero block: any scale > 0
+        if len(ratios) == 1:
+            return s  # nothing to choose between: no error to compute (RTN's default)
         err = ((_round(wb, s) * s[:, None, :].astype(np.float64) - wb) ** 2).sum(axis=1)
         if best is None or best_err is None:
             best, best_err = s, err

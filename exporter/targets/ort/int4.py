@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 from kiln.errors import ExportError
 from kiln.exporter.precision.int4_numbers import dequantize, pack_nbits
-from kiln.exporter.passes.ir_utils import use_ms_domain
+from kiln.exporter.passes.ir_utils import read_uncached, use_ms_domain
 from kiln.exporter.targets.ort.nbits import replace_with_nbits
 
 __all__ = ["BlockInt4", "register", "unfold_int4_weights", "int4_matmul_nbits", "ACCURACY_LEVEL", "INT4_FORMAT"]
@@ -80,7 +80,7 @@ def _int4_weight(dq: ir.Node) -> BlockInt4 | None:
     k, n = tensor.shape.numpy()
 
     def q() -> np.ndarray:
-        return np.asarray(tensor.numpy()).astype(np.int8)
+        return read_uncached(tensor, np.dtype(np.int8))
 
     return BlockInt4(f"ort_int4/{(dq.outputs[0].name or dq.name or 'weight').removeprefix('weights/')}", q, scale.const_value.numpy(), (k, n))
 
