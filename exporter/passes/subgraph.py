@@ -12,9 +12,10 @@ from collections.abc import Collection
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 from onnx import external_data_helper, helper
 
-__all__ = ["cut_subgraph"]
+__all__ = ["cut_subgraph", "proto_for_cuts"]
 
 
 def cut_subgraph(
@@ -73,3 +74,19 @@ def cut_subgraph(
     graph = helper.make_graph(ordered, name, list(inputs.values()), outs, list(inits.values()))
     opsets = [o for o in proto.opset_import if o.domain in ("", "ai.onnx")]
     return helper.make_model(graph, opset_imports=opsets, ir_version=proto.ir_version)
+
+
+def proto_for_cuts(model: ir.Model) -> onnx.ModelProto:
+    """``model`` as a proto to cut subgraphs from (``cut_subgraph``), reading no weight: external
+    tensors stay references, and lazy ones (the ORT target's int4 weights, ``BlockInt4``, which
+    serialize as their fp32 values) are left out for the call: the Llama-3-8B shape's would have
+    been 28 GB of fp32, an OOM kill. The cuts (rotary tables, decode masks) read no weight; one
+    that did would find it undefined and be refused."""
+    lazy = [v for v in model.graph.initializers.values() if isinstance(v.const_value, ir.LazyTensor)]
+    for value in lazy:
+        model.graph.initializers.pop(value.name or "")
+    try:
+        return ir.to_proto(model)
+    finally:
+        for value in lazy:
+            model.graph.register_initializer(value)

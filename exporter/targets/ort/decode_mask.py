@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, set_dtype
-from kiln.exporter.passes.subgraph import cut_subgraph
+from kiln.exporter.passes.subgraph import cut_subgraph, proto_for_cuts
 from kiln.exporter.runners.ort_runner import ort_session
 
 __all__ = ["DecodeMask", "compact_decode_bias"]
@@ -131,7 +131,7 @@ def _proven(model: ir.Model, gqa: list[ir.Node], base_dir: Path, max_context: in
         if node.attributes.get_int("causal", 1) != 1:
             return f"{_layers([node])}: its GroupQueryAttention is not causal=1 (a prompt graph)"
         biases[id(value)] = value
-    proto = ir.to_proto(model)
+    proto = proto_for_cuts(model)
     found: dict[int, tuple[float, int | None]] = {}
     for key, bias in biases.items():
         assert bias.name is not None

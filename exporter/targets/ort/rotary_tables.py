@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-from kiln.exporter.passes.subgraph import cut_subgraph
+from kiln.exporter.passes.subgraph import cut_subgraph, proto_for_cuts
 from kiln.exporter.runners.ort_runner import ort_session
 from kiln.exporter.targets.ort.graph_values import TableFn
 from onnx import helper
@@ -30,7 +30,7 @@ _PREFIX = 4  # positions of the short call (below any context a length-dependent
 
 def graph_tables(model: ir.Model, base_dir: Path, max_positions: int, head_dim: int) -> TableFn:
     """A ``TableFn`` evaluating ``model``'s cos/sin values (external weights under ``base_dir``)."""
-    proto = ir.to_proto(model)  # external tensors stay references: no weight is read here
+    proto = proto_for_cuts(model)
 
     def tables(cos: ir.Value, sin: ir.Value) -> tuple[np.ndarray, np.ndarray] | None:
         sub_model = cut_subgraph(proto, [cos.name or "", sin.name or ""], base_dir, name="rotary_tables", allowed_inputs={"position_ids"})
@@ -56,3 +56,4 @@ def graph_tables(model: ir.Model, base_dir: Path, max_positions: int, head_dim: 
         return np.ascontiguousarray(full[0][:, :half]), np.ascontiguousarray(full[1][:, :half])
 
     return tables
+
