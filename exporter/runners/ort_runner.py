@@ -102,6 +102,7 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
         self._extra = dict(extra_feeds or {})  # inputs fed to every run (e.g. PLE tables)
         self._threads = threads
         self._open: tuple[GraphKind, Any] | None = None  # the one open graph and its polygraphy OnnxrtRunner (untyped)
+        self._traits: dict[GraphKind, _GraphTraits] = {}  # read once per graph, not at every reopening
         self._active = False
 
     @classmethod
@@ -131,7 +132,9 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
 
         self._close()
         path = self._paths[kind]
-        traits = _GraphTraits.of(path)
+        if kind not in self._traits:
+            self._traits[kind] = _GraphTraits.of(path)
+        traits = self._traits[kind]
         session = ort_session(
             path, threads=self._threads, fp16_weights_stay_fp16=traits.fp16_weights, weight_only_dq=True,
             qdq_as_written=traits.quantizes,
