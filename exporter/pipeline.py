@@ -109,6 +109,8 @@ def export_loaded(
         calibrated = calibration.finish(root / CALIBRATION_DIR) if calibration is not None else None
         given = TargetGiven(root / ONNX_DIR, portable.paths, reference.spec, options, reference.max_context, progress)
         written = tuple(target.write(given) for target in targets() if target.wanted(options))
+        recorded, extras = precision.record(portable.reports), precision.extras(portable.reports)
+        del precision, context  # the int4 numbers (3.5 GB at 8B) are in the graph files now: parity reads them there
         release = release_weights(reference.module) if release_reference else None
         parity_module = reference.module
         if adapters:
@@ -126,7 +128,7 @@ def export_loaded(
             raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
         report = ExportReport(
             reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, portable, calibrated, written, parity,
-            loaded.tokenizer, loaded.serving_files, precision.record(portable.reports), precision.extras(portable.reports),
+            loaded.tokenizer, loaded.serving_files, recorded, extras,
             checkpoint_path=str(loaded.source.absolute()) if loaded.source.exists() else None, adapters=adapters,
         )
         manifest = write_artifacts(root, report)
