@@ -12,7 +12,9 @@ from kiln.errors import ArtifactError
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.runners.base import Feeds
 
-__all__ = ["OrtRunner", "ort_session"]
+__all__ = ["KEEP_OPEN_BYTES", "OrtRunner", "ort_session"]
+
+KEEP_OPEN_BYTES = 512 * 2**20  # graphs whose weights together fit this keep their sessions open together
 
 
 def ort_session(
@@ -92,8 +94,10 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
     memory once, whatever the number of graphs. Each session prepacks its MatMul weights as ONNX
     Runtime does by default: without prepacking its CPU kernels repack every fp32 weight and
     dequantize every int4 one on every call (measured on the Llama-3-8B shape with 2 layers, an
-    int4 decode step of 4 rows: 3.3 s against 0.48 s). Sessions exist only while the runner is
-    active."""
+    int4 decode step of 4 rows: 3.3 s against 0.48 s). Graphs whose weights together fit
+    ``KEEP_OPEN_BYTES`` keep their sessions open side by side instead (a small model's sessions
+    cost more to reopen than to hold: the test suite's parity). Sessions exist only while the
+    runner is active."""
 
     name = "onnxruntime"
 
@@ -101,7 +105,7 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
         self._paths = paths
         self._extra = dict(extra_feeds or {})  # inputs fed to every run (e.g. PLE tables)
         self._threads = threads
-        self._open: tuple[GraphKind, Any] | None = None  # the one open graph and its polygraphy OnnxrtRunner (untyped)
+        self._open: dict[GraphKind, Any] = {}  # the open graphs' polygraphy OnnxrtRunners (untyped)
         self._traits: dict[GraphKind, _GraphTraits] = {}  # read once per graph, not at every reopening
         self._active = False
 
@@ -123,41 +127,44 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
 
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
         assert self._active, "OrtRunner runs inside its `with` block"
-        runner = self._open[1] if self._open is not None and self._open[0] is kind else self._session(kind)
+        runner = self._open[kind] if kind in self._open else self._session(kind)
         return dict(runner.infer({**feeds, **self._extra}, check_inputs=False))
 
     def _session(self, kind: GraphKind) -> Any:
-        """``kind``'s session, opened after the open one is closed."""
+        """``kind``'s session, opened after the open ones are closed unless all their weights
+        together fit ``KEEP_OPEN_BYTES``."""
         from polygraphy.backend.onnxrt import OnnxrtRunner
 
-        self._close()
         path = self._paths[kind]
         if kind not in self._traits:
             self._traits[kind] = _GraphTraits.of(path)
         traits = self._traits[kind]
+        if sum(self._traits[k].weight_bytes for k in (*self._open, kind)) > KEEP_OPEN_BYTES:
+            self._close()
         session = ort_session(
             path, threads=self._threads, fp16_weights_stay_fp16=traits.fp16_weights, weight_only_dq=True,
             qdq_as_written=traits.quantizes,
         )
         runner = OnnxrtRunner(session, name=f"onnxruntime:{kind.value}")
         runner.activate()
-        self._open = (kind, runner)
+        self._open[kind] = runner
         return runner
 
     def _close(self) -> None:
-        if self._open is not None:
-            self._open[1].deactivate()
-            self._open = None
+        while self._open:
+            self._open.popitem()[1].deactivate()
 
 
 @dataclasses.dataclass(frozen=True)
 class _GraphTraits:
     """What a graph's session options depend on, read from the graph file alone (its weights stay
     on disk): whether it holds fp16 weights (``fp16_weights_stay_fp16``) and whether it quantizes
-    activations (a QuantizeLinear: int8, fp8; ``qdq_as_written``)."""
+    activations (a QuantizeLinear: int8, fp8; ``qdq_as_written``); and the bytes of its weights
+    (its file and the external files it reads), what its session holds about as much of."""
 
     fp16_weights: bool
     quantizes: bool
+    weight_bytes: int
 
     @classmethod
     def of(cls, graph: Path) -> _GraphTraits:
@@ -167,4 +174,10 @@ class _GraphTraits:
         return cls(
             fp16_weights=any(i.data_type == onnx.TensorProto.FLOAT16 and i.data_location == onnx.TensorProto.EXTERNAL for i in model.graph.initializer),
             quantizes=any(node.op_type == "QuantizeLinear" for node in model.graph.node),
+            weight_bytes=graph.stat().st_size + sum((graph.parent / name).stat().st_size for name in _external_files(model)),
         )
+
+
+def _external_files(model: Any) -> set[str]:
+    """The external data files ``model``'s initializers name."""
+    return {e.value for i in model.graph.initializer for e in i.external_data if e.key == "location"}
