@@ -160,15 +160,17 @@ def check_parity(
 def _record(
     torch_runner: Runner, spec: DecoderSpec, graphs: tuple[GraphKind, ...], plan: _Plan, kv_dtype: np.dtype, progress: Progress, label: str
 ) -> _Recorded:
-    """Every PyTorch output parity compares with, recorded, then frozen: the tensor feeds of each
-    graph and the greedy runs of every batch."""
+    """Every PyTorch output parity compares with, recorded, then frozen: the outputs of each
+    graph's tensor feeds, and the tokens and logits of every batch's greedy run (the runs go
+    around the recorder: it would keep every step's outputs, the whole KV cache of each step,
+    3 GB per reference at 8B, which nothing replays)."""
     recorder = RecordingRunner(torch_runner)
     with progress.stage(label, total=len(graphs) + len(plan.batches)) as bar:
         for kind in graphs:
             for single_row in (False, True):  # tensor_parity's two cases
                 recorder.run(kind, tensor_feeds(spec, kind, plan.seed, kv_dtype, recorder, single_row=single_row))
             bar.advance()
-        runs = _reference_runs(recorder, spec, plan)
+        runs = _reference_runs(torch_runner, spec, plan)
         bar.advance(len(plan.batches))
     recorder.freeze()
     return _Recorded(recorder, runs)
