@@ -5,6 +5,7 @@ own quantized numbers. Shared by ``kiln export`` (``pipeline``) and ``kiln check
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 
 from kiln.exporter.contract.io import GraphKind
@@ -23,7 +24,12 @@ def candidate(
     target: str | None = None,
 ) -> Candidate:
     """The graph set whose graphs are of ``precision`` (a manifest's name), judged against the
-    quantized model at ``quantized``'s tolerances (None: not judged so)."""
+    quantized model at ``quantized``'s tolerances (None: not judged so), where no greedy token may
+    differ but by a tie: the quantized model computes the graphs' own numbers, so only their
+    arithmetic's rounding may reorder its tokens, and only those within the tolerance of each other
+    (a token-match floor, int8's 90%, would refuse a correct graph of a model whose logits are
+    mostly near-ties: the random Llama-3-8B-shaped one's ``--target ort`` matched 64-70% here,
+    every mismatch a tie; and it would let a wrong token through on a model with few)."""
     plan = Precision.parse(precision)
-    against = Precision.parse(quantized).tolerance if quantized is not None else None
+    against = dataclasses.replace(Precision.parse(quantized).tolerance, min_token_match=1.0) if quantized is not None else None
     return Candidate(open_runner, graphs, plan.value, plan.tolerance, plan.kv_dtype, target=target, quantized=against)

@@ -117,15 +117,17 @@ def test_graphs_are_judged_against_their_own_int4_weights(int4_ort: Path) -> Non
     report = json.loads((int4_ort / "reports" / "parity.json").read_text())
     quantized = report["quantized"]
     assert report["agreement_gates"] is True and quantized["passed"]
-    assert quantized["tolerance"]["logits_rtol"] == 1e-4 and quantized["targets"]["ort"]["tolerance"]["min_token_match"] == 0.9
+    assert quantized["tolerance"]["logits_rtol"] == 1e-4 and quantized["targets"]["ort"]["tolerance"]["min_token_match"] == 1.0
     portable = [t for t in quantized["tensors"] if t["target"] is None]
     assert {t["graph"] for t in portable} == set(KINDS) and all(t["error"] <= t["atol"] + t["rtol"] * t["scale"] for t in portable)
     assert max(t["error"] / (t["atol"] + t["rtol"] * t["scale"]) for t in portable) < 0.1  # fp32 rounding, far inside the limit
     assert {g["target"] for g in quantized["generation"]} == {None, "ort"}
     assert all(g["token_match_rate"] == 1.0 for g in quantized["generation"] if g["target"] is None)
     # the ORT set's prepacked MatMulNBits quantize activations to int8, as a user's session does
-    # (without prepacking, ONNX Runtime fell back to fp32): near-ties of the random model may flip
-    assert all(g["token_match_rate"] >= 0.9 for g in quantized["generation"] if g["target"] == "ort")
+    # (without prepacking, ONNX Runtime fell back to fp32): near-ties of the random model may flip,
+    # and nothing else may (no divergence but by a tie, at int8's logits limit)
+    ort = [g for g in quantized["generation"] if g["target"] == "ort"]
+    assert ort and all(g["token_match_rate"] >= 0.9 and g["first_divergence"] is None and g["passed"] for g in ort)
     assert json.loads((int4_ort / "manifest.json").read_text())["parity"]["agreement"] == "gate"
     markdown = (int4_ort / "reports" / "parity.md").read_text()
     assert "| portable vs int4 weights | int4 |" in markdown and "| ort vs checkpoint (agreement, gating) | int4 |" in markdown
