@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kiln.exporter.artifacts.manifest import GraphEntry, Manifest, TensorEntry
+from kiln.exporter.external_data import tensors
 
 __all__ = ["named_paths", "structure_problems", "inside"]
 
@@ -130,20 +131,6 @@ def _first_difference(got: list[Any], expected: list[Any]) -> str:
     return f"the graph has {len(got)}, the manifest {len(expected)}"
 
 
-def _tensors(graph: Any) -> Iterator[Any]:
-    """Every tensor a graph holds: initializers, sparse ones, Constant values, subgraphs'."""
-    yield from graph.initializer
-    for sparse in graph.sparse_initializer:
-        yield from (sparse.values, sparse.indices)
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                yield from _tensors(sub)
-
-
 def _external_problem(directory: Path, manifest: Manifest, file: str, model: Any) -> str | None:
     """The first external-data reference of a graph that does not read a listed file beside it,
     within its size."""
@@ -151,7 +138,7 @@ def _external_problem(directory: Path, manifest: Manifest, file: str, model: Any
 
     folder = PurePosixPath(file).parent
     sizes: dict[str, int] = {}
-    for tensor in _tensors(model.graph):
+    for tensor in tensors(model.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         info = {e.key: e.value for e in tensor.external_data}

@@ -10,6 +10,7 @@ from typing import Any
 
 from kiln.errors import ArtifactError
 from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.external_data import external_files
 from kiln.exporter.runners.base import Feeds
 
 __all__ = ["KEEP_OPEN_BYTES", "OrtRunner", "ort_session"]
@@ -174,10 +175,5 @@ class _GraphTraits:
         return cls(
             fp16_weights=any(i.data_type == onnx.TensorProto.FLOAT16 and i.data_location == onnx.TensorProto.EXTERNAL for i in model.graph.initializer),
             quantizes=any(node.op_type == "QuantizeLinear" for node in model.graph.node),
-            weight_bytes=graph.stat().st_size + sum((graph.parent / name).stat().st_size for name in _external_files(model)),
+            weight_bytes=graph.stat().st_size + sum(path.stat().st_size for path in external_files(graph, model).values()),
         )
-
-
-def _external_files(model: Any) -> set[str]:
-    """The external data files ``model``'s initializers name."""
-    return {e.value for i in model.graph.initializer for e in i.external_data if e.key == "location"}

@@ -56,6 +56,7 @@ from kiln.exporter.artifacts.manifest import Manifest, TensorEntry
 from kiln.exporter.artifacts.staging import Owner, require_replaceable, staged_output
 from kiln.exporter.artifacts.verify import require_verified, unlisted
 from kiln.exporter.contract.io import BATCH, PAST_SEQ, GraphKind, past_names, present_names
+from kiln.exporter.external_data import external_files
 from kiln.exporter.options import LORA_TRITON_REASON, TRITON_NAME
 from kiln.exporter.serving.triton_readme import IDLE_MICROSECONDS, readme
 
@@ -202,15 +203,11 @@ def _ort_model(directory: Path, manifest: Manifest, name: str) -> TritonModel:
     state_outputs = {s["output_name"] for s in states}
     graph_path = directory / file
     proto = onnx.load(str(graph_path), load_external_data=False)
-    locations = sorted(
-        {e.value for init in proto.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL for e in init.external_data if e.key == "location"}
-    )
-    files = {f"model.onnx/{graph_path.name}": graph_path}
-    for location in locations:
-        source = graph_path.parent / location
-        if Path(location).is_absolute() or ".." in Path(location).parts or not source.is_file():
-            raise ArtifactError(f"triton: {file} keeps weights in {location!r}, which is not a file beside it; re-export the directory")
-        files[f"model.onnx/{location}"] = source
+    try:
+        external = external_files(graph_path, proto)
+    except ArtifactError as exc:
+        raise ArtifactError(f"triton: {exc.args[0]}; re-export the directory") from exc
+    files = {f"model.onnx/{graph_path.name}": graph_path} | {f"model.onnx/{name}": path for name, path in sorted(external.items())}
     config = {
         "name": name,
         "platform": "onnxruntime_onnx",

@@ -13,6 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from kiln.errors import ArtifactError
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.runners import ort_runner
 from kiln.exporter.runners.ort_runner import OrtRunner
@@ -72,3 +73,20 @@ def test_large_graphs_open_one_session_at_a_time(graphs: dict[GraphKind, tuple[P
     monkeypatch.setattr(ort_runner, "KEEP_OPEN_BYTES", weight_bytes + 16)  # one fits, two do not
     prefill, decode = graphs[GraphKind.PREFILL][0], graphs[GraphKind.DECODE][0]
     assert _opened(graphs, monkeypatch) == [prefill, decode, prefill, decode]
+
+
+@pytest.mark.parametrize("location", ["../outside.bin", "missing.bin", "sub/prefill.bin"])
+def test_a_weights_location_not_beside_the_graph_is_refused_by_name(graphs: dict[GraphKind, tuple[Path, np.ndarray]], location: str) -> None:
+    """A graph naming weights outside its directory, in a subdirectory, or in no file is refused
+    in one line before any session opens (its size is never read from outside the directory)."""
+    path = graphs[GraphKind.PREFILL][0]
+    model = onnx.load(str(path), load_external_data=False)
+    for entry in model.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = location
+    onnx.save(model, path)
+    (path.parent.parent / "outside.bin").write_bytes((path.parent / "prefill.bin").read_bytes())
+    x = np.zeros((1, K), np.float32)
+    with OrtRunner({GraphKind.PREFILL: path}) as runner, pytest.raises(ArtifactError) as refused:
+        runner.run(GraphKind.PREFILL, {"x": x})
+    assert str(refused.value) == f"artifacts: prefill.onnx: tensor w reads external data from {location!r}, which is not a file beside the graph"
