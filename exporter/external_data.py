@@ -13,7 +13,7 @@ from typing import Any
 
 from kiln.errors import ArtifactError
 
-__all__ = ["external_files", "tensors"]
+__all__ = ["external_files", "plain_name", "tensors"]
 
 
 def tensors(graph: Any) -> Iterator[Any]:
@@ -33,9 +33,9 @@ def tensors(graph: Any) -> Iterator[Any]:
 def external_files(graph: Path, model: Any) -> dict[str, Path]:
     """The files ``graph``'s tensors read external data from (``model``: the graph, loaded
     without its data), by the location the graph names. An ``ArtifactError`` names the first
-    location that is not a plain file name of a file beside the graph (a path, ``..``, a missing
-    file), so nothing outside the graph's directory is opened or sized. Only names are checked:
-    ``kiln verify`` checks each tensor's byte range against the manifest."""
+    location that is not a plain file name of a regular file beside the graph (a path, ``..``, a
+    missing file, a link), so nothing outside the graph's directory is opened or sized. Only
+    names are checked: ``kiln verify`` checks each tensor's byte range against the manifest."""
     import onnx  # a core dependency; only the graph's protobuf is read
 
     files: dict[str, Path] = {}
@@ -46,11 +46,13 @@ def external_files(graph: Path, model: Any) -> dict[str, Path]:
         if location in files:
             continue
         path = graph.parent / location
-        if not _plain_name(location) or not path.is_file():
+        if not plain_name(location) or path.is_symlink() or not path.is_file():
             raise ArtifactError(f"{graph.name}: tensor {tensor.name} reads external data from {location!r}, which is not a file beside the graph")
         files[location] = path
     return files
 
 
-def _plain_name(location: str) -> bool:
+def plain_name(location: str) -> bool:
+    """Whether an external-data ``location`` names a file in the graph's own directory (no
+    path, no ``..``), the only form kiln writes and reads."""
     return bool(location) and "\\" not in location and PurePosixPath(location).name == location and location not in (".", "..")

@@ -19,12 +19,11 @@ graph (a limit that is not positive, a context of 10**400) are refused by ``mani
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kiln.exporter.artifacts.manifest import GraphEntry, Manifest, TensorEntry
-from kiln.exporter.external_data import tensors
+from kiln.exporter.external_data import plain_name, tensors
 
 __all__ = ["named_paths", "structure_problems", "inside"]
 
@@ -144,7 +143,7 @@ def _external_problem(directory: Path, manifest: Manifest, file: str, model: Any
         info = {e.key: e.value for e in tensor.external_data}
         location = info.get("location", "")
         rel = (folder / location).as_posix()
-        if not inside(location) or "/" in location:
+        if not plain_name(location):
             return f"graph {file}: tensor {tensor.name} reads external data from {location!r}, not from a file beside the graph"
         if rel not in manifest.files:
             return f"graph {file}: tensor {tensor.name} reads external data from {location}, which manifest.files does not list"

@@ -75,10 +75,11 @@ def test_large_graphs_open_one_session_at_a_time(graphs: dict[GraphKind, tuple[P
     assert _opened(graphs, monkeypatch) == [prefill, decode, prefill, decode]
 
 
-@pytest.mark.parametrize("location", ["../outside.bin", "missing.bin", "sub/prefill.bin"])
+@pytest.mark.parametrize("location", ["../outside.bin", "missing.bin", "sub/prefill.bin", "link.bin"])
 def test_a_weights_location_not_beside_the_graph_is_refused_by_name(graphs: dict[GraphKind, tuple[Path, np.ndarray]], location: str) -> None:
-    """A graph naming weights outside its directory, in a subdirectory, or in no file is refused
-    in one line before any session opens (its size is never read from outside the directory)."""
+    """A graph naming weights outside its directory, in a subdirectory, in no file, or in a link
+    beside it (to a file outside) is refused in one line before any session opens (its size is
+    never read from outside the directory)."""
     path = graphs[GraphKind.PREFILL][0]
     model = onnx.load(str(path), load_external_data=False)
     for entry in model.graph.initializer[0].external_data:
@@ -86,6 +87,7 @@ def test_a_weights_location_not_beside_the_graph_is_refused_by_name(graphs: dict
             entry.value = location
     onnx.save(model, path)
     (path.parent.parent / "outside.bin").write_bytes((path.parent / "prefill.bin").read_bytes())
+    (path.parent / "link.bin").symlink_to(path.parent.parent / "outside.bin")
     x = np.zeros((1, K), np.float32)
     with OrtRunner({GraphKind.PREFILL: path}) as runner, pytest.raises(ArtifactError) as refused:
         runner.run(GraphKind.PREFILL, {"x": x})
