@@ -181,7 +181,8 @@ def test_the_readme_s_adapter_example_runs_as_written(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_bf16_checkpoint_keeps_its_merged_weights_in_fp32(tmp_path: Path) -> None:
     """W + delta rounded back to bf16 would miss fp32 parity against PEFT's model (by bf16's
-    rounding); the merged modules stay fp32, the others bf16 as stored."""
+    rounding): fp32 parity passing on a bf16 checkpoint with a merged adapter is what shows the
+    merged modules stay fp32 (their dtypes are not inspected here), and PEFT's tokens are kiln's."""
     hf_model(save_base("llama", tmp_path / "fp32")).to(torch.bfloat16).save_pretrained(tmp_path / "ckpt")
     ckpt = tmp_path / "ckpt"
     adapter = make_adapter(ckpt, tmp_path / "adapter", ["q_proj", "v_proj", "down_proj"], seed=2)

@@ -90,6 +90,7 @@ def test_legacy_trt_cache(int8_export: Path) -> None:
     ranges = json.loads((int8_export / "reports" / "parity.json").read_text())["calibration"]
     assert ranges["cache"] == "written"
     cache = json.loads(next((int8_export.parent / "cache").glob("*.json")).read_text())
+    assert len(text) > 1, "the cache holds no tensor's range"
     for line in text[1:]:
         m = re.fullmatch(r"(.+): ([0-9a-f]{8})", line)
         assert m, line

@@ -316,6 +316,10 @@ def test_native_fp8(tmp_path: Path) -> None:
     """--fp8 --target onnx: the portable graphs' Q/DQ kept (the attention MatMuls are float), the
     attention rewritten, TensorRT's fp8 rules checked again; fp8 parity, and the in-place loop's
     tokens are the portable loop's."""
+    import onnx_ir as ir
+
+    from kiln.exporter.precision.qdq_rules import check_qdq
+
     precision = Precision.FP8
     out = tmp_path / "out"
     result = _calibrated_export(tmp_path, out, precision)
@@ -323,6 +327,7 @@ def test_native_fp8(tmp_path: Path) -> None:
     for kind in DECODER_KINDS:
         portable, static = _ops(out / "onnx" / f"{kind.value}.onnx"), _ops(out / "onnx" / f"{kind.value}.std.onnx")
         assert (static["QuantizeLinear"], static["DequantizeLinear"]) == (portable["QuantizeLinear"], portable["DequantizeLinear"]) and portable["QuantizeLinear"] > 0
+        assert check_qdq(ir.load(out / "onnx" / f"{kind.value}.std.onnx")) == static["DequantizeLinear"]  # TensorRT's fp8 rules, on the rewritten graph
     prompt = [11, 42, 7, 3, 99, 15]
     assert Generator(out, target="onnx").run(prompt, 16, stop_at_eos=False).tokens == Generator(out).run(prompt, 16, stop_at_eos=False).tokens
 

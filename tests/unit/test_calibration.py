@@ -221,7 +221,7 @@ def test_empty_and_one_token_data(tmp_path: Path) -> None:
 def test_empty_npz(tmp_path: Path) -> None:
     path = tmp_path / "empty.npz"
     np.savez(path)
-    with pytest.raises(CalibrationError, match=re.escape(f"{path}: ")):
+    with pytest.raises(CalibrationError, match=exact(f"calibration: {path}: the .npz file holds no array; the calibration data is empty")):
         load(path)
 
 

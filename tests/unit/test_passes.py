@@ -456,3 +456,6 @@ def test_ple_tables_of_equal_content() -> None:
     assert [v.name for v in model.graph.inputs][2:] == ["ple.0.scale", "ple.0.shift", "ple.1.scale", "ple.1.shift"]
     tables_feeds = {"ple.0.scale": scale, "ple.0.shift": shift, "ple.1.scale": scale, "ple.1.shift": shift}
     np.testing.assert_array_equal(run(model, {**feeds, **tables_feeds})["y"], before)
+    # the second sub-layer reads its own input, not the first's (equal values could hide that)
+    moved = {**tables_feeds, "ple.1.shift": shift + 1.0}
+    np.testing.assert_allclose(run(model, {**feeds, **moved})["y"], before + 1.0, rtol=0, atol=1e-5)

@@ -427,8 +427,8 @@ def test_check_qdq_missing_zero_point_must_still_be_int8_and_a_3d_weight_is_not_
         check_qdq(unsigned)
     proto = qdq_graph()
     w = next(t for t in proto.graph.initializer if t.name == "w_q")
-    w.CopyFrom(numpy_helper.from_array(np.ones((1, 4, 3), dtype=np.int8), "w_q"))
-    with pytest.raises(ExportError, match=re.escape("a per-channel weight scale must run along the output channels")):
+    w.CopyFrom(numpy_helper.from_array(np.ones((4, 3, 1), dtype=np.int8), "w_q"))  # axis 1 holds the 3 scales: only its rank is wrong
+    with pytest.raises(ExportError, match=exact("export: /fc/w/DequantizeLinear: a per-channel weight scale must run along the output channels (axis 1 of [K, N])")):
         check_qdq(proto)
 
 
