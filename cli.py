@@ -276,15 +276,16 @@ def build(directory: Path, workspace: str, hardware_compat: str, graphs: str, as
 @click.argument("directories", nargs=-1, required=True, type=click.Path(path_type=Path))
 @options(cli_options.BENCH)
 @_reports_errors
-def bench(directories: tuple[Path, ...], compare: tuple[Path, ...], no_torch: bool, no_roofline: bool, out: Path | None, plot: Path | None, as_json: bool, **flags: Any) -> None:
+def bench(directories: tuple[Path, ...], compare: tuple[Path, ...], no_torch: bool, no_roofline: bool, out: Path | None, plot: Path | None, force: bool, as_json: bool, **flags: Any) -> None:
     """Prefill and decode-step latency at batch 1 on ONNX Runtime CPU, interleaved: kiln export
     directories and --compare peers side by side (ratios vs the first), PyTorch eager, the
     roofline fraction of each decode step, and optionally a past-length sweep with a plot."""
-    from kiln.runtime.bench import BenchOptions, render, run_bench
+    from kiln.runtime.bench import BenchOptions, render, require_new_results, run_bench
 
     options = BenchOptions(torch=not no_torch, roofline=not no_roofline, **flags)  # the rest named as BenchOptions' fields
-    result = run_bench([*directories, *compare], options)
     plot = plot if plot is not None else out.with_suffix(".png") if out is not None else None
+    require_new_results([p for p in (out, plot if options.sweep else None) if p is not None], [*directories, *compare], force)  # before the timing
+    result = run_bench([*directories, *compare], options)
     if "sweep" in result and plot is not None:
         from kiln.runtime.sweep import plot_sweep
 

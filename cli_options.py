@@ -190,6 +190,7 @@ BENCH: list[Option] = [
     click.option("--no-roofline", is_flag=True, help="Skip the memory-bandwidth measurement."),
     click.option("--out", "out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Write the JSON result here (and the sweep plot beside it, .png)."),
     click.option("--plot", "plot", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Where to write the sweep plot (default: --out with .png)."),
+    click.option("--force", is_flag=True, help="Replace an existing --out (and plot) file."),
     click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of tables."),
 ]
 

@@ -11,6 +11,7 @@ written (read back bit for bit before it is renamed into place).
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,12 +46,33 @@ def convert_adapter(directory: Path, adapter_dir: Path, out: Path | None, *, for
     manifest = require_verified(directory)
     adapter, tensors = swapped_adapter(directory, manifest.lora, (manifest.checkpoint.reference, manifest.checkpoint.resolved), adapter_dir)
     path = out if out is not None else default_path(adapter_dir)
-    if path.is_dir() or (path.exists() and not force):
-        raise ConfigError(f"{path}: already exists; pass --force to replace it" if not path.is_dir() else f"{path}: is a directory; --out names the adapter file")
-    if not path.parent.is_dir():
-        raise ConfigError(f"{path}: its directory {path.parent} does not exist")
+    _require_writable(path, force, inputs=(directory, adapter_dir, *_checkpoint(manifest.checkpoint.reference, manifest.checkpoint.resolved)))
     parity = check_dir(directory, progress=progress, adapter=adapter_dir) if check else None
     if parity is not None and not parity.passed:
         raise ParityError(f"{adapter_dir}: the export's graphs fed this adapter differ from PEFT's model: " + "; ".join(parity.failures()[:5]))
     write_adapter_file(tensors, path)
     return AdapterResult(path, tuple(sorted(adapter.tensors)), adapter.rank, parity)
+
+
+def _checkpoint(*named: str | None) -> tuple[Path, ...]:
+    """The export's checkpoint directory, as the manifest names it, where it still is (a base
+    model ``--out`` must not touch)."""
+    return tuple(Path(n) for n in named if n and Path(n).is_dir())
+
+
+def _require_writable(path: Path, force: bool, inputs: tuple[Path, ...]) -> None:
+    """``path`` may take the adapter file: not inside anything the command reads (the export,
+    the PEFT adapter, the base checkpoint), and, when a file is there, ``--force`` given and that
+    file an ONNX Runtime adapter file by name (``*.onnx_adapter``: never a user's other file)."""
+    target = path.absolute().resolve()
+    for source in inputs:
+        if target.is_relative_to(Path(source).absolute().resolve()):
+            raise ConfigError(f"{path}: inside {source}, which this command reads; --out names a file outside it")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory; --out names the adapter file")
+    if os.path.lexists(path) and not force:
+        raise ConfigError(f"{path}: already exists; pass --force to replace it")
+    if os.path.lexists(path) and (path.is_symlink() or not path.name.endswith(SUFFIX)):
+        raise ConfigError(f"{path}: --force replaces only an ONNX Runtime adapter file (*{SUFFIX}) kiln wrote, and this is {'a link' if path.is_symlink() else 'another file'}; nothing was replaced")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{path}: its directory {path.parent} does not exist")

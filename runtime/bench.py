@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import BenchError
+from kiln.errors import BenchError, ConfigError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.runners import ort_session
 from kiln.exporter.artifacts import manifest as manifest_mod
@@ -28,7 +28,7 @@ from kiln.runtime.roofline import BandwidthProbe, weights_bytes_per_step
 from kiln.runtime.timing import Timed, interleaved, vocab_of
 from kiln.runtime.torch_row import TorchWorker
 
-__all__ = ["BenchOptions", "load_warning", "render", "run_bench"]
+__all__ = ["BenchOptions", "load_warning", "render", "require_new_results", "run_bench"]
 
 TORCH = "pytorch eager"
 _PROBE = "memory read probe"  # not a row: the bandwidth measured among the decode steps
@@ -221,3 +221,16 @@ def render(result: dict[str, Any]) -> str:
 
         lines += ["", render_sweep(result["sweep"])]
     return "\n".join(lines)
+
+
+def require_new_results(paths: Sequence[Path], directories: Sequence[Path], force: bool) -> None:
+    """The files ``kiln bench`` will write (``--out``, the sweep plot): never inside a directory
+    it times (an export's ``reports/parity.json`` was overwritten, and its plot beside it), and
+    an existing file only with ``--force``; refused in one line before anything is timed."""
+    for path in paths:
+        target = path.absolute().resolve()
+        for directory in directories:
+            if target.is_relative_to(Path(directory).absolute().resolve()):
+                raise ConfigError(f"{path}: inside {directory}, which this command reads; write the result outside it")
+        if os.path.lexists(path) and not force:
+            raise ConfigError(f"{path}: already exists; pass --force to replace it")

@@ -288,6 +288,18 @@ def test_bench_cli_errors(kiln_dir: Path, optimum_dir: Path, tmp_path: Path) -> 
     assert code == 1 and "a PyTorch row needs a kiln export directory whose manifest names its checkpoint; pass --no-torch" in err
     code, _, err = _run("bench", str(kiln_dir), "--sweep", "8,x")
     assert code == 2 and "expected comma-separated integers, found '8,x'" in err
+    # the result files: never inside a directory it times, an existing one only with --force (before any timing)
+    report = kiln_dir / "reports" / "parity.json"
+    before = report.read_bytes()
+    code, _, err = _run("bench", str(kiln_dir), "--no-torch", "--out", str(report), "--force")
+    assert (code, err.strip().splitlines()) == (1, [f"error: config: {report}: inside {kiln_dir}, which this command reads; write the result outside it"])
+    notes = tmp_path / "notes.json"
+    notes.write_text("mine")
+    code, _, err = _run("bench", str(kiln_dir), "--no-torch", "--out", str(notes))
+    assert (code, err.strip().splitlines()) == (1, [f"error: config: {notes}: already exists; pass --force to replace it"])
+    code, _, err = _run("bench", str(kiln_dir), "--no-torch", "--out", str(tmp_path / "new.json"), "--plot", str(notes), "--sweep", "4,8")
+    assert (code, err.strip().splitlines()) == (1, [f"error: config: {notes}: already exists; pass --force to replace it"])
+    assert report.read_bytes() == before and notes.read_text() == "mine" and not (tmp_path / "new.json").exists()
     code, _, err = _run("bench", str(kiln_dir), "--no-torch", "--no-roofline", "--runs", "3", "--sweep", "8,64")
     assert code == 1 and "--sweep past 64 does not fit the export's context limit 48" in err
 

@@ -213,6 +213,25 @@ def test_refusals(slots: dict[str, Path], tmp_path: Path) -> None:
     assert not (tmp_path / "x").exists()
 
 
+def test_adapter_out_never_replaces_what_it_reads_or_a_user_file(slots: dict[str, Path], tmp_path: Path) -> None:
+    """kiln adapter --out ... --force: never a file of the export, of the PEFT adapter or of the
+    base checkpoint (found by an adversarial pass: each was overwritten), never a user's other
+    file; each refused in one line before anything is computed, the file unchanged."""
+    ckpt, out, adapter = slots["ckpt"], slots["out"], slots["narrow"]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    inside = {out / "onnx" / "weights.bin": out, out / "new.onnx_adapter": out, adapter / "adapter_model.safetensors": adapter, ckpt / "model.safetensors": ckpt}
+    for path, source in inside.items():
+        before = path.read_bytes() if path.exists() else None
+        message = config_error("adapter", str(adapter), "--export", str(out), "--no-check", "--out", str(path), "--force")
+        assert message == f"{path}: inside {source}, which this command reads; --out names a file outside it"
+        assert (path.read_bytes() if path.exists() else None) == before
+    assert config_error("adapter", str(adapter), "--export", str(out), "--no-check", "--out", str(notes), "--force") == (
+        f"{notes}: --force replaces only an ONNX Runtime adapter file (*.onnx_adapter) kiln wrote, and this is another file; nothing was replaced"
+    )
+    assert notes.read_text() == "mine"
+
+
 def test_lora_targets_slot_those_modules_only(slots: dict[str, Path], tmp_path: Path) -> None:
     """--lora-targets q_proj,v_proj: slots on those only; the narrow adapter (q_proj, v_proj)
     converts and generates PEFT's tokens, the wide one is refused by its first unslotted module."""
