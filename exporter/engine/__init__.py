@@ -18,7 +18,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import ArtifactError, EngineError
+from kiln.errors import ArtifactError, ConfigError, EngineError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.build import build_engines, load_tensorrt
@@ -81,8 +81,16 @@ def _own_files(directory: Path, options: BuildOptions) -> set[str]:
     own = engines | {SCRIPT, ENGINES_JSON, DEFAULT_TIMING_CACHE}
     cache, root = timing_cache_path(directory, options).absolute(), directory.absolute()
     if cache.is_relative_to(root):
-        own.add(cache.relative_to(root).as_posix())
+        own.add(_cache_in_engines(cache.relative_to(root).as_posix(), options))
     return own | {f"{Path(f).parent.as_posix()}/.{Path(f).name}.tmp" for f in own}  # written first, then renamed into place
+
+
+def _cache_in_engines(relative: str, options: BuildOptions) -> str:
+    """A timing cache inside the export lives in ``engines/``, the folder kiln build writes:
+    elsewhere it would overwrite one of the export's files (``onnx/weights.bin`` was taken)."""
+    if not relative.startswith(_ENGINES):
+        raise ConfigError(f"--timing-cache {options.timing_cache}: inside the export but outside {_ENGINES}, which is all kiln build writes; name a file in {_ENGINES} or outside the export")
+    return relative
 
 
 ProfileSets = dict[GraphSet, tuple[EngineProfile, ...]]

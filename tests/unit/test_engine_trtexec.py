@@ -178,6 +178,22 @@ def _one_line_engine_error(exc: EngineError, *fragments: str) -> None:
         assert fragment in text
 
 
+def test_a_timing_cache_among_the_exports_files_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--timing-cache naming a file of the export outside engines/ (its weights: TensorRT would
+    replace an unreadable cache) is refused before anything is written; engines/ is fine."""
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    directory = export_dir(tmp_path)
+    weights = directory / "onnx" / "weights.bin"
+    before = weights.read_bytes()
+    with pytest.raises(ConfigError) as refused:
+        build_command(directory, BuildOptions(timing_cache=weights))
+    assert str(refused.value) == f"config: --timing-cache {weights}: inside the export but outside engines/, which is all kiln build writes; name a file in engines/ or outside the export"
+    assert weights.read_bytes() == before and not (directory / "engines").exists()
+    with pytest.raises(EngineError, match="TensorRT is not installed"):
+        build_command(directory, BuildOptions(timing_cache=directory / "engines" / "tc.bin"))
+    assert "--timingCacheFile=engines/tc.bin" in (directory / "engines" / "trtexec.sh").read_text()
+
+
 def test_without_tensorrt_the_script_is_written_and_one_line_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt -> ImportError
     directory = export_dir(tmp_path)
