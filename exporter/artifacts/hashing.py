@@ -35,11 +35,13 @@ def links(root: Path) -> dict[str, str]:
     return {p.relative_to(root).as_posix(): os.readlink(p) for p in sorted(root.rglob("*")) if p.is_symlink()}
 
 
-def rehash_subtree(files: dict[str, str], root: Path, sub: str) -> dict[str, str]:
-    """``files`` (a manifest's) with the entries under ``sub/`` replaced by what is there now:
-    a command that rewrites one folder of an export hashes only that folder."""
+def rehash_subtree(files: dict[str, str], root: Path, sub: str, staged: Path | None = None) -> dict[str, str]:
+    """``files`` (a manifest's) with the entries under ``sub/`` replaced by what is there now,
+    or by what ``staged`` holds (the folder about to be renamed to ``root/sub``): a command that
+    rewrites one folder of an export hashes only that folder."""
     prefix = f"{sub}/"
     kept = {k: v for k, v in files.items() if not k.startswith(prefix)}
-    if (root / sub).is_dir():
-        kept.update({prefix + rel: digest for rel, digest in hash_tree(root / sub).items()})
+    folder = staged if staged is not None else root / sub
+    if folder.is_dir():
+        kept.update({prefix + rel: digest for rel, digest in hash_tree(folder).items()})
     return dict(sorted(kept.items()))

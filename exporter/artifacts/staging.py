@@ -4,10 +4,18 @@ An export (or a part rewritten later: ``kiln triton``'s repository) is written i
 directory beside the target and renamed into place at the end; an error, Ctrl-C or SIGTERM (turned
 into ``SystemExit`` by the CLI) removes it. An exclusive ``flock`` on ``.<name>.lock`` beside the
 target makes a second export into the same directory fail at once instead of racing the first;
-the lock file names the PID holding it. What a killed process (SIGKILL, a power cut) leaves
-beside the target, its ``.<name>.tmp-*`` staging and a ``.<name>.old-*`` copy set aside during the
-final rename, is cleaned up by the next process that takes the lock (which proves the other one
-is gone), and one line says so; a copy set aside while no new directory took its place is put back.
+the lock file names the PID holding it, then each directory it makes beside the target. What a
+killed process (SIGKILL, a power cut) leaves there, its ``.<name>.tmp-*`` staging and a
+``.<name>.old-*`` copy set aside during the final rename, is cleaned up by the next process that
+takes the lock (which proves the other one is gone), and one line says so; a copy set aside while
+no new directory took its place is put back. Only the directories the lock file names are touched:
+a user's ``.<name>.old-backup`` beside them is not kiln's (an adversarial pass had one deleted).
+
+The final renames run with SIGINT and SIGTERM deferred (``interrupts.deferred``): a Ctrl-C there
+lands after them, so the target is never found missing, half replaced, or replaced while the
+command says nothing was written. Just before them, the target is checked again
+(``require_replaceable``): a directory someone put there while the export ran is not kiln's to
+replace.
 
 The replacement rule (``--force``): a non-empty target is replaced only when kiln wrote it. What
 that means is the caller's ``Owner``: for an export directory, that ``manifest.read`` accepts its
@@ -32,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kiln.errors import ArtifactError
-from kiln.interrupts import raise_if_interrupted
+from kiln.interrupts import deferred, raise_if_interrupted
 
 __all__ = ["Owner", "Note", "brief", "cannot_write", "earlier_export", "listing", "require_replaceable", "staged_output"]
 
@@ -60,15 +68,22 @@ def cannot_write(path: Path, exc: OSError) -> str:
     return f"{path}: cannot write here: " + reasons.get(exc.errno or 0, f"{exc.strerror or exc} ({where})")
 
 
+Record = Callable[[Path], None]  # a directory made beside the target, named in the lock file
+
+
+def _lock_record(fd: int) -> tuple[int | None, list[str]]:
+    """The PID a lock file names (whoever took the lock last) and the directories it made."""
+    lines = os.pread(fd, max(os.fstat(fd).st_size, 0), 0).decode(errors="replace").splitlines()
+    pid = lines[0].strip() if lines else ""
+    return (int(pid) if pid.isdigit() else None), [line for line in lines[1:] if line]
+
+
 def _lock_holder(fd: int) -> int | None:
-    """The PID a lock file names (written by whoever took the lock last), if any."""
-    os.lseek(fd, 0, os.SEEK_SET)
-    text = os.read(fd, 32).decode(errors="replace").strip()
-    return int(text) if text.isdigit() else None
+    return _lock_record(fd)[0]
 
 
 @contextlib.contextmanager
-def _lock(out: Path, note: Note) -> Iterator[None]:
+def _lock(out: Path, note: Note) -> Iterator[Record]:
     lock_path = out.parent / f".{out.name}.lock"
     try:
         fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
@@ -82,11 +97,11 @@ def _lock(out: Path, note: Note) -> Iterator[None]:
         pid = f"pid {holder}, " if holder else ""
         raise ArtifactError(f"{out}: another kiln process is writing this directory ({pid}lock {lock_path}); wait for it or choose another --out") from None
     try:
-        previous = _lock_holder(fd)  # we hold the lock: whoever wrote this PID is gone
+        previous, made = _lock_record(fd)  # we hold the lock: whoever wrote this PID is gone
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        _clean_leftovers(out, previous, note)
-        yield
+        _clean_leftovers(out, previous, made, note)
+        yield lambda path: _append(fd, path.name)
     finally:
         with contextlib.suppress(FileNotFoundError):
             lock_path.unlink()
@@ -94,17 +109,24 @@ def _lock(out: Path, note: Note) -> Iterator[None]:
         os.close(fd)
 
 
-def _clean_leftovers(out: Path, previous: int | None, note: Note) -> None:
-    """Remove what a killed kiln process left beside ``out`` (called under the lock), putting
-    back a directory it had moved aside when nothing replaced it."""
+def _append(fd: int, name: str) -> None:
+    os.pwrite(fd, f"{name}\n".encode(), os.fstat(fd).st_size)
+    os.fsync(fd)  # on disk before anything is written into it: a power cut leaves it named
+
+
+def _clean_leftovers(out: Path, previous: int | None, made: list[str], note: Note) -> None:
+    """Remove what a killed kiln process left beside ``out`` (called under the lock): the
+    directories its lock file names, nothing else; a directory it had moved aside is put back
+    when nothing replaced it."""
     who = f"an earlier kiln process (pid {previous})" if previous else "an earlier kiln process"
-    for old in sorted(out.parent.glob(f".{out.name}.old-*")):
+    ours = [out.parent / name for name in made if "/" not in name and name.startswith((f".{out.name}.old-", f".{out.name}.tmp-"))]
+    for old in (p for p in ours if p.name.startswith(f".{out.name}.old-") and p.is_dir() and not p.is_symlink()):
         kept = old / out.name
         if kept.is_dir() and not os.path.lexists(out):
             os.replace(kept, out)
             note(f"restored {out} from {old.name}: {who} was killed while replacing it")
         shutil.rmtree(old, ignore_errors=True)
-    for tmp in sorted(out.parent.glob(f".{out.name}.tmp-*")):
+    for tmp in (p for p in ours if p.name.startswith(f".{out.name}.tmp-") and p.is_dir() and not p.is_symlink()):
         shutil.rmtree(tmp, ignore_errors=True)
         note(f"removed {tmp}: the unfinished output of {who} that was killed")
 
@@ -194,26 +216,38 @@ def _require_space(out: Path, needs: int) -> None:
 
 @contextlib.contextmanager
 def staged_output(
-    out: Path, force: bool, owner: Owner = earlier_export, inputs: Sequence[Path] = (), note: Note = _stderr, needs: int = 0
+    out: Path,
+    force: bool,
+    owner: Owner = earlier_export,
+    inputs: Sequence[Path] = (),
+    note: Note = _stderr,
+    needs: int = 0,
+    committed: Callable[[], None] = lambda: None,
 ) -> Iterator[Path]:
     """Yield a fresh temporary directory that becomes ``out`` when the block succeeds (an ``out``
-    already there must pass ``require_replaceable``). ``needs``: the bytes the block will write
-    at least, refused up front when the disk has less free; a full disk inside the block is one
-    ``ArtifactError`` all the same. The temporary directory is removed whatever happens."""
+    already there must pass ``require_replaceable``, at the start and again just before the
+    rename). ``needs``: the bytes the block will write at least, refused up front when the disk
+    has less free; a full disk inside the block is one ``ArtifactError`` all the same.
+    ``committed``: what must happen together with the rename (a manifest naming the new files),
+    run right after it, signals deferred as for the rename. The temporary directory is removed
+    whatever happens."""
     out = out.absolute()
     require_replaceable(out, force, owner, inputs)  # before making anything
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ArtifactError(cannot_write(out, exc)) from None
-    with _lock(out, note):
+    with _lock(out, note) as record:
         require_replaceable(out, force, owner, inputs)  # again, now that no other kiln can be writing it
         _require_space(out, needs)  # after the leftovers of a killed export are gone
-        tmp = _staging_dir(out)
+        tmp = _staging_dir(out, record)
         try:
             yield tmp
             raise_if_interrupted()  # a signal whose exception a finalizer swallowed
-            _commit(tmp, out)
+            with deferred():
+                require_replaceable(out, force, owner, inputs)  # what appeared there while the block ran
+                _commit(tmp, out, record)
+                committed()
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -224,9 +258,10 @@ def staged_output(
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _staging_dir(out: Path) -> Path:
+def _staging_dir(out: Path, record: Record) -> Path:
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        record(tmp)
     except OSError as exc:
         raise ArtifactError(cannot_write(out, exc)) from None
     umask = os.umask(0)
@@ -235,7 +270,7 @@ def _staging_dir(out: Path) -> Path:
     return tmp
 
 
-def _commit(tmp: Path, out: Path) -> None:
+def _commit(tmp: Path, out: Path, record: Record) -> None:
     """Rename ``tmp`` to ``out``; an ``out`` already there is moved aside first and deleted only
     once the new one is in place (if the rename fails, it is put back; if the process dies in
     between, the next one puts it back: ``_clean_leftovers``)."""
@@ -243,6 +278,7 @@ def _commit(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    record(old)
     os.replace(out, old / out.name)
     try:
         os.replace(tmp, out)

@@ -316,12 +316,17 @@ def write_triton_repo(directory: Path, name: str) -> list[Path]:
     require_replaceable(target, True, owner)  # before verifying, so that the refusal names what is there
     manifest = require_verified(directory)
     models = triton_models(directory, manifest, name)
+    files: dict[str, str] = {}  # the manifest's files with the new repository's, hashed before the rename
+
+    def record() -> None:  # with the rename, signals deferred: the export never lists files it lacks
+        manifest_mod.write(directory, dataclasses.replace(manifest, files=files))
+
     try:
-        with staged_output(target, force=True, owner=owner) as tmp:
+        with staged_output(target, force=True, owner=owner, committed=record) as tmp:
             _write_repo(tmp, manifest, models)
+            files.update(rehash_subtree(manifest.files, directory, TRITON_DIR, staged=tmp))
     except OSError as exc:
         raise ArtifactError(f"triton: could not write {target} ({exc}); check the permissions and free space of {directory}") from exc
-    manifest_mod.write(directory, dataclasses.replace(manifest, files=rehash_subtree(manifest.files, directory, TRITON_DIR)))
     return sorted(p for p in target.rglob("*") if p.is_file())
 
 

@@ -136,7 +136,7 @@ def test_a_killed_export_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
     pid = _kill_while_staging(out)
     litter = _litter(out)
     assert len(litter) == 2 and litter[0] == ".out.lock" and litter[1].startswith(".out.tmp-")
-    assert (tmp_path / ".out.lock").read_text().strip() == str(pid)
+    assert (tmp_path / ".out.lock").read_text().splitlines() == [str(pid), litter[1]]  # the PID, then what it made
     notes: list[str] = []
     with staged_output(out, force=False, note=notes.append) as tmp:
         (tmp / "a.txt").write_text("x")
@@ -150,7 +150,7 @@ def test_a_directory_set_aside_by_a_killed_commit_is_put_back(tmp_path: Path) ->
     aside = tmp_path / ".out.old-abc123"
     (aside / "out").mkdir(parents=True)
     (aside / "out" / "kept.txt").write_text("previous export")
-    (tmp_path / ".out.lock").write_text("999999999\n")
+    (tmp_path / ".out.lock").write_text("999999999\n.out.old-abc123\n")  # what the killed process recorded making
     notes: list[str] = []
     with pytest.raises(ArtifactError, match="output directory exists and is not empty"):  # the restored one is there again
         with staged_output(out, force=False, note=notes.append):
@@ -207,7 +207,7 @@ def test_second_writer_names_the_first(tmp_path: Path) -> None:
 def test_lock_file_names_the_writer(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with staged_output(out, force=False):
-        assert json.loads((tmp_path / ".out.lock").read_text()) == os.getpid()
+        assert json.loads((tmp_path / ".out.lock").read_text().splitlines()[0]) == os.getpid()
     time.sleep(0)  # released: the lock file is gone with it
     assert not (tmp_path / ".out.lock").exists()
 
