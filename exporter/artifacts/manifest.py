@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 from importlib import metadata
 from pathlib import Path
@@ -306,8 +307,15 @@ def precision_of(manifest: Manifest) -> Precision:
 
 
 def write(root: Path, manifest: Manifest) -> Path:
+    """``root/manifest.json``, whole or as it was: written beside it, then renamed over it (a
+    full disk or a kill mid-write never leaves a cut manifest in an export)."""
     path = root / MANIFEST
-    path.write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+    staged = root / f".{MANIFEST}.tmp"
+    try:
+        staged.write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+        os.replace(staged, path)
+    finally:
+        staged.unlink(missing_ok=True)
     return path
 
 

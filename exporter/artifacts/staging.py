@@ -35,7 +35,7 @@ import fcntl
 import os
 import shutil
 import sys
-import tempfile
+import secrets
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -68,22 +68,30 @@ def cannot_write(path: Path, exc: OSError) -> str:
     return f"{path}: cannot write here: " + reasons.get(exc.errno or 0, f"{exc.strerror or exc} ({where})")
 
 
-Record = Callable[[Path], None]  # a directory made beside the target, named in the lock file
+MakeDir = Callable[[str], Path]  # a new directory beside the target, named by prefix + random, recorded first
 
 
 def _lock_record(fd: int) -> tuple[int | None, list[str]]:
     """The PID a lock file names (whoever took the lock last) and the directories it made."""
-    lines = os.pread(fd, max(os.fstat(fd).st_size, 0), 0).decode(errors="replace").splitlines()
-    pid = lines[0].strip() if lines else ""
-    return (int(pid) if pid.isdigit() else None), [line for line in lines[1:] if line]
+    lines = os.pread(fd, os.fstat(fd).st_size, 0).split(b"\n")
+    pid = lines[0].strip()
+    return (int(pid) if pid.isdigit() else None), [os.fsdecode(line) for line in lines[1:] if line]
 
 
 def _lock_holder(fd: int) -> int | None:
     return _lock_record(fd)[0]
 
 
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+    os.fsync(fd)  # on disk before the directory it names exists: a power cut leaves it named
+
+
 @contextlib.contextmanager
-def _lock(out: Path, note: Note) -> Iterator[Record]:
+def _lock(out: Path, note: Note) -> Iterator[MakeDir]:
     lock_path = out.parent / f".{out.name}.lock"
     try:
         fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
@@ -98,20 +106,30 @@ def _lock(out: Path, note: Note) -> Iterator[Record]:
         raise ArtifactError(f"{out}: another kiln process is writing this directory ({pid}lock {lock_path}); wait for it or choose another --out") from None
     try:
         previous, made = _lock_record(fd)  # we hold the lock: whoever wrote this PID is gone
+        _clean_leftovers(out, previous, made, note)  # interrupted, the file still names them
+        left = [name for name in made if _ours(out, name) and os.path.lexists(out.parent / name)]  # could not be removed: named again
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        _clean_leftovers(out, previous, made, note)
-        yield lambda path: _append(fd, path.name)
+        _write_all(fd, f"{os.getpid()}\n".encode() + b"".join(os.fsencode(name) + b"\n" for name in left), 0)
+        yield lambda prefix: _make_dir(out.parent, prefix, fd)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            lock_path.unlink()
+        if not any(_ours(out, name) and os.path.lexists(out.parent / name) for name in _lock_record(fd)[1]):
+            with contextlib.suppress(FileNotFoundError):
+                lock_path.unlink()  # else it stays, naming what the next process removes
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
 
-def _append(fd: int, name: str) -> None:
-    os.pwrite(fd, f"{name}\n".encode(), os.fstat(fd).st_size)
-    os.fsync(fd)  # on disk before anything is written into it: a power cut leaves it named
+def _make_dir(parent: Path, prefix: str, fd: int) -> Path:
+    """``parent/prefix<random>``, named in the lock file before it is made (killed in between,
+    the next process finds nothing to remove: never a directory nobody named)."""
+    path = parent / f"{prefix}{secrets.token_hex(4)}"
+    _write_all(fd, os.fsencode(path.name) + b"\n", os.fstat(fd).st_size)
+    os.mkdir(path)  # an ordinary directory (the umask's mode), like the export it becomes
+    return path
+
+
+def _ours(out: Path, name: str) -> bool:
+    return "/" not in name and name.startswith((f".{out.name}.old-", f".{out.name}.tmp-"))
 
 
 def _clean_leftovers(out: Path, previous: int | None, made: list[str], note: Note) -> None:
@@ -119,7 +137,7 @@ def _clean_leftovers(out: Path, previous: int | None, made: list[str], note: Not
     directories its lock file names, nothing else; a directory it had moved aside is put back
     when nothing replaced it."""
     who = f"an earlier kiln process (pid {previous})" if previous else "an earlier kiln process"
-    ours = [out.parent / name for name in made if "/" not in name and name.startswith((f".{out.name}.old-", f".{out.name}.tmp-"))]
+    ours = [out.parent / name for name in made if _ours(out, name)]
     for old in (p for p in ours if p.name.startswith(f".{out.name}.old-") and p.is_dir() and not p.is_symlink()):
         kept = old / out.name
         if kept.is_dir() and not os.path.lexists(out):
@@ -237,16 +255,18 @@ def staged_output(
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ArtifactError(cannot_write(out, exc)) from None
-    with _lock(out, note) as record:
+    with _lock(out, note) as make_dir:
         require_replaceable(out, force, owner, inputs)  # again, now that no other kiln can be writing it
         _require_space(out, needs)  # after the leftovers of a killed export are gone
-        tmp = _staging_dir(out, record)
+        tmp = _staging_dir(out, make_dir)
+        old: Path | None = None
         try:
             yield tmp
             raise_if_interrupted()  # a signal whose exception a finalizer swallowed
             with deferred():
-                require_replaceable(out, force, owner, inputs)  # what appeared there while the block ran
-                _commit(tmp, out, record)
+                _recheck(out, force, owner, inputs, tmp)  # what appeared there while the block ran
+                raise_if_interrupted()  # a signal during the check: nothing is replaced
+                old = _commit(tmp, out, make_dir)
                 committed()
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -254,37 +274,42 @@ def staged_output(
             size = f" (the export needs at least {_gb(needs)})" if needs else ""
             raise ArtifactError(cannot_write(out, exc) + f"{size}; nothing was written") from None
         finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            for leftover in (tmp, old):  # the previous output is deleted outside `deferred`: Ctrl-C stops that
+                if leftover is not None and leftover.exists():
+                    shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _staging_dir(out: Path, record: Record) -> Path:
+def _staging_dir(out: Path, make_dir: MakeDir) -> Path:
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        record(tmp)
+        return make_dir(f".{out.name}.tmp-")
     except OSError as exc:
         raise ArtifactError(cannot_write(out, exc)) from None
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary directory
-    return tmp
 
 
-def _commit(tmp: Path, out: Path, record: Record) -> None:
-    """Rename ``tmp`` to ``out``; an ``out`` already there is moved aside first and deleted only
-    once the new one is in place (if the rename fails, it is put back; if the process dies in
-    between, the next one puts it back: ``_clean_leftovers``)."""
+def _recheck(out: Path, force: bool, owner: Owner, inputs: Sequence[Path], tmp: Path) -> None:
+    """``require_replaceable`` just before the rename; refused, the finished output is kept
+    under a name no kiln removes, and the message says where (it may have taken hours)."""
+    try:
+        require_replaceable(out, force, owner, inputs)
+    except ArtifactError as exc:
+        kept = out.with_name(f"{out.name}.new-{secrets.token_hex(4)}")
+        os.replace(tmp, kept)
+        raise ArtifactError(f"{exc.args[0]}; what this run made is kept in {kept}") from None
+
+
+def _commit(tmp: Path, out: Path, make_dir: MakeDir) -> Path | None:
+    """Rename ``tmp`` to ``out``; an ``out`` already there is moved aside first (if the rename
+    fails, it is put back; if the process dies in between, the next one puts it back:
+    ``_clean_leftovers``). Returns the directory holding the previous output, to delete."""
     if not out.exists():
         os.replace(tmp, out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    record(old)
+        return None
+    old = make_dir(f".{out.name}.old-")
     os.replace(out, old / out.name)
     try:
         os.replace(tmp, out)
     except OSError:
         os.replace(old / out.name, out)
+        os.rmdir(old)
         raise
-    finally:
-        if out.is_dir():  # else the previous directory is only in `old`: keep it
-            shutil.rmtree(old, ignore_errors=True)
+    return old

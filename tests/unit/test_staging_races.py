@@ -50,8 +50,13 @@ def test_a_directory_put_at_out_while_the_export_ran_is_not_replaced(tmp_path: P
             (tmp / "a.txt").write_text("new")
             out.mkdir()
             (out / "user.txt").write_text("precious")
-    assert str(refused.value).startswith(f"artifacts: {out}: --force replaces only an empty directory or an earlier kiln export, and this holds user.txt")
-    assert _tree(out) == {"user.txt": b"precious"} and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    kept = [p for p in tmp_path.iterdir() if p.name != "out"]
+    assert len(kept) == 1 and kept[0].name.startswith("out.new-") and _tree(kept[0]) == {"a.txt": b"new"}  # the finished work, under a name no kiln removes
+    assert str(refused.value) == (
+        f"artifacts: {out}: --force replaces only an empty directory or an earlier kiln export, and this holds user.txt with no manifest.json;"
+        f" nothing was deleted: move or remove it yourself; what this run made is kept in {kept[0]}"
+    )
+    assert _tree(out) == {"user.txt": b"precious"}
 
 
 @pytest.fixture
@@ -88,3 +93,43 @@ def test_a_signal_during_the_final_renames_lands_after_them(tmp_path: Path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     with pytest.raises(interrupts.Interrupted):
         interrupts.raise_if_interrupted()
+
+
+def test_a_signal_during_the_check_before_the_renames_replaces_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_signals: None) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    real = staging.require_replaceable
+    checks: list[Path] = []
+
+    def interrupted_check(*args: object, **kwargs: object) -> None:
+        real(*args, **kwargs)  # type: ignore[arg-type]
+        checks.append(out)
+        if len(checks) == 3:  # the third: just before the renames
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(staging, "require_replaceable", interrupted_check)
+    with pytest.raises(interrupts.Interrupted):
+        with staged_output(out, force=True, owner=lambda d: None, note=lambda line: None) as tmp:
+            (tmp / "new.txt").write_text("new")
+    assert _tree(out) == {"old.txt": b"old"} and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_the_lock_file_stays_while_a_directory_it_names_is_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leftover the next process could not remove (here: rmtree made to fail) stays named in
+    the lock file, for the one after it; the lock file goes only with the last of them."""
+    out = tmp_path / "out"
+    stuck = tmp_path / ".out.tmp-stuck000"
+    stuck.mkdir()
+    (tmp_path / ".out.lock").write_text("999999999\n.out.tmp-stuck000\n")
+    monkeypatch.setattr(staging.shutil, "rmtree", lambda path, ignore_errors=False: None)
+    with pytest.raises(ArtifactError):
+        with staged_output(out, force=False, note=lambda line: None):
+            raise ArtifactError("stopped")
+    named = (tmp_path / ".out.lock").read_text().splitlines()[1:]  # the stuck one, then this run's own staging (not removed either)
+    assert stuck.is_dir() and named[0] == ".out.tmp-stuck000" and len(named) == 2 and (tmp_path / named[1]).is_dir()
+    monkeypatch.undo()
+    notes: list[str] = []
+    with staged_output(out, force=False, note=notes.append):
+        pass
+    assert not stuck.exists() and not (tmp_path / named[1]).exists() and not (tmp_path / ".out.lock").exists() and len(notes) == 2
