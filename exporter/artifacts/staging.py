@@ -15,7 +15,7 @@ The final renames run with SIGINT and SIGTERM deferred (``interrupts.deferred``)
 lands after them, so the target is never found missing, half replaced, or replaced while the
 command says nothing was written. Just before them, the target is checked again
 (``require_replaceable``): a directory someone put there while the export ran is not kiln's to
-replace.
+replace (the finished output is kept beside it as ``<name>.new-*``, and the message says so).
 
 The replacement rule (``--force``): a non-empty target is replaced only when kiln wrote it. What
 that means is the caller's ``Owner``: for an export directory, that ``manifest.read`` accepts its
