@@ -64,14 +64,9 @@ def _require_writable(path: Path, force: bool, inputs: tuple[Path, ...]) -> None
     """``path`` may take the adapter file: not inside anything the command reads (the export,
     the PEFT adapter, the base checkpoint), and, when a file is there, ``--force`` given and that
     file an ONNX Runtime adapter file by name (``*.onnx_adapter``: never a user's other file)."""
-    target = path.absolute().resolve()
-    for source in inputs:
-        if target.is_relative_to(Path(source).absolute().resolve()):
-            raise ConfigError(f"{path}: inside {source}, which this command reads; --out names a file outside it")
-    if path.is_dir():
-        raise ConfigError(f"{path}: is a directory; --out names the adapter file")
-    if os.path.lexists(path) and not force:
-        raise ConfigError(f"{path}: already exists; pass --force to replace it")
+    from kiln.exporter.artifacts.staging import require_new_file
+
+    require_new_file(path, force, inputs, "--out names a file outside it")
     if os.path.lexists(path) and (path.is_symlink() or not path.name.endswith(SUFFIX)):
         raise ConfigError(f"{path}: --force replaces only an ONNX Runtime adapter file (*{SUFFIX}) kiln wrote, and this is {'a link' if path.is_symlink() else 'another file'}; nothing was replaced")
     if not path.parent.is_dir():

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import BenchError, ConfigError
+from kiln.errors import BenchError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.runners import ort_session
 from kiln.exporter.artifacts import manifest as manifest_mod
@@ -227,10 +227,7 @@ def require_new_results(paths: Sequence[Path], directories: Sequence[Path], forc
     """The files ``kiln bench`` will write (``--out``, the sweep plot): never inside a directory
     it times (an export's ``reports/parity.json`` was overwritten, and its plot beside it), and
     an existing file only with ``--force``; refused in one line before anything is timed."""
+    from kiln.exporter.artifacts.staging import require_new_file
+
     for path in paths:
-        target = path.absolute().resolve()
-        for directory in directories:
-            if target.is_relative_to(Path(directory).absolute().resolve()):
-                raise ConfigError(f"{path}: inside {directory}, which this command reads; write the result outside it")
-        if os.path.lexists(path) and not force:
-            raise ConfigError(f"{path}: already exists; pass --force to replace it")
+        require_new_file(path, force, directories, "write the result outside it")

@@ -39,10 +39,10 @@ import secrets
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from kiln.errors import ArtifactError
+from kiln.errors import ArtifactError, ConfigError
 from kiln.interrupts import deferred, raise_if_interrupted
 
-__all__ = ["Owner", "Note", "brief", "cannot_write", "earlier_export", "listing", "require_replaceable", "staged_output"]
+__all__ = ["Owner", "Note", "brief", "cannot_write", "earlier_export", "listing", "require_new_file", "require_replaceable", "staged_output"]
 
 Owner = Callable[[Path], str | None]  # a non-empty directory -> None when kiln wrote it, else why not (one line)
 Note = Callable[[str], None]  # where a line about cleaned-up leftovers goes
@@ -78,10 +78,6 @@ def _lock_record(fd: int) -> tuple[int | None, list[str]]:
     return (int(pid) if pid.isdigit() else None), [os.fsdecode(line) for line in lines[1:] if line]
 
 
-def _lock_holder(fd: int) -> int | None:
-    return _lock_record(fd)[0]
-
-
 def _write_all(fd: int, data: bytes, offset: int) -> None:
     view = memoryview(data)
     while view:
@@ -100,19 +96,19 @@ def _lock(out: Path, note: Note) -> Iterator[MakeDir]:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _lock_holder(fd)
+        holder = _lock_record(fd)[0]
         os.close(fd)
         pid = f"pid {holder}, " if holder else ""
         raise ArtifactError(f"{out}: another kiln process is writing this directory ({pid}lock {lock_path}); wait for it or choose another --out") from None
     try:
         previous, made = _lock_record(fd)  # we hold the lock: whoever wrote this PID is gone
         _clean_leftovers(out, previous, made, note)  # interrupted, the file still names them
-        left = [name for name in made if _ours(out, name) and os.path.lexists(out.parent / name)]  # could not be removed: named again
+        left = _still_there(out, made)  # could not be removed: named again
         os.ftruncate(fd, 0)
         _write_all(fd, f"{os.getpid()}\n".encode() + b"".join(os.fsencode(name) + b"\n" for name in left), 0)
         yield lambda prefix: _make_dir(out.parent, prefix, fd)
     finally:
-        if not any(_ours(out, name) and os.path.lexists(out.parent / name) for name in _lock_record(fd)[1]):
+        if not _still_there(out, _lock_record(fd)[1]):
             with contextlib.suppress(FileNotFoundError):
                 lock_path.unlink()  # else it stays, naming what the next process removes
         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -130,6 +126,11 @@ def _make_dir(parent: Path, prefix: str, fd: int) -> Path:
 
 def _ours(out: Path, name: str) -> bool:
     return "/" not in name and name.startswith((f".{out.name}.old-", f".{out.name}.tmp-"))
+
+
+def _still_there(out: Path, named: list[str]) -> list[str]:
+    """The directories a lock file names that are kiln's (``_ours``) and still beside ``out``."""
+    return [name for name in named if _ours(out, name) and os.path.lexists(out.parent / name)]
 
 
 def _clean_leftovers(out: Path, previous: int | None, made: list[str], note: Note) -> None:
@@ -188,6 +189,20 @@ def _refuse_inputs(out: Path, inputs: Sequence[Path]) -> None:
             raise ArtifactError(
                 f"{out}: this is where the input {path} lives, and kiln never replaces a directory it reads from; choose another --out"
             )
+
+
+def require_new_file(path: Path, force: bool, inputs: Sequence[Path], hint: str) -> None:
+    """The file rule beside ``require_replaceable``'s directory one (``kiln adapter``'s and
+    ``kiln bench``'s ``--out``): never inside anything the command reads, an existing file only
+    with ``force``; one ``ConfigError`` ending in ``hint`` (what to name instead) otherwise."""
+    target = path.absolute().resolve()
+    for source in inputs:
+        if target.is_relative_to(Path(source).absolute().resolve()):
+            raise ConfigError(f"{path}: inside {source}, which this command reads; {hint}")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory; --out names a file")
+    if os.path.lexists(path) and not force:
+        raise ConfigError(f"{path}: already exists; pass --force to replace it")
 
 
 def _creatable(out: Path) -> None:
