@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
 from importlib import metadata
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 from kiln import __version__
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts.manifest_v1 import upgrade_v1
+from kiln.exporter.artifacts.newfile import new_output
 from kiln.exporter.artifacts.serde import OMIT_IF_NONE, from_json, to_json
 from kiln.exporter.contract.io import GraphIO, GraphKind, TensorSpec
 from kiln.exporter.contract.lora import LoraSlots
@@ -310,12 +310,8 @@ def write(root: Path, manifest: Manifest) -> Path:
     """``root/manifest.json``, whole or as it was: written beside it, then renamed over it (a
     full disk or a kill mid-write never leaves a cut manifest in an export)."""
     path = root / MANIFEST
-    staged = root / f".{MANIFEST}.tmp"
-    try:
+    with new_output(path) as staged:
         staged.write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
-        os.replace(staged, path)
-    finally:
-        staged.unlink(missing_ok=True)
     return path
 
 

@@ -34,6 +34,7 @@ from kiln.exporter.engine.records import (
 )
 from kiln.exporter.engine.runner import TrtRunner
 from kiln.exporter.engine.static_runner import StaticTrtRunner
+from kiln.exporter.artifacts.newfile import target_of_temporary
 from kiln.exporter.artifacts.staging import Owner
 from kiln.exporter.artifacts.verify import unlisted
 from kiln.exporter.engine.trtexec import DEFAULT_TIMING_CACHE, SCRIPT, timing_cache_path, write_script
@@ -65,7 +66,7 @@ def _kiln_build_wrote(manifest: Manifest, own: set[str]) -> Owner:
     of anything else is never overwritten or recorded."""
 
     def owner(engines: Path) -> str | None:
-        foreign = [f for f in unlisted(engines.parent, manifest, engines.name) if f not in own]
+        foreign = [f for f in unlisted(engines.parent, manifest, engines.name) if f not in own and not _temporary_of(f, own)]
         if not foreign:
             return None
         more = f" (and {len(foreign) - 5} more)" if len(foreign) > 5 else ""
@@ -82,7 +83,15 @@ def _own_files(directory: Path, options: BuildOptions) -> set[str]:
     cache, root = timing_cache_path(directory, options).absolute(), directory.absolute()
     if cache.is_relative_to(root):
         own.add(_cache_in_engines(cache.relative_to(root).as_posix(), options))
-    return own | {f"{Path(f).parent.as_posix()}/.{Path(f).name}.tmp" for f in own}  # written first, then renamed into place
+    return own
+
+
+def _temporary_of(relative: str, own: set[str]) -> bool:
+    """Whether ``relative`` is the temporary file of one of kiln build's own files (written first, then
+    renamed into place: a killed build leaves it)."""
+    path = Path(relative)
+    target = target_of_temporary(path.name)
+    return target is not None and (path.parent / target).as_posix() in own
 
 
 def _cache_in_engines(relative: str, options: BuildOptions) -> str:

@@ -22,7 +22,6 @@ CI; the GPU tier (tests/gpu/test_engines.py) exercises it where TensorRT is inst
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts.hashing import sha256_file
+from kiln.exporter.artifacts.newfile import new_output
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.device import current_runtime
 from kiln.exporter.engine.gpus import require_gpu_for
@@ -229,10 +229,8 @@ def _set_timing_cache(config: trt_types.IBuilderConfig, cache_file: Path) -> Non
 
 def _write(path: Path, data: Any) -> None:
     """Write a buffer (bytes, memoryview or IHostMemory) to ``path`` through a temporary file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with new_output(path) as tmp, open(tmp, "wb") as f:
         f.write(memoryview(data))
-    os.replace(tmp, path)
 
 
 def _check_profile(engine: trt_types.ICudaEngine, dynamic: Sequence[InputShape], onnx: str) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts.manifest import EnginesEntry, Manifest
+from kiln.exporter.artifacts.newfile import new_output
 from kiln.exporter.engine.compat import version_tuple
 from kiln.exporter.engine.options import HardwareCompat
 from kiln.jsonfile import read_json_object
@@ -174,7 +175,8 @@ def write_records(directory: Path, records: Mapping[str, EngineRecord], build_op
         "engines": {kind: record.to_dict() for kind, record in records.items()},
         "trtexec": trtexec,
     }
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    with new_output(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
     return path
 
 

@@ -14,13 +14,12 @@ For an export with ``--target onnx`` graphs it holds both graph sets and chooses
 
 from __future__ import annotations
 
-import os
 import shlex
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import ConfigError
+from kiln.exporter.artifacts.newfile import new_output
 from kiln.exporter.engine.gpus import gpu_note
 from kiln.exporter.engine.graphs import STD_MIN_VERSION
 from kiln.exporter.engine.options import MIB, BuildOptions, GraphSet, HardwareCompat
@@ -192,12 +191,9 @@ def write_script(directory: Path, profiles: Sequence[EngineProfile], options: Bu
     when the export has them) and return its path."""
     path = directory / SCRIPT
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     from kiln.exporter.artifacts import manifest as manifest_mod
 
     precision = manifest_mod.read(directory).precision if (directory / manifest_mod.MANIFEST).is_file() else None
-    tmp.write_text(render_script(profiles, options, _script_cache(directory, options), precision, std))
-    mode = tmp.stat().st_mode
-    tmp.chmod(mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    os.replace(tmp, path)
+    with new_output(path, executable=True) as tmp:
+        tmp.write_text(render_script(profiles, options, _script_cache(directory, options), precision, std))
     return path

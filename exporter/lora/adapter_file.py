@@ -15,7 +15,6 @@ by convention ``.onnx_adapter``): ``onnxruntime.LoraAdapter`` loads it and
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kiln.errors import ConfigError, ExportError
+from kiln.exporter.artifacts.newfile import new_output
 from kiln.exporter.contract.lora import LoraSlots
 from kiln.plugins.hub_cache import HF_EXTRA
 
@@ -78,15 +78,11 @@ def write_adapter_file(tensors: Mapping[str, np.ndarray], path: Path) -> None:
     adapter.set_adapter_version(1)
     adapter.set_model_version(1)
     adapter.set_parameters({name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in tensors.items()})
-    partial = path.with_name(f".{path.name}.partial")
-    try:
+    with new_output(path) as partial:
         adapter.export_adapter(str(partial))
         back = _arrays(ort.AdapterFormat.read_adapter(str(partial)))
         if set(back) != set(tensors) or any(not np.array_equal(back[n], tensors[n]) or back[n].dtype != tensors[n].dtype for n in tensors):
             raise ExportError(f"{path}: the adapter file ONNX Runtime wrote does not read back as the tensors given")
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def read_adapter_file(path: Path, lora: LoraSlots | None, where: str) -> dict[str, np.ndarray]:

@@ -196,7 +196,7 @@ def test_refusals(slots: dict[str, Path], tmp_path: Path) -> None:
     assert config_error("adapter", str(slots["wide"]), "--export", out) == f"{slots['wide_file']}: already exists; pass --force to replace it"
     dora = make_adapter(ckpt, tmp_path / "dora", ["q_proj"], seed=4, use_dora=True)
     assert config_error("adapter", str(dora), "--export", out).startswith(f"--adapter {dora}: use_dora=True is not supported")
-    assert not list(tmp_path.glob("*.onnx_adapter")) and not list(tmp_path.glob(".*partial"))
+    assert not list(tmp_path.glob("*.onnx_adapter")) and not list(tmp_path.glob(".*kiln-tmp"))
     bogus = tmp_path / "bogus.onnx_adapter"
     bogus.write_bytes(b"not an adapter")
     run = CliRunner().invoke(main, ["generate", out, "--ids", "5,6", "--adapter", str(bogus)])
@@ -230,6 +230,28 @@ def test_adapter_out_never_replaces_what_it_reads_or_a_user_file(slots: dict[str
         f"{notes}: --force replaces only an ONNX Runtime adapter file (*.onnx_adapter) kiln wrote, and this is another file; nothing was replaced"
     )
     assert notes.read_text() == "mine"
+
+
+def test_adapter_never_writes_through_a_planted_temporary_name(slots: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 38, item 1: a link at the old fixed temporary name (``.NAME.partial``) made kiln adapter
+    write the adapter into the file it pointed to and leave --out a link to it; a plain file there was
+    deleted. Temporary files are now new, under a random name: neither is touched, --out is a file."""
+    target = tmp_path / "adf"
+    target.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    (target / ".q.onnx_adapter.partial").symlink_to(victim)
+    (target / ".r.onnx_adapter.partial").write_text("also the user's")
+    for name in ("q", "r"):
+        run = CliRunner().invoke(main, ["adapter", str(slots["narrow"]), "--export", str(slots["out"]), "--no-check", "--out", str(target / f"{name}.onnx_adapter")])
+        assert run.exit_code == 0, run.output
+        written = target / f"{name}.onnx_adapter"
+        assert written.is_file() and not written.is_symlink()
+        got, expected = (read_adapter_file(path, read(slots["out"]).lora, "test") for path in (written, slots["narrow_file"]))
+        assert set(got) == set(expected) and all(np.array_equal(got[n], expected[n]) for n in expected)
+    assert victim.read_text() == "the user's" and (target / ".q.onnx_adapter.partial").is_symlink()
+    assert (target / ".r.onnx_adapter.partial").read_text() == "also the user's"
+    assert sorted(p.name for p in target.iterdir()) == [".q.onnx_adapter.partial", ".r.onnx_adapter.partial", "q.onnx_adapter", "r.onnx_adapter"]
 
 
 def test_lora_targets_slot_those_modules_only(slots: dict[str, Path], tmp_path: Path) -> None:

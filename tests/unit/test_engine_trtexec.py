@@ -267,7 +267,7 @@ def test_build_writes_only_into_an_engines_folder_kiln_wrote(tmp_path: Path, mon
     (directory / "engines" / "notes.txt").unlink()
     (directory / "engines" / "sub" / "my.plan").unlink()
     (directory / "engines" / "sub").rmdir()
-    for name in ("prefill.plan", ".decode.plan.tmp", "timing.cache"):
+    for name in ("prefill.plan", ".decode.plan.0123456789ab.kiln-tmp", "timing.cache"):
         (directory / "engines" / name).write_bytes(b"partial")
     with pytest.raises(EngineError, match="TensorRT is not installed"):
         build_command(directory, BuildOptions())
