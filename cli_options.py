@@ -55,6 +55,11 @@ def _escapes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...])
     return tuple(re.sub(r"\\([nt\\])", lambda m: table[m.group(1)], v) for v in value)
 
 
+def _escape(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """One value's ``_escapes`` (``--prompt`` reads escapes as ``--stop`` does)."""
+    return None if value is None else _escapes(ctx, param, (value,))[0]
+
+
 def _adapters(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[tuple[Path, float], ...]:
     """``DIR`` or ``DIR:WEIGHT`` -> (directory, weight): the text after the last ':' is the weight
     when it is a number (a directory whose name ends in ':<number>' takes an explicit ':1')."""
@@ -70,7 +75,7 @@ def _adapters(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
 
 # kiln export: what is read and where it goes
 SOURCE: list[Option] = [
-    click.option("--model", "model", default="demo", show_default=True, help="Checkpoint directory (config.json + model.safetensors), a Hugging Face repo id ORG/NAME already in the local Hugging Face cache (kiln never downloads), or 'demo'."),
+    click.option("--model", "model", required=True, help="Checkpoint directory (config.json + model.safetensors), a Hugging Face repo id ORG/NAME already in the local Hugging Face cache (kiln never downloads), or 'demo' (the bundled demo model: named, never a default)."),
     click.option("--adapter", "adapters", multiple=True, metavar="DIR[:WEIGHT]", callback=_adapters, help="A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) merged into the Hugging Face checkpoint's weights before export, with WEIGHT (default 1): W + WEIGHT * scaling * B @ A per module; parity runs against PEFT's own model of base + adapters. Repeatable (a weighted sum, as PEFT's add_weighted_adapter with combination_type='cat')."),
     click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="Output directory (written whole, or not at all)."),
     click.option("--lora-targets", "lora_targets", callback=lambda ctx, param, value: tuple(v for v in (value or "").split(",") if v), default=None, metavar="NAME,NAME,...", help="With --lora-slots: slots on these modules only (their names, as PEFT's target_modules: q_proj,v_proj); fewer slots, fewer nodes per step. Default: every Linear but the output head."),
@@ -196,7 +201,7 @@ BENCH: list[Option] = [
 
 # kiln generate
 GENERATE: list[Option] = [
-    click.option("--prompt", default=None, help="Text to continue (tokenized with the export's tokenizer.json)."),
+    click.option("--prompt", default=None, callback=_escape, help="Text to continue (tokenized with the export's tokenizer.json; as --stop, \\n is a newline, \\t a tab, \\\\ a backslash)."),
     click.option("--ids", default=None, metavar="ID,ID,...", help="Token ids to continue, instead of --prompt."),
     click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Tokens to generate at most (fewer when the end-of-sequence token or --stop comes first)."),
     click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token."),

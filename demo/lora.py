@@ -11,12 +11,15 @@ random, as training would leave them, so the merged model generates other tokens
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from kiln.plugins.hub_cache import HF_EXTRA
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -45,6 +48,10 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m kiln.demo.lora DIR   (writes DIR/base and DIR/adapter)", file=sys.stderr)
         return 2
+    missing = [name for name in ("transformers", "peft") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"error: python -m kiln.demo.lora needs {' and '.join(missing)} (the hf extra): {HF_EXTRA}", file=sys.stderr)
+        return 1
     base, adapter = write(Path(argv[0]))
     print(f"wrote {base} (a tiny random Llama) and {adapter} (a LoRA adapter of it)")
     return 0

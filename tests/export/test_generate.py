@@ -137,6 +137,17 @@ def test_stop_string_ends_the_text_and_the_stream(demo_dir: Path) -> None:
     assert plain.stdout == "def read_config(path):\n" + str(stopped["text"]) + "\n" and "; stop)" in plain.stderr
 
 
+def test_prompt_reads_escapes_as_stop_does(demo_dir: Path) -> None:
+    """``--prompt 'def f():\\n'`` as typed in a shell is the newline, as ``--stop`` reads it (the prompt
+    was taken literally while --stop was unescaped); ``\\\\`` is one backslash."""
+    args = ["--max-new-tokens", "4", "--ignore-eos"]
+    typed, real = (_json(str(demo_dir), "--prompt", p, *args) for p in ("def f(x):\\n\\t", "def f(x):\n\t"))
+    assert [typed[k] for k in ("prompt_ids", "tokens", "text")] == [real[k] for k in ("prompt_ids", "tokens", "text")]
+    tok = Tokenizer.from_file(str(demo_dir / "onnx" / "tokenizer.json"))
+    assert _json(str(demo_dir), "--prompt", "a\\\\n", *args)["prompt_ids"] == tok.encode("a\\n").ids  # a backslash, then n
+    assert real["prompt_ids"] == tok.encode("def f(x):\n\t").ids
+
+
 def _error(*args: str) -> str:
     result = CliRunner().invoke(main, ["generate", *args])
     assert result.exit_code == 1, result.stdout

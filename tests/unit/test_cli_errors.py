@@ -111,8 +111,15 @@ def test_force_refuses_an_unrelated_directory(tiny_ckpt: Path, tmp_path: Path) -
     [("--max-batch", "0", "0 is not in the range x>=1"), ("--logits", "first", "'first' is not one of 'all', 'last'")],
 )
 def test_option_validation(tmp_path: Path, option: str, value: str, message: str) -> None:
-    code, _, err = _run("export", "--out", str(tmp_path / "o"), option, value)
+    code, _, err = _run("export", "--model", "demo", "--out", str(tmp_path / "o"), option, value)
     assert code == 2 and message in err
+
+
+def test_export_needs_model_named(tmp_path: Path) -> None:
+    """No silent export of the bundled demo: --model is required (``--model demo`` names it)."""
+    code, out, err = _run("export", "--out", str(tmp_path / "o"))
+    assert code == 2 and "Error: Missing option '--model'." in err and not out
+    assert not (tmp_path / "o").exists()
 
 
 def test_opset_out_of_range(tiny_ckpt: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from kiln_testing import heavy_imports
         (("plugins", "--json"), 0),
         (("export", "--help"), 0),
         (("check", "--help"), 0),
-        (("export", "--ort-int8", "--out", "OUT"), 1),  # a flag error
+        (("export", "--model", "demo", "--ort-int8", "--out", "OUT"), 1),  # a flag error
         (("export", "--model", "no/such-model", "--out", "OUT"), 1),  # a checkpoint that is not there
         (("export", "--model", "CKPT", "--out", "NOT_EMPTY"), 1),  # an output directory kiln refuses to replace
         (("verify", "NO_EXPORT"), 1),
