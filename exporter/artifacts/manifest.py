@@ -22,7 +22,7 @@ from typing import Any
 from kiln import __version__
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts.manifest_v1 import upgrade_v1
-from kiln.exporter.artifacts.newfile import new_output
+from kiln.newfile import new_output
 from kiln.exporter.artifacts.serde import OMIT_IF_NONE, from_json, to_json
 from kiln.exporter.contract.io import GraphIO, GraphKind, TensorSpec
 from kiln.exporter.contract.lora import LoraSlots

@@ -34,7 +34,7 @@ from kiln.exporter.engine.records import (
 )
 from kiln.exporter.engine.runner import TrtRunner
 from kiln.exporter.engine.static_runner import StaticTrtRunner
-from kiln.exporter.artifacts.newfile import target_of_temporary
+from kiln.newfile import target_of_temporary
 from kiln.exporter.artifacts.staging import Owner
 from kiln.exporter.artifacts.verify import unlisted
 from kiln.exporter.engine.trtexec import DEFAULT_TIMING_CACHE, SCRIPT, timing_cache_path, write_script

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts.hashing import sha256_file
-from kiln.exporter.artifacts.newfile import new_output
+from kiln.newfile import new_output
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.device import current_runtime
 from kiln.exporter.engine.gpus import require_gpu_for
@@ -341,6 +341,7 @@ def build_engines(
     The other set's engines are removed first: ``engines/`` holds one set, the one engines.json
     records. ``build_command`` also writes trtexec.sh and records the engines in the manifest."""
     from kiln.exporter.artifacts import manifest as manifest_mod
+    from kiln.exporter.precision.lowbit_check import require_tensorrt_int4
 
     trt = load_tensorrt()
     manifest = manifest_mod.read(directory)
@@ -348,6 +349,7 @@ def build_engines(
         choice = choose_graphs(manifest, options.graphs, compat.trt_version(trt))
     if profiles is None:
         profiles = engine_profiles(manifest, options, choice.graphs)
+    require_tensorrt_int4(directory, [profile.onnx for profile in profiles])  # as trtexec.sh's writer does
     built_with = current_runtime(trt)
     require_gpu_for(manifest.precision, built_with.compute_capability, built_with.gpu)
     (directory / ENGINES_JSON).unlink(missing_ok=True)  # a failed build leaves no record of stale plans

@@ -23,7 +23,7 @@ from typing import Any
 
 from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts.manifest import EnginesEntry, Manifest
-from kiln.exporter.artifacts.newfile import new_output
+from kiln.newfile import new_output
 from kiln.exporter.engine.compat import version_tuple
 from kiln.exporter.engine.options import HardwareCompat
 from kiln.jsonfile import read_json_object

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import ConfigError
-from kiln.exporter.artifacts.newfile import new_output
+from kiln.newfile import new_output
 from kiln.exporter.engine.gpus import gpu_note
 from kiln.exporter.engine.graphs import STD_MIN_VERSION
 from kiln.exporter.engine.options import MIB, BuildOptions, GraphSet, HardwareCompat
@@ -188,7 +188,11 @@ def render_script(
 
 def write_script(directory: Path, profiles: Sequence[EngineProfile], options: BuildOptions, std: Sequence[EngineProfile] | None = None) -> Path:
     """Write ``DIR/engines/trtexec.sh`` (mode 755; ``std``: the ``--target onnx`` graphs' profiles,
-    when the export has them) and return its path."""
+    when the export has them) and return its path. Graphs TensorRT would refuse (int4 blocks outside
+    its sizes: ``lowbit_check.require_tensorrt_int4``) are refused first: no script is written for them."""
+    from kiln.exporter.precision.lowbit_check import require_tensorrt_int4
+
+    require_tensorrt_int4(directory, [profile.onnx for profile in (*profiles, *(std or ()))])
     path = directory / SCRIPT
     path.parent.mkdir(parents=True, exist_ok=True)
     from kiln.exporter.artifacts import manifest as manifest_mod

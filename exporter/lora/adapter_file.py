@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kiln.errors import ConfigError, ExportError
-from kiln.exporter.artifacts.newfile import new_output
+from kiln.newfile import new_output
 from kiln.exporter.contract.lora import LoraSlots
 from kiln.plugins.hub_cache import HF_EXTRA
 

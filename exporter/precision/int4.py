@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import dataclasses
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,7 +42,7 @@ from kiln.exporter.precision.int4_numbers import dequantize, layer_block, pack_i
 from kiln.exporter.precision.kinds.int4 import DEFAULT_INT4_METHOD, MIN_INT4_OPSET, Int4Method
 from kiln.exporter.precision.int8 import int8_targets
 from kiln.exporter.precision.kinds.base import Prepared
-from kiln.exporter.precision.lowbit_check import CheckLowBit, check_int4
+from kiln.exporter.precision.lowbit_check import CheckLowBit, check_int4, outside_tensorrt_int4, tensorrt_int4_reason
 from kiln.exporter.precision.policy import KeepFloat
 from kiln.exporter.passes.names import module_of
 
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from kiln.exporter.contract.io import GraphKind
     from kiln.exporter.precision.kinds.base import GraphReports, PrecisionContext
     from kiln.exporter.precision.kinds.int4 import Int4
+    from kiln.exporter.progress import Progress
 
 # GPTQ, layer by layer (``calibration.hessians.quantize_layerwise`` over the calibration data):
 # (weights to quantize, weights quantized already, quantize) -> None, calling quantize(name, H)
@@ -314,7 +315,8 @@ def prepare(kind: Int4, context: PrecisionContext) -> Prepared:
     and the policy of what stays float."""
     policy = KeepFloat(() if kind.all_matmuls else DEFAULT_INT4_FLOAT + kind.float_rules)
     layerwise, record = gptq_layerwise(context) if kind.gptq else (None, None)
-    return _Int4Prepared(kind, Int4Quantizer(kind.method, kind.block, layerwise), policy, record, context.precision.float16)
+    quantizer = Int4Quantizer(kind.method, kind.block, layerwise)
+    return _Int4Prepared(kind, quantizer, policy, record, context.precision.float16, context.progress)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +326,7 @@ class _Int4Prepared(Prepared):
     policy: KeepFloat
     calibration: dict[str, Any] | None  # GPTQ: the data its Hessians come from
     float16: bool  # the graphs' float type (the scales')
+    progress: Progress  # says when the graphs are for ONNX Runtime only
 
     def passes(self, kind: GraphKind) -> list[ir.passes.PassBase]:
         return [QuantizeInt4(self.quantizer, self.policy, ir.DataType.FLOAT16 if self.float16 else ir.DataType.FLOAT)]
@@ -332,7 +335,12 @@ class _Int4Prepared(Prepared):
         return [CheckLowBit()]
 
     def record(self, reports: GraphReports) -> dict[str, Any]:
+        """The manifest's ``export.quantization``; graphs whose blocks TensorRT does not build are
+        recorded (``tensorrt``) and noted here, the one place that sees every graph's blocks, once."""
         passes = [r.get("int4", {}) for r in reports.values()]
+        tensorrt = _tensorrt_note(b for r in passes for b in r.get("blocks", {}).values())
+        if tensorrt is not None:
+            self.progress.note(f"onnx/*.onnx: {tensorrt} (kiln build refuses them)")
         blocks = {n: b for r in passes for n, b in r.get("blocks", {}).items() if b != self.kind.block}
         kept = {n: why for r in passes for n, why in r.get("kept_float", {}).items()}
         return {
@@ -343,5 +351,13 @@ class _Int4Prepared(Prepared):
                 "layer_block_sizes": dict(sorted(blocks.items())),  # layers whose K the block size does not divide
                 "kept_float": {"rules": list(self.policy.keep_float), "nodes": dict(sorted(kept.items()))},
                 "calibration": self.calibration,
+                "tensorrt": tensorrt,  # null: TensorRT builds every block
             }
         }
+
+
+def _tensorrt_note(blocks: Iterable[int]) -> str | None:
+    """Why the int4 graphs are for ONNX Runtime only (their blocks outside TensorRT's sizes: an
+    --int4-block it does not build, or a smaller block for a K the asked one does not divide), or None."""
+    outside = outside_tensorrt_int4(blocks)
+    return tensorrt_int4_reason(outside) if outside else None

@@ -1,19 +1,35 @@
 """The checks every low-bit graph passes before it is written (and again in the tests): kiln's
 rules for what TensorRT builds (``check_int4`` here, ``qdq_rules.check_qdq``) on the graph in memory,
-then ``onnx.checker`` with its full check (shape and type inference) on the file written."""
+then ``onnx.checker`` with its full check (shape and type inference) on the file written.
+
+TensorRT's int4 block sizes are a rule apart (``tensorrt_int4_blocks``): a graph with other blocks
+is a valid ONNX Runtime graph, so the export writes it and says so; ``kiln build`` and the
+trtexec.sh it writes refuse it (``require_tensorrt_int4``), reading the graph files."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
-from kiln.errors import ExportError
-from kiln.exporter.precision.kinds.int4 import MIN_INT4_OPSET
+from kiln.errors import EngineError, ExportError
+from kiln.exporter.precision.kinds.int4 import MIN_INT4_OPSET, TENSORRT_INT4_BLOCKS
 from kiln.exporter.precision.qdq_rules import check_qdq
 
-__all__ = ["CheckLowBit", "check_int4", "check_low_bit", "onnx_full_check"]
+__all__ = [
+    "CheckLowBit",
+    "check_int4",
+    "check_low_bit",
+    "onnx_full_check",
+    "outside_tensorrt_int4",
+    "tensorrt_int4_blocks",
+    "tensorrt_int4_reason",
+    "require_tensorrt_int4",
+]
+
+_INT4 = (ir.DataType.INT4, ir.DataType.UINT4)
 
 
 def check_low_bit(model: ir.Model) -> int:
@@ -76,3 +92,41 @@ def check_int4(model: ir.Model) -> int:
             if other is not None and other.dtype is not None and other.dtype != scale.dtype:
                 raise ExportError(f"{node.name}: scale type {scale.dtype} differs from the MatMul's activation type {other.dtype} (the DQ outputs the scale's type)")
     return checked
+
+
+def outside_tensorrt_int4(blocks: Iterable[int]) -> tuple[int, ...]:
+    """The int4 block sizes among ``blocks`` that TensorRT does not build (``TENSORRT_INT4_BLOCKS``),
+    sorted, each once: the one rule the export's note and kiln build's refusal share."""
+    return tuple(sorted({block for block in blocks if block not in TENSORRT_INT4_BLOCKS}))
+
+
+def tensorrt_int4_blocks(model: ir.Model) -> tuple[int, ...]:
+    """The ``block_size`` of ``model``'s int4 DequantizeLinear nodes that TensorRT does not build
+    (``outside_tensorrt_int4``). It reads the nodes' attributes, never a manifest field (the manifest
+    is a claim; the graph is what TensorRT parses) and never a tensor's data (a graph's weights can
+    be gigabytes)."""
+    return outside_tensorrt_int4(
+        node.attributes.get_int("block_size", 0)
+        for node in model.graph
+        if node.op_type == "DequantizeLinear" and node.inputs[0] is not None and node.inputs[0].dtype in _INT4
+    )
+
+
+def tensorrt_int4_reason(blocks: Sequence[int]) -> str:
+    """Why graphs with int4 ``blocks`` outside TensorRT's are for ONNX Runtime only, in the words the
+    export's note, its manifest record and kiln build's refusal all use."""
+    found, allowed = ", ".join(map(str, blocks)), ", ".join(map(str, TENSORRT_INT4_BLOCKS))
+    outside = f"int4 DequantizeLinear block_size {found}, outside TensorRT's int4 block sizes ({allowed})"
+    return f"{outside}: for ONNX Runtime only, not TensorRT"
+
+
+def require_tensorrt_int4(directory: Path, graphs: Iterable[str]) -> None:
+    """Refuse, in one ``EngineError`` naming it, the first of ``graphs`` (paths relative to
+    ``directory``) whose int4 blocks TensorRT does not build: before kiln build builds or writes
+    trtexec.sh, rather than a parser error on the GPU machine."""
+    sizes, smallest = " or ".join(map(str, TENSORRT_INT4_BLOCKS)), min(TENSORRT_INT4_BLOCKS)
+    fix = f"re-export with --int4-block {sizes} (and --int4-float for a weight whose K {smallest} does not divide)"
+    for graph in dict.fromkeys(graphs):
+        blocks = tensorrt_int4_blocks(ir.load(directory / graph))
+        if blocks:
+            raise EngineError(f"{graph}: {tensorrt_int4_reason(blocks)}; for engines, {fix}")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.exporter.artifacts import newfile
-from kiln.exporter.artifacts.newfile import new_output, target_of_temporary
+from kiln import newfile
+from kiln.newfile import new_output, target_of_temporary
 
 
 def test_the_temporary_is_new_beside_the_target_and_renamed_over_it(tmp_path: Path) -> None:

@@ -17,7 +17,15 @@ if TYPE_CHECKING:
     from kiln.exporter.options import ExportOptions
     from kiln.plugins.base import DecoderSpec
 
-__all__ = ["Int4", "Int4Method", "DEFAULT_INT4_METHOD", "INT4_BLOCKS", "GPTQ_SAMPLES", "MIN_INT4_OPSET"]
+__all__ = [
+    "Int4",
+    "Int4Method",
+    "DEFAULT_INT4_METHOD",
+    "INT4_BLOCKS",
+    "TENSORRT_INT4_BLOCKS",
+    "GPTQ_SAMPLES",
+    "MIN_INT4_OPSET",
+]
 
 
 class Int4Method(str, enum.Enum):
@@ -27,6 +35,14 @@ class Int4Method(str, enum.Enum):
 
 DEFAULT_INT4_METHOD = Int4Method.GPTQ  # the one that measured best (docs/benchmarks.md, the demo model's accuracy)
 INT4_BLOCKS = (16, 32, 64, 128, 256)  # MatMulNBits' blocks are powers of two >= 16
+# The blocks TensorRT builds (``lowbit_check.tensorrt_int4_blocks`` reads them from the graphs):
+# NVIDIA's ONNX-TensorRT operator table (docs/operators.md, TensorRT 10.15), DequantizeLinear, INT4
+# weight-only quantization: "supported block sizes are {64, 128}", the blocked dim one of the last two;
+# NvInfer.h, IDequantizeLayer: "For block quantization, the shape of scale tensor must match the shape of
+# the input, except for one dimension (the last or second to last dimension) in which blocking occurs."
+# Graphs with other blocks (--int4-block 16|32|256, or a smaller block for a K 64 does not divide) are
+# ONNX Runtime's only: the export says so, kiln build and trtexec.sh refuse them.
+TENSORRT_INT4_BLOCKS = (64, 128)
 MIN_INT4_OPSET = 21  # DequantizeLinear's block_size
 GPTQ_SAMPLES = 256  # default windows for GPTQ: with 16 it overfits the Hessians (measured on the demo in issue 16)
 
@@ -52,7 +68,10 @@ class Int4(PrecisionKind):
             ),
             Flag(
                 "--int4-block", "block", choices=tuple(map(str, INT4_BLOCKS)), default="128", convert=int,
-                help="int4 block size along K (a weight whose K it does not divide gets the largest smaller power of two that does).",
+                help=(
+                    "int4 block size along K (a weight whose K it does not divide gets the largest smaller power of two"
+                    " that does); TensorRT builds blocks of 64 and 128 only, other blocks are for ONNX Runtime only."
+                ),
             ),
         ),
         (
