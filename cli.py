@@ -86,10 +86,25 @@ def export(model: str, out: Path, as_json: bool, **flags: Any) -> None:
     from kiln.exporter.parity.report import verdict
 
     extra = "".join(_target_summary(name, entry) for name, entry in (manifest.targets or {}).items())
-    weights = {manifest.weights.file} | {t.weights.file for t in (manifest.targets or {}).values()}
-    files = "one weights file" if len(weights) == 1 else f"{len(weights)} weights files"
     report = result.out / Path(manifest.parity.report).with_suffix(".md")
-    click.echo(f"wrote {result.out}: {len(manifest.graphs)} {manifest.precision} graphs{extra}, {files}; {verdict(result.parity)}; report {report}")
+    click.echo(f"wrote {result.out}: {len(manifest.graphs)} {manifest.precision} graphs{extra}, {_weights_summary(manifest)}; {verdict(result.parity)}; report {report}")
+
+
+def _weights_summary(manifest: Any) -> str:
+    """``one weights file (12.3 MB)``, or each file with its size: a target's own weights file adds to the
+    export's size, which the line says rather than leaves to be found (``--target ort``: +57% at 0.5B)."""
+    files = {manifest.weights.file: manifest.weights.bytes} | {t.weights.file: t.weights.bytes for t in (manifest.targets or {}).values()}
+    if len(files) == 1:
+        return f"one weights file ({_size(manifest.weights.bytes)})"
+    return f"{len(files)} weights files (" + " + ".join(f"{file} {_size(size)}" for file, size in files.items()) + ")"
+
+
+def _size(count: int) -> str:
+    """Bytes as a person reads them: ``812 KB``, ``12.3 MB``, ``1.9 GB`` (powers of 1000, as ls -h --si)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count} B"
 
 
 def _target_summary(name: str, entry: Any) -> str:
@@ -241,6 +256,9 @@ def triton(directory: Path, name: str, as_json: bool) -> None:
     for path in written:
         click.echo(f"  {path.relative_to(directory)}")
     click.echo(f"({name}/1/model.onnx/ is a folder: Triton's ONNX Runtime backend loads a graph with external weights from a directory holding both)")
+    copied = sum(path.stat().st_size for path in written if path.suffix == ".bin")
+    if copied:
+        click.echo(f"(its weights are a copy of the export's: {_size(copied)} more on disk, unless the filesystem shares their blocks: btrfs, XFS)")
 
 
 @main.command()
@@ -285,7 +303,7 @@ def bench(directories: tuple[Path, ...], compare: tuple[Path, ...], no_torch: bo
     options = BenchOptions(torch=not no_torch, roofline=not no_roofline, **flags)  # the rest named as BenchOptions' fields
     plot = plot if plot is not None else out.with_suffix(".png") if out is not None else None
     require_new_results([p for p in (out, plot if options.sweep else None) if p is not None], [*directories, *compare], force)  # before the timing
-    result = run_bench([*directories, *compare], options)
+    result = run_bench([*directories, *compare], options, _progress(as_json))  # stages on stderr, as export's
     if "sweep" in result and plot is not None:
         from kiln.runtime.sweep import plot_sweep
 

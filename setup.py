@@ -15,7 +15,7 @@ OUTSIDE_THE_PACKAGE = ("tests", "tests.*", "benchmarks", "benchmarks.*", "docs",
 
 
 class BuildPy(build_py):
-    """The wheel's modules, less this file (``kiln/setup.py`` is not part of kiln)."""
+    """The wheel's modules, less this file (it is not part of kiln)."""
 
     def find_package_modules(self, package: str, package_dir: str) -> list[tuple[str, str, str]]:
         modules = super().find_package_modules(package, package_dir)

@@ -33,7 +33,7 @@ from kiln.exporter.graphs import (
     write_portable_graphs,
 )
 from kiln.exporter.load import Reference, adapter_reference, load_reference, lora_slots, merge_adapters, resolve_limits
-from kiln.exporter.options import ExportOptions, PLETables
+from kiln.exporter.options import ExportOptions, PLETables, Precision
 from kiln.exporter.candidates import candidate
 from kiln.exporter.parity import (
     Candidate,
@@ -77,6 +77,23 @@ def export(model: str | Path, out: Path, options: ExportOptions, progress: Progr
     return export_loaded(loaded, out, options, progress, model_ref=str(model), release_reference=True)
 
 
+def _note_widening(reference: Reference, options: ExportOptions, progress: Progress) -> None:
+    """A 16-bit checkpoint exported at fp32 doubles in size: one line says so, and what keeps 2 bytes."""
+    if options.precision is Precision.FP32 and reference.spec.dtype in ("bfloat16", "float16"):
+        progress.note(
+            f"the checkpoint's weights are {reference.spec.dtype}: the fp32 graphs hold each in 4 bytes, twice the checkpoint's"
+            " size (--fp16 keeps 2 bytes a weight)"
+        )
+
+
+def _fold(reference: Reference, loaded: LoadedModel, progress: Progress) -> Folded:
+    """The PLE sub-layers folded into tables: a stage of its own only where the model has PLE."""
+    if loaded.ple is None:
+        return fold(reference.module, None)
+    with progress.stage("fold PLE"):
+        return fold(reference.module, loaded.ple)
+
+
 def export_loaded(
     loaded: LoadedModel,
     out: Path,
@@ -91,11 +108,11 @@ def export_loaded(
     progress = progress or NullProgress()
     adapters = merge_adapters(loaded, options, model_ref)  # --adapter: before anything reads the weights
     reference = load_reference(loaded, options)
+    _note_widening(reference, options, progress)
     inputs = (loaded.source, *loaded.files, *options.data_inputs)  # never replaced by the output, whatever --force says
     needs = int(sum(p.numel() for p in reference.module.parameters()) * options.precision.min_bytes_per_weight)
     with staged_output(out, options.force, inputs=inputs, note=progress.note, needs=needs) as root:
-        with progress.stage("fold PLE"):
-            folded = fold(reference.module, loaded.ple)
+        folded = _fold(reference, loaded, progress)
         checkpoint = {path.name: sha256_file(path) for path in loaded.files}  # hashed once
         calibration = _calibration(reference, options, checkpoint, progress)
         traced = trace_unified(reference, folded, options, progress)  # its own stage

@@ -94,23 +94,19 @@ class RichProgress:
     inside another (int8 calibration inside a graph's passes): it gets its own row in the same
     display."""
 
-    def __init__(self) -> None:
+    def __init__(self, console: Any = None) -> None:
         from rich.console import Console
 
-        self._console = Console(stderr=True)
+        self._console = console if console is not None else Console(stderr=True)
         self._began = time.monotonic()
         self._live: Any = None  # the rich Progress of the outermost open stage
         self._depth = 0
 
     def _display(self) -> Any:
         if self._live is None:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             from rich.progress import Progress as _Progress
 
-            columns = (
-                TextColumn("{task.description:<30}"), BarColumn(bar_width=16), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                _since_column(self._began),
-            )
+            columns = _columns(self._console.width, self._began)
             self._live = _Progress(*columns, console=self._console, transient=False)
             self._live.start()
         return self._live
@@ -131,6 +127,31 @@ class RichProgress:
 
     def note(self, message: str) -> None:
         self._console.print(message, soft_wrap=True, markup=False, highlight=False)
+
+
+# The columns' widths beside the description (rich puts one space between columns): "12/345" counts,
+# "0:01:02" elapsed, "eta", "0:00:10" remaining, "run 0:01:02"; the bar when there is room.
+_COUNTS, _CLOCK, _ETA, _RUN, _BAR, _DESCRIPTION = 9, 7, 3, 11, 16, 30
+
+
+def _columns(width: int, began: float) -> tuple[Any, ...]:
+    """The rows' columns fitted to ``width`` (at 80 columns every figure was cut to ``0:00...``): the
+    bar goes first, then the run's clock, and the description is cut with an ellipsis, never the figures."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.table import Column
+
+    figures = [_COUNTS, _CLOCK, _ETA, _CLOCK]
+    with_run = sum(figures) + len(figures) + _RUN + 1 + 12 <= width  # room for 12 characters of description
+    used = sum(figures) + len(figures) + (_RUN + 1 if with_run else 0)
+    with_bar = _DESCRIPTION + used + _BAR + 1 <= width
+    description = max(8, min(_DESCRIPTION, width - used - (_BAR + 1 if with_bar else 0) - 1))
+    counts = Column(width=_COUNTS, no_wrap=True, justify="right")
+    return (
+        TextColumn("{task.description}", table_column=Column(width=description, no_wrap=True, overflow="ellipsis")),
+        *((BarColumn(bar_width=_BAR),) if with_bar else ()),
+        MofNCompleteColumn(table_column=counts), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+        *((_since_column(began),) if with_run else ()),
+    )
 
 
 class _RichStage:

@@ -22,10 +22,11 @@ from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.runners import ort_session
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.lora.adapter_file import read_adapter_file
+from kiln.exporter.progress import NullProgress, Progress
 from kiln.runtime.decoder_dirs import DecoderDir, open_decoder_dirs
 from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs
-from kiln.runtime.roofline import BandwidthProbe, weights_bytes_per_step
-from kiln.runtime.timing import Timed, interleaved, vocab_of
+from kiln.runtime.roofline import BandwidthProbe, read_bandwidths, weights_bytes_per_step
+from kiln.runtime.timing import Timed, interleaved_seconds, medians_ms, vocab_of
 from kiln.runtime.torch_row import TorchWorker
 
 __all__ = ["BenchOptions", "load_warning", "render", "require_new_results", "run_bench"]
@@ -80,9 +81,12 @@ def _check_same_checkpoint(kiln_dirs: list[DecoderDir]) -> None:
             raise BenchError(f"{other.path}: exported from another checkpoint than {first.path}; bench compares exports of one model")
 
 
-def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
+def run_bench(directories: list[Path], options: BenchOptions, progress: Progress | None = None) -> dict[str, Any]:
     """Every directory's prefill and decode graphs (and PyTorch eager), measured interleaved;
-    the first directory is the baseline of the ratios."""
+    the first directory is the baseline of the ratios. ``progress`` hears of every stage, since
+    a bench takes seconds to minutes: each export's sessions, the PyTorch worker's start, the
+    warm-up and runs of each measurement, the bandwidth probe alone, the sweep's pasts."""
+    progress = progress or NullProgress()
     decoders = _with_adapter([entry for d in directories for entry in open_decoder_dirs(d)], options.adapter)
     kiln_dirs = [d for d in decoders if d.manifest is not None and d.target is None]
     if kiln_dirs:
@@ -94,22 +98,35 @@ def run_bench(directories: list[Path], options: BenchOptions) -> dict[str, Any]:
         raise BenchError(f"--sweep past {max(options.sweep)} does not fit the export's context limit {limit} (past + 1 token)")
     sizes = {"prefill": Sizes(seq=seq, past=0), "decode": Sizes(seq=1, past=past)}
     labels = _unique([d.label for d in decoders])
-    sessions = {}
-    for d in decoders:
-        for graph in {d.prefill, d.decode}:
-            sessions[graph] = ort_session(graph, threads=options.threads, spinning=False)
+    sessions = _open_sessions(decoders, labels, options.threads, progress)
     calls: dict[str, dict[str, Callable[[], object]]] = {"prefill": {}, "decode": {}}
-    worker = _torch_worker(kiln_dirs, sizes, sessions, options.threads) if options.torch else None
+    worker = None
+    if options.torch:
+        with progress.stage(f"load {TORCH}"):  # the worker loads the checkpoint before it answers
+            worker = _torch_worker(kiln_dirs, sizes, sessions, options.threads)
     try:
         for kind, call in (worker.calls() if worker is not None else {}).items():
             calls[kind][TORCH] = call
-        result = _measure(decoders, labels, calls, sessions, sizes, options)
+        result = _measure(decoders, labels, calls, sessions, sizes, options, progress)
     finally:
         if worker is not None:
             worker.close()
     if worker is not None:
         result["pytorch"] = {"threads": worker.info["threads"], "omp_wait_policy": worker.info["omp_wait_policy"], "process": "worker"}
     return result
+
+
+def _open_sessions(decoders: list[DecoderDir], labels: list[str], threads: int, progress: Progress) -> dict[Path, Any]:
+    """The ONNX Runtime sessions of every directory's graphs, a stage each directory (a large
+    export's graphs take seconds to load)."""
+    sessions: dict[Path, Any] = {}
+    for label, d in zip(labels, decoders, strict=True):
+        graphs = {d.prefill, d.decode}
+        with progress.stage(f"load {label}", total=len(graphs)) as stage:
+            for graph in graphs:
+                sessions[graph] = ort_session(graph, threads=threads, spinning=False)
+                stage.advance()
+    return sessions
 
 
 def _with_adapter(decoders: list[DecoderDir], adapter: Path | None) -> list[DecoderDir]:
@@ -130,7 +147,8 @@ def _with_adapter(decoders: list[DecoderDir], adapter: Path | None) -> list[Deco
 
 
 def _measure(
-    decoders: list[DecoderDir], labels: list[str], calls: dict[str, dict[str, Callable[[], object]]], sessions: dict[Path, Any], sizes: dict[str, Sizes], options: BenchOptions
+    decoders: list[DecoderDir], labels: list[str], calls: dict[str, dict[str, Callable[[], object]]],
+    sessions: dict[Path, Any], sizes: dict[str, Sizes], options: BenchOptions, progress: Progress,
 ) -> dict[str, Any]:
     """The interleaved runs of every row (and the bandwidth probe, the sweep) into the result."""
     seq, past = sizes["prefill"].seq, sizes["decode"].past
@@ -141,7 +159,12 @@ def _measure(
     probe = BandwidthProbe(options.threads) if options.roofline else None
     if probe is not None:  # timed among the decode steps, under the same load as they are
         calls["decode"][_PROBE] = probe
-    rows = {kind: interleaved(c, options.runs, options.pause_s) for kind, c in calls.items()}
+    what = {"prefill": f"prefill (seq {seq})", "decode": f"decode step (past {past})"}  # as the table's columns
+    seconds: dict[str, dict[str, list[float]]] = {}
+    for kind, row_calls in calls.items():
+        seconds[kind] = interleaved_seconds(row_calls, options.runs, options.pause_s, progress=progress, what=what[kind])
+    probe_seconds = seconds["decode"].pop(_PROBE) if probe is not None else []
+    rows = {kind: medians_ms(s) for kind, s in seconds.items()}
     result: dict[str, Any] = {
         "directories": [
             {"label": lab, "path": str(d.path), "tool": d.tool, "prefill_graph": d.prefill.name, "decode_graph": d.decode.name,
@@ -160,17 +183,19 @@ def _measure(
         "tools": manifest_mod.tool_versions(),
     }
     if probe is not None:
-        bandwidth = probe.nbytes / (rows["decode"].pop(_PROBE) / 1e3)
-        result["read_bandwidth_gb_s"] = bandwidth / 1e9  # median, interleaved: the roofline's denominator
-        result["read_bandwidth_best_gb_s"] = probe.best_bandwidth(15) / 1e9  # best of 15 in a row, after the runs
+        with progress.stage("memory read bandwidth alone", total=options.runs) as stage:
+            alone = probe.alone(options.runs, options.pause_s, stage)
         probe.close()
+        bandwidth, best = read_bandwidths(probe.nbytes, probe_seconds, alone)
+        result["read_bandwidth_gb_s"] = bandwidth / 1e9  # median, interleaved: the roofline's denominator
+        result["read_bandwidth_best_gb_s"] = best / 1e9  # fastest call, interleaved or alone: >= the median
         result["roofline"] = {
             e["label"]: (e["weights_bytes_per_step"] / bandwidth * 1e3) / rows["decode"][e["label"]] for e in result["directories"]
         }
     if options.sweep:
         from kiln.runtime.sweep import sweep
 
-        result["sweep"] = sweep(decoders, labels, sessions, options)
+        result["sweep"] = sweep(decoders, labels, sessions, options, progress)
     return result
 
 
@@ -198,10 +223,7 @@ def render(result: dict[str, Any]) -> str:
     if "pytorch" in result:
         lines.append(f"{TORCH}: {result['pytorch']['threads']} threads, OMP_WAIT_POLICY={result['pytorch']['omp_wait_policy']}, in a worker process (as ONNX Runtime: no spinning)")
     if "read_bandwidth_gb_s" in result:
-        lines.append(
-            f"memory read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s (median, interleaved with the decode steps; best alone "
-            f"{result.get('read_bandwidth_best_gb_s', 0):.1f} GB/s); roofline = (weights bytes per step / bandwidth) / decode step"
-        )
+        lines.append(_bandwidth_line(result))
     lines += [
         "",
         f"| backend | prefill (seq {result['prefill_seq']}) ms | vs base | decode step (past {result['decode_past']}) ms | vs base | weights MB/step | roofline |",
@@ -221,6 +243,19 @@ def render(result: dict[str, Any]) -> str:
 
         lines += ["", render_sweep(result["sweep"])]
     return "\n".join(lines)
+
+
+def _bandwidth_line(result: dict[str, Any]) -> str:
+    """The probe's figures, each named: the median the roofline divides by, and the fastest call
+    of all (``read_bandwidths``: never below the median; "best alone", the best of 15 calls in a
+    row after the runs, had printed below it)."""
+    runs = result["runs"]
+    best = result.get("read_bandwidth_best_gb_s")
+    median = result["read_bandwidth_gb_s"]
+    text = f"memory read bandwidth: median {median:.1f} GB/s over {runs} calls interleaved with the decode steps"
+    if best is not None:
+        text += f", best {best:.1f} GB/s (the fastest of those and {runs} calls alone)"
+    return text + "; roofline = (weights bytes per step / median bandwidth) / decode step"
 
 
 def require_new_results(paths: Sequence[Path], directories: Sequence[Path], force: bool) -> None:

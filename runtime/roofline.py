@@ -8,15 +8,19 @@ noisy the absolute numbers are.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["BandwidthProbe", "weights_bytes_per_step"]
+from kiln.exporter.progress import Stage
+
+__all__ = ["BandwidthProbe", "read_bandwidths", "weights_bytes_per_step"]
 
 
 class BandwidthProbe:
@@ -40,17 +44,35 @@ class BandwidthProbe:
     def __call__(self) -> None:
         list(self._pool.map(np.max, self._chunks))
 
-    def best_bandwidth(self, repeats: int = 15) -> float:
-        """Best read bandwidth (bytes/s) of ``repeats`` calls in a row."""
-        best = float("inf")
+    def alone(self, repeats: int, pause: float, stage: Stage | None = None) -> list[float]:
+        """The seconds of ``repeats`` calls with nothing else timed between them, after an untimed
+        one (a cold first call measures no memory), each followed by ``pause`` as among the decode
+        steps. The best of 15 calls straight in a row was no peak: they fill a tenth of a second,
+        which one burst of other work on a shared machine takes whole (on the development machine
+        a whole series of 15 ran at 16-19 GB/s where the paused calls reached 28), so ``kiln bench``
+        printed a best below its median. ``read_bandwidths`` takes the best over these and the
+        interleaved calls."""
+        self()
+        seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
             self()
-            best = min(best, time.perf_counter() - start)
-        return self.nbytes / best
+            seconds.append(time.perf_counter() - start)
+            time.sleep(pause)
+            if stage is not None:
+                stage.advance()
+        return seconds
 
     def close(self) -> None:
         self._pool.shutdown()
+
+
+def read_bandwidths(nbytes: int, interleaved: Sequence[float], alone: Sequence[float]) -> tuple[float, float]:
+    """(median, best) read bandwidth in bytes/s from the probe's call seconds: the median of the
+    calls interleaved with the decode steps (the bandwidth under their load: the roofline's
+    denominator) and the fastest call of all, interleaved or alone. Taken over a sample that
+    holds the median's, the best is never below it."""
+    return nbytes / statistics.median(interleaved), nbytes / min([*interleaved, *alone])
 
 
 # (op type, input slot) of a table read only at the rows of the step's positions or tokens: an

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.exporter.progress import Progress
 from kiln.runtime.decoder_dirs import DecoderDir
 from kiln.runtime.timing import Timed, interleaved, vocab_of
 from kiln.runtime.feeds import Sizes
@@ -42,9 +43,12 @@ def fit_line(pasts: list[int], ms: list[float]) -> dict[str, float]:
     }
 
 
-def sweep(decoders: list[DecoderDir], labels: list[str], sessions: dict[Path, Any], options: Any) -> dict[str, Any]:
+def sweep(
+    decoders: list[DecoderDir], labels: list[str], sessions: dict[Path, Any], options: Any,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
     """Decode-step medians of every directory at every past in ``options.sweep``, interleaved
-    across directories at each past."""
+    across directories at each past (each past's warm-up and runs a stage of ``progress``)."""
 
     pasts = sorted(set(options.sweep))
     medians: dict[str, list[float]] = {label: [] for label in labels}
@@ -55,7 +59,8 @@ def sweep(decoders: list[DecoderDir], labels: list[str], sessions: dict[Path, An
         for label, d, vocab in zip(labels, decoders, vocabs, strict=True):
             calls[label] = Timed(d, sessions[d.decode], Sizes(seq=1, past=past), vocab)
         runs.append(runs_at(past, options.sweep_runs))
-        for label, ms in interleaved(calls, runs[-1], options.pause_s, warmup=2).items():
+        what = f"sweep: decode step (past {past})"
+        for label, ms in interleaved(calls, runs[-1], options.pause_s, warmup=2, progress=progress, what=what).items():
             medians[label].append(ms)
     return {"pasts": pasts, "runs": runs, "median_ms": medians, "fit": {label: fit_line(pasts, ms) for label, ms in medians.items()} if len(pasts) > 1 else {}}
 

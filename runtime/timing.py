@@ -10,11 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 from kiln.exporter.lora.adapter_file import read_adapter_file
+from kiln.exporter.progress import NullProgress, Progress
 from kiln.runtime.decoder_dirs import DecoderDir
 from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs
 from kiln.runtime.torch_row import SelfTimed
 
-__all__ = ["Timed", "interleaved", "vocab_of"]
+__all__ = ["Timed", "interleaved", "interleaved_seconds", "medians_ms", "vocab_of"]
 
 
 class Timed:
@@ -46,23 +47,51 @@ class Timed:
         self._session.run_with_iobinding(self._binding)
 
 
-def interleaved(calls: dict[str, Callable[[], object]], runs: int, pause: float, warmup: int = 1) -> dict[str, float]:
+def interleaved(
+    calls: dict[str, Callable[[], object]], runs: int, pause: float, warmup: int = 1,
+    progress: Progress | None = None, what: str = "calls",
+) -> dict[str, float]:
     """Median milliseconds of each call, the calls taken in turn ``runs`` times (a ``SelfTimed``
     call, the PyTorch row's worker, says how long it took itself)."""
-    for _ in range(warmup):
-        for call in calls.values():
-            call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(runs):
-        for name, call in calls.items():
-            if isinstance(call, SelfTimed):
-                times[name].append(call())
-            else:
-                start = time.perf_counter()
+    return medians_ms(interleaved_seconds(calls, runs, pause, warmup, progress, what))
+
+
+def medians_ms(seconds: dict[str, list[float]]) -> dict[str, float]:
+    """Each call's median in milliseconds, from its seconds."""
+    return {name: statistics.median(t) * 1e3 for name, t in seconds.items()}
+
+
+def interleaved_seconds(
+    calls: dict[str, Callable[[], object]], runs: int, pause: float, warmup: int = 1,
+    progress: Progress | None = None, what: str = "calls",
+) -> dict[str, list[float]]:
+    """The seconds of every call of ``interleaved`` (the bandwidth probe needs its fastest as well
+    as its median). ``progress`` gets two stages named after ``what``: the warm-up, counted in
+    calls (a row's first call can take long: the PyTorch worker's), then the runs, each one call
+    of every row."""
+    progress = progress or NullProgress()
+    with progress.stage(f"{what} warm-up", total=warmup * len(calls)) as stage:
+        for _ in range(warmup):
+            for call in calls.values():
                 call()
-                times[name].append(time.perf_counter() - start)
-            time.sleep(pause)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+                stage.advance()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    with progress.stage(f"{what} runs", total=runs) as stage:
+        for _ in range(runs):
+            for name, call in calls.items():
+                times[name].append(_seconds(call))
+                time.sleep(pause)
+            stage.advance()
+    return times
+
+
+def _seconds(call: Callable[[], object]) -> float:
+    """One call's seconds, as it says itself when it is ``SelfTimed``."""
+    if isinstance(call, SelfTimed):
+        return call()
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def vocab_of(sess: Any, decoder: DecoderDir) -> int:

@@ -283,6 +283,8 @@ def staged_output(
                 raise_if_interrupted()  # a signal during the check: nothing is replaced
                 old = _commit(tmp, out, make_dir)
                 committed()
+            if old is not None:
+                _note_gone(old / out.name, out, note)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -310,6 +312,28 @@ def _recheck(out: Path, force: bool, owner: Owner, inputs: Sequence[Path], tmp: 
         kept = out.with_name(f"{out.name}.new-{secrets.token_hex(4)}")
         os.replace(tmp, kept)
         raise ArtifactError(f"{exc.args[0]}; what this run made is kept in {kept}") from None
+
+
+def _gone(previous: Path, out: Path) -> list[str]:
+    """What the previous output held that the new one lacks: a folder the new one has no trace of by its
+    name (``triton/``), a file of a folder it keeps by its path (``engines/trtexec.sh``)."""
+    gone: set[str] = set()
+    for path in previous.rglob("*"):
+        relative = path.relative_to(previous)
+        if path.is_dir() or os.path.lexists(out / relative):
+            continue
+        top = relative.parts[0]
+        gone.add(f"{top}/" if len(relative.parts) > 1 and not os.path.lexists(out / top) else relative.as_posix())
+    return sorted(gone)
+
+
+def _note_gone(previous: Path, out: Path, note: Note) -> None:
+    """One line when ``--force`` replaced files the new output does not write again (kiln triton's
+    repository, kiln build's script and engines): they went without a word before."""
+    with contextlib.suppress(OSError):
+        gone = _gone(previous, out)
+        if gone:
+            note(f"{out}: replaced the earlier output; not in the new one: {brief(gone)}")
 
 
 def _commit(tmp: Path, out: Path, make_dir: MakeDir) -> Path | None:

@@ -37,7 +37,7 @@ from kiln.exporter.engine.static_runner import StaticTrtRunner
 from kiln.newfile import target_of_temporary
 from kiln.exporter.artifacts.staging import Owner
 from kiln.exporter.artifacts.verify import unlisted
-from kiln.exporter.engine.trtexec import DEFAULT_TIMING_CACHE, SCRIPT, timing_cache_path, write_script
+from kiln.exporter.engine.trtexec import DEFAULT_TIMING_CACHE, SCRIPT, script_cache_note, timing_cache_path, write_script
 
 __all__ = [
     "BuildOptions",
@@ -147,7 +147,7 @@ def write_trtexec_or_raise(directory: Path, options: BuildOptions) -> tuple[Grap
     except EngineError as exc:
         update_manifest(directory, None)
         both = " (it builds the --target onnx graphs where trtexec is TensorRT 10.15+, else the portable ones)" if GraphSet.ONNX in sets else ""
-        raise EngineError(f"{_one_line(exc)} (wrote {script}{both})") from None
+        raise EngineError(f"{_one_line(exc)} (wrote {script}{both}{script_cache_note(directory, options)})") from None
     return choice, sets[choice.graphs]
 
 

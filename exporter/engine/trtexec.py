@@ -54,6 +54,16 @@ def _script_cache(directory: Path, options: BuildOptions) -> str:
         return DEFAULT_TIMING_CACHE
 
 
+def script_cache_note(directory: Path, options: BuildOptions) -> str:
+    """Why the script's timing cache is not ``--timing-cache``'s file, when it is not (a part of the one
+    line kiln build prints): the script runs from the export directory on the GPU machine."""
+    if options.timing_cache is None or _script_cache(directory, options) != DEFAULT_TIMING_CACHE:
+        return ""
+    if timing_cache_path(directory, options).absolute() == (directory / DEFAULT_TIMING_CACHE).absolute():
+        return ""
+    return f"; the script keeps its timing cache in {DEFAULT_TIMING_CACHE}, as --timing-cache {options.timing_cache} is outside the export it runs from"
+
+
 def _dims(shape: Shape) -> str:
     return "x".join(str(d) for d in shape)
 

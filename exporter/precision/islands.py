@@ -32,7 +32,19 @@ def prepare(kind: Fp16, context: PrecisionContext) -> Prepared:
     with context.progress.stage("fp16 sensitivity search"):
         unified = context.fp32_graph(GraphKind.UNIFIED)
         found = search_against_reference(reference.module, reference.spec, unified, policy, kind.tolerance.logits_atol)
+    context.progress.note(_found_line(found))
     return _Fp16Prepared(policy.widened(tuple(g.rule for g in found.groups)), found, context.contract_io)
+
+
+def _found_line(found: SensitivityResult) -> str:
+    """What ``--auto-keep-fp32`` found, in one line (the manifest and the report hold the detail)."""
+    if not found.groups:
+        return f"--auto-keep-fp32: no module needs fp32 (logits error {found.error_default:.3g} within {found.tolerance:g} at fp16)"
+    rules = ", ".join(g.rule for g in found.groups[:5]) + (f" (and {len(found.groups) - 5} more)" if len(found.groups) > 5 else "")
+    return (
+        f"--auto-keep-fp32: kept {len(found.groups)} module{'s' if len(found.groups) > 1 else ''} in fp32: {rules}"
+        f" (logits error {found.error_default:.3g} at fp16, {found.error_found:.3g} with them kept; limit {found.tolerance:g})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

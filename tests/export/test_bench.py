@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from kiln.runtime.decoder_dirs import open_decoder_dir
 from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs, resolve_dim
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.pipeline import export
-from kiln.runtime.roofline import weights_bytes_per_step
+from kiln.runtime.roofline import BandwidthProbe, read_bandwidths, weights_bytes_per_step
 
 N_KV, HD, VOCAB = 2, 4, 7
 
@@ -207,8 +208,50 @@ def test_render_table_and_sweep() -> None:
     assert "| pytorch eager | 60.00 | 2.00x | 15.00 | 1.50x | - | - |" in text
     assert "| kiln fp32 (a) | 30.00 | 1.00x | 10.00 | 1.00x | 100.0 | 50% |" in text
     assert "| onnx (b) | 45.00 | 1.50x | 5.00 | 0.50x | 50.0 | 50% |" in text
-    assert "memory read bandwidth 20.0 GB/s (median, interleaved with the decode steps; best alone 25.0 GB/s)" in text
+    assert (
+        "memory read bandwidth: median 20.0 GB/s over 30 calls interleaved with the decode steps, "
+        "best 25.0 GB/s (the fastest of those and 30 calls alone); "
+        "roofline = (weights bytes per step / median bandwidth) / decode step"
+    ) in text.splitlines()
     assert "| kiln fp32 (a) | 1.00 | 2.00 | 15.625 | 0.00 | 1.000 |" in render_sweep(result["sweep"])
+
+
+def test_best_bandwidth_is_never_below_the_median() -> None:
+    """The probe's best is its fastest call of all, so never below the median of the interleaved
+    calls printed beside it, even when every call alone came in a slow burst (the old "best alone",
+    the best of 15 calls in a row after the runs, printed below the median so)."""
+    interleaved, burst = [0.010, 0.008, 0.009, 0.011, 0.0095], [0.020] * 5
+    median, best = read_bandwidths(10**9, interleaved, burst)
+    assert (median, best) == (pytest.approx(10**9 / 0.0095), pytest.approx(10**9 / 0.008))
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        samples = rng.uniform(0.005, 0.05, (2, 7)).tolist()
+        median, best = read_bandwidths(10**9, samples[0], samples[1])
+        assert best >= median
+    base = {
+        "threads": 2, "runs": 5, "prefill_seq": 8, "decode_past": 6, "baseline": "a",
+        "directories": [{"label": "a", "weights_bytes_per_step": 1}],
+        "median_ms": {"prefill": {"a": 1.0}, "decode": {"a": 1.0}},
+    }
+    median, best = read_bandwidths(10**9, interleaved, burst)
+    line = render({**base, "read_bandwidth_gb_s": median / 1e9, "read_bandwidth_best_gb_s": best / 1e9}).splitlines()[1]
+    printed = re.fullmatch(r"memory read bandwidth: median (\S+) GB/s over 5 calls .*, best (\S+) GB/s .*", line)
+    assert printed is not None and float(printed[2]) >= float(printed[1]), line
+
+
+def test_bandwidth_probe_alone_warms_up_and_counts() -> None:
+    class Counted:
+        done = 0
+
+        def advance(self, steps: int = 1) -> None:
+            self.done += steps
+
+    probe, stage = BandwidthProbe(threads=1, mib=1), Counted()
+    try:
+        seconds = probe.alone(4, 0.0, stage)
+    finally:
+        probe.close()
+    assert len(seconds) == 4 and min(seconds) > 0 and stage.done == 4
 
 
 def test_load_warning() -> None:
@@ -258,6 +301,11 @@ def _run(*args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
+def _stage_lines(stderr: str) -> list[str]:
+    """LineProgress's lines (stderr not a terminal), the seconds and run clock made S and T."""
+    return [re.sub(r" in \d+\.\d s \(run \d+:\d\d:\d\d\)$", " in S s (run T)", line) for line in stderr.splitlines()]
+
+
 def test_bench_cli_side_by_side_with_sweep(kiln_dir: Path, optimum_dir: Path, genai_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "r" / "bench.json"
     code, stdout, err = _run("bench", str(kiln_dir), "--compare", str(optimum_dir), "--compare", str(genai_dir), "--runs", "3",
@@ -274,6 +322,23 @@ def test_bench_cli_side_by_side_with_sweep(kiln_dir: Path, optimum_dir: Path, ge
     assert "pytorch eager: 2 threads, OMP_WAIT_POLICY=PASSIVE, in a worker process (as ONNX Runtime: no spinning)" in stdout
     assert Path(data["sweep"]["plot"]) == out.with_suffix(".png") and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "| kiln fp32 (kiln) |" in stdout and "slope ms/1k past" in stdout
+    assert data["read_bandwidth_best_gb_s"] >= data["read_bandwidth_gb_s"]
+    # the sweep: 3 rows warmed up twice, runs_at's 5 runs at least
+    sweep = [f"sweep: decode step (past {p}) {part}" for p in (4, 8, 16) for part in ("warm-up: 6/6", "runs: 5/5")]
+    stages = [
+        "load kiln fp32 (kiln): 2/2", f"load onnx ({optimum_dir.name}): 1/1", f"load genai ({genai_dir.name}): 1/1",
+        "load pytorch eager: 1/1", "prefill (seq 8) warm-up: 4/4", "prefill (seq 8) runs: 3/3",
+        "decode step (past 6) warm-up: 5/5", "decode step (past 6) runs: 3/3",  # 4 rows and the bandwidth probe
+        "memory read bandwidth alone: 3/3", *sweep,
+    ]
+    assert _stage_lines(err) == [f"{stage} in S s (run T)" for stage in stages]
+
+
+def test_bench_cli_json_prints_no_progress(kiln_dir: Path) -> None:
+    """--json: stdout is the JSON alone and stderr holds no stage lines (as kiln export --json)."""
+    code, stdout, err = _run("bench", str(kiln_dir), "--no-torch", "--runs", "3", "--prefill-seq", "8", "--json")
+    assert (code, err) == (0, "")
+    assert json.loads(stdout)["runs"] == 3
 
 
 def test_bench_cli_errors(kiln_dir: Path, optimum_dir: Path, tmp_path: Path) -> None:

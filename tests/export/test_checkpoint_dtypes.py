@@ -4,6 +4,7 @@ fp32 from those same weights."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from safetensors.torch import save_model
 
 from kiln.exporter.options import ExportOptions, Precision
 from kiln.exporter.pipeline import export
+from kiln.exporter.progress import LineProgress
 from kiln.plugins import load_model
 from kiln.plugins.native.build import random_model
 
@@ -48,8 +50,14 @@ def test_a_half_precision_native_checkpoint_loads_as_it_is(dtype: torch.dtype, t
 @pytest.mark.parametrize("precision", [Precision.FP32, Precision.FP16])
 def test_bf16_native_checkpoint_to_fp32_and_fp16_graphs(precision: Precision, tmp_path: Path) -> None:
     ckpt = _native(tmp_path / "ckpt", torch.bfloat16)
-    result = export(ckpt, tmp_path / "out", ExportOptions(precision=precision, parity_tokens=8))
+    lines = io.StringIO()
+    result = export(ckpt, tmp_path / "out", ExportOptions(precision=precision, parity_tokens=8), LineProgress(lines))
     assert result.parity.passed, result.parity.failures()
+    widening = (
+        "the checkpoint's weights are bfloat16: the fp32 graphs hold each in 4 bytes, twice the checkpoint's size (--fp16 keeps 2 bytes a weight)"
+    )
+    assert (widening in lines.getvalue().splitlines()) is (precision is Precision.FP32)
+    assert any(line.startswith("fold PLE: 1/1 in ") for line in lines.getvalue().splitlines())  # the native decoder has PLE
     assert result.manifest.checkpoint.dtype == "bfloat16" and result.manifest.precision == precision.value
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["checkpoint"]["dtype"] == "bfloat16"
@@ -68,6 +76,10 @@ def test_bf16_hugging_face_checkpoint_to_fp16_graphs(tmp_path: Path) -> None:
     tiny_model("LlamaForCausalLM", seed=1).module.model.to(torch.bfloat16).save_pretrained(ckpt, safe_serialization=True)
     loaded = load_model(ckpt)
     assert loaded.spec.dtype == "bfloat16" and {p.dtype for p in loaded.module.parameters()} == {torch.bfloat16}
-    result = export(ckpt, tmp_path / "out", ExportOptions(precision=Precision.FP16, parity_tokens=8))
+    lines = io.StringIO()
+    result = export(ckpt, tmp_path / "out", ExportOptions(precision=Precision.FP16, parity_tokens=8), LineProgress(lines))
     assert result.parity.passed, result.parity.failures()
     assert result.manifest.checkpoint.dtype == "bfloat16" and result.manifest.kv_cache.dtype == "float16"
+    stages = [line.split(":")[0] for line in lines.getvalue().splitlines()]
+    assert "load checkpoint" in stages and "fold PLE" not in stages and "trace" in stages  # no PLE stage for a model without PLE
+    assert not any("bytes a weight" in line for line in lines.getvalue().splitlines())  # fp16 graphs: no widening

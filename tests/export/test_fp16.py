@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from kiln.errors import ConfigError
 from kiln.exporter.check import check_dir
 from kiln.exporter.options import ExportOptions, Fp16, Precision
 from kiln.exporter.pipeline import export
+from kiln.exporter.progress import LineProgress
 
 FP16 = ExportOptions(precision=Precision.FP16, parity_tokens=16)
 
@@ -96,7 +98,8 @@ def test_auto_keep_finds_the_overflowing_module(tmp_path: Path) -> None:
     state["layers.1.mlp.fc1.weight"] *= 1e5
     state["layers.1.mlp.fc2.weight"] /= 1e5
     save_file(state, ckpt / "model.safetensors")
-    result = export(ckpt, tmp_path / "auto", ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True)), parity_tokens=8))
+    lines = io.StringIO()
+    result = export(ckpt, tmp_path / "auto", ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True)), parity_tokens=8), LineProgress(lines))
     assert result.parity.passed
     found = result.report.precision_extras["fp16_sensitivity"]
     rules = [g["rule"] for g in found["groups"]]
@@ -109,3 +112,9 @@ def test_auto_keep_finds_the_overflowing_module(tmp_path: Path) -> None:
     kept = result.manifest.graphs["decode"].report("fp16")["fp32_nodes"]
     assert any(n.startswith("/layers.1.mlp") for n in kept)
     assert torch.isfinite(torch.tensor(result.parity.tensors[0].max_abs))
+    said = [line for line in lines.getvalue().splitlines() if line.startswith("--auto-keep-fp32: ")]  # what it found, said (issue 39)
+    count = len(rules)
+    assert said == [
+        f"--auto-keep-fp32: kept {count} module{'s' if count > 1 else ''} in fp32: {', '.join(rules[:5])}{f' (and {count - 5} more)' if count > 5 else ''}"
+        f" (logits error {found['error_default']:.3g} at fp16, {found['error_found']:.3g} with them kept; limit {found['tolerance']:g})"
+    ]

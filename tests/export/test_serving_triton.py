@@ -348,6 +348,8 @@ def test_kiln_triton_says_what_it_replaced_and_why_the_layout(fp32_export: Path,
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0] == f"wrote {directory / 'triton'}: 4 files, replacing the earlier repository's demo"
-    assert lines[-1] == "(other/1/model.onnx/ is a folder: Triton's ONNX Runtime backend loads a graph with external weights from a directory holding both)"
+    assert lines[-2] == "(other/1/model.onnx/ is a folder: Triton's ONNX Runtime backend loads a graph with external weights from a directory holding both)"
+    weights = (directory / "onnx" / "weights.bin").stat().st_size  # one model: one copy of the weights
+    assert lines[-1] == f"(its weights are a copy of the export's: {weights / 1e6:.3g} MB more on disk, unless the filesystem shares their blocks: btrfs, XFS)"
     again = CliRunner().invoke(main, ["triton", str(directory), "--name", "other", "--json"])
     assert json.loads(again.stdout)["replaced_models"] == []  # the same name: nothing else was there

@@ -45,14 +45,17 @@ def test_unknown_architecture_without_hf_keys(tmp_path: Path) -> None:
     _assert_one_line_error(code, err, str(ckpt), "unknown architecture 'resnet'; supported families: hf, native")
 
 
-def test_plugins_lists_the_families() -> None:
+def test_plugins_lists_the_families(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
     code, out, _ = _run("plugins")
     assert code == 0
     assert "native" in out and "kiln-ple-decoder" in out
     assert "hf" in out and "LlamaForCausalLM" in out and "GPT2LMHeadModel" in out
-    # the Hugging Face family's table: an architecture per row, with what --target ort fuses
-    rows = {m.group(0): line for line in out.splitlines() if line.startswith("    ") and (m := re.search(r"\w+(ForCausalLM|LMHeadModel)", line))}
-    assert len(rows) == 27 and "GQA" in rows["Qwen3ForCausalLM"] and "portable attention (attention sinks)" in rows["GptOssForCausalLM"]
+    # the Hugging Face family's table: an architecture per row, what --target ort fuses under it (80 columns)
+    lines = out.splitlines()
+    rows = {m.group(0): i for i, line in enumerate(lines) if line.startswith("  ") and (m := re.search(r"\w+(ForCausalLM|LMHeadModel)", line))}
+    assert len(rows) == 27 and lines[rows["Qwen3ForCausalLM"] + 1] == "      --target ort: GQA"
+    assert lines[rows["GptOssForCausalLM"] + 1].startswith("      --target ort: portable attention (attention sinks)")
 
 
 def test_invalid_config_value(tiny_ckpt: Path, tmp_path: Path) -> None:
@@ -155,9 +158,18 @@ def test_plugins_says_when_hf_is_unavailable(monkeypatch: pytest.MonkeyPatch) ->
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setenv("COLUMNS", "200")  # the family's line and this one unwrapped
     code, out, _ = _run("plugins")
     assert code == 0
     lines = out.splitlines()
     hf = next(i for i, line in enumerate(lines) if line.startswith("hf "))
     assert lines[hf + 1].strip() == """unavailable: transformers is not installed (pip install -e ".[hf]" in kiln's checkout)"""
     assert not any("unavailable" in line for line in lines[:hf] + lines[hf + 2 :])  # native needs nothing optional
+
+
+def test_sizes_read_as_a_person_reads_them() -> None:
+    from kiln.cli import _size
+
+    assert [_size(n) for n in (0, 999, 1000, 812_345, 12_345_678, 1_900_000_000, 16_060_000_000)] == [
+        "0 B", "999 B", "1 KB", "812 KB", "12.3 MB", "1.9 GB", "16.1 GB"
+    ]

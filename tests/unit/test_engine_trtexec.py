@@ -189,9 +189,23 @@ def test_a_timing_cache_among_the_exports_files_is_refused(tmp_path: Path, monke
         build_command(directory, BuildOptions(timing_cache=weights))
     assert str(refused.value) == f"config: --timing-cache {weights}: inside the export but outside engines/, which is all kiln build writes; name a file in engines/ or outside the export"
     assert weights.read_bytes() == before and not (directory / "engines").exists()
-    with pytest.raises(EngineError, match="TensorRT is not installed"):
+    with pytest.raises(EngineError, match="TensorRT is not installed") as inside:
         build_command(directory, BuildOptions(timing_cache=directory / "engines" / "tc.bin"))
     assert "--timingCacheFile=engines/tc.bin" in (directory / "engines" / "trtexec.sh").read_text()
+    assert "timing cache" not in str(inside.value)  # the script uses the file named: nothing to say
+
+
+def test_a_timing_cache_outside_the_export_is_said_to_be_replaced_in_the_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kiln build --timing-cache tc.bin wrote a script that uses engines/timing.cache instead, saying
+    nothing (issue 39, item 7): the one line now says so and why."""
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    directory = export_dir(tmp_path)
+    with pytest.raises(EngineError) as info:
+        build_command(directory, BuildOptions(timing_cache=Path("tc.bin")))
+    assert str(info.value).endswith(
+        f"(wrote {directory / 'engines' / 'trtexec.sh'}; the script keeps its timing cache in engines/timing.cache, as --timing-cache tc.bin is outside the export it runs from)"
+    )
+    assert "--timingCacheFile=engines/timing.cache" in (directory / "engines" / "trtexec.sh").read_text()
 
 
 def test_without_tensorrt_the_script_is_written_and_one_line_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

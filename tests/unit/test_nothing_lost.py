@@ -102,9 +102,35 @@ def test_force_replaces_an_export_whose_manifest_lists_everything(tmp_path: Path
     (out / "onnx").mkdir(parents=True)
     (out / "onnx" / "model.onnx").write_text("graph")
     _listed_manifest(out, {"onnx/model.onnx": "0" * 64})
-    with staged_output(out, force=True, note=lambda line: None) as tmp:
+    notes: list[str] = []
+    with staged_output(out, force=True, note=notes.append) as tmp:
         (tmp / "new.txt").write_text("new")
     assert _tree(out) == {"new.txt": b"new"}
+    assert notes == [f"{out}: replaced the earlier output; not in the new one: manifest.json, onnx/"]
+
+
+def test_force_says_what_the_new_output_does_not_write_again(tmp_path: Path) -> None:
+    """kiln triton's repository and kiln build's script went with an export replaced by --force, without
+    a word (issue 39, item 7): one line names them (a folder the new output lacks, else the file)."""
+    out = tmp_path / "out"
+    files = {"onnx/model.onnx": "graph", "engines/trtexec.sh": "#!", "engines/timing.cache": "c", "triton/demo/config.pbtxt": "x"}
+    for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    _listed_manifest(out, {name: "0" * 64 for name in files})
+    notes: list[str] = []
+    with staged_output(out, force=True, note=notes.append) as tmp:
+        (tmp / "onnx").mkdir()
+        (tmp / "onnx" / "model.onnx").write_text("new graph")
+        (tmp / "engines").mkdir()
+        (tmp / "engines" / "timing.cache").write_text("c")
+        (tmp / "manifest.json").write_text("{}")
+    assert notes == [f"{out}: replaced the earlier output; not in the new one: engines/trtexec.sh, triton/"]
+    with staged_output(out, force=True, owner=lambda d: None, note=notes.append) as tmp:
+        for name in ("onnx/model.onnx", "engines/timing.cache", "manifest.json"):
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_text("again")
+    assert len(notes) == 1  # nothing went: nothing said
 
 
 _KILLED = """

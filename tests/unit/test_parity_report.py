@@ -115,16 +115,11 @@ def test_the_plot_has_two_panels_and_its_legend_clear_of_them() -> None:
 
 def test_verdict_names_each_set_against_its_tolerance() -> None:
     assert verdict(_two_sets()) == (
-        "parity passed: portable (fp32): logits max abs error 2e-05 (tolerance 1e-05 + 0.0001 x max|row| = 0.00101 at max|row| 10), "
-        "KV max abs error 2e-06 (tolerance 1e-05 + 0.0001 x max|row| = 0.00101 at max|row| 10), tokens 100% equal over 6 steps in 3 runs; "
-        "ort (int8): logits max abs error 0.2 (tolerance 1.5 + 0.05 x max|row| = 2 at max|row| 10), "
-        "KV max abs error 0.02 (tolerance 1 + 0.05 x max|row| = 1.5 at max|row| 10), tokens 95% equal over 6 steps in 3 runs"
+        "parity passed: portable (fp32): logits error 2e-05 (limit 0.00101), KV error 2e-06 (limit 0.00101), tokens 100% equal over 6 steps; "
+        "ort (int8): logits error 0.2 (limit 2), KV error 0.02 (limit 1.5), tokens 95% equal over 6 steps"
     )
     single = _result("fp32", 2e-3, [("model", 1, (1e-5,))])
-    assert verdict(single) == (
-        "parity FAILED: logits max abs error 0.002 (tolerance 1e-05 + 0.0001 x max|row| = 0.00101 at max|row| 10), "
-        "KV max abs error 0.0002 (tolerance 1e-05 + 0.0001 x max|row| = 0.00101 at max|row| 10), tokens 100% equal over 1 steps in 1 runs"
-    )
+    assert verdict(single) == "parity FAILED: logits error 0.002 (limit 0.00101), KV error 0.0002 (limit 0.00101), tokens 100% equal over 1 steps"
 
 
 def test_json_is_extended_only(tmp_path: Path) -> None:

@@ -49,3 +49,29 @@ def test_notes_only() -> None:
 def test_rich_notes_do_not_wrap(capsys: pytest.CaptureFixture[str]) -> None:
     RichProgress().note(NOTE + " [bold]not markup[/bold]")
     assert capsys.readouterr().err == NOTE + " [bold]not markup[/bold]\n"
+
+
+def _rendered_rows(width: int) -> list[str]:
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    progress = RichProgress(Console(file=buffer, width=width, force_terminal=True, color_system=None))
+    with progress.stage("prefill.onnx: graph passes of a long name", total=345) as outer:
+        outer.advance(12)
+        with progress.stage("parity: PyTorch reference", total=5) as inner:
+            inner.advance(2)
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buffer.getvalue()).replace("\r", "\n")
+    return [line for line in plain.splitlines() if line.strip()][-2:]
+
+
+@pytest.mark.parametrize("width", [120, 80, 60, 40])
+def test_rich_rows_fit_the_terminal_and_keep_every_figure(width: int) -> None:
+    """At 80 columns the rows were cut to ``0:00... eta -:--``: the description is cut (with an ellipsis)
+    and the bar, then the run's clock, dropped before any figure is."""
+    rows = _rendered_rows(width)
+    assert all(len(row) <= width for row in rows), rows
+    clock = r"\d+:\d\d:\d\d"
+    run = rf" run {clock}" if width >= 60 else ""
+    assert re.fullmatch(rf"prefill\.\S*[^…]*… +(━+ +)?345/345 {clock} eta {clock}{run}", rows[0]), rows
+    assert re.fullmatch(rf"  parity\S* [^…]*…? +(━+ +)?5/5 {clock} eta {clock}{run}", rows[1]), rows
+    assert ("━" in rows[0]) is (width >= 91)
