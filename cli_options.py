@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import click
 
+from kiln.exporter.contract.limits import MAX_BATCH, MAX_CONTEXT, MAX_LORA_RANK, MIN_CONTEXT
 from kiln.exporter.targets import PORTABLE
 from kiln.exporter.targets import names as target_names
 
@@ -79,13 +80,13 @@ SOURCE: list[Option] = [
     click.option("--adapter", "adapters", multiple=True, metavar="DIR[:WEIGHT]", callback=_adapters, help="A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) merged into the Hugging Face checkpoint's weights before export, with WEIGHT (default 1): W + WEIGHT * scaling * B @ A per module; parity runs against PEFT's own model of base + adapters. Repeatable (a weighted sum, as PEFT's add_weighted_adapter with combination_type='cat')."),
     click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="Output directory (written whole, or not at all)."),
     click.option("--lora-targets", "lora_targets", callback=lambda ctx, param, value: tuple(v for v in (value or "").split(",") if v), default=None, metavar="NAME,NAME,...", help="With --lora-slots: slots on these modules only (their names, as PEFT's target_modules: q_proj,v_proj); fewer slots, fewer nodes per step. Default: every Linear but the output head."),
-    click.option("--lora-slots", "lora_slots", type=click.IntRange(min=1), default=None, metavar="RANK", help="Swappable LoRA adapters: every Linear but the output head takes optional adapter inputs of rank up to RANK (nothing fed: the base model); kiln adapter converts a PEFT adapter for them. fp32/fp16 portable graphs of Hugging Face decoders."),
+    click.option("--lora-slots", "lora_slots", type=click.IntRange(1, MAX_LORA_RANK), default=None, metavar="RANK", help="Swappable LoRA adapters: every Linear but the output head takes optional adapter inputs of rank up to RANK (nothing fed: the base model); kiln adapter converts a PEFT adapter for them. fp32/fp16 portable graphs of Hugging Face decoders."),
 ]
 
 # kiln export: the graphs' shape and contract
 GRAPHS: list[Option] = [
-    click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True, help="Largest batch the graphs and engines must serve."),
-    click.option("--max-context", type=click.IntRange(min=2), default=None, help="Longest context (past + new tokens). Default: the model's limit."),
+    click.option("--max-batch", type=click.IntRange(1, MAX_BATCH), default=8, show_default=True, help="Largest batch the graphs and engines must serve."),
+    click.option("--max-context", type=click.IntRange(MIN_CONTEXT, MAX_CONTEXT), default=None, help="Longest context (past + new tokens). Default: the model's limit."),
     click.option("--logits", type=click.Choice(["all", "last"]), default="all", show_default=True, help="Prefill logits for every position, or the last one only."),
     click.option("--opset", type=int, default=19, show_default=True, help="ONNX opset (18-23)."),
     click.option("--ple-extend", type=click.IntRange(min=2), default=None, help="Build PLE tables with N rows (for contexts longer than the trained table)."),

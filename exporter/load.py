@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.errors import ConfigError, ExportError
+from kiln.exporter.contract.limits import MAX_CONTEXT, MIN_CONTEXT
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.targets import targets
 from kiln.plugins import LoadedModel
@@ -68,6 +69,11 @@ def resolve_limits(spec: DecoderSpec, options: ExportOptions) -> int:
     context = options.max_context or (min(limit, table) if table and limit else limit or table)
     if context is None:
         raise ExportError(f"{spec.max_context_why or 'the model has no context limit'}: pass --max-context N")
+    if not MIN_CONTEXT <= context <= MAX_CONTEXT:  # a config's limit (--max-context is ranged at the command line)
+        raise ExportError(
+            f"the model's max_context {context} is outside what an export can declare ({MIN_CONTEXT} to {MAX_CONTEXT})"
+            + ("; pass --max-context N" if context > MAX_CONTEXT else "")
+        )
     if limit is not None and context > limit:
         why = f" ({spec.max_context_why})" if spec.max_context_why else ""
         raise ExportError(f"--max-context {context} exceeds the model's max_context {limit}{why}")

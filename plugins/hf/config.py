@@ -122,6 +122,8 @@ def _token(cfg: Any, name: str) -> int | None:
     value = getattr(cfg, name, None)
     if isinstance(value, list):
         value = value[0] if value else None
+    if value is not None and int(value) < 0:  # written into the manifest, whose schema refuses it afterwards
+        raise CheckpointError(f"{name} must be a token id (0 or more), found {int(value)}")
     return int(value) if value is not None else None
 
 
