@@ -50,6 +50,8 @@ def slot_tensors(adapter: LoraAdapter, lora: LoraSlots, where: str) -> dict[str,
         scale = adapter.weight * adapter.scaling
         out[slot.a] = np.ascontiguousarray(a.float().T.numpy()).astype(dtype)
         out[slot.b] = np.ascontiguousarray((b.float() * scale).T.numpy()).astype(dtype)
+        if not (np.isfinite(out[slot.a]).all() and np.isfinite(out[slot.b]).all()):  # an fp16 slot overflows first
+            raise ConfigError(f"{where}: {module}'s tensors, scaled by weight x scaling, overflow the export's {lora.dtype} slots")
     return out
 
 
@@ -81,7 +83,7 @@ def write_adapter_file(tensors: Mapping[str, np.ndarray], path: Path) -> None:
     with new_output(path) as partial:
         adapter.export_adapter(str(partial))
         back = _arrays(ort.AdapterFormat.read_adapter(str(partial)))
-        if set(back) != set(tensors) or any(not np.array_equal(back[n], tensors[n]) or back[n].dtype != tensors[n].dtype for n in tensors):
+        if set(back) != set(tensors) or any(not np.array_equal(back[n], tensors[n], equal_nan=True) or back[n].dtype != tensors[n].dtype for n in tensors):
             raise ExportError(f"{path}: the adapter file ONNX Runtime wrote does not read back as the tensors given")
 
 
@@ -125,3 +127,5 @@ def _check_pair(a: np.ndarray, b: np.ndarray, sizes: tuple[int, int], lora: Lora
         raise ConfigError(f"{where}: A {list(a.shape)} and B {list(b.shape)} are not [{sizes[0]}, r] and [r, {sizes[1]}]")
     if a.shape[1] > lora.max_rank:
         raise ConfigError(f"{where}: rank {a.shape[1]} exceeds the export's --lora-slots {lora.max_rank}")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):  # generate printed "0 0 0 ..." and exited 0
+        raise ConfigError(f"{where}: holds NaN or infinite values")

@@ -160,6 +160,9 @@ def _pairs(tensors: Mapping[str, Tensor], where: str, rank: int) -> dict[str, tu
         a, b = found[0], found[1]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise ConfigError(f"{where}: {module} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, not [r, in] and [out, r] with r={rank} of {CONFIG}")
+        for half, tensor in (("A", a), ("B", b)):
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # refused here, not after the trace
+                raise ConfigError(f"{where}: {module}'s lora_{half} holds NaN or infinite values")
         pairs[module] = (a, b)
     return pairs
 
@@ -238,6 +241,9 @@ def merge(model: nn.Module, adapters: Sequence[LoraAdapter]) -> None:
                 a.weight * a.scaling * (a.tensors[path][1].float() @ a.tensors[path][0].float()) for a in adapters if path in a.tensors
             )  # [out, in]
             assert isinstance(delta, Tensor)
+            if not bool(torch.isfinite(delta).all()):  # finite halves whose product overflows float32: before the trace
+                named = ", ".join(str(a.path) for a in adapters if path in a.tensors)
+                raise ConfigError(f"--adapter {named}: {path}'s merged update (weight x scaling x B @ A) overflows float32")
             weight = module.weight
             assert isinstance(weight, Tensor)
             update = delta.T if isinstance(module, Conv1D) else delta  # Conv1D: [in, out]

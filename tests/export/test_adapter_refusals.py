@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
 peft = pytest.importorskip("peft", reason="--adapter needs peft (pip install -e .[hf])")
@@ -56,6 +57,17 @@ def _without(directory: Path, name: str, renamed: str | None = None) -> Path:
     return directory
 
 
+def _scaled(directory: Path, key: str, value: float) -> Path:
+    """``directory``'s adapter with every value of its tensor ending in ``key`` set to ``value``."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(directory / "adapter_model.safetensors"))
+    name = next(k for k in sorted(tensors) if k.endswith(key))
+    tensors[name] = torch.full_like(tensors[name], value)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory
+
+
 QKV = ["q_proj", "v_proj"]
 REFUSALS: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
     "ia3": (_ia3, "peft_type 'IA3' is not supported: kiln merges LoRA adapters only (peft_type 'LORA')"),
@@ -83,6 +95,14 @@ REFUSALS: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
         lambda c, d: _edit(make_adapter(c, d, QKV, seed=2), base_model_name_or_path="meta-llama/Llama-3.2-1B"),
         "its base_model_name_or_path 'meta-llama/Llama-3.2-1B' is not this checkpoint (ckpt): kiln compares the last path components;"
         " export it onto its own base, or empty base_model_name_or_path in adapter_config.json if this is that model under another name",
+    ),
+    "nan": (
+        lambda c, d: _scaled(make_adapter(c, d, QKV, seed=2), "layers.0.self_attn.v_proj.lora_A.weight", float("nan")),
+        "model.layers.0.self_attn.v_proj's lora_A holds NaN or infinite values",
+    ),
+    "overflow": (  # finite halves whose product is not: refused before the trace (it failed parity after it)
+        lambda c, d: _scaled(_scaled(make_adapter(c, d, QKV, seed=2), "layers.1.self_attn.q_proj.lora_A.weight", 1e30), "layers.1.self_attn.q_proj.lora_B.weight", 1e30),
+        "model.layers.1.self_attn.q_proj's merged update (weight x scaling x B @ A) overflows float32",
     ),
     "no directory": (lambda c, d: d, "no such directory (an adapter is the directory PEFT's save_pretrained writes)"),
     "no config": (

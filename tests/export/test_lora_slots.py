@@ -13,6 +13,7 @@ model's tokens. The refusals are asserted as the one line the CLI prints.
 from __future__ import annotations
 
 import json
+import shutil
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -320,3 +321,36 @@ def test_an_int4_base_with_float_adapters(slots: dict[str, Path], tmp_path: Path
         assert list(Generator(out, adapter=file).run(prompt, STEPS, stop_at_eos=False).tokens) == want
         seen.append(want)
     assert seen[0] != seen[1]
+
+
+def test_non_finite_adapter_tensors_are_refused(slots: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 38, item 9: an adapter file holding one NaN passed the file checks and kiln generate printed
+    ``0 0 0 ...`` with exit 0; kiln adapter --no-check wrote an adapter of infinities. Both refused in one line."""
+    from kiln.exporter.lora.adapter_file import write_adapter_file
+
+    out = str(slots["out"])
+    tensors = read_adapter_file(slots["narrow_file"], read(slots["out"]).lora, "test")
+    name = sorted(tensors)[0]
+    poisoned = {**tensors, name: tensors[name].copy()}
+    poisoned[name].flat[0] = np.nan
+    nan_file = tmp_path / "nan.onnx_adapter"
+    write_adapter_file(poisoned, nan_file)
+    run = CliRunner().invoke(main, ["generate", out, "--ids", "5,6", "--adapter", str(nan_file)])
+    assert run.exit_code == 1 and not run.stdout and "Traceback" not in run.stderr
+    assert run.stderr.strip() == f"error: generate: config: --adapter {nan_file}: {_slot_module(slots, name)}: holds NaN or infinite values"
+    huge = tmp_path / "huge"
+    shutil.copytree(slots["narrow"], huge)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(huge / "adapter_model.safetensors"))
+    key = next(k for k in sorted(weights) if k.endswith("lora_B.weight"))
+    weights[key] = weights[key].clone().fill_(3e38)
+    save_file(weights, str(huge / "adapter_model.safetensors"))
+    target = tmp_path / "huge.onnx_adapter"
+    message = config_error("adapter", str(huge), "--export", out, "--no-check", "--out", str(target))
+    assert message.endswith("'s tensors, scaled by weight x scaling, overflow the export's float32 slots") and message.startswith(f"--adapter {huge}: model.layers.")
+    assert not target.exists()
+
+
+def _slot_module(slots: dict[str, Path], name: str) -> str:
+    return next(slot.module for slot in read(slots["out"]).lora.slots if name in (slot.a, slot.b))
