@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from kiln.errors import BenchError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.contract.io import CacheUpdate, GraphKind, kv_pairs
+from kiln.exporter.external_data import plain_name
 from kiln.jsonfile import read_json_object
 
 __all__ = ["DecoderDir", "open_decoder_dir", "open_decoder_dirs", "shares_kv_buffer"]
@@ -86,28 +88,70 @@ def open_decoder_dir(path: Path) -> DecoderDir:
     )
 
 
+_MAX_LAYERS = 4096  # the manifest schema's bound on n_layers: a config past it is not a decoder kiln can time
+
+
 def _genai_dir(path: Path) -> DecoderDir:
+    """A GenAI builder directory, every field of its config that bench uses checked first: a wrong type is
+    one ``BenchError`` naming the field (not a TypeError), the graph a plain file in ``path`` (a
+    ``filename`` of ``../../other/model.onnx`` timed a graph elsewhere), the layer count bounded."""
+    where = f"{path}/genai_config.json"
     config = read_json_object(path / "genai_config.json", BenchError, f"{path}: unreadable genai_config.json")
-    try:
-        decoder = config["model"]["decoder"]
-        graph = path / decoder["filename"]
-        names = decoder.get("inputs", {})
-    except (KeyError, TypeError) as exc:
-        raise BenchError(f"{path}/genai_config.json: no model.decoder.filename ({exc})") from None
+    model = _field(config, "model", dict, where)
+    decoder = _field(model, "decoder", dict, where, "model.")
+    filename = _field(decoder, "filename", str, where, "model.decoder.")
+    if not plain_name(filename):
+        raise BenchError(f"{where}: model.decoder.filename {filename!r} is not a file name in {path}")
+    graph = path / filename
     if not graph.is_file():
-        raise BenchError(f"{path}/genai_config.json names {decoder['filename']}, which does not exist")
+        raise BenchError(f"{where} names {filename}, which does not exist")
+    names = _strings(decoder.get("inputs", {}), where, "model.decoder.inputs")
     roles = {names[r]: r for r in ("input_ids", "attention_mask", "position_ids") if r in names}
-    shared = bool(config.get("search", {}).get("past_present_share_buffer", False))
-    pairs: dict[str, str] = {}
-    if shared:
-        outputs = decoder.get("outputs", {})
-        for layer in range(int(decoder.get("num_hidden_layers", 0))):
-            for kind in ("key", "value"):
-                present, past = outputs.get(f"present_{kind}_names"), names.get(f"past_{kind}_names")
-                if present and past:
-                    pairs[present % layer] = past % layer
-    named = (("kv_cache_dim", int(decoder["head_size"])),) if "head_size" in decoder else ()
+    search = _field(config, "search", dict, where) if "search" in config else {}
+    shared = search.get("past_present_share_buffer", False) is True
+    pairs = _shared_pairs(decoder, names, where) if shared else {}
+    named = (("kv_cache_dim", _count(decoder, "head_size", where, 65536)),) if "head_size" in decoder else ()
     return DecoderDir(path, "genai", graph, graph, roles, shared, present_to_past=pairs, named_dims=named)
+
+
+def _field(data: dict[str, Any], key: str, kind: type, where: str, prefix: str = "") -> Any:
+    value = data.get(key)
+    if not isinstance(value, kind):
+        raise BenchError(f"{where}: {prefix}{key} must be {'an object' if kind is dict else 'a string'}, found {_shown(value)}")
+    return value
+
+
+def _strings(value: object, where: str, name: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise BenchError(f"{where}: {name} must map names to strings, found {_shown(value)}")
+    return value
+
+
+def _count(decoder: dict[str, Any], key: str, where: str, most: int) -> int:
+    value = decoder.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= most:
+        raise BenchError(f"{where}: model.decoder.{key} must be an integer from 1 to {most}, found {_shown(value)}")
+    return value
+
+
+def _shared_pairs(decoder: dict[str, Any], names: dict[str, str], where: str) -> dict[str, str]:
+    """The present output -> past input names of a shared KV buffer, layer by layer (``%d`` patterns)."""
+    outputs = _strings(decoder.get("outputs", {}), where, "model.decoder.outputs")
+    pairs: dict[str, str] = {}
+    for layer in range(_count(decoder, "num_hidden_layers", where, _MAX_LAYERS)):
+        for kind in ("key", "value"):
+            present, past = outputs.get(f"present_{kind}_names"), names.get(f"past_{kind}_names")
+            if present and past:
+                try:
+                    pairs[present % layer] = past % layer
+                except (TypeError, ValueError):
+                    raise BenchError(f"{where}: {present!r} and {past!r} are not name patterns with one %d") from None
+    return pairs
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def shares_kv_buffer(manifest: Manifest, target: str) -> bool:

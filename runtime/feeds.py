@@ -11,6 +11,8 @@ so a graph with new inputs (cross-attention's ``encoder_hidden_states``) still g
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -112,6 +114,22 @@ _WRITES = re.compile(r"^write_indices$")
 _KV = re.compile(r"(past|cache|key|value)", re.IGNORECASE)
 
 
+def _shape(decl: InputDecl, sizes: Sizes, roles: Mapping[str, str]) -> tuple[int, ...]:
+    kv = (roles.get(decl.name) or _role(decl.name)) == "other" and bool(_KV.search(decl.name))
+    return tuple(resolve_dim(d, sizes, kv_buffer=kv, where=f"input {decl.name}") for d in decl.dims)
+
+
+def _require_memory(needed: int, sizes: Sizes) -> None:
+    """Refuse feeds that cannot fit, before allocating them (``--past 100000000`` asked for 47.7 GiB of
+    past keys and values): at most half the machine's memory, the graphs and the session need the rest."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > total // 2:
+        raise BenchError(
+            f"the inputs of one call at past {sizes.past}, {sizes.seq} new tokens need {needed / 2**30:.1f} GiB,"
+            f" more than half of this machine's {total / 2**30:.1f} GiB of memory; choose a smaller --past or --prefill-seq"
+        )
+
+
 def build_feeds(
     inputs: Iterable[InputDecl],
     sizes: Sizes,
@@ -126,11 +144,13 @@ def build_feeds(
     ``position_ids`` for graphs whose names differ (GenAI's config names them)."""
     rng = np.random.default_rng(seed)
     roles = dict(roles or {})
+    decls = list(inputs)
+    shapes = {decl.name: _shape(decl, sizes, roles) for decl in decls}
+    _require_memory(sum(math.prod(shapes[decl.name]) * np.dtype(decl.dtype).itemsize for decl in decls), sizes)
     feeds: dict[str, np.ndarray] = {}
-    for decl in inputs:
+    for decl in decls:
         role = roles.get(decl.name) or _role(decl.name)
-        kv = role == "other" and bool(_KV.search(decl.name))
-        shape = tuple(resolve_dim(d, sizes, kv_buffer=kv, where=f"input {decl.name}") for d in decl.dims)
+        shape = shapes[decl.name]
         value: np.ndarray
         if role == "input_ids":
             value = rng.integers(0, vocab, size=shape)

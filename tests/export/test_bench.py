@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +182,53 @@ def test_directory_errors(tmp_path: Path, genai_dir: Path) -> None:
     (bad / "genai_config.json").write_text(json.dumps({"model": {"decoder": {"filename": "gone.onnx"}}}))
     with pytest.raises(BenchError, match="genai_config.json names gone.onnx, which does not exist"):
         open_decoder_dir(bad)
+
+
+def _with_decoder(genai_dir: Path, to: Path, config: object) -> Path:
+    """A copy of the GenAI directory whose genai_config.json is ``config``."""
+    shutil.copytree(genai_dir, to)
+    (to / "genai_config.json").write_text(json.dumps(config))
+    return to
+
+
+def test_a_genai_config_s_fields_are_checked_before_use(tmp_path: Path, genai_dir: Path) -> None:
+    """Issue 38, item 6: a filename outside the directory was timed, 1e9 layers grew memory at 150 MB/s,
+    wrong types were TypeError/AttributeError tracebacks. Each is one BenchError naming the field."""
+    good = json.loads((genai_dir / "genai_config.json").read_text())
+    decoder = good["model"]["decoder"]
+    where = "genai_config.json: "
+    cases = {
+        "outside": ({**good, "model": {"decoder": {**decoder, "filename": "../../../other/model.onnx"}}},
+                    "model.decoder.filename '../../../other/model.onnx' is not a file name in "),
+        "layers": ({**good, "model": {"decoder": {**decoder, "num_hidden_layers": 1e9}}},
+                   "model.decoder.num_hidden_layers must be an integer from 1 to 4096, found 1000000000.0"),
+        "model": ({"model": [1]}, "model must be an object, found [1]"),
+        "decoder": ({"model": {"decoder": "x"}}, "model.decoder must be an object, found 'x'"),
+        "filename": ({"model": {"decoder": {"filename": 3}}}, "model.decoder.filename must be a string, found 3"),
+        "inputs": ({**good, "model": {"decoder": {**decoder, "inputs": ["input_ids"]}}}, "model.decoder.inputs must map names to strings, found ['input_ids']"),
+        "search": ({**good, "search": 1}, "search must be an object, found 1"),
+        "head_size": ({**good, "model": {"decoder": {**decoder, "head_size": "64"}}}, "model.decoder.head_size must be an integer from 1 to 65536, found '64'"),
+        "patterns": ({**good, "model": {"decoder": {**decoder, "outputs": {**decoder["outputs"], "present_key_names": "present.%s.%d"}}}},
+                     "'present.%s.%d' and 'past_key_values.%d.key' are not name patterns with one %d"),
+    }
+    for case, (config, message) in cases.items():
+        directory = _with_decoder(genai_dir, tmp_path / case, config)
+        with pytest.raises(BenchError) as refused:
+            open_decoder_dir(directory)
+        assert str(refused.value).startswith(f"bench: {directory}/{where}{message}"), (case, str(refused.value))
+
+
+def test_feeds_that_cannot_fit_are_refused_before_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--past 100000000`` asked for 47.7 GiB of past keys and values: refused first, with the figures
+    (12 x 8 x 1e8 x 64 float32 = 2288.8 GiB here)."""
+    from kiln.runtime.feeds import InputDecl
+
+    decls = [InputDecl(f"past_key_values.{i}.key", np.dtype(np.float32), ("batch", 8, "past_seq", 64)) for i in range(12)]
+    with pytest.raises(BenchError) as refused:
+        build_feeds(decls, Sizes(seq=1, past=100_000_000))
+    assert str(refused.value).startswith("bench: the inputs of one call at past 100000000, 1 new tokens need 2288.8 GiB, more than half of this machine's ")
+    assert str(refused.value).endswith(" GiB of memory; choose a smaller --past or --prefill-seq")
+    assert set(build_feeds(decls, Sizes(seq=1, past=4))) == {d.name for d in decls}
 
 
 def test_slope_fit() -> None:

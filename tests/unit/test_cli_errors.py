@@ -111,7 +111,7 @@ def test_force_refuses_an_unrelated_directory(tiny_ckpt: Path, tmp_path: Path) -
 
 @pytest.mark.parametrize(
     ("option", "value", "message"),
-    [("--max-batch", "0", "0 is not in the range x>=1"), ("--logits", "first", "'first' is not one of 'all', 'last'")],
+    [("--max-batch", "0", "0 is not in the range 1<=x<=65536"), ("--logits", "first", "'first' is not one of 'all', 'last'")],
 )
 def test_option_validation(tmp_path: Path, option: str, value: str, message: str) -> None:
     code, _, err = _run("export", "--model", "demo", "--out", str(tmp_path / "o"), option, value)
