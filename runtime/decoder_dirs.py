@@ -106,7 +106,7 @@ def _genai_dir(path: Path) -> DecoderDir:
     if not graph.is_file():
         raise BenchError(f"{where} names {filename}, which does not exist")
     names = _strings(decoder.get("inputs", {}), where, "model.decoder.inputs")
-    roles = {names[r]: r for r in ("input_ids", "attention_mask", "position_ids") if r in names}
+    roles: dict[str, str] = {names[r]: r for r in ("input_ids", "attention_mask", "position_ids") if r in names}
     search = _field(config, "search", dict, where) if "search" in config else {}
     shared = search.get("past_present_share_buffer", False) is True
     pairs = _shared_pairs(decoder, names, where) if shared else {}

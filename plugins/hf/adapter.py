@@ -160,9 +160,9 @@ def _pairs(tensors: Mapping[str, Tensor], where: str, rank: int) -> dict[str, tu
         a, b = found[0], found[1]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise ConfigError(f"{where}: {module} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, not [r, in] and [out, r] with r={rank} of {CONFIG}")
-        for half, tensor in (("A", a), ("B", b)):
+        for name, tensor in (("lora_A", a), ("lora_B", b)):
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # refused here, not after the trace
-                raise ConfigError(f"{where}: {module}'s lora_{half} holds NaN or infinite values")
+                raise ConfigError(f"{where}: {module}'s {name} holds NaN or infinite values")
         pairs[module] = (a, b)
     return pairs
 
