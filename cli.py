@@ -146,28 +146,19 @@ def _export_options(flags: dict[str, Any]) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print the families as JSON.")
 @_reports_errors
 def plugins(as_json: bool) -> None:
-    """List the model families kiln finds (built in and from the kiln.plugins entry points)."""
+    """List the model families kiln finds (built in and from the kiln.plugins entry points), and
+    what each exports per precision and target, fitted to the terminal (--json: all of it)."""
+    import shutil
+
+    from kiln.listing import entry, render
     from kiln.plugins import families
 
-    # a family may list what it exports in a table (rows of strings, the header first) and say
-    # why it cannot load here (a missing optional dependency): the optional methods of ModelFamily
-    found: list[dict[str, Any]] = [
-        {
-            "name": f.name, "description": f.description, "module": type(f).__module__, "table": getattr(f, "table", list)(),
-            "unavailable": getattr(f, "unavailable", lambda: None)(),
-        }
-        for f in families()
-    ]
+    found = [entry(f) for f in families()]
     if as_json:
         click.echo(json.dumps(found, indent=2))
         return
-    for family in found:
-        click.echo(f"{family['name']:<10} {family['description']}  [{family['module']}]")
-        if family["unavailable"]:
-            click.echo(f"           {family['unavailable']}")
-        widths = [max(len(row[i]) for row in family["table"]) for i in range(len(family["table"][0]))] if family["table"] else []
-        for row in family["table"]:
-            click.echo("    " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    for line in render(found, shutil.get_terminal_size().columns):  # COLUMNS, the terminal, else 80
+        click.echo(line)
 
 
 @main.command()

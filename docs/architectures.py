@@ -4,18 +4,22 @@
     python docs/architectures.py --check    # exit 1 when the file's table differs
 
 The table is the ``hf`` family's ``table()`` (``plugins/hf/__init__.py``, rows from
-``plugins/hf/archs.py`` ``ARCHS`` and ``plugins/hf/seq2seq.py`` ``SEQ2SEQ``), read from what
-``kiln plugins --json`` prints, rendered as Markdown (the class names as code). Nothing else in
-the file is touched. ``tests/unit/test_docs.py`` fails when the file and ``kiln plugins`` differ.
+``plugins/hf/archs.py`` ``ARCHS`` and ``plugins/hf/seq2seq.py`` ``SEQ2SEQ``) with the precision
+columns ``kiln plugins`` adds (asked of the export's refusals: ``exporter/support.py``), read from
+what ``kiln plugins --json`` prints, rendered as Markdown (the class names and the marks as code),
+then the legend of the marks. Nothing else in the file is touched. ``tests/unit/test_docs.py``
+fails when the file and ``kiln plugins`` differ.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
-__all__ = ["BEGIN", "END", "DOC", "markdown_table", "plugins_table", "rewritten"]
+__all__ = ["BEGIN", "END", "DOC", "markdown_table", "plugins_entry", "plugins_table", "rewritten", "section"]
 
 DOC = Path(__file__).resolve().parent / "architectures.md"
 BEGIN = "<!-- kiln plugins: begin -->"
@@ -23,8 +27,9 @@ END = "<!-- kiln plugins: end -->"
 FAMILY = "hf"
 
 
-def plugins_table() -> list[list[str]]:
-    """The ``hf`` family's table as ``kiln plugins --json`` prints it (header row first)."""
+def plugins_entry() -> dict[str, Any]:
+    """The ``hf`` family as ``kiln plugins --json`` prints it (its table, header row first, its
+    support cells and its legend)."""
     from click.testing import CliRunner
 
     from kiln.cli import main
@@ -33,19 +38,35 @@ def plugins_table() -> list[list[str]]:
     if result.exit_code != 0:
         raise RuntimeError(f"kiln plugins --json exited {result.exit_code}: {result.output}")
     families = {family["name"]: family for family in json.loads(result.stdout)}
-    table: list[list[str]] = families[FAMILY]["table"]
+    entry: dict[str, Any] = families[FAMILY]
+    return entry
+
+
+def plugins_table() -> list[list[str]]:
+    """The ``hf`` family's table as ``kiln plugins --json`` prints it (header row first)."""
+    table: list[list[str]] = plugins_entry()["table"]
     return table
 
 
-def markdown_table(table: list[list[str]]) -> str:
-    """A Markdown table of ``table`` (header first), the class column as code, ``|`` escaped."""
+def markdown_table(table: list[list[str]], code: Collection[str] = ("class",)) -> str:
+    """A Markdown table of ``table`` (header first), the columns headed by ``code`` as code, ``|`` escaped."""
     header, *rows = table
 
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
-    body = [line([row[0], f"`{row[1]}`", *row[2:]]) for row in rows]
+    def coded(row: list[str]) -> list[str]:
+        return [f"`{cell}`" if head in code else cell for head, cell in zip(header, row, strict=True)]
+
+    body = [line(coded(row)) for row in rows]
     return "\n".join([line(header), "|" + "---|" * len(header), *body])
+
+
+def section(entry: dict[str, Any]) -> str:
+    """What goes between the markers: the table (class names and marks as code), then the legend's lines as a list."""
+    marks = list(entry["support"][0]) if entry["support"] else []
+    legend = "\n".join(f"- {line}" for line in entry["legend"])
+    return markdown_table(entry["table"], ("class", *marks)) + "\n\n" + legend
 
 
 def rewritten(text: str, table: str) -> str:
@@ -59,7 +80,7 @@ def rewritten(text: str, table: str) -> str:
 
 def main(argv: list[str]) -> int:
     text = DOC.read_text()
-    new = rewritten(text, markdown_table(plugins_table()))
+    new = rewritten(text, section(plugins_entry()))
     if argv[1:] == ["--check"]:
         if new != text:
             print(f"{DOC}: the architecture table differs from kiln plugins; run: python docs/architectures.py", file=sys.stderr)

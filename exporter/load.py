@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.contract.limits import MAX_CONTEXT, MIN_CONTEXT
 from kiln.exporter.options import ExportOptions
-from kiln.exporter.targets import targets
+from kiln.exporter.support import refuse_model
 from kiln.plugins import LoadedModel
 from kiln.plugins.base import DecoderSpec
 from kiln.plugins.hub_cache import HF_EXTRA
@@ -46,12 +46,9 @@ def load_reference(loaded: LoadedModel, options: ExportOptions) -> Reference:
 
 
 def refuse_unsupported(spec: DecoderSpec, options: ExportOptions) -> None:
-    """What a model's structure rules out, before any work is done."""
-    for kind in options.precision.kinds:  # what each precision kind cannot be applied to
-        kind.refuse(spec, options)
-    for target in targets():
-        if target.wanted(options):
-            target.refuse(spec)
+    """What a model's structure rules out, before any work is done (the precisions' and targets'
+    refusals are ``support.refuse_model``'s, which ``kiln plugins``' table is asked of)."""
+    refuse_model(spec, options)
     if options.lora_slots is not None and spec.encoder_dim is not None:
         raise ConfigError("--lora-slots: cross-attention decoders are not built with slots yet; merge the adapter with --adapter")
     if spec.encoder_dim is not None and options.triton is not None:

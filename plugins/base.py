@@ -168,6 +168,9 @@ class ModelFamily(Protocol):
     #   config_spec(path) -> DecoderSpec: the spec the config alone gives, validated, no weight
     #     read (what an export checks --max-context against before loading);
     #   table() -> list[list[str]]: what the family exports, a header row first;
+    #   specs() -> list[DecoderSpec]: one per row of table(), its structure as the export's
+    #     refusals read it (no weights): kiln plugins adds what each row takes per precision and
+    #     target (``kiln.exporter.support``) after the row's first cell;
     #   unavailable() -> str | None: why it cannot load a checkpoint here (a missing dependency).
     # A family's module is imported to list it: it should import torch and its libraries lazily.
 

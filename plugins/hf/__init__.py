@@ -68,10 +68,28 @@ class HFFamily:
         return tiny_model("LlamaForCausalLM", seed)
 
     def table(self) -> list[list[str]]:
-        """What ``kiln plugins`` prints: every architecture with what its tests prove."""
-        rows = [[a.label, name, "fp32, fp16", a.ort, a.notes] for name, a in ARCHS.items()]
-        rows += [[a.label, name, "fp32, fp16", "no (encoder-decoder)", f"encoder-decoder: {a.notes}"] for name, a in SEQ2SEQ.items()]
-        return [["architecture", "class", "precisions", "--target ort", "notes"], *rows]
+        """What ``kiln plugins`` prints: every architecture with what its tests prove (the precisions
+        and targets each takes are asked of the export's refusals: ``specs``)."""
+        rows = [[a.label, name, a.ort, a.notes] for name, a in ARCHS.items()]
+        rows += [[a.label, name, "no (encoder-decoder)", f"encoder-decoder: {a.notes}"] for name, a in SEQ2SEQ.items()]
+        return [["architecture", "class", "--target ort", "notes"], *rows]
+
+    def specs(self) -> list[DecoderSpec]:
+        """Each row of ``table``'s structure, as far as the export's refusals read it (no config
+        is read: the sizes are placeholders), for ``kiln plugins`` to ask them what it takes;
+        tests/unit/test_support.py checks it against the specs the tiny models' configs give."""
+        decoders = [_structure(name, window=a.window) for name, a in ARCHS.items()]
+        return decoders + [_structure(name, encoder=True) for name in SEQ2SEQ]
+
+
+def _structure(arch: str, *, window: bool = False, encoder: bool = False) -> DecoderSpec:
+    """A decoder of ``arch``: its config with a sliding_window field (unset) where its class has
+    one, and an encoder-decoder's with cross-attention over its own encoder's states."""
+    config = {"architecture": arch, **({"sliding_window": None} if window else {})}
+    return DecoderSpec(
+        family=HFFamily.name, n_layers=1, n_kv_heads=1, head_dim=64, vocab_size=1, max_context=None,
+        encoder_dim=64 if encoder else None, has_encoder=encoder, config=config,
+    )  # fmt: skip
 
 
 def tiny_model(case: str, seed: int, **overrides: Any) -> LoadedModel:

@@ -42,6 +42,9 @@ class Arch:
     # what the rewrite does not recognise (those layers keep the portable attention, still exact);
     # "MoE" when every mixture-of-experts block becomes ONNX Runtime's MoE op (tested)
     ort: str = "GQA"
+    # its config has a sliding_window (transformers' config class defines one, None or a width):
+    # kiln plugins asks --target onnx about a window only for these (tests/unit/test_support.py)
+    window: bool = False
 
 
 def _falcon_kv_heads(cfg: Any) -> int:
@@ -63,21 +66,21 @@ _LLAMA_PARTIAL = Refusal(
 
 ARCHS: Mapping[str, Arch] = {
     "LlamaForCausalLM": Arch("Llama", refusals=(_LLAMA_PARTIAL,), notes="rope linear, yarn, llama3, longrope; tied and untied; bias; head_dim != hidden/heads"),
-    "MistralForCausalLM": Arch("Mistral", notes="sliding window"),
-    "Qwen2ForCausalLM": Arch("Qwen2", notes="sliding window on layers >= max_window_layers; tied"),
-    "Qwen3ForCausalLM": Arch("Qwen3", notes="q/k norm"),
+    "MistralForCausalLM": Arch("Mistral", notes="sliding window", window=True),
+    "Qwen2ForCausalLM": Arch("Qwen2", notes="sliding window on layers >= max_window_layers; tied", window=True),
+    "Qwen3ForCausalLM": Arch("Qwen3", notes="q/k norm", window=True),
     "GemmaForCausalLM": Arch("Gemma", refusals=(_BIDIRECTIONAL,)),
-    "Gemma2ForCausalLM": Arch("Gemma 2", refusals=(_BIDIRECTIONAL,), notes="alternating sliding/global layers, attention and final logit soft-capping"),
-    "Gemma3ForCausalLM": Arch("Gemma 3 (text)", refusals=(_BIDIRECTIONAL,), notes="sliding/global layers with their own rope, q/k norm, soft-capping"),
+    "Gemma2ForCausalLM": Arch("Gemma 2", refusals=(_BIDIRECTIONAL,), notes="alternating sliding/global layers, attention and final logit soft-capping", window=True),
+    "Gemma3ForCausalLM": Arch("Gemma 3 (text)", refusals=(_BIDIRECTIONAL,), notes="sliding/global layers with their own rope, q/k norm, soft-capping", window=True),
     "PhiForCausalLM": Arch("Phi", notes="partial rotary, q/k LayerNorm, parallel attention + MLP"),
-    "Phi3ForCausalLM": Arch("Phi-3", notes="partial rotary; longrope up to original_max_position_embeddings (refused past it)"),
+    "Phi3ForCausalLM": Arch("Phi-3", notes="partial rotary; longrope up to original_max_position_embeddings (refused past it)", window=True),
     "GraniteForCausalLM": Arch("Granite", notes="embedding, residual, attention and logit multipliers"),
     "OlmoForCausalLM": Arch("OLMo", notes="clip_qkv, non-parametric LayerNorm"),
     "Olmo2ForCausalLM": Arch("OLMo 2", notes="q/k norm over all heads, post-norms"),
-    "SmolLM3ForCausalLM": Arch("SmolLM3", notes="NoPE layers"),
+    "SmolLM3ForCausalLM": Arch("SmolLM3", notes="NoPE layers", window=True),
     "GPTNeoXForCausalLM": Arch("GPT-NeoX", notes="partial rotary, parallel and serial residual"),
     "StableLmForCausalLM": Arch("StableLM", notes="per-head q/k LayerNorm, parallel residual, qkv bias"),
-    "Starcoder2ForCausalLM": Arch("Starcoder2", notes="sliding window"),
+    "Starcoder2ForCausalLM": Arch("Starcoder2", notes="sliding window", window=True),
     "CohereForCausalLM": Arch("Cohere", notes="interleaved rope, per-head q/k LayerNorm, logit scale"),
     "GPT2LMHeadModel": Arch(
         "GPT-2",
@@ -99,13 +102,17 @@ ARCHS: Mapping[str, Arch] = {
     "BloomForCausalLM": Arch(
         "Bloom", context=None, notes="ALiBi: no context limit of its own, --max-context is required", ort="portable attention (ALiBi)"
     ),
-    "MixtralForCausalLM": Arch("Mixtral", notes="mixture of experts (top-k routing, renormalised), sliding window", ort="GQA; MoE (decode)"),
+    "MixtralForCausalLM": Arch("Mixtral", notes="mixture of experts (top-k routing, renormalised), sliding window", ort="GQA; MoE (decode)", window=True),
     "Qwen3MoeForCausalLM": Arch(
-        "Qwen3-MoE", notes="mixture of experts (norm_topk_prob on and off), dense layers (mlp_only_layers), q/k norm", ort="GQA; MoE (decode)"
+        "Qwen3-MoE",
+        notes="mixture of experts (norm_topk_prob on and off), dense layers (mlp_only_layers), q/k norm",
+        ort="GQA; MoE (decode)",
+        window=True,
     ),
     "GptOssForCausalLM": Arch(
         "gpt-oss",
         notes="mixture of experts (clamped SwiGLU, biases), attention sinks, alternating sliding layers, yarn",
         ort="portable attention (attention sinks); per-expert MatMuls (expert biases, clamped SwiGLU)",
+        window=True,
     ),
 }

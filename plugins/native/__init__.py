@@ -36,8 +36,31 @@ class NativeFamily:
     def tiny(self, seed: int) -> LoadedModel:
         from kiln.plugins.native.build import loaded_model, random_model
 
-        cfg = NativeConfig(vocab_size=101, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_context=64)
+        cfg = _tiny_config()
         return loaded_model(cfg, random_model(cfg, seed), Path("<tiny>"))
+
+    def table(self) -> list[list[str]]:
+        """What ``kiln plugins`` prints: the decoder with and without cross-attention (the
+        precisions and targets each takes are asked of the export's refusals: ``specs``)."""
+        return [
+            ["model", "notes"],
+            ["PLE decoder", "every option of its config (tests/export/test_matrix.py)"],
+            [
+                "cross-attention",
+                '"cross_attention": true; no Triton, genai_config.json, kiln generate or encoder padding mask',
+            ],
+        ]
+
+    def specs(self) -> list[DecoderSpec]:
+        """The spec of each row of ``table`` (the tiny model's config, with cross-attention for the second)."""
+        return [spec_of(_tiny_config()), spec_of(_tiny_config(cross_attention=True))]
+
+
+def _tiny_config(**changes: Any) -> NativeConfig:
+    """The tiny model's config (``tiny``), with ``changes``."""
+    return NativeConfig(
+        vocab_size=101, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_context=64, **changes
+    )
 
 
 NATIVE = NativeFamily()

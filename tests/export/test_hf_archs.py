@@ -67,6 +67,18 @@ def test_every_architecture_has_a_tiny_model() -> None:
     assert {arch for arch, _ in TINY.values()} == set(ARCHS)
 
 
+def test_the_plugins_table_takes_what_this_file_exports() -> None:
+    """Every architecture's row of ``kiln plugins``' table (docs/architectures.md) takes what the
+    test below exports: fp32 on the portable graphs and --target ort, and --fp16."""
+    from kiln.exporter.support import support
+    from kiln.plugins.hf import HF
+
+    for spec in HF.specs():
+        if spec.config["architecture"] in ARCHS:
+            cells = support(spec).cells
+            assert cells["fp32"]["portable"].taken and cells["fp32"]["ort"].taken and cells["fp16"]["portable"].taken, spec.config
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(TINY))
 def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> None:

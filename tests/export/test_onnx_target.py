@@ -597,6 +597,21 @@ def test_windows_read_from_the_config_or_refused() -> None:
         layer_windows(spec(architecture="Gemma3ForCausalLM", sliding_window=4, layer_types=["full_attention", "chunked_attention"]))
 
 
+def test_the_plugins_table_takes_what_these_tests_export() -> None:
+    """The Hugging Face table (``kiln plugins``, docs/architectures.md) against what the tests above
+    export --target onnx: fp32 (HF_CASES), fp16 (ISSUE_CASES), int4 (INT4_CASES): each case's cell
+    is taken, and a windowed case's on no condition (its window is one a test proves)."""
+    from kiln.exporter.support import support
+    from kiln.plugins.hf import HF
+    from kiln.plugins.hf.tiny import TINY
+
+    cells = {spec.config["architecture"]: support(spec).cells for spec in HF.specs()}
+    for precision, cases in (("fp32", HF_CASES), ("fp16", ISSUE_CASES), ("int4", INT4_CASES)):
+        for case in cases:
+            cell = cells[TINY[case][0]][precision]["onnx"]
+            assert cell.taken and (cell.condition is None or not case.endswith("-window")), (precision, case, cell)
+
+
 def test_static_contract() -> None:
     """The names and dims contract.static_cache promises, for a 2-layer model at 64 slots."""
     from kiln.plugins.base import DecoderSpec

@@ -23,18 +23,23 @@ def _script() -> ModuleType:
 
 def test_the_architecture_table_is_what_kiln_plugins_prints() -> None:
     script = _script()
-    table = script.plugins_table()
-    assert table[0] == ["architecture", "class", "precisions", "--target ort", "notes"] and len(table) > 30
+    entry = script.plugins_entry()
+    table = entry["table"]
+    assert table[0] == ["architecture", "fp32", "fp16", "int8", "fp8", "int4", "class", "--target ort", "notes"] and len(table) > 30
     text = script.DOC.read_text()
-    assert script.rewritten(text, script.markdown_table(table)) == text, (
+    assert "| Llama | `pox` | `p-x` | `pOx` | `p-x` | `pox` | `LlamaForCausalLM` | GQA |" in text
+    assert script.rewritten(text, script.section(entry)) == text, (
         "docs/architectures.md's architecture table differs from `kiln plugins`; regenerate it: python docs/architectures.py"
     )
 
 
 def test_the_table_renders_every_row_between_the_markers() -> None:
     script = _script()
-    table = [["a", "b", "c"], ["x", "Cls", "p|q"]]
-    assert script.markdown_table(table) == "| a | b | c |\n|---|---|---|\n| x | `Cls` | p\\|q |"
+    table = [["a", "class", "c"], ["x", "Cls", "p|q"]]
+    assert script.markdown_table(table) == "| a | class | c |\n|---|---|---|\n| x | `Cls` | p\\|q |"
+    assert script.markdown_table(table, ("a", "c")) == "| a | class | c |\n|---|---|---|\n| `x` | Cls | `p\\|q` |"
+    entry = {"table": [["a", "fp32", "class"], ["x", "pox", "Cls"]], "support": [{"fp32": {}}], "legend": ["p portable"]}
+    assert script.section(entry) == "| a | fp32 | class |\n|---|---|---|\n| x | `pox` | `Cls` |\n\n- p portable"
     assert script.rewritten(f"head\n{script.BEGIN}\nold\n{script.END}\ntail\n", "T") == f"head\n{script.BEGIN}\nT\n{script.END}\ntail\n"
 
 

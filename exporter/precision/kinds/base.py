@@ -167,7 +167,7 @@ class PrecisionKind(abc.ABC):
 
 class RangesKind(PrecisionKind):
     """A kind that quantizes activations by calibrated ranges (int8, fp8): it reads them, checks
-    the calibration options, and refuses encoder-decoders."""
+    the calibration options, and refuses encoder-decoders and cross-attention decoders."""
 
     def needs(self) -> Needs:
         return Needs.RANGES
@@ -177,6 +177,11 @@ class RangesKind(PrecisionKind):
 
     def refuse(self, spec: DecoderSpec, options: ExportOptions) -> None:
         refuse_encoder(spec, options)
+        if spec.encoder_dim is not None:  # --fp8 was not refused here: its calibration failed with a traceback (no encoder_hidden_states)
+            raise ConfigError(
+                f"{self.flag()} is not supported for cross-attention decoders yet: calibration needs encoder_hidden_states"
+                " samples, which kiln's calibration data formats do not carry; export --fp16 or fp32"
+            )
 
 
 def check_ranges(flag: str, options: ExportOptions) -> None:

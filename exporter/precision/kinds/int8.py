@@ -5,15 +5,10 @@ with ``--fp16`` the rest of the graph is fp16. Its machinery (pass and policy) i
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-from kiln.errors import ConfigError
 from kiln.exporter.precision.kinds.base import Flag, RangesKind, Role
 from kiln.exporter.tolerance import Tolerance
-
-if TYPE_CHECKING:
-    from kiln.exporter.options import ExportOptions
-    from kiln.plugins.base import DecoderSpec
 
 __all__ = ["Int8", "EIGHT_BIT"]
 
@@ -40,11 +35,3 @@ class Int8(RangesKind):
     tolerance: ClassVar[Tolerance] = EIGHT_BIT
     bytes_per_weight: ClassVar[float] = 1.0
     calibration_use: ClassVar[str | None] = "--int8"
-
-    def refuse(self, spec: DecoderSpec, options: ExportOptions) -> None:
-        super().refuse(spec, options)
-        if spec.encoder_dim is not None:
-            raise ConfigError(
-                "--int8 is not supported for cross-attention decoders yet: calibration needs encoder_hidden_states"
-                " samples, which kiln's calibration data formats do not carry; export --fp16 or fp32"
-            )

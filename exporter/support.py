@@ -1,0 +1,194 @@
+"""What a model structure exports, per precision and per target, asked of the export's own refusals
+so that it cannot drift from them: ``kiln plugins`` prints it, docs/architectures.md holds it.
+
+A cell is one precision (fp32 and each registered kind, at its defaults) on one target (the
+portable graphs, which every export writes, and each registered target). ``ExportOptions``
+refuses what no model takes (``--fp16 --target ort``), ``refuse_model`` what one structure cannot
+take (``--int8`` of a cross-attention decoder); nothing is loaded or traced, and nothing heavy is
+imported. Where the defaults are refused, the other flags that write that precision for that
+target are asked (``ALTERNATIVES``); where options are taken, the config features that a refusal
+also reads are asked (``FEATURES``: a sliding window): either makes the cell conditional.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from kiln.errors import ConfigError
+from kiln.exporter.options import ExportOptions
+from kiln.exporter.precision.kinds.base import Needs
+from kiln.exporter.precision.kinds.int4 import Int4, Int4Method
+from kiln.exporter.precision.kinds.plan import Precision
+from kiln.exporter.precision.kinds.registry import kinds
+from kiln.exporter.targets import PORTABLE, names, targets
+from kiln.plugins.base import DecoderSpec
+
+__all__ = [
+    "ALTERNATIVES", "FEATURES", "Alternative", "Cell", "Feature", "Support", "legend", "letter", "precisions",
+    "refuse_model", "refusal", "support", "target_names",
+]  # fmt: skip
+
+FP32 = "fp32"
+REFUSED = "-"
+# a target's letter in a cell's marks (a target registered later: its name's first unused letter)
+_LETTERS = {PORTABLE: "p", "ort": "o", "onnx": "x"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternative:
+    """Other flags that write ``precision``'s numbers, asked where its defaults are refused."""
+
+    precision: str
+    flags: str  # as a refused cell's refusal names them
+    condition: str  # what the legend says of a cell taken only so
+    fields: Mapping[str, Any]  # ExportOptions fields (a "precision" among them replaces the default's)
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """A config feature that a refusal reads: a cell taken without it and refused with it is
+    conditional. Asked only of a spec whose config has its fields (unset: None): a family's
+    specs say which of its structures can have it."""
+
+    condition: str  # what the legend says of a cell refused with it
+    config: Mapping[str, Any]  # merged into the spec's config
+
+    def possible(self, spec: DecoderSpec) -> bool:
+        return all(field in spec.config for field in self.config)
+
+
+ALTERNATIVES = (
+    Alternative(
+        "int8", "--ort-int8", "only as --ort-int8 (weight-only int8 MatMulNBits; --int8 is refused)",
+        {"precision": Precision.of(), "ort_int8": True},
+    ),
+    Alternative(
+        "int4", "--int4-method rtn", "only with --int4-method rtn (GPTQ is refused)",
+        {"precision": Precision.of(Int4(method=Int4Method.RTN))},
+    ),
+)  # fmt: skip
+FEATURES = (Feature("not with a sliding window: only the windows a test proves are applied", {"sliding_window": 4}),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One precision on one target: taken or refused, and when taken only so, why."""
+
+    taken: bool
+    condition: str | None = None  # taken only with other flags or without a config feature
+    # the refusal of the defaults (and of the alternatives' flags, where they are refused too);
+    # of a conditional cell: the one its condition avoids
+    refusal: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"taken": self.taken, "condition": self.condition, "refusal": self.refusal}
+
+
+@dataclasses.dataclass(frozen=True)
+class Support:
+    """Every precision (``precisions()``) on every target (``target_names()``) of one structure."""
+
+    cells: Mapping[str, Mapping[str, Cell]]  # precision -> target -> cell
+
+    def marks(self) -> list[str]:
+        """One mark per precision, a letter per target: lower case taken, upper case taken on a
+        condition, ``-`` refused (``pox``, ``p-x``): what a terminal row has room for."""
+        return ["".join(_mark(target, cell) for target, cell in row.items()) for row in self.cells.values()]
+
+    def to_dict(self) -> dict[str, dict[str, dict[str, Any]]]:
+        return {precision: {t: cell.to_dict() for t, cell in row.items()} for precision, row in self.cells.items()}
+
+
+def precisions() -> tuple[str, ...]:
+    """The precisions a cell is asked of: fp32 and each registered kind, in registration order."""
+    return (FP32, *(k.name for k in kinds()))
+
+
+def target_names() -> tuple[str, ...]:
+    """The portable graphs and each registered target (``--target``'s choices)."""
+    return (PORTABLE, *names())
+
+
+def letter(target: str) -> str:
+    """A target's letter in the marks (``_LETTERS``; a later target: its name's first free letter)."""
+    if target in _LETTERS:
+        return _LETTERS[target]
+    taken = set(_LETTERS.values())
+    return next((c for c in target.lower() if c.isalpha() and c not in taken), "?")
+
+
+def refuse_model(spec: DecoderSpec, options: ExportOptions) -> None:
+    """What a model's structure rules out for each precision kind and each wanted target (one
+    ``ConfigError``): the export asks it before any work is done (``load.refuse_unsupported``)."""
+    for kind in options.precision.kinds:  # what each precision kind cannot be applied to
+        kind.refuse(spec, options)
+    for target in targets():
+        if target.wanted(options):
+            target.refuse(spec)
+
+
+def refusal(spec: DecoderSpec, fields: Mapping[str, Any]) -> str | None:
+    """Why an export of ``spec`` with these ``ExportOptions`` fields is refused (None: taken);
+    calibration data is synthetic where the precision reads some (its own refusals aside)."""
+    precision = fields.get("precision", Precision.of())
+    calib = "synthetic" if precision.needs(Needs.RANGES) or precision.needs(Needs.HESSIANS) else None
+    try:
+        refuse_model(spec, ExportOptions(**{"calib_data": calib, **fields}))
+    except ConfigError as exc:
+        return str(exc).removeprefix(f"{exc.stage}: ")
+    return None
+
+
+def _cell(spec: DecoderSpec, precision: str, target: str) -> Cell:
+    """One cell: the defaults, else an alternative's flags; then, with each feature, the same flags."""
+    default = {"precision": Precision.parse(precision), "target": target}
+    others = [(a.flags, a.condition, {**default, **a.fields}) for a in ALTERNATIVES if a.precision == precision]
+    tries = [("", None, default), *others]
+    refused: dict[str, str] = {}  # message -> the flags it answers ("": the defaults)
+    for flags, condition, fields in tries:
+        why = refusal(spec, fields)
+        if why is not None:
+            refused.setdefault(why, flags)
+            continue
+        for feature in filter(lambda f: f.possible(spec), FEATURES):
+            avoided = refusal(dataclasses.replace(spec, config={**spec.config, **feature.config}), fields)
+            if avoided is not None:
+                return Cell(True, "; ".join(c for c in (condition, feature.condition) if c), avoided)
+        return Cell(True, condition, next(iter(refused), None))
+    return Cell(False, refusal="; ".join(f"with {flags}: {why}" if flags else why for why, flags in refused.items()))
+
+
+def support(spec: DecoderSpec) -> Support:
+    """What ``spec``'s structure exports, every precision on every target."""
+    return Support({p: {t: _cell(spec, p, t) for t in target_names()} for p in precisions()})
+
+
+def _mark(target: str, cell: Cell) -> str:
+    if not cell.taken:
+        return REFUSED
+    return letter(target).upper() if cell.condition else letter(target)
+
+
+def legend(supports: Iterable[Support]) -> list[str]:
+    """The lines that read the marks of ``supports``: the letters, then each condition once, with
+    the marks it explains (and the precisions, where it is not every one's)."""
+    where = ", ".join(f"{letter(t)} {'portable graphs' if t == PORTABLE else f'--target {t}'}" for t in target_names())
+    found: dict[str, dict[str, set[str]]] = {}  # condition -> mark -> precisions
+    for each in supports:
+        for precision, row in each.cells.items():
+            for target, cell in row.items():
+                if cell.taken and cell.condition:
+                    found.setdefault(cell.condition, {}).setdefault(letter(target).upper(), set()).add(precision)
+    head = f"{where}, {REFUSED} refused" + ("; a capital: only as below" if found else "")
+    return [head, *(f"{_marked(marks)}: {condition}" for condition, marks in found.items())]
+
+
+def _marked(marks: Mapping[str, set[str]]) -> str:
+    """``O in int8`` (a mark in some precisions), ``X`` (in every one)."""
+    order: Sequence[str] = precisions()
+    parts = []
+    for mark, where in marks.items():
+        parts.append(mark if set(order) <= where else f"{mark} in {', '.join(p for p in order if p in where)}")
+    return ", ".join(parts)
