@@ -5,6 +5,8 @@ extras as tables; parity.json only extended."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -63,6 +65,14 @@ def test_a_failed_row_says_by_how_much() -> None:
     failed = _result("fp32", 0.002, [("model", 1, (1e-5,))])
     assert summary_table(failed)[2].startswith("| portable | fp32 | 0.002 | 1e-05 + 0.0001 x 10 = 0.00101 | ") and summary_table(failed)[2].endswith(" | NO |")
     assert failed.failures() == ["decode:logits max abs 0.002 (tolerance 1e-05 + 0.0001 x max|row| = 0.00101 at max|row| 10), cosine 1.000000 (at least 0.999999)"]
+
+
+def test_a_set_passed_below_its_token_floor_says_the_ties() -> None:
+    """A row read "98.96% | 100% | yes" with nothing saying why (issue 39's newcomer): its near-ties."""
+    result = _result("fp32", 2e-5, [("prefill+decode", 2, (1e-5, 2e-5))], match=0.75)
+    result.generation = [dataclasses.replace(g, ties=1) for g in result.generation]
+    assert summary_table(result)[2].endswith(" | 75.00% | 100% (1 near-tie excepted) | yes |")
+    assert summary_table(_two_sets())[3].endswith(" | 95.00% | 90% | yes |")  # above its floor: nothing to explain
 
 
 def test_a_padded_batch_of_one_says_so() -> None:
