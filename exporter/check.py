@@ -45,7 +45,9 @@ def check_dir(
 
         read_records(directory)
     loaded = _checkpoint(directory, manifest, model, progress)
-    options = graph_options(manifest)  # the export's graph options; its precision is the manifest's (the graphs carry it)
+    # the export's graph options; every set's precision (its tolerances) is the manifest's, which
+    # require_verified held to what the graphs are (their Q/DQ and dtypes: ``artifacts.claims``)
+    options = graph_options(manifest)
     swapped = swapped_adapter(directory, manifest.lora, (manifest.checkpoint.reference, manifest.checkpoint.resolved), adapter) if adapter is not None else None
     # with adapters, PEFT's model of the checkpoint and the recorded adapters, as the export's parity had
     if swapped is not None or manifest.checkpoint.adapters:

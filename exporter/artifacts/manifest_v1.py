@@ -70,8 +70,33 @@ def _ort_target(entry: dict[str, Any], n_layers: Any, where: str) -> dict[str, A
     return out | ({"record": record} if record else {})
 
 
+def _version_2_field(data: dict[str, Any]) -> str | None:
+    """The first field of ``data`` that only version 2 has (a graph's ``passes``, a target other
+    than ``ort``, a target's ``kv_cache`` or ``record``), or None."""
+    graphs = data.get("graphs")
+    for kind, graph in (graphs.items() if isinstance(graphs, dict) else ()):
+        if isinstance(graph, dict) and "passes" in graph:
+            return f"graphs.{kind}.passes"
+    targets = data.get("targets")
+    for name, entry in (targets.items() if isinstance(targets, dict) else ()):
+        if name != "ort":
+            return f"targets.{name}"
+        found = [key for key in ("kv_cache", "record") if isinstance(entry, dict) and key in entry]
+        if found:
+            return f"targets.{name}.{found[0]}"
+    return None
+
+
 def upgrade_v1(data: dict[str, Any], where: str) -> dict[str, Any]:
-    """``data`` (a parsed version-1 manifest) in version 2's layout."""
+    """``data`` (a parsed version-1 manifest) in version 2's layout; refused when it holds what
+    only version 2 writes (a version 2 manifest relabelled 1 would be upgraded into nonsense: its
+    ``--target onnx`` graphs run as a grown cache)."""
+    field = _version_2_field(data)
+    if field is not None:
+        raise ArtifactError(
+            f"{where}: manifest_version is 1, but {field} is a version 2 field (its data is version 2's);"
+            " the manifest is damaged or was edited: re-export"
+        )
     out = dict(data, manifest_version=2)
     graphs = data.get("graphs")
     if isinstance(graphs, dict):

@@ -22,17 +22,27 @@ Every graph of the set (prefill, decode, model) reads and writes the cache the s
   portable graphs' own; rows at different lengths (ragged) each write at their own slot.
 - ``input_ids``, ``position_ids`` ``[batch, seq]`` and ``logits`` as the portable contract
   (``contract.io``); ``present.*`` have the buffers' shape.
+
+The buffers' bytes follow from the config alone (``cache_bytes``): an export whose buffers at
+``--max-batch`` exceed half this machine's memory is refused before the trace
+(``refuse_oversized``), not met by an allocator's traceback in parity.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
+from kiln.errors import ExportError
 from kiln.exporter.contract.io import BATCH, GraphIO, GraphKind, TensorSpec, graph_io, past_names, present_names
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["WRITE_INDICES", "CacheBuffers", "static_io", "static_feeds", "portable_outputs"]
+__all__ = [
+    "WRITE_INDICES", "CacheBuffers", "cache_bytes", "machine_memory", "refuse_oversized", "static_io", "static_feeds",
+    "portable_outputs",
+]  # fmt: skip
 
 WRITE_INDICES = "write_indices"
 CacheBuffers = Mapping[str, tuple[tuple[int, ...], np.dtype]]  # each cache input: its shape without the batch, its dtype
@@ -77,3 +87,42 @@ def static_feeds(kind: GraphKind, feeds: Mapping[str, np.ndarray], caches: Cache
 def portable_outputs(outputs: Mapping[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
     """A step's outputs in the portable contract: each present cut to its first ``length`` slots."""
     return {name: value[:, :, :length] if name.startswith("present.") else value for name, value in outputs.items()}
+
+
+def cache_bytes(spec: DecoderSpec, *, batch: int, max_context: int, kv_dtype: str) -> int:
+    """The bytes of the static cache's buffers at ``batch`` rows: a key and a value buffer per
+    layer, ``[batch, n_kv_heads, max_context, head_dim]`` each."""
+    return spec.n_layers * 2 * batch * spec.n_kv_heads * max_context * spec.head_dim * np.dtype(kv_dtype).itemsize
+
+
+def machine_memory() -> int:
+    """This machine's memory in bytes: its physical memory, or its control group's limit where
+    that is lower (a container's)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")):
+        try:
+            text = limit.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            memory = min(memory, int(text))
+    return memory
+
+
+def refuse_oversized(spec: DecoderSpec, *, max_batch: int, max_context: int, kv_dtype: str) -> None:
+    """Refuse, before anything is traced, a static cache whose buffers at ``max_batch`` rows (what a
+    runtime serving the graphs allocates at their largest batch) exceed half this machine's
+    memory (the graphs, their sessions and parity's copies of the buffers need the rest, as
+    ``kiln bench``'s feeds leave it): the figures are the config's, and parity would otherwise die
+    in the allocator after the trace (--max-context 1000000 grew to 7 GB, then a BFCArena traceback)."""
+    need, limit = cache_bytes(spec, batch=max_batch, max_context=max_context, kv_dtype=kv_dtype), machine_memory() // 2
+    if need > limit:
+        figures = (
+            f"{spec.n_layers} layers x 2 (key, value) x {max_batch} rows (--max-batch) x {spec.n_kv_heads} KV heads"
+            f" x {max_context} slots x {spec.head_dim} x {np.dtype(kv_dtype).itemsize} bytes ({kv_dtype})"
+        )
+        raise ExportError(
+            f"--max-context {max_context}: the static KV cache of --target onnx takes {figures} = {need} bytes"
+            f" ({need / 2**30:.1f} GiB), more than half this machine's memory ({limit} bytes, {limit / 2**30:.1f} GiB);"
+            " pass a smaller --max-context or --max-batch"
+        )

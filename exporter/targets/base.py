@@ -70,6 +70,7 @@ class Target(Protocol):
     name: str  # --target NAME
     label: str  # what its graphs are, in a sentence ("ONNX Runtime-target")
     description: str  # one line, for --help
+    kv_caches: tuple[CacheUpdate, ...]  # the cache contracts its graphs follow (kiln verify refuses another)
 
     def check(self, options: ExportOptions) -> None: ...
 

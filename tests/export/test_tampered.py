@@ -219,3 +219,207 @@ def test_a_version_1_export_still_runs(pristine: Path, tmp_path: Path) -> None:
     assert code == 0 and len(json.loads(out)["tokens"]) == 3, err
     code, out, err = _run("check", str(directory))
     assert code == 0 and "parity passed" in out, (out, err)
+
+
+# --- issue 38, items 2, 5 and 8: the manifest is a claim, not a key. Every field that changes how
+# an export is run or judged is held to what its graphs are (``artifacts.facts``, ``claims``).
+
+
+@pytest.fixture(scope="module")
+def std_pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo exported with --target onnx: portable graphs and static-cache graphs (256 slots)."""
+    out = tmp_path_factory.mktemp("tampered-std") / "demo"
+    export("demo", out, ExportOptions(max_batch=2, parity_tokens=2, target="onnx"))
+    return out
+
+
+@pytest.fixture
+def std_dir(std_pristine: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "export"
+    shutil.copytree(std_pristine, copy)
+    return copy
+
+
+_IDS = ("--ids", "1,2", "--max-new-tokens", "2")
+
+
+def _refused_by_verify(directory: Path, problem: str, command: str) -> None:
+    """``kiln verify`` lists exactly ``problem``; ``command`` (generate, check) is one line naming it."""
+    assert _verify_problems(directory) == [problem]
+    line = _refused(command, str(directory), *(_IDS if command == "generate" else ()))
+    assert line == f"error: artifacts: {directory}: files differ from manifest.json: {problem}; run kiln verify {directory}"
+
+
+def _noise(path: Path, scale: float = 0.02) -> None:
+    """Every float32 of a weights file times (1 + ``scale`` x a standard normal)."""
+    import numpy as np
+
+    weights = np.fromfile(path, dtype=np.float32)
+    noise = np.random.default_rng(0).standard_normal(weights.shape).astype(np.float32)
+    (weights * (1 + scale * noise)).tofile(path)
+
+
+def _path_set(*changes: tuple[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """A manifest change setting each dotted path (``export.ple.rows``) to its value."""
+
+    def change(data: dict[str, Any]) -> None:
+        for path, value in changes:
+            *parents, last = path.split(".")
+            node = data
+            for key in parents:
+                node = node[key]
+            node[last] = value
+
+    return change
+
+
+_PRECISION = "their QuantizeLinear, DequantizeLinear and MatMulNBits, and their float type"
+_CACHE = "their decode step's cache inputs and attention"
+_LOGITS = "the positions of their prefill logits"
+_SLOTS = "the slots of their static KV cache"
+_PORTABLE, _STD = "but the portable graphs say", "but the --target onnx graphs say"
+
+
+@pytest.mark.parametrize(
+    ("weights", "field", "value", "problem"),
+    [
+        ("onnx/weights.bin", "precision", "int8", f"precision is 'int8', {_PORTABLE} 'fp32' ({_PRECISION})"),
+        (
+            "onnx/weights.std.bin", "targets.onnx.precision", "int4",
+            f"targets.onnx.precision is 'int4', {_STD} 'fp32' ({_PRECISION})",
+        ),
+    ],
+)  # fmt: skip
+def test_a_claimed_precision_does_not_loosen_check(
+    std_dir: Path, weights: str, field: str, value: str, problem: str
+) -> None:
+    """Item 2: noisy fp32 weights fail check; claiming a looser precision (hashes recomputed) no
+    longer buys that precision's tolerances: the graphs have no Q/DQ, verify and check refuse."""
+    _noise(std_dir / weights)
+    _edit_manifest(std_dir, _path_set((field, value)))
+    _refused_by_verify(std_dir, problem, "check")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("targets.onnx.kv_cache", "shared", f"targets.onnx.kv_cache is 'shared', {_STD} 'static' ({_CACHE})"),
+        ("targets.onnx.kv_cache", "concat", f"targets.onnx.kv_cache is 'concat', {_STD} 'static' ({_CACHE})"),
+        ("targets.onnx.kv_cache", "bogus", f"targets.onnx.kv_cache is 'bogus', {_STD} 'static' ({_CACHE})"),
+        (
+            "tokenizer", "onnx/weights.bin",
+            "tokenizer is 'onnx/weights.bin', which weights.file names: a tokenizer.json is expected",
+        ),
+        (
+            "tokenizer", "onnx/genai_config.json",
+            "tokenizer is 'onnx/genai_config.json', not a tokenizer.json (a JSON object with its model and added_tokens)",
+        ),
+        ("export.logits", "bogus", f"export.logits is 'bogus', {_PORTABLE} 'all' ({_LOGITS})"),
+        ("export.logits", "last", f"export.logits is 'last', {_PORTABLE} 'all' ({_LOGITS})"),
+        (
+            "export.ple.extend_mode", "bogus",
+            "export.ple.extend_mode is 'bogus', not one of clamp, interpolate (or null: the trained table)",
+        ),
+        (
+            "export.ple.tables", "input",
+            f"export.ple.tables is 'input', {_PORTABLE} 'constant' (their ple.{{i}}.scale/.shift inputs, or none)",
+        ),
+        ("precision", "fp16", f"precision is 'fp16', {_PORTABLE} 'fp32' ({_PRECISION})"),
+        ("targets.onnx.precision", "fp16", f"targets.onnx.precision is 'fp16', {_STD} 'fp32' ({_PRECISION})"),
+        (
+            "kv_cache.dtype", "float16",
+            f"kv_cache.dtype is 'float16', {_PORTABLE} 'float32' (the dtype of their past and present tensors)",
+        ),
+        ("limits.max_context", 128, f"limits.max_context is 128, {_STD} 256 ({_SLOTS})"),
+        ("parity.agreement", "bogus", "parity.agreement is 'bogus', not one of gate, record (or absent)"),
+    ],
+)  # fmt: skip
+def test_a_tampered_field_is_refused_by_verify(std_dir: Path, field: str, value: Any, problem: str) -> None:
+    """Item 8: each field (hashes recomputed) passed verify, then generate or check raised a traceback."""
+    _edit_manifest(std_dir, _path_set((field, value)))
+    _refused_by_verify(std_dir, problem, "generate")
+
+
+def test_a_target_entry_copied_under_another_target(std_dir: Path) -> None:
+    """``targets.ort`` copied from ``targets.onnx``: the ort runner would be handed static-cache graphs."""
+    _edit_manifest(std_dir, lambda data: data["targets"].__setitem__("ort", data["targets"]["onnx"]))
+    problem = (
+        "targets.ort.kv_cache is 'static', but --target ort writes only 'shared' or 'grown' caches, and the --target ort"
+        " graphs (onnx/prefill.std.onnx, onnx/decode.std.onnx, onnx/model.std.onnx) say 'static':"
+        " they are another target's graphs"
+    )
+    _refused_by_verify(std_dir, problem, "check")
+    assert _refused("generate", str(std_dir), "--target", "ort", *_IDS).endswith(f"{problem}; run kiln verify {std_dir}")
+
+
+def test_a_longer_context_than_the_static_cache(std_dir: Path) -> None:
+    """Item 5: ``limits.max_context`` x4 (and the PLE rows with it, which read refuses alone) passed
+    verify; generate then died in TensorScatter. The buffers' capacity is the graphs' cache dim."""
+    _edit_manifest(std_dir, _path_set(("limits.max_context", 1024), ("export.ple.rows", 1024)))
+    problem = f"limits.max_context is 1024, {_STD} 256 ({_SLOTS})"
+    _refused_by_verify(std_dir, problem, "generate")
+    assert problem in _refused("generate", str(std_dir), "--target", "onnx", *_IDS)
+
+
+def test_a_longer_context_than_the_position_tables(export_dir: Path) -> None:
+    """The portable graphs gather their PLE tables by position: no context may pass their 256 rows."""
+    _edit_manifest(export_dir, _path_set(("limits.max_context", 1024), ("export.ple.rows", 1024)))
+    problem = f"limits.max_context is 1024, {_PORTABLE} at most 256 (the rows of the tables they index by position)"
+    _refused_by_verify(export_dir, problem, "generate")
+
+
+def test_version_1_over_version_2_data(std_dir: Path) -> None:
+    """``manifest_version: 1`` on a v2 export was upgraded into nonsense (its static graphs run as a grown cache)."""
+    _edit_manifest(std_dir, _path_set(("manifest_version", 1)))
+    line = _refused("verify", str(std_dir))
+    assert line == (
+        f"error: artifacts: {std_dir / 'manifest.json'}: manifest_version is 1, but targets.onnx is a version 2 field"
+        " (its data is version 2's); the manifest is damaged or was edited: re-export"
+    )
+    assert _refused("generate", str(std_dir), *_IDS) == line
+    assert _refused("check", str(std_dir)) == line
+
+
+def test_the_pristine_std_export_verifies_and_runs(std_pristine: Path) -> None:
+    """Every fact of an untouched --target onnx export agrees with its manifest."""
+    from kiln.exporter.artifacts.facts import facts_of
+
+    code, out, _ = _run("verify", str(std_pristine))
+    assert code == 0, out
+    kinds = ("prefill", "decode", "model")
+    suffixes = {"portable": ".onnx", "onnx": ".std.onnx"}
+    sets = {name: {k: Path(f"onnx/{k}{suffix}") for k in kinds} for name, suffix in suffixes.items()}
+    portable, std = facts_of(sets, std_pristine).values()
+    assert (portable.precision, portable.kv_dtype, portable.kv_cache, portable.capacity, portable.positions) == (
+        "fp32", "float32", "grown", None, 256,
+    )  # fmt: skip
+    assert (std.precision, std.kv_dtype, std.kv_cache, std.capacity, std.logits, std.ple_tables) == (
+        "fp32", "float32", "static", 256, "all", "constant",
+    )  # fmt: skip
+    code, out, err = _run("generate", str(std_pristine), "--target", "onnx", *_IDS, "--json")
+    assert code == 0 and json.loads(out)["kv_cache"] == "static-buffer", err
+
+
+def test_a_static_cache_past_the_machine_is_refused_before_the_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 5: ``--max-context 1000000 --target onnx`` on a small model grew to 7 GB, then a BFCArena
+    traceback. The buffers' bytes are the config's: refused before any weight is read (the
+    checkpoint's weights here are not even a safetensors file), naming the bytes and the limit."""
+    from kiln.exporter.contract import static_cache
+    from kiln_testing import tiny_config, write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(max_context=1_000_000, ple={"enabled": False}))
+    (ckpt / "model.safetensors").write_bytes(b"not read")
+    monkeypatch.setattr(static_cache, "machine_memory", lambda: 2**31)  # 2 GiB: half of it is the limit
+    out = tmp_path / "out"
+    line = _refused("export", "--model", str(ckpt), "--out", str(out), "--max-context", "1000000", "--target", "onnx")
+    assert line == (
+        "error: export: --max-context 1000000: the static KV cache of --target onnx takes 2 layers x 2 (key, value)"
+        " x 8 rows (--max-batch) x 2 KV heads x 1000000 slots x 8 x 4 bytes (float32) = 2048000000 bytes (1.9 GiB),"
+        " more than half this machine's memory (1073741824 bytes, 1.0 GiB); pass a smaller --max-context or --max-batch"
+    )
+    assert not out.exists() and list(tmp_path.iterdir()) == [ckpt]
+    # the portable graphs have nothing static to size: the same export goes on to read the weights
+    line = _refused("export", "--model", str(ckpt), "--out", str(out), "--max-context", "1000000")
+    assert line.startswith("error: checkpoint: ") and "not a readable safetensors file" in line

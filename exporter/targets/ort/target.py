@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln.errors import ConfigError
-from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.precision.kinds.base import Needs
 from kiln.exporter.precision.kinds.int4 import Int4
 from kiln.exporter.precision.kinds.plan import Precision
@@ -28,6 +28,8 @@ class OrtTarget:
     name = "ort"
     label = "ONNX Runtime-target"
     description = "also write ONNX Runtime-target graphs (onnx/*.ort.onnx: GroupQueryAttention, RotaryEmbedding, SimplifiedLayerNormalization), parity-checked like the portable ones"
+    # grown where a layer's attention did not fuse (``graphs._cache_update``)
+    kv_caches: tuple[CacheUpdate, ...] = (CacheUpdate.SHARED, CacheUpdate.GROWN)
 
     def wanted(self, options: ExportOptions) -> bool:
         return options.target == self.name

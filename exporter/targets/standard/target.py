@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln.errors import ConfigError
-from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.precision.kinds.int8 import Int8
 from kiln.exporter.precision.kinds.plan import Precision
 
@@ -38,6 +38,7 @@ class StandardTarget:
         "also write graphs in ONNX's own ops for TensorRT 10.15+ (onnx/*.std.onnx: Attention, RotaryEmbedding, RMSNormalization, a static KV cache written in place "
         "by TensorScatter), parity-checked like the portable ones"
     )
+    kv_caches: tuple[CacheUpdate, ...] = (CacheUpdate.STATIC,)
 
     def wanted(self, options: ExportOptions) -> bool:
         return options.target == self.name
