@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError
+from kiln.inputs import read_input
 
 __all__ = ["read_json_object"]
 
@@ -14,13 +15,13 @@ __all__ = ["read_json_object"]
 MAX_BYTES = 1 << 28  # no config or manifest kiln reads comes near this (a 32-layer export's manifest: ~0.3 MB)
 
 
-def read_json_object(path: Path, error: type[KilnError], missing: str) -> dict[str, Any]:
+def read_json_object(path: Path, error: type[KilnError], missing: str, *, links: bool = True) -> dict[str, Any]:
     """The object in ``path``; a missing file raises ``error(missing)``, anything else that is
-    not a JSON object raises ``error`` naming the file and what was found."""
+    not a JSON object raises ``error`` naming the file and what was found. Read through
+    ``inputs.read_input``: a FIFO, a device or a file over ``MAX_BYTES`` is refused unopened, and
+    with ``links`` False (a file kiln wrote itself: an export's manifest.json) so is a link."""
     try:
-        if path.stat().st_size > MAX_BYTES:
-            raise error(f"{path}: {path.stat().st_size} bytes, more than any config or manifest ({MAX_BYTES}); not read")
-        data = json.loads(path.read_text())
+        data = json.loads(read_input(path, error, MAX_BYTES, what="a config or manifest", links=links).decode("utf-8"))
     except FileNotFoundError:
         raise error(missing) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -10,6 +10,10 @@ import struct
 import tempfile
 from pathlib import Path
 
+from kiln.errors import CalibrationError
+from kiln.inputs import read_input
+from kiln.jsonfile import MAX_BYTES
+
 __all__ = ["cache_key", "read_cache", "write_cache", "trt_calibration_cache", "TRT_CACHE_VERSION"]
 
 # NV_TENSORRT_VERSION of the cache header: major*10000 + minor*100 + patch for 10.x (10.13.0)
@@ -24,9 +28,10 @@ def cache_key(weights_sha256: str, data_sha256: str, settings: dict[str, object]
 
 def read_cache(directory: Path, key: str) -> Ranges | None:
     path = directory / f"{key}.json"
-    try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+    try:  # a FIFO, a device or an outsize file there is a miss, as a damaged one is (and the next write replaces it)
+        text = read_input(path, CalibrationError, MAX_BYTES, what="a calibration cache file")
+        data = json.loads(text.decode("utf-8"))
+    except (FileNotFoundError, CalibrationError, json.JSONDecodeError, UnicodeDecodeError):
         return None
     if not isinstance(data, dict) or data.get("key") != key:
         return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import warnings
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kiln.errors import CalibrationError
+from kiln.inputs import TOKENIZER_MAX_BYTES, check_input, open_input, read_input
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -28,6 +30,7 @@ __all__ = ["CHUNK", "SYNTHETIC", "CalibrationData", "load_calibration_data"]
 
 SYNTHETIC = "synthetic"
 CHUNK = 1 << 16  # characters of text tokenized at a time
+DATA_MAX_BYTES = 1 << 36  # 64 GiB: only the first samples * window tokens are read, but a .npz array is read whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +45,8 @@ def _tokenizer(tokenizer: Path | None, path: Path, vocab_size: int) -> Tokenizer
         raise CalibrationError(f"{path}: text calibration data needs the checkpoint's tokenizer.json, and the checkpoint has none; pass token ids as .npy/.npz")
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(tokenizer))
+    text = read_input(tokenizer, CalibrationError, TOKENIZER_MAX_BYTES, what="a tokenizer.json")
+    tok = Tokenizer.from_str(text.decode("utf-8"))
     if tok.get_vocab_size() > vocab_size:
         raise CalibrationError(
             f"{tokenizer}: the tokenizer has {tok.get_vocab_size()} tokens but the model's vocabulary has {vocab_size}: "
@@ -64,7 +68,8 @@ def _cut(text: str) -> int:
 def _pieces(path: Path) -> Iterator[str]:
     """The file's text in pieces of at most ``CHUNK`` characters, read as they are asked for: a
     text file as it is, a ``.jsonl`` file's ``text`` fields joined by newlines (blank lines skipped)."""
-    with path.open(encoding="utf-8") as file:
+    raw = open_input(path, CalibrationError, DATA_MAX_BYTES, what="calibration data")  # never a FIFO or a device
+    with io.TextIOWrapper(raw, encoding="utf-8") as file:
         if path.suffix.lower() != ".jsonl":
             while piece := file.read(CHUNK):
                 yield piece
@@ -110,6 +115,7 @@ def _read_ids(path: Path, tokenizer: Path | None, vocab_size: int, limit: int) -
     suffix = path.suffix.lower()
     if suffix not in (".npy", ".npz"):
         return _text_ids(path, tokenizer, vocab_size, limit)[:limit]
+    check_input(path, CalibrationError, DATA_MAX_BYTES, what="calibration data")  # numpy opens it by name
     try:
         loaded = np.load(path, allow_pickle=False, mmap_mode="r" if suffix == ".npy" else None)  # .npy: only what is read is paged in
     except (ValueError, OSError) as exc:
@@ -136,7 +142,7 @@ def load_calibration_data(
         ids = rng.integers(0, vocab_size, size=samples * window).tolist()
     else:
         path = Path(source)
-        if not path.is_file():
+        if not path.exists():  # a FIFO or a device is there, and refused by what it is (inputs.check_input)
             raise CalibrationError(f"{path}: calibration data file not found")
         ids = _read_ids(path, tokenizer, vocab_size, max(samples * window, 2))  # what the windows take (a datum is 2 tokens at least)
     if not ids:

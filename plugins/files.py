@@ -11,12 +11,15 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import stat
 from pathlib import Path
 
 from typing import Any
 
 from kiln.errors import CheckpointError
+from kiln.inputs import TOKENIZER_MAX_BYTES, describe, read_input
 from kiln.jsonfile import read_json_object
 from kiln.plugins.hub_cache import cache_repo_root
 
@@ -45,23 +48,37 @@ def refuse_outside_links(path: Path) -> None:
             continue
         target = entry.resolve()
         if target != root and not target.is_relative_to(root):
-            link, source = shlex.quote(str(entry)), shlex.quote(str(target))
             raise CheckpointError(
                 f"{entry} links to {target}, outside {inside}: kiln reads nothing from outside the checkpoint;"
-                f" copy the file in (rm {link} && cp {source} {link})"
+                f" {_instead(entry, target)}"
             )
+
+
+def _instead(entry: Path, target: Path) -> str:
+    """What to do about a link out of the checkpoint: copy the file in when it is a regular file;
+    anything else (``tokenizer.json -> /dev/zero``) is no file to copy, and a command that copies a
+    device would fill the disk."""
+    link = shlex.quote(str(entry))
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:
+        return f"it leads to nothing kiln can read: put the model's own {entry.name} there instead (rm {link})"
+    if stat.S_ISREG(mode):
+        return f"copy the file in (rm {link} && cp {shlex.quote(str(target))} {link})"
+    return f"it leads to {describe(mode)}, not a file: put the model's own {entry.name} there instead (rm {link})"
 
 
 def checkpoint_tokenizer(directory: Path) -> Path | None:
     """The directory's ``tokenizer.json`` when it has one, loaded once with ``tokenizers`` to
     prove it is a tokenizer; ``CheckpointError`` naming the file when it is not."""
     path = directory / TOKENIZER
-    if not path.is_file():
+    if not path.exists():
         return None
     from tokenizers import Tokenizer
 
+    text = read_input(path, CheckpointError, TOKENIZER_MAX_BYTES, what="a tokenizer.json")  # a FIFO, a device: refused
     try:
-        Tokenizer.from_file(str(path))
+        Tokenizer.from_str(text.decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception for every way a file is not a tokenizer
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise CheckpointError(

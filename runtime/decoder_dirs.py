@@ -8,6 +8,7 @@ its inputs are named (GenAI's config says), and whether past and present share o
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,12 @@ from kiln.errors import BenchError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.contract.io import CacheUpdate, GraphKind, kv_pairs
 from kiln.exporter.external_data import plain_name
+from kiln.inputs import check_input
 from kiln.jsonfile import read_json_object
 
 __all__ = ["DecoderDir", "open_decoder_dir", "open_decoder_dirs", "shares_kv_buffer"]
+
+GRAPH_MAX_BYTES = 1 << 31  # protobuf's limit: an ONNX graph file is at most 2 GiB (larger weights are external data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,21 +69,23 @@ def open_decoder_dirs(path: Path) -> list[DecoderDir]:
 
 def open_decoder_dir(path: Path) -> DecoderDir:
     """Recognise a directory by what it holds: manifest.json (kiln; verified first),
-    genai_config.json (GenAI builder), or model.onnx with Hugging Face-style names."""
+    genai_config.json (GenAI builder), or model.onnx with Hugging Face-style names. Each is known
+    by its name (``exists``, not ``is_file``): one that is a FIFO or a device is refused by what it
+    is, not passed over for the next kind, nor opened by ONNX Runtime (an open that never returns)."""
     if not path.is_dir():
         raise BenchError(f"{path}: not a directory")
-    if (path / "manifest.json").is_file():
+    if os.path.lexists(path / "manifest.json"):  # a link too: the manifest's reader refuses one by name
         from kiln.exporter.artifacts.verify import require_verified
 
         manifest = require_verified(path)
         prefill, decode = (path / manifest.graph(kind).file for kind in (GraphKind.PREFILL, GraphKind.DECODE))
         return DecoderDir(path, "kiln", prefill, decode, {}, False, manifest=manifest)
-    if (path / "genai_config.json").is_file():
+    if (path / "genai_config.json").exists():
         return _genai_dir(path)
     graphs = sorted(path.glob("*.onnx"))
-    graph = path / "model.onnx" if (path / "model.onnx").is_file() else (graphs[0] if len(graphs) == 1 else None)
+    graph = path / "model.onnx" if (path / "model.onnx").exists() else (graphs[0] if len(graphs) == 1 else None)
     if graph is not None:  # Optimum: model.onnx; its ORTQuantizer: model_quantized.onnx
-        return DecoderDir(path, "onnx", graph, graph, {}, False)
+        return DecoderDir(path, "onnx", _graph_file(graph), graph, {}, False)
     if len(graphs) > 1:
         raise BenchError(f"{path}: several .onnx files and no model.onnx ({', '.join(g.name for g in graphs)}); which one is the decoder?")
     raise BenchError(
@@ -103,8 +109,9 @@ def _genai_dir(path: Path) -> DecoderDir:
     if not plain_name(filename):
         raise BenchError(f"{where}: model.decoder.filename {filename!r} is not a file name in {path}")
     graph = path / filename
-    if not graph.is_file():
+    if not graph.exists():
         raise BenchError(f"{where} names {filename}, which does not exist")
+    _graph_file(graph)
     names = _strings(decoder.get("inputs", {}), where, "model.decoder.inputs")
     roles: dict[str, str] = {names[r]: r for r in ("input_ids", "attention_mask", "position_ids") if r in names}
     search = _field(config, "search", dict, where) if "search" in config else {}
@@ -112,6 +119,13 @@ def _genai_dir(path: Path) -> DecoderDir:
     pairs = _shared_pairs(decoder, names, where) if shared else {}
     named = (("kv_cache_dim", _count(decoder, "head_size", where, 65536)),) if "head_size" in decoder else ()
     return DecoderDir(path, "genai", graph, graph, roles, shared, present_to_past=pairs, named_dims=named)
+
+
+def _graph_file(graph: Path) -> Path:
+    """``graph``, once ``inputs.check_input`` has found it a regular file ONNX Runtime may open by
+    name (another tool's directory is not verified as a kiln export is)."""
+    check_input(graph, BenchError, GRAPH_MAX_BYTES, what="an ONNX graph file")
+    return graph
 
 
 def _field(data: dict[str, Any], key: str, kind: type, where: str, prefix: str = "") -> Any:

@@ -33,6 +33,7 @@ from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.verify import require_verified
 from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind
 from kiln.exporter.contract.steps import Chooser, encoder_decoder_feeds, prompt_feeds, run_steps
+from kiln.inputs import TOKENIZER_MAX_BYTES, read_input
 from kiln.runtime.kv_strategies import ConcatKv, KvStrategy, SharedKv, StaticKv, kv_strategy
 from kiln.runtime.sampling import Sampler, SamplingOptions
 from kiln.runtime.text import TextStream
@@ -313,9 +314,10 @@ def find_tokenizer(directory: Path, manifest: Manifest) -> Any | None:
     from tokenizers import Tokenizer
 
     rel = manifest.tokenizer
-    if not rel or not (directory / rel).is_file():
+    if not rel or not (directory / rel).exists():
         return None
-    return Tokenizer.from_file(str(directory / rel))
+    text = read_input(directory / rel, GenerateError, TOKENIZER_MAX_BYTES, what="a tokenizer.json")  # no FIFO, no device
+    return Tokenizer.from_str(text.decode("utf-8"))
 
 
 def load_tokenizer(directory: Path, manifest: Manifest) -> Any:

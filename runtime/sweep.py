@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from kiln.exporter.progress import Progress
+from kiln.newfile import new_output
 from kiln.runtime.decoder_dirs import DecoderDir
 from kiln.runtime.timing import Timed, interleaved, vocab_of
 from kiln.runtime.feeds import Sizes
@@ -101,7 +102,8 @@ def plot_sweep(result: dict[str, Any], path: Path) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    with new_output(path) as staged:  # whole or as it was; a link at path is replaced, never written through
+        fig.savefig(staged, dpi=110, format=path.suffix[1:].lower() or "png")  # by path's suffix, as savefig(path)
     plt.close(fig)
     return path
 

@@ -38,6 +38,7 @@ from typing import Any
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.contract.io import GraphKind, past_names, present_names
+from kiln.inputs import TOKENIZER_MAX_BYTES, read_input
 
 __all__ = [
     "GENAI_CONFIG",
@@ -233,8 +234,9 @@ def write_genai_config(onnx_dir: Path, manifest: Manifest) -> list[Path]:
         tok_path = onnx_dir / Path(manifest.tokenizer).name
         if not tok_path.is_file():
             raise ArtifactError(f"genai: the manifest names the tokenizer {manifest.tokenizer} but {tok_path} does not exist; re-export the directory")
+        text = read_input(tok_path, ArtifactError, TOKENIZER_MAX_BYTES, what="a tokenizer.json")  # no FIFO, no device
         try:
-            tokenizer = json.loads(tok_path.read_text(encoding="utf-8"))
+            tokenizer = json.loads(text.decode("utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ArtifactError(f"genai: {tok_path} is not valid JSON ({exc}); replace it with the checkpoint's tokenizer.json") from None
         tok_config = tokenizer_config(tokenizer, manifest)

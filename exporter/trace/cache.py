@@ -37,6 +37,9 @@ import torch
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]  # onnx.load's error for bytes that are no model
 from torch import nn
 
+from kiln.errors import ExportError
+from kiln.inputs import check_input
+
 __all__ = ["UNBOUND", "TraceCache", "as_cached", "from_cached", "trace_cache"]
 
 UNBOUND = "kiln-trace-cache-unbound"  # the location of a cached initializer's placeholder (never a file; passes.bind knows it)
@@ -71,9 +74,10 @@ class TraceCache:
     def get(self, key: str) -> ir.Model | None:
         path = self.directory / f"{key}.onnx"
         try:
+            check_input(path, ExportError, None)  # onnx.load opens it by name: a FIFO there would never answer
             return from_cached(onnx.load(path, load_external_data=False))
-        except (OSError, DecodeError, ValueError, ir.serde.SerdeError):
-            return None  # absent or unreadable: traced again, and written again
+        except (OSError, DecodeError, ValueError, ir.serde.SerdeError, ExportError):
+            return None  # absent, unreadable or no file: traced again, and written again
 
     def put(self, key: str, proto: onnx.ModelProto) -> None:
         """``proto`` (``as_cached``'s) under ``key``. A cache that cannot be written is skipped

@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from kiln.errors import ConfigError
+from kiln.inputs import check_input, open_input
 from kiln.jsonfile import read_json_object
 
 __all__ = ["CONFIG", "WEIGHTS", "LoraAdapter", "base_names", "check_base", "check_base_name", "merge", "peft_reference", "read_adapter"]
@@ -92,7 +93,7 @@ class LoraAdapter:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as file:
+    with open_input(path, ConfigError, None) as file:  # streamed: any size; never a FIFO or a device
         for block in iter(lambda: file.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -108,6 +109,7 @@ def read_adapter(path: Path, weight: float) -> LoraAdapter:
         raise ConfigError(f"{where}: no {WEIGHTS}{pickled}")
     config = read_json_object(path / CONFIG, ConfigError, f"{where}: no {CONFIG}")
     rank, alpha = _refuse_config(config, where)
+    check_input(path / WEIGHTS, ConfigError, None)  # safetensors opens it by name
     try:
         tensors = load_file(str(path / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as exc:

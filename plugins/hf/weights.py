@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kiln.errors import CheckpointError
+from kiln.inputs import check_input
 from kiln.jsonfile import read_json_object
 
 __all__ = ["INDEX", "SINGLE", "Header", "check_sizes", "read_headers", "refuse_loading_info"]
@@ -54,6 +55,7 @@ def read_headers(directory: Path) -> Header:
     """Every tensor's shape, from the headers of the safetensors files transformers would read."""
     header: Header = {}
     for path in _shards(directory):
+        check_input(path, CheckpointError, None)  # safetensors opens it by name, and would wait on a FIFO
         try:
             with safe_open(str(path), framework="pt") as file:
                 for key in file.keys():

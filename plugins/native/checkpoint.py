@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from kiln.errors import CheckpointError
+from kiln.inputs import check_input
 from kiln.plugins.base import non_finite
 
 __all__ = ["WEIGHT_FILES", "Header", "find_weights", "read_state_dict", "state_header", "check_header", "apply_state_dict", "state_dtype"]
@@ -81,7 +82,9 @@ class _SafetensorsState(Mapping[str, Tensor]):
 
 
 def read_state_dict(weights: Path) -> Mapping[str, Tensor]:
-    """Tensors by name, without executing any code from the file."""
+    """Tensors by name, without executing any code from the file (a regular file: safetensors and
+    torch open it by name, and would wait on a FIFO)."""
+    check_input(weights, CheckpointError, None)
     if weights.suffix == ".safetensors":
         return _SafetensorsState(weights)
     if weights.suffix in (".pt", ".pth", ".bin"):

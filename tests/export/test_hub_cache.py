@@ -129,6 +129,6 @@ def test_the_commands_kiln_names_exist_and_agree_with_the_readme() -> None:
     root = Path(__file__).resolve().parents[2]
     readme = (root / "README.md").read_text()
     assert "huggingface-cli" not in readme and "`hf download ORG/NAME`" in readme
-    assert HF_EXTRA == """pip install -e ".[hf]" in kiln's checkout"""
+    assert HF_EXTRA == """pip install -e ".[hf]" in kiln's checkout, or pip install "kiln-*.whl[hf]" beside a wheel"""
     assert '`pip install -e ".[hf]"`' in readme
     assert "hf" in tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]

@@ -199,7 +199,8 @@ def test_unreadable_and_missing_files(tmp_path: Path) -> None:
     missing = tmp_path / "nope.txt"
     with pytest.raises(CalibrationError, match=exact(f"calibration: {missing}: calibration data file not found")):
         load(missing)
-    with pytest.raises(CalibrationError, match=exact(f"calibration: {tmp_path}: calibration data file not found")):
+    directory = f"calibration: {tmp_path}: a directory, not a regular file; kiln reads only regular files"
+    with pytest.raises(CalibrationError, match=exact(directory)):
         load(tmp_path)
 
 
