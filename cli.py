@@ -2,10 +2,15 @@
 
 A ``KilnError`` becomes one line on stderr and exit code 1; anything else is a bug and keeps
 its traceback. SIGINT and SIGTERM are handled alike (``kiln.interrupts``): whatever was being
-written is removed and one line says so.
+written is removed and one line says so (or, after a commit, what was written), with exit code
+128 + the signal's number, whatever exception the signal surfaced as.
 """
 
 from __future__ import annotations
+
+from kiln.interrupts import hold_if_program
+
+hold_if_program(__name__)  # before the imports below: a signal there is raised when the command starts, not inside one
 
 import functools
 import json
@@ -22,9 +27,9 @@ import click
 from kiln import __version__
 from kiln import cli_options
 from kiln.cli_options import options
+from kiln import interrupts
 from kiln.errors import KilnError
-from kiln.interrupts import Interrupted
-from kiln.interrupts import install as install_interrupts
+from kiln.inputs import size_text
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,18 +43,32 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 def _reports_errors(func: F) -> F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        install_interrupts()
         try:
+            interrupts.install()  # raises a signal held since the imports
             return func(*args, **kwargs)
-        except KilnError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(1)
-        except KeyboardInterrupt as exc:
-            signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-            click.echo(f"interrupted ({signal.Signals(signum).name}): nothing was written", err=True)
-            sys.exit(128 + signum)
+        except (KeyboardInterrupt, Exception) as exc:
+            interrupts.finish()  # a second signal must not interrupt the line below
+            _exit_for(exc)
+        finally:
+            interrupts.finish()
 
     return typing.cast(F, wrapper)
+
+
+def _exit_for(exc: BaseException) -> typing.NoReturn:
+    """One line on stderr and the exit status for what ended a command: a signal's (128 + its number) whatever it
+    surfaced as (an ImportError from a module it cut short, the error of a worker process it ended), a KilnError's
+    (1); anything else is a bug and keeps its traceback."""
+    signum = exc.signum if isinstance(exc, interrupts.Interrupted) else interrupts.received()
+    if signum is None and isinstance(exc, KeyboardInterrupt):
+        signum = signal.SIGINT
+    if signum is not None:
+        click.echo(interrupts.message(signum), err=True)
+        sys.exit(128 + signum)
+    if isinstance(exc, KilnError):
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    raise exc
 
 
 def _progress(as_json: bool) -> Any:
@@ -95,16 +114,8 @@ def _weights_summary(manifest: Any) -> str:
     export's size, which the line says rather than leaves to be found (``--target ort``: +57% at 0.5B)."""
     files = {manifest.weights.file: manifest.weights.bytes} | {t.weights.file: t.weights.bytes for t in (manifest.targets or {}).values()}
     if len(files) == 1:
-        return f"one weights file ({_size(manifest.weights.bytes)})"
-    return f"{len(files)} weights files (" + " + ".join(f"{file} {_size(size)}" for file, size in files.items()) + ")"
-
-
-def _size(count: int) -> str:
-    """Bytes as a person reads them: ``812 KB``, ``12.3 MB``, ``1.9 GB`` (powers of 1000, as ls -h --si)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.3g} {unit}"
-    return f"{count} B"
+        return f"one weights file ({size_text(manifest.weights.bytes)})"
+    return f"{len(files)} weights files (" + " + ".join(f"{file} {size_text(size)}" for file, size in files.items()) + ")"
 
 
 def _target_summary(name: str, entry: Any) -> str:
@@ -213,6 +224,10 @@ def verify(directory: Path, as_json: bool) -> None:
     from kiln.exporter.artifacts.verify import verify_dir
 
     result = verify_dir(directory)
+    if result.leftovers:  # kiln's own, not the export's: said once, on stderr
+        left = ", ".join(result.leftovers)
+        click.echo(f"{directory}: not checked: {left}, left by an interrupted kiln triton (the next one removes them)",
+                   err=True)
     if as_json:
         click.echo(json.dumps({"ok": result.ok, "checked": result.checked, "problems": result.problems()}, indent=2))
     elif result.ok:
@@ -249,7 +264,7 @@ def triton(directory: Path, name: str, as_json: bool) -> None:
     click.echo(f"({name}/1/model.onnx/ is a folder: Triton's ONNX Runtime backend loads a graph with external weights from a directory holding both)")
     copied = sum(path.stat().st_size for path in written if path.suffix == ".bin")
     if copied:
-        click.echo(f"(its weights are a copy of the export's: {_size(copied)} more on disk, unless the filesystem shares their blocks: btrfs, XFS)")
+        click.echo(f"(its weights are a copy of the export's: {size_text(copied)} more on disk, unless the filesystem shares their blocks: btrfs, XFS)")
 
 
 @main.command()
@@ -289,7 +304,7 @@ def bench(directories: tuple[Path, ...], compare: tuple[Path, ...], no_torch: bo
     """Prefill and decode-step latency at batch 1 on ONNX Runtime CPU, interleaved: kiln export
     directories and --compare peers side by side (ratios vs the first), PyTorch eager, the
     roofline fraction of each decode step, and optionally a past-length sweep with a plot."""
-    from kiln.runtime.bench import BenchOptions, render, require_new_results, run_bench
+    from kiln.runtime.bench import BenchOptions, render, require_new_results, run_bench, write_result, writing
 
     options = BenchOptions(torch=not no_torch, roofline=not no_roofline, **flags)  # the rest named as BenchOptions' fields
     plot = plot if plot is not None else out.with_suffix(".png") if out is not None else None
@@ -298,10 +313,11 @@ def bench(directories: tuple[Path, ...], compare: tuple[Path, ...], no_torch: bo
     if "sweep" in result and plot is not None:
         from kiln.runtime.sweep import plot_sweep
 
-        result["sweep"]["plot"] = str(plot_sweep(result["sweep"], plot))
+        with writing(plot):
+            result["sweep"]["plot"] = str(plot_sweep(result["sweep"], plot))
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        with writing(out):
+            write_result(result, out)
     click.echo(json.dumps(result, indent=2) if as_json else render(result))
 
 

@@ -15,10 +15,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kiln.errors import ConfigError, ParityError
+from kiln.errors import ArtifactError, ConfigError, ParityError
 from kiln.exporter.lora.adapter_file import SUFFIX, swapped_adapter, write_adapter_file
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kiln.exporter.parity import ParityResult
     from kiln.exporter.progress import Progress
 
@@ -50,8 +52,18 @@ def convert_adapter(directory: Path, adapter_dir: Path, out: Path | None, *, for
     parity = check_dir(directory, progress=progress, adapter=adapter_dir) if check else None
     if parity is not None and not parity.passed:
         raise ParityError(f"{adapter_dir}: the export's graphs fed this adapter differ from PEFT's model: " + "; ".join(parity.failures()[:5]))
-    write_adapter_file(tensors, path)
+    _write(tensors, path)
     return AdapterResult(path, tuple(sorted(adapter.tensors)), adapter.rank, parity)
+
+
+def _write(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """``write_adapter_file``, whose ``OSError`` (a full disk) is one line: the file is as it was."""
+    from kiln.exporter.artifacts.staging import cannot_write
+
+    try:
+        write_adapter_file(tensors, path)
+    except OSError as exc:  # its file name is new_output's temporary: the message names the file asked for
+        raise ArtifactError(cannot_write(path, OSError(exc.errno, exc.strerror)) + "; nothing was written") from None
 
 
 def _checkpoint(*named: str | None) -> tuple[Path, ...]:

@@ -11,13 +11,15 @@ every tool's naming. The past-length sweep and plot live in bench_sweep. Timings
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import BenchError
+from kiln.errors import BenchError, ConfigError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.runners import ort_session
 from kiln.exporter.artifacts import manifest as manifest_mod
@@ -108,9 +110,12 @@ def run_bench(directories: list[Path], options: BenchOptions, progress: Progress
         for kind, call in (worker.calls() if worker is not None else {}).items():
             calls[kind][TORCH] = call
         result = _measure(decoders, labels, calls, sessions, sizes, options, progress)
-    finally:
+    except BaseException:
         if worker is not None:
-            worker.close()
+            worker.stop()  # an error or a signal: ended at once, not waited for
+        raise
+    if worker is not None:
+        worker.close()
     if worker is not None:
         result["pytorch"] = {"threads": worker.info["threads"], "omp_wait_policy": worker.info["omp_wait_policy"], "process": "worker"}
     return result
@@ -261,8 +266,37 @@ def _bandwidth_line(result: dict[str, Any]) -> str:
 def require_new_results(paths: Sequence[Path], directories: Sequence[Path], force: bool) -> None:
     """The files ``kiln bench`` will write (``--out``, the sweep plot): never inside a directory
     it times (an export's ``reports/parity.json`` was overwritten, and its plot beside it), and
-    an existing file only with ``--force``; refused in one line before anything is timed."""
+    an existing file only with ``--force``, and never a link (``--force`` wrote through one into the
+    file it led to; ``kiln adapter --out`` refuses one the same way); refused in one line before
+    anything is timed."""
     from kiln.exporter.artifacts.staging import require_new_file
 
     for path in paths:
         require_new_file(path, force, directories, "write the result outside it")
+        if path.is_symlink():
+            link = f"a link (to {os.readlink(path)})"
+            raise ConfigError(f"{path}: --force replaces only a file, and this is {link}; nothing was replaced")
+
+
+def write_result(result: dict[str, Any], path: Path) -> Path:
+    """``--out``: the result as JSON, whole or as it was (``newfile.new_output``: a link put at
+    ``path`` after ``require_new_results`` is replaced, never written through)."""
+    from kiln.newfile import new_output
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with new_output(path) as staged:
+        staged.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Around the writing of ``path`` (``--out``, the sweep plot: through ``newfile.new_output``,
+    whole or absent): an ``OSError`` there (a full disk) is one ``BenchError`` naming the file."""
+    from kiln.exporter.artifacts.staging import cannot_write
+
+    try:
+        yield
+    except OSError as exc:  # its file name is new_output's temporary: the message names the file asked for
+        unwritten = cannot_write(path, OSError(exc.errno, exc.strerror))
+        raise BenchError(f"{unwritten}; {path.name} was not written") from None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from typing import IO, Any
 import numpy as np
 
 from kiln.errors import BenchError, KilnError
+from kiln.inputs import open_input
 
 __all__ = ["SelfTimed", "TorchWorker", "worker_env"]
 
@@ -55,6 +57,17 @@ class _Call(SelfTimed):
         return self._worker.call(self._kind)
 
 
+def _spawn(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """The worker process, born with SIGINT blocked (a mask survives the exec): a terminal's Ctrl-C
+    reaches the whole process group, and the bench answers it, ending the worker; in the worker's
+    own imports it printed a KeyboardInterrupt's traceback."""
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+
+
 class TorchWorker:
     """The PyTorch model of ``checkpoint`` in a worker process, with ``feeds`` (by graph kind)
     bound once; ``calls()`` are the bench's calls, ``info`` what the worker reports of itself
@@ -65,12 +78,14 @@ class TorchWorker:
         path = Path(self._dir.name) / "feeds.npz"
         arrays: dict[str, Any] = {f"{kind}/{name}": array for kind, kind_feeds in feeds.items() for name, array in kind_feeds.items()}
         np.savez(path, **arrays)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kiln.runtime.torch_row", checkpoint, str(path), str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=worker_env(threads),
-        )
+        command = [sys.executable, "-m", "kiln.runtime.torch_row", checkpoint, str(path), str(threads)]
+        self._proc = _spawn(command, worker_env(threads))
         self._kinds = tuple(feeds)
-        self.info: dict[str, Any] = self._answer()
+        try:
+            self.info: dict[str, Any] = self._answer()
+        except BaseException:  # a signal while it loads: it must not outlive its feeds (FileNotFoundError there)
+            self.stop()
+            raise
 
     def calls(self) -> dict[str, SelfTimed]:
         return {kind: _Call(self, kind) for kind in self._kinds}
@@ -105,6 +120,14 @@ class TorchWorker:
                 self._proc.wait()
         self._dir.cleanup()
 
+    def stop(self) -> None:
+        """End the worker now (an error or a signal in the bench: no waiting for it to finish
+        loading), then remove its feeds: it never reads a file that is gone."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._dir.cleanup()
+
 
 def _serve(checkpoint: str, feeds_path: str, threads: int, commands: IO[str], answers: IO[str]) -> None:
     """The worker: load the model, report itself, then run one call per command line."""
@@ -125,7 +148,7 @@ def _serve(checkpoint: str, feeds_path: str, threads: int, commands: IO[str], an
         return
     torch.set_num_threads(threads)
     runner = TorchRunner(loaded.module, loaded.spec.n_layers)
-    with np.load(feeds_path) as data:
+    with open_input(Path(feeds_path), BenchError, None) as file, np.load(file) as data:  # never a FIFO or a device
         feeds: dict[str, dict[str, np.ndarray]] = {}
         for key in data.files:
             kind, name = key.split("/", 1)
@@ -138,7 +161,18 @@ def _serve(checkpoint: str, feeds_path: str, threads: int, commands: IO[str], an
         say(seconds=time.perf_counter() - start)
 
 
-if __name__ == "__main__":
-    _answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")  # the protocol's own copy of stdout
+def _main() -> None:
+    """The worker process: quiet on signals (the bench reports them, in one line) and when the
+    bench is gone (its pipe closed)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches it too: the bench ends it
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))  # no traceback, even in torch's import
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")  # the protocol's own copy of stdout
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # anything else printed goes to stderr
-    _serve(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.stdin, _answers)
+    try:
+        _serve(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.stdin, answers)
+    except BrokenPipeError:  # the bench ended (killed): nobody to answer
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    _main()

@@ -16,19 +16,21 @@ as recorded), so every problem here is a claim the graphs contradict, not a miss
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kiln.errors import ConfigError
 from kiln.exporter.artifacts.facts import SetFacts, facts_of
-from kiln.exporter.artifacts.manifest import Manifest
+from kiln.exporter.artifacts.manifest import Manifest, TargetWeights, WeightsInfo
 from kiln.exporter.artifacts.structure import named_paths
 from kiln.exporter.contract.io import CacheUpdate
-from kiln.exporter.options import PLEExtendMode
+from kiln.exporter.options import PLEExtendMode, Precision
 from kiln.exporter.targets import PORTABLE, names, target
 
 __all__ = ["claim_problems"]
 
+_KV_LAYOUT = ("BNSH", ("batch", "n_kv_heads", "seq", "head_dim"))  # every graph's cache tensors (contract.io)
 _TOKENIZER_BYTES = 1 << 28  # no tokenizer.json comes near (the largest of the Hub's, Gemma 3's, is 33 MB)
 _WHY = {
     "precision": "their QuantizeLinear, DequantizeLinear and MatMulNBits, and their float type",
@@ -56,7 +58,34 @@ def claim_problems(directory: Path, manifest: Manifest) -> list[str]:
         for field, problem in _set_problems(manifest, name, each):
             found.setdefault(field, problem)
     context = _context_problem(manifest.limits.max_context, facts)
-    return [*found.values(), *context, *_choice_problems(manifest), *_tokenizer_problems(directory, manifest)]
+    recorded = [*_opset_problems(manifest, facts[PORTABLE]), *_weights_problems(directory, manifest)]
+    return [*found.values(), *context, *recorded, *_choice_problems(manifest), *_tokenizer_problems(directory, manifest)]
+
+
+def _opset_problems(manifest: Manifest, portable: SetFacts) -> list[str]:
+    """``export.opset``: the portable graphs' opset is the one asked for, or the precision's minimum
+    (int4's DequantizeLinear blocks need 21)."""
+    try:
+        expected = Precision.parse(manifest.precision).graph_opset(manifest.export.opset)
+    except (ConfigError, ValueError, TypeError):  # a precision or opset out of range: the checks above name it
+        return []
+    found = {g.opset for g in portable.graphs.values()}
+    if found != {expected}:
+        return [f"export.opset is {manifest.export.opset!r}, but the portable graphs are of opset {', '.join(map(str, sorted(found)))}"]
+    return []
+
+
+def _weights_problems(directory: Path, manifest: Manifest) -> list[str]:
+    """``weights.bytes`` (and each target's) is its file's size, as the export wrote it."""
+    entries: list[tuple[str, WeightsInfo | TargetWeights]] = [("weights", manifest.weights)]
+    entries += [(f"targets.{n}.weights", t.weights) for n, t in (manifest.targets or {}).items()]
+    problems = []
+    for field, entry in entries:
+        path = directory / entry.file
+        size = path.stat().st_size if path.is_file() and not path.is_symlink() else None
+        if size is not None and entry.bytes != size:
+            problems.append(f"{field}.bytes is {entry.bytes!r}, but {entry.file} holds {size} bytes")
+    return problems
 
 
 def _label(name: str) -> str:
@@ -131,6 +160,15 @@ def _choice_problems(manifest: Manifest) -> list[str]:
     if ple is not None and ple.extend_mode is not None and ple.extend_mode not in modes:
         choices = f"{', '.join(modes)} (or null: the trained table)"
         problems.append(f"export.ple.extend_mode is {ple.extend_mode!r}, not one of {choices}")
+    if (manifest.kv_cache.layout, tuple(manifest.kv_cache.dims)) != _KV_LAYOUT:  # what a host allocates by
+        problems.append(f"kv_cache.layout and .dims are {manifest.kv_cache.layout!r} {list(manifest.kv_cache.dims)!r}, not the graphs' {_KV_LAYOUT[0]} {list(_KV_LAYOUT[1])}")
+    if not manifest.checkpoint.files:  # kiln check matches the checkpoint it loads against these hashes
+        problems.append("checkpoint.files is empty; an export records the hash of every checkpoint file it read")
+    for name, digest in manifest.checkpoint.files.items():
+        if not (isinstance(digest, str) and re.fullmatch("[0-9a-f]{64}", digest)):
+            problems.append(f"checkpoint.files[{name!r}] is {digest!r}, not a sha256 digest")
+    if manifest.checkpoint.dtype not in ("float32", "bfloat16", "float16"):
+        problems.append(f"checkpoint.dtype is {manifest.checkpoint.dtype!r}, not one of float32, bfloat16, float16")
     if manifest.parity.agreement not in (None, "gate", "record"):
         problems.append(f"parity.agreement is {manifest.parity.agreement!r}, not one of gate, record (or absent)")
     return problems

@@ -58,6 +58,7 @@ class GraphFacts:
     fused_attention: int  # GroupQueryAttention nodes
     positions: int | None  # the fewest rows of a table it indexes by position
     logits: str | None  # "last" (one position) or "all"; None: no logits output
+    opset: int  # of the default (ai.onnx) domain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,7 @@ def graph_facts(path: Path, name: str | None = None) -> GraphFacts:
         fused_attention=sum(1 for n in graph.node if n.op_type == "GroupQueryAttention"),
         positions=min(_position_rows(graph.node, constants, values), default=None),
         logits=None if logits is None else "last" if _dims(logits)[1:2] == [1] else "all",
+        opset=next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0),
     )
 
 

@@ -10,6 +10,8 @@ killed process (SIGKILL, a power cut) leaves there, its ``.<name>.tmp-*`` stagin
 takes the lock (which proves the other one is gone), and one line says so; a copy set aside while
 no new directory took its place is put back. Only the directories the lock file names are touched:
 a user's ``.<name>.old-backup`` beside them is not kiln's (an adversarial pass had one deleted).
+Where the target lies inside an export (``kiln triton``'s ``triton/``), verification passes over the
+lock file and what it names (``artifacts.lockfile``): kiln's own, until the next kiln triton.
 
 The final renames run with SIGINT and SIGTERM deferred (``interrupts.deferred``): a Ctrl-C there
 lands after them, so the target is never found missing, half replaced, or replaced while the
@@ -40,7 +42,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kiln.errors import ArtifactError, ConfigError
-from kiln.interrupts import deferred, raise_if_interrupted
+from kiln.exporter.artifacts.lockfile import lock_path, lock_record, ours
+from kiln.interrupts import deferred, raise_if_interrupted, wrote
 
 __all__ = ["Owner", "Note", "brief", "cannot_write", "earlier_export", "listing", "require_new_file", "require_replaceable", "staged_output"]
 
@@ -73,9 +76,7 @@ MakeDir = Callable[[str], Path]  # a new directory beside the target, named by p
 
 def _lock_record(fd: int) -> tuple[int | None, list[str]]:
     """The PID a lock file names (whoever took the lock last) and the directories it made."""
-    lines = os.pread(fd, os.fstat(fd).st_size, 0).split(b"\n")
-    pid = lines[0].strip()
-    return (int(pid) if pid.isdigit() else None), [os.fsdecode(line) for line in lines[1:] if line]
+    return lock_record(os.pread(fd, os.fstat(fd).st_size, 0))
 
 
 def _write_all(fd: int, data: bytes, offset: int) -> None:
@@ -88,9 +89,9 @@ def _write_all(fd: int, data: bytes, offset: int) -> None:
 
 @contextlib.contextmanager
 def _lock(out: Path, note: Note) -> Iterator[MakeDir]:
-    lock_path = out.parent / f".{out.name}.lock"
+    lock = lock_path(out)
     try:
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
     except OSError as exc:
         raise ArtifactError(cannot_write(out, exc)) from None
     try:
@@ -99,7 +100,7 @@ def _lock(out: Path, note: Note) -> Iterator[MakeDir]:
         holder = _lock_record(fd)[0]
         os.close(fd)
         pid = f"pid {holder}, " if holder else ""
-        raise ArtifactError(f"{out}: another kiln process is writing this directory ({pid}lock {lock_path}); wait for it or choose another --out") from None
+        raise ArtifactError(f"{out}: another kiln process is writing this directory ({pid}lock {lock}); wait for it or choose another --out") from None
     try:
         previous, made = _lock_record(fd)  # we hold the lock: whoever wrote this PID is gone
         _clean_leftovers(out, previous, made, note)  # interrupted, the file still names them
@@ -110,7 +111,7 @@ def _lock(out: Path, note: Note) -> Iterator[MakeDir]:
     finally:
         if not _still_there(out, _lock_record(fd)[1]):
             with contextlib.suppress(FileNotFoundError):
-                lock_path.unlink()  # else it stays, naming what the next process removes
+                lock.unlink()  # else it stays, naming what the next process removes
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
@@ -124,13 +125,9 @@ def _make_dir(parent: Path, prefix: str, fd: int) -> Path:
     return path
 
 
-def _ours(out: Path, name: str) -> bool:
-    return "/" not in name and name.startswith((f".{out.name}.old-", f".{out.name}.tmp-"))
-
-
 def _still_there(out: Path, named: list[str]) -> list[str]:
-    """The directories a lock file names that are kiln's (``_ours``) and still beside ``out``."""
-    return [name for name in named if _ours(out, name) and os.path.lexists(out.parent / name)]
+    """The directories a lock file names that are kiln's (``lockfile.ours``) and still beside ``out``."""
+    return [name for name in named if ours(out, name) and os.path.lexists(out.parent / name)]
 
 
 def _clean_leftovers(out: Path, previous: int | None, made: list[str], note: Note) -> None:
@@ -138,14 +135,14 @@ def _clean_leftovers(out: Path, previous: int | None, made: list[str], note: Not
     directories its lock file names, nothing else; a directory it had moved aside is put back
     when nothing replaced it."""
     who = f"an earlier kiln process (pid {previous})" if previous else "an earlier kiln process"
-    ours = [out.parent / name for name in made if _ours(out, name)]
-    for old in (p for p in ours if p.name.startswith(f".{out.name}.old-") and p.is_dir() and not p.is_symlink()):
+    kilns = [out.parent / name for name in made if ours(out, name)]
+    for old in (p for p in kilns if p.name.startswith(f".{out.name}.old-") and p.is_dir() and not p.is_symlink()):
         kept = old / out.name
         if kept.is_dir() and not os.path.lexists(out):
             os.replace(kept, out)
             note(f"restored {out} from {old.name}: {who} was killed while replacing it")
         shutil.rmtree(old, ignore_errors=True)
-    for tmp in (p for p in ours if p.name.startswith(f".{out.name}.tmp-") and p.is_dir() and not p.is_symlink()):
+    for tmp in (p for p in kilns if p.name.startswith(f".{out.name}.tmp-") and p.is_dir() and not p.is_symlink()):
         shutil.rmtree(tmp, ignore_errors=True)
         note(f"removed {tmp}: the unfinished output of {who} that was killed")
 
@@ -283,6 +280,7 @@ def staged_output(
                 raise_if_interrupted()  # a signal during the check: nothing is replaced
                 old = _commit(tmp, out, make_dir)
                 committed()
+                wrote(out)  # a signal from here on says so, not that nothing was written
             if old is not None:
                 _note_gone(old / out.name, out, note)
         except OSError as exc:

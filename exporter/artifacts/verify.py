@@ -1,15 +1,20 @@
 """``kiln verify``: does an export directory still hold exactly the files its manifest names, and
-do its graphs and the manifest's claims about them agree (``structure``)? Every command that runs
-an export (check, generate, bench, triton, build) reads it through ``require_verified``."""
+do its graphs and the manifest's claims about them agree (``structure``: paths, I/O, dims; then
+``claims``: what the graphs are, against every field that changes how they are run or judged)?
+Every command that runs an export (check, generate, bench, triton, build) reads it through
+``require_verified``."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path, PurePosixPath
 
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.artifacts.hashing import hash_tree, links
+from kiln.exporter.artifacts.lockfile import own_leftovers, staging_pids
+from kiln.exporter.artifacts.claims import claim_problems
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.structure import structure_problems
 
@@ -25,7 +30,8 @@ class Verification:
     unexpected: tuple[str, ...]
     manifest: Manifest
     links: tuple[str, ...] = ()  # "path -> where it points": kiln writes no links, and never reads through one
-    structure: tuple[str, ...] = ()  # what the graphs and the manifest's claims disagree on (``artifacts.structure``)
+    leftovers: tuple[str, ...] = ()  # kiln triton's own lock file and staging (``lockfile``): not checked
+    structure: tuple[str, ...] = ()  # what the graphs and the manifest's claims disagree on (``structure``, ``claims``)
 
     @property
     def ok(self) -> bool:
@@ -44,7 +50,10 @@ class Verification:
 def verify_dir(directory: Path) -> Verification:
     manifest = manifest_mod.read(directory)
     recorded = manifest.files
-    found = hash_tree(directory, exclude=(manifest_mod.MANIFEST,))
+    leftovers = own_leftovers(directory)  # a killed or interrupted kiln triton's: the next one removes them
+    found = hash_tree(directory, exclude=(manifest_mod.MANIFEST,), skip=leftovers)
+    # the claims are compared only with graphs proved inside the export and of the recorded I/O
+    structure = structure_problems(directory, manifest) or claim_problems(directory, manifest)
     return Verification(
         directory=directory,
         checked=len(found),
@@ -52,8 +61,9 @@ def verify_dir(directory: Path) -> Verification:
         changed=tuple(sorted(p for p in set(recorded) & set(found) if recorded[p] != found[p])),
         unexpected=tuple(sorted(set(found) - set(recorded))),
         manifest=manifest,
-        links=tuple(f"{path} -> {target}" for path, target in links(directory).items()),
-        structure=tuple(structure_problems(directory, manifest)),
+        links=tuple(f"{path} -> {target}" for path, target in links(directory, leftovers).items()),
+        leftovers=tuple(leftovers),
+        structure=tuple(structure),
     )
 
 
@@ -64,8 +74,20 @@ def require_verified(directory: Path, *, rewritten: str | None = None) -> Manife
     problems = [p for p in result.problems() if rewritten is None or not p.split(": ", 1)[-1].startswith(rewritten)]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise ArtifactError(f"{directory}: files differ from manifest.json: {'; '.join(problems[:3])}{more}; run kiln verify {directory}")
+        differ = f"{directory}: files differ from manifest.json: {'; '.join(problems[:3])}{more}"
+        raise ArtifactError(f"{differ}; {_what_to_run(result)}")
     return result.manifest
+
+
+def _what_to_run(result: Verification) -> str:
+    """The end of ``require_verified``'s refusal. Where an interrupted kiln triton left its staging
+    (killed between its renames: ``triton/`` is missing), the next kiln triton puts it back."""
+    directory = result.directory
+    if result.leftovers and os.getpid() not in staging_pids(directory):  # not this kiln triton's own staging
+        left = ", ".join(result.leftovers)
+        then = f"run kiln triton {directory} --name NAME, then kiln verify {directory}"
+        return f"{left} were left by an interrupted kiln triton: {then}"
+    return f"run kiln verify {directory}"
 
 
 def unlisted(directory: Path, manifest: Manifest, sub: str = "") -> list[str]:
@@ -77,9 +99,12 @@ def unlisted(directory: Path, manifest: Manifest, sub: str = "") -> list[str]:
     if not root.is_dir():
         return []
     holding = {parent.as_posix() for rel in manifest.files for parent in PurePosixPath(rel).parents}
+    leftovers = set(own_leftovers(directory))  # kiln's own (``lockfile``): replaced with the rest
     foreign = []
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(directory).as_posix()
+        if rel.split("/", 1)[0] in leftovers:
+            continue
         if path.is_symlink():
             foreign.append(f"{rel} (a symbolic link)")
         elif path.is_dir():

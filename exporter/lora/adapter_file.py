@@ -14,14 +14,18 @@ by convention ``.onnx_adapter``): ``onnxruntime.LoraAdapter`` loads it and
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import os
+import re
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kiln.errors import ConfigError, ExportError
+from kiln.errors import ArtifactError, ConfigError, ExportError
 from kiln.newfile import new_output
 from kiln.exporter.contract.lora import LoraSlots
 from kiln.plugins.hub_cache import HF_EXTRA
@@ -80,11 +84,27 @@ def write_adapter_file(tensors: Mapping[str, np.ndarray], path: Path) -> None:
     adapter.set_adapter_version(1)
     adapter.set_model_version(1)
     adapter.set_parameters({name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in tensors.items()})
-    with new_output(path) as partial:
-        adapter.export_adapter(str(partial))
+    with new_output(path) as partial:  # an OSError (a full disk) leaves nothing: the caller says it in one line
+        _export_adapter(adapter, partial, path, sum(a.nbytes for a in tensors.values()))
         back = _arrays(ort.AdapterFormat.read_adapter(str(partial)))
         if set(back) != set(tensors) or any(not np.array_equal(back[n], tensors[n], equal_nan=True) or back[n].dtype != tensors[n].dtype for n in tensors):
             raise ExportError(f"{path}: the adapter file ONNX Runtime wrote does not read back as the tensors given")
+
+
+def _export_adapter(adapter: Any, partial: Path, path: Path, needs: int) -> None:
+    """ONNX Runtime's ``export_adapter``, whose failure to write is a bare ``RuntimeError`` ("Failed
+    to write :N bytes to ..."): with fewer than ``needs`` bytes free beside the file, it is the full
+    disk it is, an ``OSError`` (ENOSPC); else one ``ArtifactError`` with ONNX Runtime's words."""
+    try:
+        adapter.export_adapter(str(partial))
+    except RuntimeError as exc:
+        said = re.search(r"Failed to write[^\n]*", str(exc))
+        if said is None:
+            raise
+        if shutil.disk_usage(partial.parent).free < needs:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from None
+        why = f"ONNX Runtime could not write the adapter file ({said.group(0)})"
+        raise ArtifactError(f"{path}: {why}; nothing was written") from None
 
 
 def read_adapter_file(path: Path, lora: LoraSlots | None, where: str) -> dict[str, np.ndarray]:

@@ -314,17 +314,18 @@ def write_triton_repo(directory: Path, name: str) -> list[Path]:
         raise ArtifactError(f"triton: {target} exists and is not a directory; remove it")
     owner = _written_by_kiln(manifest_mod.read(directory))
     require_replaceable(target, True, owner)  # before verifying, so that the refusal names what is there
-    manifest = require_verified(directory)
-    models = triton_models(directory, manifest, name)
-    files: dict[str, str] = {}  # the manifest's files with the new repository's, hashed before the rename
+    written: list[Manifest] = []  # the manifest listing the new repository, hashed before the rename
 
     def record() -> None:  # with the rename, signals deferred: the export never lists files it lacks
-        manifest_mod.write(directory, dataclasses.replace(manifest, files=files))
+        manifest_mod.write(directory, written[0])
 
     try:
         with staged_output(target, force=True, owner=owner, committed=record) as tmp:
-            _write_repo(tmp, manifest, models)
-            files.update(rehash_subtree(manifest.files, directory, TRITON_DIR, staged=tmp))
+            # verified under the lock, once what a killed or interrupted kiln triton left is gone (or put back)
+            manifest = require_verified(directory)
+            _write_repo(tmp, manifest, triton_models(directory, manifest, name))
+            files = rehash_subtree(manifest.files, directory, TRITON_DIR, staged=tmp)
+            written.append(dataclasses.replace(manifest, files=files))
     except OSError as exc:
         raise ArtifactError(f"triton: could not write {target} ({exc}); check the permissions and free space of {directory}") from exc
     return sorted(p for p in target.rglob("*") if p.is_file())

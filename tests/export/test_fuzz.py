@@ -240,3 +240,81 @@ def test_manifests(pristine: Path, tmp_path: Path, data: st.DataObject) -> None:
             _one_line_or_success(CliRunner().invoke(main, args))
     assert opened == [] and _digest(sentinel) == before
     assert _peak() - peak < GROWTH
+
+
+# --- every manifest field, each mutated (a deterministic sweep beside the random draws above) ---
+
+
+# Fields kiln records for people and for provenance, which neither change how the export runs nor
+# how it is judged, so kiln verify takes any value of them: the tools' versions, the source
+# checkpoint's own config and where it was, the family's name, the token ids a host stops or pads by
+# (any id is a claim no graph contradicts), the trained PLE rows (the tables the graphs hold are
+# checked), the tensor count (the weights file's bytes and hash are), an encoder's width (its
+# graphs check their inputs at run time: kiln generate refuses in one line).
+DESCRIPTIVE = {
+    "tools", "config", "family", "checkpoint.reference", "checkpoint.resolved", "model.bos_token_id", "model.eos_token_id",
+    "model.pad_token_id", "model.decoder_start_token_id", "model.encoder_dim", "export.ple.trained_rows", "weights.tensors",
+}
+
+
+def _field_paths(manifest: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """Every key path of the manifest (``files`` aside), a list's first element standing for the rest
+    (every graph's every input reads the same code)."""
+    return [path for path in _paths(manifest) if all(not isinstance(key, int) or key == 0 for key in path)]
+
+
+def _mutations(value: Any) -> list[Any]:
+    """A value of another JSON type, and one of the same type that is out of any range or set."""
+    if isinstance(value, bool):
+        return ["yes", None]
+    if isinstance(value, int):
+        return ["64", -(10**12)]
+    if isinstance(value, float):
+        return [None, float("inf")]
+    if isinstance(value, str):
+        return [12345, "../../" + value if value else "bogus"]
+    if isinstance(value, list):
+        return [{}, value[:0] if value else [None]]
+    if isinstance(value, dict):
+        return [[], {}]
+    return ["bogus", 7]
+
+
+def test_every_manifest_field_mutated_ends_in_one_line(pristine: Path, tmp_path: Path) -> None:
+    """Issue 38: each field of a real manifest, set to another type and to an out-of-range value of its
+    own type (hashes made true again, so only the claim differs), through kiln verify, generate and check:
+    success or one line, never a traceback, never a file opened or changed outside the export."""
+    sentinel = _sentinel(tmp_path)
+    before = _digest(sentinel)
+    original = json.loads((pristine / "manifest.json").read_text())
+    directory = tmp_path / "export"
+    shutil.copytree(pristine, directory)
+    cases = refused = 0
+    broken: list[str] = []
+    accepted: list[str] = []
+    with _watching(sentinel) as opened:
+        for path in _field_paths(original):
+            for value in _mutations(_value_at(original, path)):
+                manifest = json.loads(json.dumps(original))
+                _replace(manifest, path, value)
+                manifest["files"] = hash_tree(directory, exclude=("manifest.json",))
+                (directory / "manifest.json").write_text(json.dumps(manifest))
+                results = [CliRunner().invoke(main, args) for args in (["verify", str(directory)], ["generate", str(directory), "--ids", "1,2", "--max-new-tokens", "2"])]
+                for result in results:
+                    try:
+                        _one_line_or_success(result)
+                    except AssertionError as exc:
+                        broken.append(f"{'.'.join(map(str, path))} = {value!r}: {str(exc).splitlines()[0][:300]}")
+                cases, refused = cases + 1, refused + (results[0].exit_code != 0)
+                if results[0].exit_code == 0 and not path[0] in DESCRIPTIVE and ".".join(map(str, path)) not in DESCRIPTIVE:
+                    accepted.append(f"{'.'.join(map(str, path))} = {value!r}")
+    assert broken == []
+    assert accepted == []  # every field but the descriptive ones is checked against the files
+    assert opened == [] and _digest(sentinel) == before
+    assert cases >= 250 and refused >= 180, (cases, refused)  # the sweep's size when written: a smaller one checks less
+
+
+def _value_at(data: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        data = data[key]
+    return data
