@@ -64,6 +64,10 @@ _LLAMA_PARTIAL = Refusal(
     "this architecture's rotary ignores it (transformers rotates the whole head), so the checkpoint would not run as trained",
 )
 
+# --target ort: the mixture-of-experts routings its MoE op does not match (their blocks keep the per-expert MatMuls)
+_TOPK_FIRST = "per-expert MatMuls (softmax over the top-k logits)"
+_SIGMOID = "per-expert MatMuls (sigmoid routing with a correction bias)"
+
 ARCHS: Mapping[str, Arch] = {
     "LlamaForCausalLM": Arch("Llama", refusals=(_LLAMA_PARTIAL,), notes="rope linear, yarn, llama3, longrope; tied and untied; bias; head_dim != hidden/heads"),
     "MistralForCausalLM": Arch("Mistral", notes="sliding window", window=True),
@@ -115,4 +119,57 @@ ARCHS: Mapping[str, Arch] = {
         ort="portable attention (attention sinks); per-expert MatMuls (expert biases, clamped SwiGLU)",
         window=True,
     ),
+    "Qwen2MoeForCausalLM": Arch(
+        "Qwen2-MoE", notes="mixture of experts (top-k, not renormalised) with a sigmoid-gated shared expert, qkv bias, sliding window", ort="GQA; MoE (decode)", window=True
+    ),
+    "OlmoeForCausalLM": Arch("OLMoE", notes="mixture of experts, clip_qkv, q/k norm over all heads", ort="GQA; MoE (decode)"),
+    "GraniteMoeForCausalLM": Arch(
+        "GraniteMoE", notes="mixture of experts (softmax over the top-k logits), embedding, residual, attention and logit multipliers", ort=f"GQA; {_TOPK_FIRST}"
+    ),
+    "GraniteMoeSharedForCausalLM": Arch("GraniteMoeShared", notes="GraniteMoE with a shared MLP", ort=f"GQA; {_TOPK_FIRST}"),
+    "Glm4MoeForCausalLM": Arch(
+        "GLM-4-MoE",
+        notes="mixture of experts (sigmoid scores, correction bias, group-limited top-k, routed scaling) with a shared expert, dense first layer, q/k norm, partial rotary",
+        ort=f"GQA; {_SIGMOID}",
+    ),
+    "Ernie4_5_MoeForCausalLM": Arch(
+        "Ernie 4.5-MoE",
+        notes="mixture of experts (a correction bias on the choice, renormalised) with shared experts, dense first layer, interleaved rope, bias, tied",
+        ort="GQA; per-expert MatMuls (a bias on the expert choice)",
+    ),
+    "HunYuanMoEV1ForCausalLM": Arch("HunYuan-MoE", notes="mixture of experts (renormalised) with a shared MLP, per-head q/k norm after the rotary", ort="GQA; MoE (decode)"),
+    "MiniMaxM2ForCausalLM": Arch(
+        "MiniMax-M2", notes="mixture of experts (sigmoid scores, correction bias), q/k norm over all heads, partial rotary", ort=f"GQA; {_SIGMOID}"
+    ),
+    "PhimoeForCausalLM": Arch(
+        "PhiMoE",
+        refusals=(
+            Refusal(
+                "rope_type",
+                lambda v: v not in (None, "default"),
+                "PhiMoE's rotary picks its scale (short_mscale or long_mscale) by a Python branch on the longest position, which torch.export cannot trace",
+            ),
+        ),
+        notes="mixture of experts (sparsemixer routing), LayerNorm, attention and head biases, sliding window; default rope only",
+        ort="GQA; per-expert MatMuls (sparsemixer routing)",
+        window=True,
+    ),
+    "GlmForCausalLM": Arch("GLM", notes="interleaved partial rotary, qkv bias"),
+    "HunYuanDenseV1ForCausalLM": Arch("HunYuan", notes="per-head q/k norm after the rotary"),
+    "SeedOssForCausalLM": Arch("Seed-OSS", notes="qkv and output projection biases, MLP bias"),
+    "ApertusForCausalLM": Arch("Apertus", notes="xIELU activation, llama3 rope, per-head q/k norm"),
+    "ArceeForCausalLM": Arch("Arcee", notes="relu^2 MLP (no gate)"),
+    "GPTBigCodeForCausalLM": Arch(
+        "GPTBigCode",
+        refusals=(Refusal("add_cross_attention", _truthy, "GPTBigCode with cross-attention needs encoder states kiln's Hugging Face decoders do not take"),),
+        notes="multi-query attention (one KV head), learned positions",
+    ),
+    "Olmo3ForCausalLM": Arch("OLMo 3", notes="sliding/global layers, q/k norm over all heads, post-norms", window=True),
+    "Cohere2ForCausalLM": Arch(
+        "Cohere2", notes="sliding layers with interleaved rope, global layers without rotary, parallel attention + MLP, logit scale", window=True
+    ),
+    "Exaone4ForCausalLM": Arch("Exaone 4", notes="sliding layers with rope, global layers without rotary, per-head q/k norm, post-norms", window=True),
+    "MinistralForCausalLM": Arch("Ministral", notes="sliding window", window=True),
+    "Ministral3ForCausalLM": Arch("Ministral 3", notes="yarn with llama-4 attention scaling (steps at original_max_position_embeddings)", window=True),
+    "MptForCausalLM": Arch("MPT", context="max_seq_len", notes="ALiBi up to max_seq_len", ort="portable attention (ALiBi)"),
 }

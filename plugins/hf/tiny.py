@@ -14,6 +14,7 @@ _IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # inside the t
 _LLAMA_LIKE = dict(**_IDS, vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=NH, num_key_value_heads=KV, max_position_embeddings=CTX)
 _MHA = {k: v for k, v in _LLAMA_LIKE.items() if k != "num_key_value_heads"}
 _HALF = 8  # rotary frequencies of a 16-wide head
+_MOE4: dict[str, Any] = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}  # 4 experts, top-2
 
 
 def _rope(**kw: Any) -> dict[str, Any]:
@@ -123,4 +124,59 @@ TINY: Mapping[str, TinyCase] = {
         sliding_window=4,
         rope_parameters=_rope(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=16),
     ),
+    "qwen2-moe-window": _c(
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+    ),
+    "olmoe": _c("OlmoeForCausalLM", "OlmoeConfig", num_experts=4, num_experts_per_tok=2, clip_qkv=0.5),
+    "granitemoe": _c(
+        "GraniteMoeForCausalLM", "GraniteMoeConfig", **_MOE4, embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0, attention_multiplier=0.015625
+    ),
+    "granitemoeshared": _c("GraniteMoeSharedForCausalLM", "GraniteMoeSharedConfig", **_MOE4, shared_intermediate_size=32, residual_multiplier=0.22),
+    "glm4-moe": _c(
+        "Glm4MoeForCausalLM",
+        "Glm4MoeConfig",
+        head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        use_qk_norm=True,
+    ),
+    "ernie4_5-moe": _c(
+        "Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_start_index=1, use_bias=True
+    ),
+    "hunyuan-moe": _c("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", head_dim=16, num_experts=4, moe_topk=2),
+    "minimax-m2": _c("MiniMaxM2ForCausalLM", "MiniMaxM2Config", **_MOE4, head_dim=16, rotary_dim=8),
+    "phimoe-window": _c("PhimoeForCausalLM", "PhimoeConfig", **_MOE4, sliding_window=4, attention_bias=True, lm_head_bias=True),
+    "glm": _c("GlmForCausalLM", "GlmConfig", head_dim=16),
+    "hunyuan-dense": _c("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Config", head_dim=16),
+    "seed-oss": _c("SeedOssForCausalLM", "SeedOssConfig", head_dim=16, attention_out_bias=True, mlp_bias=True),
+    "apertus": _c(
+        "ApertusForCausalLM",
+        "ApertusConfig",
+        rope_parameters=_rope(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16),
+    ),
+    "arcee": _c("ArceeForCausalLM", "ArceeConfig", head_dim=16),
+    "gpt-bigcode": ("GPTBigCodeForCausalLM", _cfg("GPTBigCodeConfig", vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=CTX)),
+    "olmo3-window": _c("Olmo3ForCausalLM", "Olmo3Config", sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "cohere2-window": _c("Cohere2ForCausalLM", "Cohere2Config", head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"], logit_scale=0.25),
+    "exaone4-window": _c("Exaone4ForCausalLM", "Exaone4Config", sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "ministral-window": _c("MinistralForCausalLM", "MinistralConfig", head_dim=16, sliding_window=4),
+    "ministral3-yarn": _c(
+        "Ministral3ForCausalLM",
+        "Ministral3Config",
+        head_dim=16,
+        rope_parameters=_rope(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=16, llama_4_scaling_beta=0.1),
+    ),  # generation crosses positions 16 and 32, where llama-4 scaling steps
+    "mpt": ("MptForCausalLM", _cfg("MptConfig", vocab_size=V, d_model=H, n_layers=L, n_heads=NH, expansion_ratio=2, max_seq_len=CTX)),
 }

@@ -110,6 +110,19 @@ ROPE = {"rope_theta": 10000.0}
             "GPT2LMHeadModel: add_cross_attention=True is not supported: GPT-2 with cross-attention needs encoder states kiln's Hugging Face decoders do not take",
         ),
         (
+            "gpt-bigcode",
+            {"add_cross_attention": True},
+            "GPTBigCodeForCausalLM: add_cross_attention=True is not supported: GPTBigCode with cross-attention needs encoder states kiln's Hugging Face decoders do not take",
+        ),
+        (
+            "phimoe-window",  # Phi-3.5-MoE's rope
+            {"rope_parameters": {**ROPE, "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "short_mscale": 1.0, "long_mscale": 1.2}},
+            (
+                "PhimoeForCausalLM: rope_type='longrope' is not supported: PhiMoE's rotary picks its scale (short_mscale or long_mscale) by a Python branch"
+                " on the longest position, which torch.export cannot trace"
+            ),
+        ),
+        (
             "falcon-7b",
             {"alibi": True},
             "FalconForCausalLM: alibi=True is not supported: Falcon's ALiBi computes its biases in bfloat16, which ONNX Runtime's CPU cannot run for parity",

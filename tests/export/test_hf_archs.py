@@ -34,22 +34,41 @@ from kiln.plugins.hf.tiny import TINY
 
 STEPS = 24
 # the cases whose attention --target ort leaves portable (ARCHS[arch].ort says so), and why
-PORTABLE_ATTENTION = {"gpt2-upcast": "reorder_and_upcast_attn", "bloom": "ALiBi", "gpt-oss-window": "attention sinks"}
+PORTABLE_ATTENTION = {"gpt2-upcast": "reorder_and_upcast_attn", "bloom": "ALiBi", "gpt-oss-window": "attention sinks", "mpt": "ALiBi"}
 # the mixture-of-experts cases: the layers whose experts --target ort turns into ONNX Runtime's MoE
 # op in every graph, and the reason each block left as per-expert MatMuls gives (the manifest's
 # moe_not_fused; ARCHS[arch].ort says so)
-MOE_LAYERS = {"mixtral-window": [0, 1], "qwen3-moe": [1], "qwen3-moe-unnormalised": [0, 1], "gpt-oss-window": []}
-MOE_NOT_FUSED = {"gpt-oss-window": "the experts' first projection is not split in two halves (gate, up): its output is read by Add"}
+MOE_LAYERS = {
+    "mixtral-window": [0, 1], "qwen3-moe": [1], "qwen3-moe-unnormalised": [0, 1], "gpt-oss-window": [], "qwen2-moe-window": [0, 1], "olmoe": [0, 1],
+    "hunyuan-moe": [0, 1],
+}  # fmt: skip
+_NOT_TOPK = "the routing weights do not come from a TopK of the router"  # top-k before the softmax, sigmoid scores, a bias on the choice, sparsemixer
+MOE_NOT_FUSED = {
+    "gpt-oss-window": dict.fromkeys([0, 1], "the experts' first projection is not split in two halves (gate, up): its output is read by Add"),
+    "granitemoe": dict.fromkeys([0, 1], _NOT_TOPK), "granitemoeshared": dict.fromkeys([0, 1], _NOT_TOPK), "glm4-moe": {1: _NOT_TOPK},
+    "ernie4_5-moe": {1: _NOT_TOPK}, "minimax-m2": dict.fromkeys([0, 1], _NOT_TOPK), "phimoe-window": dict.fromkeys([0, 1], _NOT_TOPK),
+}  # fmt: skip
 # the sliding-window cases (window 4, shorter than prompt + generation): the decode graph's layers
 # whose GroupQueryAttention applies the window itself (local_window_size 4, the family's mask
 # replaced by the padding-only bias); prefill keeps the family's mask (GQA refuses a local window
 # with causal=0)
-WINDOW_LAYERS = {"mistral-window": [0, 1], "qwen2-window": [1], "gemma2-window": [0], "gemma3-window": [0], "starcoder2-window": [0, 1], "mixtral-window": [0, 1]}
+WINDOW_LAYERS = {
+    "mistral-window": [0, 1], "qwen2-window": [1], "gemma2-window": [0], "gemma3-window": [0], "starcoder2-window": [0, 1], "mixtral-window": [0, 1],
+    "qwen2-moe-window": [0], "phimoe-window": [0, 1], "olmo3-window": [0], "cohere2-window": [0], "exaone4-window": [0], "ministral-window": [0, 1],
+}  # fmt: skip
 FIRST = {arch: next(case for case, (a, _) in TINY.items() if a == arch) for arch in ARCHS if any(a == arch for a, _ in TINY.values())}
 
 
 def _save(case: str, directory: Path) -> Path:
-    tiny_model(case, seed=1).module.model.save_pretrained(directory, safe_serialization=True)
+    """The tiny model saved by transformers; the routers' correction biases (GLM-4-MoE, MiniMax-M2,
+    Ernie 4.5-MoE: zeros at init) made random, so the expert choice they shift is exercised."""
+    model = tiny_model(case, seed=1).module.model
+    state, generator = {**dict(model.named_parameters()), **dict(model.named_buffers())}, torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
     return directory
 
 
@@ -100,7 +119,7 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     for kind, entry in ort.items():
         # decode only: the prompt graphs keep the per-expert MatMuls (measured faster there) and say so
         layers = MOE_LAYERS.get(case, []) if kind is GraphKind.DECODE else []
-        why = {i: MOE_NOT_FUSED[case] for i in range(2)} if case in MOE_NOT_FUSED else {} if kind is GraphKind.DECODE else {i: PROMPT_GRAPH for i in MOE_LAYERS.get(case, [])}
+        why = MOE_NOT_FUSED[case] if case in MOE_NOT_FUSED else {} if kind is GraphKind.DECODE else dict.fromkeys(MOE_LAYERS.get(case, []), PROMPT_GRAPH)
         assert entry.report("moe").get("layers", []) == layers, (kind, entry.report("moe"))
         assert entry.report("moe").get("not_fused", []) == [f"layer {i}: {w}" for i, w in sorted(why.items())], (kind, entry.report("moe"))
         graph = onnx.load(tmp_path / "out" / entry.file, load_external_data=False)

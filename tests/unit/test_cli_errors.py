@@ -33,7 +33,7 @@ def test_unknown_architecture(tmp_path: Path) -> None:
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"architectures": ["BertModel"]}')
     code, _, err = _run("export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--json")
-    _assert_one_line_error(code, err, str(ckpt), "unsupported Hugging Face architecture 'BertModel'", "supported: BartForConditionalGeneration, BloomForCausalLM, CohereForCausalLM")
+    _assert_one_line_error(code, err, str(ckpt), "unsupported Hugging Face architecture 'BertModel'", "supported: ApertusForCausalLM, ArceeForCausalLM, BartForConditionalGeneration, BloomForCausalLM")
     assert not (tmp_path / "out").exists()
 
 
@@ -54,7 +54,7 @@ def test_plugins_lists_the_families(monkeypatch: pytest.MonkeyPatch) -> None:
     # the Hugging Face family's table: an architecture per row, what --target ort fuses under it (80 columns)
     lines = out.splitlines()
     rows = {m.group(0): i for i, line in enumerate(lines) if line.startswith("  ") and (m := re.search(r"\w+(ForCausalLM|LMHeadModel)", line))}
-    assert len(rows) == 27 and lines[rows["Qwen3ForCausalLM"] + 1] == "      --target ort: GQA"
+    assert len(rows) == 48 and lines[rows["Qwen3ForCausalLM"] + 1] == "      --target ort: GQA"
     assert lines[rows["GptOssForCausalLM"] + 1].startswith("      --target ort: portable attention (attention sinks)")
 
 
@@ -163,12 +163,12 @@ def test_plugins_says_when_hf_is_unavailable(monkeypatch: pytest.MonkeyPatch) ->
     assert code == 0
     lines = out.splitlines()
     hf = next(i for i, line in enumerate(lines) if line.startswith("hf "))
-    assert lines[hf + 1].strip() == """unavailable: transformers is not installed (pip install -e ".[hf]" in kiln's checkout)"""
+    assert lines[hf + 1].strip() == """unavailable: transformers is not installed (pip install -e ".[hf]" in kiln's checkout, or pip install "kiln-*.whl[hf]" beside a wheel)"""
     assert not any("unavailable" in line for line in lines[:hf] + lines[hf + 2 :])  # native needs nothing optional
 
 
 def test_sizes_read_as_a_person_reads_them() -> None:
-    from kiln.cli import _size
+    from kiln.inputs import size_text as _size
 
     assert [_size(n) for n in (0, 999, 1000, 812_345, 12_345_678, 1_900_000_000, 16_060_000_000)] == [
         "0 B", "999 B", "1 KB", "812 KB", "12.3 MB", "1.9 GB", "16.1 GB"
