@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import json
 import re
@@ -92,7 +94,7 @@ def with_std_target(m: dict[str, Any], kv_dtype: str = "float32") -> dict[str, A
     return m
 
 
-def _io_graph(graph: dict[str, Any]) -> bytes:
+def _io_graph(graph: dict[str, Any], opset: int | None = None) -> bytes:
     """An ONNX model with exactly a manifest graph entry's inputs and outputs and no nodes: what
     kiln verify reads of a graph (tests of code that never runs it, such as the engine build
     against a stand-in TensorRT)."""
@@ -102,7 +104,8 @@ def _io_graph(graph: dict[str, Any]) -> bytes:
     def values(entries: list[dict[str, Any]]) -> list[Any]:
         return [helper.make_tensor_value_info(e["name"], helper.np_dtype_to_tensor_dtype(np.dtype(e["dtype"])), e["shape"]) for e in entries]
 
-    model = helper.make_model(helper.make_graph([], "placeholder", values(graph["inputs"]), values(graph.get("outputs", []))))
+    opsets = [helper.make_opsetid("", opset)] if opset is not None else None
+    model = helper.make_model(helper.make_graph([], "placeholder", values(graph["inputs"]), values(graph.get("outputs", []))), opset_imports=opsets)
     return bytes(onnx.ModelProto.SerializeToString(model))
 
 
@@ -114,12 +117,19 @@ def placeholder_export(directory: Path, m: dict[str, Any]) -> Path:
 
     typed = typed_manifest(m)  # the placeholders of the fields m leaves out
     targets = [entry for entry in (m.get("targets") or {}).values()]  # a target's graphs and weights too (--target onnx's static contract)
-    for graph in [*m["graphs"].values(), *(g for entry in targets for g in entry["graphs"].values())]:
+    for graph in m["graphs"].values():  # kiln verify holds export.opset to the portable graphs'
+        (directory / graph["file"]).parent.mkdir(parents=True, exist_ok=True)
+        (directory / graph["file"]).write_bytes(_io_graph(graph, typed.export.opset))
+    for graph in (g for entry in targets for g in entry["graphs"].values()):
         (directory / graph["file"]).parent.mkdir(parents=True, exist_ok=True)
         (directory / graph["file"]).write_bytes(_io_graph(graph))
     for rel in (typed.weights.file, typed.parity.report, *(entry["weights"]["file"] for entry in targets)):
         (directory / rel).parent.mkdir(parents=True, exist_ok=True)
         (directory / rel).write_bytes(b"placeholder")
+    m["weights"] = {**dataclasses.asdict(typed.weights), "bytes": len(b"placeholder")}  # verify holds the sizes to the files
+    for entry in targets:
+        entry["weights"] = {**entry["weights"], "bytes": len(b"placeholder")}
+    m["checkpoint"] = {**dataclasses.asdict(typed.checkpoint), "files": dict(typed.checkpoint.files) or {"model.safetensors": "0" * 64}}
     m["files"] = hash_tree(directory)
     manifest_mod.write(directory, typed_manifest(m))
     return directory

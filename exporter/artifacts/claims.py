@@ -31,6 +31,7 @@ from kiln.exporter.targets import PORTABLE, names, target
 __all__ = ["claim_problems"]
 
 _KV_LAYOUT = ("BNSH", ("batch", "n_kv_heads", "seq", "head_dim"))  # every graph's cache tensors (contract.io)
+_GRAPH_KINDS = frozenset({"fp16", "int8", "int4", "fp8"})  # what facts._quantized and the float type find
 _TOKENIZER_BYTES = 1 << 28  # no tokenizer.json comes near (the largest of the Hub's, Gemma 3's, is 33 MB)
 _WHY = {
     "precision": "their QuantizeLinear, DequantizeLinear and MatMulNBits, and their float type",
@@ -46,6 +47,8 @@ _WHY = {
 def claim_problems(directory: Path, manifest: Manifest) -> list[str]:
     """Every way the manifest's claims and its graphs disagree (empty: none); a graph file that is
     missing or a link is reported by ``verify``, and nothing is compared then."""
+    if missing := [kind for kind in ("prefill", "decode", "model") if kind not in manifest.graphs]:  # as the schema requires
+        return [f"graphs lacks {', '.join(missing)}; every export has a prefill, a decode and a unified graph"]
     sets = {PORTABLE: {kind: Path(entry.file) for kind, entry in manifest.graphs.items()}}
     for name, entry in (manifest.targets or {}).items():
         sets[name] = {kind: Path(graph.file) for kind, graph in entry.graphs.items()}
@@ -104,7 +107,9 @@ def _set_problems(manifest: Manifest, name: str, facts: SetFacts) -> list[tuple[
     field, precision = ("precision", manifest.precision)
     if entry is not None:
         field, precision = f"targets.{name}.precision", entry.precision
-    if precision != facts.precision:
+    if not _known(precision):
+        problems.append((field, f"{field} is {precision!r}, not a precision this kiln knows"))
+    elif _visible(precision) != _visible(facts.precision):
         problems.append(_said(field, precision, name, facts.precision, _WHY["precision"]))
     if entry is None and facts.kv_dtype is not None and manifest.kv_cache.dtype != facts.kv_dtype:
         problems.append(_said("kv_cache.dtype", manifest.kv_cache.dtype, name, facts.kv_dtype, _WHY["kv_dtype"]))
@@ -117,6 +122,20 @@ def _set_problems(manifest: Manifest, name: str, facts: SetFacts) -> list[tuple[
     if ple is not None and ple.tables != facts.ple_tables:
         problems.append(_said("export.ple.tables", ple.tables, name, facts.ple_tables, _WHY["ple_tables"]))
     return problems
+
+
+def _known(precision: str) -> bool:
+    try:
+        Precision.parse(precision)
+    except (ConfigError, ValueError, TypeError):
+        return False
+    return True
+
+
+def _visible(precision: str) -> frozenset[str]:
+    """The kinds of a precision name that leave a trace in graphs (their nodes or float type): a kind
+    registered without one (the precision seam's toy) is neither claimed nor contradicted by them."""
+    return frozenset(part for part in precision.split("+") if part in _GRAPH_KINDS)
 
 
 def _cache_kind_problems(manifest: Manifest, name: str, facts: SetFacts) -> list[tuple[str, str]]:

@@ -89,7 +89,7 @@ def _export(directory: Path, lora: bool = False) -> Path:
         for graph in written["graphs"].values():
             graph["inputs"] = [*graph["inputs"], *extra]
     placeholder_export(directory, written)
-    m["files"] = written["files"]
+    m.update({key: written[key] for key in ("files", "weights", "checkpoint")})  # what placeholder_export made true of the files
     manifest_mod.write(directory, typed_manifest(m))
     return directory
 
