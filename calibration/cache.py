@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
-import tempfile
 from pathlib import Path
 
 from kiln.errors import CalibrationError
 from kiln.inputs import read_input
 from kiln.jsonfile import MAX_BYTES
+from kiln.newfile import new_output
 
 __all__ = ["cache_key", "read_cache", "write_cache", "trt_calibration_cache", "TRT_CACHE_VERSION"]
 
@@ -46,10 +45,8 @@ def write_cache(directory: Path, key: str, ranges: Ranges, settings: dict[str, o
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{key}.json"
     payload = json.dumps({"key": key, "settings": settings, "ranges": ranges}, indent=1, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{key}.", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        f.write(payload)
-    os.replace(tmp, path)
+    with new_output(path) as tmp:  # kiln's one way of writing a single file
+        tmp.write_text(payload)
     return path
 
 

@@ -26,7 +26,6 @@ import importlib.metadata
 import inspect
 import os
 import re
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from torch import nn
 
 from kiln.errors import ExportError
 from kiln.inputs import check_input
+from kiln.newfile import new_output
 
 __all__ = ["UNBOUND", "TraceCache", "as_cached", "from_cached", "trace_cache"]
 
@@ -84,9 +84,8 @@ class TraceCache:
         silently: it only saves time."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".tmp", delete=False) as tmp:
-                tmp.write(proto.SerializeToString())
-            os.replace(tmp.name, self.directory / f"{key}.onnx")
+            with new_output(self.directory / f"{key}.onnx") as tmp:  # a failed write leaves no temporary behind
+                tmp.write_bytes(proto.SerializeToString())
         except OSError:
             return
 

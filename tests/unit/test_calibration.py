@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 import kiln
 from kiln.calibration import Calibration
-from kiln.calibration import cache as cache_module
+from kiln import newfile
 from kiln.calibration.cache import TRT_CACHE_VERSION, cache_key, read_cache, trt_calibration_cache, write_cache
 from kiln.calibration.data import CHUNK, SYNTHETIC, CalibrationData, load_calibration_data
 from kiln.calibration.methods import CalibMethod, collect_ranges, mse_threshold
@@ -295,7 +295,7 @@ def test_write_cache_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     def fail(src: str, dst: str) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(cache_module.os, "replace", fail)
+    monkeypatch.setattr(newfile.os, "replace", fail)  # the cache is written through kiln.newfile
     with pytest.raises(OSError, match="disk full"):
         write_cache(tmp_path, key, {"prefill": {"x": (-9.0, 9.0)}}, {})
     monkeypatch.undo()
