@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import BenchError
+from kiln.exporter.contract.static_cache import machine_memory
 
 __all__ = ["InputDecl", "Sizes", "build_feeds", "declared_inputs", "resolve_dim"]
 
@@ -122,7 +122,7 @@ def _shape(decl: InputDecl, sizes: Sizes, roles: Mapping[str, str]) -> tuple[int
 def _require_memory(needed: int, sizes: Sizes) -> None:
     """Refuse feeds that cannot fit, before allocating them (``--past 100000000`` asked for 47.7 GiB of
     past keys and values): at most half the machine's memory, the graphs and the session need the rest."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total = machine_memory()  # the export's static-cache rule uses the same figure
     if needed > total // 2:
         raise BenchError(
             f"the inputs of one call at past {sizes.past}, {sizes.seq} new tokens need {needed / 2**30:.1f} GiB,"
