@@ -8,9 +8,10 @@
 
 The stages, in the order ``pipeline.export`` runs them: ``load`` (reference module and limits),
 ``fold`` (PLE tables), ``trace`` + ``graphs`` (the portable graphs and their ``passes``,
-``precision``), ``targets`` (the registry of ``--target NAME``: ``ort``), ``parity`` (with
-``runners``), ``emit`` (reports, ``serving`` configs, the manifest of ``artifacts``, which also
-stages, reads and verifies export directories). ``engine`` builds TensorRT engines from an
+``precision``), ``targets`` (the registry of ``--target NAME``: ``ort``, ``onnx``; what both
+recognise in a graph is ``patterns``), ``parity`` (with ``runners``), ``emit`` (reports,
+``serving`` configs, the manifest of ``artifacts``, which also stages, reads and verifies export
+directories). ``engine`` builds TensorRT engines from an
 export. Names are imported on first use, so ``import kiln.exporter`` is cheap.
 """
 

@@ -22,7 +22,7 @@ from kiln.errors import ArtifactError, ConfigError, EngineError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.build import build_engines, load_tensorrt
-from kiln.exporter.engine.graphs import GraphChoice, choose_graphs, has_std_graphs, require_std_graphs
+from kiln.exporter.engine.graphs import GraphChoice, choose_graphs, has_onnx_graphs, require_onnx_graphs
 from kiln.exporter.engine.options import BuildOptions, GraphSet, HardwareCompat, parse_size
 from kiln.exporter.engine.profiles import ENGINE_GRAPHS, EngineProfile, engine_file, engine_profiles
 from kiln.exporter.engine.records import (
@@ -119,9 +119,9 @@ def prepare(directory: Path, options: BuildOptions) -> tuple[Manifest, ProfileSe
             f"{directory}: TensorRT engines for encoder-decoders are not built yet (the encoder graph would need its own engine,"
             " and engine parity a runner for it); run the graphs on ONNX Runtime (kiln generate) or build onnx/*.onnx with trtexec yourself"
         )
-    require_std_graphs(manifest, options.graphs)
+    require_onnx_graphs(manifest, options.graphs)
     sets: ProfileSets = {GraphSet.PORTABLE: engine_profiles(manifest, options)}
-    if has_std_graphs(manifest):
+    if has_onnx_graphs(manifest):
         sets[GraphSet.ONNX] = engine_profiles(manifest, options, GraphSet.ONNX)
     require_replaceable(directory / _ENGINES, True, _kiln_build_wrote(manifest, _own_files(directory, options)))
     manifest = require_verified(directory, rewritten=_ENGINES)  # that folder is what kiln build rewrites

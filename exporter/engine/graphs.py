@@ -23,10 +23,10 @@ from kiln.errors import ConfigError, EngineError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.engine.options import GraphSet
 
-__all__ = ["STD_TARGET", "STD_MIN_VERSION", "GraphChoice", "has_std_graphs", "require_std_graphs", "choose_graphs"]
+__all__ = ["ONNX_TARGET", "ONNX_MIN_VERSION", "GraphChoice", "has_onnx_graphs", "require_onnx_graphs", "choose_graphs"]
 
-STD_TARGET = "onnx"  # the manifest's targets.<name> of the --target onnx graphs
-STD_MIN_VERSION = (10, 15)  # TensorScatter, RotaryEmbedding, RMSNormalization parsed; IKVCacheUpdateLayer
+ONNX_TARGET = "onnx"  # the manifest's targets.<name> of the --target onnx graphs
+ONNX_MIN_VERSION = (10, 15)  # TensorScatter, RotaryEmbedding, RMSNormalization parsed; IKVCacheUpdateLayer
 _NEED = "TensorRT 10.15 or newer (the first whose ONNX parser imports TensorScatter, RotaryEmbedding and RMSNormalization)"
 
 
@@ -45,14 +45,14 @@ def _dotted(version: tuple[int, ...]) -> str:
     return ".".join(map(str, version))
 
 
-def has_std_graphs(manifest: Manifest) -> bool:
+def has_onnx_graphs(manifest: Manifest) -> bool:
     """Whether the export holds ``--target onnx``'s graph set (``targets.onnx`` in its manifest)."""
-    return STD_TARGET in (manifest.targets or {})
+    return ONNX_TARGET in (manifest.targets or {})
 
 
-def require_std_graphs(manifest: Manifest, requested: GraphSet) -> None:
+def require_onnx_graphs(manifest: Manifest, requested: GraphSet) -> None:
     """Refuse ``--graphs onnx`` on an export without ``--target onnx`` graphs (no TensorRT needed)."""
-    if requested is GraphSet.ONNX and not has_std_graphs(manifest):
+    if requested is GraphSet.ONNX and not has_onnx_graphs(manifest):
         raise ConfigError(
             "--graphs onnx builds the --target onnx graphs (onnx/*.std.onnx), and this export has none (its manifest has no targets.onnx); "
             "re-export with --target onnx, or build the portable graphs with --graphs portable or auto"
@@ -61,16 +61,16 @@ def require_std_graphs(manifest: Manifest, requested: GraphSet) -> None:
 
 def choose_graphs(manifest: Manifest, requested: GraphSet, version: tuple[int, ...]) -> GraphChoice:
     """The graphs to build with TensorRT ``version`` (``compat.trt_version``) for ``--graphs requested``."""
-    require_std_graphs(manifest, requested)
+    require_onnx_graphs(manifest, requested)
     found = _dotted(version)
-    new_enough = version[:2] >= STD_MIN_VERSION
+    new_enough = version[:2] >= ONNX_MIN_VERSION
     if requested is GraphSet.PORTABLE:
         return GraphChoice(GraphSet.PORTABLE, "--graphs portable")
     if requested is GraphSet.ONNX:
         if not new_enough:
             raise EngineError(f"--graphs onnx needs {_NEED}, found TensorRT {found}; pip install -U tensorrt, or build the portable graphs with --graphs portable or auto")
         return GraphChoice(GraphSet.ONNX, f"--graphs onnx, TensorRT {found}")
-    if not has_std_graphs(manifest):
+    if not has_onnx_graphs(manifest):
         return GraphChoice(GraphSet.PORTABLE, "the export has no --target onnx graphs (manifest targets.onnx)")
     if not new_enough:
         return GraphChoice(GraphSet.PORTABLE, f"TensorRT {found} is older than 10.15, the first whose ONNX parser imports the --target onnx graphs' TensorScatter, RotaryEmbedding and RMSNormalization")

@@ -45,7 +45,7 @@ from kiln.exporter.contract.io import (
     GraphKind,
 )
 from kiln.exporter.contract.lora import LoraSlots
-from kiln.exporter.engine.graphs import STD_TARGET
+from kiln.exporter.engine.graphs import ONNX_TARGET
 from kiln.exporter.engine.options import BuildOptions, GraphSet
 
 __all__ = ["ENGINE_GRAPHS", "DimRange", "InputShape", "EngineProfile", "dim_ranges", "engine_file", "lora_shapes", "engine_profile", "engine_profiles"]
@@ -163,15 +163,15 @@ def _graph_inputs(manifest: Manifest, kind: GraphKind, graphs: GraphSet) -> tupl
         if graph is None:
             raise ArtifactError(f"manifest has no graphs.{kind.value}; re-export with this kiln")
         return graph.file, graph.inputs
-    entry = (manifest.targets or {}).get(STD_TARGET)
+    entry = (manifest.targets or {}).get(ONNX_TARGET)
     std = None if entry is None else entry.graphs.get(kind.value)
     if std is None or std.inputs is None:
-        raise ArtifactError(f"manifest has no targets.{STD_TARGET}.graphs.{kind.value} with its inputs; re-export with --target onnx")
+        raise ArtifactError(f"manifest has no targets.{ONNX_TARGET}.graphs.{kind.value} with its inputs; re-export with --target onnx")
     max_context = manifest.limits.max_context
     for spec in std.inputs:  # the contract: every cache buffer holds max_context slots, a fixed dim
         if spec.name.startswith("past_key_values.") and (len(spec.shape) != 4 or spec.shape[2] != max_context):
             raise ArtifactError(
-                f"manifest targets.{STD_TARGET}.graphs.{kind.value}: cache input {spec.name} is {list(spec.shape)}, expected [batch, n_kv_heads, {max_context}, head_dim] "
+                f"manifest targets.{ONNX_TARGET}.graphs.{kind.value}: cache input {spec.name} is {list(spec.shape)}, expected [batch, n_kv_heads, {max_context}, head_dim] "
                 "(its sequence dim fixed at limits.max_context); re-export with --target onnx"
             )
     return std.file, std.inputs

@@ -21,7 +21,7 @@ from pathlib import Path
 from kiln.errors import ConfigError
 from kiln.newfile import new_output
 from kiln.exporter.engine.gpus import gpu_note
-from kiln.exporter.engine.graphs import STD_MIN_VERSION
+from kiln.exporter.engine.graphs import ONNX_MIN_VERSION
 from kiln.exporter.engine.options import MIB, BuildOptions, GraphSet, HardwareCompat
 from kiln.exporter.engine.profiles import EngineProfile, InputShape, Shape
 
@@ -35,7 +35,7 @@ _HARDWARE = {
     HardwareCompat.AMPERE_PLUS: "ampere+",
     HardwareCompat.SAME_CC: "sameComputeCapability",
 }
-_STD_VERSION_INT = STD_MIN_VERSION[0] * 10000 + STD_MIN_VERSION[1] * 100  # NV_TENSORRT_VERSION of 10.15.0
+_ONNX_VERSION_INT = ONNX_MIN_VERSION[0] * 10000 + ONNX_MIN_VERSION[1] * 100  # NV_TENSORRT_VERSION of 10.15.0
 _UNSAFE_NAME = set(":,' \t\n\"=")  # trtexec splits shape lists on ',' and name from dims on ':'
 
 
@@ -133,7 +133,7 @@ def _graph_switch(default: GraphSet) -> list[str]:
     (``samples/common/logging.h`` ``defineTest`` and ``samples/trtexec/trtexec.cpp`` on
     ``release/10.15`` and ``main`` = 11.1; ``NV_TENSORRT_VERSION`` = major * 10000 + minor * 100 +
     patch, ``NvInferRuntimeBase.h``)."""
-    need = _STD_VERSION_INT
+    need = _ONNX_VERSION_INT
     return [
         f'graphs="${{KILN_GRAPHS:-{default.value}}}"',
         "version=0",

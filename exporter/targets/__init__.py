@@ -22,7 +22,7 @@ __all__ = ["PORTABLE", "names", "target", "targets"]
 PORTABLE = "portable"  # --target portable: the portable graphs only (every export has them)
 _BUILTIN = {  # the one registration of each target
     "ort": ("kiln.exporter.targets.ort", "ORT"),
-    "onnx": ("kiln.exporter.targets.standard", "STANDARD"),
+    "onnx": ("kiln.exporter.targets.onnx", "ONNX"),
 }
 _LOADED: dict[str, Target] = {}
 

@@ -2,7 +2,12 @@
 beside them (never replacing them) and says what parity, the manifest and a run loop need.
 
 The pipeline iterates the registry (``exporter.targets``); a target is one folder behind this
-interface and one registration, and nothing outside its folder names it:
+interface and one registration. The pipeline and parity reach a target only through the
+registry; outside its folder, readers of what it wrote and a few option checks still name it (the
+TensorRT engines read the manifest's ``targets.onnx``, the GenAI config ``targets.ort``;
+``options.py``, ``check.py``, ``support.py``). No target folder imports
+another's (``tests/unit/test_code_shape.py``): what they share is ``exporter.patterns``. The
+interface:
 
 - ``check(options)``: refuse, in one ``ConfigError``, export options it cannot build from (its
   own flags without it too: every target checks every export);

@@ -576,7 +576,7 @@ def test_hf_int4_near_tie_model_exports_with_agreement_recorded(tmp_path: Path) 
 
 
 def test_windows_read_from_the_config_or_refused() -> None:
-    from kiln.exporter.targets.standard.windows import layer_windows
+    from kiln.exporter.targets.onnx.windows import layer_windows
     from kiln.plugins.base import DecoderSpec
 
     def spec(**config: object) -> DecoderSpec:
@@ -591,7 +591,7 @@ def test_windows_read_from_the_config_or_refused() -> None:
         layer_windows(spec(architecture="Phi3ForCausalLM", sliding_window=2047))
     assert str(err.value) == (
         "config: --target onnx applies sliding windows only for MistralForCausalLM, MixtralForCausalLM, Starcoder2ForCausalLM, Qwen2ForCausalLM, Gemma2ForCausalLM, "
-        "Gemma3ForCausalLM, each proved by a test; this Phi3ForCausalLM model has a 2047-token window: export it without --target onnx"
+        "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, each proved by a test; this Phi3ForCausalLM model has a 2047-token window: export it without --target onnx"
     )
     with pytest.raises(ConfigError, match=r"config.layer_types \['full_attention', 'chunked_attention'\] is not one of"):
         layer_windows(spec(architecture="Gemma3ForCausalLM", sliding_window=4, layer_types=["full_attention", "chunked_attention"]))

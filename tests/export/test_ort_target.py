@@ -318,8 +318,8 @@ def tiny_portable(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_rotary_tables_are_the_graphs_own(tiny_portable: Path) -> None:
     import onnx_ir as ir
 
-    from kiln.exporter.targets.ort.attention import find_attention
-    from kiln.exporter.targets.ort.rotary_tables import graph_tables
+    from kiln.exporter.patterns.attention import find_attention
+    from kiln.exporter.patterns.rotary_tables import graph_tables
 
     model = ir.load(tiny_portable / "decode.onnx")
     cores = find_attention(model, head_dim=16)

@@ -1,5 +1,7 @@
 """The package's shape (issue 22): no import cycle between folders or between modules, no
-function over 60 lines, no module over 400 (tests, benchmarks and docs aside).
+function over 60 lines, no module over 400 (tests, benchmarks and docs aside); no target folder
+(``exporter/targets/<name>/``) imports another target's folder, even for annotations (issue 42:
+what targets share lives in ``exporter/patterns/``).
 
 Imports counted: every ``import``/``from ... import`` of a kiln module, at module level or inside a
 function (a lazy import is still a dependency); not those under ``if TYPE_CHECKING:`` (they exist
@@ -112,3 +114,70 @@ def test_functions_and_modules_stay_short() -> None:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None and node.end_lineno - node.lineno + 1 > 60:
                 long_functions.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert long_functions == [] and long_modules == []
+
+
+TARGETS = "kiln.exporter.targets"
+
+
+def _every_kiln_import(source: str) -> Iterator[tuple[int, str]]:
+    """(line, module) of every kiln import of ``source``: module level, lazy or under TYPE_CHECKING."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kiln"):
+            yield node.lineno, node.module
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names if a.name.startswith("kiln"))
+
+
+def _target_of(module: str) -> str | None:
+    """The target folder a module is in or below (``ort`` for ``kiln.exporter.targets.ort.gqa``);
+    None for the registry and ``targets/base.py``, which every target may import."""
+    parts = module.split(".")
+    return parts[3] if module.startswith(TARGETS + ".") and len(parts) > 3 and parts[3] != "base" else None
+
+
+def _crossings(sources: dict[str, str]) -> list[str]:
+    """"module:line imports other" for every import, in a target's folder, of another target's."""
+    found = []
+    for name, source in sorted(sources.items()):
+        own = _target_of(name)
+        for line, imported in _every_kiln_import(source) if own is not None else ():
+            other = _target_of(imported)
+            if other is not None and other != own:
+                found.append(f"{name}:{line} imports {imported}")
+    return found
+
+
+def test_the_crossing_finder_sees_lazy_and_typing_imports() -> None:
+    sources = {
+        "kiln.exporter.targets.onnx.graphs": "from kiln.exporter.patterns.norm import x\nfrom kiln.exporter.targets.base import T\n",
+        "kiln.exporter.targets.onnx.cache": "if TYPE_CHECKING:\n    from kiln.exporter.targets.ort.gqa import G\n",
+        "kiln.exporter.targets.ort.rotary": "def f():\n    import kiln.exporter.targets.onnx.rotary\n",
+        "kiln.exporter.targets.ort.graphs": "from kiln.exporter.targets.ort import rules\n",
+        "kiln.exporter.pipeline": "from kiln.exporter.targets.ort.graphs import w\n",
+    }
+    assert _crossings(sources) == [
+        "kiln.exporter.targets.onnx.cache:2 imports kiln.exporter.targets.ort.gqa",
+        "kiln.exporter.targets.ort.rotary:2 imports kiln.exporter.targets.onnx.rotary",
+    ]
+
+
+def test_no_target_folder_imports_another_target() -> None:
+    modules = _modules()
+    sources = {name: path.read_text() for name, path in modules.items() if _target_of(name) is not None}
+    assert {_target_of(name) for name in sources} >= {"ort", "onnx"}, "the target folders were not found"
+    crossings = _crossings(sources)
+    why = "a target imports another target's folder; move what both use to exporter/patterns/:\n"
+    assert crossings == [], why + "\n".join(crossings)
+
+
+def test_the_shared_patterns_import_no_target() -> None:
+    modules = _modules()
+    shared = {name: path for name, path in modules.items() if name.startswith("kiln.exporter.patterns")}
+    assert "kiln.exporter.patterns.attention" in shared, "exporter/patterns/ was not found"
+    reaching = [
+        f"{name}:{line} imports {imported}"
+        for name, path in sorted(shared.items())
+        for line, imported in _every_kiln_import(path.read_text())
+        if imported.startswith(TARGETS)
+    ]
+    assert reaching == [], "exporter/patterns/ is shared by the targets and imports none of them:\n" + "\n".join(reaching)

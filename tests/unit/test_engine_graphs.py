@@ -8,7 +8,7 @@ import pytest
 from kiln_testing import typed_manifest, with_std_target
 
 from kiln.errors import ConfigError, EngineError
-from kiln.exporter.engine.graphs import choose_graphs, has_std_graphs
+from kiln.exporter.engine.graphs import choose_graphs, has_onnx_graphs
 from kiln.exporter.engine.options import GraphSet
 
 PORTABLE_ONLY = {"limits": {"max_batch": 8, "max_context": 48}, "graphs": {}}
@@ -31,7 +31,7 @@ def test_auto_takes_the_std_graphs_from_10_15(version: tuple[int, ...], graphs: 
 
 
 def test_auto_without_the_target_is_portable() -> None:
-    assert not has_std_graphs(PORTABLE) and has_std_graphs(STD)
+    assert not has_onnx_graphs(PORTABLE) and has_onnx_graphs(STD)
     choice = choose_graphs(PORTABLE, GraphSet.AUTO, (11, 1, 0))
     assert (choice.graphs, choice.reason) == (GraphSet.PORTABLE, "the export has no --target onnx graphs (manifest targets.onnx)")
 

@@ -1,4 +1,4 @@
-"""``targets.standard.norm_fp16``: the fp16 pass's RMSNorm island (fp32 statistics, fp16 scale)
+"""``targets.onnx.norm_fp16``: the fp16 pass's RMSNorm island (fp32 statistics, fp16 scale)
 becomes one ``RMSNormalization`` (stash_type 1) over fp32 input and scale, cast back to fp16; ONNX
 Runtime runs both, before and after, within fp16 rounding of the exact norm, even where fp16
 squares would overflow."""
@@ -13,10 +13,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+from kiln.exporter.patterns.norm import fuse_rms_norm
 from kiln.exporter.precision.fp16 import convert_to_fp16
 from kiln.exporter.precision.policy import Fp16Policy
-from kiln.exporter.targets.ort.norm import fuse_rms_norm
-from kiln.exporter.targets.standard.norm_fp16 import fuse_fp16_rms_norm
+from kiln.exporter.targets.onnx.norm_fp16 import fuse_fp16_rms_norm
 
 B, S, D, EPS = 2, 3, 64, 1e-6
 WEIGHT = (1 + 0.1 * np.random.default_rng(1).standard_normal(D)).astype(np.float32)

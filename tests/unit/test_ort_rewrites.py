@@ -17,12 +17,13 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from kiln.errors import ExportError
 from kiln.exporter.passes import GraphRewrite, run_passes
+from kiln.exporter.patterns.norm import fuse_rms_norm
 from kiln.exporter.precision.int4_numbers import pack_int4, rtn
 from kiln.exporter.targets.ort.int4 import ACCURACY_LEVEL as INT4_ACCURACY_LEVEL
 from kiln.exporter.targets.ort.int4 import BlockInt4, int4_matmul_nbits, unfold_int4_weights
 from kiln.exporter.targets.ort.nbits import ACCURACY_LEVEL, BLOCK_SIZE, pack_int8_blocks, quantize_matmul_nbits
-from kiln.exporter.targets.ort.norm import fuse_rms_norm, fuse_skip_rms_norm
 from kiln.exporter.targets.ort.pack import pack_shared_input_matmuls
+from kiln.exporter.targets.ort.skip_norm import fuse_skip_rms_norm
 
 F32 = TensorProto.FLOAT
 B, S, D = 2, 5, 16

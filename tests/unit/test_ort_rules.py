@@ -18,9 +18,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+from kiln.exporter.patterns.rotary_tables import graph_tables
+from kiln.exporter.patterns.rules import NotFused
 from kiln.exporter.targets.ort.gqa import fuse_attention
-from kiln.exporter.targets.ort.rotary_tables import graph_tables
-from kiln.exporter.targets.ort.rules import NotFused
 
 B, N, KV, S, P = 2, 4, 2, 3, 5  # batch, query heads, kv heads, new tokens (prefill), past (decode)
 F32 = TensorProto.FLOAT

@@ -16,10 +16,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+from kiln.exporter.patterns.norm import fuse_rms_norm
+from kiln.exporter.patterns.rules import NotFused
 from kiln.exporter.targets.ort.decode_mask import compact_decode_bias
-from kiln.exporter.targets.ort.norm import fuse_rms_norm, fuse_skip_rms_norm
 from kiln.exporter.targets.ort.pack import pack_shared_input_matmuls
-from kiln.exporter.targets.ort.rules import NotFused
+from kiln.exporter.targets.ort.skip_norm import fuse_skip_rms_norm
 
 B, S, D = 2, 5, 16
 F32 = TensorProto.FLOAT

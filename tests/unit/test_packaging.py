@@ -46,7 +46,7 @@ def test_the_wheel_holds_every_module_and_its_data(tmp_path: Path) -> None:
     (wheel,) = (tmp_path / "dist").glob("kiln-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {name for name in names if name.endswith(".py")} == _repository_modules()
-    assert {"kiln/exporter/precision/kinds/__init__.py", "kiln/exporter/targets/standard/__init__.py",
+    assert {"kiln/exporter/precision/kinds/__init__.py", "kiln/exporter/targets/onnx/__init__.py",
             "kiln/exporter/lora/__init__.py"} <= names
     assert "kiln/demo/checkpoint/model.safetensors" in names
     assert "kiln/exporter/artifacts/manifest.schema.json" in names

@@ -1,4 +1,4 @@
-"""Rule: each layer's attention core (``attention.AttentionCoreRule``) -> com.microsoft
+"""Rule: each layer's attention core (``patterns.attention.AttentionCoreRule``) -> com.microsoft
 GroupQueryAttention, keeping the I/O contract; then RotaryEmbedding on its q and k (``rotary``),
 its q/k/v projections packed, and at decode GQA's own rotary (``gqa_rotary``):
 
@@ -17,7 +17,7 @@ its q/k/v projections packed, and at decode GQA's own rotary (``gqa_rotary``):
   padding, which kiln's batches are not, so it is not used.
 - rotary: ``RotaryEmbedding`` on the packed projections with the graph's own ``position_ids``
   and cos/sin tables obtained by evaluating the graph's own cos/sin subgraph at every position
-  (``rotary_tables``), so a family's theta or scaling needs no formula here.
+  (``patterns.rotary_tables``), so a family's theta or scaling needs no formula here.
 - q, k, v = MatMul(x, Wq|Wk|Wv) with constant weights and no bias -> one MatMul on the
   concatenated weight and a Split (``pack``), in q, k, v order, the packed QKV layout
   GroupQueryAttention reads (what ONNX Runtime GenAI's builder writes too). Hand-written: it
@@ -36,13 +36,15 @@ from typing import Any
 
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import MS_DOMAIN, copy_type, producer, use_ms_domain
-from kiln.exporter.targets.ort.attention import AttentionCore, AttentionCoreRule, flatten_heads
-from kiln.exporter.targets.ort.graph_values import GraphValues, TableFn
+from kiln.exporter.patterns.attention import AttentionCore, AttentionCoreRule
+from kiln.exporter.patterns.heads import flatten_heads
+from kiln.exporter.patterns.rotary_tables import TableFn
+from kiln.exporter.patterns.rules import NotFused, apply_rules, explain, rule_of, where
 from kiln.exporter.targets.ort.gqa_rotary import fuse_rotary_in_gqa
+from kiln.exporter.targets.ort.graph_values import GraphValues
 from kiln.exporter.targets.ort.lora import SlotDelta, carry_deltas, slot_delta
 from kiln.exporter.targets.ort.pack import pack_matmuls, packable_reason
 from kiln.exporter.targets.ort.rotary import RotaryEmbeddingRule, rotary_candidates, rotary_label
-from kiln.exporter.targets.ort.rules import NotFused, apply_rules, explain, rule_of, where
 
 __all__ = ["GroupQueryAttention", "fuse_attention"]
 

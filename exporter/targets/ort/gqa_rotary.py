@@ -13,7 +13,7 @@ from typing import Any
 
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import MS_DOMAIN
-from kiln.exporter.targets.ort.rules import NotFused, apply_rules, explain, fail, rule_of
+from kiln.exporter.patterns.rules import NotFused, apply_rules, explain, fail, rule_of
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
 __all__ = ["RotaryInGroupQueryAttention", "fuse_rotary_in_gqa"]

@@ -2,27 +2,23 @@
 
 ``seqlens_k = total - 1`` for every row and ``total_sequence_length`` (both from
 ``attention_mask``'s shape), the attention biases (the family's own mask, as a float bias), the
-cos/sin caches (the graph's own cos/sin subgraph evaluated at every position, ``rotary_tables``;
+cos/sin caches (the graph's own cos/sin subgraph evaluated at every position, ``patterns.rotary_tables``;
 one pair per distinct table) and ``position_ids``. Nodes are inserted where the graph stays in
 topological order: the lengths at its start, a bias right after what it reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant
-from kiln.exporter.targets.ort.heads import Bias
+from kiln.exporter.patterns.heads import Bias
+from kiln.exporter.patterns.rotary_tables import TableFn
 
-__all__ = ["GraphValues", "TableFn"]
-
-# (cos value, sin value) -> (cos_cache, sin_cache) [max_positions, rotary_dim/2], or None when the
-# tables cannot be evaluated (the subgraph reads more than position_ids, ...)
-TableFn = Callable[[ir.Value, ir.Value], tuple[np.ndarray, np.ndarray] | None]
-
+__all__ = ["GraphValues"]
 
 class GraphValues:
     """What the fused layers of one graph share (module docstring)."""

@@ -4,7 +4,7 @@ Each portable graph ``onnx/<kind>.onnx`` is reloaded (its weights stay in ``weig
 memory-mapped, never read unless a pass needs them) and rewritten for ONNX Runtime's fused CPU
 contrib kernels into ``onnx/<kind>.ort.onnx`` by the passes ``ort_passes`` lists:
 
-- attention (found by ``attention``) -> ``RotaryEmbedding`` + ``GroupQueryAttention`` (prefill
+- attention (found by ``patterns.attention``) -> ``RotaryEmbedding`` + ``GroupQueryAttention`` (prefill
   and decode; see ``gqa`` for why model.onnx keeps its portable attention),
 - decode: mixture-of-experts blocks -> one ``MoE`` per layer (``moe``: SwiGLU experts with
   softmax top-k routing, renormalised or not; other blocks, and every block of the prompt graphs,
@@ -12,7 +12,7 @@ contrib kernels into ``onnx/<kind>.ort.onnx`` by the passes ``ort_passes`` lists
 - q/k/v projections -> one MatMul on the concatenated weight and a Split, and so any other
   MatMuls that read one input (a SwiGLU MLP's gate and up projections: ``pack``),
 - RMSNorm -> ``SimplifiedLayerNormalization``, with the residual Add before it
-  ``SkipSimplifiedLayerNormalization`` (``norm``),
+  ``SkipSimplifiedLayerNormalization`` (``patterns.norm``, ``skip_norm``),
 - decode: the family's mask subgraph -> a four-op padding bias when probes prove them equal, or
   equal but for a sliding window of W keys, which becomes GQA's ``local_window_size = W``
   (``decode_mask``),
@@ -22,7 +22,7 @@ contrib kernels into ``onnx/<kind>.ort.onnx`` by the passes ``ort_passes`` lists
 
 Each fusion is an onnxscript rewrite rule (pattern / check / rewrite) or, where a pattern cannot
 say it, a hand-written matcher of the same shape; every candidate a fusion leaves says why in the
-graph's manifest entry (its ``not_fused`` report: fusion -> "layer i: reason"; ``rules``).
+graph's manifest entry (its ``not_fused`` report: fusion -> "layer i: reason"; ``patterns.rules``).
 
 The copies sit in the same directory as the portable graphs because ONNX Runtime refuses
 external data outside a model's directory; they share ``weights.bin`` for every weight they
@@ -58,10 +58,11 @@ from kiln.exporter.targets.ort.nbits import (
     BLOCK_SIZE,
     quantize_matmul_nbits,
 )
-from kiln.exporter.targets.ort.norm import fuse_rms_norm, fuse_skip_rms_norm
+from kiln.exporter.patterns.norm import fuse_rms_norm
+from kiln.exporter.patterns.rotary_tables import graph_tables
+from kiln.exporter.patterns.rules import NotFused
 from kiln.exporter.targets.ort.pack import pack_shared_input_matmuls
-from kiln.exporter.targets.ort.rotary_tables import graph_tables
-from kiln.exporter.targets.ort.rules import NotFused
+from kiln.exporter.targets.ort.skip_norm import fuse_skip_rms_norm
 from kiln.plugins.base import DecoderSpec
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 

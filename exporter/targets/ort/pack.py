@@ -16,9 +16,9 @@ import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant, copy_type, set_dtype
 from kiln.exporter.passes.names import module_of
+from kiln.exporter.patterns.rules import NotFused
 from kiln.exporter.targets.ort.int4 import BlockInt4, register
 from kiln.exporter.targets.ort.lora import fixed_weight
-from kiln.exporter.targets.ort.rules import NotFused
 
 __all__ = ["pack_matmuls", "pack_shared_input_matmuls", "packable", "packable_reason"]
 

@@ -1,6 +1,6 @@
 """Rule: ``SimplifiedLayerNormalization(a + b)`` -> ``com.microsoft.SkipSimplifiedLayerNormalization(a, b)``.
 
-The residual Add in front of a fused RMSNorm (``norm``) goes into the kernel, whose fourth
+The residual Add in front of a fused RMSNorm (``patterns.norm``) goes into the kernel, whose fourth
 output (the sum) feeds what read the Add (the residual stream). ONNX Runtime 1.32's own fusion
 does not fire on kiln's graphs (it wants shapes it cannot prove), so it is written here, for
 a and b of one ``[B, S, D]`` shape (named dims included) and dtype.
@@ -12,7 +12,7 @@ from typing import Any
 
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import MS_DOMAIN, producer, use_ms_domain
-from kiln.exporter.targets.ort.rules import NotFused, apply_rules, explain, fail, rule_of
+from kiln.exporter.patterns.rules import NotFused, apply_rules, explain, fail, rule_of
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
 __all__ = ["SkipRmsNorm", "fuse_skip_rms_norm"]

@@ -10,10 +10,11 @@ eager one) has one shape between the q/k/v heads and o_proj::
     out = Reshape(Transpose(MatMul(Softmax(scores) [Cast], repeat_kv(present.value))))   -> o_proj
 
 ``AttentionCoreRule`` is that pattern (onnxscript's rewriter; either operand order of its Mul and
-Add) and a check naming why a near miss is not one; its rewrite, in
-``gqa``, writes ONNX Runtime's GroupQueryAttention. q/k/v are matched as heads ``[B, N, S, hd]``
-whatever computes them (rotary, per-head norms); ``rotary`` then fuses the rotary on the
-flattened q and k GroupQueryAttention reads.
+Add) and a check naming why a near miss is not one; it only matches. Both targets rewrite what it
+finds: ``--target ort``'s ``targets/ort/gqa.py`` into ONNX Runtime's GroupQueryAttention (and its
+``targets/ort/rotary.py`` then fuses the rotary on the flattened q and k), ``--target onnx``'s
+``targets/onnx/cache.py`` into ONNX's Attention over a static cache. q/k/v are matched as heads
+``[B, N, S, hd]`` whatever computes them (rotary, per-head norms).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import producer, scalar_of
-from kiln.exporter.targets.ort.heads import Bias, flatten_heads, projection_of
-from kiln.exporter.targets.ort.rules import fail, rule_of
+from kiln.exporter.patterns.heads import Bias, projection_of
+from kiln.exporter.patterns.rotary import find_rotary
+from kiln.exporter.patterns.rules import fail, rule_of
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
 
-__all__ = ["AttentionCore", "AttentionCoreRule", "find_attention", "flatten_heads", "projection_of"]
+__all__ = ["AttentionCore", "AttentionCoreRule", "find_attention"]
 
 _PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
 
@@ -120,7 +122,7 @@ def _read_once(value: ir.Value | None) -> bool:
 
 class AttentionCoreRule(RewriteRuleClassBase):
     """The attention core (module docstring); ``check`` leaves what it found in ``self.core``.
-    This class only matches (``find_attention``); ``gqa.GroupQueryAttention`` rewrites."""
+    This class only matches (``find_attention``); ``targets.ort.gqa.GroupQueryAttention`` rewrites."""
 
     def __init__(self, head_dim: int, name: str = "AttentionCore", *, softmax_island: bool = False) -> None:
         super().__init__(name, remove_nodes=False)  # the presents are graph outputs: rewired, not matched away
@@ -167,7 +169,7 @@ class AttentionCoreRule(RewriteRuleClassBase):
         return MatchResult()
 
     def rewrite(self, op: Any, **_: Any) -> Any:
-        return None  # matching only: see gqa.GroupQueryAttention
+        return None  # matching only: see targets.ort.gqa.GroupQueryAttention
 
 
 def _scores(bound: dict[str, Any]) -> MatchResult | tuple[float, float | None, Bias]:
@@ -235,8 +237,6 @@ def _presents(key: ir.Value, value: ir.Value) -> MatchResult | tuple[tuple[int, 
 def find_attention(model: ir.Model, head_dim: int, *, softmax_island: bool = False) -> list[AttentionCore]:
     """Every layer's attention core that the pass can replace, in layer order (nothing rewritten);
     ``rotary`` holds q's rotate-half (cos, sin) when it has one."""
-    from kiln.exporter.targets.ort.rotary import find_rotary
-
     finder = AttentionCoreRule(head_dim, softmax_island=softmax_island)
     cores: dict[int, AttentionCore] = {}
     rule = rule_of(finder)

@@ -1,4 +1,4 @@
-"""Pass: every layer's attention core (``targets.ort.attention``'s pattern) -> an in-place static
+"""Pass: every layer's attention core (``patterns.attention``'s pattern) -> an in-place static
 cache and ONNX's own ``Attention``, the contract becoming ``contract.static_cache``'s::
 
     present.i.key   = TensorScatter(past.i.key [B, kv, MAX, hd], k, write_indices, axis=-2, mode=linear)
@@ -28,9 +28,9 @@ from kiln.errors import ExportError
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.contract.static_cache import WRITE_INDICES, static_io
 from kiln.exporter.passes.reports import Report
-from kiln.exporter.targets.standard.decomposed import DECOMPOSED_WHY, decomposed_attention
-from kiln.exporter.targets.ort.attention import AttentionCore, find_attention
-from kiln.exporter.targets.standard.mask import static_masks
+from kiln.exporter.patterns.attention import AttentionCore, find_attention
+from kiln.exporter.targets.onnx.decomposed import DECOMPOSED_WHY, decomposed_attention
+from kiln.exporter.targets.onnx.mask import static_masks
 from kiln.plugins.base import DecoderSpec
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 

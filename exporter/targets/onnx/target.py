@@ -1,5 +1,5 @@
 """``--target onnx`` as a ``Target`` (``targets.base``): which exports it takes, how it writes its
-graphs (``graphs.write_standard_target``, imported when it runs) and how parity runs them
+graphs (``graphs.write_onnx_target``, imported when it runs) and how parity runs them
 (``runner.StaticCacheRunner``: ONNX Runtime's CPU provider through the static contract)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from kiln.exporter.targets.base import TargetGiven, TargetGraphs
     from kiln.plugins.base import DecoderSpec
 
-__all__ = ["ALL_MATMULS", "STANDARD", "StandardTarget"]
+__all__ = ["ALL_MATMULS", "ONNX", "OnnxTarget"]
 
 # every precision is written (int8's Q/DQ in the form precision.int8_form gives them); the attention
 # score MatMuls stay float: each layer's attention becomes one ONNX Attention (measured with
@@ -31,9 +31,9 @@ ALL_MATMULS = (
 )
 
 
-class StandardTarget:
+class OnnxTarget:
     name = "onnx"
-    label = "standard-ONNX-target"
+    label = "ONNX-target"
     description = (
         "also write graphs in ONNX's own ops for TensorRT 10.15+ (onnx/*.std.onnx: Attention, RotaryEmbedding, RMSNormalization, a static KV cache written in place "
         "by TensorScatter), parity-checked like the portable ones"
@@ -54,16 +54,16 @@ class StandardTarget:
     def refuse(self, spec: DecoderSpec) -> None:
         if spec.encoder_dim is not None:
             raise ConfigError("--target onnx is not supported for cross-attention decoders: its static cache holds self-attention keys and values only")
-        from kiln.exporter.targets.standard.windows import layer_windows
+        from kiln.exporter.targets.onnx.windows import layer_windows
 
         layer_windows(spec)  # a window it cannot prove is refused here, before any work
 
     def write(self, given: TargetGiven) -> TargetGraphs:
-        from kiln.exporter.targets.standard.graphs import write_standard_target
+        from kiln.exporter.targets.onnx.graphs import write_onnx_target
 
-        with given.progress.stage("standard-ONNX target graphs"):
+        with given.progress.stage("ONNX target graphs"):
             precision = given.options.precision
-            return write_standard_target(
+            return write_onnx_target(
                 given.onnx_dir, given.portable, given.spec, max_context=given.max_context, precision=precision.value, kv_dtype=precision.kv_dtype, last_logits_only=given.options.last_logits_only
             )
 
@@ -71,9 +71,9 @@ class StandardTarget:
         return Precision.parse(precision).weight_only_float  # the portable graphs' int4 DQ MatMuls, unchanged
 
     def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
-        from kiln.exporter.targets.standard.runner import StaticCacheRunner
+        from kiln.exporter.targets.onnx.runner import StaticCacheRunner
 
         return StaticCacheRunner.opener(paths, extra_feeds)
 
 
-STANDARD = StandardTarget()
+ONNX = OnnxTarget()

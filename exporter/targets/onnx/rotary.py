@@ -2,9 +2,9 @@
 (opset 23, 4-D heads ``[B, N, S, hd]``, the graph's own ``position_ids``; ``rotary_embedding_dim``
 for a partial rotary), before ``cache.StaticCache`` rewrites the attention that reads them.
 
-The rotary is found as ``--target ort`` finds it (``targets.ort.rotary.find_rotary``) and its
+The rotary is found as ``--target ort`` finds it (``patterns.rotary.find_rotary``) and its
 cos/sin tables ``[max_context, rotary_dim / 2]`` are the graph's own cos/sin subgraph evaluated at
-every position (``targets.ort.rotary_tables``), so no family's theta or scaling is re-derived.
+every position (``patterns.rotary_tables``), so no family's theta or scaling is re-derived.
 A rotary that is not rotate-half (GPT-J's interleaved one), or whose tables cannot be evaluated
 per position (longrope past its switch), stays as traced, and the graph's ``not_fused`` report
 says why per layer. TensorRT's parser maps the op to ``IRotaryEmbeddingLayer`` (10.15+).
@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant, producer, replace_value
-from kiln.exporter.targets.ort.attention import find_attention
-from kiln.exporter.targets.ort.rotary import find_rotary
-from kiln.exporter.targets.ort.rotary_tables import graph_tables
-from kiln.exporter.targets.ort.rules import NotFused
+from kiln.exporter.patterns.attention import find_attention
+from kiln.exporter.patterns.rotary import find_rotary
+from kiln.exporter.patterns.rotary_tables import graph_tables
+from kiln.exporter.patterns.rules import NotFused
 
-__all__ = ["standard_rotary"]
+__all__ = ["onnx_rotary"]
 
 
 def _rotated(value: ir.Value) -> ir.Value:
@@ -33,7 +33,7 @@ def _rotated(value: ir.Value) -> ir.Value:
     return cast.inputs[0] if cast is not None and cast.inputs[0] is not None else value
 
 
-def standard_rotary(model: ir.Model, *, base_dir: Path, max_context: int, head_dim: int, not_fused: NotFused) -> list[int]:
+def onnx_rotary(model: ir.Model, *, base_dir: Path, max_context: int, head_dim: int, not_fused: NotFused) -> list[int]:
     """Rewrite the q and k rotaries of every attention core; the layers whose both were rewritten."""
     tables = functools.lru_cache(maxsize=None)(graph_tables(model, base_dir, max_context, head_dim))
     position_ids = next(v for v in model.graph.inputs if v.name == "position_ids")

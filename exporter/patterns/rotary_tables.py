@@ -13,6 +13,7 @@ cannot hold it), which is found by evaluating a short prefix of the positions to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +21,13 @@ import onnx
 import onnx_ir as ir
 from kiln.exporter.passes.subgraph import cut_subgraph, proto_for_cuts
 from kiln.exporter.runners.ort_runner import ort_session
-from kiln.exporter.targets.ort.graph_values import TableFn
 from onnx import helper
 
-__all__ = ["graph_tables"]
+__all__ = ["TableFn", "graph_tables"]
+
+# (cos value, sin value) -> (cos_cache, sin_cache) [max_positions, rotary_dim/2], or None when the
+# tables cannot be evaluated (the subgraph reads more than position_ids, ...)
+TableFn = Callable[[ir.Value, ir.Value], tuple[np.ndarray, np.ndarray] | None]
 
 _PREFIX = 4  # positions of the short call (below any context a length-dependent rope switches at)
 

@@ -2,13 +2,13 @@
 with the KV cache a static buffer written in place (``contract.static_cache``), beside them.
 
 Each portable graph ``onnx/<kind>.onnx`` is reloaded (its weights stay in ``weights.bin``) and
-rewritten into ``onnx/<kind>.std.onnx`` by the passes ``standard_passes`` lists:
+rewritten into ``onnx/<kind>.std.onnx`` by the passes ``onnx_passes`` lists:
 
 - the graph converted to opset 24 (onnxscript's version converter),
 - each attention's q and k rotary -> ``RotaryEmbedding`` (``rotary``),
 - attention -> ``TensorScatter`` into the static cache + ``Attention`` with an explicit mask
   (``cache``, ``mask``),
-- RMSNorm -> ``RMSNormalization`` (the ORT target's rule, writing ONNX's op: ``targets.ort.norm``;
+- RMSNorm -> ``RMSNormalization`` (the rule ``--target ort`` uses too, writing ONNX's op: ``patterns.norm``;
   in fp16 graphs the fp16 pass's island first, computed over fp32 casts of it: ``norm_fp16``),
 - int8 Q/DQ in the form ONNX Runtime loads at opset 24 (``precision.int8_form``: no zero point,
   the QuantizeLinear's ``output_dtype`` INT8).
@@ -25,30 +25,30 @@ from pathlib import Path
 import onnx_ir as ir
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.contract.static_cache import static_io
-from kiln.exporter.precision.kinds.base import Needs, Role
-from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.passes import ExternalizeWeights, GraphRewrite, WeightsWriter, run_passes
 from kiln.exporter.passes.reports import Report, pass_reports
+from kiln.exporter.patterns.norm import fuse_rms_norm
+from kiln.exporter.patterns.rules import NotFused
 from kiln.exporter.precision.int8_form import int8_type_attribute_form
+from kiln.exporter.precision.kinds.base import Needs, Role
+from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.precision.lowbit_check import CheckLowBit
 from kiln.exporter.targets.base import TargetGraphs
-from kiln.exporter.targets.ort.norm import fuse_rms_norm
-from kiln.exporter.targets.ort.rules import NotFused
-from kiln.exporter.targets.standard.cache import StaticCache
-from kiln.exporter.targets.standard.norm_fp16 import fuse_fp16_rms_norm
-from kiln.exporter.targets.standard.rotary import standard_rotary
-from kiln.exporter.targets.standard.windows import layer_windows
+from kiln.exporter.targets.onnx.cache import StaticCache
+from kiln.exporter.targets.onnx.norm_fp16 import fuse_fp16_rms_norm
+from kiln.exporter.targets.onnx.rotary import onnx_rotary
+from kiln.exporter.targets.onnx.windows import layer_windows
 from kiln.plugins.base import DecoderSpec
 from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass, TopologicalSortPass
 
-__all__ = ["OPSET", "STD_WEIGHTS_FILE", "standard_graph_file", "standard_passes", "write_standard_target"]
+__all__ = ["OPSET", "ONNX_WEIGHTS_FILE", "onnx_graph_file", "onnx_passes", "write_onnx_target"]
 
 OPSET = 24  # Attention (23), RMSNormalization (23), TensorScatter (24)
 IR_VERSION = 11  # what opset 24 needs (onnx 1.19)
-STD_WEIGHTS_FILE = "weights.std.bin"
+ONNX_WEIGHTS_FILE = "weights.std.bin"
 
 
-def standard_graph_file(kind: GraphKind) -> str:
+def onnx_graph_file(kind: GraphKind) -> str:
     return f"{kind.value}.std.onnx"
 
 
@@ -61,7 +61,7 @@ def to_opset(model: ir.Model) -> int:
     return OPSET
 
 
-def standard_passes(
+def onnx_passes(
     kind: GraphKind,
     spec: DecoderSpec,
     base_dir: Path,
@@ -81,7 +81,7 @@ def standard_passes(
     precision_of = Precision.parse(precision)
     infer_shapes = precision_of.needs(Needs.RANGES)  # int8, fp8
     low_bit = any(k.role is Role.MATMULS for k in precision_of.kinds)  # int8, fp8, int4
-    rotary = functools.update_wrapper(functools.partial(standard_rotary, base_dir=base_dir, max_context=max_context, head_dim=spec.head_dim, not_fused=log), standard_rotary)
+    rotary = functools.update_wrapper(functools.partial(onnx_rotary, base_dir=base_dir, max_context=max_context, head_dim=spec.head_dim, not_fused=log), onnx_rotary)
     norm = functools.update_wrapper(functools.partial(fuse_rms_norm, not_fused=log, op_type="RMSNormalization"), fuse_rms_norm)
     return [
         GraphRewrite(to_opset, "opset", lambda opset: {"version": opset}),
@@ -98,21 +98,21 @@ def standard_passes(
     ]
 
 
-def write_standard_target(
+def write_onnx_target(
     onnx_dir: Path, graphs: dict[GraphKind, Path], spec: DecoderSpec, *, max_context: int, precision: str = "fp32", kv_dtype: str = "float32", last_logits_only: bool = False
 ) -> TargetGraphs:
     """Write ``<kind>.std.onnx`` beside each portable graph in ``onnx_dir`` (of ``precision``,
     its cache ``kv_dtype``: the portable graphs' own)."""
     reports: dict[GraphKind, dict[str, Report]] = {}
     paths: dict[GraphKind, Path] = {}
-    with WeightsWriter(onnx_dir / STD_WEIGHTS_FILE, rename=False) as writer:
+    with WeightsWriter(onnx_dir / ONNX_WEIGHTS_FILE, rename=False) as writer:
         for kind, path in graphs.items():
             log = NotFused()
-            passes = standard_passes(
+            passes = onnx_passes(
                 kind, spec, onnx_dir, max_context, writer, kv_dtype=kv_dtype, last_logits_only=last_logits_only, log=log, precision=precision
             )
             model = run_passes(ir.load(path), passes, graph=f"{kind.value} (onnx target)")
-            paths[kind] = onnx_dir / standard_graph_file(kind)
+            paths[kind] = onnx_dir / onnx_graph_file(kind)
             ir.save(model, paths[kind])
             del model
             left = log.record()

@@ -5,6 +5,6 @@ Importing this package is cheap: the rewrites load when the target writes."""
 
 from __future__ import annotations
 
-from kiln.exporter.targets.standard.target import STANDARD, StandardTarget
+from kiln.exporter.targets.onnx.target import ONNX, OnnxTarget
 
-__all__ = ["STANDARD", "StandardTarget"]
+__all__ = ["ONNX", "OnnxTarget"]

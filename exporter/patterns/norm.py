@@ -1,9 +1,10 @@
-"""Rule: RMSNorm written out by the tracer -> ``SimplifiedLayerNormalization``.
+"""Rule: RMSNorm written out by the tracer -> ``SimplifiedLayerNormalization`` (``--target ort``)
+or ONNX's ``RMSNormalization`` (``--target onnx``: the same inputs and attributes).
 
 The tracer writes RMSNorm as ``x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2)) + eps)) [* weight]``.
 ONNX Runtime 1.32 does not fuse that form itself (it looks for ``Div``), so the CPU runs seven
-kernels per norm. These rules write the fused op (ONNX Runtime's kernel in the default domain);
-``skip_norm`` then merges the residual Add in front of it. A norm without a constant 1-D weight
+kernels per norm. These rules write the fused op (by default ONNX Runtime's kernel in the default
+domain; ``targets/ort/skip_norm.py`` then merges the residual Add in front of it). A norm without a constant 1-D weight
 (the native PLE sub-layer's, whose scale is a per-position table) gets a ones weight and keeps
 its Mul: the weighted rule runs over the whole graph first, the unweighted one after it.
 """
@@ -15,11 +16,10 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import constant, producer, scalar_of
-from kiln.exporter.targets.ort.rules import NotFused, apply_rules, explain, fail, rule_of
-from kiln.exporter.targets.ort.skip_norm import fuse_skip_rms_norm
+from kiln.exporter.patterns.rules import NotFused, apply_rules, explain, fail, rule_of
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
 
-__all__ = ["RmsNorm", "fuse_rms_norm", "fuse_skip_rms_norm", "ones_weight"]
+__all__ = ["RmsNorm", "fuse_rms_norm", "ones_weight"]
 
 
 def _last_axis(mean: ir.Node, x: ir.Value) -> bool:

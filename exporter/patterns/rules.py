@@ -1,4 +1,4 @@
-"""What the ORT target's fusions share: applying onnxscript rewrite rules, and saying why a
+"""What every target's fusions share: applying onnxscript rewrite rules, and saying why a
 candidate did not fuse.
 
 A fusion is an onnxscript rule (a ``pattern`` in the op vocabulary it matches, a ``check`` that

@@ -19,7 +19,8 @@ from kiln.plugins.base import DecoderSpec
 
 __all__ = ["PROVED", "layer_windows"]
 
-PROVED = ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+PROVED = ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+          "Gemma3ForConditionalGeneration")  # Gemma 3's multimodal wrapper: its text decoder, windowed (tests/export/test_hf_multimodal.py)
 
 
 def layer_windows(spec: DecoderSpec) -> dict[int, int]:

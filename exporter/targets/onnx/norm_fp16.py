@@ -2,7 +2,7 @@
 
 The fp16 pass (``precision.fp16``) keeps an RMSNorm's statistics in fp32 and writes it as
 ``x16 * Cast16(Reciprocal(Sqrt(ReduceMean(Pow(Cast32(x16), 2)) + eps))) [* weight16]``, which
-``targets.ort.norm``'s rule does not see (it squares a Cast, not what it scales). This rule writes
+``patterns.norm``'s rule does not see (it squares a Cast, not what it scales). This rule writes
 one ONNX ``RMSNormalization`` (``stash_type=1``) over the island's fp32 input and an fp32 view of
 the weight (a Cast of the fp16 initializer, which runtimes fold), and casts its output to fp16.
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import onnx_ir as ir
 from kiln.exporter.passes.ir_utils import scalar_of
-from kiln.exporter.targets.ort.norm import RmsNorm, ones_weight
-from kiln.exporter.targets.ort.rules import apply_rules, fail, rule_of
+from kiln.exporter.patterns.norm import RmsNorm, ones_weight
+from kiln.exporter.patterns.rules import apply_rules, fail, rule_of
 from onnxscript.rewriter import MatchResult, pattern
 
 __all__ = ["RmsNormFp16Island", "fuse_fp16_rms_norm"]
@@ -66,7 +66,7 @@ class RmsNormFp16Island(RmsNorm):
 
 def fuse_fp16_rms_norm(model: ir.Model) -> int:
     """Fuse every fp16 RMSNorm island of ``model`` (``RmsNormFp16Island``); returns how many. What
-    it leaves is explained by ``targets.ort.norm.fuse_rms_norm``, which runs after it."""
+    it leaves is explained by ``patterns.norm.fuse_rms_norm``, which runs after it."""
     weighted = [rule_of(RmsNormFp16Island(True, swapped)) for swapped in (False, True)]
     ones = [rule_of(RmsNormFp16Island(False, swapped)) for swapped in (False, True)]
     return apply_rules(model, weighted) + apply_rules(model, ones)
