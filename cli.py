@@ -58,7 +58,8 @@ def _reports_errors(func: F) -> F:
 def _exit_for(exc: BaseException) -> typing.NoReturn:
     """One line on stderr and the exit status for what ended a command: a signal's (128 + its number) whatever it
     surfaced as (an ImportError from a module it cut short, the error of a worker process it ended), a KilnError's
-    (1); anything else is a bug and keeps its traceback."""
+    (1), ONNX Runtime's report of memory it could not allocate (1, ``ort_memory``); anything else is a bug and keeps
+    its traceback."""
     signum = exc.signum if isinstance(exc, interrupts.Interrupted) else interrupts.received()
     if signum is None and isinstance(exc, KeyboardInterrupt):
         signum = signal.SIGINT
@@ -67,6 +68,11 @@ def _exit_for(exc: BaseException) -> typing.NoReturn:
         sys.exit(128 + signum)
     if isinstance(exc, KilnError):
         click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    from kiln.exporter.runners.ort_memory import allocation_failure, memory_error
+
+    if allocation_failure(exc):  # an ONNX Runtime run outside OrtRunner (kiln generate, kiln bench)
+        click.echo(f"error: {memory_error(exc, 'a graph')}", err=True)
         sys.exit(1)
     raise exc
 

@@ -18,6 +18,7 @@ __all__ = [
     "BenchError",
     "EngineError",
     "GenerateError",
+    "MemoryLimitError",
 ]
 
 
@@ -82,3 +83,9 @@ class GenerateError(KilnError):
     """Text generation through exported graphs could not run (bad prompt, ids, or directory)."""
 
     stage = "generate"
+
+
+class MemoryLimitError(KilnError):
+    """The machine's memory ran out: an allocator (ONNX Runtime's arena) refused a buffer."""
+
+    stage = "memory"

@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.errors import ConfigError, ExportError
-from kiln.exporter.contract.io import CacheUpdate
 from kiln.exporter.contract.limits import MAX_CONTEXT, MIN_CONTEXT
-from kiln.exporter.contract.static_cache import refuse_oversized
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.support import refuse_model
 from kiln.plugins import LoadedModel
@@ -84,17 +82,7 @@ def resolve_limits(spec: DecoderSpec, options: ExportOptions) -> int:
         )
     if options.ple_extend is not None and spec.ple_positions is None:
         raise ExportError("--ple-extend was given but the model has no PLE tables")
-    _refuse_static_cache(spec, options, context)
     return context
-
-
-def _refuse_static_cache(spec: DecoderSpec, options: ExportOptions, context: int) -> None:
-    """A target whose graphs hold a static cache (``--target onnx``) sizes its buffers by the
-    context: too big for this machine, it is refused here, before the trace."""
-    from kiln.exporter.targets import targets
-
-    if any(CacheUpdate.STATIC in t.kv_caches for t in targets() if t.wanted(options)):
-        refuse_oversized(spec, max_batch=options.max_batch, max_context=context, kv_dtype=options.precision.kv_dtype)
 
 
 def prepare_reference(loaded: LoadedModel, options: ExportOptions) -> nn.Module:

@@ -36,6 +36,7 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 import sys
 import secrets
 from collections.abc import Callable, Iterator, Sequence
@@ -45,7 +46,7 @@ from kiln.errors import ArtifactError, ConfigError
 from kiln.exporter.artifacts.lockfile import lock_path, lock_record, ours
 from kiln.interrupts import deferred, raise_if_interrupted, wrote
 
-__all__ = ["Owner", "Note", "brief", "cannot_write", "earlier_export", "listing", "require_new_file", "require_replaceable", "staged_output"]
+__all__ = ["Owner", "Note", "brief", "cannot_write", "earlier_export", "listing", "refuse_held", "require_new_file", "require_replaceable", "staged_output"]
 
 Owner = Callable[[Path], str | None]  # a non-empty directory -> None when kiln wrote it, else why not (one line)
 Note = Callable[[str], None]  # where a line about cleaned-up leftovers goes
@@ -99,8 +100,7 @@ def _lock(out: Path, note: Note) -> Iterator[MakeDir]:
     except BlockingIOError:
         holder = _lock_record(fd)[0]
         os.close(fd)
-        pid = f"pid {holder}, " if holder else ""
-        raise ArtifactError(f"{out}: another kiln process is writing this directory ({pid}lock {lock}); wait for it or choose another --out") from None
+        raise ArtifactError(_held(out, holder)) from None
     try:
         previous, made = _lock_record(fd)  # we hold the lock: whoever wrote this PID is gone
         _clean_leftovers(out, previous, made, note)  # interrupted, the file still names them
@@ -113,6 +113,32 @@ def _lock(out: Path, note: Note) -> Iterator[MakeDir]:
             with contextlib.suppress(FileNotFoundError):
                 lock.unlink()  # else it stays, naming what the next process removes
         fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _held(out: Path, holder: int | None) -> str:
+    pid = f"pid {holder}, " if holder else ""
+    return f"{out}: another kiln process is writing this directory ({pid}lock {lock_path(out)}); wait for it or choose another --out"
+
+
+def refuse_held(out: Path) -> None:
+    """Refuse ``out`` at once when another kiln process holds its lock (a non-blocking probe that
+    takes nothing and creates nothing): an export asks this before it loads the checkpoint, which
+    the lock itself (``staged_output``) would refuse only after the load. A lock file that is not
+    a regular file, or cannot be opened, is left to ``staged_output`` to name."""
+    try:
+        fd = os.open(lock_path(out), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file: nobody holds it
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a writer's LOCK_EX
+        except BlockingIOError:
+            raise ArtifactError(_held(out, _lock_record(fd)[0])) from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
         os.close(fd)
 
 

@@ -23,9 +23,28 @@ Every graph of the set (prefill, decode, model) reads and writes the cache the s
 - ``input_ids``, ``position_ids`` ``[batch, seq]`` and ``logits`` as the portable contract
   (``contract.io``); ``present.*`` have the buffers' shape.
 
-The buffers' bytes follow from the config alone (``cache_bytes``): an export whose buffers at
-``--max-batch`` exceed half this machine's memory is refused before the trace
-(``refuse_oversized``), not met by an allocator's traceback in parity.
+The buffers' bytes follow from the config alone (``cache_bytes``), and so does what the export
+needs for them (``refuse_oversized``, before the trace): the buffers at ``--max-batch`` (what a
+runtime serving the graphs allocates), and parity's peak, ``PARITY_PEAK`` times the buffers of the
+rows parity runs at once. Either past half this machine's memory is refused in one line, not met by
+an allocator's failure after the trace.
+
+``PARITY_PEAK`` is measured (issue 38; ``/usr/bin/time -v`` and psutil's RSS sampled through
+``kiln export --target onnx`` of tiny models at 2000 and 150000-200000 slots, the slope taken, so
+the trace and the weights, the same at every context, drop out). All of the growth is parity of the
+static graphs, none is the trace (RSS per progress stage). What holds buffer-sized arrays there
+(read from the code, not each measured): each step feeds new zeroed buffers (``static_feeds``), ONNX
+Runtime returns presents of the buffers' size (the graphs' TensorScatter writes a copy, since
+parity does not bind one OrtValue as both) and computes attention over every slot, the previous
+step's presents stay alive until the next (``portable_outputs`` keeps views of them), and each of
+the three graphs' sessions (a small model's stay open together: ``OrtRunner``) keeps its own arena
+at its high-water mark. Per slot, against the buffers of parity's rows: 8.4x (2 layers, 4 heads, 2
+KV heads, head_dim 8, 4 rows, 200000 slots; 12x at 400000), 8.5x (4 KV heads), 8.7x (head_dim 32),
+15x (the first at 1 row: ``--max-batch 1``) and 17x (8 heads over 2 KV heads): not one constant,
+since ONNX Runtime's arena grows in power-of-two steps and a peak lands on one step or the next.
+The rule takes the largest, against half the machine: the arena asks for each step in one piece,
+about as large as all it holds, and the system may refuse that piece long before the memory is
+used (the issue's 1000000 slots held 7 GB of a 24 GB machine when a request failed).
 """
 
 from __future__ import annotations
@@ -36,15 +55,17 @@ from pathlib import Path
 
 import numpy as np
 from kiln.errors import ExportError
+from kiln.exporter.contract.limits import MIN_CONTEXT
 from kiln.exporter.contract.io import BATCH, GraphIO, GraphKind, TensorSpec, graph_io, past_names, present_names
 from kiln.plugins.base import DecoderSpec
 
 __all__ = [
-    "WRITE_INDICES", "CacheBuffers", "cache_bytes", "machine_memory", "refuse_oversized", "static_io", "static_feeds",
+    "WRITE_INDICES", "CacheBuffers", "cache_bytes", "machine_memory", "PARITY_PEAK", "refuse_oversized", "static_io", "static_feeds",
     "portable_outputs",
 ]  # fmt: skip
 
 WRITE_INDICES = "write_indices"
+PARITY_PEAK = 17  # an export's peak over the buffers of the rows parity runs at once: the largest measured (module docstring)
 CacheBuffers = Mapping[str, tuple[tuple[int, ...], np.dtype]]  # each cache input: its shape without the batch, its dtype
 
 
@@ -68,7 +89,7 @@ def static_feeds(kind: GraphKind, feeds: Mapping[str, np.ndarray], caches: Cache
     length in every row (kiln's batches are left-padded: every row writes at one slot), prefill's
     caches zeroed. Returns them and ``past_seq + seq``, the slots of each present that the portable
     contract returns (``portable_outputs``). Every runner of these graphs asks through this one
-    function: ONNX Runtime's (``targets.standard.runner``) and TensorRT's (``engine.static_runner``)."""
+    function: ONNX Runtime's (``targets.onnx.runner``) and TensorRT's (``engine.static_runner``)."""
     batch, seq = feeds["input_ids"].shape
     pasts = {name: value for name, value in feeds.items() if name.startswith("past_key_values.")}
     past_seq = next(iter(pasts.values())).shape[2] if pasts else 0
@@ -109,20 +130,25 @@ def machine_memory() -> int:
     return memory
 
 
-def refuse_oversized(spec: DecoderSpec, *, max_batch: int, max_context: int, kv_dtype: str) -> None:
-    """Refuse, before anything is traced, a static cache whose buffers at ``max_batch`` rows (what a
-    runtime serving the graphs allocates at their largest batch) exceed half this machine's
-    memory (the graphs, their sessions and parity's copies of the buffers need the rest, as
-    ``kiln bench``'s feeds leave it): the figures are the config's, and parity would otherwise die
-    in the allocator after the trace (--max-context 1000000 grew to 7 GB, then a BFCArena traceback)."""
-    need, limit = cache_bytes(spec, batch=max_batch, max_context=max_context, kv_dtype=kv_dtype), machine_memory() // 2
-    if need > limit:
-        figures = (
-            f"{spec.n_layers} layers x 2 (key, value) x {max_batch} rows (--max-batch) x {spec.n_kv_heads} KV heads"
-            f" x {max_context} slots x {spec.head_dim} x {np.dtype(kv_dtype).itemsize} bytes ({kv_dtype})"
-        )
+def refuse_oversized(spec: DecoderSpec, *, max_batch: int, parity_rows: int, max_context: int, kv_dtype: str) -> None:
+    """Refuse, before anything is traced, a static cache that does not fit this machine: its
+    buffers at ``max_batch`` rows, or parity's peak at its ``parity_rows`` rows (``PARITY_PEAK`` times
+    their buffers), past half this machine's memory (module docstring). The figures are the config's."""
+    limit, row = machine_memory() // 2, cache_bytes(spec, batch=1, max_context=max_context, kv_dtype=kv_dtype)
+    fits = max(MIN_CONTEXT, max_context * limit // (max(max_batch, PARITY_PEAK * parity_rows) * row))  # the longest that passes both
+    machine = f"more than half this machine's memory ({limit} bytes, {limit / 2**30:.1f} GiB)"
+    figures = (
+        f"{spec.n_layers} layers x 2 (key, value) x {spec.n_kv_heads} KV heads x {max_context} slots x {spec.head_dim}"
+        f" x {np.dtype(kv_dtype).itemsize} bytes ({kv_dtype})"
+    )
+    if (need := max_batch * row) > limit:
         raise ExportError(
-            f"--max-context {max_context}: the static KV cache of --target onnx takes {figures} = {need} bytes"
-            f" ({need / 2**30:.1f} GiB), more than half this machine's memory ({limit} bytes, {limit / 2**30:.1f} GiB);"
-            " pass a smaller --max-context or --max-batch"
+            f"--max-context {max_context}: the static KV cache of --target onnx takes {max_batch} rows (--max-batch) x {figures}"
+            f" = {need} bytes ({need / 2**30:.1f} GiB), {machine}; pass --max-context {fits} or less, or a smaller --max-batch"
+        )
+    if (need := PARITY_PEAK * parity_rows * row) > limit:
+        raise ExportError(
+            f"--max-context {max_context}: the export's parity runs the static KV cache of --target onnx at {parity_rows} row{'s' if parity_rows != 1 else ''} of"
+            f" {figures} = {row} bytes each, and needs about {PARITY_PEAK}x those buffers (ONNX Runtime's copies of them and its"
+            f" attention over every slot, measured) = {need} bytes ({need / 2**30:.1f} GiB), {machine}; pass --max-context {fits} or less"
         )

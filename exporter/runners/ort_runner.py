@@ -12,6 +12,7 @@ from kiln.errors import ArtifactError
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.external_data import external_files
 from kiln.exporter.runners.base import Feeds
+from kiln.exporter.runners.ort_memory import allocation_failure, memory_error
 
 __all__ = ["KEEP_OPEN_BYTES", "OrtRunner", "ort_session"]
 
@@ -63,7 +64,7 @@ def ort_session(
         opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     if threads:
         opts.intra_op_num_threads = threads
-    opts.log_severity_level = 3
+    opts.log_severity_level = 4  # fatal only: a failed run is its exception (one line, ort_memory), not also a logged error
     if not spinning:
         opts.inter_op_num_threads = 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -84,6 +85,8 @@ def _session(ort: Any, model: Path | bytes, opts: Any) -> Any:
         return ort.InferenceSession(str(model) if isinstance(model, Path) else model, opts, providers=["CPUExecutionProvider"])
     except refusals as exc:
         what = model if isinstance(model, Path) else "a graph"
+        if allocation_failure(exc):
+            raise memory_error(exc, f"{what}: its session") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ArtifactError(f"{what}: ONNX Runtime cannot load it ({first})") from exc
 
@@ -129,7 +132,13 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
         assert self._active, "OrtRunner runs inside its `with` block"
         runner = self._open[kind] if kind in self._open else self._session(kind)
-        return dict(runner.infer({**feeds, **self._extra}, check_inputs=False))
+        try:
+            return dict(runner.infer({**feeds, **self._extra}, check_inputs=False))
+        except Exception as exc:
+            if allocation_failure(exc):
+                rows = f" at batch {feeds['input_ids'].shape[0]}" if "input_ids" in feeds else ""
+                raise memory_error(exc, f"{self._paths[kind]}: a run{rows}") from None
+            raise
 
     def _session(self, kind: GraphKind) -> Any:
         """``kind``'s session, opened after the open ones are closed unless all their weights

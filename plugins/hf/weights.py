@@ -41,9 +41,12 @@ def _shards(directory: Path) -> list[Path]:
     index = directory / INDEX
     if not index.is_file():
         return []
-    weight_map = read_json_object(index, CheckpointError, f"{index}: not found").get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    data = read_json_object(index, CheckpointError, f"{index}: not found")
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: expected a weight_map object of tensor name -> shard file name")
+    if not isinstance(data.get("metadata", {}), dict):  # transformers reads its fields by name
+        raise CheckpointError(f"{index}: metadata must be an object, found {type(data['metadata']).__name__}")
     names = sorted(set(weight_map.values()))
     for name in names:
         if Path(name).name != name or not (directory / name).is_file():
@@ -74,15 +77,21 @@ def check_sizes(model_class: Any, config: Any, header: Header, directory: Path) 
     """The shapes of the model ``config`` describes (built on meta) against ``header``."""
     if not header and not _shards(directory):
         return  # no safetensors file transformers reads: from_pretrained says so (a file of no tensors is checked below)
-    layers = int(config.num_hidden_layers)
+    layers = int(getattr(config, "text_config", config).num_hidden_layers)  # a multimodal wrapper's are its text decoder's
     if layers > len(header):  # every layer holds a tensor of its own
         raise CheckpointError(
             f"{directory}: weights do not match the config: config.json says num_hidden_layers={layers}, but the weights hold {len(header)} tensors in all"
         )
-    with torch.device("meta"):
-        # PreTrainedModel._from_config is private, but transformers has no public way to build a named
-        # class (not the Auto mapping's) from a config with an attention implementation and dtype
-        model = model_class._from_config(config, attn_implementation="eager")
+    try:
+        with torch.device("meta"):
+            # PreTrainedModel._from_config is private, but transformers has no public way to build a named
+            # class (not the Auto mapping's) from a config with an attention implementation and dtype
+            model = model_class._from_config(config, attn_implementation="eager")
+    # values transformers' config accepts but its modules cannot be built from (issue 38's fuzz: an int
+    # dtype, an unknown hidden_act, a negative size, a pad id past the vocabulary, a rope_theta of null)
+    except (KeyError, RuntimeError, AssertionError, TypeError, AttributeError, ValueError, ArithmeticError, IndexError) as exc:
+        first = " ".join(str(exc).split()) or type(exc).__name__
+        raise CheckpointError(f"{directory / 'config.json'}: transformers cannot build the model it describes ({type(exc).__name__}: {first[:200]})") from None
     prefix = f"{model.base_model_prefix}."
     problems = []
     for name, tensor in model.state_dict().items():

@@ -1,5 +1,9 @@
 """Fuzzed inputs (issue 25): configs, safetensors headers and manifests drawn by hypothesis (the
-same examples every run by default; fresh ones with ``--hypothesis-profile explore``: conftest.py).
+same examples every run by default; fresh ones with ``--hypothesis-profile explore``: conftest.py),
+and a deterministic sweep of every field of each JSON input kiln reads (issue 38): manifest.json,
+a native and a Hugging Face config.json, model.safetensors.index.json, genai_config.json (kiln
+bench) and adapter_config.json (kiln adapter), each field set to another type and to an
+out-of-range value of its own.
 
 Each example must end in success or in one ``KilnError`` (the CLI: exit 1 and one line), never
 in another exception, within a bounded time, and the whole run within bounded memory; no file
@@ -318,3 +322,154 @@ def _value_at(data: Any, path: tuple[Any, ...]) -> Any:
     for key in path:
         data = data[key]
     return data
+
+
+# --- every field of the other JSON inputs, each mutated (the same sweep, input by input) ------
+
+
+def _sweep(original: dict[str, Any], attempt: Any) -> tuple[int, int, list[str]]:
+    """Each field of ``original`` (``_field_paths``), set to each of ``_mutations``, handed to
+    ``attempt`` (which writes it, runs kiln, asserts success or one line and returns whether kiln
+    refused it): the cases, the refusals, and what broke the promise."""
+    cases = refused = 0
+    broken: list[str] = []
+    for path in _field_paths(original):
+        for value in _mutations(_value_at(original, path)):
+            data = json.loads(json.dumps(original))
+            _replace(data, path, value)
+            try:
+                refused += bool(attempt(data))
+            except Exception as exc:  # an assertion, a deadline, or an exception that is not a KilnError: each a finding
+                first = str(exc).splitlines()[0][:300] if str(exc) else ""
+                broken.append(f"{'.'.join(map(str, path))} = {value!r}: {type(exc).__name__}: {first}")
+            cases += 1
+    return cases, refused, broken
+
+
+def _cli(args: list[str]) -> bool:
+    """``kiln ARGS`` in this process within ``SECONDS``: success or one line (``_one_line_or_success``); True when refused."""
+    with _deadline(SECONDS):
+        result = CliRunner().invoke(main, args)
+    _one_line_or_success(result)
+    return result.exit_code != 0
+
+
+def test_every_config_field_mutated_ends_in_one_line(tmp_path: Path) -> None:
+    """Issue 38: each field of a native config.json (PLE's too), each mutated, loads or is one KilnError."""
+    original = json.loads((write_checkpoint(tmp_path / "valid", tiny_config()) / "config.json").read_text())
+    weights = (tmp_path / "valid" / "model.safetensors").read_bytes()
+
+    def attempt(config: dict[str, Any]) -> bool:
+        ckpt = _checkpoint(tmp_path / "ckpt", config, weights)
+        with _deadline(SECONDS):
+            try:
+                load_model(ckpt)
+            except KilnError as exc:
+                assert "\n" not in str(exc), str(exc)
+                return True
+        return False
+
+    cases, refused, broken = _sweep(original, attempt)
+    assert broken == []
+    assert cases >= 50 and refused >= 40, (cases, refused)  # the sweep's size when written (52, 48)
+
+
+def test_every_hf_config_field_mutated_ends_in_one_line(tmp_path: Path) -> None:
+    """The same for a Hugging Face config.json as transformers saves it (every field it writes)."""
+    pytest.importorskip("transformers", reason="Hugging Face checkpoints load through transformers (pip install 'kiln[hf]')")
+    from kiln_testing import save_base
+
+    valid = save_base("llama", tmp_path / "valid")
+    original = json.loads((valid / "config.json").read_text())
+    weights = (valid / "model.safetensors").read_bytes()
+
+    def attempt(config: dict[str, Any]) -> bool:
+        ckpt = _checkpoint(tmp_path / "ckpt", config, weights)
+        with _deadline(SECONDS):
+            try:
+                load_model(ckpt)
+            except KilnError as exc:
+                assert "\n" not in str(exc), str(exc)
+                return True
+        return False
+
+    cases, refused, broken = _sweep(original, attempt)
+    assert broken == []
+    assert cases >= 50 and refused >= 40, (cases, refused)  # (56, 48)
+
+
+def test_every_shard_index_field_mutated_ends_in_one_line(tmp_path: Path) -> None:
+    """``model.safetensors.index.json`` of a sharded Hugging Face checkpoint (its total size, every
+    tensor's shard), each field mutated: loads or is one KilnError."""
+    pytest.importorskip("transformers", reason="Hugging Face checkpoints load through transformers (pip install 'kiln[hf]')")
+    from kiln.plugins.hf import tiny_model
+
+    ckpt = tmp_path / "ckpt"
+    tiny_model("llama", seed=1).module.model.save_pretrained(ckpt, safe_serialization=True, max_shard_size="20KB")
+    index = ckpt / "model.safetensors.index.json"
+    original = json.loads(index.read_text())
+    assert len(set(original["weight_map"].values())) > 1, "not sharded"
+
+    def attempt(data: dict[str, Any]) -> bool:
+        index.write_text(json.dumps(data))
+        with _deadline(SECONDS):
+            try:
+                load_model(ckpt)
+            except KilnError as exc:
+                assert "\n" not in str(exc), str(exc)
+                return True
+        return False
+
+    cases, refused, broken = _sweep(original, attempt)
+    assert broken == []
+    assert cases >= 45 and refused >= 40, (cases, refused)  # (50, 45)
+
+
+def test_every_genai_config_field_mutated_ends_in_one_line(pristine: Path, tmp_path: Path) -> None:
+    """Issue 38, item 6: ``genai_config.json`` (an export's ``onnx/``, as ONNX Runtime GenAI's builder
+    writes one), each field mutated, through ``kiln bench`` of that directory: success or one line."""
+    directory = Path(shutil.copytree(pristine / "onnx", tmp_path / "genai"))
+    original = json.loads((directory / "genai_config.json").read_text())
+    args = ["bench", str(directory), "--no-torch", "--runs", "3", "--prefill-seq", "2", "--past", "2"]
+
+    def attempt(config: dict[str, Any]) -> bool:
+        (directory / "genai_config.json").write_text(json.dumps(config))
+        return _cli(args)
+
+    assert not attempt(original)  # the unmutated directory is timed
+    cases, refused, broken = _sweep(original, attempt)
+    assert broken == []
+    assert cases >= 75 and refused >= 15, (cases, refused)  # (78, 15)
+
+
+@pytest.fixture(scope="module")
+def slots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A PEFT adapter and a tiny Llama exported with LoRA slots for it (kiln adapter's inputs)."""
+    pytest.importorskip("peft", reason="adapters are PEFT's (pip install -e .[hf])")
+    from kiln_testing import make_adapter, save_base
+
+    root = tmp_path_factory.mktemp("fuzz-adapter")
+    ckpt = save_base("llama", root / "ckpt")
+    export(ckpt, root / "slots", ExportOptions(max_batch=1, parity_tokens=2, lora_slots=4))
+    return make_adapter(ckpt, root / "peft", ["q_proj", "v_proj"], seed=2), root / "slots"
+
+
+def test_every_adapter_config_field_mutated_ends_in_one_line(slots: tuple[Path, Path], tmp_path: Path) -> None:
+    """Issue 38: ``adapter_config.json``, each field mutated, through ``kiln adapter --no-check`` (its
+    reader, ``plugins.hf.adapter.read_adapter``, is ``kiln export --adapter``'s too): success or one
+    line; the export it reads unchanged."""
+    peft_dir, exported = slots
+    adapter = Path(shutil.copytree(peft_dir, tmp_path / "peft"))
+    original = json.loads((adapter / "adapter_config.json").read_text())
+    before = hash_tree(exported)
+    args = ["adapter", str(adapter), "--export", str(exported), "--no-check", "--out", str(tmp_path / "a.onnx_adapter"), "--force"]
+
+    def attempt(config: dict[str, Any]) -> bool:
+        (adapter / "adapter_config.json").write_text(json.dumps(config))
+        return _cli(args)
+
+    assert not attempt(original)
+    cases, refused, broken = _sweep(original, attempt)
+    assert broken == []
+    assert hash_tree(exported) == before and sorted(p.name for p in tmp_path.iterdir()) == ["a.onnx_adapter", "peft"]
+    assert cases >= 85 and refused >= 30, (cases, refused)  # (88, 33)

@@ -5,7 +5,9 @@ draws (the same draws every run in CI: conftest's profile). Whatever the moment,
 in one of the outcomes kiln promises: exit 0 (it finished first), exit 1 with one ``error:`` line
 (kiln build, where TensorRT is missing), or exit 128 + the signal with an ``interrupted (SIG...)``
 line last; never a traceback; the checkpoint byte-identical; the export it worked on verifying
-(``kiln verify``), and a new export either absent or verifying. ``tests/export/test_signals.py``
+(``kiln verify``), and a new export either absent or verifying; ``kiln adapter`` (a Llama exported
+with LoRA slots and a PEFT adapter: its own test) leaves its inputs byte-identical and its file whole
+or absent, with nothing beside it. ``tests/export/test_signals.py``
 holds the chosen points (before and after a commit); this file covers every command at random ones.
 """
 
@@ -37,8 +39,9 @@ COMMANDS: dict[str, list[str]] = {
     "triton": ["triton", "EXPORT", "--name", "fuzz"],
     "bench": ["bench", "EXPORT", "--runs", "3", "--prefill-seq", "8", "--past", "8"],
     "build": ["build", "EXPORT"],
+    "adapter": ["adapter", "ADAPTER", "--export", "SLOTS", "--out", "NEWFILE"],  # a PEFT adapter for an export with LoRA slots
 }
-EXAMPLES = 2  # per command: 16 runs in CI; explore more with --hypothesis-profile explore
+EXAMPLES = 2  # per command: 18 runs in CI; explore more with --hypothesis-profile explore
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
@@ -48,6 +51,27 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
     export(ckpt, root / "out", ExportOptions(max_batch=1, parity_tokens=2))
     return ckpt, root / "out"
+
+
+@pytest.fixture(scope="module")
+def slots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, bytes]:
+    """kiln adapter's inputs (a tiny Llama exported with --lora-slots, a PEFT adapter of it) and the
+    adapter file an uninterrupted run writes: an interrupted one leaves it whole or absent."""
+    pytest.importorskip("peft", reason="kiln adapter converts PEFT adapters (pip install -e .[hf])")
+    from kiln_testing import make_adapter, save_base
+
+    root = tmp_path_factory.mktemp("fuzz-adapter")
+    ckpt = save_base("llama", root / "ckpt")
+    adapter = make_adapter(ckpt, root / "peft", ["q_proj", "v_proj"], seed=2)
+    export(ckpt, root / "slots", ExportOptions(max_batch=2, parity_tokens=2, lora_slots=4))
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", *_args("adapter", {"ADAPTER": adapter, "SLOTS": root / "slots", "NEWFILE": root / "a.onnx_adapter"})],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return adapter, root / "slots", (root / "a.onnx_adapter").read_bytes()
+
+
+def _args(name: str, names: dict[str, Path]) -> list[str]:
+    return [str(names[a]) if a in names else a for a in COMMANDS[name]]
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -75,7 +99,7 @@ def _assert_an_outcome_kiln_promises(name: str, result: subprocess.CompletedProc
         assert result.returncode == 0, (name, result.returncode, result.stderr)
 
 
-@pytest.mark.parametrize("name", sorted(COMMANDS))
+@pytest.mark.parametrize("name", sorted(set(COMMANDS) - {"adapter"}))
 @SETTINGS
 @given(delay=st.floats(0.2, 6.0), signum=st.sampled_from([signal.SIGINT, signal.SIGTERM]))
 def test_a_signal_at_any_moment_ends_in_a_promised_outcome(
@@ -85,12 +109,29 @@ def test_a_signal_at_any_moment_ends_in_a_promised_outcome(
     work = tmp_path_factory.mktemp("run")
     copy = Path(shutil.copytree(exported, work / "export"))
     fresh = work / "new"
-    names = {"CKPT": str(ckpt), "EXPORT": str(copy), "NEW": str(fresh)}
     before = _digest(ckpt)
-    result = _run([names.get(a, a) for a in COMMANDS[name]], delay, signum, work)
+    result = _run(_args(name, {"CKPT": ckpt, "EXPORT": copy, "NEW": fresh}), delay, signum, work)
     _assert_an_outcome_kiln_promises(name, result, signum)
     assert _digest(ckpt) == before
     for directory in (copy, fresh):
         if directory.exists():
             verified = subprocess.run([sys.executable, "-m", "kiln.cli", "verify", str(directory)], capture_output=True, text=True, timeout=120)
             assert verified.returncode == 0, (name, delay, signum, verified.stdout, verified.stderr)
+
+
+@SETTINGS
+@given(delay=st.floats(0.2, 8.0), signum=st.sampled_from([signal.SIGINT, signal.SIGTERM]))
+def test_a_signal_at_any_moment_of_kiln_adapter(slots: tuple[Path, Path, bytes], tmp_path_factory: pytest.TempPathFactory, delay: float, signum: int) -> None:
+    """``kiln adapter`` (its conversion, then its check): the PEFT adapter and the export it reads
+    byte-identical, its --out whole (the bytes an uninterrupted run writes) or absent, and nothing
+    else beside it (no ``.NAME.<hex>.kiln-tmp`` temporary: newfile.py)."""
+    adapter, exported, written = slots
+    work = tmp_path_factory.mktemp("run")
+    out = work / "a.onnx_adapter"
+    before = (_digest(adapter), _digest(exported))
+    result = _run(_args("adapter", {"ADAPTER": adapter, "SLOTS": exported, "NEWFILE": out}), delay, signum, work)
+    _assert_an_outcome_kiln_promises("adapter", result, signum)
+    assert (_digest(adapter), _digest(exported)) == before, (delay, signum)
+    assert sorted(p.name for p in work.iterdir()) == ([out.name] if out.exists() else []), (delay, signum, result.stderr)
+    assert not out.exists() or out.read_bytes() == written, (delay, signum, result.returncode)
+    assert out.exists() or result.returncode != 0, (delay, signum, "exit 0 without its file")

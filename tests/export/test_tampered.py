@@ -404,22 +404,36 @@ def test_a_static_cache_past_the_machine_is_refused_before_the_trace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Item 5: ``--max-context 1000000 --target onnx`` on a small model grew to 7 GB, then a BFCArena
-    traceback. The buffers' bytes are the config's: refused before any weight is read (the
-    checkpoint's weights here are not even a safetensors file), naming the bytes and the limit."""
+    traceback. The buffers' bytes are the config's, and so is parity's measured peak over them:
+    refused before any weight is read (the checkpoint's weights here are not even a safetensors
+    file), naming the bytes, the limit and the longest context that fits."""
     from kiln.exporter.contract import static_cache
     from kiln_testing import tiny_config, write_checkpoint
 
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(max_context=1_000_000, ple={"enabled": False}))
     (ckpt / "model.safetensors").write_bytes(b"not read")
-    monkeypatch.setattr(static_cache, "machine_memory", lambda: 2**31)  # 2 GiB: half of it is the limit
     out = tmp_path / "out"
-    line = _refused("export", "--model", str(ckpt), "--out", str(out), "--max-context", "1000000", "--target", "onnx")
-    assert line == (
-        "error: export: --max-context 1000000: the static KV cache of --target onnx takes 2 layers x 2 (key, value)"
-        " x 8 rows (--max-batch) x 2 KV heads x 1000000 slots x 8 x 4 bytes (float32) = 2048000000 bytes (1.9 GiB),"
-        " more than half this machine's memory (1073741824 bytes, 1.0 GiB); pass a smaller --max-context or --max-batch"
+    args = ("export", "--model", str(ckpt), "--out", str(out), "--max-context", "1000000", "--target", "onnx")
+    monkeypatch.setattr(static_cache, "machine_memory", lambda: 24 * 2**30)  # the issue's machine: the buffers at --max-batch fit
+    assert _refused(*args) == (  # parity's peak does not: 17x the buffers of its 4 rows (exporter/contract/static_cache.py)
+        "error: export: --max-context 1000000: the export's parity runs the static KV cache of --target onnx at 4 rows of"
+        " 2 layers x 2 (key, value) x 2 KV heads x 1000000 slots x 8 x 4 bytes (float32) = 256000000 bytes each, and needs"
+        " about 17x those buffers (ONNX Runtime's copies of them and its attention over every slot, measured) = 17408000000"
+        " bytes (16.2 GiB), more than half this machine's memory (12884901888 bytes, 12.0 GiB); pass --max-context 740171 or less"
+    )
+    monkeypatch.setattr(static_cache, "machine_memory", lambda: 2**31)
+    assert _refused(*args, "--max-batch", "1").endswith(  # parity's rows are those it runs: 1 at --max-batch 1
+        " at 1 row of 2 layers x 2 (key, value) x 2 KV heads x 1000000 slots x 8 x 4 bytes (float32) = 256000000 bytes each, and needs"
+        " about 17x those buffers (ONNX Runtime's copies of them and its attention over every slot, measured) = 4352000000"
+        " bytes (4.1 GiB), more than half this machine's memory (1073741824 bytes, 1.0 GiB); pass --max-context 246723 or less"
+    )
+    assert _refused(*args, "--max-batch", "64") == (  # the buffers a runtime serving 64 rows allocates
+        "error: export: --max-context 1000000: the static KV cache of --target onnx takes 64 rows (--max-batch) x 2 layers x 2"
+        " (key, value) x 2 KV heads x 1000000 slots x 8 x 4 bytes (float32) = 16384000000 bytes (15.3 GiB), more than half this"
+        " machine's memory (1073741824 bytes, 1.0 GiB); pass --max-context 61680 or less, or a smaller --max-batch"
     )
     assert not out.exists() and list(tmp_path.iterdir()) == [ckpt]
+    assert "not a readable safetensors file" in _refused(*args[:-3], "61680", "--target", "onnx", "--max-batch", "64")  # fits both: on to the weights
     # the portable graphs have nothing static to size: the same export goes on to read the weights
     line = _refused("export", "--model", str(ckpt), "--out", str(out), "--max-context", "1000000")
     assert line.startswith("error: checkpoint: ") and "not a readable safetensors file" in line

@@ -6,6 +6,7 @@ checkpoint, a context past the config's limit)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,22 @@ def test_impossible_hugging_face_sizes(tmp_path: Path) -> None:
     _garble(ckpt)
     line = _refused(ckpt, tmp_path / "out")
     assert line == "error: checkpoint: LlamaForCausalLM: num_hidden_layers must be a positive integer, found -2 in config.json"
+
+
+def test_an_output_another_export_holds_before_the_weights(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """Issue 38: a second export into an --out whose lock another export holds loaded the whole
+    checkpoint before the lock refused it; the preflight probes the lock first (the weights here
+    are unreadable: a refusal after the load would name them)."""
+    from kiln.exporter.artifacts.staging import staged_output
+
+    _garble(tiny_ckpt)
+    out = tmp_path / "out"
+    with staged_output(out, force=False):  # this process writing out, as another export would
+        line = _refused(tiny_ckpt, out)
+        assert line == (
+            f"error: artifacts: {out}: another kiln process is writing this directory (pid {os.getpid()},"
+            f" lock {tmp_path / '.out.lock'}); wait for it or choose another --out"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"] and not any(out.iterdir())  # the holder's (empty) output; the probe made nothing
+    out.rmdir()
+    assert "not a readable safetensors file" in _refused(tiny_ckpt, out)  # released: the same export goes on to the weights
