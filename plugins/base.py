@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # importing kiln.plugins.base must stay cheap: the CLI reads specs without torch
     from torch import Tensor, nn
 
-__all__ = ["MAX_DIM", "DecoderSpec", "LayerPlan", "LoadedModel", "ModelFamily", "PLEExtendMode", "PLEFolding", "PLETables", "dim_error", "non_finite"]
+__all__ = ["MAX_DIM", "DecoderSpec", "LayerPlan", "LoadedModel", "ModelFamily", "PLEExtendMode", "PLEFolding", "PLETables", "TextDecoderOf", "dim_error", "non_finite"]
 
 # the largest dimension a config may give: TensorRT's dimensions and ONNX Runtime GenAI's config are 32-bit
 MAX_DIM = 2**31 - 1
@@ -86,6 +86,16 @@ class PLEFolding(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class TextDecoderOf:
+    """A multimodal checkpoint exported as its text decoder alone: the wrapper's class, the text
+    decoder's module in it, and the wrapper's modules the export leaves out (its vision tower)."""
+
+    architecture: str  # the checkpoint's class (Gemma3ForConditionalGeneration)
+    prefix: str  # the text decoder's module path in it (model.language_model)
+    not_exported: tuple[str, ...]  # the wrapper's other modules (model.vision_tower, ...)
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderSpec:
     """The shape of a decoder as the exporter sees it."""
 
@@ -109,6 +119,7 @@ class DecoderSpec:
     dtype: str = "float32"  # the checkpoint's floating-point dtype, as the module holds it (float32, bfloat16, float16)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the family's own config, for the manifest
     max_context_why: str | None = None  # why max_context is what it is, when it is not the config's own limit (errors say it)
+    text_decoder_of: TextDecoderOf | None = None  # set when the checkpoint is a multimodal wrapper and this is its text decoder
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from kiln.exporter.artifacts.manifest import (
     TargetGraph,
     TargetWeights,
     TensorEntry,
+    TextDecoderInfo,
     WeightsInfo,
     export_settings,
     tool_versions,
@@ -27,6 +28,7 @@ from kiln.exporter.artifacts.manifest import (
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.report import ExportReport
 from kiln.exporter.targets.base import TargetGraphs
+from kiln.plugins.base import DecoderSpec
 
 __all__ = ["build_manifest"]
 
@@ -56,6 +58,11 @@ def _adapters(report: ExportReport) -> tuple[AdapterRef, ...] | None:
     return refs or None
 
 
+def _text_decoder_of(spec: DecoderSpec) -> TextDecoderInfo | None:
+    part = spec.text_decoder_of
+    return TextDecoderInfo(part.architecture, part.prefix, part.not_exported) if part is not None else None
+
+
 def build_manifest(report: ExportReport, root: Path) -> Manifest:
     """The manifest of the export staged in ``root`` (its ``files`` are filled in last, once
     every file is written: ``exporter.emit``)."""
@@ -67,7 +74,10 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
         family=spec.family,
         checkpoint=CheckpointRef(report.model_ref, report.checkpoint_files, spec.dtype, report.checkpoint_path, _adapters(report)),
         config=spec.config,
-        model=ModelInfo(spec.n_layers, spec.n_kv_heads, spec.head_dim, spec.vocab_size, spec.bos_token_id, spec.eos_token_id, spec.pad_token_id, spec.encoder_dim, spec.has_encoder, spec.decoder_start_token_id),
+        model=ModelInfo(
+            spec.n_layers, spec.n_kv_heads, spec.head_dim, spec.vocab_size, spec.bos_token_id, spec.eos_token_id, spec.pad_token_id, spec.encoder_dim,
+            spec.has_encoder, spec.decoder_start_token_id, _text_decoder_of(spec),
+        ),
         precision=options.precision.value,
         kv_cache=KvCacheInfo("BNSH", ("batch", "n_kv_heads", "seq", "head_dim"), options.precision.kv_dtype),
         limits=Limits(options.max_batch, report.max_context),

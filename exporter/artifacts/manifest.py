@@ -42,6 +42,7 @@ __all__ = [
     "AdapterRef",
     "CheckpointRef",
     "ModelInfo",
+    "TextDecoderInfo",
     "KvCacheInfo",
     "Limits",
     "PleInfo",
@@ -95,6 +96,15 @@ class CheckpointRef:
 
 
 @dataclasses.dataclass(frozen=True)
+class TextDecoderInfo:
+    """A multimodal checkpoint exported as its text decoder alone (``plugins.base.TextDecoderOf``)."""
+
+    architecture: str  # the checkpoint's class (Gemma3ForConditionalGeneration)
+    prefix: str  # the text decoder's module in it (model.language_model)
+    not_exported: tuple[str, ...]  # its other modules, in no graph (model.vision_tower, ...)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelInfo:
     n_layers: int
     n_kv_heads: int
@@ -106,6 +116,7 @@ class ModelInfo:
     encoder_dim: int | None  # set for cross-attention decoders
     has_encoder: bool = False  # an encoder-decoder exported with its encoder graph (graphs["encoder"])
     decoder_start_token_id: int | None = None  # its decoder's first token
+    text_decoder_of: TextDecoderInfo | None = _omit()  # a multimodal checkpoint's text decoder: what was left out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -43,9 +44,10 @@ from kiln.exporter.trace.wrapper import EncoderModule, GraphModule
 from torch import nn
 from torch.export import Dim
 
-__all__ = ["trace_graph", "example_inputs"]
+__all__ = ["trace_graph", "example_inputs", "root_cause"]
 
 _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST, _EXAMPLE_ENC = 2, 3, 5, 4
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def example_inputs(io_spec: GraphIO, kind: GraphKind, vocab: int) -> tuple[object, ...]:
@@ -120,7 +122,7 @@ PHASES = 3  # what ``_Phases`` counts per traced graph
 @contextlib.contextmanager
 def _quiet(on_phase: Callable[[], None] | None = None) -> Iterator[None]:
     """The exporter prints progress lines and warnings meant for its own developers."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export", "onnxscript")]
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export", "torch.fx", "onnxscript")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
@@ -178,6 +180,27 @@ def trace_graph(
                 custom_translation_table=dict(translations or {}),
             )
     except Exception as exc:  # the exporter raises many unrelated types; all mean "could not trace"
-        raise ExportError(f"tracing the {kind.value} graph failed: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+        raise ExportError(f"tracing the {kind.value} graph of {_model_name(module)} failed: {root_cause(exc)}") from exc
     assert program is not None
     return program.model
+
+
+def root_cause(exc: BaseException) -> str:
+    """The first line of the deepest exception of ``exc``'s chain (``__cause__``, else
+    ``__context__``), colour codes stripped, with its type: torch.onnx's own first line ("Failed
+    to export the model with torch.export. This is step 1/3 ... Next steps:") names no cause."""
+    seen = {id(exc)}
+    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
+    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _model_name(module: nn.Module) -> str:
+    """What is traced, for the error: a Hugging Face model's architecture (its config's), else the module's class."""
+    for sub in module.modules():
+        names = getattr(getattr(sub, "config", None), "architectures", None)
+        if isinstance(names, (list, tuple)) and names:
+            return str(names[0])
+    return type(module).__name__

@@ -4,7 +4,8 @@ The architectures of ``archs.ARCHS`` load through ``transformers`` and are wrapp
 contract (``decoder.HFDecoder``): the model's own forward pass with its own ``DynamicCache``, so
 parity is against Hugging Face's implementation, not a re-implementation. Their configs are read
 by the standard field names (``config.read_spec``), and what kiln does not export exactly is
-refused by name (``config.refuse``). ``transformers`` is imported only when such a checkpoint is
+refused by name (``config.refuse``); another architecture is refused with the mechanism kiln
+lacks (``unsupported.refusal``). ``transformers`` is imported only when such a checkpoint is
 loaded (install the ``hf`` extra: ``pip install -e ".[hf]"`` in kiln's checkout).
 """
 
@@ -18,8 +19,9 @@ from typing import Any
 from kiln.errors import CheckpointError
 from kiln.plugins.base import DecoderSpec, LoadedModel
 from kiln.plugins.files import checkpoint_dir, read_config
-from kiln.plugins.hf.archs import ARCHS
+from kiln.plugins.hf.archs import ALIASES, ARCHS
 from kiln.plugins.hf.seq2seq import SEQ2SEQ
+from kiln.plugins.hf.unsupported import refusal
 from kiln.plugins.hub_cache import HF_EXTRA
 
 __all__ = ["HF", "SUPPORTED", "HFFamily", "tiny_model"]
@@ -30,8 +32,9 @@ SUPPORTED: Mapping[str, object] = {**ARCHS, **SEQ2SEQ}  # the architectures kiln
 def _architecture(config: Mapping[str, Any], path: Path) -> str:
     names = config.get("architectures") or []
     arch = names[0] if isinstance(names, list) and names else config.get("model_type", "<none>")
-    if arch not in SUPPORTED:
-        raise CheckpointError(f"{path}: unsupported Hugging Face architecture {arch!r}; supported: {', '.join(sorted(SUPPORTED))}")
+    arch = ALIASES.get(arch, arch) if isinstance(arch, str) else arch  # a checkpoint's own name for a class transformers names otherwise
+    if arch not in SUPPORTED:  # one line: the mechanism kiln lacks and the nearest it exports
+        raise CheckpointError(f"{path}: {refusal(str(arch), config, SUPPORTED, [a.label for a in SEQ2SEQ.values()])}")
     return str(arch)
 
 

@@ -4,7 +4,8 @@ Every architecture is read by the same standard config fields (``config.read_spe
 here holds only what differs: its context-length field where it has another name (or none: ALiBi),
 its KV-head rule where the cache holds other heads than ``num_key_value_heads`` says, and the
 config values it refuses (``Refusal``: a field that changes the forward pass in a way kiln does
-not prove). An architecture is listed only when a test proves generation parity against
+not prove), and for a multimodal wrapper the text decoder it is exported as (``TextDecoder``).
+An architecture is listed only when a test proves generation parity against
 transformers' own ``generate()`` for it (``tests/export/test_hf_archs.py``; a test fails if an
 entry has no tiny model there).
 """
@@ -15,7 +16,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["ARCHS", "Arch", "Refusal"]
+__all__ = ["ALIASES", "ARCHS", "Arch", "Refusal", "TextDecoder"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,19 @@ def _truthy(value: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class TextDecoder:
+    """A multimodal wrapper exported as its text decoder: the module at ``prefix`` (its language
+    model) with the wrapper's ``head``, built as the causal LM class transformers maps
+    ``config.text_config`` to, which must be one of ``texts`` (entries of ``ARCHS``, whose own
+    refusals apply to ``text_config``); the wrapper's other modules (its vision tower) are left out
+    and the export says so (``multimodal``)."""
+
+    texts: tuple[str, ...]  # the text decoder classes a test proves inside this wrapper
+    prefix: str = "model.language_model"
+    head: str = "lm_head"
+
+
+@dataclasses.dataclass(frozen=True)
 class Arch:
     label: str  # its name in docs/architectures.md (kiln plugins' table)
     context: str | None = "max_position_embeddings"  # None: no limit of its own (ALiBi extrapolates)
@@ -45,6 +59,8 @@ class Arch:
     # its config has a sliding_window (transformers' config class defines one, None or a width):
     # kiln plugins asks --target onnx about a window only for these (tests/unit/test_support.py)
     window: bool = False
+    # a multimodal wrapper: its text decoder is exported (its refusals are then read from text_config)
+    text: TextDecoder | None = None
 
 
 def _falcon_kv_heads(cfg: Any) -> int:
@@ -150,7 +166,7 @@ ARCHS: Mapping[str, Arch] = {
                 "PhiMoE's rotary picks its scale (short_mscale or long_mscale) by a Python branch on the longest position, which torch.export cannot trace",
             ),
         ),
-        notes="mixture of experts (sparsemixer routing), LayerNorm, attention and head biases, sliding window; default rope only",
+        notes="mixture of experts (sparsemixer routing), LayerNorm, attention and head biases, sliding window; default rope only; also named PhiMoEForCausalLM",
         ort="GQA; per-expert MatMuls (sparsemixer routing)",
         window=True,
     ),
@@ -171,5 +187,29 @@ ARCHS: Mapping[str, Arch] = {
     "Exaone4ForCausalLM": Arch("Exaone 4", notes="sliding layers with rope, global layers without rotary, per-head q/k norm, post-norms", window=True),
     "MinistralForCausalLM": Arch("Ministral", notes="sliding window", window=True),
     "Ministral3ForCausalLM": Arch("Ministral 3", notes="yarn with llama-4 attention scaling (steps at original_max_position_embeddings)", window=True),
-    "MptForCausalLM": Arch("MPT", context="max_seq_len", notes="ALiBi up to max_seq_len", ort="portable attention (ALiBi)"),
+    "MptForCausalLM": Arch("MPT", context="max_seq_len", notes="ALiBi up to max_seq_len; also named MPTForCausalLM", ort="portable attention (ALiBi)"),
+    "Gemma3ForConditionalGeneration": Arch(
+        "Gemma 3 VLM",
+        refusals=(
+            Refusal(
+                "final_logit_softcapping",
+                lambda v: v is not None,
+                "Gemma3ForConditionalGeneration's head does not soft-cap the logits, Gemma3ForCausalLM's does, so its text decoder would not compute as the checkpoint does",
+            ),
+        ),
+        notes="text decoder only (Gemma 3 text, from text_config); the vision tower is not exported",
+        window=True,
+        text=TextDecoder(texts=("Gemma3ForCausalLM",)),
+    ),
+    "Mistral3ForConditionalGeneration": Arch(
+        "Mistral 3 VLM",
+        notes="text decoder only (Mistral, from text_config); the vision tower is not exported",
+        window=True,
+        text=TextDecoder(texts=("MistralForCausalLM",)),
+    ),
 }
+
+# the class names published checkpoints' config.json give (``architectures``, for their own remote
+# code) where transformers' port of the same model has another: read as that class (the same
+# weights and math; transformers itself picks its class by ``model_type``)
+ALIASES: Mapping[str, str] = {"PhiMoEForCausalLM": "PhimoeForCausalLM", "MPTForCausalLM": "MptForCausalLM"}

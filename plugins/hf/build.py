@@ -19,13 +19,14 @@ from kiln.plugins.files import checkpoint_tokenizer
 from kiln.plugins.hf.config import read_spec, refuse
 from kiln.plugins.hf.decoder import HFDecoder, HFSeq2Seq
 from kiln.plugins.hf.moe import translations
+from kiln.plugins.hf.multimodal import read_any_spec, refuse_wrapper, text_decoder, wrapped
 from kiln.plugins.hf.seq2seq import SEQ2SEQ, SEQ2SEQ_TINY, read_seq2seq_spec, refuse_seq2seq
 from kiln.plugins.hf.tiny import TINY
 from kiln.plugins.hf.weights import check_sizes, read_headers, refuse_loading_info
 from kiln.plugins.hub_cache import HF_EXTRA
 from torch import nn
 
-__all__ = ["config_spec", "load", "quiet", "read_config", "tiny_model"]
+__all__ = ["config_spec", "load", "quiet", "read_config", "tiny_model", "tiny_transformers"]
 
 FAMILY = "hf"
 
@@ -74,7 +75,7 @@ def read_config(transformers: Any, directory: Path, arch: str) -> Any:
 def config_spec(directory: Path, arch: str) -> DecoderSpec:
     """The spec of the checkpoint's config alone (no weight read)."""
     config = read_config(_transformers(), directory, arch)
-    return read_seq2seq_spec(config, arch, FAMILY) if arch in SEQ2SEQ else read_spec(config, arch, FAMILY)
+    return read_seq2seq_spec(config, arch, FAMILY) if arch in SEQ2SEQ else read_any_spec(config, arch, FAMILY)
 
 
 def load(path: Path, directory: Path, arch: str) -> LoadedModel:
@@ -101,13 +102,23 @@ def load(path: Path, directory: Path, arch: str) -> LoadedModel:
             raise CheckpointError(f"{directory}: {name} has non-finite values (NaN or Inf)")
     files = (directory / "config.json", *weights) + ((tokenizer,) if tokenizer else ())
     # beside model.onnx these make the export's onnx/ a directory Optimum's ORTModelForCausalLM loads
-    serving = tuple(p for p in (directory / "config.json", directory / "generation_config.json") if p.is_file())
+    # (not a multimodal wrapper's config.json: Optimum would load it as the wrapper, not its text decoder)
+    serving = tuple(p for p in (directory / "config.json", directory / "generation_config.json") if p.is_file() and not (wrapped(arch) and p.name == "config.json"))
     return _loaded(model, arch, path, tokenizer, files, serving)
 
 
 def tiny_model(case: str, seed: int, **overrides: Any) -> LoadedModel:
     """A tiny randomly initialised model of ``TINY[case]`` (for tests; no download), its config
     changed by ``overrides`` (``num_hidden_layers=4``); an architecture's name is its first case."""
+    model = tiny_transformers(case, seed, **overrides)
+    config: Any = model.config  # transformers' (untyped)
+    arch = str(config.architectures[0])
+    return _loaded(model, arch, Path(f"<tiny {arch}>"))
+
+
+def tiny_transformers(case: str, seed: int, **overrides: Any) -> nn.Module:
+    """``tiny_model``'s transformers model as transformers builds it (a multimodal case's
+    wrapper, whole: what a test saves as a checkpoint)."""
     transformers = _transformers()
     torch.manual_seed(seed)
     cases = {**TINY, **SEQ2SEQ_TINY}
@@ -117,13 +128,15 @@ def tiny_model(case: str, seed: int, **overrides: Any) -> LoadedModel:
     _refuse(config, arch)
     # eager attention, as load() uses: with SDPA, fully masked (left-padding) query rows differ
     # between PyTorch and the traced graph, and padded positions' keys with them
-    model = getattr(transformers, arch)._from_config(config, attn_implementation="eager").eval()  # private: see _meta_template
-    return _loaded(model, arch, Path(f"<tiny {arch}>"))
+    model: nn.Module = getattr(transformers, arch)._from_config(config, attn_implementation="eager").eval()  # private: see _meta_template
+    return model
 
 
 def _refuse(config: Any, arch: str) -> None:
     if arch in SEQ2SEQ:
         refuse_seq2seq(config, arch)
+    elif wrapped(arch):
+        refuse_wrapper(config, arch)
     else:
         refuse(config, arch)
 
@@ -135,7 +148,10 @@ def _loaded(
     if arch in SEQ2SEQ:  # traced whole: its layer lists are the encoder's and the decoder's
         spec = dataclasses.replace(read_seq2seq_spec(model.config, arch, FAMILY), dtype=dtype)
         return LoadedModel(HFSeq2Seq(model).eval(), spec, source, tokenizer, files, serving_files=serving)
-    spec = dataclasses.replace(read_spec(model.config, arch, FAMILY), dtype=dtype)
+    part = None
+    if wrapped(arch):  # its text decoder is what is exported; the wrapper's other modules go with it
+        model, arch, part = text_decoder(model, arch)
+    spec = dataclasses.replace(read_spec(model.config, arch, FAMILY), dtype=dtype, text_decoder_of=part)
     return LoadedModel(
         HFDecoder(model).eval(), spec, source, tokenizer, files, layers=_layer_plan(model, arch), serving_files=serving, translations=translations()
     )

@@ -6,7 +6,8 @@ Standard fields (resolved through each config's ``attribute_map``, so GPT-2's ``
 ``vocab_size`` and ``max_position_embeddings``; ``archs.ARCHS`` overrides only what differs.
 
 Refused by name, in one line (never guessed): sizes that are no positive 32-bit integers or whose
-heads do not divide (``refuse_sizes``, before any weight is read), a rope type kiln does not
+heads do not divide (``refuse_sizes``, before any weight is read), attributes that vary by layer
+(``refuse_per_layer``), a rope type kiln does not
 prove, a layer type other than full or sliding attention, a quantized checkpoint, an
 encoder-decoder, and each architecture's own ``Refusal`` entries.
 
@@ -24,7 +25,7 @@ from kiln.errors import CheckpointError
 from kiln.plugins.base import DecoderSpec, dim_error
 from kiln.plugins.hf.archs import ARCHS, Arch
 
-__all__ = ["LAYER_TYPES", "SIZES", "STATIC_ROPE", "read_spec", "refuse", "refuse_quantized", "refuse_sizes", "rope_types"]
+__all__ = ["LAYER_TYPES", "SIZES", "STATIC_ROPE", "read_spec", "refuse", "refuse_per_layer", "refuse_quantized", "refuse_sizes", "rope_types"]
 
 SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")  # every architecture's, by the standard names
 
@@ -76,9 +77,18 @@ def _refuse_heads(cfg: Any, arch: str) -> None:
         raise CheckpointError(f"{arch}: num_attention_heads ({heads}) is not a multiple of the key/value heads ({kv})")
 
 
+def refuse_per_layer(cfg: Any, arch: str) -> None:
+    """A config whose attributes vary by layer (transformers' ``per_layer_config``: reading one
+    of them globally raises) is refused by name: kiln reads each size once, for every layer."""
+    varying = getattr(cfg, "per_layer_attributes", None) if getattr(cfg, "is_heterogeneous", False) else None
+    if varying:
+        raise CheckpointError(f"{arch}: config attributes that vary by layer (per_layer_config: {', '.join(sorted(varying))}) are not supported yet")
+
+
 def refuse(cfg: Any, arch: str) -> None:
     """Raise ``CheckpointError`` naming the first config value kiln does not export exactly."""
     where = f"{arch}"
+    refuse_per_layer(cfg, arch)
     refuse_sizes(cfg, arch, ("num_key_value_heads", "head_dim", ARCHS[arch].context))
     _refuse_heads(cfg, arch)
     refuse_quantized(cfg, arch)

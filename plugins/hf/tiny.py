@@ -25,6 +25,16 @@ _LONGROPE = _rope(
     rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(_HALF)], long_factor=[1.5 + 0.5 * i for i in range(_HALF)], original_max_position_embeddings=16
 )
 
+_GEMMA3_TEXT: dict[str, Any] = dict(
+    head_dim=16,
+    query_pre_attn_scalar=16,
+    sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"],
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+    attn_logit_softcapping=50.0,
+)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)  # a tiny vision tower
+
 TinyCase = tuple[str, Callable[..., Any]]  # (architecture, (transformers module, **overrides) -> config)
 
 
@@ -36,6 +46,16 @@ def _cfg(config: str, **kw: Any) -> Callable[..., Any]:
         cls = getattr(t, config)
         own = {cls.attribute_map.get(k, k): v for k, v in o.items()}  # GPT-2's n_layer for num_hidden_layers
         return cls(**{**_IDS, **kw, **own})
+
+    return make
+
+
+def _wrapper(config: str, text: str, vision: str, text_kw: Mapping[str, Any], **kw: Any) -> Callable[..., Any]:
+    """``(transformers, **overrides) -> config`` of a multimodal wrapper: a tiny vision tower and a
+    text decoder of ``_LLAMA_LIKE`` sizes (the overrides are the text decoder's)."""
+
+    def make(t: Any, **o: Any) -> Any:
+        return getattr(t, config)(text_config=getattr(t, text)(**{**_LLAMA_LIKE, **text_kw, **o}), vision_config=getattr(t, vision)(**_VISION), **kw)
 
     return make
 
@@ -61,17 +81,7 @@ TINY: Mapping[str, TinyCase] = {
     "qwen3": _c("Qwen3ForCausalLM", "Qwen3Config", head_dim=16),
     "gemma": _c("GemmaForCausalLM", "GemmaConfig", head_dim=16),
     "gemma2-window": _c("Gemma2ForCausalLM", "Gemma2Config", head_dim=16, query_pre_attn_scalar=16, sliding_window=4),
-    "gemma3-window": _c(
-        "Gemma3ForCausalLM",
-        "Gemma3TextConfig",
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
-        attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0,
-    ),
+    "gemma3-window": _c("Gemma3ForCausalLM", "Gemma3TextConfig", **_GEMMA3_TEXT, final_logit_softcapping=30.0),
     "phi": _c("PhiForCausalLM", "PhiConfig", partial_rotary_factor=0.5, qk_layernorm=True),
     "phi3-partial": _c("Phi3ForCausalLM", "Phi3Config", partial_rotary_factor=0.5),
     "phi3-longrope": _c("Phi3ForCausalLM", "Phi3Config", original_max_position_embeddings=16, rope_parameters=_LONGROPE),  # exported up to 16
@@ -178,5 +188,14 @@ TINY: Mapping[str, TinyCase] = {
         head_dim=16,
         rope_parameters=_rope(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=16, llama_4_scaling_beta=0.1),
     ),  # generation crosses positions 16 and 32, where llama-4 scaling steps
+    # multimodal wrappers, exported as their text decoder (image tokens outside the tiny vocabulary)
+    "gemma3-multimodal-window": (
+        "Gemma3ForConditionalGeneration",
+        _wrapper("Gemma3Config", "Gemma3TextConfig", "SiglipVisionConfig", _GEMMA3_TEXT, mm_tokens_per_image=4, image_token_index=V, boi_token_index=V + 1, eoi_token_index=V + 2),
+    ),
+    "mistral3-multimodal": (
+        "Mistral3ForConditionalGeneration",
+        _wrapper("Mistral3Config", "MistralConfig", "PixtralVisionConfig", {"head_dim": 16, "sliding_window": None}, image_token_index=V, spatial_merge_size=2),
+    ),
     "mpt": ("MptForCausalLM", _cfg("MptConfig", vocab_size=V, d_model=H, n_layers=L, n_heads=NH, expansion_ratio=2, max_seq_len=CTX)),
 }

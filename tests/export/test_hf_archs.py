@@ -28,8 +28,8 @@ from kiln.exporter.pipeline import export
 from kiln.exporter.runners import OrtRunner
 from kiln.exporter.targets.ort.moe import PROMPT_GRAPH
 from kiln.plugins import load_model
-from kiln.plugins.hf import tiny_model
 from kiln.plugins.hf.archs import ARCHS
+from kiln.plugins.hf.build import tiny_transformers
 from kiln.plugins.hf.tiny import TINY
 
 STEPS = 24
@@ -55,14 +55,16 @@ MOE_NOT_FUSED = {
 WINDOW_LAYERS = {
     "mistral-window": [0, 1], "qwen2-window": [1], "gemma2-window": [0], "gemma3-window": [0], "starcoder2-window": [0, 1], "mixtral-window": [0, 1],
     "qwen2-moe-window": [0], "phimoe-window": [0, 1], "olmo3-window": [0], "cohere2-window": [0], "exaone4-window": [0], "ministral-window": [0, 1],
+    "gemma3-multimodal-window": [0],
 }  # fmt: skip
 FIRST = {arch: next(case for case, (a, _) in TINY.items() if a == arch) for arch in ARCHS if any(a == arch for a, _ in TINY.values())}
 
 
 def _save(case: str, directory: Path) -> Path:
     """The tiny model saved by transformers; the routers' correction biases (GLM-4-MoE, MiniMax-M2,
-    Ernie 4.5-MoE: zeros at init) made random, so the expert choice they shift is exercised."""
-    model = tiny_model(case, seed=1).module.model
+    Ernie 4.5-MoE: zeros at init) made random, so the expert choice they shift is exercised. A
+    multimodal case saves its wrapper whole (vision tower and all)."""
+    model = tiny_transformers(case, seed=1)
     state, generator = {**dict(model.named_parameters()), **dict(model.named_buffers())}, torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, tensor in state.items():
@@ -105,10 +107,11 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, target="ort"))
     assert result.parity.passed, result.parity.failures()
     arch = TINY[case][0]
-    assert result.manifest.config["architecture"] == arch
+    text = ARCHS[arch].text  # a multimodal wrapper: its text decoder is exported, as its own class
+    assert result.manifest.config["architecture"] == (text.texts[0] if text else arch)
     assert result.manifest.tools["transformers"] == transformers.__version__  # what the export ran with
     stated = json.loads((tmp_path / "out" / "onnx" / "genai_config.json").read_text())["model"]["decoder"]
-    own = transformers.AutoConfig.from_pretrained(ckpt)
+    own = transformers.AutoConfig.from_pretrained(ckpt).get_text_config()
     assert (stated["num_attention_heads"], stated["hidden_size"], stated["num_hidden_layers"]) == (own.num_attention_heads, own.hidden_size, own.num_hidden_layers)
     assert result.manifest.targets is not None
     ort = {GraphKind(kind): entry for kind, entry in result.manifest.targets["ort"].graphs.items()}
@@ -138,7 +141,9 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     steps = min(STEPS, result.report.max_context - 9)
     onnx_dir = tmp_path / "out" / "onnx"
     sets = {suffix: {k: onnx_dir / f"{k.value}{suffix}.onnx" for k in (GraphKind.PREFILL, GraphKind.DECODE)} for suffix in ("", ".ort")}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    # a multimodal wrapper's own generate() on input_ids alone (no Auto class maps every wrapper)
+    loader = getattr(transformers, arch) if text else transformers.AutoModelForCausalLM
+    hf = loader.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
     for lengths in ([9], [9, 5]):  # batch 1, and a left-padded batch
         prompts = make_prompts(spec, lengths, seed=len(lengths))
         ids, mask, _ = left_pad(prompts, 0)
@@ -151,3 +156,22 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
         assert check_dir(tmp_path / "out").passed
         fp16 = export(ckpt, tmp_path / "out16", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16))
         assert fp16.parity.passed, fp16.parity.failures()
+
+
+@pytest.mark.parametrize(("alias", "case"), [("PhiMoEForCausalLM", "phimoe-window"), ("MPTForCausalLM", "mpt")])
+def test_a_checkpoints_own_class_name_loads_as_transformers_class(alias: str, case: str, tmp_path: Path) -> None:
+    """Published Phi-3.5-MoE and MPT checkpoints name their remote-code class (``architectures``,
+    with an ``auto_map``); kiln reads them as transformers' port (``archs.ALIASES``), as
+    transformers does by ``model_type``: the same module and logits as under transformers' name."""
+    ckpt = _save(case, tmp_path / "ckpt")
+    canonical = load_model(ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(architectures=[alias], auto_map={"AutoModelForCausalLM": f"modeling.{alias}"})
+    (ckpt / "config.json").write_text(json.dumps(config))
+    aliased = load_model(ckpt)
+    assert aliased.spec.config["architecture"] == canonical.spec.config["architecture"] == TINY[case][0]
+    ids = torch.tensor([[5, 17, 3, 29]])
+    with torch.no_grad():
+        want, _ = canonical.module(ids, torch.ones_like(ids), torch.arange(4)[None])
+        got, _ = aliased.module(ids, torch.ones_like(ids), torch.arange(4)[None])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

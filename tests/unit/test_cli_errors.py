@@ -33,7 +33,7 @@ def test_unknown_architecture(tmp_path: Path) -> None:
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"architectures": ["BertModel"]}')
     code, _, err = _run("export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--json")
-    _assert_one_line_error(code, err, str(ckpt), "unsupported Hugging Face architecture 'BertModel'", "supported: ApertusForCausalLM, ArceeForCausalLM, BartForConditionalGeneration, BloomForCausalLM")
+    _assert_one_line_error(code, err, str(ckpt), "unsupported Hugging Face architecture 'BertModel': kiln does not export a model without a text-generation head", "`kiln plugins` lists them all")
     assert not (tmp_path / "out").exists()
 
 
@@ -53,7 +53,7 @@ def test_plugins_lists_the_families(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "hf" in out and "LlamaForCausalLM" in out and "GPT2LMHeadModel" in out
     # the Hugging Face family's table: an architecture per row, what --target ort fuses under it (80 columns)
     lines = out.splitlines()
-    rows = {m.group(0): i for i, line in enumerate(lines) if line.startswith("  ") and (m := re.search(r"\w+(ForCausalLM|LMHeadModel)", line))}
+    rows = {m.group(1): i for i, line in enumerate(lines) if (m := re.fullmatch(r"      class: (\w+(ForCausalLM|LMHeadModel))", line))}  # not a class a note names
     assert len(rows) == 48 and lines[rows["Qwen3ForCausalLM"] + 1] == "      --target ort: GQA"
     assert lines[rows["GptOssForCausalLM"] + 1].startswith("      --target ort: portable attention (attention sinks)")
 

@@ -144,6 +144,7 @@ def test_keep_fp32_recorded_only_for_fp16() -> None:
 def test_to_json_omits_the_keys_only_some_exports_have() -> None:
     data = manifest_for(ExportOptions(max_context=48)).to_json()
     assert "targets" not in data and "engines" not in data and "lora" not in data
+    assert "text_decoder_of" not in data["model"]  # a multimodal checkpoint's text decoder only
     for graph in data["graphs"].values():
         assert graph.keys() == {"file", "inputs", "outputs"}
     # keys every manifest has stay, even when null

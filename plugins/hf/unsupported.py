@@ -1,0 +1,177 @@
+"""Why kiln refuses a Hugging Face architecture it does not export, in one line: the mechanism
+kiln lacks and the nearest architecture it exports (``kiln plugins`` lists them all).
+
+The mechanism is read from the class name (no text-generation head) and config.json's own traits
+first (an encoder-decoder, ``kv_lora_rank``, a ``layer_types`` entry that is not attention,
+state-space fields, per-layer or shared-KV fields...), so an architecture kiln has never heard of
+is refused for the right reason too; then from ``FAMILIES`` (what a family's config does not
+show), then its sub-model configs (a vision or audio tower); else the refusal says that no kiln
+test proves its generation yet. ``tests/export/test_hf_unsupported.py`` runs every architecture
+transformers ships through it. Torch-free: it reads the config's dict, before transformers loads.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+__all__ = ["FAMILIES", "NOT_PROVED", "mechanism", "nearest", "refusal"]
+
+NOT_PROVED = "no kiln test proves its generation against transformers' yet"
+
+# by model_type: the mechanism a family's config does not show by a trait
+FAMILIES: Mapping[str, str] = {
+    "rwkv": "RWKV time-mixing (a recurrent state, not a KV cache)",
+    "xlstm": "xLSTM blocks (a recurrent state, not a KV cache)",
+    "diffllama": "differential attention (two softmax maps subtracted)",
+    "bitnet": "BitNet's ternary weights with quantized activations",
+    "trocr": "the decoder of a vision encoder-decoder (cross-attention to image features)",
+    "gpt_neo": "GPT-Neo's local attention layers (attention_types)",
+    "cpmant": "CPM-Ant's segment embeddings and relative position buckets",
+    "higgs_audio_v2": "audio-token generation (an audio codebook head beside the text head)",
+    "moshi": "speech generation (a depth decoder over audio codebooks)",
+    "doge": "dynamic mask attention (an input-dependent mask over the keys)",
+    "hrm_text": "hierarchical recurrent reasoning modules (a recurrent state, not a KV cache)",
+}
+
+# what each non-attention layer kind of a layer-types list is
+_LAYER_KINDS = {
+    "linear_attention": "linear-attention or state-space (Mamba) layers",
+    "mamba": "state-space (Mamba) layers",
+    "conv": "short-convolution layers",
+    "recurrent": "recurrent layers",
+    "hybrid": "hybrid attention + state-space layers",
+    "hybrid_sliding": "hybrid attention + state-space layers",
+    "indexed_attention": "sparse attention picked by an indexer",
+    "compressed_sparse_attention": "compressed sparse attention",
+    "heavily_compressed_attention": "compressed sparse attention",
+    "chunked_attention": "chunked attention",
+    "mlp": "attention-free layers",
+    "moe": "attention-free layers",
+}
+_ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention", "global", "local")
+_LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "layers_type")
+# a field of the config -> the mechanism it means
+_FIELDS = {
+    "kv_lora_rank": "multi-head latent attention",
+    "num_kv_shared_layers": "key/value caches shared across layers",
+    "hidden_size_per_layer_input": "per-layer embeddings",
+    "per_layer_config": "config attributes that vary by layer",
+    "attention_chunk_size": "chunked attention",
+    "cross_attention_layers": "cross-attention to image features",
+    "state_size": "state-space (Mamba) layers",
+    "ssm_state_size": "state-space (Mamba) layers",
+    "mamba_d_state": "state-space (Mamba) layers",
+    "conv_L_cache": "short-convolution layers",
+    "lru_width": "recurrent layers",
+    "type_vocab_size": "a bidirectional encoder (BERT family) run as a decoder",
+}
+# sub-model configs that make a multimodal or composite model (what kiln does not export)
+_TOWERS = {"vision_config": "vision", "audio_config": "audio", "vq_config": "image tokenizer", "audio_encoder_config": "audio"}
+_HEADS = re.compile(r"(ForCausalLM|ForConditionalGeneration|LMHeadModel|MTModel)$")  # the heads that generate text
+_OWN_PARTS = ("text_config", "attn_config", "ffn_config", "per_layer_config", "quantization_config", "rope_scaling", "rope_parameters")
+
+
+def _text(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
+
+
+def _layer_kinds(cfg: Mapping[str, Any]) -> str | None:
+    for key in _LAYER_LISTS:
+        kinds = cfg.get(key)
+        if isinstance(kinds, (list, tuple)):
+            other = sorted({str(k) for k in kinds} - set(_ATTENTION_KINDS))
+            if other:
+                what = " and ".join(dict.fromkeys(_LAYER_KINDS.get(k, f"{k!r}") for k in other))
+                return f"{what} ({key}: {', '.join(other)})"
+    return None
+
+
+def _fields(cfg: Mapping[str, Any]) -> str | None:
+    for key, what in _FIELDS.items():
+        if cfg.get(key) not in (None, False, 0, {}, []):
+            return f"{what} ({key})"
+    return None
+
+
+def _encoder_decoder(cfg: Mapping[str, Any], seq2seq: Collection[str]) -> str | None:
+    if not cfg.get("is_encoder_decoder"):
+        return None
+    if "num_mel_bins" in cfg or "feature_size" in cfg:
+        return "a speech encoder-decoder (its encoder reads audio features, not token ids)"
+    return f"an encoder-decoder other than {', '.join(sorted(seq2seq))}"
+
+
+def _composite(cfg: Mapping[str, Any]) -> str | None:
+    parts = sorted(k for k, v in cfg.items() if k.endswith("_config") and isinstance(v, Mapping) and k not in _OWN_PARTS)
+    towers = sorted({_TOWERS[p] for p in parts if p in _TOWERS})
+    if towers:
+        return f"a multimodal wrapper ({' and '.join(towers)} {'tower' if len(towers) == 1 else 'towers'}: {', '.join(parts)})"
+    if parts:
+        return f"a composite of sub-models ({', '.join(parts)})"
+    if isinstance(cfg.get("text_config"), Mapping):
+        return "a multimodal wrapper (text_config)"
+    return None
+
+
+def _head(arch: str, config: Mapping[str, Any]) -> str | None:
+    if not config.get("architectures"):
+        return "a config.json that names no architectures (the model class it was saved from)"
+    if not _HEADS.search(arch):
+        return "a model without a text-generation head (kiln exports *ForCausalLM and *ForConditionalGeneration classes)"
+    return None
+
+
+def mechanism(arch: str, config: Mapping[str, Any], seq2seq: Collection[str] = ()) -> str:
+    """What kiln does not export that the class name or the config shows (its text decoder's
+    first), else what ``FAMILIES`` names for its model_type, else ``NOT_PROVED``; ``seq2seq``:
+    the encoder-decoders kiln exports."""
+    text = _text(config)
+    checks: tuple[Callable[[], str | None], ...] = (
+        lambda: _head(arch, config),
+        lambda: _encoder_decoder(config, seq2seq),
+        lambda: _fields(text) or _layer_kinds(text),
+        lambda: _fields(config) or _layer_kinds(config),
+        lambda: FAMILIES.get(str(text.get("model_type"))) or FAMILIES.get(str(config.get("model_type"))),
+        lambda: _composite(config),
+    )
+    for check in checks:
+        if found := check():
+            return found
+    return NOT_PROVED
+
+
+def _stem(name: str) -> str:
+    """An architecture's or model_type's name without its head suffix, lower case, letters and digits only."""
+    name = _HEADS.sub("", name)
+    return re.sub(r"[^a-z0-9]", "", name.lower()).removesuffix("text")
+
+
+def _family(stem: str) -> str:
+    """A stem's leading letters (``gemma3n`` -> ``gemma``)."""
+    return re.sub(r"[^a-z].*$", "", stem)
+
+
+def nearest(arch: str, config: Mapping[str, Any], supported: Collection[str]) -> str | None:
+    """The supported architecture closest to ``arch``: of its family (the leading letters of its
+    name or of its text decoder's model_type), the most similar name; else a near spelling."""
+    stems = {_stem(s): s for s in sorted(supported, key=lambda s: s.endswith("ForCausalLM"))}  # a causal LM over a wrapper of its stem
+    for name in (str(_text(config).get("model_type") or ""), arch):
+        family = _family(_stem(name))
+        kin = [s for s in stems if len(family) >= 3 and _family(s) == family]
+        if kin:  # the most similar without version digits, then the latest version (gemma4 -> gemma3)
+            unversioned = re.sub(r"[0-9]", "", _stem(name))
+            return stems[max(kin, key=lambda s: (difflib.SequenceMatcher(None, unversioned, re.sub(r"[0-9]", "", s)).ratio(), s))]
+    close = difflib.get_close_matches(_stem(arch), list(stems), n=1, cutoff=0.85)
+    return stems[close[0]] if close else None
+
+
+def refusal(arch: str, config: Mapping[str, Any], supported: Collection[str], seq2seq: Collection[str] = ()) -> str:
+    """The one line that refuses ``arch``: its mechanism, the nearest supported architecture."""
+    why = mechanism(arch, config, seq2seq)
+    alternative = nearest(arch, config, supported)
+    near = f"the nearest kiln exports is {alternative}; " if alternative else ""
+    return f"unsupported Hugging Face architecture {arch!r}: {why if why == NOT_PROVED else f'kiln does not export {why} yet'} ({near}`kiln plugins` lists them all)"
