@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.external_data import set_bytes
 from kiln.exporter.parity import Candidate
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.runners import Runner
@@ -22,6 +24,7 @@ def candidate(
     precision: str,
     quantized: str | None,
     target: str | None = None,
+    files: Iterable[Path] = (),
 ) -> Candidate:
     """The graph set whose graphs are of ``precision`` (a manifest's name), judged against the
     quantized model at ``quantized``'s tolerances (None: not judged so), where no greedy token may
@@ -29,7 +32,8 @@ def candidate(
     arithmetic's rounding may reorder its tokens, and only those within the tolerance of each other
     (a token-match floor, int8's 90%, would refuse a correct graph of a model whose logits are
     mostly near-ties: the random Llama-3-8B-shaped one's ``--target ort`` matched 64-70% here,
-    every mismatch a tie; and it would let a wrong token through on a model with few)."""
+    every mismatch a tie; and it would let a wrong token through on a model with few). ``files``:
+    its graph files, sized for parity's memory rule (``parity.memory``)."""
     plan = Precision.parse(precision)
     against = dataclasses.replace(Precision.parse(quantized).tolerance, min_token_match=1.0) if quantized is not None else None
-    return Candidate(open_runner, graphs, plan.value, plan.tolerance, plan.kv_dtype, target=target, quantized=against)
+    return Candidate(open_runner, graphs, plan.value, plan.tolerance, plan.kv_dtype, target=target, quantized=against, weight_bytes=set_bytes(files))

@@ -18,9 +18,11 @@ from kiln.exporter.options import PLETables
 from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity, quantized_model
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.progress import NullProgress, Progress
+from kiln.exporter.pipeline import release_weights
 from kiln.exporter.runners import Feeds, OrtRunner
 from kiln.exporter.targets import target
 from kiln.plugins import LoadedModel, load_model
+from torch import nn
 
 if TYPE_CHECKING:
     from kiln.plugins.hf.adapter import LoraAdapter
@@ -50,10 +52,12 @@ def check_dir(
     options = graph_options(manifest)
     swapped = swapped_adapter(directory, manifest.lora, (manifest.checkpoint.reference, manifest.checkpoint.resolved), adapter) if adapter is not None else None
     # with adapters, PEFT's model of the checkpoint and the recorded adapters, as the export's parity had
-    if swapped is not None or manifest.checkpoint.adapters:
-        reference = adapter_reference(loaded, (swapped[0],) if swapped is not None else _adapters(directory, manifest, loaded, model))
-    else:
-        reference = prepare_reference(loaded, options)
+    adapters = ((swapped[0],) if swapped is not None else _adapters(directory, manifest, loaded, model)) if swapped is not None or manifest.checkpoint.adapters else None
+
+    def build(loaded: LoadedModel) -> nn.Module:
+        return adapter_reference(loaded, adapters) if adapters is not None else prepare_reference(loaded, options)
+
+    reference = build(loaded)
     extra: Feeds | None = dict(swapped[1]) if swapped is not None else None
     if options.ple_tables is PLETables.INPUT:
         extra = {**(extra or {}), **table_feeds(list(fold(reference, loaded.ple).tables), Precision.parse(manifest.precision).kv_dtype)}
@@ -63,7 +67,11 @@ def check_dir(
     gates = manifest.parity.agreement != "record"
     weight_only = Precision.parse(manifest.precision).weight_only_float is not None
     quantized = quantized_model(_portable_paths(directory, manifest).values(), gates) if weight_only else None
-    return check_parity(reference, loaded.spec, _candidates(directory, manifest, backend, extra), settings, progress=progress, quantized=quantized)
+    # the model is freed while the graphs run unless both fit, and loaded again to score their tokens (check_parity)
+    return check_parity(
+        reference, loaded.spec, _candidates(directory, manifest, backend, extra), settings, progress=progress, quantized=quantized,
+        release_reference=release_weights(reference), reload_reference=lambda: build(load_model(loaded.source)),
+    )  # fmt: skip
 
 
 def _checkpoint(directory: Path, manifest: Manifest, model: str | Path | None, progress: Progress) -> LoadedModel:
@@ -126,11 +134,11 @@ def _candidates(directory: Path, manifest: Manifest, backend: str, extra: Feeds 
         # TensorRT computes int4 weight-only MatMuls in the engine's float precision
         return [candidate(lambda: open_engines(directory, extra_feeds=extra), (GraphKind.PREFILL, GraphKind.DECODE), precision, Precision.parse(precision).weight_only_float)]
     graphs = _portable_paths(directory, manifest)
-    candidates = [candidate(OrtRunner.opener(graphs, extra), tuple(graphs), manifest.precision, Precision.parse(manifest.precision).weight_only_float)]
+    candidates = [candidate(OrtRunner.opener(graphs, extra), tuple(graphs), manifest.precision, Precision.parse(manifest.precision).weight_only_float, files=graphs.values())]
     for name, entry in (manifest.targets or {}).items():  # each target's graphs, opened its way
         paths = _graph_paths(directory, {GraphKind(kind): graph.file for kind, graph in entry.graphs.items()})
         chosen = target(name)
-        candidates.append(candidate(chosen.runner(paths, extra), tuple(paths), entry.precision, chosen.quantized_precision(entry.precision), name))
+        candidates.append(candidate(chosen.runner(paths, extra), tuple(paths), entry.precision, chosen.quantized_precision(entry.precision), name, files=paths.values()))
     return candidates
 
 

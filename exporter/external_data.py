@@ -7,13 +7,13 @@ reads the same references the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kiln.errors import ArtifactError
 
-__all__ = ["external_files", "plain_name", "tensors"]
+__all__ = ["external_files", "plain_name", "set_bytes", "tensors"]
 
 
 def tensors(graph: Any) -> Iterator[Any]:
@@ -50,6 +50,17 @@ def external_files(graph: Path, model: Any) -> dict[str, Path]:
             raise ArtifactError(f"{graph.name}: tensor {tensor.name} reads external data from {location!r}, which is not a file beside the graph")
         files[location] = path
     return files
+
+
+def set_bytes(graphs: Iterable[Path]) -> int:
+    """The bytes of a graph set's files and of every external data file they read, each file once
+    (the graphs of a set share theirs): what a runtime holds when the set's sessions are open."""
+    import onnx
+
+    files: set[Path] = set()
+    for graph in graphs:
+        files |= {graph.resolve(), *(path.resolve() for path in external_files(graph, onnx.load(str(graph), load_external_data=False)).values())}
+    return sum(path.stat().st_size for path in files)
 
 
 def plain_name(location: str) -> bool:

@@ -23,7 +23,7 @@ from kiln.exporter.emit import write_artifacts
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.artifacts.layout import CALIBRATION_DIR, ONNX_DIR
 from kiln.exporter.artifacts.manifest import Manifest
-from kiln.exporter.artifacts.staging import require_replaceable, staged_output
+from kiln.exporter.artifacts.staging import refuse_held, require_replaceable, staged_output
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import Folded, fold, table_feeds
 from kiln.exporter.graphs import (
@@ -32,7 +32,7 @@ from kiln.exporter.graphs import (
     fp32_graph,
     write_portable_graphs,
 )
-from kiln.exporter.load import Reference, adapter_reference, load_reference, lora_slots, merge_adapters, resolve_limits
+from kiln.exporter.load import Reference, adapter_reference, load_reference, lora_slots, merge_adapters, prepare_reference, resolve_limits
 from kiln.exporter.options import ExportOptions, PLETables, Precision
 from kiln.exporter.candidates import candidate
 from kiln.exporter.parity import (
@@ -48,6 +48,7 @@ from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.report import ExportReport
 from kiln.exporter.runners import OrtRunner, TorchRunner
 from kiln.exporter.runners.torch_runner import drop_fp32_buffers
+from kiln.exporter.static_fit import refuse_static_cache
 from kiln.exporter.targets import target, targets
 from kiln.exporter.targets.base import TargetGiven, TargetGraphs
 from kiln.exporter.trace import Traced, trace_unified
@@ -70,11 +71,20 @@ class ExportResult:
 def export(model: str | Path, out: Path, options: ExportOptions, progress: Progress | None = None) -> ExportResult:
     progress = progress or NullProgress()
     require_replaceable(out.absolute(), options.force, inputs=(resolve_checkpoint(model), *options.data_inputs))  # before the load (checked again)
+    refuse_held(out.absolute())  # another export writing there: refused now, not after the load (its lock decides again)
     with progress.stage("load checkpoint"):
         if (spec := config_spec(model)) is not None:
-            resolve_limits(spec, options)  # --max-context against the config's limits, before any weight is read
+            refuse_static_cache(spec, options, resolve_limits(spec, options))  # the config's limits, before any weight is read
         loaded = load_model(model)
     return export_loaded(loaded, out, options, progress, model_ref=str(model), release_reference=True)
+
+
+def _fitting_reference(loaded: LoadedModel, options: ExportOptions) -> Reference:
+    """``load_reference``, its static cache (``--target onnx``) sized against this machine before
+    the trace (``export`` asked the config's spec already: an export of a loaded model had no config)."""
+    reference = load_reference(loaded, options)
+    refuse_static_cache(reference.spec, options, reference.max_context)
+    return reference
 
 
 def _note_widening(reference: Reference, options: ExportOptions, progress: Progress) -> None:
@@ -83,6 +93,16 @@ def _note_widening(reference: Reference, options: ExportOptions, progress: Progr
         progress.note(
             f"the checkpoint's weights are {reference.spec.dtype}: the fp32 graphs hold each in 4 bytes, twice the checkpoint's"
             " size (--fp16 keeps 2 bytes a weight)"
+        )
+
+
+def _note_text_decoder(reference: Reference, progress: Progress) -> None:
+    """A multimodal checkpoint exported as its text decoder: one line says what is left out."""
+    part = reference.spec.text_decoder_of
+    if part is not None:
+        progress.note(
+            f"{part.architecture} is multimodal: exporting its text decoder ({part.prefix}) only; not exported: {', '.join(part.not_exported)}"
+            " (the graphs take token ids, no images)"
         )
 
 
@@ -102,13 +122,15 @@ def export_loaded(
     model_ref: str | None = None,
     release_reference: bool = False,
 ) -> ExportResult:
-    """Export ``loaded``. With ``release_reference`` its weights are freed once parity has its
-    PyTorch outputs (``export`` does this: it loaded the model itself), so a big model's
-    weights and the runtime's never sit in memory together; ``loaded`` is unusable afterwards."""
+    """Export ``loaded``. With ``release_reference`` (``export`` does this: it loaded the model
+    itself) parity may free its weights before the graphs run and load it again from
+    ``loaded.source`` to score their tokens, so a big model's weights and the runtime's never sit
+    in memory together (``check_parity``); ``loaded`` is unusable afterwards."""
     progress = progress or NullProgress()
     adapters = merge_adapters(loaded, options, model_ref)  # --adapter: before anything reads the weights
-    reference = load_reference(loaded, options)
+    reference = _fitting_reference(loaded, options)
     _note_widening(reference, options, progress)
+    _note_text_decoder(reference, progress)
     inputs = (loaded.source, *loaded.files, *options.data_inputs)  # never replaced by the output, whatever --force says
     needs = int(sum(p.numel() for p in reference.module.parameters()) * options.precision.min_bytes_per_weight)
     with staged_output(out, options.force, inputs=inputs, note=progress.note, needs=needs) as root:
@@ -129,15 +151,17 @@ def export_loaded(
         recorded, extras = precision.record(portable.reports), precision.extras(portable.reports)
         del precision, context  # the int4 numbers (3.5 GB at 8B) are in the graph files now: parity reads them there
         release = release_weights(reference.module) if release_reference else None
+        reload = (lambda: prepare_reference(load_model(loaded.source), options)) if release_reference else None
         parity_module = reference.module
         if adapters:
-            parity_module, release = _peft_reference(loaded, adapters, release, progress)
+            parity_module, release, reload = _peft_reference(loaded, adapters, release, progress)
         parity = check_parity(
             parity_module,
             reference.spec,
             _candidates(folded, options, portable, written),
             _settings(reference, options),
             release_reference=release,
+            reload_reference=reload,
             progress=progress,
             quantized=quantized_model(portable.paths.values(), options.parity_agreement == "gate") if options.precision.weight_only_float else None,
         )
@@ -165,15 +189,20 @@ def release_weights(module: torch.nn.Module) -> Callable[[], None]:
 
 def _peft_reference(
     loaded: LoadedModel, adapters: tuple[LoraAdapter, ...], release: Callable[[], None] | None, progress: Progress
-) -> tuple[torch.nn.Module, Callable[[], None] | None]:
+) -> tuple[torch.nn.Module, Callable[[], None] | None, Callable[[], torch.nn.Module] | None]:
     """With ``--adapter``: parity's reference is PEFT's model of the base (loaded again) and the
     adapters, built once the merged weights are freed (``release``, when the export may free them:
-    the two models then never sit in memory together), and the callback that frees it."""
+    the two models then never sit in memory together), the callback that frees it and the one
+    that builds it again (parity's memory rule: ``check_parity``)."""
     if release is not None:
         release()
+
+    def build() -> torch.nn.Module:
+        return adapter_reference(load_model(loaded.source), adapters)
+
     with progress.stage("parity: PEFT's model of base + adapters"):
-        module = adapter_reference(load_model(loaded.source), adapters)
-    return module, release_weights(module) if release is not None else None
+        module = build()
+    return module, release_weights(module) if release is not None else None, build if release is not None else None
 
 
 def _calibration(reference: Reference, options: ExportOptions, checkpoint: dict[str, str], progress: Progress) -> Calibration | None:
@@ -220,8 +249,11 @@ def _settings(reference: Reference, options: ExportOptions) -> ParitySettings:
 def _candidates(folded: Folded, options: ExportOptions, portable: GraphSet, written: tuple[TargetGraphs, ...]) -> list[Candidate]:
     """The graph sets parity checks: the portable graphs, then each target's (opened its way)."""
     feeds = table_feeds(list(folded.tables), options.precision.kv_dtype) if options.ple_tables is PLETables.INPUT else None
-    candidates = [candidate(OrtRunner.opener(portable.paths, feeds), tuple(portable.paths), options.precision.value, options.precision.weight_only_float)]
+    candidates = [
+        candidate(OrtRunner.opener(portable.paths, feeds), tuple(portable.paths), options.precision.value, options.precision.weight_only_float, files=portable.paths.values())
+    ]
     for graphs in written:
         chosen = target(graphs.name)
-        candidates.append(candidate(chosen.runner(graphs.paths, feeds), tuple(graphs.paths), graphs.precision, chosen.quantized_precision(graphs.precision), graphs.name))
+        quantized = chosen.quantized_precision(graphs.precision)
+        candidates.append(candidate(chosen.runner(graphs.paths, feeds), tuple(graphs.paths), graphs.precision, quantized, graphs.name, files=graphs.paths.values()))
     return candidates

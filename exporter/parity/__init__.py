@@ -4,14 +4,16 @@
   batches, non-empty past), judged row by row by ``|a - b| <= atol + rtol * max|b| of the row``
   (``tolerances``: per precision, for the logits and for the KV cache) and by cosine; max rel
   and the top-1 agreement of the logits are shown.
-- Generation level: PyTorch generates greedily with its KV cache; the graphs are then fed the
-  same tokens (teacher forcing) through prefill + decode, and through model.onnx alone, and at
-  every step their argmax and logits are compared with PyTorch's. If every step's argmax
-  agrees, the graphs' own greedy generation is the same token sequence (by induction), and a
-  divergence is pinned to its first step with the logit error of every step recorded.
-  A mismatch where PyTorch's own two logits are within twice that row's logits limit is a tie,
-  which no runtime can be blamed for; it is counted apart and does not fail the check. Batch 1
-  and a padded batch run (at ``--max-batch 1``, one shorter prompt padded at batch 1).
+- Generation level (verify, do not regenerate): each graph set generates greedily through
+  prefill + decode as users run it, and model.onnx is fed those tokens in two chunks with its
+  cache (the prompt, then the generated tokens); PyTorch then scores every sequence
+  teacher-forced in batched forwards, and at every step the token the graphs chose must be
+  PyTorch's argmax at that prefix. If every step agrees, the sequence is PyTorch's own greedy
+  sequence (by induction), and a divergence is pinned to its first step with the logit error of
+  every step recorded. A mismatch where PyTorch's own two logits are within twice that row's
+  logits limit is a tie, which no runtime can be blamed for; it is counted apart and does not
+  fail the check. Batch 1 and a padded batch run (at ``--max-batch 1``, one shorter prompt
+  padded at batch 1).
 """
 
 from __future__ import annotations
@@ -23,11 +25,10 @@ from kiln.exporter.parity.driver import (
     check_parity,
     parity_plan,
     quantized_model,
-    run_parity,
 )
 from kiln.exporter.parity.generation import (
+    candidate_run,
     encoder_states,
-    generation_parity,
     greedy,
     left_pad,
     make_prompts,
@@ -38,6 +39,7 @@ from kiln.exporter.parity.results import (
     TargetParity,
     TensorCheck,
 )
+from kiln.exporter.parity.scoring import generation_parity
 from kiln.exporter.parity.tensors import tensor_feeds, tensor_parity
 from kiln.exporter.parity.tolerances import RULE, Bound, Tolerance
 
@@ -51,6 +53,7 @@ __all__ = [
     "tensor_feeds",
     "tensor_parity",
     "generation_parity",
+    "candidate_run",
     "greedy",
     "make_prompts",
     "left_pad",
@@ -62,5 +65,4 @@ __all__ = [
     "check_parity",
     "quantized_model",
     "parity_plan",
-    "run_parity",
 ]

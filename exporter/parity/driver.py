@@ -1,5 +1,6 @@
-"""Running parity for one graph set: record the PyTorch reference first, then compare a runner's
-outputs with the recording (run by ``kiln export`` at its end and by ``kiln check DIR``)."""
+"""Running parity for an export's graph sets (``kiln export`` at its end, ``kiln check DIR``): the
+PyTorch reference records its tensor outputs, each graph set runs (tensors judged, greedy tokens
+generated), then PyTorch scores every set's tokens in batched forwards and each step is judged."""
 
 from __future__ import annotations
 
@@ -10,17 +11,20 @@ from pathlib import Path
 
 import numpy as np
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.parity.generation import greedy, joined_generation_parity, make_prompts
+from kiln.exporter.parity.generation import candidate_run, judge, make_prompts
+from kiln.exporter.parity.memory import keeps_model
 from kiln.exporter.parity.quantized import Int4Weight, read_int4_weights, use_int4_weights
-from kiln.exporter.parity.results import GenerationCheck, ParityResult
-from kiln.exporter.parity.tensors import tensor_feeds, tensor_parity
+from kiln.exporter.parity.results import ParityResult, TensorCheck
+from kiln.exporter.parity.scoring import score
+from kiln.exporter.parity.tensors import compare_outputs, tensor_feeds, tensor_parity
 from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.runners import RecordingRunner, Runner, TorchRunner
+from kiln.exporter.runners.base import Feeds
 from kiln.plugins.base import DecoderSpec
 from torch import nn
 
-__all__ = ["Candidate", "ParitySettings", "QuantizedModel", "check_parity", "quantized_model", "run_parity", "parity_plan"]
+__all__ = ["Candidate", "ParitySettings", "QuantizedModel", "check_parity", "quantized_model", "parity_plan"]
 
 
 def parity_plan(max_context: int, max_batch: int, tokens: int) -> tuple[list[int], list[int], int]:
@@ -62,6 +66,7 @@ class Candidate:
     kv_dtype: str = "float32"
     target: str | None = None
     quantized: Tolerance | None = None
+    weight_bytes: int = 0  # its graph files' and weights files' bytes: what a runtime holds beside the model (``keeps_model``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +84,6 @@ def quantized_model(paths: Iterable[Path], agreement_gates: bool = True) -> Quan
     precision has no such model: its graphs have only the checkpoint's model to be judged against)."""
     graphs = tuple(paths)
     return QuantizedModel(lambda: read_int4_weights(graphs), agreement_gates)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Recorded:
-    """One reference's recorded outputs: its runner (frozen) and its greedy runs per batch."""
-
-    runner: RecordingRunner
-    runs: list[tuple[np.ndarray, np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,134 +115,158 @@ def check_parity(
     settings: ParitySettings,
     *,
     release_reference: Callable[[], None] | None = None,
+    reload_reference: Callable[[], nn.Module] | None = None,
     progress: Progress | None = None,
     quantized: QuantizedModel | None = None,
 ) -> ParityResult:
     """Every candidate against PyTorch, in one result: the first candidate's checks, then each
-    target's under its name. PyTorch runs first, once, and is recorded; ``release_reference``
-    then frees the model's weights, before any runtime loads its own, so the two never sit in
-    memory together; the comparisons replay the recording. With ``quantized``, the module is
-    then made to compute with the graphs' int4 weights and recorded again (before the release),
-    and every candidate with a ``quantized`` precision is also judged against that recording, at
-    that precision's tolerances (``ParityResult.quantized``)."""
+    target's under its name. PyTorch first records its outputs on every graph's tensor feeds; each
+    candidate then runs (its tensors judged, its greedy sequences generated); PyTorch last scores
+    those sequences teacher-forced (``parity.scoring``) and every step is judged. The model stays in
+    memory meanwhile only when it and the largest graph set fit comfortably (``keeps_model``) or
+    cannot be loaded again (no ``release_reference`` or ``reload_reference``); else
+    ``release_reference`` frees it before any runtime loads its weights, and ``reload_reference``
+    loads it again to score. With ``quantized``, the module is then made to compute with the
+    graphs' int4 weights, and every candidate with a ``quantized`` precision is also judged against
+    it, at that precision's tolerances (``ParityResult.quantized``)."""
     progress = progress or NullProgress()
-    plan, first = _Plan.of(spec, settings), candidates[0]
-    kv_dtype = np.dtype(first.kv_dtype)
+    plan = _Plan.of(spec, settings)
     graphs = tuple(dict.fromkeys(kind for c in candidates for kind in c.graphs))
-    recorded = _record(TorchRunner(reference, spec.n_layers, settings.last_logits_only), spec, graphs, plan, kv_dtype, progress, "parity: PyTorch reference")
-    quantized_recorded = None
-    if quantized is not None:
-        use_int4_weights(reference, quantized.int4())
-        runner = TorchRunner(reference, spec.n_layers, settings.last_logits_only)
-        quantized_recorded = _record(runner, spec, graphs, plan, kv_dtype, progress, "parity: PyTorch on the int4 weights")
-    del reference
-    if release_reference is not None:
+    runner = TorchRunner(reference, spec.n_layers, settings.last_logits_only)
+    recorded = _record(runner, spec, graphs, plan, np.dtype(candidates[0].kv_dtype), progress)
+    keep = release_reference is None or reload_reference is None or keeps_model(reference, max(c.weight_bytes for c in candidates))
+    held: nn.Module | None = reference
+    del reference, runner
+    if not keep:
+        assert release_reference is not None
+        held = None
         release_reference()
-    result: ParityResult | None = None
-    for candidate in candidates:
-        checked, against_quantized = _check_candidate(recorded, quantized_recorded, spec, candidate, plan, progress)
-        if result is None:
-            result = checked
-            if quantized is not None:
-                result.agreement_gates = quantized.agreement_gates
-        else:
-            assert candidate.target is not None, "only the first candidate is not a target"
-            result.merge(candidate.target, checked)
-        if against_quantized is not None:
-            result.merge_quantized(candidate.target, against_quantized)
-    assert result is not None, "check_parity needs a candidate"
+    ran = [_run(recorded, spec, candidate, plan, progress, quantized is not None) for candidate in candidates]
+    with progress.stage(f"parity: PyTorch scores the graphs' tokens ({'model kept in memory' if keep else 'model loaded again'})"):
+        module = held if held is not None else _reload(reload_reference)
+        del held
+        scored = _score(module, spec, plan, ran)
+    results = [_result(r, r.candidate.tolerance, r.tensors, s, plan) for r, s in zip(ran, scored, strict=True)]
+    against: list[ParityResult | None] = [None] * len(ran)
+    if quantized is not None:
+        with progress.stage("parity: PyTorch on the int4 weights"):
+            against = _against_quantized(module, spec, plan, quantized, ran, settings.last_logits_only)
+    if keep and release_reference is not None:
+        release_reference()  # the model the export loaded is not read again
+    del module
+    return _merged(ran, results, against, quantized)
+
+
+def _merged(ran: Sequence[_Ran], results: list[ParityResult], against: list[ParityResult | None], quantized: QuantizedModel | None) -> ParityResult:
+    """The first candidate's result with every target's merged in, and each one's checks against
+    the quantized model."""
+    result = results[0]
+    if quantized is not None:
+        result.agreement_gates = quantized.agreement_gates
+    for r, checked in zip(ran[1:], results[1:], strict=True):
+        assert r.candidate.target is not None, "only the first candidate is not a target"
+        result.merge(r.candidate.target, checked)
+    for r, q in zip(ran, against, strict=True):
+        if q is not None:
+            result.merge_quantized(r.candidate.target, q)
     return result
 
 
-def _record(
-    torch_runner: Runner, spec: DecoderSpec, graphs: tuple[GraphKind, ...], plan: _Plan, kv_dtype: np.dtype, progress: Progress, label: str
-) -> _Recorded:
-    """Every PyTorch output parity compares with, recorded, then frozen: the outputs of each
-    graph's tensor feeds, and the tokens and logits of every batch's greedy run (the runs go
-    around the recorder: it would keep every step's outputs, the whole KV cache of each step,
-    3 GB per reference at 8B, which nothing replays)."""
-    recorder = RecordingRunner(torch_runner)
-    with progress.stage(label, total=len(graphs) + len(plan.batches)) as bar:
+def _reload(reload_reference: Callable[[], nn.Module] | None) -> nn.Module:
+    assert reload_reference is not None, "the model is released only where it can be loaded again"
+    return reload_reference()
+
+
+def _record(runner: Runner, spec: DecoderSpec, graphs: tuple[GraphKind, ...], plan: _Plan, kv_dtype: np.dtype, progress: Progress) -> RecordingRunner:
+    """PyTorch's outputs on each graph's tensor feeds (batch 2 and batch 1), recorded, then frozen."""
+    recorder = RecordingRunner(runner)
+    with progress.stage("parity: PyTorch reference tensors", total=len(graphs)) as bar:
         for kind in graphs:
             for single_row in (False, True):  # tensor_parity's two cases
                 recorder.run(kind, tensor_feeds(spec, kind, plan.seed, kv_dtype, recorder, single_row=single_row))
             bar.advance()
-        runs = _reference_runs(torch_runner, spec, plan)
-        bar.advance(len(plan.batches))
     recorder.freeze()
-    return _Recorded(recorder, runs)
-
-
-def _reference_runs(reference: Runner, spec: DecoderSpec, plan: _Plan) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The reference's greedy tokens and logits for each batch of prompts (every one padded to
-    the plan's length), a joined plan's rows in one batch: one forward per step for every run
-    instead of one per batch per step (the PyTorch reference's time is its weights read per step,
-    nearly the same for 4 rows as for 1). Row b of the joined run is row b of its batch's own run,
-    up to the float rounding of a different batch size (the candidates are checked against these
-    tokens, teacher-forced, with ties allowed)."""
-    runs = []
-    for group in plan.groups():
-        tokens, logits = greedy(reference, spec, [p for prompts in group for p in prompts], plan.steps, length=plan.length)
-        start = 0
-        for prompts in group:
-            rows = slice(start, start + len(prompts))
-            runs.append((tokens[rows], logits[:, rows]))
-            start += len(prompts)
-    return runs
+    return recorder
 
 
 def joins_batches(spec: DecoderSpec) -> bool:
-    """Whether parity's batches may run as one (every row in one greedy run; ``_reference_runs``,
-    ``joined_generation_parity``): not a cross-attention decoder's, whose stand-in encoder
-    states depend on the batch size. ``_Plan`` also keeps the rows within the export's max batch."""
+    """Whether parity's batches may run as one (every row in one greedy run of a candidate): not a
+    cross-attention decoder's, whose stand-in encoder states depend on the batch size. ``_Plan``
+    also keeps the rows within the export's max batch."""
     return spec.encoder_dim is None or spec.has_encoder
 
 
-def _check_candidate(
-    recorded: _Recorded, quantized: _Recorded | None, spec: DecoderSpec, candidate: Candidate, plan: _Plan, progress: Progress
-) -> tuple[ParityResult, ParityResult | None]:
-    """The candidate against the recording (by its precision's tolerances) and, when it has a
-    ``quantized`` precision and there is a quantized recording, against that one too: one
-    session for both."""
-    against_quantized = quantized is not None and candidate.quantized is not None
-    runs = len(plan.groups()) * (2 if GraphKind.UNIFIED in candidate.graphs else 1)
+@dataclasses.dataclass(frozen=True)
+class _Ran:
+    """One candidate's outputs, kept from its session until PyTorch has scored them: its tensor
+    checks, its outputs on the tensor feeds (to judge against the quantized model; empty when it
+    is not), and per group of batches its greedy tokens and logits (and the unified graph's)."""
+
+    candidate: Candidate
+    backend: str
+    tensors: list[TensorCheck]
+    outputs: list[tuple[GraphKind, Feeds, Feeds]]
+    runs: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+
+
+def _run(recorded: RecordingRunner, spec: DecoderSpec, candidate: Candidate, plan: _Plan, progress: Progress, quantized: bool) -> _Ran:
+    """The candidate's tensors against the recording (batch 2 with a padded row, unless the
+    export's max batch is 1, and batch 1), then its greedy run per group of batches (``_Plan``)."""
+    kv_dtype, unified = np.dtype(candidate.kv_dtype), GraphKind.UNIFIED in candidate.graphs
+    keep: list[tuple[GraphKind, Feeds, Feeds]] | None = [] if quantized and candidate.quantized is not None else None
     label = f"parity: {candidate.precision} {candidate.target + ' ' if candidate.target else ''}graphs"  # the session's start counts in it
-    with progress.stage(label, total=(1 + runs) * (2 if against_quantized else 1)) as bar, candidate.open() as runner:
-        checked = run_parity(recorded.runner, runner, spec, candidate, candidate.tolerance, plan, recorded.runs, bar.advance)
-        if not against_quantized:
-            return checked, None
-        assert quantized is not None and candidate.quantized is not None
-        return checked, run_parity(quantized.runner, runner, spec, candidate, candidate.quantized, plan, quantized.runs, bar.advance)
+    with progress.stage(label, total=1 + len(plan.groups())) as bar, candidate.open() as runner:
+        tol, seed = candidate.tolerance, plan.seed
+        tensors = tensor_parity(recorded, runner, spec, tol, seed, kv_dtype, keep=keep) if plan.max_batch > 1 else []
+        tensors += tensor_parity(recorded, runner, spec, tol, seed, kv_dtype, single_row=True, keep=keep)
+        bar.advance()
+        runs = []
+        for group in plan.groups():
+            rows = [p for prompts in group for p in prompts]
+            runs.append(candidate_run(runner, spec, rows, plan.steps, unified=unified, kv_dtype=kv_dtype, length=plan.length))
+            bar.advance()
+        return _Ran(candidate, runner.name, tensors, keep or [], runs)
 
 
-def run_parity(
-    reference: RecordingRunner,
-    runner: Runner,
-    spec: DecoderSpec,
-    candidate: Candidate,
-    tolerance: Tolerance,
-    plan: _Plan,
-    reference_runs: list[tuple[np.ndarray, np.ndarray]],
-    advance: Callable[[int], None],
-) -> ParityResult:
-    """Tensor parity of the candidate's graphs against a frozen recording (batch 2 with a padded
-    row, unless the export's max batch is 1, and batch 1), then greedy generation through prefill + decode and (when it has it)
-    model.onnx of batch 1 and a padded batch (``parity_plan``), teacher-forced on the recording's
-    greedy runs: both batches' rows in one run per path where the plan joins them (``_Plan``),
-    judged batch by batch as their own runs would be."""
-    kv_dtype = np.dtype(candidate.kv_dtype)
-    paths = [False, True] if GraphKind.UNIFIED in candidate.graphs else [False]
-    result = ParityResult(backend=runner.name, precision=candidate.precision, tolerance=tolerance)
-    result.tensors = tensor_parity(reference, runner, spec, tolerance, plan.seed, kv_dtype) if plan.max_batch > 1 else []  # batch 2
-    result.tensors += tensor_parity(reference, runner, spec, tolerance, plan.seed, kv_dtype, single_row=True)
-    advance(1)
-    runs = iter(reference_runs)
-    by_path: dict[bool, list[GenerationCheck]] = {unified: [] for unified in paths}
-    for batches in plan.groups():
-        mine = [next(runs) for _ in batches]
-        for unified in paths:
-            checks = joined_generation_parity(runner, spec, batches, mine, plan.steps, tolerance, unified=unified, kv_dtype=kv_dtype, length=plan.length)
-            by_path[unified] += checks
-            advance(1)
-    result.generation = [check for row in zip(*by_path.values(), strict=True) for check in row]  # batch by batch, each path's
+def _score(module: nn.Module, spec: DecoderSpec, plan: _Plan, ran: Sequence[_Ran]) -> list[list[np.ndarray]]:
+    """PyTorch's logits at every step of each candidate's runs (per candidate, per group), all
+    candidates' rows scored together (``parity.scoring``)."""
+    groups = [[p for prompts in group for p in prompts] for group in plan.groups()]
+    sequences = [(g, tokens) for r in ran for g, (tokens, _, _) in enumerate(r.runs)]
+    scored = iter(score(TorchRunner(module, spec.n_layers), spec, groups, plan.length, sequences))  # every position's logits
+    return [[next(scored) for _ in r.runs] for r in ran]
+
+
+def _result(ran: _Ran, tolerance: Tolerance, tensors: list[TensorCheck], scored: list[np.ndarray], plan: _Plan) -> ParityResult:
+    """One candidate's checks: its tensors, then batch by batch each graph path's generation,
+    judged against the reference's logits at the candidate's own prefixes."""
+    result = ParityResult(backend=ran.backend, precision=ran.candidate.precision, tolerance=tolerance, tensors=list(tensors))
+    for group, (_, logits, chunked), reference in zip(plan.groups(), ran.runs, scored, strict=True):
+        start = 0
+        for prompts in group:
+            rows = slice(start, start + len(prompts))
+            result.generation.append(judge(prompts, reference[:, rows], logits[:, rows], tolerance, False, plan.length))
+            if chunked is not None:
+                result.generation.append(judge(prompts, reference[:, rows], chunked[:, rows], tolerance, True, plan.length))
+            start += len(prompts)
     return result
+
+
+def _against_quantized(
+    module: nn.Module, spec: DecoderSpec, plan: _Plan, quantized: QuantizedModel, ran: Sequence[_Ran], last_logits_only: bool
+) -> list[ParityResult | None]:
+    """Each candidate with a ``quantized`` precision against the module on the graphs' int4
+    weights (converted in place): its tensor outputs on the same feeds, and its runs scored again."""
+    use_int4_weights(module, quantized.int4())
+    runner = TorchRunner(module, spec.n_layers, last_logits_only)
+    judged = [r for r in ran if r.candidate.quantized is not None]
+    scored = iter(_score(module, spec, plan, judged))
+    out: list[ParityResult | None] = []
+    for r in ran:
+        tolerance = r.candidate.quantized
+        if tolerance is None:
+            out.append(None)
+            continue
+        tensors = [check for kind, feeds, got in r.outputs for check in compare_outputs(kind, feeds, runner.run(kind, feeds), got, tolerance)]
+        out.append(_result(r, tolerance, tensors, next(scored), plan))
+    return out

@@ -1,18 +1,20 @@
-"""Generation-level parity: greedy decoding through a runner, teacher-forced on the reference's tokens."""
+"""Generation-level parity: each candidate generates greedily as users run it, its unified graph is
+fed those tokens in chunks, and every step is judged against the reference's logits at the same
+prefix (the reference scores the candidate's sequence: ``parity.scoring``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
-from kiln.exporter.contract.io import ENCODER_STATES, GraphKind, carried_cache, is_cross
-from kiln.exporter.contract.steps import empty_past, encoder_decoder_feeds, left_pad, prompt_feeds, run_steps
+from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
+from kiln.exporter.contract.steps import carry, empty_past, encoder_decoder_feeds, left_pad, prompt_feeds, run_steps
 from kiln.exporter.parity.results import GenerationCheck
 from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["greedy", "generation_parity", "joined_generation_parity", "make_prompts", "left_pad", "encoder_states"]  # left_pad: contract.steps
+__all__ = ["greedy", "candidate_run", "unified_chunks", "judge", "make_prompts", "left_pad", "encoder_states", "first_feeds"]  # left_pad: contract.steps
 
 
 def make_prompts(spec: DecoderSpec, lengths: Sequence[int], seed: int) -> list[list[int]]:
@@ -53,16 +55,12 @@ def greedy(
     its encoder's inputs (right-padded): the runner's own encoder graph encodes them, and the
     decoder starts from ``decoder_start_token_id``, as transformers' ``generate()`` does.
     """
-    feeds, encoder = _first_feeds(runner, spec, prompts, length)
+    feeds, encoder = first_feeds(runner, spec, prompts, length)
     batch = len(prompts)
     if encoder is not None:
         feeds[ENCODER_STATES] = encoder.astype(kv_dtype)  # (via float32, as every other caller rounds it)
     if unified:
-        cross: Feeds = {}
-        if encoder is not None:
-            prefill = runner.run(GraphKind.PREFILL, feeds)
-            cross = {past: prefill[present].astype(kv_dtype) for past, present in carried_cache(spec) if is_cross(past)}
-        feeds = {k: v for k, v in feeds.items() if k != ENCODER_STATES} | empty_past(spec, batch, kv_dtype) | cross
+        feeds = _unified_first(runner, spec, feeds, encoder is not None, kv_dtype)
     kinds = (GraphKind.UNIFIED, GraphKind.UNIFIED) if unified else (GraphKind.PREFILL, GraphKind.DECODE)
     tokens = np.zeros((batch, steps), dtype=np.int64)
     logits_per_step = np.zeros((steps, batch, spec.vocab_size), dtype=np.float32)
@@ -76,8 +74,21 @@ def greedy(
     return tokens, logits_per_step
 
 
-def _first_feeds(runner: Runner, spec: DecoderSpec, prompts: Sequence[Sequence[int]], length: int | None) -> tuple[Feeds, np.ndarray | None]:
-    """The prompt step's feeds and the encoder states it reads (None: no cross-attention)."""
+def _unified_first(runner: Runner, spec: DecoderSpec, feeds: Feeds, cross: bool, kv_dtype: np.dtype) -> Feeds:
+    """The unified graph's prompt feeds from the prompt step's: an empty self-attention cache and,
+    for a cross-attention decoder, the cross cache of the runner's own prefill graph (the unified
+    graph takes it as an input, like decode)."""
+    caches: Feeds = {}
+    if cross:
+        prefill = runner.run(GraphKind.PREFILL, feeds)
+        caches = {past: prefill[present].astype(kv_dtype) for past, present in carried_cache(spec) if is_cross(past)}
+    batch = len(feeds["input_ids"])
+    return {k: v for k, v in feeds.items() if k != ENCODER_STATES} | empty_past(spec, batch, kv_dtype) | caches
+
+
+def first_feeds(runner: Runner, spec: DecoderSpec, prompts: Sequence[Sequence[int]], length: int | None) -> tuple[Feeds, np.ndarray | None]:
+    """The prompt step's feeds and the encoder states it reads (None: no cross-attention); an
+    encoder-decoder's are the runner's own encoder's."""
     pad = spec.pad_token_id if spec.pad_token_id is not None else 0
     if not spec.has_encoder:
         return prompt_feeds(prompts, pad, length), encoder_states(spec, len(prompts))
@@ -90,58 +101,66 @@ def _first_feeds(runner: Runner, spec: DecoderSpec, prompts: Sequence[Sequence[i
     return feeds, feeds.pop(ENCODER_STATES)
 
 
-def generation_parity(
-    reference: Runner,
-    candidate: Runner,
+def unified_chunks(
+    runner: Runner,
+    spec: DecoderSpec,
+    prompts: Sequence[Sequence[int]],
+    tokens: np.ndarray,
+    *,
+    kv_dtype: np.dtype = np.dtype(np.float32),
+    length: int | None = None,
+) -> np.ndarray:
+    """The unified graph teacher-forced on ``tokens`` ``[B, steps]`` in two calls with its cache,
+    as a user who feeds it whole chunks runs it: the prompt (padded as ``greedy`` pads it) from an
+    empty cache, then every token but the last in one call. Returns the logits that chose each
+    token ``[steps, B, vocab]`` (float32): the prompt's last position's, then each fed token's."""
+    feeds, encoder = first_feeds(runner, spec, prompts, length)
+    if encoder is not None:
+        feeds[ENCODER_STATES] = encoder.astype(kv_dtype)
+    first = _unified_first(runner, spec, feeds, encoder is not None, kv_dtype)
+    outputs = runner.run(GraphKind.UNIFIED, first)
+    logits = [np.asarray(outputs["logits"][:, -1:], dtype=np.float32)]
+    fed = tokens.shape[1] - 1
+    if fed > 0:
+        batch, mask = tokens.shape[0], first["attention_mask"]
+        chunk = {
+            "input_ids": np.ascontiguousarray(tokens[:, :fed], dtype=np.int64),
+            "attention_mask": np.concatenate([mask, np.ones((batch, fed), dtype=np.int64)], axis=1),
+            "position_ids": first["position_ids"][:, -1:] + 1 + np.arange(fed, dtype=np.int64),
+            **({ENCODER_MASK: first[ENCODER_MASK]} if ENCODER_MASK in first else {}),
+        }
+        outputs = runner.run(GraphKind.UNIFIED, carry(chunk, outputs, first, carried_cache(spec)))
+        logits.append(np.asarray(outputs["logits"], dtype=np.float32))
+    return np.concatenate(logits, axis=1).transpose(1, 0, 2)
+
+
+def candidate_run(
+    runner: Runner,
     spec: DecoderSpec,
     prompts: Sequence[Sequence[int]],
     steps: int,
-    tolerance: Tolerance,
-    *,
-    unified: bool,
-    kv_dtype: np.dtype = np.dtype(np.float32),
-    reference_run: tuple[np.ndarray, np.ndarray] | None = None,
-    length: int | None = None,
-) -> GenerationCheck:
-    """The candidate teacher-forced on the reference's greedy tokens (``reference_run``, or run
-    here), the prompts padded to ``length`` as ``greedy`` pads them."""
-    run = reference_run or greedy(reference, spec, prompts, steps, length=length)
-    (check,) = joined_generation_parity(candidate, spec, [prompts], [run], steps, tolerance, unified=unified, kv_dtype=kv_dtype, length=length)
-    return check
-
-
-def joined_generation_parity(
-    candidate: Runner,
-    spec: DecoderSpec,
-    batches: Sequence[Sequence[Sequence[int]]],
-    reference_runs: Sequence[tuple[np.ndarray, np.ndarray]],
-    steps: int,
-    tolerance: Tolerance,
     *,
     unified: bool,
     kv_dtype: np.dtype = np.dtype(np.float32),
     length: int | None = None,
-) -> list[GenerationCheck]:
-    """Every batch's rows in one teacher-forced greedy run of the candidate (one call per step for
-    all of them), judged batch by batch against its own reference run. Rows are independent (each
-    row's mask and positions are its own), so a batch's rows compute what its own run would, up to
-    the float rounding of another batch size; a cross-attention decoder's stand-in encoder states
-    depend on the batch size (``encoder_states``), so its batches must run apart (one each)."""
-    forced = np.concatenate([tokens for tokens, _ in reference_runs])
-    rows = [p for prompts in batches for p in prompts]
-    _, logits = greedy(candidate, spec, rows, steps, unified=unified, forced=forced, kv_dtype=kv_dtype, length=length)
-    checks, start = [], 0
-    for prompts, run in zip(batches, reference_runs, strict=True):
-        checks.append(_judge(prompts, run, logits[:, start : start + len(prompts)], tolerance, unified, length))
-        start += len(prompts)
-    return checks
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A candidate's own greedy run through prefill + decode (its tokens ``[B, steps]`` and the
+    logits that chose them ``[steps, B, vocab]``) and, with ``unified``, the unified graph's logits
+    teacher-forced on those tokens in chunks (``unified_chunks``; None without it)."""
+    tokens, logits = greedy(runner, spec, prompts, steps, kv_dtype=kv_dtype, length=length)
+    chunked = unified_chunks(runner, spec, prompts, tokens, kv_dtype=kv_dtype, length=length) if unified else None
+    return tokens, logits, chunked
 
 
-def _judge(
-    prompts: Sequence[Sequence[int]], reference_run: tuple[np.ndarray, np.ndarray], cand_logits: np.ndarray, tolerance: Tolerance, unified: bool, length: int | None
+def judge(
+    prompts: Sequence[Sequence[int]], ref_logits: np.ndarray, cand_logits: np.ndarray, tolerance: Tolerance, unified: bool, length: int | None
 ) -> GenerationCheck:
-    """One batch's candidate logits ``[steps, B, vocab]`` against its reference run's tokens and logits."""
-    ref_tokens, ref_logits = reference_run
+    """One batch's candidate logits ``[steps, B, vocab]`` against the reference's logits at the
+    same positions of the candidate's own sequence (``parity.scoring``): at every step the token
+    the candidate chose must be the reference's argmax at that prefix, or a tie (``_divergence``).
+    A sequence whose every token is the reference's argmax at its prefix is the reference's own
+    greedy sequence (by induction), so this proves what generating with the reference would."""
+    ref_tokens = ref_logits.argmax(-1).T  # [B, steps]: the reference's choice at each of the candidate's prefixes
     cand_tokens = cand_logits.argmax(-1).T  # [B, steps]
     mismatch = cand_tokens != ref_tokens
     scale = np.abs(ref_logits).max(axis=2)  # [steps, B]: each row's own scale, as the tensor checks'
@@ -164,7 +183,7 @@ def _judge(
 
 
 def _divergence(ref_logits: np.ndarray, ref_tokens: np.ndarray, cand_tokens: np.ndarray, limit: np.ndarray) -> tuple[int | None, int]:
-    """The first step where the candidate's argmax differs from the reference's token other than
+    """The first step where the candidate's argmax differs from the reference's argmax other than
     by a tie, and the number of ties: a mismatch where the reference's own logits of the two
     tokens are within twice that row's logits limit (``limit``, [steps, B]) of each other, an
     order that a candidate within tolerance on both may reverse."""

@@ -102,7 +102,7 @@ def figure(result: ParityResult) -> Figure:
     error.set_title(f"{result.backend} vs PyTorch: {', '.join(f'{s.name} {s.precision}' for s in result.sets())}")
     tokens.set_ylabel("tokens equal to PyTorch's (%)")
     tokens.set_ylim(-5, 105)
-    tokens.set_xlabel("generation step (teacher-forced on PyTorch's tokens)")
+    tokens.set_xlabel("generation step (the graphs' own tokens, scored by PyTorch)")
     handles = [h for ax in (error, tokens) for h in ax.get_legend_handles_labels()[0]]
     fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=7)
     return fig

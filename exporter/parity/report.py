@@ -171,7 +171,7 @@ def _check_sections(result: ParityResult) -> list[str]:
         parts = [(" against the int4 weights' model", result.quantized.sets()), (" against the checkpoint's model (agreement)", result.sets())]
     lines: list[str] = []
     for title, sets in parts:
-        lines += ["## Tensors" + title, "", *_tensor_rows(sets), "", "## Greedy generation (teacher-forced on PyTorch's tokens)" + title, "", *_generation_rows(sets), ""]
+        lines += ["## Tensors" + title, "", *_tensor_rows(sets), "", "## Greedy generation (the graphs' tokens, scored by PyTorch at each prefix)" + title, "", *_generation_rows(sets), ""]
     return lines[:-1]
 
 

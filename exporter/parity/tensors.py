@@ -12,7 +12,7 @@ from kiln.exporter.parity.tolerances import Bound, Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["real_positions", "tensor_feeds", "tensor_parity"]
+__all__ = ["compare_outputs", "real_positions", "tensor_feeds", "tensor_parity"]
 
 
 def _compare(graph: str, name: str, want: np.ndarray, got: np.ndarray, bound: Bound, min_cos: float, real: np.ndarray | None = None) -> TensorCheck:
@@ -120,16 +120,26 @@ def tensor_parity(
     kv_dtype: np.dtype = np.dtype(np.float32),
     *,
     single_row: bool = False,
+    keep: list[tuple[GraphKind, Feeds, Feeds]] | None = None,
 ) -> list[TensorCheck]:
     """Every output of each of the candidate's graphs against the reference's on ``tensor_feeds``
-    (batch 2); with ``single_row``, on their unpadded row alone (batch 1)."""
+    (batch 2); with ``single_row``, on their unpadded row alone (batch 1). ``keep`` collects each
+    graph's feeds and the candidate's outputs, to judge against another reference later."""
     checks: list[TensorCheck] = []
     for kind in candidate.graphs():
         feeds = tensor_feeds(spec, kind, seed, kv_dtype, reference, single_row=single_row)
-        want = reference.run(kind, feeds)
         got = candidate.run(kind, feeds)
-        for name, value in want.items():
-            real = real_positions(name, feeds["attention_mask"], value.shape)
-            check = _compare(kind.value, name, value, got[name], tolerance.bound(name), tolerance.min_cosine, real)
-            checks.append(dataclasses.replace(check, batch=len(feeds["attention_mask"])))
+        if keep is not None:
+            keep.append((kind, feeds, got))
+        checks += compare_outputs(kind, feeds, reference.run(kind, feeds), got, tolerance)
+    return checks
+
+
+def compare_outputs(kind: GraphKind, feeds: Feeds, want: Feeds, got: Feeds, tolerance: Tolerance) -> list[TensorCheck]:
+    """Every output of one graph's run on ``feeds`` against the reference's (``want``)."""
+    checks: list[TensorCheck] = []
+    for name, value in want.items():
+        real = real_positions(name, feeds["attention_mask"], value.shape)
+        check = _compare(kind.value, name, value, got[name], tolerance.bound(name), tolerance.min_cosine, real)
+        checks.append(dataclasses.replace(check, batch=len(feeds["attention_mask"])))
     return checks

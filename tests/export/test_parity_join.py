@@ -1,5 +1,5 @@
 """Parity's batches joined (issue 24 item 3): the candidate runs batch 1 and the padded batch as
-one greedy run per graph path, judged batch by batch; batch 1 is still proved, by every graph's
+one greedy run (model.onnx: one chunked run on its tokens), judged batch by batch; batch 1 is still proved, by every graph's
 tensors on its unpadded row alone.
 
 A candidate runner that records the batch of every call, and one that is wrong only at batch 1 (a
@@ -78,7 +78,8 @@ def test_the_batches_run_joined_and_batch_one_is_checked_by_tensors(exported: Pa
     assert result.passed, result.failures()
     graphs = ["prefill", "decode", "model"]
     assert calls[:6] == [(g, 2) for g in graphs] + [(g, 1) for g in graphs]  # tensors: each graph's batch-2 feeds, then their unpadded row
-    assert calls[6:] == [("prefill", 4)] + [("decode", 4)] * (STEPS - 1) + [("model", 4)] * STEPS  # one greedy run per path, all four rows
+    # one greedy run through prefill + decode, all four rows; model.onnx fed the prompt, then those tokens in one call
+    assert calls[6:] == [("prefill", 4)] + [("decode", 4)] * (STEPS - 1) + [("model", 4)] * 2
     assert [g.label for g in result.generation] == [
         "prefill+decode, batch 1",
         "model, batch 1",
