@@ -36,7 +36,7 @@ from tokenizers import Tokenizer
 
 from kiln.calibration import load_calibration_data
 from kiln.calibration import hessians as hessians_module
-from kiln.exporter.options import Int4Method
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.passes.bind import ModuleWeight, WeightSource
 from kiln.exporter.passes.transposes import TRANSPOSE
 from kiln.exporter.precision import gptq as gptq_module

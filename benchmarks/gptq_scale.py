@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.calibration.hessians import quantize_layerwise
-from kiln.exporter.options import Int4Method
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.passes.bind import ModuleWeight, WeightSource
 from kiln.exporter.passes.transposes import TRANSPOSE
 from kiln.exporter.precision.gptq import gptq_factored, inverse_factor

@@ -6,7 +6,8 @@
     result.manifest.graphs["decode"].inputs   # the typed manifest.json
     check_dir(Path("build/demo")).passed      # parity again, against the checkpoint
 
-The stages, in the order ``pipeline.export`` runs them: ``load`` (reference module and limits),
+The stages, in the order ``pipeline.export`` runs them: ``plan`` (every refusal, asked at once),
+``load`` (reference module and limits),
 ``fold`` (PLE tables), ``trace`` + ``graphs`` (the portable graphs and their ``passes``,
 ``precision``), ``targets`` (the registry of ``--target NAME``: ``ort``, ``onnx``; what both
 recognise in a graph is ``patterns``), ``parity`` (with ``runners``), ``emit`` (reports,

@@ -1,4 +1,4 @@
-"""The load stage: the PyTorch side of an export. What may be exported (context limit, refusals),
+"""The load stage: the PyTorch side of an export. What may be exported (context limit; the refusals are the plan's, ``exporter.plan``),
 the LoRA adapters merged into it (``--adapter``), and the reference module that parity is measured
 against (shared by ``export`` and ``check``): with adapters, PEFT's own model of base + adapters."""
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.contract.limits import MAX_CONTEXT, MIN_CONTEXT
 from kiln.exporter.options import ExportOptions
-from kiln.exporter.support import refuse_model
+from kiln.exporter.plan import plan
 from kiln.plugins import LoadedModel
 from kiln.plugins.base import DecoderSpec
 from kiln.plugins.hub_cache import HF_EXTRA
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from kiln.exporter.contract.lora import LoraSlots
     from kiln.plugins.hf.adapter import LoraAdapter
 
-__all__ = ["Reference", "adapter_reference", "load_reference", "lora_slots", "merge_adapters", "prepare_reference", "read_adapters", "refuse_unsupported", "resolve_limits"]
+__all__ = ["Reference", "adapter_reference", "load_reference", "lora_slots", "merge_adapters", "prepare_reference", "read_adapters", "resolve_limits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,22 +40,9 @@ class Reference:
 
 
 def load_reference(loaded: LoadedModel, options: ExportOptions) -> Reference:
-    refuse_unsupported(loaded.spec, options)
+    plan(options, loaded.spec)  # every refusal, the model's structure's among them, before any work is done
     max_context = resolve_limits(loaded.spec, options)
     return Reference(loaded, prepare_reference(loaded, options), max_context)
-
-
-def refuse_unsupported(spec: DecoderSpec, options: ExportOptions) -> None:
-    """What a model's structure rules out, before any work is done (the precisions' and targets'
-    refusals are ``support.refuse_model``'s, which ``kiln plugins``' table is asked of)."""
-    refuse_model(spec, options)
-    if options.lora_slots is not None and spec.encoder_dim is not None:
-        raise ConfigError("--lora-slots: cross-attention decoders are not built with slots yet; merge the adapter with --adapter")
-    if spec.encoder_dim is not None and options.triton is not None:
-        raise ConfigError(
-            "triton: cross-attention decoders are not supported yet (the ensemble would need encoder_hidden_states"
-            " and a cross cache that is written once); serve prefill.onnx and decode.onnx from your own host"
-        )
 
 
 def resolve_limits(spec: DecoderSpec, options: ExportOptions) -> int:

@@ -2,8 +2,8 @@
 so that it cannot drift from them: ``kiln plugins`` prints it, docs/architectures.md holds it.
 
 A cell is one precision (fp32 and each registered kind, at its defaults) on one target (the
-portable graphs, which every export writes, and each registered target). ``ExportOptions``
-refuses what no model takes (``--fp16 --target ort``), ``refuse_model`` what one structure cannot
+portable graphs, which every export writes, and each registered target), asked of the plan stage
+(``exporter.plan``): what no model takes (``--fp16 --target ort``), then what one structure cannot
 take (``--int8`` of a cross-attention decoder); nothing is loaded or traced, and nothing heavy is
 imported. Where the defaults are refused, the other flags that write that precision for that
 target are asked (``ALTERNATIVES``); where options are taken, the config features that a refusal
@@ -22,12 +22,13 @@ from kiln.exporter.precision.kinds.base import Needs
 from kiln.exporter.precision.kinds.int4 import Int4, Int4Method
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.precision.kinds.registry import kinds
-from kiln.exporter.targets import PORTABLE, names, targets
+from kiln.exporter.plan import plan
+from kiln.exporter.targets import PORTABLE, names
 from kiln.plugins.base import DecoderSpec
 
 __all__ = [
     "ALTERNATIVES", "FEATURES", "Alternative", "Cell", "Feature", "Support", "legend", "letter", "precisions",
-    "refuse_model", "refusal", "support", "target_names",
+    "refusal", "support", "target_names",
 ]  # fmt: skip
 
 FP32 = "fp32"
@@ -119,23 +120,13 @@ def letter(target: str) -> str:
     return next((c for c in target.lower() if c.isalpha() and c not in taken), "?")
 
 
-def refuse_model(spec: DecoderSpec, options: ExportOptions) -> None:
-    """What a model's structure rules out for each precision kind and each wanted target (one
-    ``ConfigError``): the export asks it before any work is done (``load.refuse_unsupported``)."""
-    for kind in options.precision.kinds:  # what each precision kind cannot be applied to
-        kind.refuse(spec, options)
-    for target in targets():
-        if target.wanted(options):
-            target.refuse(spec)
-
-
 def refusal(spec: DecoderSpec, fields: Mapping[str, Any]) -> str | None:
     """Why an export of ``spec`` with these ``ExportOptions`` fields is refused (None: taken);
     calibration data is synthetic where the precision reads some (its own refusals aside)."""
     precision = fields.get("precision", Precision.of())
     calib = "synthetic" if precision.needs(Needs.RANGES) or precision.needs(Needs.HESSIANS) else None
     try:
-        refuse_model(spec, ExportOptions(**{"calib_data": calib, **fields}))
+        plan(ExportOptions(**{"calib_data": calib, **fields}), spec)
     except ConfigError as exc:
         return str(exc).removeprefix(f"{exc.stage}: ")
     return None

@@ -42,7 +42,8 @@ from kiln.exporter.precision.qdq_rules import MIN_FP8_OPSET
 
 if TYPE_CHECKING:
     from kiln.exporter.contract.io import GraphKind
-    from kiln.exporter.precision.kinds.base import GraphReports, PrecisionContext, Ranges
+    from kiln.exporter.precision.kinds.base import GraphReports, Ranges
+    from kiln.exporter.precision.context import PrecisionContext
     from kiln.exporter.precision.kinds.fp8 import Fp8
 
 __all__ = ["prepare", "QuantizeFp8", "FP8_MAX", "MIN_FP8_OPSET"]

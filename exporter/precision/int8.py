@@ -29,7 +29,8 @@ from kiln.exporter.precision.via_proto import via_proto
 
 if TYPE_CHECKING:
     from kiln.exporter.contract.io import GraphKind
-    from kiln.exporter.precision.kinds.base import GraphReports, PrecisionContext, Ranges
+    from kiln.exporter.precision.kinds.base import GraphReports, Ranges
+    from kiln.exporter.precision.context import PrecisionContext
     from kiln.exporter.precision.kinds.int8 import Int8
 
 __all__ = ["prepare", "QuantizeInt8", "Int8Policy", "DEFAULT_INT8_FLOAT", "int8_targets", "quantize_int8", "check_qdq", "MIN_INT8_OPSET"]

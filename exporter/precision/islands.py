@@ -13,7 +13,8 @@ import onnx_ir as ir
 from kiln.exporter.contract.io import GraphIO, GraphKind
 from kiln.exporter.passes.contract import ApplyContract
 from kiln.exporter.precision.fp16 import ConvertFp16
-from kiln.exporter.precision.kinds.base import GraphReports, PrecisionContext, Prepared
+from kiln.exporter.precision.kinds.base import GraphReports, Prepared
+from kiln.exporter.precision.context import PrecisionContext
 from kiln.exporter.precision.policy import Fp16Policy
 from kiln.exporter.precision.sensitivity import SensitivityResult, search_against_reference
 

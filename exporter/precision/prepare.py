@@ -1,4 +1,4 @@
-"""An export's precision prepared: each kind's ``prepare`` run once (``base.PrecisionContext``),
+"""An export's precision prepared: each kind's ``prepare`` run once (``context.PrecisionContext``),
 then, per graph, every kind's passes in the plan's order (the MatMuls' kind, then the float
 type) and every kind's checks after them; what they record, merged."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from kiln.exporter.precision.kinds.base import GraphReports, PrecisionContext, Prepared
+from kiln.exporter.precision.kinds.base import GraphReports, Prepared
+from kiln.exporter.precision.context import PrecisionContext
 
 if TYPE_CHECKING:
     import onnx_ir as ir

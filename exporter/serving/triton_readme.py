@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kiln.exporter.artifacts.manifest import Manifest
-
-if TYPE_CHECKING:
-    from kiln.exporter.serving.triton import TritonModel
 
 __all__ = ["readme"]
 
 IDLE_MICROSECONDS = 60_000_000  # a sequence (and its KV state) is dropped after 60 s without a request
+
+
+class TritonModel(Protocol):
+    """A model of the repository as the README reads it (``triton.TritonModel`` is one; named
+    here, it would import back the module that imports this one)."""
+
+    @property
+    def config(self) -> dict[str, Any]: ...
 
 
 def _shape(dims: Sequence[int]) -> str:

@@ -5,14 +5,15 @@ The pipeline iterates the registry (``exporter.targets``); a target is one folde
 interface and one registration. The pipeline and parity reach a target only through the
 registry; outside its folder, readers of what it wrote and a few option checks still name it (the
 TensorRT engines read the manifest's ``targets.onnx``, the GenAI config ``targets.ort``;
-``options.py``, ``check.py``, ``support.py``). No target folder imports
+``plan.py``, ``check.py``, ``support.py``). No target folder imports
 another's (``tests/unit/test_code_shape.py``): what they share is ``exporter.patterns``. The
 interface:
 
-- ``check(options)``: refuse, in one ``ConfigError``, export options it cannot build from (its
-  own flags without it too: every target checks every export);
+- ``reasons(spec, options)``: why it cannot build from the export's options (its own flags
+  without it too: every target is asked of every export) and, given the model's ``spec``, from a
+  structure it cannot rewrite, one line each; the plan stage (``exporter.plan``) asks it with
+  every other refusal, before any work is done;
 - ``wanted(options)``: whether this export writes it (``--target NAME``);
-- ``refuse(spec)``: refuse a model whose structure it cannot rewrite, before any work is done;
 - ``write(given)``: its graphs, from the portable ones, as ``TargetGraphs``: their paths, their
   precision, its weights file, per graph what its passes report (``passes.reports``), its own
   ``record`` and the ``CacheUpdate`` contract its decode step follows;
@@ -77,11 +78,9 @@ class Target(Protocol):
     description: str  # one line, for --help
     kv_caches: tuple[CacheUpdate, ...]  # the cache contracts its graphs follow (kiln verify refuses another)
 
-    def check(self, options: ExportOptions) -> None: ...
+    def reasons(self, spec: DecoderSpec | None, options: ExportOptions) -> list[str]: ...
 
     def wanted(self, options: ExportOptions) -> bool: ...
-
-    def refuse(self, spec: DecoderSpec) -> None: ...
 
     def write(self, given: TargetGiven) -> TargetGraphs: ...
 

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from kiln.errors import ConfigError
 from kiln.exporter.check import check_dir
-from kiln.exporter.options import ExportOptions, Fp16, Precision
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.precision.kinds import Fp16
 from kiln.exporter.pipeline import export
 from kiln.exporter.progress import LineProgress
 

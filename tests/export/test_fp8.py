@@ -12,7 +12,8 @@ import pytest
 from kiln_testing import config_error, tiny_config, write_checkpoint
 
 from kiln.errors import ExportError
-from kiln.exporter.options import ExportOptions, Fp8, Precision
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.precision.kinds import Fp8
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.fp8 import fp8_weight
 from kiln.exporter.precision.qdq_rules import check_qdq

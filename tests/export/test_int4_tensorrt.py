@@ -16,7 +16,9 @@ from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
 from kiln.cli import main
 from kiln.errors import EngineError
 from kiln.exporter.engine import BuildOptions, build_command
-from kiln.exporter.options import ExportOptions, Int4, Int4Method, Precision
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.precision.kinds import Int4
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.pipeline import export
 
 REASON = (

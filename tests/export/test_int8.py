@@ -19,7 +19,9 @@ from kiln.calibration import mse_threshold
 from kiln.cli import main
 from kiln.errors import CalibrationError, ConfigError
 from kiln.exporter.check import check_dir
-from kiln.exporter.options import ExportOptions, Int8, Precision
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.precision.kinds import Int8
+from kiln.exporter.plan import plan
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.int8 import check_qdq
 
@@ -194,9 +196,9 @@ def test_bad_calibration_inputs(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     with pytest.raises(ConfigError, match="--calib-method must be one of max, percentile, entropy, mse, found 'kl'"):
-        ExportOptions(precision=Precision.INT8, calib_data="synthetic", calib_method="kl")
+        plan(ExportOptions(precision=Precision.INT8, calib_data="synthetic", calib_method="kl"))
     with pytest.raises(ConfigError, match="--calib-data only applies to --int8, --fp8 and --int4"):
-        ExportOptions(calib_data="synthetic")
+        plan(ExportOptions(calib_data="synthetic"))
 
 
 def test_tokenizer_that_does_not_match(tmp_path: Path) -> None:

@@ -20,7 +20,10 @@ from kiln.exporter.artifacts.verify import verify_dir
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import DECODER_KINDS, GraphKind
 from kiln.exporter.contract.static_cache import static_io
-from kiln.exporter.options import ExportOptions, Fp16, Int4, Int4Method, Int8, Precision
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.precision.kinds import Fp16, Int4, Int8
+from kiln.exporter.precision.kinds.int4 import Int4Method
+from kiln.exporter.plan import plan
 from kiln.exporter.pipeline import ExportResult, export
 from kiln.runtime.generate import Generator
 
@@ -402,12 +405,12 @@ def test_int8_all_matmuls_refused_by_name() -> None:
     layer's Attention: measured, the export then stopped with "the attention of layer(s) [0, 1] is
     not the pattern --target onnx rewrites"; now the options are refused before any work."""
     with pytest.raises(ConfigError) as err:
-        ExportOptions(target="onnx", precision=Precision.of(Int8(all_matmuls=True)), calib_data="synthetic")
+        plan(ExportOptions(target="onnx", precision=Precision.of(Int8(all_matmuls=True)), calib_data="synthetic"))
     assert str(err.value) == (
         "config: --target onnx does not take --int8-all-matmuls: it writes each layer's attention as one ONNX Attention, whose score MatMuls are float; "
         "drop --int8-all-matmuls, or export without --target onnx"
     )
-    ExportOptions(target="onnx", precision=Precision.of(Int8(float_rules=("*.fc2",)), Fp16()), calib_data="synthetic")  # --int8-float is taken
+    plan(ExportOptions(target="onnx", precision=Precision.of(Int8(float_rules=("*.fc2",)), Fp16()), calib_data="synthetic"))  # --int8-float is taken
 
 
 # the windowed cases (window 4, shorter than their parity runs) prove the static mask's window;
@@ -523,7 +526,7 @@ def test_hf_int4_generation_equals_transformers_generate(case: str, tmp_path: Pa
     """--int4 (RTN) --target onnx: every Linear/Conv1D but the LM head is an int4 DQ weight (GPT-2's
     Conv1D Gemms too), the in-place loop's tokens equal the portable loop's, and they are the greedy
     tokens of the transformers model holding the same int4 numbers."""
-    from kiln.exporter.options import Int4Method
+    from kiln.exporter.precision.kinds.int4 import Int4Method
 
     model, out, result = _hf_export(case, tmp_path, precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)))
     assert result.parity.passed, result.parity.failures()
@@ -540,7 +543,7 @@ def test_hf_int4_agreement_refuses_a_near_tie_model(tmp_path: Path) -> None:
     """The tiny random Gemma 2's logits are near-ties at most steps: int4 changes its greedy tokens
     beyond the int4 token-match floor, and the export says so instead of writing it."""
     from kiln.errors import ParityError
-    from kiln.exporter.options import Int4Method
+    from kiln.exporter.precision.kinds.int4 import Int4Method
 
     with pytest.raises(ParityError) as err:
         _hf_export("gemma2-window", tmp_path, precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)))
@@ -556,7 +559,7 @@ def test_hf_int4_near_tie_model_exports_with_agreement_recorded(tmp_path: Path) 
     generate transformers' own generate() tokens of the model holding the same int4 numbers.
     (``kiln generate`` lets ONNX Runtime quantize the activations of DQ -> MatMul to int8, its
     default: at this model's near-ties its tokens differ, so they are compared loop to loop only.)"""
-    from kiln.exporter.options import Int4Method
+    from kiln.exporter.precision.kinds.int4 import Int4Method
     from kiln.exporter.parity import greedy
     from kiln.exporter.runners import OrtRunner
 

@@ -21,6 +21,7 @@ from kiln.errors import ConfigError
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import DECODER_KINDS, GraphKind
 from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.plan import plan
 from kiln.exporter.pipeline import ExportResult, export
 from kiln.exporter.targets.ort.nbits import pack_int8_blocks
 from kiln.exporter.artifacts.verify import verify_dir
@@ -295,7 +296,7 @@ def test_int8_blocks_round_trip() -> None:
 )
 def test_bad_combinations_refused(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=None) as info:
-        ExportOptions(**options)
+        plan(ExportOptions(**options))
     assert message in str(info.value)
 
 

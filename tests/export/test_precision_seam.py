@@ -17,10 +17,14 @@ from kiln_testing import tiny_config, write_checkpoint
 from kiln.errors import ConfigError
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.options import ExportOptions, Fp16, Precision
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.precision.kinds import Fp16
+from kiln.exporter.plan import plan
+from kiln.plugins.base import DecoderSpec
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.kinds import registry
-from kiln.exporter.precision.kinds.base import Flag, GraphReports, PrecisionContext, PrecisionKind, Prepared, Role
+from kiln.exporter.precision.kinds.base import Asked, Flag, GraphReports, PrecisionKind, Prepared, Role
+from kiln.exporter.precision.context import PrecisionContext
 from kiln.exporter.tolerance import Tolerance
 
 TOY_TOLERANCE = Tolerance(logits_atol=2e-5, logits_rtol=2e-4, kv_atol=2e-5, kv_rtol=2e-4, min_cosine=0.99999)
@@ -40,9 +44,8 @@ class Toy(PrecisionKind):
     tolerance: ClassVar[Tolerance] = TOY_TOLERANCE
     bytes_per_weight: ClassVar[float] = 4.0
 
-    def check(self, options: ExportOptions) -> None:
-        if self.strict and options.max_batch > 4:
-            raise ConfigError("--toy-strict needs --max-batch 4 or less")
+    def reasons(self, spec: DecoderSpec | None, options: Asked) -> list[str]:
+        return ["--toy-strict needs --max-batch 4 or less"] if self.strict and options.max_batch > 4 else []
 
 
 class CountMatMuls(ir.passes.InPlacePass):
@@ -86,7 +89,7 @@ def test_a_new_kind_is_its_file_and_one_registration(toy_registered: None, tmp_p
     assert Precision.from_flags(flags) is Precision.of(Toy(strict=True)) and Precision.parse("toy").value == "toy"
     assert Precision.parse("toy+fp16") is Precision.of(Fp16(), Toy())
     with pytest.raises(ConfigError, match="^config: --toy-strict needs --max-batch 4 or less$"):
-        ExportOptions(precision=Precision.of(Toy(strict=True)))
+        plan(ExportOptions(precision=Precision.of(Toy(strict=True))))
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     result = export(ckpt, tmp_path / "out", ExportOptions(precision=Precision.of(Toy(strict=True)), max_batch=4, parity_tokens=8))
     assert result.parity.passed and result.parity.precision == "toy" and result.parity.tolerance == TOY_TOLERANCE

@@ -29,7 +29,9 @@ from kiln.cli import main
 from kiln.errors import CheckpointError, ConfigError
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.options import ExportOptions, Fp16, Int4, Int4Method, Precision
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.precision.kinds import Fp16, Int4
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.contract.steps import right_pad
 from kiln.exporter.parity import greedy, make_prompts
 from kiln.exporter.pipeline import export

@@ -22,7 +22,9 @@ og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a tes
 from tokenizers import Tokenizer  # noqa: E402
 
 from kiln.errors import ArtifactError  # noqa: E402
-from kiln.exporter.options import ExportOptions, Int4, Int4Method, Precision  # noqa: E402
+from kiln.exporter.options import ExportOptions, Precision  # noqa: E402
+from kiln.exporter.precision.kinds import Int4
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.parity import greedy, make_prompts  # noqa: E402
 from kiln.exporter.precision import TOLERANCES  # noqa: E402
 from kiln.exporter.pipeline import export  # noqa: E402

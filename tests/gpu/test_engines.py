@@ -28,7 +28,9 @@ from kiln.exporter.engine.profiles import EngineProfile, InputShape, engine_prof
 from kiln.exporter.engine.records import RuntimeInfo, check_engine_compat
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.engine.gpus import min_compute_capability
-from kiln.exporter.options import ExportOptions, Int4, Int4Method, Precision
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.precision.kinds import Int4
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.precision.kinds.base import Needs
 from kiln.exporter.parity import generation_parity, make_prompts, tensor_parity
 from kiln.exporter.precision import TOLERANCES

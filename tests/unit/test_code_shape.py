@@ -4,8 +4,10 @@ function over 60 lines, no module over 400 (tests, benchmarks and docs aside); n
 what targets share lives in ``exporter/patterns/``).
 
 Imports counted: every ``import``/``from ... import`` of a kiln module, at module level or inside a
-function (a lazy import is still a dependency); not those under ``if TYPE_CHECKING:`` (they exist
-for annotations only). ``from pkg import name`` depends on the module ``pkg.name`` when that is
+function (a lazy import is still a dependency); between folders, not those under
+``if TYPE_CHECKING:`` (they exist for annotations only); between modules, those too (issue 42: an
+annotation names a dependency a reader follows; where one would close a circle, the lower module
+states what it reads as a ``Protocol``, as ``precision.kinds.base.Asked`` does of the options). ``from pkg import name`` depends on the module ``pkg.name`` when that is
 one, else on ``pkg``; a package's ``__init__`` runs before any of its modules, which is no edge.
 Folders are the package's directories, with a package's ``__init__`` (its public face, the
 registry of ``plugins`` and ``exporter.targets``) a node of its own, and each module at the top
@@ -34,9 +36,10 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(path: Path, modules: dict[str, Path]) -> Iterator[str]:
+def _imports(path: Path, modules: dict[str, Path], typing: bool = False) -> Iterator[str]:
+    """The kiln modules ``path`` imports (``typing``: those under ``if TYPE_CHECKING:`` too)."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    typing_only = set() if typing else {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
@@ -47,9 +50,9 @@ def _imports(path: Path, modules: dict[str, Path]) -> Iterator[str]:
             yield from (a.name for a in node.names if a.name.startswith("kiln"))
 
 
-def _graph() -> tuple[dict[str, set[str]], dict[str, Path]]:
+def _graph(typing: bool = False) -> tuple[dict[str, set[str]], dict[str, Path]]:
     modules = _modules()
-    return {name: {m for m in _imports(path, modules) if m in modules and m != name} for name, path in modules.items()}, modules
+    return {name: {m for m in _imports(path, modules, typing) if m in modules and m != name} for name, path in modules.items()}, modules
 
 
 def _folder(name: str, modules: dict[str, Path]) -> str:
@@ -94,6 +97,22 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_module_imports_itself_round_about() -> None:
     graph, _ = _graph()
     assert _cycles(graph) == []
+
+
+def test_no_module_imports_itself_round_about_even_for_annotations() -> None:
+    """Issue 42: options, the precision kinds, the load stage and the targets' registry were one
+    circle of 13 modules through their annotations; the plan stage (``exporter.plan``) sits above them."""
+    graph, _ = _graph(typing=True)
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_sees_typing_imports(tmp_path: Path) -> None:
+    lower = tmp_path / "lower.py"
+    lower.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kiln.upper import U\n")
+    modules = {"kiln.upper": tmp_path / "upper.py", "kiln.lower": lower}
+    assert list(_imports(lower, modules)) == []
+    assert list(_imports(lower, modules, typing=True)) == ["kiln.upper"]
+    assert _cycles({"kiln.upper": {"kiln.lower"}, "kiln.lower": {"kiln.upper"}}) == [["kiln.lower", "kiln.upper"]]
 
 
 def test_no_folder_imports_itself_round_about() -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from kiln.calibration.hessians import live_hessians, quantize_layerwise
 from kiln.calibration.layers import capture, decoder_layers, hidden_of, layer_feeds
 from kiln.errors import CalibrationError, ExportError
-from kiln.exporter.options import Int4Method
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.passes.bind import ModuleWeight, Transform, WeightSource
 from kiln.exporter.passes.transposes import TRANSPOSE
 from kiln.exporter.precision.gptq import gptq

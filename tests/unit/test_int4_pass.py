@@ -13,7 +13,7 @@ from kiln.errors import ExportError
 from kiln.exporter.precision.int4 import Int4Quantizer, QuantizeInt4, check_int4
 from kiln.exporter.precision.int4_numbers import dequantize, rtn
 from kiln.exporter.precision.int8 import Int8Policy
-from kiln.exporter.options import Int4Method
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.runners.ort_runner import ort_session
 
 FLOAT = ir.DataType.FLOAT

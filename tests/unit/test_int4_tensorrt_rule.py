@@ -16,7 +16,7 @@ from kiln.exporter.contract.io import DECODER_KINDS, graph_io
 from kiln.exporter.engine import BuildOptions
 from kiln.exporter.engine.profiles import engine_profiles
 from kiln.exporter.engine.trtexec import write_script
-from kiln.exporter.options import Int4Method
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.precision.int4 import Int4Quantizer, QuantizeInt4
 from kiln.exporter.precision.int8 import Int8Policy
 from kiln.exporter.precision.kinds.int4 import INT4_BLOCKS, TENSORRT_INT4_BLOCKS

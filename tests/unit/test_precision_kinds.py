@@ -10,7 +10,10 @@ from typing import Any
 import pytest
 
 from kiln.errors import ConfigError
-from kiln.exporter.options import ExportOptions, Fp8, Fp16, Int4, Int4Method, Int8, PLETables, Precision
+from kiln.exporter.options import ExportOptions, PLETables, Precision
+from kiln.exporter.precision.kinds import Fp8, Fp16, Int4, Int8
+from kiln.exporter.precision.kinds.int4 import Int4Method
+from kiln.exporter.plan import plan
 from kiln.exporter.precision import TOLERANCES
 from kiln.exporter.precision.kinds.base import Needs, Role
 from kiln.exporter.precision.kinds.plan import names
@@ -71,11 +74,11 @@ def test_refusals_are_one_line() -> None:
     with pytest.raises(ConfigError, match="^config: --int4-block must be one of 16, 32, 64, 128, 256, found 100$"):
         Int4(block=100)
     with pytest.raises(ConfigError, match="^config: --fp8 needs --opset 19 or later \\(fp16 Q/DQ scales\\), found 18$"):
-        ExportOptions(precision=Precision.FP8, calib_data="synthetic", opset=18)
+        plan(ExportOptions(precision=Precision.FP8, calib_data="synthetic", opset=18))
     with pytest.raises(ConfigError, match="^config: --calib-data only applies to --int8, --fp8 and --int4 \\(method gptq\\) exports$"):
-        ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN)), calib_data="synthetic")
+        plan(ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN)), calib_data="synthetic"))
     with pytest.raises(ConfigError, match="^config: --auto-keep-fp32 cannot be combined with --ple-tables input$"):
-        ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True)), ple_tables=PLETables.INPUT)
+        plan(ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True)), ple_tables=PLETables.INPUT))
 
 
 def test_flags_choose_the_kinds_and_fill_their_options() -> None:

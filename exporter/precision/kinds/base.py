@@ -10,8 +10,9 @@ machinery (``machinery``: the module of its passes) is imported by ``prepare``.
 
 Its life in an export:
 
-- ``check(options)`` refuses, in one ``ConfigError``, what it cannot do with the export's other
-  options; ``refuse(spec)`` a model it cannot be applied to, before any work is done;
+- ``reasons(spec, options)`` says, one line each, what it cannot do with the export's other
+  options and (given the model's ``spec``) a model it cannot be applied to: the plan stage
+  (``exporter.plan``) asks it with every other refusal, before any work is done;
 - ``needs()`` says which calibration data it reads (the pipeline prepares activation ranges
   once for every kind that needs them);
 - ``prepare(context)`` computes what it needs once per export with the model at hand (the fp16
@@ -30,21 +31,16 @@ import dataclasses
 import enum
 import importlib
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from kiln.errors import ConfigError
 from kiln.exporter.tolerance import Tolerance
 
 if TYPE_CHECKING:
     import onnx_ir as ir
-    from kiln.exporter.contract.io import GraphIO, GraphKind
-    from kiln.exporter.load import Reference
-    from kiln.exporter.options import ExportOptions
-    from kiln.exporter.precision.kinds.plan import Precision
-    from kiln.exporter.progress import Progress
-    from kiln.plugins.base import DecoderSpec
+    from kiln.exporter.contract.io import GraphKind
+    from kiln.plugins.base import DecoderSpec, PLETables
 
-__all__ = ["Role", "Needs", "Flag", "PrecisionKind", "PrecisionContext", "Prepared", "GraphReports", "Ranges", "RangesKind", "check_ranges", "refuse_encoder"]
+__all__ = ["Role", "Needs", "Flag", "Asked", "PrecisionKind", "Prepared", "GraphReports", "Ranges", "RangesKind", "encoder_reason", "ranges_reasons"]
 
 GraphReports = Mapping["GraphKind", Mapping[str, Any]]  # per graph, what its passes report (``passes.reports``)
 Ranges = dict[str, tuple[float, float]]  # tensor -> calibrated (lo, hi)
@@ -89,20 +85,30 @@ class Flag:
         return bool(value) if self.multiple or self.is_flag else value is not None and value != self.default
 
 
-@dataclasses.dataclass(frozen=True)
-class PrecisionContext:
-    """What a kind's ``prepare`` is given: the model and what the pipeline has made of it."""
+class Named(Protocol):
+    @property
+    def value(self) -> str: ...
 
-    reference: Reference
-    options: ExportOptions
-    progress: Progress
-    ranges: Callable[[GraphKind, ir.Model], Ranges] | None  # ``Needs.RANGES``: a graph's calibrated activation ranges
-    contract_io: Callable[[GraphKind, str], GraphIO]  # a graph's contract I/O at a KV dtype
-    fp32_graph: Callable[[GraphKind], ir.Model]  # a graph in fp32, as the portable set derives it
+
+class Asked(Protocol):
+    """What a kind's ``reasons`` read of the export's options (``exporter.options.ExportOptions``
+    is one): a protocol, so that the kinds, which the options hold, do not import them back. A
+    kind that reads another field names it here."""
 
     @property
-    def precision(self) -> Precision:
-        return self.options.precision
+    def precision(self) -> Named: ...  # its name (``value``), as messages write it
+    @property
+    def max_batch(self) -> int: ...
+    @property
+    def opset(self) -> int: ...
+    @property
+    def calib_data(self) -> str | None: ...
+    @property
+    def calib_method(self) -> str: ...
+    @property
+    def calib_percentile(self) -> float: ...
+    @property
+    def ple_tables(self) -> PLETables: ...
 
 
 class Prepared(abc.ABC):
@@ -147,16 +153,16 @@ class PrecisionKind(abc.ABC):
     def needs(self) -> Needs:
         return Needs.NOTHING
 
-    def check(self, options: ExportOptions) -> None:
-        """Refuse, in one ``ConfigError``, what it cannot do with ``options``."""
+    def reasons(self, spec: DecoderSpec | None, options: Asked) -> list[str]:
+        """Why it cannot be built with ``options`` (and, given a ``spec``, of that model), one line each; none: taken."""
+        return []
 
-    def refuse(self, spec: DecoderSpec, options: ExportOptions) -> None:
-        """Refuse, in one ``ConfigError``, a model it cannot be applied to."""
-
-    def prepare(self, context: PrecisionContext) -> Prepared:
+    def prepare(self, context: object) -> Prepared:
         """What it computes once per export (the model at hand), as a ``Prepared``: its machinery
         module's ``prepare(kind, context)``, imported only now (the declaration stays light, and
-        the machinery, which reads the model and the passes, sits above what imports the options)."""
+        the machinery, which reads the model and the passes, sits above what imports the options).
+        ``context`` is a ``precision.context.PrecisionContext``, passed through: named here, it
+        would tie the kinds to the options and the load stage, which hold them."""
         prepared: Prepared = importlib.import_module(self.machinery).prepare(self, context)
         return prepared
 
@@ -172,34 +178,37 @@ class RangesKind(PrecisionKind):
     def needs(self) -> Needs:
         return Needs.RANGES
 
-    def check(self, options: ExportOptions) -> None:
-        check_ranges(self.flag(), options)
-
-    def refuse(self, spec: DecoderSpec, options: ExportOptions) -> None:
-        refuse_encoder(spec, options)
-        if spec.encoder_dim is not None:  # --fp8 was not refused here: its calibration failed with a traceback (no encoder_hidden_states)
-            raise ConfigError(
+    def reasons(self, spec: DecoderSpec | None, options: Asked) -> list[str]:
+        found = ranges_reasons(self.flag(), options)
+        if spec is not None and (encoder := encoder_reason(spec, options)) is not None:
+            found.append(encoder)
+        elif spec is not None and spec.encoder_dim is not None:  # --fp8 was not refused here: its calibration failed with a traceback (no encoder_hidden_states)
+            found.append(
                 f"{self.flag()} is not supported for cross-attention decoders yet: calibration needs encoder_hidden_states"
                 " samples, which kiln's calibration data formats do not carry; export --fp16 or fp32"
             )
+        return found
 
 
-def check_ranges(flag: str, options: ExportOptions) -> None:
-    """The calibration options of a kind that reads activation ranges (``Needs.RANGES``)."""
+def ranges_reasons(flag: str, options: Asked) -> list[str]:
+    """What is wrong with the calibration options of a kind that reads activation ranges (``Needs.RANGES``)."""
+    found = []
     if options.calib_data is None:
-        raise ConfigError(f"{flag} needs --calib-data: a text file, .jsonl (field 'text'), .npy/.npz token ids, or 'synthetic'")
+        found.append(f"{flag} needs --calib-data: a text file, .jsonl (field 'text'), .npy/.npz token ids, or 'synthetic'")
     if options.opset < _MIN_RANGES_OPSET:
-        raise ConfigError(f"{flag} needs --opset {_MIN_RANGES_OPSET} or later (fp16 Q/DQ scales), found {options.opset}")
+        found.append(f"{flag} needs --opset {_MIN_RANGES_OPSET} or later (fp16 Q/DQ scales), found {options.opset}")
     if options.calib_method not in _CALIB_METHODS:
-        raise ConfigError(f"--calib-method must be one of {', '.join(_CALIB_METHODS)}, found {options.calib_method!r}")
+        found.append(f"--calib-method must be one of {', '.join(_CALIB_METHODS)}, found {options.calib_method!r}")
     if not 0.0 < options.calib_percentile <= 100.0:
-        raise ConfigError(f"--calib-percentile must be in (0, 100], found {options.calib_percentile}")
+        found.append(f"--calib-percentile must be in (0, 100], found {options.calib_percentile}")
+    return found
 
 
-def refuse_encoder(spec: DecoderSpec, options: ExportOptions) -> None:
+def encoder_reason(spec: DecoderSpec, options: Asked) -> str | None:
     """A kind that reads calibration data (ranges or GPTQ's) refuses encoder-decoders."""
-    if spec.has_encoder:
-        raise ConfigError(
-            f"{options.precision.value} exports are not supported for encoder-decoders yet: calibration and GPTQ run decoder-only"
-            " prompts, with no encoder inputs; export --fp16 or fp32"
-        )
+    if not spec.has_encoder:
+        return None
+    return (
+        f"{options.precision.value} exports are not supported for encoder-decoders yet: calibration and GPTQ run decoder-only"
+        " prompts, with no encoder inputs; export --fp16 or fp32"
+    )

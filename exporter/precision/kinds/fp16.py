@@ -8,13 +8,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, ClassVar
 
-from kiln.errors import ConfigError
-from kiln.exporter.precision.kinds.base import Flag, PrecisionKind, Role
+from kiln.exporter.precision.kinds.base import Asked, Flag, PrecisionKind, Role
 from kiln.exporter.tolerance import Tolerance
 from kiln.plugins.base import PLETables
 
 if TYPE_CHECKING:
-    from kiln.exporter.options import ExportOptions
     from kiln.plugins.base import DecoderSpec
 
 __all__ = ["Fp16"]
@@ -44,10 +42,10 @@ class Fp16(PrecisionKind):
     tolerance: ClassVar[Tolerance] = Tolerance(logits_atol=5e-2, logits_rtol=5e-3, kv_atol=2e-2, kv_rtol=5e-3, min_cosine=0.9999)
     bytes_per_weight: ClassVar[float] = 2.0
 
-    def check(self, options: ExportOptions) -> None:
+    def reasons(self, spec: DecoderSpec | None, options: Asked) -> list[str]:
+        found = []
         if self.auto_keep_fp32 and options.ple_tables is PLETables.INPUT:
-            raise ConfigError("--auto-keep-fp32 cannot be combined with --ple-tables input")
-
-    def refuse(self, spec: DecoderSpec, options: ExportOptions) -> None:
-        if spec.has_encoder and self.auto_keep_fp32:
-            raise ConfigError("--auto-keep-fp32 is not supported for encoder-decoders yet: its search runs the decoder's unified graph only, never the encoder; pass --keep-fp32 rules")
+            found.append("--auto-keep-fp32 cannot be combined with --ple-tables input")
+        if spec is not None and spec.has_encoder and self.auto_keep_fp32:
+            found.append("--auto-keep-fp32 is not supported for encoder-decoders yet: its search runs the decoder's unified graph only, never the encoder; pass --keep-fp32 rules")
+        return found

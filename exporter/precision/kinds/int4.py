@@ -10,11 +10,10 @@ import enum
 from typing import TYPE_CHECKING, ClassVar
 
 from kiln.errors import ConfigError
-from kiln.exporter.precision.kinds.base import Flag, Needs, PrecisionKind, Role, refuse_encoder
+from kiln.exporter.precision.kinds.base import Asked, Flag, Needs, PrecisionKind, Role, encoder_reason
 from kiln.exporter.tolerance import Tolerance
 
 if TYPE_CHECKING:
-    from kiln.exporter.options import ExportOptions
     from kiln.plugins.base import DecoderSpec
 
 __all__ = [
@@ -101,16 +100,17 @@ class Int4(PrecisionKind):
     def needs(self) -> Needs:
         return Needs.HESSIANS if self.gptq else Needs.NOTHING
 
-    def check(self, options: ExportOptions) -> None:
+    def reasons(self, spec: DecoderSpec | None, options: Asked) -> list[str]:
+        found = []
         if self.gptq and options.calib_data is None:
-            raise ConfigError(
+            found.append(
                 "--int4-method gptq (the default) needs --calib-data: a text file, .jsonl (field 'text') or .npy/.npz token ids; or pass --int4-method rtn"
             )
-
-    def refuse(self, spec: DecoderSpec, options: ExportOptions) -> None:
-        refuse_encoder(spec, options)
-        if self.gptq and spec.encoder_dim is not None:
-            raise ConfigError(
+        if spec is not None and (encoder := encoder_reason(spec, options)) is not None:
+            found.append(encoder)
+        elif spec is not None and self.gptq and spec.encoder_dim is not None:
+            found.append(
                 "--int4-method gptq is not supported for cross-attention decoders yet: its calibration runs prompts without"
                 " encoder_hidden_states; use --int4-method rtn"
             )
+        return found

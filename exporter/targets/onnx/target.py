@@ -43,20 +43,24 @@ class OnnxTarget:
     def wanted(self, options: ExportOptions) -> bool:
         return options.target == self.name
 
-    def check(self, options: ExportOptions) -> None:
+    def reasons(self, spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
         if not self.wanted(options):
-            return
+            return []
+        found = []
         if isinstance(int8 := options.precision.get("int8"), Int8) and int8.all_matmuls:
-            raise ConfigError(ALL_MATMULS)
+            found.append(ALL_MATMULS)
         if options.ple_tables.value == "input":
-            raise ConfigError("--target onnx takes the PLE tables as constants; drop --ple-tables input")
+            found.append("--target onnx takes the PLE tables as constants; drop --ple-tables input")
+        if spec is not None and spec.encoder_dim is not None:
+            found.append("--target onnx is not supported for cross-attention decoders: its static cache holds self-attention keys and values only")
+        elif spec is not None:
+            from kiln.exporter.targets.onnx.windows import layer_windows
 
-    def refuse(self, spec: DecoderSpec) -> None:
-        if spec.encoder_dim is not None:
-            raise ConfigError("--target onnx is not supported for cross-attention decoders: its static cache holds self-attention keys and values only")
-        from kiln.exporter.targets.onnx.windows import layer_windows
-
-        layer_windows(spec)  # a window it cannot prove is refused here, before any work
+            try:
+                layer_windows(spec)  # a window it cannot prove is refused here, before any work
+            except ConfigError as exc:
+                found.append(str(exc.args[0]))
+        return found
 
     def write(self, given: TargetGiven) -> TargetGraphs:
         from kiln.exporter.targets.onnx.graphs import write_onnx_target

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kiln.errors import ConfigError
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.precision.kinds.base import Needs
 from kiln.exporter.precision.kinds.int4 import Int4
@@ -34,20 +33,20 @@ class OrtTarget:
     def wanted(self, options: ExportOptions) -> bool:
         return options.target == self.name
 
-    def check(self, options: ExportOptions) -> None:
+    def reasons(self, spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
+        found = []
         if options.ort_int8 and not self.wanted(options):
-            raise ConfigError("--ort-int8 only applies to --target ort (it quantizes the ONNX Runtime-target graphs)")
+            found.append("--ort-int8 only applies to --target ort (it quantizes the ONNX Runtime-target graphs)")
         if options.ort_int8 and "int4" in options.precision:
-            raise ConfigError("--ort-int8 and --int4 both quantize the ONNX Runtime-target weights; choose one")
+            found.append("--ort-int8 and --int4 both quantize the ONNX Runtime-target weights; choose one")
         if self.wanted(options) and (options.precision.float16 or options.precision.needs(Needs.RANGES)):  # fp32 and int4 only
-            raise ConfigError(
+            found.append(
                 f"--target ort rewrites fp32 graphs and cannot be combined with --fp16/--int8/--fp8 (found {options.precision.value}); "
                 "for int8 on ONNX Runtime use --target ort --ort-int8, for int4 --target ort --int4"
             )
-
-    def refuse(self, spec: DecoderSpec) -> None:
-        if spec.encoder_dim is not None:
-            raise ConfigError("--target ort is not supported for cross-attention decoders yet: its attention rewrite knows causal self-attention only")
+        if spec is not None and self.wanted(options) and spec.encoder_dim is not None:
+            found.append("--target ort is not supported for cross-attention decoders yet: its attention rewrite knows causal self-attention only")
+        return found
 
     def write(self, given: TargetGiven) -> TargetGraphs:
         from kiln.exporter.targets.ort.graphs import write_ort_target
