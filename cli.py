@@ -147,8 +147,9 @@ def _preflight(model: str, out: Path, options: Any) -> None:
 
 def _export_options(flags: dict[str, Any]) -> Any:
     """``ExportOptions`` from ``kiln export``'s flags (named after its fields; the enums by value;
-    the precision kinds' flags by ``Precision.from_flags``)."""
+    the precision kinds' flags by ``Precision.from_flags``), every refusal of the options alone asked (``exporter.plan``)."""
     from kiln.exporter.options import Adapter, ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
+    from kiln.exporter.plan import plan
     from kiln.exporter.precision.kinds.base import Needs
 
     enums: dict[str, Any] = {"logits": LogitsMode, "ple_extend_mode": PLEExtendMode, "ple_tables": PLETables}
@@ -156,7 +157,7 @@ def _export_options(flags: dict[str, Any]) -> Any:
     fields = {name: enums[name](value) if name in enums else value for name, value in flags.items()}
     fields["calib_cache"] = (fields["calib_cache"] or Path.home() / ".cache" / "kiln" / "calibration") if precision.needs(Needs.RANGES) else None
     fields["adapters"] = tuple(Adapter(path, weight) for path, weight in fields["adapters"])
-    return ExportOptions(precision=precision, **fields)
+    return plan(ExportOptions(precision=precision, **fields)).options  # refused before any heavy import (the pipeline asks again)
 
 
 @main.command()
@@ -199,6 +200,8 @@ def check(directory: Path, model: str | None, backend: str, verbose: bool, adapt
         click.echo(verdict(result) + ("" if verbose else f" (every check: kiln check {directory} --verbose)"))
     if not result.passed:
         raise ParityError(f"{directory}: " + "; ".join(result.failures()[:5]))
+    if result.quality is not None and not result.quality.passed:
+        raise ParityError(f"{directory}: the quantization fell short of the export's quality gate: {result.quality.figures()} (at least {result.quality.threshold:g})")
 
 
 @main.command()

@@ -19,6 +19,7 @@ from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.pipeline import release_weights
+from kiln.exporter.quality_gate import check_quality
 from kiln.exporter.runners import Feeds, OrtRunner
 from kiln.exporter.targets import target
 from kiln.plugins import LoadedModel, load_model
@@ -68,8 +69,10 @@ def check_dir(
     weight_only = Precision.parse(manifest.precision).weight_only_float is not None
     quantized = quantized_model(_portable_paths(directory, manifest).values(), gates) if weight_only else None
     # the model is freed while the graphs run unless both fit, and loaded again to score their tokens (check_parity)
+    recorded = manifest.parity.quality
+    quality = check_quality(loaded, loaded.spec, manifest.precision, recorded.threshold if recorded is not None else None, options.last_logits_only, options.max_context)
     return check_parity(
-        reference, loaded.spec, _candidates(directory, manifest, backend, extra), settings, progress=progress, quantized=quantized,
+        reference, loaded.spec, _candidates(directory, manifest, backend, extra), settings, progress=progress, quantized=quantized, quality=quality,
         release_reference=release_weights(reference), reload_reference=lambda: build(load_model(loaded.source)),
     )  # fmt: skip
 

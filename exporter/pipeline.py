@@ -32,6 +32,7 @@ from kiln.exporter.graphs import (
     fp32_graph,
     write_portable_graphs,
 )
+from kiln.exporter.plan import plan
 from kiln.exporter.load import Reference, adapter_reference, load_reference, lora_slots, merge_adapters, prepare_reference, resolve_limits
 from kiln.exporter.options import ExportOptions, PLETables, Precision
 from kiln.exporter.candidates import candidate
@@ -40,11 +41,14 @@ from kiln.exporter.parity import (
     ParityResult,
     ParitySettings,
     check_parity,
-    quantized_model,
 )
-from kiln.exporter.precision.kinds.base import Needs, PrecisionContext, Ranges
-from kiln.exporter.precision.prepare import prepare_precision
+from kiln.exporter.parity.int4_proof import NUMBERS_FILE, QuantizerNumbers, check_graph_weights, quantizer_model, write_numbers
+from kiln.exporter.precision.kinds.base import Needs, Ranges
+from kiln.exporter.precision.context import PrecisionContext
+from kiln.exporter.precision.int4 import int4_quantizer
+from kiln.exporter.precision.prepare import PreparedPrecision, prepare_precision
 from kiln.exporter.progress import NullProgress, Progress
+from kiln.exporter.quality_gate import plan_quality, refuse_quality
 from kiln.exporter.report import ExportReport
 from kiln.exporter.runners import OrtRunner, TorchRunner
 from kiln.exporter.runners.torch_runner import drop_fp32_buffers
@@ -70,10 +74,12 @@ class ExportResult:
 
 def export(model: str | Path, out: Path, options: ExportOptions, progress: Progress | None = None) -> ExportResult:
     progress = progress or NullProgress()
+    plan(options)  # the options' own refusals, before anything is read
     require_replaceable(out.absolute(), options.force, inputs=(resolve_checkpoint(model), *options.data_inputs))  # before the load (checked again)
     refuse_held(out.absolute())  # another export writing there: refused now, not after the load (its lock decides again)
     with progress.stage("load checkpoint"):
         if (spec := config_spec(model)) is not None:
+            plan(options, spec)  # every refusal of the config's structure, before any weight is read
             refuse_static_cache(spec, options, resolve_limits(spec, options))  # the config's limits, before any weight is read
         loaded = load_model(model)
     return export_loaded(loaded, out, options, progress, model_ref=str(model), release_reference=True)
@@ -132,6 +138,7 @@ def export_loaded(
     _note_widening(reference, options, progress)
     _note_text_decoder(reference, progress)
     inputs = (loaded.source, *loaded.files, *options.data_inputs)  # never replaced by the output, whatever --force says
+    quality = plan_quality(loaded, reference.spec, options, reference.max_context)  # its text read now: a bad --eval-data refused before any stage
     needs = int(sum(p.numel() for p in reference.module.parameters()) * options.precision.min_bytes_per_weight)
     with staged_output(out, options.force, inputs=inputs, note=progress.note, needs=needs) as root:
         folded = _fold(reference, loaded, progress)
@@ -148,23 +155,18 @@ def export_loaded(
         calibrated = calibration.finish(root / CALIBRATION_DIR) if calibration is not None else None
         given = TargetGiven(root / ONNX_DIR, portable.paths, reference.spec, options, reference.max_context, progress)
         written = tuple(target.write(given) for target in targets() if target.wanted(options))
-        recorded, extras = precision.record(portable.reports), precision.extras(portable.reports)
-        del precision, context  # the int4 numbers (3.5 GB at 8B) are in the graph files now: parity reads them there
+        recorded, extras, numbers = precision.record(portable.reports), precision.extras(portable.reports), _int4_numbers(precision, root, portable, written, out, progress)
+        del precision, context  # the int4 numbers (3.5 GB at 8B) are in the spill file now: parity's reference reads them there
         release = release_weights(reference.module) if release_reference else None
         reload = (lambda: prepare_reference(load_model(loaded.source), options)) if release_reference else None
         parity_module = reference.module
         if adapters:
             parity_module, release, reload = _peft_reference(loaded, adapters, release, progress)
         parity = check_parity(
-            parity_module,
-            reference.spec,
-            _candidates(folded, options, portable, written),
-            _settings(reference, options),
-            release_reference=release,
-            reload_reference=reload,
-            progress=progress,
-            quantized=quantized_model(portable.paths.values(), options.parity_agreement == "gate") if options.precision.weight_only_float else None,
-        )
+            parity_module, reference.spec, _candidates(folded, options, portable, written), _settings(reference, options),
+            release_reference=release, reload_reference=reload, progress=progress, quality=quality,
+            quantized=quantizer_model(numbers, options.parity_agreement == "gate") if numbers is not None else None,
+        )  # fmt: skip
         if not parity.passed:
             raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
         report = ExportReport(
@@ -172,8 +174,29 @@ def export_loaded(
             loaded.tokenizer, loaded.serving_files, recorded, extras,
             checkpoint_path=str(loaded.source.absolute()) if loaded.source.exists() else None, adapters=adapters,
         )
+        refuse_quality(report, out)  # the graphs are right, the quantization short of its gate: reports kept beside out
         manifest = write_artifacts(root, report)
     return ExportResult(out, manifest, parity, report)
+
+
+def _int4_numbers(
+    precision: PreparedPrecision, root: Path, portable: GraphSet, written: tuple[TargetGraphs, ...], out: Path, progress: Progress
+) -> QuantizerNumbers | None:
+    """--int4: the quantizer's own numbers spilled to the staging directory (the int4 proof's
+    reference is built on them, not on the graphs it judges, and deletes the file once it has read
+    them: ``parity.int4_proof``), and every graph set's int4 weights checked bit for bit against
+    them first (the first that differs refused by name)."""
+    quantizer = int4_quantizer(precision.prepared)
+    if quantizer is None:
+        return None
+    sets = [("portable", list(portable.paths.values())), *((g.name, list(g.paths.values())) for g in written)]
+    with progress.stage("parity: int4 weights against the quantizer's numbers"):
+        numbers = write_numbers(root / NUMBERS_FILE, quantizer.placed_numbers())
+        failure = check_graph_weights(numbers, sets)
+    if failure is not None:
+        numbers.close()
+        raise ParityError(f"{out}: exported int4 weights differ from the quantizer's numbers: {failure}")
+    return numbers
 
 
 def release_weights(module: torch.nn.Module) -> Callable[[], None]:

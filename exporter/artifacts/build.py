@@ -8,6 +8,7 @@ from pathlib import Path
 from kiln.exporter.artifacts.layout import PARITY_REPORT, TOKENIZER
 from kiln.exporter.artifacts.manifest import (
     MANIFEST_VERSION,
+    QualityInfo,
     AdapterRef,
     CheckpointRef,
     GraphEntry,
@@ -85,9 +86,17 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
         graphs=graphs,
         weights=WeightsInfo(_rel(weights.path, root), weights.tensors, weights.bytes),
         tokenizer=TOKENIZER if report.tokenizer is not None else None,
-        parity=ParityInfo(report.parity.passed, PARITY_REPORT, options.parity_agreement if report.parity.quantized is not None else None),
+        parity=ParityInfo(report.parity.passed, PARITY_REPORT, options.parity_agreement or "record" if report.parity.quantized is not None else None, _quality(report)),
         tools=tool_versions(),
         files={},
         targets={t.name: _target_entry(t, root) for t in report.targets} or None,
         lora=report.portable.lora,
     )
+
+
+def _quality(report: ExportReport) -> QualityInfo | None:
+    """The manifest's record of the graphs' quality on text (None where it was not measured)."""
+    q = report.parity.quality
+    if q is None or q.note is not None:
+        return None
+    return QualityInfo(q.source, q.real, q.tokens, q.agreement, q.kl, q.perplexity_checkpoint, q.perplexity_graphs, q.judged, q.threshold)

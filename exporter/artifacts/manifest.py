@@ -51,6 +51,7 @@ __all__ = [
     "GraphEntry",
     "WeightsInfo",
     "ParityInfo",
+    "QualityInfo",
     "TargetGraph",
     "TargetWeights",
     "TargetEntry",
@@ -192,10 +193,27 @@ class WeightsInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class QualityInfo:
+    """The portable graphs against the checkpoint's model on text (``parity.quality``): what the
+    quantization costs; ``threshold`` the top-1 agreement that gated it (None: recorded only)."""
+
+    source: str
+    real: bool
+    tokens: int
+    agreement: float
+    kl: float
+    perplexity_checkpoint: float
+    perplexity_graphs: float
+    judged: str
+    threshold: float | None = _omit()
+
+
+@dataclasses.dataclass(frozen=True)
 class ParityInfo:
     passed: bool
     report: str
     agreement: str | None = _omit()  # int4: "gate" or "record" (--parity-agreement): whether agreement with the checkpoint's model gated it
+    quality: QualityInfo | None = _omit()  # absent in manifests written before it, and where quality was not measured
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import numpy as np
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.parity.generation import candidate_run, judge, make_prompts
 from kiln.exporter.parity.memory import keeps_model
+from kiln.exporter.parity.quality import QualityPlan, QualityResult, graph_quality, reference_logprobs
 from kiln.exporter.parity.quantized import Int4Weight, read_int4_weights, use_int4_weights
 from kiln.exporter.parity.results import ParityResult, TensorCheck
 from kiln.exporter.parity.scoring import score
@@ -118,6 +119,7 @@ def check_parity(
     reload_reference: Callable[[], nn.Module] | None = None,
     progress: Progress | None = None,
     quantized: QuantizedModel | None = None,
+    quality: QualityPlan | None = None,
 ) -> ParityResult:
     """Every candidate against PyTorch, in one result: the first candidate's checks, then each
     target's under its name. PyTorch first records its outputs on every graph's tensor feeds; each
@@ -128,12 +130,15 @@ def check_parity(
     ``release_reference`` frees it before any runtime loads its weights, and ``reload_reference``
     loads it again to score. With ``quantized``, the module is then made to compute with the
     graphs' int4 weights, and every candidate with a ``quantized`` precision is also judged against
-    it, at that precision's tolerances (``ParityResult.quantized``)."""
+    it, at that precision's tolerances (``ParityResult.quantized``). With ``quality``, PyTorch's
+    log-probabilities on its text are kept with the recording, and the first candidate's prefill
+    is measured against them while its session is open (``ParityResult.quality``)."""
     progress = progress or NullProgress()
     plan = _Plan.of(spec, settings)
     graphs = tuple(dict.fromkeys(kind for c in candidates for kind in c.graphs))
     runner = TorchRunner(reference, spec.n_layers, settings.last_logits_only)
     recorded = _record(runner, spec, graphs, plan, np.dtype(candidates[0].kv_dtype), progress)
+    measure = _quality(reference, spec, quality, progress)
     keep = release_reference is None or reload_reference is None or keeps_model(reference, max(c.weight_bytes for c in candidates))
     held: nn.Module | None = reference
     del reference, runner
@@ -141,7 +146,7 @@ def check_parity(
         assert release_reference is not None
         held = None
         release_reference()
-    ran = [_run(recorded, spec, candidate, plan, progress, quantized is not None) for candidate in candidates]
+    ran = [_run(recorded, spec, candidate, plan, progress, quantized is not None, measure if i == 0 else None) for i, candidate in enumerate(candidates)]
     with progress.stage(f"parity: PyTorch scores the graphs' tokens ({'model kept in memory' if keep else 'model loaded again'})"):
         module = held if held is not None else _reload(reload_reference)
         del held
@@ -154,7 +159,19 @@ def check_parity(
     if keep and release_reference is not None:
         release_reference()  # the model the export loaded is not read again
     del module
-    return _merged(ran, results, against, quantized)
+    merged = _merged(ran, results, against, quantized)
+    merged.quality = ran[0].quality if quality is None or quality.note is None else quality.unmeasured()
+    return merged
+
+
+def _quality(reference: nn.Module, spec: DecoderSpec, quality: QualityPlan | None, progress: Progress) -> Callable[[Runner], QualityResult] | None:
+    """PyTorch's log-probabilities on the quality text (``parity.quality``), computed while the
+    model is in memory, and what measures a graph set's runner against them."""
+    if quality is None or quality.note is not None:
+        return None
+    with progress.stage(f"parity: PyTorch on {quality.text.tokens} tokens of {quality.text.source} (quality)"):
+        kept = reference_logprobs(TorchRunner(reference, spec.n_layers), spec, quality.text)
+    return lambda runner: graph_quality(runner, spec, quality.text, kept, quality.threshold)
 
 
 def _merged(ran: Sequence[_Ran], results: list[ParityResult], against: list[ParityResult | None], quantized: QuantizedModel | None) -> ParityResult:
@@ -207,11 +224,15 @@ class _Ran:
     tensors: list[TensorCheck]
     outputs: list[tuple[GraphKind, Feeds, Feeds]]
     runs: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+    quality: QualityResult | None = None  # the first candidate's, on the quality text
 
 
-def _run(recorded: RecordingRunner, spec: DecoderSpec, candidate: Candidate, plan: _Plan, progress: Progress, quantized: bool) -> _Ran:
+def _run(
+    recorded: RecordingRunner, spec: DecoderSpec, candidate: Candidate, plan: _Plan, progress: Progress, quantized: bool, measure: Callable[[Runner], QualityResult] | None = None
+) -> _Ran:
     """The candidate's tensors against the recording (batch 2 with a padded row, unless the
-    export's max batch is 1, and batch 1), then its greedy run per group of batches (``_Plan``)."""
+    export's max batch is 1, and batch 1), then its greedy run per group of batches (``_Plan``),
+    then ``measure`` (quality) on its runner."""
     kv_dtype, unified = np.dtype(candidate.kv_dtype), GraphKind.UNIFIED in candidate.graphs
     keep: list[tuple[GraphKind, Feeds, Feeds]] | None = [] if quantized and candidate.quantized is not None else None
     label = f"parity: {candidate.precision} {candidate.target + ' ' if candidate.target else ''}graphs"  # the session's start counts in it
@@ -225,7 +246,7 @@ def _run(recorded: RecordingRunner, spec: DecoderSpec, candidate: Candidate, pla
             rows = [p for prompts in group for p in prompts]
             runs.append(candidate_run(runner, spec, rows, plan.steps, unified=unified, kv_dtype=kv_dtype, length=plan.length))
             bar.advance()
-        return _Ran(candidate, runner.name, tensors, keep or [], runs)
+        return _Ran(candidate, runner.name, tensors, keep or [], runs, measure(runner) if measure is not None else None)
 
 
 def _score(module: nn.Module, spec: DecoderSpec, plan: _Plan, ran: Sequence[_Ran]) -> list[list[np.ndarray]]:

@@ -1,11 +1,15 @@
-"""``reports/parity.png``: two panels over the generation steps of every run of every graph set.
+"""``reports/parity.png``: the proof's two panels over the generation steps of every run of every
+graph set, and the quality's own panel when it was measured.
 
-Above, the logit error relative to the step's scale (max |logit error| / max |PyTorch logit|, on
-a log axis), with each distinct logits rtol dashed: the same units as the tensor checks' rule,
-though a generation step is judged by its token, not by it. Below, token agreement: the share of
-the batch whose argmax is PyTorch's token. Every run keeps its own line (colour per run, marker
-per graph set, dashes for model.onnx), so lines that nearly coincide stay apart; only exactly
-equal runs share one, and the legend (below the panels, clear of the axes) says so.
+Above, each step's max |logit error| (log axis) and, dotted in the run's colour, the limit the
+precision's rule gives at that step, atol + rtol x the step's max |PyTorch logit| (a generation
+step is judged by its token, not by it: the limit shows how far inside the tensor checks' rule
+its logits are). Middle, the token rule as it judges: the run's token match so far (the share of
+steps, and rows, whose token is PyTorch's argmax), judged once at the run's end against its floor,
+drawn at the right edge (ties excepted, which the report counts). Every run keeps its own line
+(colour per run, marker per graph set, dashes for model.onnx), so lines that nearly coincide stay
+apart; only exactly equal runs share one, and the legend (below the panels) says so. Below, apart
+from the proof: the quality on text (``parity.quality``), top-1 agreement against its gate.
 """
 
 from __future__ import annotations
@@ -13,14 +17,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kiln.exporter.parity.results import ParityResult
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["PlotLine", "plot_lines", "tolerance_lines", "figure", "write_plot"]
+__all__ = ["PlotLine", "plot_lines", "limit_labels", "run_rules", "figure", "write_plot"]
 
 _FLOOR = 1e-12  # where a zero error is drawn on the log axis
 _MARKERS = ("o", "x", "^", "s", "d")
@@ -31,18 +36,26 @@ class PlotLine:
     label: str
     graph_set: str  # "portable" or the target's name: picks the marker
     model: bool  # the model.onnx path: dashed
-    relative: tuple[float, ...]  # per step: max |logit error| / max |reference logit|
+    error: tuple[float, ...]  # per step: max |logit error| (at least _FLOOR)
+    limit: tuple[float, ...]  # per step: atol + rtol x max |reference logit|, its set's logits rule
     match: tuple[float, ...]  # per step: share of the batch whose argmax is the reference's
+
+    @property
+    def run_match(self) -> tuple[float, ...]:
+        """The run's token match so far at each step: what the whole-run rule judges at the end."""
+        return tuple(total / (i + 1) for i, total in enumerate(itertools.accumulate(self.match)))
 
 
 def plot_lines(result: ParityResult) -> list[PlotLine]:
     """One line per generation run, a target's labelled with its name (``ort:model``); runs
     whose figures are exactly equal share one line under a label that says so."""
+    rules = {s.name: s.tolerance.logits for s in result.sets()}
     lines: list[PlotLine] = []
     for g in result.generation:
-        relative = tuple(max(e / s if s > 0 else e, _FLOOR) for e, s in zip(g.per_step_max_abs, g.per_step_scale, strict=True))
-        line = PlotLine(g.label, g.target or "portable", g.path.endswith("model"), relative, g.per_step_match)
-        same = next((i for i, other in enumerate(lines) if (other.relative, other.match) == (relative, g.per_step_match)), None)
+        error = tuple(max(e, _FLOOR) for e in g.per_step_max_abs)
+        limit = tuple(rules[g.target or "portable"].limit(s) for s in g.per_step_scale)
+        line = PlotLine(g.label, g.target or "portable", g.path.endswith("model"), error, limit, g.per_step_match)
+        same = next((i for i, other in enumerate(lines) if (other.error, other.limit, other.match) == (error, limit, g.per_step_match)), None)
         if same is None:
             lines.append(line)
         else:
@@ -52,21 +65,17 @@ def plot_lines(result: ParityResult) -> list[PlotLine]:
     return lines
 
 
-def tolerance_lines(result: ParityResult) -> list[tuple[str, float]]:
-    """One dashed line per distinct logits rtol, labelled with the sets it judges."""
-    grouped: dict[float, list[str]] = {}
-    for s in result.sets():
-        grouped.setdefault(s.tolerance.logits_rtol, []).append(f"{s.name} {s.precision}")
-    return [(f"logits rtol {rtol:g} ({', '.join(names)})", rtol) for rtol, names in grouped.items()]
+def limit_labels(result: ParityResult) -> dict[str, str]:
+    """Per graph set, the label of its runs' dotted limits: ``limit 1e-05 + 0.0001 x max|logit| (portable fp32)``."""
+    return {s.name: f"limit {s.tolerance.logits_atol:g} + {s.tolerance.logits_rtol:g} x step's max|logit| ({s.name} {s.precision})" for s in result.sets()}
 
 
-def _match_lines(result: ParityResult) -> list[tuple[str, float]]:
-    """The token match thresholds below 100% (the low-bit sets'), one per distinct value."""
+def run_rules(result: ParityResult) -> list[tuple[str, float]]:
+    """The whole-run token-match floors, one per distinct value, labelled with the sets they judge."""
     grouped: dict[float, list[str]] = {}
     for s in result.sets():
-        if s.tolerance.min_token_match < 1.0:
-            grouped.setdefault(s.tolerance.min_token_match, []).append(f"{s.name} {s.precision}")
-    return [(f"token match at least {m:.0%} ({', '.join(names)})", m) for m, names in grouped.items()]
+        grouped.setdefault(s.tolerance.min_token_match, []).append(f"{s.name} {s.precision}")
+    return [(f"whole run: token match at least {m:.0%}, ties excepted ({', '.join(names)})", m) for m, names in grouped.items()]
 
 
 def write_plot(result: ParityResult, path: Path) -> None:
@@ -78,31 +87,60 @@ def write_plot(result: ParityResult, path: Path) -> None:
 
 
 def figure(result: ParityResult) -> Figure:
-    """The two panels, their legend below them."""
+    """The proof's two panels, the quality's below them when measured, the legend at the bottom."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lines = plot_lines(result)
-    markers = {name: m for name, m in zip(dict.fromkeys(line.graph_set for line in lines), itertools.cycle(_MARKERS))}
-    fig, (error, tokens) = plt.subplots(2, 1, figsize=(8, 6.5 + 0.18 * len(lines)), dpi=100, sharex=True, layout="constrained", height_ratios=(3, 2))
-    colors = itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"])
-    for index, (line, color) in enumerate(zip(lines, colors)):
-        size = max(2.0, 7.0 - 1.5 * index)  # each line drawn smaller than the one before: one hidden under a later one still shows
-        style = dict(color=color, marker=markers[line.graph_set], markersize=size, linestyle="--" if line.model else "-", linewidth=max(0.8, 2.4 - 0.4 * index))
-        error.semilogy(range(len(line.relative)), line.relative, label=line.label, **style)
-        tokens.plot(range(len(line.match)), [100 * m for m in line.match], **style)
-    dashes = itertools.cycle(("red", "purple", "darkorange", "black"))
-    for label, rtol in tolerance_lines(result):
-        error.axhline(rtol, color=next(dashes), linestyle=":", linewidth=1.5, label=label)
-    for label, share in _match_lines(result):
-        tokens.axhline(100 * share, color=next(dashes), linestyle=":", linewidth=1.5, label=label)
-    error.set_ylabel("max |logit error| / max |logit|")
-    error.set_title(f"{result.backend} vs PyTorch: {', '.join(f'{s.name} {s.precision}' for s in result.sets())}")
-    tokens.set_ylabel("tokens equal to PyTorch's (%)")
-    tokens.set_ylim(-5, 105)
-    tokens.set_xlabel("generation step (the graphs' own tokens, scored by PyTorch)")
+    quality = result.quality is not None and result.quality.note is None
+    ratios = (3, 2, 1.4) if quality else (3, 2)
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(8, 6.5 + 1.2 * quality + 0.18 * len(lines)), dpi=100, layout="constrained", height_ratios=ratios)
+    error, tokens = axes[0], axes[1]
+    tokens.sharex(error)
+    _proof(result, lines, error, tokens, plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    if quality:
+        _quality(result, axes[2])
     handles = [h for ax in (error, tokens) for h in ax.get_legend_handles_labels()[0]]
     fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=7)
     return fig
+
+
+def _proof(result: ParityResult, lines: list[PlotLine], error: Axes, tokens: Axes, palette: list[str]) -> None:
+    """Each run's logit error against its per-step limit, and its token match so far against the run's floor."""
+    markers = {name: m for name, m in zip(dict.fromkeys(line.graph_set for line in lines), itertools.cycle(_MARKERS))}
+    labels, labelled = limit_labels(result), set()
+    for index, (line, color) in enumerate(zip(lines, itertools.cycle(palette))):
+        size = max(2.0, 7.0 - 1.5 * index)  # each line drawn smaller than the one before: one hidden under a later one still shows
+        style: dict[str, Any] = dict(color=color, marker=markers[line.graph_set], markersize=size, linestyle="--" if line.model else "-", linewidth=max(0.8, 2.4 - 0.4 * index))
+        steps = range(len(line.error))
+        error.semilogy(steps, line.error, label=line.label, **style)
+        first = line.graph_set not in labelled
+        labelled.add(line.graph_set)
+        error.semilogy(steps, line.limit, color=color, linestyle=":", linewidth=1.2, label=labels[line.graph_set] if first else "_nolegend_")
+        tokens.plot(steps, [100 * m for m in line.run_match], **style)
+    for (label, share), color in zip(run_rules(result), itertools.cycle(("red", "purple", "darkorange", "black"))):
+        tokens.axhline(100 * share, xmin=0.9, xmax=1.0, color=color, linestyle=":", linewidth=2.5, label=label)  # judged at the run's end
+    error.set_ylabel("max |logit error| (dotted: its limit)")
+    error.set_title(f"proof: {result.backend} vs PyTorch: {', '.join(f'{s.name} {s.precision}' for s in result.sets())}")
+    tokens.set_ylabel("run's token match so far (%)")
+    tokens.set_ylim(-5, 105)
+    tokens.set_xlabel("generation step (the graphs' own tokens, scored by PyTorch)")
+
+
+def _quality(result: ParityResult, ax: Axes) -> None:
+    """The quality apart from the proof: top-1 agreement on text against its gate, KL and perplexities in the title."""
+    q = result.quality
+    assert q is not None
+    ax.barh([0], [100 * q.agreement], color="tab:blue" if q.passed else "tab:red", height=0.5)
+    if q.threshold is not None:
+        ax.axvline(100 * q.threshold, color="black", linestyle=":", linewidth=2, label=f"gate: at least {q.threshold:g}")
+    ax.set_xlim(0, 100)
+    ax.set_yticks([0], [f"top-1 agreement {q.agreement:.3f}"])
+    ax.set_xlabel("top-1 agreement with the checkpoint's model on the text (%)")
+    ax.set_title(
+        f"quality, apart from the proof ({q.judged})\n{q.tokens} tokens of {q.source}\n"
+        f"KL {q.kl:.3g} nats, perplexity {q.perplexity_checkpoint:.4g} (checkpoint) -> {q.perplexity_graphs:.4g} (graphs)",
+        fontsize=8,
+    )

@@ -3,12 +3,13 @@
 A random-weight model's int4 logits are near-ties, so agreement with the checkpoint's model
 (cosine, tokens) cannot tell a correct int4 graph from a broken one there. This is the second
 reference: the same module, each int4 MatMul's module computing ``x @ (q * scale) + bias`` in
-fp32 with the very ``q`` and ``scale`` read back from the portable graphs (every graph of an
-export holds the same numbers), so a graph is judged against it at its float precision's
-tolerance, whatever the weights (issue 24; docs/parity.md).
+fp32 with an export's ``q`` and ``scale`` (every graph of an export holds the same numbers), so
+a graph is judged against it at its float precision's tolerance, whatever the weights (issue 24;
+docs/parity.md).
 
-The numbers are read from the graph files written, not from the quantizer, so ``kiln check``
-judges a directory the same way. Each int4 ``DequantizeLinear`` feeds ``/<module>/MatMul``
+An export builds it on the quantizer's own numbers (``parity.int4_proof``, which also checks
+every graph weight against them bit for bit); ``kiln check``, which has no quantizer, reads them
+back from the graph files (``read_int4_weights``). Each int4 ``DequantizeLinear`` feeds ``/<module>/MatMul``
 (``passes.names``); its module must be an ``nn.Linear`` (``weight [N, K]``) or a Conv1D
 (transformers' GPT-2 layers, ``weight [K, N]``), any other is refused by name. The module's own
 float weight is freed (unless another module shares it: a tied LM head), so the quantized model

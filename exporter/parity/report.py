@@ -110,7 +110,8 @@ def verdict(result: ParityResult) -> str:
     limits and its lowest token match (a summary; the report's tables hold every check)."""
     sets = _labelled_sets(result)
     figures = "; ".join(f"{name} ({s.precision}): {_set_figures(s)}" if len(sets) > 1 else _set_figures(s) for name, s, _ in sets)
-    return f"parity {'passed' if result.passed else 'FAILED'}: {figures}"
+    quality = "" if result.quality is None else f"; quality {'' if result.quality.passed else 'BELOW ITS GATE '}({result.quality.judged}): {result.quality.figures()}"
+    return f"parity {'passed' if result.passed else 'FAILED'}: {figures}{quality}"
 
 
 def _tensor_rows(sets: list[GraphSetParity]) -> list[str]:
@@ -152,6 +153,9 @@ def markdown(result: ParityResult, extras: Mapping[str, Any] | None = None) -> s
         "a mismatch is a tie (not a failure) where PyTorch's own two logits are within twice that row's logits limit; "
         "a generation step's logit error carries the cache's accumulated rounding and is shown, not judged.",
         "",
+        *_quality_section(result),
+        "# Proof: each graph computes its model",
+        "",
         "## Graph sets",
         "",
         *summary_table(result),
@@ -161,6 +165,25 @@ def markdown(result: ParityResult, extras: Mapping[str, Any] | None = None) -> s
     for key, value in (extras or {}).items():
         lines += ["", f"## {key}", "", *_section(value)]
     return "\n".join(lines) + "\n"
+
+
+def _quality_section(result: ParityResult) -> list[str]:
+    """Quality apart from the proof: the portable graphs against the checkpoint's model on text
+    (``parity.quality``), its figures and how they count."""
+    q = result.quality
+    if q is None:
+        return []
+    head = ["# Quality: what the quantization costs", "", f"The portable graphs against the checkpoint's model, teacher-forced on {q.source}: {q.judged}.", ""]
+    if q.note is not None:
+        return head
+    verdict = "-" if q.threshold is None else _yes(q.passed)
+    return head + [
+        "| text | real | tokens | top-1 agreement | agreement at least | mean KL (checkpoint \\|\\| graphs), nats | perplexity: checkpoint | perplexity: graphs | ok |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {q.source} | {_yes(q.real).lower()} | {q.tokens} | {q.agreement:.4f} | {'-' if q.threshold is None else f'{q.threshold:g}'} | {q.kl:.4g} "
+        f"| {q.perplexity_checkpoint:.4g} | {q.perplexity_graphs:.4g} | {verdict} |",
+        "",
+    ]
 
 
 def _check_sections(result: ParityResult) -> list[str]:

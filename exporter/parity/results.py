@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kiln.exporter.parity.quality import QualityResult
 from kiln.exporter.parity.tolerances import RULE, Bound, Tolerance
 
 __all__ = ["TensorCheck", "GenerationCheck", "TargetParity", "GraphSetParity", "ParityResult"]
@@ -133,6 +134,7 @@ class ParityResult:
     targets: dict[str, TargetParity] = dataclasses.field(default_factory=dict)
     quantized: ParityResult | None = None
     agreement_gates: bool = True
+    quality: QualityResult | None = None  # the portable graphs against the checkpoint's model on text (``parity.quality``): judged apart from ``passed``
 
     @property
     def agreed(self) -> bool:
@@ -211,4 +213,5 @@ class ParityResult:
             "generation": [dataclasses.asdict(g) for g in self.generation],
             **({"targets": {name: dataclasses.asdict(t) for name, t in self.targets.items()}} if self.targets else {}),
             **({"quantized": self.quantized.to_dict(), "agreement_gates": self.agreement_gates} if self.quantized is not None else {}),
+            **({"quality": self.quality.to_dict()} if self.quality is not None else {}),
         }

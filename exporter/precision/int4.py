@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import dataclasses
 import weakref
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,6 +57,7 @@ __all__ = [
     "DEFAULT_INT4_METHOD",
     "MIN_INT4_OPSET",
     "gptq_layerwise",
+    "int4_quantizer",
     "prepare",
 ]
 
@@ -67,7 +68,8 @@ _CHANGED_BY_21 = frozenset({"DFT", "GridSample", "GroupNormalization", "ReduceMa
 
 if TYPE_CHECKING:
     from kiln.exporter.contract.io import GraphKind
-    from kiln.exporter.precision.kinds.base import GraphReports, PrecisionContext
+    from kiln.exporter.precision.kinds.base import GraphReports
+    from kiln.exporter.precision.context import PrecisionContext
     from kiln.exporter.precision.kinds.int4 import Int4
     from kiln.exporter.progress import Progress
 
@@ -120,6 +122,23 @@ class Int4Quantizer:
         self._layerwise = layerwise
         self._wanted: dict[tuple[str, int, ir.DataType], _Wanted] = {}
         self._done: dict[tuple[str, int, ir.DataType], tuple[np.ndarray, np.ndarray]] = {}
+        self._placed: dict[str, tuple[str, int, ir.DataType]] = {}  # the module whose MatMul each weight feeds -> its slot
+
+    def place(self, module: str, tensor: ir.TensorProtocol, key: str, hessian_name: str, block: int, scale_dtype: ir.DataType) -> None:
+        """Record that ``module``'s MatMul computes with this weight's numbers (parity's reference
+        is built on them: ``placed_numbers``)."""
+        wanted = _Wanted(tensor, key, hessian_name, block, scale_dtype)
+        self._wanted.setdefault(wanted.slot, wanted)
+        self._placed.setdefault(module, wanted.slot)
+
+    def placed_numbers(self) -> Iterator[tuple[str, np.ndarray, np.ndarray, tuple[int, int]]]:
+        """Per module, in the order the graphs placed them: (module, packed q, scale, (K, N)) as
+        this quantizer made them (computed now if no graph read them)."""
+        for module, slot in self._placed.items():
+            wanted = self._wanted[slot]
+            packed, scale = self.numbers(wanted.tensor, wanted.key, wanted.module, wanted.block, wanted.scale_dtype)
+            k, n = wanted.tensor.shape.numpy()
+            yield module, packed, scale, (int(k), int(n))
 
     def want(self, tensor: ir.TensorProtocol, key: str, hessian_name: str, block: int, scale_dtype: ir.DataType) -> None:
         wanted = _Wanted(tensor, key, hessian_name, block, scale_dtype)
@@ -286,6 +305,8 @@ class QuantizeInt4(ir.passes.InPlacePass):
         def numbers() -> tuple[np.ndarray, np.ndarray]:
             return quantizer.numbers(tensor, key, hessian, block, dtype)
 
+        quantizer.place(module_of(node) or node.name or "", tensor, key, hessian, block, dtype)
+
         base = f"int4/{module_of(node) or node.name}"
         q = _lazy(f"{base}.weight", ir.DataType.INT4, (k, n), lambda: ir.PackedTensor(numbers()[0], ir.DataType.INT4, shape=ir.Shape([k, n])))
         scale = _lazy(f"{base}.scale", dtype, (k // block, n), lambda: ir.tensor(numbers()[1]))
@@ -361,3 +382,8 @@ def _tensorrt_note(blocks: Iterable[int]) -> str | None:
     --int4-block it does not build, or a smaller block for a K the asked one does not divide), or None."""
     outside = outside_tensorrt_int4(blocks)
     return tensorrt_int4_reason(outside) if outside else None
+
+
+def int4_quantizer(prepared: Iterable[Prepared]) -> Int4Quantizer | None:
+    """The int4 kind's quantizer among an export's prepared kinds (None: not an int4 export)."""
+    return next((p.quantizer for p in prepared if isinstance(p, _Int4Prepared)), None)

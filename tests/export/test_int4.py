@@ -15,7 +15,10 @@ from kiln_testing import RecordedProgress, config_error, tiny_config, write_chec
 from kiln.cli import main
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.check import check_dir
-from kiln.exporter.options import ExportOptions, Fp16, Int4, Int4Method, Precision
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.precision.kinds import Fp16, Int4
+from kiln.exporter.precision.kinds.int4 import Int4Method
+from kiln.exporter.plan import plan
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.int4 import check_int4
 from kiln.exporter.precision.int4_numbers import unpack_int4
@@ -112,11 +115,11 @@ def test_manifest_parity_and_check(int4_ort: Path) -> None:
 def test_graphs_are_judged_against_their_own_int4_weights(int4_ort: Path) -> None:
     """Both graph sets against PyTorch on the graphs' int4 numbers: the portable set at fp32's
     tolerances (weight-only: nothing else approximates), the ORT set at int8's (its MatMulNBits
-    quantize activations, accuracy_level 4); then their agreement with the checkpoint's model,
-    gating (the default), at int4's."""
+    quantize activations, accuracy_level 4); then their agreement with the checkpoint's model at
+    int4's, recorded only (the default: random prompts do not judge quality)."""
     report = json.loads((int4_ort / "reports" / "parity.json").read_text())
     quantized = report["quantized"]
-    assert report["agreement_gates"] is True and quantized["passed"]
+    assert report["agreement_gates"] is False and quantized["passed"]
     assert quantized["tolerance"]["logits_rtol"] == 1e-4 and quantized["targets"]["ort"]["tolerance"]["min_token_match"] == 1.0
     portable = [t for t in quantized["tensors"] if t["target"] is None]
     assert {t["graph"] for t in portable} == set(KINDS) and all(t["error"] <= t["atol"] + t["rtol"] * t["scale"] for t in portable)
@@ -128,12 +131,12 @@ def test_graphs_are_judged_against_their_own_int4_weights(int4_ort: Path) -> Non
     # and nothing else may (no divergence but by a tie, at int8's logits limit)
     ort = [g for g in quantized["generation"] if g["target"] == "ort"]
     assert ort and all(g["token_match_rate"] >= 0.9 and g["first_divergence"] is None and g["passed"] for g in ort)
-    assert json.loads((int4_ort / "manifest.json").read_text())["parity"]["agreement"] == "gate"
+    assert json.loads((int4_ort / "manifest.json").read_text())["parity"]["agreement"] == "record"
     markdown = (int4_ort / "reports" / "parity.md").read_text()
-    assert "| portable vs int4 weights | int4 |" in markdown and "| ort vs checkpoint (agreement, gating) | int4 |" in markdown
+    assert "| portable vs int4 weights | int4 |" in markdown and "| ort vs checkpoint (agreement, recorded only) | int4 |" in markdown
     assert "## Tensors against the int4 weights' model" in markdown
     checked = check_dir(int4_ort)
-    assert checked.quantized is not None and checked.quantized.passed and checked.agreement_gates
+    assert checked.quantized is not None and checked.quantized.passed and not checked.agreement_gates  # as the export recorded
 
 
 def test_int4_numbers_other_than_the_graphs_fail_where_agreement_passes(int4_ort: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,7 +161,7 @@ def test_int4_numbers_other_than_the_graphs_fail_where_agreement_passes(int4_ort
 
 def test_agreement_can_be_recorded_only_for_int4(tiny_ckpt: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
-        ExportOptions(precision=Precision.FP16, parity_agreement="record")
+        plan(ExportOptions(precision=Precision.FP16, parity_agreement="record"))
     assert str(err.value) == (
         "config: --parity-agreement record only applies to --int4 exports, whose graphs are also checked against PyTorch on their own int4 weights; "
         "a fp16 export's only proof is its agreement with the checkpoint's model"
@@ -243,7 +246,7 @@ def test_gptq_refuses_a_cross_attention_decoder(tmp_path: Path) -> None:
     from kiln.plugins import load_model
 
     rtn = Int4(method=Int4Method.RTN)
-    rtn.refuse(load_model(ckpt).spec, ExportOptions(precision=Precision.of(rtn)))  # returns
+    assert rtn.reasons(load_model(ckpt).spec, ExportOptions(precision=Precision.of(rtn))) == []
 
 
 def _block_dq_graph(k: int = 64, n: int = 8, block: int = 16) -> tuple[bytes, np.ndarray, np.ndarray]:

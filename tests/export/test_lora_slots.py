@@ -300,7 +300,8 @@ def test_an_int4_base_with_float_adapters(slots: dict[str, Path], tmp_path: Path
     the --target ort graphs' MatMulNBits at theirs);
     here the tokens are compared independently: kiln generate with the adapter equals PEFT's
     generate() over the dequantized int4 base, and without one the int4 base alone."""
-    from kiln.exporter.options import Int4, Int4Method
+    from kiln.exporter.precision.kinds import Int4
+    from kiln.exporter.precision.kinds.int4 import Int4Method
     from kiln.exporter.parity.quantized import read_int4_weights, use_int4_weights
     from kiln.plugins.hf.decoder import HFDecoder
 

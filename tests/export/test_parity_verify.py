@@ -24,7 +24,9 @@ from kiln.exporter.artifacts.manifest import Manifest, graph_options
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.load import prepare_reference
 from kiln.exporter.check import check_dir
-from kiln.exporter.options import ExportOptions, Int4, Int4Method, Precision
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.precision.kinds import Int4
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity, driver, scoring
 from kiln.exporter.parity.tolerances import FP32
 from kiln.exporter.pipeline import export

@@ -33,7 +33,8 @@ from kiln.exporter.artifacts.manifest import (
     graph_options,
 )
 from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
-from kiln.exporter.options import ExportOptions, Fp16, LogitsMode, PLEExtendMode, PLETables, Precision
+from kiln.exporter.options import ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
+from kiln.exporter.precision.kinds import Fp16
 from kiln.plugins.native import spec_of
 from kiln_testing import tiny_config, typed_manifest
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kiln.exporter.parity import GenerationCheck, ParityResult, TensorCheck
 from kiln.exporter.precision import TOLERANCES
-from kiln.exporter.parity.plot import figure, plot_lines, tolerance_lines
+from kiln.exporter.parity.plot import figure, limit_labels, plot_lines, run_rules
 from kiln.exporter.parity.report import markdown, summary_table, verdict, write_parity_reports
 
 Run = tuple[str, int, tuple[float, ...]]
@@ -100,27 +100,37 @@ def test_plot_lines_keep_near_ones_apart() -> None:
         ("ort:model, batch 1", "ort", True),  # within 0.1% of the line above: its own line, its own marker and dashes
         ("ort:model, batch 3", "ort", True),
     ]
-    assert lines[0].relative == pytest.approx((1e-6, 3e-6)) and lines[1].relative == pytest.approx((2e-6, 1e-12))  # error / max |logit| (10); a zero at 1e-12
-    assert lines[2].match == (0.95, 0.95)
-    assert tolerance_lines(_two_sets()) == [("logits rtol 0.0001 (portable fp32)", 1e-4), ("logits rtol 0.05 (ort int8)", 0.05)]
+    assert lines[0].error == pytest.approx((1e-5, 3e-5)) and lines[1].error == pytest.approx((2e-5, 1e-12))  # a zero at 1e-12
+    assert lines[0].limit == pytest.approx((1e-5 + 1e-4 * 10,) * 2) and lines[2].limit == pytest.approx((1.5 + 0.05 * 10,) * 2)  # atol + rtol x the step's max |logit|
+    assert lines[2].match == (0.95, 0.95) and lines[2].run_match == pytest.approx((0.95, 0.95))
+    assert limit_labels(_two_sets()) == {
+        "portable": "limit 1e-05 + 0.0001 x step's max|logit| (portable fp32)",
+        "ort": "limit 1.5 + 0.05 x step's max|logit| (ort int8)",
+    }
     same = _result("int8", 0.2, [("model", 1, (0.1,))]).merge("ort", _result("int8", 0.2, [("model", 1, (0.2,))]))
-    assert tolerance_lines(same) == [("logits rtol 0.05 (portable int8, ort int8)", 0.05)]  # one dashed line per distinct rtol
+    assert run_rules(same) == [("whole run: token match at least 90%, ties excepted (portable int8, ort int8)", 0.9)]  # one per distinct floor
 
 
 def test_the_plot_has_two_panels_and_its_legend_clear_of_them() -> None:
     fig = figure(_two_sets())
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
-    error, tokens = fig.axes
-    assert error.get_yscale() == "log" and tokens.get_ylabel() == "tokens equal to PyTorch's (%)"
-    assert [line.get_marker() for line in error.get_lines()[:5]] == ["o", "o", "x", "x", "x"]
-    assert [line.get_linestyle() for line in error.get_lines()[:5]] == ["-", "-", "-", "--", "--"]
+    error, tokens = fig.axes  # no quality measured: no third panel
+    assert error.get_yscale() == "log" and tokens.get_ylabel() == "run's token match so far (%)"
+    runs, limits = error.get_lines()[0::2], error.get_lines()[1::2]  # each run, then its limit
+    assert [line.get_marker() for line in runs] == ["o", "o", "x", "x", "x"]
+    assert [line.get_linestyle() for line in runs] == ["-", "-", "-", "--", "--"]
+    assert [line.get_linestyle() for line in limits] == [":"] * 5 and [line.get_color() for line in limits] == [line.get_color() for line in runs]
+    assert list(limits[0].get_ydata()) == pytest.approx([1e-5 + 1e-4 * 10] * 2) and list(limits[2].get_ydata()) == pytest.approx([1.5 + 0.05 * 10] * 2)
+    (floor,) = [line for line in tokens.get_lines() if line.get_label().startswith("whole run: token match at least 90%")]
+    assert list(floor.get_xdata()) == [0.9, 1.0] and list(floor.get_ydata()) == [90, 90]  # at the run's end, not across the steps
     (legend,) = fig.legends
     box = legend.get_window_extent(renderer)
     for ax in (error, tokens):  # the axes with their labels and ticks
         assert not box.overlaps(ax.get_tightbbox(renderer))
     texts = [t.get_text() for t in legend.get_texts()]
-    assert "ort:model, batch 1" in texts and "token match at least 90% (ort int8)" in texts
+    assert "ort:model, batch 1" in texts and "whole run: token match at least 90%, ties excepted (ort int8)" in texts
+    assert "limit 1.5 + 0.05 x step's max|logit| (ort int8)" in texts
 
 
 def test_verdict_names_each_set_against_its_tolerance() -> None:

@@ -49,15 +49,18 @@ def test_a_different_token_is_a_tie_only_within_twice_the_limit(margin: float, t
     assert check.path == "model"
 
 
-def test_a_floor_below_one_counts_matches_not_ties() -> None:
-    """A precision with a token-match floor (int8's 0.9) passes on the share of steps whose token is
-    the reference's argmax, as before: 3 of 4 is under it, though int8's wide limit makes the
-    mismatch a tie."""
+def test_a_floor_below_one_counts_near_ties_as_agreement() -> None:
+    """A precision with a token-match floor (int8's 0.9) counts a near-tie within its own tolerance
+    as agreement (a correct graph may order two such logits either way: issue 40's refusals of
+    correct low-bit graphs), and refuses when the steps that diverge beyond it fall under the floor."""
     ref = _logits(4)
     cand = ref.copy()
-    cand[1, 0, 3] = 9.0
+    cand[1, 0, 3] = 9.0  # int8's wide limit makes this mismatch a tie
     check = judge(PROMPTS, ref, cand, TOLERANCES["int8"], False, None)
-    assert check.token_match_rate == 0.75 and check.ties == 1 and check.first_divergence is None and not check.passed, check
+    assert check.token_match_rate == 0.75 and check.ties == 1 and check.first_divergence is None and check.passed, check
+    ref[1, 0, 3] = -5.0  # the reference's margin, 8, now beyond twice the limit (2 x 1.65): a divergence, 3 of 4 under the floor
+    check = judge(PROMPTS, ref, cand, TOLERANCES["int8"], False, None)
+    assert check.token_match_rate == 0.75 and check.ties == 0 and check.first_divergence == 1 and not check.passed, check
 
 
 def test_the_model_is_kept_only_when_it_and_the_graphs_fit_half_the_memory() -> None:

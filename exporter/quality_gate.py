@@ -1,0 +1,80 @@
+"""Quantization quality in ``kiln export``: which text it is measured on (``parity.quality_text``'s
+order), the agreement that gates it (``parity.quality``), and the refusal when the quantization
+falls short of it, which keeps the refused export's parity reports beside the output."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from kiln.calibration.data import SYNTHETIC, load_calibration_data
+from kiln.errors import ParityError
+from kiln.exporter.options import ExportOptions
+from kiln.exporter.parity.quality import QualityPlan, measures, threshold_for
+from kiln.exporter.parity.quality_text import quality_text_of
+from kiln.exporter.parity.report import write_parity_reports
+from kiln.exporter.report import ExportReport
+from kiln.plugins import DEMO, LoadedModel, resolve_checkpoint
+from kiln.plugins.base import DecoderSpec
+
+__all__ = ["QualityError", "check_quality", "plan_quality", "refuse_quality"]
+
+
+class QualityError(ParityError):
+    """The quantized graphs compute their model, but the quantization costs more than the gate allows."""
+
+    stage = "quality"
+
+
+def _demo_heldout(loaded: LoadedModel) -> Path | None:
+    """The demo's held-out text, when ``loaded`` is the bundled demo checkpoint."""
+    demo = resolve_checkpoint(DEMO)
+    heldout = demo / "heldout.txt"
+    return heldout if loaded.source.resolve() == demo.resolve() and heldout.is_file() else None
+
+
+def plan_quality(loaded: LoadedModel, spec: DecoderSpec, options: ExportOptions, max_context: int) -> QualityPlan:
+    """The export's quality text and gate (read now: a bad ``--eval-data`` is refused before any stage runs)."""
+    calib = options.calib_data if options.calib_data not in (None, SYNTHETIC) else None
+
+    def calibration_ids(tokens: int, chunk: int) -> Sequence[int]:
+        assert calib is not None
+        windows = load_calibration_data(calib, tokenizer=loaded.tokenizer, vocab_size=spec.vocab_size, samples=max(1, tokens // chunk), window=chunk).windows
+        return [int(t) for w in windows for t in w]
+
+    text = quality_text_of(
+        options.eval_data, _demo_heldout(loaded), (calib, calibration_ids, Path(calib).suffix.lower() not in (".npy", ".npz")) if calib is not None else None, loaded.tokenizer, spec.vocab_size, max_context
+    )
+    return QualityPlan(text, threshold_for(options.precision.value, options.quality_gate), measures(spec, options.last_logits_only))
+
+
+def check_quality(loaded: LoadedModel, spec: DecoderSpec, precision: str, threshold: float | None, last_logits_only: bool, max_context: int) -> QualityPlan:
+    """``kiln check``'s quality: on the demo's held-out text for the demo, else random tokens (an
+    export's own real text is not recorded), gated at the ``threshold`` its manifest recorded."""
+    text = quality_text_of(None, _demo_heldout(loaded), None, loaded.tokenizer, spec.vocab_size, max_context)
+    return QualityPlan(text, threshold if any(p in precision for p in ("int4", "int8", "fp8")) else None, measures(spec, last_logits_only))
+
+
+def refuse_quality(report: ExportReport, out: Path) -> None:
+    """Raise ``QualityError`` when the graphs' quality on real text is below its gate, their
+    parity reports written first to a new ``<out>.refused-*`` directory beside ``out``."""
+    quality = report.parity.quality
+    if quality is None or quality.passed:
+        return
+    kept = Path(tempfile.mkdtemp(prefix=f"{out.name}.refused-", dir=out.absolute().parent))
+    write_parity_reports(report.parity, kept / "reports", report.parity_extras())
+    raise QualityError(
+        f"{out}: the {report.options.precision.value} quantization fell short (its graphs compute the quantized model: parity passed): "
+        f"{quality.figures()}; top-1 agreement {quality.agreement:.3f} is below {quality.threshold:g}. Ways out: {_ways_out(report.options.precision.value)}, "
+        f"--fp16; or --quality-gate lower or off. Reports kept in {kept / 'reports'}"
+    )
+
+
+def _ways_out(precision: str) -> str:
+    """What raises a low-bit precision's quality: its own options."""
+    if "int4" in precision:
+        return "--int4-method gptq (with --calib-data), keep the sensitive MatMuls float (--int4-float RULE), a smaller --int4-block"
+    if "fp8" in precision:
+        return "keep the sensitive MatMuls fp16 (--fp8-float RULE), other calibration data (--calib-data, --calib-method)"
+    return "keep the sensitive MatMuls float (--int8-float RULE), other calibration data (--calib-data, --calib-method)"
