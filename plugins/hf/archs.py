@@ -188,6 +188,97 @@ ARCHS: Mapping[str, Arch] = {
     "MinistralForCausalLM": Arch("Ministral", notes="sliding window", window=True),
     "Ministral3ForCausalLM": Arch("Ministral 3", notes="yarn with llama-4 attention scaling (steps at original_max_position_embeddings)", window=True),
     "MptForCausalLM": Arch("MPT", context="max_seq_len", notes="ALiBi up to max_seq_len; also named MPTForCausalLM", ort="portable attention (ALiBi)"),
+    # issue 41, more families: each proved as the 21 above (test_hf_archs), and most with --target ort --ort-int8 (test_hf_archs.ORT_INT8)
+    "AfmoeForCausalLM": Arch(
+        "AFMoE",
+        notes=(
+            "mixture of experts (sigmoid scores, expert bias, route scale) with shared experts, dense first layer, sliding layers with rope,"
+            " global layers without rotary, sigmoid-gated attention output, q/k norm"
+        ),
+        ort=f"GQA; {_SIGMOID}",
+        window=True,
+    ),
+    "Apertus1p5TextForCausalLM": Arch(
+        "Apertus 1.5",
+        refusals=(Refusal("output_vocab_size", lambda v: v is not None, "a pruned head (logits over fewer ids than vocab_size) that kiln's graphs and tokenizer do not size"),),
+        notes="xIELU activation, llama3 rope, per-head q/k norm; unpruned head only",
+    ),
+    "AriaTextForCausalLM": Arch("Aria (text)", notes="mixture of experts (softmax over the top-k logits) with shared experts", ort=f"GQA; {_TOPK_FIRST}"),
+    "BioGptForCausalLM": Arch("BioGPT", notes="learned positions, scaled embeddings, LayerNorm, GELU"),
+    "CodeGenForCausalLM": Arch("CodeGen", notes="interleaved partial rotary, fused qkv, parallel attention + MLP"),
+    "Cohere2MoeForCausalLM": Arch(
+        "Cohere2-MoE", notes="Cohere2 with a mixture of experts (softmax over the top-k logits) and a shared expert", ort=f"GQA; {_TOPK_FIRST}", window=True
+    ),
+    "CohereCompassForCausalLM": Arch("Cohere Compass", notes="multimodal rope sections on text positions, logit scale, tied", window=True),
+    "CwmForCausalLM": Arch("CWM", notes="llama3 rope, global and sliding layers", window=True),
+    "Dots1ForCausalLM": Arch(
+        "dots.llm1", notes="mixture of experts (sigmoid scores, correction bias) with a shared expert, dense first layer, q/k norm", ort=f"GQA; {_SIGMOID}", window=True
+    ),
+    "ErgoForCausalLM": Arch(
+        "Ergo",
+        notes="mixture of experts (relu^2 experts, sigmoid scores) with a shared expert, dense first layer, global/sliding layers, q/k scale, gated residuals",
+        ort="GQA; per-expert MatMuls (relu^2 experts without a gate)",
+        window=True,
+    ),
+    "ExaoneMoeForCausalLM": Arch(
+        "EXAONE-MoE", notes="Exaone 4 with a mixture of experts (sigmoid scores, correction bias) and a shared expert, dense first layer", ort=f"GQA; {_SIGMOID}", window=True
+    ),
+    "FlexOlmoForCausalLM": Arch("FlexOlmo", notes="mixture of experts (not renormalised), q/k norm over all heads, post-norms", ort="GQA; MoE (decode)"),
+    "FlintForCausalLM": Arch(
+        "Flint",
+        notes="mixture of experts (sigmoid top-k, renormalised) with a shared expert, a dense first layer, attention sinks, sliding layers with rope, global layers without rotary",
+        ort="portable attention (attention sinks); per-expert MatMuls (sigmoid routing)",
+        window=True,
+    ),
+    "GPTNeoXJapaneseForCausalLM": Arch("GPT-NeoX (ja)", notes="rotary, a bias added after the residual, tied", ort="portable attention (its own causal mask)"),
+    "GraniteSWAForCausalLM": Arch(
+        "Granite-SWA", notes="Granite with sliding layers, attention sinks, per-layer rope theta", ort="portable attention (attention sinks)", window=True
+    ),
+    "GraniteMoeSWAForCausalLM": Arch(
+        "GraniteMoe-SWA",
+        notes="GraniteMoE with sliding layers, attention sinks, per-layer rope theta",
+        ort=f"portable attention (attention sinks); {_TOPK_FIRST}",
+        window=True,
+    ),
+    "HeliumForCausalLM": Arch("Helium", notes="head_dim != hidden/heads"),
+    "HYV3ForCausalLM": Arch(
+        "HY-V3", notes="mixture of experts (sigmoid scores, correction bias) with a shared expert, dense first layer, per-head q/k norm", ort=f"GQA; {_SIGMOID}"
+    ),
+    "HyperCLOVAXForCausalLM": Arch("HyperCLOVA X", notes="Granite's multipliers (embedding, residual, attention, logits) with post-norms"),
+    "Jais2ForCausalLM": Arch("Jais 2", notes="relu^2 MLP (no gate), LayerNorm, attention and MLP biases"),
+    "Kolibri1ForCausalLM": Arch(
+        "Kolibri 1",
+        notes="mixture of experts (correction bias on the choice, sigmoid of the chosen logits) with a shared expert, sliding layers with rope, global layers without rotary, post-norms",
+        ort=f"GQA; {_SIGMOID}",
+        window=True,
+    ),
+    "LagunaForCausalLM": Arch(
+        "Laguna",
+        notes="mixture of experts (sigmoid scores, correction bias) with a shared expert, dense first layer, per-head output gate, per-layer-type partial rotary, sliding layers",
+        ort=f"GQA; {_SIGMOID}",
+        window=True,
+    ),
+    "MellumForCausalLM": Arch("Mellum", notes="mixture of experts (renormalised), q/k norm, per-layer-type rope, sliding layers", ort="GQA; MoE (decode)", window=True),
+    "MiniCPM5MoeForCausalLM": Arch(
+        "MiniCPM5-MoE", notes="mixture of experts (sigmoid scores, correction bias, routed scaling) with a shared expert, dense first layer", ort=f"GQA; {_SIGMOID}"
+    ),
+    "MiniMaxM3VLForCausalLM": Arch(
+        "MiniMax-M3",
+        notes="full-attention layers (the indexer's sparse layers are refused), mixture of experts (clamped SwiGLU), per-head q/k norm, partial rotary",
+        ort="GQA; per-expert MatMuls (clamped SwiGLU)",
+    ),
+    "ModernBertDecoderForCausalLM": Arch(
+        "ModernBERT", notes="global and sliding layers (window local_attention / 2) with their own rope, LayerNorm without bias, GELU GLU, a prediction head", window=True
+    ),
+    "NanoChatForCausalLM": Arch("NanoChat", notes="weightless RMSNorm, q/k norm after the rotary, relu^2 MLP, final logit soft-capping"),
+    "NemotronForCausalLM": Arch("Nemotron", notes="LayerNorm (1 + weight), partial rotary, relu^2 MLP (no gate)"),
+    "PersimmonForCausalLM": Arch("Persimmon", notes="partial rotary, per-head q/k LayerNorm, relu^2 MLP, fused qkv"),
+    "SolarOpenForCausalLM": Arch(
+        "Solar Open", notes="mixture of experts (sigmoid scores, correction bias) with a shared expert on every layer", ort=f"GQA; {_SIGMOID}"
+    ),
+    "VaultGemmaForCausalLM": Arch(
+        "VaultGemma", notes="alternating sliding/global layers, attention and final logit soft-capping, no post-norms", window=True
+    ),
     "Gemma3ForConditionalGeneration": Arch(
         "Gemma 3 VLM",
         refusals=(

@@ -3,11 +3,12 @@ kiln lacks and the nearest architecture it exports (``kiln plugins`` lists them 
 
 The mechanism is read from the class name (no text-generation head) and config.json's own traits
 first (an encoder-decoder, ``kv_lora_rank``, a ``layer_types`` entry that is not attention,
-state-space fields, per-layer or shared-KV fields...), so an architecture kiln has never heard of
-is refused for the right reason too; then from ``FAMILIES`` (what a family's config does not
-show), then its sub-model configs (a vision or audio tower); else the refusal says that no kiln
-test proves its generation yet. ``tests/export/test_hf_unsupported.py`` runs every architecture
-transformers ships through it. Torch-free: it reads the config's dict, before transformers loads.
+state-space fields, per-layer or shared-KV fields, values of another head size than the keys...),
+so an architecture kiln has never heard of is refused for the right reason too; then from
+``FAMILIES`` (what a family's config does not show), then its sub-model configs (a vision or audio
+tower); else the refusal says that no kiln test proves its generation yet.
+``tests/export/test_hf_unsupported.py`` runs every architecture transformers ships through it.
+Torch-free: it reads the config's dict, before transformers loads.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ FAMILIES: Mapping[str, str] = {
     "moshi": "speech generation (a depth decoder over audio codebooks)",
     "doge": "dynamic mask attention (an input-dependent mask over the keys)",
     "hrm_text": "hierarchical recurrent reasoning modules (a recurrent state, not a KV cache)",
+    "xglm": "XGLM's sinusoidal position table, regrown by a Python branch on the sequence length (torch.export cannot trace it)",
+    "dbrx": "DBRX's experts, a Python loop over the experts a batch hits (torch.export cannot trace it)",
+    "jetmoe": "JetMoE's mixture of attention heads, whose scatter-add ONNX Runtime's CPU cannot run at fp16 (its fp32 graphs pass)",
+    "beam": "Beam's position-scaled queries on its layers without rotary at fp16 (its fp32 graphs pass; at fp16 the one-graph model fails kiln's parity)",
 }
 
 # what each non-attention layer kind of a layer-types list is
@@ -97,6 +102,14 @@ def _fields(cfg: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _value_heads(cfg: Mapping[str, Any]) -> str | None:
+    """Values of another head size than the keys (MiMo-V2-Flash): kiln's caches are one head size."""
+    values, keys = cfg.get("v_head_dim"), cfg.get("head_dim")
+    if isinstance(values, int) and isinstance(keys, int) and values != keys:
+        return f"values of another head size than the keys (v_head_dim {values}, head_dim {keys})"
+    return None
+
+
 def _encoder_decoder(cfg: Mapping[str, Any], seq2seq: Collection[str]) -> str | None:
     if not cfg.get("is_encoder_decoder"):
         return None
@@ -135,6 +148,7 @@ def mechanism(arch: str, config: Mapping[str, Any], seq2seq: Collection[str] = (
         lambda: _encoder_decoder(config, seq2seq),
         lambda: _fields(text) or _layer_kinds(text),
         lambda: _fields(config) or _layer_kinds(config),
+        lambda: _value_heads(text),
         lambda: FAMILIES.get(str(text.get("model_type"))) or FAMILIES.get(str(config.get("model_type"))),
         lambda: _composite(config),
     )

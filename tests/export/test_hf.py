@@ -122,6 +122,14 @@ ROPE = {"rope_theta": 10000.0}
             "GPT2LMHeadModel: add_cross_attention=True is not supported: GPT-2 with cross-attention needs encoder states kiln's Hugging Face decoders do not take",
         ),
         (
+            "apertus1p5",
+            {"output_vocab_size": 100},
+            (
+                "Apertus1p5TextForCausalLM: output_vocab_size=100 is not supported: a pruned head (logits over fewer ids than vocab_size)"
+                " that kiln's graphs and tokenizer do not size"
+            ),
+        ),
+        (
             "gpt-bigcode",
             {"add_cross_attention": True},
             "GPTBigCodeForCausalLM: add_cross_attention=True is not supported: GPTBigCode with cross-attention needs encoder states kiln's Hugging Face decoders do not take",

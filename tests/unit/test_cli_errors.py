@@ -54,7 +54,7 @@ def test_plugins_lists_the_families(monkeypatch: pytest.MonkeyPatch) -> None:
     # the Hugging Face family's table: an architecture per row, what --target ort fuses under it (80 columns)
     lines = out.splitlines()
     rows = {m.group(1): i for i, line in enumerate(lines) if (m := re.fullmatch(r"      class: (\w+(ForCausalLM|LMHeadModel))", line))}  # not a class a note names
-    assert len(rows) == 48 and lines[rows["Qwen3ForCausalLM"] + 1] == "      --target ort: GQA"
+    assert len(rows) == 79 and lines[rows["Qwen3ForCausalLM"] + 1] == "      --target ort: GQA"
     assert lines[rows["GptOssForCausalLM"] + 1].startswith("      --target ort: portable attention (attention sinks)")
 
 
