@@ -110,8 +110,17 @@ def verdict(result: ParityResult) -> str:
     limits and its lowest token match (a summary; the report's tables hold every check)."""
     sets = _labelled_sets(result)
     figures = "; ".join(f"{name} ({s.precision}): {_set_figures(s)}" if len(sets) > 1 else _set_figures(s) for name, s, _ in sets)
-    quality = "" if result.quality is None else f"; quality {'' if result.quality.passed else 'BELOW ITS GATE '}({result.quality.judged}): {result.quality.figures()}"
-    return f"parity {'passed' if result.passed else 'FAILED'}: {figures}{quality}"
+    return f"parity {'passed' if result.passed else 'FAILED'}: {figures}{_quality_phrase(result)}"
+
+
+def _quality_phrase(result: ParityResult) -> str:
+    """The verdict's quality clause: how it was judged and its figures, or once why it was not measured."""
+    q = result.quality
+    if q is None:
+        return ""
+    if q.note is not None:
+        return f"; quality {q.note}"
+    return f"; quality {'' if q.passed else 'BELOW ITS GATE '}({q.judged}): {q.figures()}"
 
 
 def _tensor_rows(sets: list[GraphSetParity]) -> list[str]:
