@@ -350,7 +350,7 @@ def test_an_export_prints_only_kilns_rows(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stderr.splitlines() if line.strip()]
-    row = re.compile(r"[\w. -]+(: [\w .-]+)?: (\d+/\d+ in \d+\.\d s|\d+/\d+, \d+ s, eta \d+:\d\d:\d\d) \(run \d+:\d\d:\d\d\)")
+    row = re.compile(r"[\w. -]+(: [\w .'()-]+)?: (\d+/\d+ in \d+\.\d s|\d+/\d+, \d+ s, eta \d+:\d\d:\d\d) \(run \d+:\d\d:\d\d\)")
     assert rows and all(row.fullmatch(line) for line in rows), done.stderr  # stderr is not a terminal: LineProgress's plain rows
     assert rows[0].startswith("load checkpoint")
     assert done.stdout.startswith(f"wrote {tmp_path / 'out'}:")
