@@ -155,11 +155,22 @@ def _dq_weight(node: ir.Node) -> tuple[list[str], np.ndarray, np.ndarray] | None
 
 
 def _split_sizes(node: ir.Node) -> list[int] | None:
-    """The column sizes of the ``Split`` a packed MatMulNBits feeds (None: it feeds no Split)."""
-    users = [u.node for u in node.outputs[0].uses()]
-    if len(users) != 1 or users[0].op_type != "Split" or len(users[0].inputs) < 2 or users[0].inputs[1] is None:
+    """The column sizes of the ``Split`` a packed MatMulNBits feeds (None: it feeds no Split), through
+    the ``Add`` nodes between them (a bias, or ``--lora-slots``' low-rank delta added before the split)."""
+    for _ in range(4):
+        users = [u.node for u in node.outputs[0].uses()]
+        if len(users) != 1:
+            return None
+        node = users[0]
+        if node.op_type == "Split":
+            break
+        if node.op_type != "Add":
+            return None
+    else:
         return None
-    sizes = users[0].inputs[1].const_value
+    if len(node.inputs) < 2 or node.inputs[1] is None:
+        return None
+    sizes = node.inputs[1].const_value
     return [int(v) for v in np.asarray(sizes.numpy()).reshape(-1)] if sizes is not None else None
 
 

@@ -539,22 +539,21 @@ def test_hf_int4_generation_equals_transformers_generate(case: str, tmp_path: Pa
     _assert_greedy_up_to_ties(model, PROMPT, static)
 
 
-def test_hf_int4_agreement_refuses_a_near_tie_model(tmp_path: Path) -> None:
+def test_hf_int4_near_tie_model_agrees_by_its_ties(tmp_path: Path) -> None:
     """The tiny random Gemma 2's logits are near-ties at most steps: int4 changes its greedy tokens
-    beyond the int4 token-match floor, and the export says so instead of writing it."""
-    from kiln.errors import ParityError
+    there, within int4's own tolerance. Even with --parity-agreement gate the export is written:
+    those near-ties count as agreement (issue 40: the agreement floor refused this correct graph)."""
     from kiln.exporter.precision.kinds.int4 import Int4Method
 
-    with pytest.raises(ParityError) as err:
-        _hf_export("gemma2-window", tmp_path, precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)))
-    assert "agreement with the checkpoint's model: " in str(err.value) and "token match" in str(err.value), str(err.value)
-    assert "against the int4 weights' model" not in str(err.value)  # the graphs compute the quantized model: only agreement fails
-    assert not (tmp_path / "out").exists()
+    _, out, result = _hf_export("gemma2-window", tmp_path, precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)), parity_agreement="gate")
+    assert result.parity.passed and result.parity.agreed and result.manifest.parity.agreement == "gate"
+    assert sum(g.ties for s in result.parity.sets() for g in s.generation) > 0  # the flips it has are near-ties
+    assert (out / "manifest.json").is_file()
 
 
 def test_hf_int4_near_tie_model_exports_with_agreement_recorded(tmp_path: Path) -> None:
     """The same Gemma 2 with --parity-agreement record: its graphs meet fp32's tolerances against
-    PyTorch on their own int4 weights (always gating), the failed agreement is recorded (report,
+    PyTorch on their own int4 weights (always gating), the agreement is recorded (report,
     manifest), and the portable graphs computed weight-only (as parity and TensorRT compute them)
     generate transformers' own generate() tokens of the model holding the same int4 numbers.
     (``kiln generate`` lets ONNX Runtime quantize the activations of DQ -> MatMul to int8, its
@@ -565,7 +564,7 @@ def test_hf_int4_near_tie_model_exports_with_agreement_recorded(tmp_path: Path) 
 
     model, out, result = _hf_export("gemma2-window", tmp_path, precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)), parity_agreement="record")
     quantized = result.parity.quantized
-    assert result.parity.passed and not result.parity.agreed and quantized is not None and quantized.passed
+    assert result.parity.passed and quantized is not None and quantized.passed
     assert quantized.tolerance.logits_rtol == 1e-4 and set(quantized.targets) == {"onnx"}
     assert result.manifest.parity.agreement == "record"
     assert "vs checkpoint (agreement, recorded only)" in (out / "reports" / "parity.md").read_text()

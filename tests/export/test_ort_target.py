@@ -232,7 +232,7 @@ def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> Non
     files = " + ".join(f"{f} {size / 1e3:.3g} KB" for f, size in sizes)  # a tiny model's: kilobytes
     assert last.startswith(f"wrote {out}: 3 fp32 graphs + 3 ONNX Runtime-target int8 graphs (onnx/*.ort.onnx), 2 weights files ({files})")
     assert "; parity passed: portable (fp32): logits error " in last and "; ort (int8): logits error " in last
-    assert "tokens 100% equal over " in last and len(last.replace(str(out), "OUT")) < 500  # it ran to 900-1,400 characters
+    assert "tokens 100% equal over " in last and len(last.replace(str(out), "OUT")) < 700  # it ran to 900-1,400 characters; the quality clause adds about 100
     assert last.endswith(f"; report {out / 'reports' / 'parity.md'}")
     parity = json.loads((out / "reports" / "parity.json").read_text())
     assert parity["passed"] and parity["targets"]["ort"]["precision"] == "int8"
