@@ -22,7 +22,7 @@ import shutil
 import signal
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -362,22 +362,29 @@ def _cli(args: list[str]) -> bool:
     return result.exit_code != 0
 
 
-def test_every_config_field_mutated_ends_in_one_line(tmp_path: Path) -> None:
-    """Issue 38: each field of a native config.json (PLE's too), each mutated, loads or is one KilnError."""
-    original = json.loads((write_checkpoint(tmp_path / "valid", tiny_config()) / "config.json").read_text())
-    weights = (tmp_path / "valid" / "model.safetensors").read_bytes()
+def _loads_or_refuses(ckpt: Path, weights: bytes) -> Callable[[dict[str, Any]], bool]:
+    """A sweep's attempt on a config.json: the checkpoint at ``ckpt`` with ``weights`` loads (False)
+    or is refused in one KilnError line (True); anything else fails the test."""
 
     def attempt(config: dict[str, Any]) -> bool:
-        ckpt = _checkpoint(tmp_path / "ckpt", config, weights)
+        written = _checkpoint(ckpt, config, weights)
         with _deadline(SECONDS):
             try:
-                load_model(ckpt)
+                load_model(written)
             except KilnError as exc:
                 assert "\n" not in str(exc), str(exc)
                 return True
         return False
 
-    cases, refused, broken = _sweep(original, attempt)
+    return attempt
+
+
+def test_every_config_field_mutated_ends_in_one_line(tmp_path: Path) -> None:
+    """Issue 38: each field of a native config.json (PLE's too), each mutated, loads or is one KilnError."""
+    original = json.loads((write_checkpoint(tmp_path / "valid", tiny_config()) / "config.json").read_text())
+    weights = (tmp_path / "valid" / "model.safetensors").read_bytes()
+
+    cases, refused, broken = _sweep(original, _loads_or_refuses(tmp_path / "ckpt", weights))
     assert broken == []
     assert cases >= 50 and refused >= 40, (cases, refused)  # the sweep's size when written (52, 48)
 
@@ -391,17 +398,7 @@ def test_every_hf_config_field_mutated_ends_in_one_line(tmp_path: Path) -> None:
     original = json.loads((valid / "config.json").read_text())
     weights = (valid / "model.safetensors").read_bytes()
 
-    def attempt(config: dict[str, Any]) -> bool:
-        ckpt = _checkpoint(tmp_path / "ckpt", config, weights)
-        with _deadline(SECONDS):
-            try:
-                load_model(ckpt)
-            except KilnError as exc:
-                assert "\n" not in str(exc), str(exc)
-                return True
-        return False
-
-    cases, refused, broken = _sweep(original, attempt)
+    cases, refused, broken = _sweep(original, _loads_or_refuses(tmp_path / "ckpt", weights))
     assert broken == []
     assert cases >= 50 and refused >= 40, (cases, refused)  # (56, 48)
 
