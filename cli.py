@@ -147,17 +147,30 @@ def _preflight(model: str, out: Path, options: Any) -> None:
 
 def _export_options(flags: dict[str, Any]) -> Any:
     """``ExportOptions`` from ``kiln export``'s flags (named after its fields; the enums by value;
-    the precision kinds' flags by ``Precision.from_flags``), every refusal of the options alone asked (``exporter.plan``)."""
+    the precision kinds' flags by ``Precision.from_flags``), every refusal of the options alone asked
+    (``exporter.plan``)."""
     from kiln.exporter.options import Adapter, ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
     from kiln.exporter.plan import plan
     from kiln.exporter.precision.kinds.base import Needs
 
     enums: dict[str, Any] = {"logits": LogitsMode, "ple_extend_mode": PLEExtendMode, "ple_tables": PLETables}
     precision = Precision.from_flags(flags)
+    target_flags = _target_flags(flags)
     fields = {name: enums[name](value) if name in enums else value for name, value in flags.items()}
     fields["calib_cache"] = (fields["calib_cache"] or Path.home() / ".cache" / "kiln" / "calibration") if precision.needs(Needs.RANGES) else None
     fields["adapters"] = tuple(Adapter(path, weight) for path, weight in fields["adapters"])
-    return plan(ExportOptions(precision=precision, **fields)).options  # refused before any heavy import (the pipeline asks again)
+    options = ExportOptions(precision=precision, target_flags=target_flags, **fields)
+    return plan(options).options  # refused before any heavy import (the pipeline asks again)
+
+
+def _target_flags(flags: dict[str, Any]) -> dict[str, Any]:
+    """Each target's own flags (``Target.flags``), taken out of ``flags``: those given, by field."""
+    from kiln.exporter.targets import targets
+
+    declared = [flag for each in targets() for flag in each.flags]
+    values = {flag: flags.pop(flag.dest) for flag in declared}
+    given = {flag: value for flag, value in values.items() if flag.given(value)}
+    return {flag.field: flag.convert(value) if flag.convert is not None else value for flag, value in given.items()}
 
 
 @main.command()

@@ -14,6 +14,7 @@ import click
 from kiln.exporter.contract.limits import MAX_BATCH, MAX_CONTEXT, MAX_LORA_RANK, MIN_CONTEXT
 from kiln.exporter.targets import PORTABLE
 from kiln.exporter.targets import names as target_names
+from kiln.registry import Flag
 
 __all__ = ["EXPORT", "CHECK", "BUILD", "BENCH", "GENERATE", "options"]
 
@@ -101,14 +102,20 @@ def _kind_options() -> list[Option]:
     out: list[Option] = []
     for kind in kinds():
         out.append(click.option(kind.flag(), kind.name, is_flag=True, help=kind.help))
-        for flag in (f for group in kind.flags for f in group):
-            if flag.is_flag:
-                out.append(click.option(flag.option, flag.dest, is_flag=True, help=flag.help))
-            elif flag.choices:
-                out.append(click.option(flag.option, flag.dest, type=click.Choice(flag.choices), default=flag.default, show_default=True, help=flag.help))
-            else:
-                out.append(click.option(flag.option, flag.dest, multiple=flag.multiple, metavar=flag.metavar, help=flag.help))
+        out += [_flag_option(flag) for group in kind.flags for flag in group]
     return out
+
+
+def _flag_option(flag: Flag) -> Option:
+    """The click option of a flag a kind or a target declares (``kiln.registry.Flag``)."""
+    if flag.is_flag:
+        return click.option(flag.option, flag.dest, is_flag=True, help=flag.help)
+    if flag.choices:
+        choices = click.Choice(flag.choices)
+        return click.option(
+            flag.option, flag.dest, type=choices, default=flag.default, show_default=True, help=flag.help
+        )
+    return click.option(flag.option, flag.dest, multiple=flag.multiple, metavar=flag.metavar, help=flag.help)
 
 
 PRECISION: list[Option] = _kind_options()
@@ -122,11 +129,16 @@ CALIBRATION: list[Option] = [
     click.option("--calib-cache", type=click.Path(path_type=Path, file_okay=False), default=None, help="Directory of cached calibration ranges. Default: ~/.cache/kiln/calibration."),
 ]
 
-# kiln export: targets (exporter.targets)
-TARGET: list[Option] = [
-    click.option("--target", "target", type=click.Choice([PORTABLE, *target_names()]), default=PORTABLE, show_default=True, help=_targets_help()),
-    click.option("--ort-int8", is_flag=True, help="With --target ort: the ORT-target graphs use weight-only int8 MatMulNBits (no calibration data); the portable graphs keep their precision."),
-]
+# kiln export: targets (exporter.targets): --target, then each target's own flags
+def _target_options() -> list[Option]:
+    from kiln.exporter.targets import targets
+
+    names = click.Choice([PORTABLE, *target_names()])
+    choice = click.option("--target", "target", type=names, default=PORTABLE, show_default=True, help=_targets_help())
+    return [choice, *(_flag_option(flag) for each in targets() for flag in each.flags)]
+
+
+TARGET: list[Option] = _target_options()
 
 # kiln export: parity, serving and the output directory
 OUTPUT: list[Option] = [

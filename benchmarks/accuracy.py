@@ -8,8 +8,8 @@ difference. Run by hand:
 
     python benchmarks/accuracy.py build/demo build/demo16 [--windows 32]
     python benchmarks/accuracy.py build/demo-ort8 --target ort     # the --target ort graphs
-    python benchmarks/accuracy.py --model CKPT build/x ...            # another checkpoint with heldout.txt + tokenizer.json
-    python benchmarks/accuracy.py --model CKPT GENAI_DIR ...          # an ONNX Runtime GenAI builder output (genai_config.json)
+    python benchmarks/accuracy.py --model CKPT build/x ...    # another checkpoint with heldout.txt + tokenizer.json
+    python benchmarks/accuracy.py --model CKPT GENAI_DIR ...  # an ONNX Runtime GenAI builder output (genai_config.json)
 
 A GenAI builder directory (of a Hugging Face copy of the same checkpoint:
 ``benchmarks/native_to_hf.py``) is measured the same way: its ``model.onnx`` fed the same token ids

@@ -23,7 +23,8 @@ first read from disk. It takes tens of minutes and GBs; run it by hand, not as a
     python benchmarks/export_scale.py --work /work/scale --shape llama-tiny --tools kiln,genai \\
         --precision fp32 --precision int4 --trace-cache cold    # then --trace-cache warm
 
-A shape ``NAME@N`` is NAME with N layers (the depth sweep; of an encoder-decoder, the decoder's). The peers' venvs: benchmarks/peers/README.md.
+A shape ``NAME@N`` is NAME with N layers (the depth sweep; of an encoder-decoder, the decoder's).
+The peers' venvs: benchmarks/peers/README.md.
 The GenAI builder has no BART: encoder-decoder shapes run kiln and Optimum only.
 """
 

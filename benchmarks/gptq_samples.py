@@ -13,7 +13,8 @@ GPTQ's factor and updates in float32 (``gptq.NUMERICS``); with ``--whole`` GPTQ 
 before issue 24 (every Hessian from one pass over the float model, float64). Time: the GPTQ run
 alone (calibration forwards, Hessians, GPTQ numbers), wall seconds, and the load average.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/gptq_samples.py --model CKPT --samples 16 32 64 128 256 --window 128 --float64 --whole --out gptq-samples.json
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/gptq_samples.py --model CKPT --samples 16 32 64 128 256 --window 128 \\
+        --float64 --whole --out gptq-samples.json
 """
 
 from __future__ import annotations

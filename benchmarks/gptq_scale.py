@@ -90,7 +90,7 @@ def main() -> None:
     cfg = NativeConfig(
         vocab_size=1000, d_model=args.hidden, n_layers=args.layers, n_heads=heads, n_kv_heads=kv, d_ff=args.intermediate,
         max_context=args.window, ple=PLEConfig(enabled=False), tie_embeddings=False,
-    )  # fmt: skip
+    )
     model = random_model(cfg, 0)
     source = WeightSource(model)
     names = [f"model.{n}.weight" for n, m in model.named_modules() if n.startswith("layers.") and hasattr(m, "weight") and m.weight.dim() == 2]
@@ -116,7 +116,7 @@ def main() -> None:
         "total_s": round(total, 2), "per_layer_s": layers, "numbers_only_one_layer_s": numbers, "numbers_sum_s": round(sum(numbers.values()), 2),
         "model_gb": round(sum(p.numel() * 4 for p in model.parameters()) / 1e9, 3), "peak_rss_gb": round(peak / 1e6, 3),
         "load": os.getloadavg(),
-    }  # fmt: skip
+    }
     print(json.dumps(result, indent=2))
 
 

@@ -22,7 +22,8 @@ code, exported in every precision, each measured by ``benchmarks/accuracy.py``.
    one JSON (``--out``) and a Markdown table on stdout.
 
     python benchmarks/lowbit_study.py --out study.json                       # the full study
-    python benchmarks/lowbit_study.py --d-model 64 --n-layers 2 --d-ff 128 --steps 20 --windows 4 --prompts 2 --out smoke.json   # a smoke run
+    python benchmarks/lowbit_study.py --d-model 64 --n-layers 2 --d-ff 128 --steps 20 --windows 4 --prompts 2 \\
+        --out smoke.json   # a smoke run
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.pipeline import release_weights
 from kiln.exporter.quality_gate import check_quality
 from kiln.exporter.runners import Feeds, OrtRunner
-from kiln.exporter.targets import target
+from kiln.exporter.targets import PORTABLE, target
 from kiln.plugins import LoadedModel, load_model
 from torch import nn
 
@@ -64,7 +64,11 @@ def check_dir(
         extra = {**(extra or {}), **table_feeds(list(fold(reference, loaded.ple).tables), Precision.parse(manifest.precision).kv_dtype)}
     assert options.max_context is not None, "an export's manifest records its context"
     settings = ParitySettings(options.max_context, options.max_batch, options.parity_tokens, options.last_logits_only)
-    # an int4 export: against PyTorch on its own int4 weights too (read from its portable graphs), its agreement gating as the export chose
+    # an int4 export: against PyTorch on its own int4 weights too (read from its portable graphs), its agreement gating as the export chose.
+    # An int8 or fp8 export is not: the scales its calibration made (parity.qdq_numbers) are not in the
+    # export (its calibration/*.trt-calibration.cache holds TensorRT's amax / 127, not the graphs' int8
+    # or fp8 scales), and read back from the graphs being judged they would prove nothing; so kiln check
+    # judges it against the checkpoint's model by its precision's figures, agreement gating, as before issue 40
     gates = manifest.parity.agreement != "record"
     weight_only = Precision.parse(manifest.precision).weight_only_float is not None
     quantized = quantized_model(_portable_paths(directory, manifest).values(), gates) if weight_only else None
@@ -72,8 +76,9 @@ def check_dir(
     recorded = manifest.parity.quality
     quality = check_quality(loaded, loaded.spec, manifest.precision, recorded.threshold if recorded is not None else None, options.last_logits_only, options.max_context)
     return check_parity(
-        reference, loaded.spec, _candidates(directory, manifest, backend, extra), settings, progress=progress, quantized=quantized, quality=quality,
-        release_reference=release_weights(reference), reload_reference=lambda: build(load_model(loaded.source)),
+        reference, loaded.spec, _candidates(directory, manifest, backend, extra), settings, progress=progress,
+        quantized=quantized, quality=quality, release_reference=release_weights(reference),
+        reload_reference=lambda: build(load_model(loaded.source)),
     )  # fmt: skip
 
 
@@ -132,8 +137,9 @@ def _candidates(directory: Path, manifest: Manifest, backend: str, extra: Feeds 
         from kiln.exporter.engine import open_engines
         from kiln.exporter.engine.records import read_records
 
-        std = read_records(directory).get("graphs", {}).get("set") == "onnx"
-        precision = (manifest.targets or {})["onnx"].precision if std else manifest.precision
+        # the graph set the engines were built from: the portable graphs, or a target's (its name)
+        graph_set = read_records(directory).get("graphs", {}).get("set", PORTABLE)
+        precision = manifest.precision if graph_set == PORTABLE else (manifest.targets or {})[graph_set].precision
         # TensorRT computes int4 weight-only MatMuls in the engine's float precision
         return [candidate(lambda: open_engines(directory, extra_feeds=extra), (GraphKind.PREFILL, GraphKind.DECODE), precision, Precision.parse(precision).weight_only_float)]
     graphs = _portable_paths(directory, manifest)

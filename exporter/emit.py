@@ -18,7 +18,7 @@ from kiln.exporter.artifacts.layout import ONNX_DIR, REPORTS_DIR, TOKENIZER
 from kiln.exporter.artifacts.manifest import MANIFEST, Manifest, write
 from kiln.exporter.parity.report import write_parity_reports
 from kiln.exporter.report import ExportReport
-from kiln.exporter.serving.genai import write_genai_config
+from kiln.exporter.serving.genai import genai_refusal, write_genai_config
 from kiln.exporter.serving.triton import write_triton_models
 
 __all__ = ["write_artifacts"]
@@ -35,7 +35,8 @@ def write_artifacts(root: Path, report: ExportReport) -> Manifest:
             raise ArtifactError(f"{source}: the family asks for {source.name} beside the graphs, where kiln already wrote one")
         shutil.copyfile(source, target)
     manifest = build_manifest(report, root)
-    if report.spec.encoder_dim is None:  # GenAI's decoder-only models have no way to feed a cross cache
+    # GenAI's decoder-only models have no way to feed a cross cache, nor a cache of per-tensor shapes (genai_refusal)
+    if report.spec.encoder_dim is None and genai_refusal(manifest) is None:
         write_genai_config(root / ONNX_DIR, manifest)  # beside model.onnx
     if report.options.triton is not None:
         write_triton_models(root, manifest, report.options.triton)

@@ -1,5 +1,5 @@
-"""The load stage: the PyTorch side of an export. What may be exported (context limit; the refusals are the plan's, ``exporter.plan``),
-the LoRA adapters merged into it (``--adapter``), and the reference module that parity is measured
+"""The load stage: the PyTorch side of an export. What may be exported (context limit; the refusals are the plan's,
+``exporter.plan``), the LoRA adapters merged into it (``--adapter``), and the reference module that parity is measured
 against (shared by ``export`` and ``check``): with adapters, PEFT's own model of base + adapters."""
 
 from __future__ import annotations

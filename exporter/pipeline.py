@@ -35,7 +35,7 @@ from kiln.exporter.graphs import (
 from kiln.exporter.plan import plan
 from kiln.exporter.load import Reference, adapter_reference, load_reference, lora_slots, merge_adapters, prepare_reference, resolve_limits
 from kiln.exporter.options import ExportOptions, PLETables, Precision
-from kiln.exporter.candidates import candidate
+from kiln.exporter.candidates import candidate, qdq_tolerance
 from kiln.exporter.parity import (
     Candidate,
     ParityResult,
@@ -43,6 +43,8 @@ from kiln.exporter.parity import (
     check_parity,
 )
 from kiln.exporter.parity.int4_proof import NUMBERS_FILE, QuantizerNumbers, check_graph_weights, quantizer_model, write_numbers
+from kiln.exporter.qdq_spill import qdq_model, spill_qdq_numbers
+from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.precision.kinds.base import Needs, Ranges
 from kiln.exporter.precision.context import PrecisionContext
 from kiln.exporter.precision.int4 import int4_quantizer
@@ -156,6 +158,7 @@ def export_loaded(
         given = TargetGiven(root / ONNX_DIR, portable.paths, reference.spec, options, reference.max_context, progress)
         written = tuple(target.write(given) for target in targets() if target.wanted(options))
         recorded, extras, numbers = precision.record(portable.reports), precision.extras(portable.reports), _int4_numbers(precision, root, portable, written, out, progress)
+        qdq = spill_qdq_numbers(precision, root, portable, written, out, progress)  # int8, fp8: their proof's numbers (parity.qdq_proof)
         del precision, context  # the int4 numbers (3.5 GB at 8B) are in the spill file now: parity's reference reads them there
         release = release_weights(reference.module) if release_reference else None
         reload = (lambda: prepare_reference(load_model(loaded.source), options)) if release_reference else None
@@ -163,9 +166,10 @@ def export_loaded(
         if adapters:
             parity_module, release, reload = _peft_reference(loaded, adapters, release, progress)
         parity = check_parity(
-            parity_module, reference.spec, _candidates(folded, options, portable, written), _settings(reference, options),
-            release_reference=release, reload_reference=reload, progress=progress, quality=quality,
-            quantized=quantizer_model(numbers, options.parity_agreement == "gate") if numbers is not None else None,
+            parity_module, reference.spec, _candidates(folded, options, portable, written, qdq is not None),
+            _settings(reference, options), release_reference=release, reload_reference=reload, progress=progress,
+            quality=quality,
+            quantized=quantizer_model(numbers, options.parity_agreement == "gate") if numbers is not None else qdq_model(qdq, options.parity_agreement == "gate"),
         )  # fmt: skip
         if not parity.passed:
             raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
@@ -269,14 +273,16 @@ def _settings(reference: Reference, options: ExportOptions) -> ParitySettings:
     return ParitySettings(reference.max_context, options.max_batch, options.parity_tokens, options.last_logits_only)
 
 
-def _candidates(folded: Folded, options: ExportOptions, portable: GraphSet, written: tuple[TargetGraphs, ...]) -> list[Candidate]:
-    """The graph sets parity checks: the portable graphs, then each target's (opened its way)."""
+def _candidates(folded: Folded, options: ExportOptions, portable: GraphSet, written: tuple[TargetGraphs, ...], qdq: bool = False) -> list[Candidate]:
+    """The graph sets parity checks: the portable graphs, then each target's (opened its way);
+    with ``qdq`` (an int8 or fp8 export whose Q/DQ numbers were kept) every Q/DQ set is judged
+    against PyTorch with them too (``qdq_tolerance``)."""
     feeds = table_feeds(list(folded.tables), options.precision.kv_dtype) if options.ple_tables is PLETables.INPUT else None
-    candidates = [
-        candidate(OrtRunner.opener(portable.paths, feeds), tuple(portable.paths), options.precision.value, options.precision.weight_only_float, files=portable.paths.values())
-    ]
+    own = qdq_tolerance(options.precision.value) if qdq else options.precision.weight_only_float
+    candidates = [candidate(OrtRunner.opener(portable.paths, feeds), tuple(portable.paths), options.precision.value, own, files=portable.paths.values())]
     for graphs in written:
         chosen = target(graphs.name)
-        quantized = chosen.quantized_precision(graphs.precision)
+        quantized: str | Tolerance | None = chosen.quantized_precision(graphs.precision)
+        quantized = qdq_tolerance(graphs.precision) if qdq and quantized is None and graphs.precision == options.precision.value else quantized
         candidates.append(candidate(chosen.runner(graphs.paths, feeds), tuple(graphs.paths), graphs.precision, quantized, graphs.name, files=graphs.paths.values()))
     return candidates

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kiln.errors import ConfigError
-from kiln.exporter.precision.kinds import Fp16, Int4, kinds
-from kiln.exporter.precision.kinds.base import Needs
-from kiln.exporter.targets import PORTABLE, target, targets
+from kiln.exporter.precision.kinds import kinds
+from kiln.exporter.precision.kinds.base import Needs, RangesKind
+from kiln.exporter.targets import PORTABLE, names, target, targets
 
 if TYPE_CHECKING:
     from kiln.exporter.options import ExportOptions
@@ -90,17 +90,17 @@ def _target_name(spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
 
 
 def _lora(spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
-    """What ``--lora-slots`` is built for so far: the portable graphs (fp32, fp16 or an int4 base)
-    and ``--target ort``'s (the slots stay float MatMuls beside MatMulNBits weights), decoders
-    without cross-attention (its flags among themselves: ``options.value_reasons``)."""
+    """What ``--lora-slots`` is built for so far: the portable graphs of the kinds that say so
+    (``lora_slots``: fp32, fp16 or an int4 base) and the targets that say so (``--target ort``'s),
+    decoders without cross-attention (its flags among themselves: ``options.value_reasons``)."""
     if options.lora_slots is None:
         return []
     found = []
-    if any(not isinstance(k, (Fp16, Int4)) for k in options.precision.kinds):
+    if not options.precision.lora_slots:
         found.append(
             f"--lora-slots with {options.precision.value}: slots are built on float and int4 (weight-only) bases only; int8 and fp8 quantize the activations the adapters would read"
         )
-    if options.target not in (PORTABLE, "ort"):
+    if options.target != PORTABLE and not (options.target in names() and target(options.target).lora_slots):
         found.append(f"--lora-slots with --target {options.target}: slots are built on the portable graphs and --target ort only")
     if spec is not None and spec.encoder_dim is not None:
         found.append("--lora-slots: cross-attention decoders are not built with slots yet; merge the adapter with --adapter")
@@ -108,11 +108,13 @@ def _lora(spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
 
 
 def _parity(spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
-    if options.parity_agreement is None or options.precision.weight_only_float is not None:
+    """--parity-agreement: only where the graphs are also checked against the quantized model
+    (int4's weights, int8's and fp8's Q/DQ scales: ``parity.quantized``, ``parity.qdq_model``)."""
+    if options.parity_agreement is None or options.precision.weight_only_float is not None or options.precision.needs(Needs.RANGES):
         return []
-    weight_only = " or ".join(k.flag() for k in kinds() if k.weight_only)
+    flags = [k.flag() for k in kinds() if k.weight_only or issubclass(k, RangesKind)]
     return [
-        f"--parity-agreement {options.parity_agreement} only applies to {weight_only} exports, whose graphs are also checked against PyTorch on their own int4 weights; "
+        f"--parity-agreement {options.parity_agreement} only applies to {', '.join(flags[:-1])} or {flags[-1]} exports, whose graphs are also checked against PyTorch on their own quantized numbers; "
         f"a {options.precision.value} export's only proof is its agreement with the checkpoint's model"
     ]
 

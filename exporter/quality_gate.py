@@ -14,6 +14,7 @@ from kiln.exporter.options import ExportOptions
 from kiln.exporter.parity.quality import QualityPlan, measures, threshold_for
 from kiln.exporter.parity.quality_text import quality_text_of
 from kiln.exporter.parity.report import write_parity_reports
+from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.report import ExportReport
 from kiln.plugins import DEMO, LoadedModel, resolve_checkpoint
 from kiln.plugins.base import DecoderSpec
@@ -72,9 +73,5 @@ def refuse_quality(report: ExportReport, out: Path) -> None:
 
 
 def _ways_out(precision: str) -> str:
-    """What raises a low-bit precision's quality: its own options."""
-    if "int4" in precision:
-        return "--int4-method gptq (with --calib-data), keep the sensitive MatMuls float (--int4-float RULE), a smaller --int4-block"
-    if "fp8" in precision:
-        return "keep the sensitive MatMuls fp16 (--fp8-float RULE), other calibration data (--calib-data, --calib-method)"
-    return "keep the sensitive MatMuls float (--int8-float RULE), other calibration data (--calib-data, --calib-method)"
+    """What raises a low-bit precision's quality: its quantizing kind's own options (``PrecisionKind.ways_out``)."""
+    return Precision.parse(precision).ways_out or "other calibration data (--calib-data, --calib-method)"

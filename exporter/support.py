@@ -7,7 +7,7 @@ portable graphs, which every export writes, and each registered target), asked o
 take (``--int8`` of a cross-attention decoder); nothing is loaded or traced, and nothing heavy is
 imported. Where the defaults are refused, the other flags that write that precision for that
 target are asked (``ALTERNATIVES``); where options are taken, the config features that a refusal
-also reads are asked (``FEATURES``: a sliding window): either makes the cell conditional.
+also reads are asked (``FEATURES``: a sliding window, chunked attention): either makes the cell conditional.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kiln.exporter.precision.kinds.int4 import Int4, Int4Method
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.precision.kinds.registry import kinds
 from kiln.exporter.plan import plan
-from kiln.exporter.targets import PORTABLE, names
+from kiln.exporter.targets import PORTABLE, names, target
 from kiln.plugins.base import DecoderSpec
 
 __all__ = [
@@ -33,8 +33,7 @@ __all__ = [
 
 FP32 = "fp32"
 REFUSED = "-"
-# a target's letter in a cell's marks (a target registered later: its name's first unused letter)
-_LETTERS = {PORTABLE: "p", "ort": "o", "onnx": "x"}
+PORTABLE_LETTER = "p"  # the portable graphs' letter in a cell's marks (each target declares its own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +62,17 @@ class Feature:
 ALTERNATIVES = (
     Alternative(
         "int8", "--ort-int8", "only as --ort-int8 (weight-only int8 MatMulNBits; --int8 is refused)",
-        {"precision": Precision.of(), "ort_int8": True},
+        {"precision": Precision.of(), "target_flags": {"ort_int8": True}},
     ),
     Alternative(
         "int4", "--int4-method rtn", "only with --int4-method rtn (GPTQ is refused)",
         {"precision": Precision.of(Int4(method=Int4Method.RTN))},
     ),
 )  # fmt: skip
-FEATURES = (Feature("not with a sliding window: only the windows a test proves are applied", {"sliding_window": 4}),)
+FEATURES = (
+    Feature("not with a sliding window: only the windows a test proves are applied", {"sliding_window": 4}),
+    Feature("not with chunked attention (attention_chunk_size)", {"attention_chunk_size": 4}),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +114,9 @@ def target_names() -> tuple[str, ...]:
     return (PORTABLE, *names())
 
 
-def letter(target: str) -> str:
-    """A target's letter in the marks (``_LETTERS``; a later target: its name's first free letter)."""
-    if target in _LETTERS:
-        return _LETTERS[target]
-    taken = set(_LETTERS.values())
-    return next((c for c in target.lower() if c.isalpha() and c not in taken), "?")
+def letter(name: str) -> str:
+    """A target's letter in the marks: ``p`` for the portable graphs, else the one it declares (``Target.letter``)."""
+    return PORTABLE_LETTER if name == PORTABLE else target(name).letter
 
 
 def refusal(spec: DecoderSpec, fields: Mapping[str, Any]) -> str | None:

@@ -7,7 +7,8 @@ built-in ones from the most specific to the most general: ``native`` (an exact a
 string), then ``hf`` (any config with ``architectures`` or ``model_type``). Families register
 with ``register``; third-party packages add theirs through the ``kiln.plugins`` entry-point
 group (each entry point names a ``ModelFamily`` instance or a zero-argument callable returning
-one).
+one). ``FAMILIES`` is a ``kiln.registry.Registry``, the shape the targets and the precision kinds
+share.
 
 ``config_spec(path)`` is the spec a checkpoint's config alone gives (no weight read), from the
 families that can tell it: what an export checks its options against before loading.
@@ -19,18 +20,20 @@ the CLI can read manifests and reject bad flags without importing torch.
 
 from __future__ import annotations
 
-from importlib import metadata, resources
+from importlib import resources
 from pathlib import Path
 
 from kiln.errors import CheckpointError
 from kiln.plugins.base import DecoderSpec, LoadedModel, ModelFamily
 from kiln.plugins.files import read_config, refuse_outside_links
 from kiln.plugins.hub_cache import cached_snapshot, looks_like_repo_id
+from kiln.registry import Registry
 
 __all__ = [
     "DecoderSpec",
     "LoadedModel",
     "ModelFamily",
+    "FAMILIES",
     "register",
     "families",
     "claim_order",
@@ -42,53 +45,45 @@ __all__ = [
 ]
 
 DEMO = "demo"
-_FAMILIES: dict[str, ModelFamily] = {}
-_BUILTINS = ("native", "hf")  # most specific claim first; hf takes any Hugging Face-style config
-_LOADED = False  # built-ins and entry points registered
+
+
+def _family(obj: object) -> ModelFamily | None:
+    """An entry point's ``ModelFamily`` instance, or what its zero-argument callable returns; None: neither."""
+    if not isinstance(obj, ModelFamily) and callable(obj):
+        try:
+            obj = obj()
+        except Exception:  # third-party code: any failure means "not a family factory"
+            return None
+    return obj if isinstance(obj, ModelFamily) else None
+
+
+# most specific claim first; hf takes any Hugging Face-style config
+FAMILIES: Registry[ModelFamily] = Registry(
+    "ModelFamily",
+    "kiln.plugins",
+    {"native": "kiln.plugins.native:NATIVE", "hf": "kiln.plugins.hf:HF"},
+    _family,
+    named=False,  # an entry point's name may differ from its family's
+    error=CheckpointError,
+)
 
 
 def register(family: ModelFamily) -> ModelFamily:
     """Add a family; a second family under the same name is a programming error."""
-    if family.name in _FAMILIES and _FAMILIES[family.name] is not family:
-        raise ValueError(f"a model family named {family.name!r} is already registered")
-    _FAMILIES[family.name] = family
+    FAMILIES.register(family.name, family)
     return family
 
 
 def families() -> list[ModelFamily]:
     """Every registered family (built in and from entry points), in name order: what ``kiln plugins`` lists."""
-    _load()
-    return [_FAMILIES[name] for name in sorted(_FAMILIES)]
+    return sorted(FAMILIES.all(), key=lambda family: family.name)
 
 
 def claim_order() -> list[ModelFamily]:
     """The order ``load_model`` asks families: third-party ones (in name order), then the built-ins."""
-    _load()
-    third_party = [_FAMILIES[name] for name in sorted(_FAMILIES) if name not in _BUILTINS]
-    return third_party + [_FAMILIES[name] for name in _BUILTINS if name in _FAMILIES]
-
-
-def _load() -> None:
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    from kiln.plugins.hf import HF
-    from kiln.plugins.native import NATIVE
-
-    register(NATIVE)
-    register(HF)
-    for ep in metadata.entry_points(group="kiln.plugins"):
-        obj = ep.load()
-        family = obj
-        if not isinstance(obj, ModelFamily) and callable(obj):
-            try:
-                family = obj()
-            except Exception:  # third-party code: any failure means "not a family factory"
-                family = None
-        if not isinstance(family, ModelFamily):
-            raise CheckpointError(f"entry point {ep.name!r} ({ep.value}) does not provide a kiln ModelFamily")
-        register(family)
+    added = (FAMILIES.get(name) for name in FAMILIES.names() if name not in FAMILIES.builtins())
+    third_party = sorted(added, key=lambda family: family.name)
+    return third_party + [FAMILIES.get(name) for name in FAMILIES.builtins()]
 
 
 def resolve_checkpoint(model: str | Path) -> Path:

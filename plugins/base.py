@@ -11,7 +11,9 @@ The decoder contract (every family's module implements it)::
            encoder_hidden_states: [B, E, encoder_dim] float | None = None)
         -> (logits [B, S or 1, vocab] float, presents: list[(key, value)])
 
-with keys and values ``[B, n_kv_heads, past + S, head_dim]`` (BNSH). A cross-attention decoder
+with keys and values ``[B, n_kv_heads, past + S, head_dim]`` (BNSH), or per layer the tensors
+of ``DecoderSpec.cache_layout`` in its order (multi-head latent attention: the latent and the
+rope key, ``plugins.cache_layout``). A cross-attention decoder
 (``DecoderSpec.encoder_dim`` set) takes ``encoder_hidden_states`` when it has no past and returns
 per layer ``(key, value, cross_key, cross_value)``, the cross-attention keys and values
 ``[B, n_kv_heads, E, head_dim]`` computed from the encoder states; with a past it takes the same
@@ -27,6 +29,8 @@ import enum
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from kiln.plugins.cache_layout import CacheLayout
 
 if TYPE_CHECKING:  # importing kiln.plugins.base must stay cheap: the CLI reads specs without torch
     from torch import Tensor, nn
@@ -120,6 +124,18 @@ class DecoderSpec:
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the family's own config, for the manifest
     max_context_why: str | None = None  # why max_context is what it is, when it is not the config's own limit (errors say it)
     text_decoder_of: TextDecoderOf | None = None  # set when the checkpoint is a multimodal wrapper and this is its text decoder
+    # what each layer caches when it is not keys and values of n_kv_heads x head_dim (``cache_layout``)
+    cache: CacheLayout | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache is not None and len(self.cache.layers) != self.n_layers:
+            raise ValueError(f"the cache layout describes {len(self.cache.layers)} layers, the decoder has {self.n_layers}")  # a family's bug
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """Every layer's cache tensors: the family's own layout, else keys and values of
+        ``n_kv_heads`` x ``head_dim`` (and a cross-attention decoder's cross cache)."""
+        return self.cache or CacheLayout.kv(self.n_layers, self.n_kv_heads, self.head_dim, cross=self.encoder_dim is not None)
 
 
 @dataclasses.dataclass(frozen=True)

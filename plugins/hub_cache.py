@@ -19,7 +19,8 @@ from kiln.inputs import check_input
 __all__ = ["HF_EXTRA", "looks_like_repo_id", "cached_snapshot", "cache_repo_root"]
 
 # how the Hugging Face extra is installed: kiln installs from its checkout (README, Set up)
-HF_EXTRA = """pip install -e ".[hf]" in kiln's checkout, or pip install "kiln-*.whl[hf]" beside a wheel"""  # a wheel's user has no checkout
+# a wheel's user has no checkout
+HF_EXTRA = """pip install -e ".[hf]" in kiln's checkout, or pip install "kiln-*.whl[hf]" beside a wheel"""
 
 # ORG/NAME as the Hub spells repo ids: one slash, letters, digits, '-', '_', '.' (no '..', no leading '.')
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln.exporter.artifacts.layout import PARITY_REPORT, TOKENIZER
+from kiln.exporter.artifacts.cache_info import CacheTensorInfo
 from kiln.exporter.artifacts.manifest import (
     MANIFEST_VERSION,
     QualityInfo,
@@ -64,6 +65,15 @@ def _text_decoder_of(spec: DecoderSpec) -> TextDecoderInfo | None:
     return TextDecoderInfo(part.architecture, part.prefix, part.not_exported) if part is not None else None
 
 
+def _kv_cache(spec: DecoderSpec, dtype: str) -> KvCacheInfo:
+    """The cache's layout: its tensors listed only when they are not keys and values of
+    ``n_kv_heads`` x ``head_dim`` (so a plain KV cache's manifest is what it always was)."""
+    if spec.cache is None:
+        return KvCacheInfo("BNSH", ("batch", "n_kv_heads", "seq", "head_dim"), dtype)
+    tensors = tuple(CacheTensorInfo(i, t.suffix, t.heads, t.width, t.span.value) for i, t in spec.cache.tensors())
+    return KvCacheInfo("BNSH", ("batch", "heads", "seq", "width"), dtype, spec.cache.kind, tensors)
+
+
 def build_manifest(report: ExportReport, root: Path) -> Manifest:
     """The manifest of the export staged in ``root`` (its ``files`` are filled in last, once
     every file is written: ``exporter.emit``)."""
@@ -80,7 +90,7 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
             spec.has_encoder, spec.decoder_start_token_id, _text_decoder_of(spec),
         ),
         precision=options.precision.value,
-        kv_cache=KvCacheInfo("BNSH", ("batch", "n_kv_heads", "seq", "head_dim"), options.precision.kv_dtype),
+        kv_cache=_kv_cache(spec, options.precision.kv_dtype),
         limits=Limits(options.max_batch, report.max_context),
         export=export_settings(options, trained_rows=spec.ple_positions, keep_fp32=report.keep_fp32, calibration=report.calibration, quantization=report.quantization),
         graphs=graphs,

@@ -31,6 +31,7 @@ from kiln.exporter.targets import PORTABLE, names, target
 __all__ = ["claim_problems"]
 
 _KV_LAYOUT = ("BNSH", ("batch", "n_kv_heads", "seq", "head_dim"))  # every graph's cache tensors (contract.io)
+_TENSORS_LAYOUT = ("BNSH", ("batch", "heads", "seq", "width"))  # a cache of its own tensors (kv_cache.tensors: each its heads and width)
 _GRAPH_KINDS = frozenset({"fp16", "int8", "int4", "fp8"})  # what facts._quantized and the float type find
 _TOKENIZER_BYTES = 1 << 28  # no tokenizer.json comes near (the largest of the Hub's, Gemma 3's, is 33 MB)
 _WHY = {
@@ -179,8 +180,9 @@ def _choice_problems(manifest: Manifest) -> list[str]:
     if ple is not None and ple.extend_mode is not None and ple.extend_mode not in modes:
         choices = f"{', '.join(modes)} (or null: the trained table)"
         problems.append(f"export.ple.extend_mode is {ple.extend_mode!r}, not one of {choices}")
-    if (manifest.kv_cache.layout, tuple(manifest.kv_cache.dims)) != _KV_LAYOUT:  # what a host allocates by
-        problems.append(f"kv_cache.layout and .dims are {manifest.kv_cache.layout!r} {list(manifest.kv_cache.dims)!r}, not the graphs' {_KV_LAYOUT[0]} {list(_KV_LAYOUT[1])}")
+    layout = _KV_LAYOUT if manifest.kv_cache.tensors is None else _TENSORS_LAYOUT
+    if (manifest.kv_cache.layout, tuple(manifest.kv_cache.dims)) != layout:  # what a host allocates by
+        problems.append(f"kv_cache.layout and .dims are {manifest.kv_cache.layout!r} {list(manifest.kv_cache.dims)!r}, not the graphs' {layout[0]} {list(layout[1])}")
     if not manifest.checkpoint.files:  # kiln check matches the checkpoint it loads against these hashes
         problems.append("checkpoint.files is empty; an export records the hash of every checkpoint file it read")
     for name, digest in manifest.checkpoint.files.items():

@@ -13,7 +13,8 @@ data: node types, attributes, dtypes and dims), never for their weights:
 - the KV dtype: of the past and present tensors;
 - the cache kind (``contract.io.CacheUpdate``): ``static`` when the past inputs have a fixed
   sequence dim (the buffers ``contract.static_cache`` writes in place), ``shared`` when every
-  layer's decode attention is a GroupQueryAttention (past and present one buffer), else ``grown``;
+  layer's decode attention is a GroupQueryAttention and nothing else reads a past input (past and
+  present one buffer, whose capacity another reader would take for the tokens), else ``grown``;
 - the static cache's capacity (its sequence dim: the ``max_context`` it was built for), and the
   fewest rows of any table indexed by position (rotary cos/sin caches, tables gathered by
   ``position_ids``): no context may run past either;
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ConfigError
+from kiln.exporter.contract.shared_buffer import reads_past_length
 from kiln.exporter.precision.kinds.plan import Precision
 
 __all__ = ["GraphFacts", "SetFacts", "facts_of", "graph_facts"]
@@ -56,6 +58,7 @@ class GraphFacts:
     layers: int  # its past key inputs: the layers whose cache it reads
     static_slots: int | None  # the fixed sequence dim of its past inputs (a static cache), else None
     fused_attention: int  # GroupQueryAttention nodes
+    pasts_elsewhere: bool  # a node may read a past's sequence length (``contract.shared_buffer``)
     positions: int | None  # the fewest rows of a table it indexes by position
     logits: str | None  # "last" (one position) or "all"; None: no logits output
     opset: int  # of the default (ai.onnx) domain
@@ -109,10 +112,18 @@ def graph_facts(path: Path, name: str | None = None) -> GraphFacts:
         layers=sum(1 for v in pasts if _PAST_KEY.match(v.name)),
         static_slots=_static_slots(pasts),
         fused_attention=sum(1 for n in graph.node if n.op_type == "GroupQueryAttention"),
+        pasts_elsewhere=_reads_past_length(graph.node, {v.name for v in pasts}),
         positions=min(_position_rows(graph.node, constants, values), default=None),
         logits=None if logits is None else "last" if _dims(logits)[1:2] == [1] else "all",
         opset=next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0),
     )
+
+
+def _reads_past_length(nodes: Iterable[Any], pasts: set[str]) -> bool:
+    """Whether a node that takes a past input may read its sequence length."""
+    import onnx
+
+    return any(set(n.input) & pasts and reads_past_length(n.op_type, {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}) for n in nodes)
 
 
 def _constant_nodes(nodes: Iterable[Any]) -> dict[str, Any]:
@@ -214,7 +225,7 @@ def _cache_kind(graph: GraphFacts) -> str:
     """How a step of ``graph`` carries the cache (``contract.io.CacheUpdate``'s values)."""
     if graph.static_slots is not None:
         return "static"
-    return "shared" if graph.fused_attention >= graph.layers else "grown"
+    return "shared" if graph.fused_attention >= graph.layers and not graph.pasts_elsewhere else "grown"
 
 
 def _precision(quantized: frozenset[str], float16: bool) -> str:

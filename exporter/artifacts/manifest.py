@@ -21,6 +21,7 @@ from typing import Any
 
 from kiln import __version__
 from kiln.errors import ArtifactError
+from kiln.exporter.artifacts.cache_info import CacheTensorInfo
 from kiln.exporter.artifacts.manifest_v1 import upgrade_v1
 from kiln.newfile import new_output
 from kiln.exporter.artifacts.serde import OMIT_IF_NONE, from_json, to_json
@@ -125,6 +126,8 @@ class KvCacheInfo:
     layout: str
     dims: tuple[str, ...]
     dtype: str
+    kind: str | None = _omit()  # a cache other than keys and values per KV head ("latent"), with its tensors
+    tensors: tuple[CacheTensorInfo, ...] | None = _omit()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,9 @@ def cannot_write(path: Path, exc: OSError) -> str:
     """One line for an ``OSError`` met while creating or writing ``path``: what it means, what to do."""
     where = exc.filename or path
     reasons = {
-        errno.ENAMETOOLONG: f"a name in this path is longer than the file system allows ({where}); choose a shorter --out",
+        errno.ENAMETOOLONG: (
+            f"a name in this path is longer than the file system allows ({where}); choose a shorter --out"
+        ),
         errno.EROFS: f"the file system is read-only ({where}); choose an --out on a writable one",
         errno.EACCES: f"permission denied ({where}); choose an --out you can write",
         errno.EPERM: f"permission denied ({where}); choose an --out you can write",

@@ -9,8 +9,8 @@ fine, and a model section can claim a billion layers. ``structure_problems`` fin
   export, without ``..``, and is one of the files it lists (hashed);
 - every graph's external data is read from a listed file beside the graph, within its size;
 - every graph's inputs and outputs are the ones the manifest records (a target's graphs: those
-  of the portable graph of the same kind; LoRA slots after the contract's inputs), and the model's dims (layers, KV heads, head size,
-  vocabulary) are the ones the graphs declare.
+  of the portable graph of the same kind; LoRA slots after the contract's inputs), and the model's
+  dims (layers, KV heads, head size, vocabulary) are the ones the graphs declare.
 
 Links are reported by ``verify`` itself (a listed file is a regular file). Ranges that need no
 graph (a limit that is not positive, a context of 10**400) are refused by ``manifest.read``.
@@ -29,6 +29,7 @@ __all__ = ["named_paths", "structure_problems", "inside"]
 
 _PAST_KEY = re.compile(r"^past_key_values\.(\d+)\.key$")
 _PRESENT_KEY = re.compile(r"^present\.(\d+)\.key$")
+_CACHE = re.compile(r"^(?:past_key_values|present)\.(\d+)\.(\w+)$")  # any cache tensor: its layer and name
 
 
 def inside(path: str) -> bool:
@@ -124,7 +125,7 @@ def _key(tensor: TensorEntry, with_dtype: bool) -> tuple[Any, ...]:
 
 
 def _first_difference(got: list[Any], expected: list[Any]) -> str:
-    for i, (g, e) in enumerate(zip(got, expected)):
+    for i, (g, e) in enumerate(zip(got, expected, strict=False)):
         if g != e:
             return f"#{i}: the graph has {g}, the manifest {e}"
     return f"the graph has {len(got)}, the manifest {len(expected)}"
@@ -173,8 +174,28 @@ def _dim_problems(manifest: Manifest) -> list[str]:
         for t in entry.outputs:
             if t.name == "logits" and t.shape and isinstance(t.shape[-1], int) and t.shape[-1] != model.vocab_size:
                 problems.append(f"model.vocab_size is {model.vocab_size}, but graph {entry.file} has {t.shape[-1]} logits")
-            if _PRESENT_KEY.match(t.name) and len(t.shape) == 4:
+            if _PRESENT_KEY.match(t.name) and len(t.shape) == 4 and manifest.kv_cache.tensors is None:
                 for what, value, dim in (("n_kv_heads", model.n_kv_heads, t.shape[1]), ("head_dim", model.head_dim, t.shape[3])):
                     if isinstance(dim, int) and dim != value:
                         problems.append(f"model.{what} is {value}, but graph {entry.file} has {dim} in {t.name}")
+        problems += _layout_problems(manifest, entry.file, [*entry.inputs, *entry.outputs])
     return sorted(set(problems))
+
+
+def _layout_problems(manifest: Manifest, file: str, tensors: list[TensorEntry]) -> list[str]:
+    """A cache of its own layout (``kv_cache.tensors``): every cache tensor of the graph is one it
+    lists, of its heads and width."""
+    if manifest.kv_cache.tensors is None:
+        return []
+    listed = {(t.layer, t.name): t for t in manifest.kv_cache.tensors}
+    problems = []
+    for t in tensors:
+        named = _CACHE.match(t.name)
+        if named is None or len(t.shape) != 4:
+            continue
+        want = listed.get((int(named.group(1)), named.group(2)))
+        if want is None:
+            problems.append(f"graph {file} has {t.name}, which kv_cache.tensors does not list")
+        elif (t.shape[1], t.shape[3]) != (want.heads, want.width):
+            problems.append(f"kv_cache.tensors gives {t.name} {want.heads} heads of {want.width}, but graph {file} has {t.shape[1]} of {t.shape[3]}")
+    return problems

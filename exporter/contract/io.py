@@ -4,6 +4,15 @@ Names follow the Hugging Face / ONNX Runtime GenAI convention; KV layout is BNSH
 ``[batch, n_kv_heads, seq, head_dim]``. Dims: ``batch``, ``seq``, ``past_seq``, ``total_seq``
 (= past_seq + seq), and ``encoder_seq`` for cross-attention decoders.
 
+What each layer carries is the spec's cache layout (``DecoderSpec.cache_layout``,
+``plugins.cache_layout``): per layer a tuple of cache tensors ``[batch, heads, length, width]``,
+each ``past_key_values.{i}.{name}`` in and ``present.{i}.{name}`` out with its own heads and
+width. Every family but one caches ``key`` and ``value`` of ``n_kv_heads`` x ``head_dim`` (the
+default layout, from those two numbers); multi-head latent attention (DeepSeek-V2/V3, layout kind
+``latent``) caches under the same two names one head of the compressed latent
+(``kv_lora_rank`` wide, as ``key``) and one of the rotated key (``qk_rope_head_dim``, as
+``value``), and the manifest lists them (``kv_cache.kind`` and ``.tensors``).
+
 Cross-attention decoders (``spec.encoder_dim`` set): prefill also takes ``encoder_hidden_states``
 ``[batch, encoder_seq, encoder_dim]`` and returns every layer's cross-attention keys and values
 once, as ``present.{i}.cross_key/.cross_value`` ``[batch, n_kv_heads, encoder_seq, head_dim]``;
@@ -30,6 +39,7 @@ import dataclasses
 import enum
 
 from kiln.plugins.base import DecoderSpec
+from kiln.plugins.cache_layout import Span
 
 __all__ = [
     "CacheUpdate",
@@ -78,7 +88,8 @@ class CacheUpdate(str, enum.Enum):
 
     GROWN = "grown"  # present = past + the new token's keys/values: a new, longer buffer each step (Concat)
     SHARED = "shared"  # past and present bound to one buffer of fixed capacity, written in place (GroupQueryAttention)
-    STATIC = "static"  # the buffer is the graphs' own static input and output, written at write_indices (``contract.static_cache``)
+    # the buffer is the graphs' own static input and output, written at write_indices (``contract.static_cache``)
+    STATIC = "static"
 
 
 def graph_kinds(spec: DecoderSpec) -> tuple[GraphKind, ...]:
@@ -133,9 +144,10 @@ def is_cross(name: str) -> bool:
 
 def carried_cache(spec: DecoderSpec) -> list[tuple[str, str]]:
     """``(past input, present output)`` pairs a caller carries from one step to the next, in
-    input order: per layer the self-attention key and value, then (cross-attention decoders) the
-    cross-attention key and value that only prefill returns."""
-    return kv_pairs(spec.n_layers, cross=spec.encoder_dim is not None)
+    input order: per layer its cache tensors (``spec.cache_layout``): the self-attention key and
+    value, then (cross-attention decoders) the cross-attention key and value that only prefill
+    returns; multi-head latent attention's latent and rope key under the same two names."""
+    return [(f"past_key_values.{i}.{t.suffix}", f"present.{i}.{t.suffix}") for i, t in spec.cache_layout.tensors()]
 
 
 def kv_pairs(n_layers: int, *, cross: bool = False) -> list[tuple[str, str]]:
@@ -173,32 +185,29 @@ def graph_io(
     mask_len = SEQ if kind is GraphKind.PREFILL else TOTAL_SEQ
     kv_len = SEQ if kind is GraphKind.PREFILL else TOTAL_SEQ
     logits_len: Dim = 1 if (last_logits_only and kind is GraphKind.PREFILL) else seq
-    kv = (spec.n_kv_heads, spec.head_dim)
 
     inputs = [
         TensorSpec("input_ids", "int64", (BATCH, seq)),
         TensorSpec("attention_mask", "int64", (BATCH, mask_len)),
         TensorSpec("position_ids", "int64", (BATCH, seq)),
     ]
-    cross = spec.encoder_dim is not None
     if spec.has_encoder:
         inputs.append(TensorSpec(ENCODER_MASK, "int64", (BATCH, ENC_SEQ)))
     if spec.encoder_dim is not None and kind is GraphKind.PREFILL:
         inputs.append(TensorSpec(ENCODER_STATES, kv_dtype, (BATCH, ENC_SEQ, spec.encoder_dim)))
+    layout = list(spec.cache_layout.tensors())
     if kind is not GraphKind.PREFILL:
-        for past, _ in carried_cache(spec):
-            length = ENC_SEQ if is_cross(past) else PAST_SEQ
-            inputs.append(TensorSpec(past, kv_dtype, (BATCH, kv[0], length, kv[1])))
+        for i, t in layout:
+            length = ENC_SEQ if t.span is Span.ENCODER else PAST_SEQ
+            inputs.append(TensorSpec(f"past_key_values.{i}.{t.suffix}", kv_dtype, (BATCH, t.heads, length, t.width)))
     for i, shape in enumerate(ple_tables):
         for name in ple_table_names(i):
             inputs.append(TensorSpec(name, kv_dtype, shape))
     outputs = [TensorSpec("logits", logits_dtype, (BATCH, logits_len, spec.vocab_size))]
-    for i in range(spec.n_layers):
-        for name in present_names(i):
-            outputs.append(TensorSpec(name, kv_dtype, (BATCH, kv[0], kv_len, kv[1])))
-        if cross and kind is GraphKind.PREFILL:
-            for name in cross_present_names(i):
-                outputs.append(TensorSpec(name, kv_dtype, (BATCH, kv[0], ENC_SEQ, kv[1])))
+    for i, t in layout:
+        if t.span is Span.SEQUENCE or kind is GraphKind.PREFILL:  # the cross cache: prefill returns it once
+            length = ENC_SEQ if t.span is Span.ENCODER else kv_len
+            outputs.append(TensorSpec(f"present.{i}.{t.suffix}", kv_dtype, (BATCH, t.heads, length, t.width)))
     return GraphIO(tuple(inputs), tuple(outputs))
 
 

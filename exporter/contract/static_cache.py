@@ -60,8 +60,8 @@ from kiln.exporter.contract.io import BATCH, GraphIO, GraphKind, TensorSpec, gra
 from kiln.plugins.base import DecoderSpec
 
 __all__ = [
-    "WRITE_INDICES", "CacheBuffers", "cache_bytes", "machine_memory", "PARITY_PEAK", "refuse_oversized", "static_io", "static_feeds",
-    "portable_outputs",
+    "WRITE_INDICES", "CacheBuffers", "cache_bytes", "machine_memory", "PARITY_PEAK", "refuse_oversized", "static_io",
+    "static_feeds", "portable_outputs",
 ]  # fmt: skip
 
 WRITE_INDICES = "write_indices"

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, past_names
+from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind
 from kiln.plugins.base import DecoderSpec
+from kiln.plugins.cache_layout import Span
 
 __all__ = ["Step", "StepRunner", "Chooser", "left_pad", "right_pad", "prompt_feeds", "encoder_decoder_feeds", "empty_past", "carry", "run_steps"]
 
@@ -79,8 +80,7 @@ def encoder_decoder_feeds(
 
 def empty_past(spec: DecoderSpec, batch: int, dtype: np.dtype) -> dict[str, Any]:
     """A self-attention cache of length 0, for a prompt through the unified graph."""
-    shape = (batch, spec.n_kv_heads, 0, spec.head_dim)
-    return {name: np.zeros(shape, dtype=dtype) for i in range(spec.n_layers) for name in past_names(i)}
+    return {f"past_key_values.{i}.{t.suffix}": np.zeros((batch, t.heads, 0, t.width), dtype=dtype) for i, t in spec.cache_layout.tensors() if t.span is Span.SEQUENCE}
 
 
 def carry(feeds: dict[str, Any], outputs: Mapping[str, Any], previous: Mapping[str, Any], pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:

@@ -4,7 +4,8 @@ API used, as bound in NVIDIA/TensorRT ``python/src/infer/pyCore.cpp`` and
 ``python/src/parsers/pyOnnx.cpp`` (``release/10.13`` and ``main`` = 11.1) and typed by
 ``tensorrt-stubs`` 10.13: ``Builder(logger)``, ``Builder.create_network(flags)``,
 ``OnnxParser(network, logger)``, ``OnnxParser.parse_from_file(path)`` (resolves external data
-beside the file), ``OnnxParser.parse(model_bytes, path)`` (the same, for a graph kiln edited: ``slot_free_graph``), ``OnnxParser.num_errors``/``get_error(i)`` with ``ParserError.desc()``,
+beside the file), ``OnnxParser.parse(model_bytes, path)`` (the same, for a graph kiln edited: ``slot_free_graph``),
+``OnnxParser.num_errors``/``get_error(i)`` with ``ParserError.desc()``,
 ``node()``, ``node_name()``, ``node_operator()``; ``Builder.create_builder_config()``,
 ``IBuilderConfig.set_memory_pool_limit(MemoryPoolType.WORKSPACE, n)``,
 ``builder_optimization_level``, ``hardware_compatibility_level``, ``set_flag``/``clear_flag``,

@@ -14,6 +14,8 @@ from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.parity.generation import candidate_run, judge, make_prompts
 from kiln.exporter.parity.memory import keeps_model
 from kiln.exporter.parity.quality import QualityPlan, QualityResult, graph_quality, reference_logprobs
+from kiln.exporter.parity.qdq_check import against_qdq
+from kiln.exporter.parity.qdq_numbers import QdqNumbers
 from kiln.exporter.parity.quantized import Int4Weight, read_int4_weights, use_int4_weights
 from kiln.exporter.parity.results import ParityResult, TensorCheck
 from kiln.exporter.parity.scoring import score
@@ -72,12 +74,13 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedModel:
-    """The second reference of a low-bit export (``parity.quantized``): the int4 weights its
-    graphs hold, and whether agreement with the checkpoint's model gates the export (else it is
-    recorded only: ``--parity-agreement record``)."""
+    """The second reference of a low-bit export: the int4 weights its graphs hold
+    (``parity.quantized``) or its Q/DQ numbers (``parity.qdq_model``), and whether agreement with
+    the checkpoint's model gates the export (else it is recorded only: ``--parity-agreement record``)."""
 
-    int4: Callable[[], Iterable[Int4Weight]]  # read when the checkpoint's model has been recorded
+    int4: Callable[[], Iterable[Int4Weight]] = lambda: ()  # read when the checkpoint's model has been recorded
     agreement_gates: bool = True
+    qdq: Callable[[], QdqNumbers] | None = None  # int8, fp8: read then too
 
 
 def quantized_model(paths: Iterable[Path], agreement_gates: bool = True) -> QuantizedModel:
@@ -129,7 +132,7 @@ def check_parity(
     cannot be loaded again (no ``release_reference`` or ``reload_reference``); else
     ``release_reference`` frees it before any runtime loads its weights, and ``reload_reference``
     loads it again to score. With ``quantized``, the module is then made to compute with the
-    graphs' int4 weights, and every candidate with a ``quantized`` precision is also judged against
+    graphs' int4 weights (or an int8/fp8 export's Q/DQ numbers: ``parity.qdq_check``), and every candidate with a ``quantized`` precision is also judged against
     it, at that precision's tolerances (``ParityResult.quantized``). With ``quality``, PyTorch's
     log-probabilities on its text are kept with the recording, and the first candidate's prefill
     is measured against them while its session is open (``ParityResult.quality``)."""
@@ -154,8 +157,12 @@ def check_parity(
     results = [_result(r, r.candidate.tolerance, r.tensors, s, plan) for r, s in zip(ran, scored, strict=True)]
     against: list[ParityResult | None] = [None] * len(ran)
     if quantized is not None:
-        with progress.stage("parity: PyTorch on the int4 weights"):
-            against = _against_quantized(module, spec, plan, quantized, ran, settings.last_logits_only)
+        if quantized.qdq is not None:
+            with progress.stage("parity: PyTorch with the calibrated Q/DQ scales"):
+                against = _against_qdq(module, spec, plan, quantized.qdq(), ran, settings.last_logits_only)
+        else:
+            with progress.stage("parity: PyTorch on the int4 weights"):
+                against = _against_quantized(module, spec, plan, quantized, ran, settings.last_logits_only)
     if keep and release_reference is not None:
         release_reference()  # the model the export loaded is not read again
     del module
@@ -235,7 +242,8 @@ def _run(
     then ``measure`` (quality) on its runner."""
     kv_dtype, unified = np.dtype(candidate.kv_dtype), GraphKind.UNIFIED in candidate.graphs
     keep: list[tuple[GraphKind, Feeds, Feeds]] | None = [] if quantized and candidate.quantized is not None else None
-    label = f"parity: {candidate.precision} {candidate.target + ' ' if candidate.target else ''}graphs"  # the session's start counts in it
+    target = f"{candidate.target} " if candidate.target else ""
+    label = f"parity: {candidate.precision} {target}graphs"  # the session's start counts in it
     with progress.stage(label, total=1 + len(plan.groups())) as bar, candidate.open() as runner:
         tol, seed = candidate.tolerance, plan.seed
         tensors = tensor_parity(recorded, runner, spec, tol, seed, kv_dtype, keep=keep) if plan.max_batch > 1 else []
@@ -249,26 +257,40 @@ def _run(
         return _Ran(candidate, runner.name, tensors, keep or [], runs, measure(runner) if measure is not None else None)
 
 
-def _score(module: nn.Module, spec: DecoderSpec, plan: _Plan, ran: Sequence[_Ran]) -> list[list[np.ndarray]]:
+def _score(module: nn.Module | Runner, spec: DecoderSpec, plan: _Plan, ran: Sequence[_Ran]) -> list[list[np.ndarray]]:
     """PyTorch's logits at every step of each candidate's runs (per candidate, per group), all
-    candidates' rows scored together (``parity.scoring``)."""
+    candidates' rows scored together (``parity.scoring``); ``module`` or a runner of it whose
+    prefill returns every position's logits."""
     groups = [[p for prompts in group for p in prompts] for group in plan.groups()]
     sequences = [(g, tokens) for r in ran for g, (tokens, _, _) in enumerate(r.runs)]
-    scored = iter(score(TorchRunner(module, spec.n_layers), spec, groups, plan.length, sequences))  # every position's logits
+    runner = TorchRunner(module, spec.n_layers) if isinstance(module, nn.Module) else module
+    scored = iter(score(runner, spec, groups, plan.length, sequences))  # every position's logits
     return [[next(scored) for _ in r.runs] for r in ran]
 
 
-def _result(ran: _Ran, tolerance: Tolerance, tensors: list[TensorCheck], scored: list[np.ndarray], plan: _Plan) -> ParityResult:
+def _against_qdq(module: nn.Module, spec: DecoderSpec, plan: _Plan, numbers: QdqNumbers, ran: Sequence[_Ran], last_logits_only: bool) -> list[ParityResult | None]:
+    """Each candidate with a ``quantized`` tolerance against the module with the export's Q/DQ
+    numbers (``parity.qdq_check``), each generation path against its own graphs' scales."""
+    judged = [r for r in ran if r.candidate.quantized is not None]
+    checks = against_qdq(module, spec, numbers, ran, last_logits_only, plan.length, lambda runner: _score(runner, spec, plan, judged))
+    return [_result(r, *c[:3], plan, c[3]) if c is not None else None for r, c in zip(ran, checks, strict=True)]
+
+
+def _result(
+    ran: _Ran, tolerance: Tolerance, tensors: list[TensorCheck], scored: list[np.ndarray], plan: _Plan, scored_chunked: list[np.ndarray] | None = None
+) -> ParityResult:
     """One candidate's checks: its tensors, then batch by batch each graph path's generation,
-    judged against the reference's logits at the candidate's own prefixes."""
+    judged against the reference's logits at the candidate's own prefixes (the unified graph's
+    chunks against ``scored_chunked`` where given: the Q/DQ reference scores each path with its
+    own graphs' scales)."""
     result = ParityResult(backend=ran.backend, precision=ran.candidate.precision, tolerance=tolerance, tensors=list(tensors))
-    for group, (_, logits, chunked), reference in zip(plan.groups(), ran.runs, scored, strict=True):
+    for group, (_, logits, chunked), reference, unified in zip(plan.groups(), ran.runs, scored, scored_chunked or scored, strict=True):
         start = 0
         for prompts in group:
             rows = slice(start, start + len(prompts))
             result.generation.append(judge(prompts, reference[:, rows], logits[:, rows], tolerance, False, plan.length))
             if chunked is not None:
-                result.generation.append(judge(prompts, reference[:, rows], chunked[:, rows], tolerance, True, plan.length))
+                result.generation.append(judge(prompts, unified[:, rows], chunked[:, rows], tolerance, True, plan.length))
             start += len(prompts)
     return result
 

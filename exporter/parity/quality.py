@@ -131,8 +131,8 @@ def graph_quality(runner: Runner, spec: DecoderSpec, text: QualityText, referenc
         positions += len(chunk)
         predicted += len(following)
     return QualityResult(
-        text.source, text.real, text.tokens, agree / positions, max(0.0, kl / positions), math.exp(nll_ref / predicted), math.exp(nll_graph / predicted),
-        threshold if text.real else None,
+        text.source, text.real, text.tokens, agree / positions, max(0.0, kl / positions), math.exp(nll_ref / predicted),
+        math.exp(nll_graph / predicted), threshold if text.real else None,
     )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.exporter.parity.plot import write_plot
-from kiln.exporter.parity.results import GraphSetParity, ParityResult, TensorCheck
+from kiln.exporter.parity.results import GraphSetParity, ParityResult, TensorCheck, quantized_model_name
 from kiln.exporter.parity.tolerances import RULE
 
 __all__ = ["write_parity_reports", "markdown", "summary_table", "verdict"]
@@ -46,7 +46,8 @@ def _labelled_sets(result: ParityResult) -> list[tuple[str, GraphSetParity, bool
     if result.quantized is None:
         return [(s.name, s, True) for s in result.sets()]
     agreement = "agreement, gating" if result.agreement_gates else "agreement, recorded only"
-    return [(f"{s.name} vs int4 weights", s, True) for s in result.quantized.sets()] + [
+    against = "int4 weights" if "int4" in result.quantized.precision else "Q/DQ scales"
+    return [(f"{s.name} vs {against}", s, True) for s in result.quantized.sets()] + [
         (f"{s.name} vs checkpoint ({agreement})", s, result.agreement_gates) for s in result.sets()
     ]
 
@@ -200,7 +201,7 @@ def _check_sections(result: ParityResult) -> list[str]:
     graphs' own int4 weights in PyTorch), then against the checkpoint's model (agreement)."""
     parts = [("", result.sets())]
     if result.quantized is not None:
-        parts = [(" against the int4 weights' model", result.quantized.sets()), (" against the checkpoint's model (agreement)", result.sets())]
+        parts = [(f" against {quantized_model_name(result.quantized.precision)}", result.quantized.sets()), (" against the checkpoint's model (agreement)", result.sets())]
     lines: list[str] = []
     for title, sets in parts:
         lines += ["## Tensors" + title, "", *_tensor_rows(sets), "", "## Greedy generation (the graphs' tokens, scored by PyTorch at each prefix)" + title, "", *_generation_rows(sets), ""]

@@ -8,7 +8,7 @@ from typing import Any
 from kiln.exporter.parity.quality import QualityResult
 from kiln.exporter.parity.tolerances import RULE, Bound, Tolerance
 
-__all__ = ["TensorCheck", "GenerationCheck", "TargetParity", "GraphSetParity", "ParityResult"]
+__all__ = ["TensorCheck", "GenerationCheck", "TargetParity", "GraphSetParity", "ParityResult", "quantized_model_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,8 @@ class TensorCheck:
         return self.error / self.limit
 
     def describe(self) -> str:
-        """``0.00159 (tolerance 1e-05 + 0.0001 x max|row| = 0.00424 at max|row| 42.3)``: the worst row against its limit."""
+        """``0.00159 (tolerance 1e-05 + 0.0001 x max|row| = 0.00424 at max|row| 42.3)``: the worst row against its
+        limit."""
         return f"{self.error:.3g} (tolerance {Bound(self.atol, self.rtol).describe(self.scale)})"
 
 
@@ -134,7 +135,8 @@ class ParityResult:
     targets: dict[str, TargetParity] = dataclasses.field(default_factory=dict)
     quantized: ParityResult | None = None
     agreement_gates: bool = True
-    quality: QualityResult | None = None  # the portable graphs against the checkpoint's model on text (``parity.quality``): judged apart from ``passed``
+    # the portable graphs against the checkpoint's model on text (``parity.quality``): judged apart from ``passed``
+    quality: QualityResult | None = None
 
     @property
     def agreed(self) -> bool:
@@ -149,7 +151,8 @@ class ParityResult:
     def failures(self) -> list[str]:
         """One line per failed check that gates, each against its own graph set's tolerances
         (those against the quantized model first, named so)."""
-        out = [f"against the int4 weights' model: {line}" for line in self.quantized.failures()] if self.quantized is not None else []
+        q = self.quantized
+        out = [f"against {quantized_model_name(q.precision)}: {line}" for line in q.failures()] if q is not None else []
         if not self.agreement_gates:
             return out
         prefix = "agreement with the checkpoint's model: " if self.quantized is not None else ""
@@ -215,3 +218,9 @@ class ParityResult:
             **({"quantized": self.quantized.to_dict(), "agreement_gates": self.agreement_gates} if self.quantized is not None else {}),
             **({"quality": self.quality.to_dict()} if self.quality is not None else {}),
         }
+
+
+def quantized_model_name(precision: str) -> str:
+    """What the second reference of a ``precision`` export is called in messages and reports:
+    PyTorch on its int4 weights (``parity.quantized``) or with its Q/DQ scales (``parity.qdq_model``)."""
+    return "the int4 weights' model" if "int4" in precision else "the calibrated Q/DQ model"

@@ -97,9 +97,10 @@ def _batch_of_two(spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dt
             if encoder is not None:
                 prompt |= {ENCODER_STATES: encoder, **masked}
             presents = reference.run(GraphKind.PREFILL, prompt)
+        shapes = {name: (t.heads, t.width) for (name, _), (_, t) in zip(carried_cache(spec), spec.cache_layout.tensors(), strict=True)}
         for name, present in carried_cache(spec):
             length = encoder.shape[1] if encoder is not None and is_cross(name) else past
-            value = presents[present] if presents is not None else rng.standard_normal((2, spec.n_kv_heads, length, spec.head_dim))
+            value = presents[present] if presents is not None else rng.standard_normal((2, shapes[name][0], length, shapes[name][1]))
             feeds[name] = np.asarray(value).astype(kv_dtype)
     return feeds
 

@@ -28,9 +28,9 @@ def cut_subgraph(
     max_external_bytes: int | None = None,
 ) -> onnx.ModelProto | None:
     """A model computing ``outputs`` from the graph inputs they depend on (each output of the
-    type the graph records for it, float when it records none; shapes unknown), with external constants loaded from ``base_dir``. None when the outputs depend on
-    an input not in ``allowed_inputs`` (when given), on an external constant larger than
-    ``max_external_bytes`` (when given), on a non-standard-domain or subgraph-holding node, or on
+    type the graph records for it, float when it records none; shapes unknown), with external constants loaded from
+    ``base_dir``. None when the outputs depend on an input not in ``allowed_inputs`` (when given), on an external
+    constant larger than ``max_external_bytes`` (when given), on a non-standard-domain or subgraph-holding node, or on
     a value nothing produces."""
     producers = {out: node for node in proto.graph.node for out in node.output}
     initializers = {t.name: t for t in proto.graph.initializer}

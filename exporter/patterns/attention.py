@@ -9,6 +9,10 @@ eager one) has one shape between the q/k/v heads and o_proj::
     scores = Where(allowed, scores, min) | scores + mask   [then a no-op Cast]
     out = Reshape(Transpose(MatMul(Softmax(scores) [Cast], repeat_kv(present.value))))   -> o_proj
 
+and, with ``sinks=True``, the attention sinks of gpt-oss, Flint and Granite-SWA in either of
+transformers' two forms (``sinks``: concatenated to the scores and sliced off the probabilities,
+or gating the output by a sigmoid of the scores' log-sum-exp); ``AttentionCore.sink`` holds them.
+
 ``AttentionCoreRule`` is that pattern (onnxscript's rewriter; either operand order of its Mul and
 Add) and a check naming why a near miss is not one; it only matches. Both targets rewrite what it
 finds: ``--target ort``'s ``targets/ort/gqa.py`` into ONNX Runtime's GroupQueryAttention (and its
@@ -29,6 +33,7 @@ from kiln.exporter.passes.ir_utils import producer, scalar_of
 from kiln.exporter.patterns.heads import Bias, projection_of
 from kiln.exporter.patterns.rotary import find_rotary
 from kiln.exporter.patterns.rules import fail, rule_of
+from kiln.exporter.patterns.sinks import concat_sink, gate_sink
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
 
 __all__ = ["AttentionCore", "AttentionCoreRule", "find_attention"]
@@ -55,6 +60,7 @@ class AttentionCore:
     out: ir.Value  # what o_proj reads: Reshape(Transpose(attention)), usually [B, S, H*hd]
     out_shape: ir.Value | None  # that Reshape's shape input (GPT-2 reshapes to 2-D [B*S, H*hd])
     rotary: tuple[ir.Value, ir.Value] | None = None  # find_attention: q's rotary (cos, sin), when rotate-half
+    sink: ir.Value | None = None  # attention sinks (``sinks``): one logit per query head, N values
 
 
 def _width(heads: ir.Value) -> int | None:
@@ -124,13 +130,17 @@ class AttentionCoreRule(RewriteRuleClassBase):
     """The attention core (module docstring); ``check`` leaves what it found in ``self.core``.
     This class only matches (``find_attention``); ``targets.ort.gqa.GroupQueryAttention`` rewrites."""
 
-    def __init__(self, head_dim: int, name: str = "AttentionCore", *, softmax_island: bool = False) -> None:
+    def __init__(self, head_dim: int, name: str = "AttentionCore", *, softmax_island: bool = False, sinks: bool = False) -> None:
         super().__init__(name, remove_nodes=False)  # the presents are graph outputs: rewired, not matched away
         self.head_dim = head_dim
         self.softmax_island = softmax_island  # also match fp16 scores whose softmax runs in fp32 (an --fp16 graph's island)
+        self.sinks = sinks  # also match a core with attention sinks (``sinks``): only for a rewrite that carries them
         self.core: AttentionCore | None = None
 
-    def pattern(self, op: Any, q: Any, key: Any, value: Any, scale: Any, cap: Any, cap_div: Any, cond: Any, fill: Any, mask: Any, out_shape: Any) -> Any:
+    def pattern(
+        self, op: Any, q: Any, key: Any, value: Any, scale: Any, cap: Any, cap_div: Any, cond: Any, fill: Any, mask: Any, out_shape: Any, sink_wide: Any, max_axes: Any,
+        slice_starts: Any, slice_ends: Any, lse_axes: Any, sink_lse: Any, gate_axes: Any,
+    ) -> Any:
         # a Mul or Add of a computed value and a variable, in either order, is an OrValue of both
         # (a Mul of two variables could not be told apart: then ``commute`` makes two rules);
         # every OrValue has a tag: onnxscript 0.7's commute() cannot copy one without
@@ -140,9 +150,18 @@ class AttentionCoreRule(RewriteRuleClassBase):
         capped = _or([op.Mul(tanh, cap), op.Mul(cap, tanh), scaled], "capped", [True, True, False])
         where = [op.Where(cond, capped, fill), op.Where(cond, fill, capped)]
         masked = _or([*where, op.Add(capped, mask), op.Add(mask, capped)], "mask_kind", ["where", "where_inv", "add", "add"])
-        probs = op.Softmax(_or([op.Cast(masked, _outputs=["cast_in"]), masked], "cast_before"), _outputs=["probs"])
-        pv = op.MatMul(_or([op.Cast(probs, _outputs=["probs_cast"]), probs], "cast_after"), value, _outputs=["pv"])
-        return op.Reshape(op.Transpose(pv, perm=[0, 2, 1, 3], _outputs=["pv_bsnh"]), out_shape, _outputs=["out"])
+        # attention sinks (``sinks``), concatenated: Softmax(Concat(masked, sinks) [- row max])[..., :-1]
+        joined = op.Concat(masked, sink_wide, _outputs=["joined"])
+        shifted = op.Sub(joined, op.ReduceMax(joined, max_axes, _outputs=["row_max"]))
+        logits = _or([shifted, joined, masked], "sink_form", ["shifted", "concat", None])
+        probs = op.Softmax(_or([op.Cast(logits, _outputs=["cast_in"]), logits], "cast_before"), _outputs=["probs"])
+        kept = _or([op.Slice(probs, slice_starts, slice_ends, _allow_other_inputs=True, _outputs=["kept"]), probs], "sink_slice", [True, False])
+        pv = op.MatMul(_or([op.Cast(kept, _outputs=["probs_cast"]), kept], "cast_after"), value, _outputs=["pv"])
+        # attention sinks as a gate: pv * Unsqueeze(Sigmoid(ReduceLogSumExp(masked) - sinks))
+        lse = op.ReduceLogSumExp(masked, lse_axes, _outputs=["lse"])
+        gate = op.Unsqueeze(op.Sigmoid(op.Sub(lse, sink_lse)), gate_axes, _outputs=["gate"])
+        gated = _or([op.Mul(pv, gate), op.Mul(gate, pv), pv], "sink_gate", [True, True, False])
+        return op.Reshape(op.Transpose(gated, perm=[0, 2, 1, 3], _outputs=["pv_bsnh"]), out_shape, _outputs=["out"])
 
     def check(self, op: Any, *_: Any, **bound: Any) -> MatchResult:  # op: the MatchContext (the base class names it so)
         self.core = None
@@ -165,8 +184,23 @@ class AttentionCoreRule(RewriteRuleClassBase):
         if _width(new_key) is None or _width(new_value) is None:
             return fail("the new keys or values are not heads [B, N, S, hd] of a static N whose packed form is [B, S, N*hd]")
         scale, softcap, bias = scored
-        self.core = AttentionCore(layer, q, new_key, new_value, width // self.head_dim, past_key, past_value, present_key, present_value, bias, scale, softcap, bound["out"], bound["out_shape"])
+        sink = self._sink(bound, width // self.head_dim, q.dtype)
+        if isinstance(sink, MatchResult):
+            return sink
+        self.core = AttentionCore(
+            layer, q, new_key, new_value, width // self.head_dim, past_key, past_value, present_key, present_value, bias, scale, softcap, bound["out"], bound["out_shape"], sink=sink
+        )
         return MatchResult()
+
+    def _sink(self, bound: dict[str, Any], n_heads: int, dtype: ir.DataType | None) -> ir.Value | MatchResult | None:
+        """The core's attention sinks (``sinks``), None without, or why they are not matched."""
+        if not bound.get("sink_form") and not bound.get("sink_gate"):
+            return fail("the probabilities are sliced, but the scores have no attention sinks concatenated") if bound.get("sink_slice") else None
+        if not self.sinks:
+            return fail("the softmax has attention sinks (a learned logit per head in its denominator), which this rewrite does not carry")
+        if bound.get("sink_form") and bound.get("sink_gate"):
+            return fail("attention sinks both concatenated to the scores and gating the output")
+        return concat_sink(bound, n_heads, dtype) if bound.get("sink_form") else gate_sink(bound, n_heads, dtype)
 
     def rewrite(self, op: Any, **_: Any) -> Any:
         return None  # matching only: see targets.ort.gqa.GroupQueryAttention
@@ -212,7 +246,7 @@ def _readers(bound: dict[str, Any], softmax_island: bool = False) -> MatchResult
         source = node.inputs[0] if node is not None else None
         if source is None or (source.dtype != cast.dtype and not (softmax_island and _island(source, cast, bound))):
             return fail("the scores are cast to another type before the softmax")
-    if not _read_once(bound["probs"]) or (bound.get("probs_cast") is not None and not _read_once(bound["probs_cast"])):
+    if not all(_read_once(bound[name]) for name in ("probs", "probs_cast", "kept") if bound.get(name) is not None):
         return fail("the attention probabilities are read by more than the value MatMul")
     if not _read_once(bound["pv"]) or not _read_once(bound["pv_bsnh"]):
         return fail("the attention output is read by more than its Transpose and Reshape")
@@ -236,7 +270,8 @@ def _presents(key: ir.Value, value: ir.Value) -> MatchResult | tuple[tuple[int, 
 
 def find_attention(model: ir.Model, head_dim: int, *, softmax_island: bool = False) -> list[AttentionCore]:
     """Every layer's attention core that the pass can replace, in layer order (nothing rewritten);
-    ``rotary`` holds q's rotate-half (cos, sin) when it has one."""
+    ``rotary`` holds q's rotate-half (cos, sin) when it has one. A core with attention sinks is not
+    one (``--target onnx``'s ``Attention`` has no sink input)."""
     finder = AttentionCoreRule(head_dim, softmax_island=softmax_island)
     cores: dict[int, AttentionCore] = {}
     rule = rule_of(finder)

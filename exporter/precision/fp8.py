@@ -39,29 +39,25 @@ from kiln.exporter.precision.kinds.base import Prepared
 from kiln.exporter.precision.lowbit_check import CheckLowBit
 from kiln.exporter.precision.policy import KeepFloat, rule_matches
 from kiln.exporter.precision.qdq_rules import MIN_FP8_OPSET
+from kiln.exporter.precision.qdq_scales import FP8_MAX, QdqSink, fp8_numbers, fp8_scale
 
 if TYPE_CHECKING:
     from kiln.exporter.contract.io import GraphKind
+    from kiln.exporter.parity.qdq_numbers import QdqModule
     from kiln.exporter.precision.kinds.base import GraphReports, Ranges
     from kiln.exporter.precision.context import PrecisionContext
     from kiln.exporter.precision.kinds.fp8 import Fp8
 
-__all__ = ["prepare", "QuantizeFp8", "FP8_MAX", "MIN_FP8_OPSET"]
+__all__ = ["prepare", "QuantizeFp8", "FP8_MAX", "MIN_FP8_OPSET", "fp8_scale"]
 
-FP8_MAX = 448.0  # E4M3's largest finite value
 _FP8 = ir.DataType.FLOAT8E4M3FN
 _SCALE = ir.DataType.FLOAT16
-
-
-def _scale(amax: np.ndarray) -> np.ndarray:
-    s = (np.asarray(amax, dtype=np.float32) / FP8_MAX).astype(np.float16)
-    return np.where(s > 0, s, np.float16(1.0)).astype(np.float16)  # never 0; fp16's smallest normal is 6e-5
 
 
 def fp8_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``weight [K, N]`` -> (E4M3 values [K, N], fp16 scale [N]): per output column, amax / 448."""
     w = np.asarray(weight, dtype=np.float32)
-    scale = _scale(np.abs(w).max(axis=0))
+    scale = fp8_scale(np.abs(w).max(axis=0))
     return np.clip(w / scale.astype(np.float32), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn), scale
 
 
@@ -76,10 +72,14 @@ class QuantizeFp8(ir.passes.InPlacePass):
     """fp8 Q/DQ on the MatMuls ``policy`` does not keep float; activation ranges from ``calibrate``
     (run on the fp32 graph). ``quantized`` names the MatMuls."""
 
-    def __init__(self, calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]], policy: KeepFloat, required: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]], policy: KeepFloat, required: tuple[str, ...] = (),
+        keep: Callable[[dict[str, QdqModule] | None], None] | None = None,
+    ) -> None:
         super().__init__()
         self.calibrate, self.policy = calibrate, policy
         self.required = required  # --fp8-float rules: each must name some MatMul (a typo would keep nothing)
+        self.keep = keep  # given the scales kiln expects the Q/DQ to hold (``qdq_scales``), made before any is written
         self.quantized: list[str] = []
         self._ran = False
 
@@ -99,6 +99,8 @@ class QuantizeFp8(ir.passes.InPlacePass):
             if weight is not None and tensor is not None and weight.dtype == ir.DataType.FLOAT and len(tensor.shape) == 2 and node.inputs[0] is not None:
                 targets.append(node)
         ranges = self.calibrate(model) if targets else {}
+        if self.keep is not None:
+            self.keep(fp8_numbers(graph, [n.name or "" for n in targets], ranges))
         activations: dict[int, ir.Value] = {}
         for node in targets:
             x = node.inputs[0]
@@ -123,7 +125,7 @@ class QuantizeFp8(ir.passes.InPlacePass):
             raise ExportError(f"{node.name}: no calibrated range for its input {x.name}")
         lo, hi = ranges[x.name]
         base = f"fp8/{x.name}"
-        scale = _const(graph, f"{base}.scale", lambda: _scale(np.array(max(abs(lo), abs(hi)))), _SCALE, ())
+        scale = _const(graph, f"{base}.scale", lambda: fp8_scale(np.array(max(abs(lo), abs(hi)))), _SCALE, ())
         zero = _const(graph, f"{base}.zero_point", lambda: np.zeros((), dtype=ml_dtypes.float8_e4m3fn), _FP8, ())
         q = ir.node("QuantizeLinear", [x, scale, zero], name=f"{node.name}/input/QuantizeLinear")
         dq = ir.node("DequantizeLinear", [q.outputs[0], scale, zero], name=f"{node.name}/input/DequantizeLinear")
@@ -166,7 +168,7 @@ def prepare(kind: Fp8, context: PrecisionContext) -> Prepared:
     """The fp8 kind's machinery (``kinds.fp8``): int8's default float rules and ``--fp8-float``'s,
     and each graph's pass on that graph's calibrated ranges."""
     assert context.ranges is not None, "the pipeline calibrates every Needs.RANGES export"
-    return _Fp8Prepared(KeepFloat(DEFAULT_INT8_FLOAT + kind.float_rules), kind.float_rules, context.ranges, context.options.calib_method)
+    return _Fp8Prepared(KeepFloat(DEFAULT_INT8_FLOAT + kind.float_rules), kind.float_rules, context.ranges, context.options.calib_method, QdqSink("fp8"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +177,11 @@ class _Fp8Prepared(Prepared):
     required: tuple[str, ...]  # --fp8-float rules: each must name a MatMul
     ranges: Callable[[GraphKind, ir.Model], Ranges]
     method: str  # --calib-method
+    qdq: QdqSink  # each graph's scales as kiln made them: parity's Q/DQ proof (``pipeline``)
 
     def passes(self, kind: GraphKind) -> list[ir.passes.PassBase]:
         ranges = self.ranges
-        return [QuantizeFp8(lambda model: ranges(kind, model), self.policy, self.required)]
+        return [QuantizeFp8(lambda model: ranges(kind, model), self.policy, self.required, lambda numbers: self.qdq.keep(kind.value, numbers))]
 
     def checks(self, kind: GraphKind) -> list[ir.passes.PassBase]:
         return [CheckLowBit()]

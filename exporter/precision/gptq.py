@@ -14,8 +14,9 @@ CUDA kernels and export no ONNX; kiln only needs the numbers.
 Row ``i`` of the upper factor ``U`` (``H^-1 = U^T U``) carries the error of row ``i`` to the rows
 after it, as in the reference implementation, which also gives the factor's recipe: Cholesky of
 ``H``, its inverse from that, Cholesky of the inverse (1.3 K^3 flops against an LU inverse's 2.3),
-computed once per Hessian (``inverse_factor``) for every weight that reads its input. Each block's scale is chosen when the block is
-reached, from the weights as updated so far, by the same clip search as RTN's. Columns are
+computed once per Hessian (``inverse_factor``) for every weight that reads its input. Each block's
+scale is chosen when the block is reached, from the weights as updated so far, by the same clip
+search as RTN's. Columns are
 independent given ``H``, so the q/k/v (or gate/up) weights that read one input get the same
 numbers whether they are quantized apart or side by side.
 """

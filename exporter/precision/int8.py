@@ -25,10 +25,12 @@ from kiln.errors import ExportError
 from kiln.exporter.precision.kinds.base import Prepared
 from kiln.exporter.precision.policy import KeepFloat, rule_matches
 from kiln.exporter.precision.qdq_rules import MIN_INT8_OPSET, check_qdq
+from kiln.exporter.precision.qdq_scales import QdqSink, int8_numbers
 from kiln.exporter.precision.via_proto import via_proto
 
 if TYPE_CHECKING:
     from kiln.exporter.contract.io import GraphKind
+    from kiln.exporter.parity.qdq_numbers import QdqModule
     from kiln.exporter.precision.kinds.base import GraphReports, Ranges
     from kiln.exporter.precision.context import PrecisionContext
     from kiln.exporter.precision.kinds.int8 import Int8
@@ -100,16 +102,22 @@ class QuantizeInt8(ir.passes.FunctionalPass):
     """``quantize_int8`` as a pass, on the ranges ``calibrate`` computes for the graph it is
     given (calibration runs the fp32 graph itself); ``quantized`` names the quantized nodes."""
 
-    def __init__(self, calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]], policy: KeepFloat) -> None:
+    def __init__(
+        self, calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]], policy: KeepFloat, keep: Callable[[dict[str, QdqModule] | None], None] | None = None
+    ) -> None:
         super().__init__()
         self.calibrate, self.policy = calibrate, policy
+        self.keep = keep  # given the scales kiln expects the Q/DQ to hold (``qdq_scales``), made before the quantizer runs
         self.quantized: list[str] = []
         self._ran = False
 
     report_name = "int8"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        quantized, self.quantized = quantize_int8(model, self.calibrate(model), self.policy)
+        ranges = self.calibrate(model)
+        if self.keep is not None:
+            self.keep(int8_numbers(model.graph, int8_targets(model.graph, self.policy), ranges))
+        quantized, self.quantized = quantize_int8(model, ranges, self.policy)
         self._ran = True
         return ir.passes.PassResult(quantized, modified=True)
 
@@ -123,17 +131,18 @@ def prepare(kind: Int8, context: PrecisionContext) -> Prepared:
     """The int8 kind's machinery (``kinds.int8``): its policy, and each graph's pass on that
     graph's calibrated ranges."""
     assert context.ranges is not None, "the pipeline calibrates every Needs.RANGES export"
-    return _Int8Prepared(Int8Policy(() if kind.all_matmuls else DEFAULT_INT8_FLOAT + kind.float_rules), context.ranges)
+    return _Int8Prepared(Int8Policy(() if kind.all_matmuls else DEFAULT_INT8_FLOAT + kind.float_rules), context.ranges, QdqSink("int8"))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Int8Prepared(Prepared):
     policy: KeepFloat
     ranges: Callable[[GraphKind, ir.Model], Ranges]
+    qdq: QdqSink  # each graph's scales as kiln made them: parity's Q/DQ proof (``pipeline``)
 
     def passes(self, kind: GraphKind) -> list[ir.passes.PassBase]:
         ranges = self.ranges
-        return [QuantizeInt8(lambda model: ranges(kind, model), self.policy)]
+        return [QuantizeInt8(lambda model: ranges(kind, model), self.policy, lambda numbers: self.qdq.keep(kind.value, numbers))]
 
     def extras(self, reports: GraphReports) -> dict[str, Any]:
         return {"int8_nodes": {kind.value: r.get("int8", {}).get("nodes", []) for kind, r in reports.items()}}

@@ -25,6 +25,7 @@ import onnx
 import onnx_ir as ir
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import ENCODER_STATES, GraphKind, carried_cache, is_cross
+from kiln.exporter.contract.steps import empty_past
 from kiln.exporter.parity import tensor_feeds
 from kiln.exporter.precision.fp16 import convert_to_fp16
 from kiln.exporter.precision.policy import Fp16Policy, resolve_kept_nodes, rule_matches
@@ -170,6 +171,5 @@ def _prefill_as_unified(spec: DecoderSpec, seed: int, with_past: dict[str, np.nd
     cross-attention decoder, the cross cache of ``with_past``, the unified feeds)."""
     feeds = tensor_feeds(spec, GraphKind.PREFILL, seed, np.dtype(np.float16))
     feeds.pop(ENCODER_STATES, None)
-    empty = np.zeros((2, spec.n_kv_heads, 0, spec.head_dim), dtype=np.float16)
-    feeds.update({past: with_past[past] if is_cross(past) else empty for past, _ in carried_cache(spec)})
+    feeds.update({past: with_past[past] for past, _ in carried_cache(spec) if is_cross(past)} | empty_past(spec, 2, np.dtype(np.float16)))
     return feeds

@@ -83,7 +83,8 @@ def computes_in_fp32(module: nn.Module, *, budget: int | None = None) -> nn.Modu
         if type(sub) is nn.Embedding and sub.max_norm is None:
             sub.register_forward_hook(_upcast_output)
         elif type(sub) is nn.Linear and sub.weight.numel() > _CHUNK_ELEMENTS:
-            sub.forward = functools.partial(_linear_in_slices, sub, scratch)  # type: ignore[method-assign]  # this module's forward, on this instance only
+            # this module's forward, on this instance only
+            sub.forward = functools.partial(_linear_in_slices, sub, scratch)  # type: ignore[method-assign]
         else:
             _lend_during_calls(sub, low, scratch)
     return module
@@ -154,7 +155,8 @@ def _lend_during_calls(module: nn.Module, names: list[str], scratch: Scratch) ->
         stored.append(originals)
         for name, tensor in originals.items():
             assert tensor is not None, "names are of parameters that exist"
-            mod._parameters[name] = scratch.lend(tensor)  # type: ignore[assignment]  # a plain tensor for one call (no autograd here)
+            # a plain tensor for one call (no autograd here)
+            mod._parameters[name] = scratch.lend(tensor)  # type: ignore[assignment]
 
     def after(mod: nn.Module, args: object, output: object) -> None:
         for name, tensor in stored.pop().items():

@@ -38,6 +38,7 @@ from typing import Any
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.contract.io import GraphKind, past_names, present_names
+from kiln.exporter.targets import target
 from kiln.inputs import TOKENIZER_MAX_BYTES, read_input
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "PRESENT_VALUE_TEMPLATE",
     "genai_config",
     "genai_graph",
+    "genai_refusal",
     "tokenizer_config",
     "write_genai_config",
 ]
@@ -95,17 +97,35 @@ def genai_graph(manifest: Manifest) -> str:
     """The graph GenAI runs: ``model.onnx``, or for an ``--int4 --target ort`` export
     ``model.ort.onnx`` (MatMulNBits bits=4: what is fast on ONNX Runtime; the portable int4
     graph's DequantizeLinear would also run). Same I/O contract either way."""
-    ort = (manifest.targets or {}).get("ort")
-    if ort is not None and ort.precision == "int4":
-        return ort.graphs[GraphKind.UNIFIED.value].file
+    for name, entry in (manifest.targets or {}).items():  # the first target that says GenAI runs its graph
+        if target(name).serves_genai(entry.precision):
+            return entry.graphs[GraphKind.UNIFIED.value].file
     return manifest.graph(GraphKind.UNIFIED).file
+
+
+def genai_refusal(manifest: Manifest) -> str | None:
+    """Why GenAI cannot run an export's cache (None: it can): its decoder sizes every cache
+    tensor by one ``head_size`` and ``num_key_value_heads``, which a cache of per-tensor shapes
+    (multi-head latent attention's latent and rope key) does not have. Read from the manifest's
+    ``kv_cache.kind`` and from the unified graph's own cache inputs, so no config of other shapes
+    than the graph's is ever written."""
+    model = manifest.model
+    shapes = {(t.shape[1], t.shape[3]) for t in manifest.graph(GraphKind.UNIFIED).inputs if t.name.startswith("past_key_values.") and len(t.shape) == 4}
+    if manifest.kv_cache.kind is None and shapes <= {(model.n_kv_heads, model.head_dim)}:
+        return None
+    kind = manifest.kv_cache.kind or "per-tensor"
+    return (
+        f"genai: no genai_config.json for a {kind} cache (multi-head latent attention: a latent and a rope key per layer, of two widths):"
+        f" ONNX Runtime GenAI sizes every cache tensor by one head_size; run the portable graphs (kiln generate)"
+    )
 
 
 def genai_config(manifest: Manifest) -> dict[str, Any]:
     """The ``genai_config.json`` of an export, from its manifest alone."""
+    if (why := genai_refusal(manifest)) is not None:
+        raise ArtifactError(why)
     _check_io(manifest)
     model = manifest.model
-    config = manifest.config
     n_kv, head_dim = model.n_kv_heads, model.head_dim
     context = manifest.limits.max_context
     tokens: dict[str, int] = {}

@@ -3,16 +3,19 @@ beside them (never replacing them) and says what parity, the manifest and a run 
 
 The pipeline iterates the registry (``exporter.targets``); a target is one folder behind this
 interface and one registration. The pipeline and parity reach a target only through the
-registry; outside its folder, readers of what it wrote and a few option checks still name it (the
-TensorRT engines read the manifest's ``targets.onnx``, the GenAI config ``targets.ort``;
-``plan.py``, ``check.py``, ``support.py``). No target folder imports
-another's (``tests/unit/test_code_shape.py``): what they share is ``exporter.patterns``. The
-interface:
+registry, and every other module asks a target what it is rather than testing its name
+(``tests/unit/test_code_shape.py``, whose allow-list says why the TensorRT engines, built from the
+onnx target's graphs, still name it). No target folder imports another's (the same test): what
+they share is ``exporter.patterns``. The interface:
 
 - ``reasons(spec, options)``: why it cannot build from the export's options (its own flags
   without it too: every target is asked of every export) and, given the model's ``spec``, from a
   structure it cannot rewrite, one line each; the plan stage (``exporter.plan``) asks it with
   every other refusal, before any work is done;
+- ``flags``: its own ``kiln export`` options (``kiln.registry.Flag``), which the CLI builds from the
+  registry; their values reach it as ``options.target_flags``, by the flag's ``field``;
+- ``letter``, ``lora_slots``, ``serves_genai(precision)``: its column's letter in ``kiln plugins``,
+  whether ``--lora-slots`` is built on its graphs, whether ONNX Runtime GenAI runs its unified graph;
 - ``wanted(options)``: whether this export writes it (``--target NAME``);
 - ``write(given)``: its graphs, from the portable ones, as ``TargetGraphs``: their paths, their
   precision, its weights file, per graph what its passes report (``passes.reports``), its own
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kiln.exporter.contract.io import CacheUpdate, GraphIO, GraphKind
+from kiln.registry import Flag
 
 if TYPE_CHECKING:  # the registry is read by the CLI before anything heavy is imported
     from kiln.exporter.options import ExportOptions
@@ -77,6 +81,11 @@ class Target(Protocol):
     label: str  # what its graphs are, in a sentence ("ONNX Runtime-target")
     description: str  # one line, for --help
     kv_caches: tuple[CacheUpdate, ...]  # the cache contracts its graphs follow (kiln verify refuses another)
+    # its own CLI options (``kiln export --help`` lists them after --target); their values reach it as
+    # ``options.target_flags[flag.field]``
+    flags: tuple[Flag, ...]
+    letter: str  # its letter in ``kiln plugins``' marks (``support``)
+    lora_slots: bool  # --lora-slots is built on its graphs
 
     def reasons(self, spec: DecoderSpec | None, options: ExportOptions) -> list[str]: ...
 
@@ -85,6 +94,10 @@ class Target(Protocol):
     def write(self, given: TargetGiven) -> TargetGraphs: ...
 
     def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]: ...
+
+    def serves_genai(self, precision: str) -> bool:
+        """Whether ONNX Runtime GenAI runs its unified graph (of ``precision``), not the portable one."""
+        ...
 
     def quantized_precision(self, precision: str) -> str | None:
         """The precision whose tolerances judge this target's graphs of ``precision`` against

@@ -33,7 +33,8 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 import torch
-from google.protobuf.message import DecodeError  # type: ignore[import-untyped]  # onnx.load's error for bytes that are no model
+# onnx.load's error for bytes that are no model
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from torch import nn
 
 from kiln.errors import ExportError
@@ -42,7 +43,8 @@ from kiln.newfile import new_output
 
 __all__ = ["UNBOUND", "TraceCache", "as_cached", "from_cached", "trace_cache"]
 
-UNBOUND = "kiln-trace-cache-unbound"  # the location of a cached initializer's placeholder (never a file; passes.bind knows it)
+# the location of a cached initializer's placeholder (never a file; passes.bind knows it)
+UNBOUND = "kiln-trace-cache-unbound"
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _VERSIONED = ("torch", "onnx", "onnx-ir", "onnxscript", "transformers")
 # a config's source or identity, not what it computes; transformers' GenerationConfig (a model's
@@ -174,9 +176,13 @@ def _stable(value: Any, depth: int = 0) -> str:
         return "[" + ",".join(_stable(v, depth) for v in value) + "]"
     if isinstance(value, (set, frozenset)):
         return "{" + ",".join(sorted(_stable(v, depth) for v in value)) + "}"
-    if isinstance(value, Callable) and not isinstance(value, type):  # type: ignore[arg-type]  # a function: its name and code's digest
+    # a function: its name and code's digest
+    if isinstance(value, Callable) and not isinstance(value, type):  # type: ignore[arg-type]
         code = getattr(getattr(value, "__func__", value), "__code__", None)
-        return f"{getattr(value, '__qualname__', type(value).__qualname__)}:{hashlib.sha256(code.co_code).hexdigest()[:16] if code else _ADDRESS.sub('', repr(value))}"
+        name = getattr(value, "__qualname__", type(value).__qualname__)
+        digest = hashlib.sha256(code.co_code).hexdigest()[:16] if code else _ADDRESS.sub("", repr(value))
+        return f"{name}:{digest}"
     if hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type)) and depth < 2:
-        return f"{type(value).__qualname__}({_stable({k: v for k, v in vars(value).items() if k not in _WHERE_FROM}, depth + 1)})"
+        attributes = {k: v for k, v in vars(value).items() if k not in _WHERE_FROM}
+        return f"{type(value).__qualname__}({_stable(attributes, depth + 1)})"
     return _ADDRESS.sub("", repr(value))

@@ -109,7 +109,8 @@ def _trace(
     transposed: set[int],
     on_phase: Callable[[], None],
 ) -> ir.Model:
-    spec = dataclasses.replace(reference.spec, n_layers=layers)
+    own = reference.spec.cache
+    spec = dataclasses.replace(reference.spec, n_layers=layers, cache=dataclasses.replace(own, layers=own.layers[:layers]) if own else None)
     arguments: dict[str, Any] = dict(
         kind=kind,
         io_spec=graph_io(spec, kind, last_logits_only=options.last_logits_only),

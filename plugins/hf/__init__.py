@@ -12,12 +12,14 @@ loaded (install the ``hf`` extra: ``pip install -e ".[hf]"`` in kiln's checkout)
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping
+import types
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from kiln.errors import CheckpointError
 from kiln.plugins.base import DecoderSpec, LoadedModel
+from kiln.plugins.cache_layout import CacheLayout
 from kiln.plugins.files import checkpoint_dir, read_config
 from kiln.plugins.hf.archs import ALIASES, ARCHS
 from kiln.plugins.hf.seq2seq import SEQ2SEQ
@@ -81,17 +83,22 @@ class HFFamily:
         """Each row of ``table``'s structure, as far as the export's refusals read it (no config
         is read: the sizes are placeholders), for ``kiln plugins`` to ask them what it takes;
         tests/unit/test_support.py checks it against the specs the tiny models' configs give."""
-        decoders = [_structure(name, window=a.window) for name, a in ARCHS.items()]
+        decoders = [_structure(name, window=a.window, chunked=a.chunked, cache=a.cache) for name, a in ARCHS.items()]
         return decoders + [_structure(name, encoder=True) for name in SEQ2SEQ]
 
 
-def _structure(arch: str, *, window: bool = False, encoder: bool = False) -> DecoderSpec:
+_PLACEHOLDER = types.SimpleNamespace(num_hidden_layers=1, kv_lora_rank=64, qk_rope_head_dim=64)  # the sizes a cache layout reads
+
+
+def _structure(arch: str, *, window: bool = False, chunked: bool = False, cache: Callable[[Any], CacheLayout] | None = None, encoder: bool = False) -> DecoderSpec:
     """A decoder of ``arch``: its config with a sliding_window field (unset) where its class has
-    one, and an encoder-decoder's with cross-attention over its own encoder's states."""
-    config = {"architecture": arch, **({"sliding_window": None} if window else {})}
+    one, an attention_chunk_size field (unset) where it has chunked layers, its own cache layout
+    where it has one (of placeholder sizes), and an encoder-decoder's with cross-attention over
+    its own encoder's states."""
+    config = {"architecture": arch, **({"sliding_window": None} if window else {}), **({"attention_chunk_size": None} if chunked else {})}
     return DecoderSpec(
         family=HFFamily.name, n_layers=1, n_kv_heads=1, head_dim=64, vocab_size=1, max_context=None,
-        encoder_dim=64 if encoder else None, has_encoder=encoder, config=config,
+        encoder_dim=64 if encoder else None, has_encoder=encoder, config=config, cache=cache(_PLACEHOLDER) if cache is not None else None,
     )  # fmt: skip
 
 

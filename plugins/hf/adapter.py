@@ -45,7 +45,8 @@ __all__ = ["CONFIG", "WEIGHTS", "LoraAdapter", "base_names", "check_base", "chec
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # what PEFT's saved keys start with: the LoRA model's wrapped model
 _HALVES = (".lora_A.weight", ".lora_B.weight")
-_SAVED = ".base_layer.weight"  # a base weight PEFT saves beside the LoRA (an lm_head target: in case the vocabulary was resized)
+# a base weight PEFT saves beside the LoRA (an lm_head target: in case the vocabulary was resized)
+_SAVED = ".base_layer.weight"
 # adapter_config.json fields that make an adapter more than B @ A per module (refused when set)
 _REFUSED = {
     "use_dora": "DoRA rescales every column of the merged weight by a learned magnitude",
@@ -251,7 +252,9 @@ def merge(model: nn.Module, adapters: Sequence[LoraAdapter]) -> None:
             update = delta.T if isinstance(module, Conv1D) else delta  # Conv1D: [in, out]
             if weight.dtype == torch.float32:
                 weight.add_(update)
-            else:  # W + delta is no bf16/fp16 value: the merged weight stays fp32 (the graphs' own dtype, which the reference computes in)
+            else:
+                # W + delta is no bf16/fp16 value: the merged weight stays fp32 (the graphs' own dtype, which the
+                # reference computes in)
                 module.weight = nn.Parameter(weight.float() + update, requires_grad=False)
 
 

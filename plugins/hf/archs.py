@@ -2,9 +2,11 @@
 
 Every architecture is read by the same standard config fields (``config.read_spec``); an entry
 here holds only what differs: its context-length field where it has another name (or none: ALiBi),
-its KV-head rule where the cache holds other heads than ``num_key_value_heads`` says, and the
-config values it refuses (``Refusal``: a field that changes the forward pass in a way kiln does
-not prove), and for a multimodal wrapper the text decoder it is exported as (``TextDecoder``).
+its KV-head rule where the cache holds other heads than ``num_key_value_heads`` says, its cache
+layout where the cache is not keys and values per head (``Arch.cache``: multi-head latent
+attention), the config values it refuses (``Refusal``: a field that changes the forward pass in a
+way kiln does not prove), and for a multimodal wrapper the text decoder it is exported as
+(``TextDecoder``).
 An architecture is listed only when a test proves generation parity against
 transformers' own ``generate()`` for it (``tests/export/test_hf_archs.py``; a test fails if an
 entry has no tiny model there).
@@ -15,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from kiln.plugins.cache_layout import CacheLayout
 
 __all__ = ["ALIASES", "ARCHS", "Arch", "Refusal", "TextDecoder"]
 
@@ -61,6 +65,11 @@ class Arch:
     window: bool = False
     # a multimodal wrapper: its text decoder is exported (its refusals are then read from text_config)
     text: TextDecoder | None = None
+    # what each layer caches when it is not keys and values per KV head (``plugins.cache_layout``)
+    cache: Callable[[Any], CacheLayout] | None = None
+    # its config has an attention_chunk_size: its chunked_attention layers (a query sees the keys of
+    # its own chunk only) are proved; --target onnx refuses them (exporter/targets/onnx/windows.py)
+    chunked: bool = False
 
 
 def _falcon_kv_heads(cfg: Any) -> int:
@@ -72,6 +81,16 @@ def _falcon_kv_heads(cfg: Any) -> int:
         return int(cfg.num_kv_heads or cfg.num_attention_heads)
     return 1
 
+
+def _latent_cache(cfg: Any) -> CacheLayout:
+    """Multi-head latent attention's cache (DeepSeek-V2/V3, transformers 5.25): per layer the
+    compressed latent (``kv_lora_rank``) in the key slot and the rotated key (``qk_rope_head_dim``)
+    in the value slot, one head each."""
+    return CacheLayout.latent(int(cfg.num_hidden_layers), int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim))
+
+
+# multi-head latent attention: --target ort leaves it portable (GroupQueryAttention caches per-head keys and values, not the latent)
+_MLA = "portable attention (multi-head latent attention)"
 
 _BIDIRECTIONAL = Refusal("use_bidirectional_attention", _truthy, "non-causal attention is not a decoder")
 _LLAMA_PARTIAL = Refusal(
@@ -132,7 +151,7 @@ ARCHS: Mapping[str, Arch] = {
     "GptOssForCausalLM": Arch(
         "gpt-oss",
         notes="mixture of experts (clamped SwiGLU, biases), attention sinks, alternating sliding layers, yarn",
-        ort="portable attention (attention sinks); per-expert MatMuls (expert biases, clamped SwiGLU)",
+        ort="GQA (attention sinks as head_sink); per-expert MatMuls (expert biases, clamped SwiGLU)",
         window=True,
     ),
     "Qwen2MoeForCausalLM": Arch(
@@ -140,7 +159,10 @@ ARCHS: Mapping[str, Arch] = {
     ),
     "OlmoeForCausalLM": Arch("OLMoE", notes="mixture of experts, clip_qkv, q/k norm over all heads", ort="GQA; MoE (decode)"),
     "GraniteMoeForCausalLM": Arch(
-        "GraniteMoE", notes="mixture of experts (softmax over the top-k logits), embedding, residual, attention and logit multipliers", ort=f"GQA; {_TOPK_FIRST}"
+        "GraniteMoE",
+        notes="mixture of experts (softmax over the top-k logits), embedding, residual, attention and logit "
+        "multipliers",
+        ort=f"GQA; {_TOPK_FIRST}",
     ),
     "GraniteMoeSharedForCausalLM": Arch("GraniteMoeShared", notes="GraniteMoE with a shared MLP", ort=f"GQA; {_TOPK_FIRST}"),
     "Glm4MoeForCausalLM": Arch(
@@ -227,17 +249,17 @@ ARCHS: Mapping[str, Arch] = {
     "FlintForCausalLM": Arch(
         "Flint",
         notes="mixture of experts (sigmoid top-k, renormalised) with a shared expert, a dense first layer, attention sinks, sliding layers with rope, global layers without rotary",
-        ort="portable attention (attention sinks); per-expert MatMuls (sigmoid routing)",
+        ort="GQA (attention sinks as head_sink); per-expert MatMuls (sigmoid routing)",
         window=True,
     ),
     "GPTNeoXJapaneseForCausalLM": Arch("GPT-NeoX (ja)", notes="rotary, a bias added after the residual, tied", ort="portable attention (its own causal mask)"),
     "GraniteSWAForCausalLM": Arch(
-        "Granite-SWA", notes="Granite with sliding layers, attention sinks, per-layer rope theta", ort="portable attention (attention sinks)", window=True
+        "Granite-SWA", notes="Granite with sliding layers, attention sinks, per-layer rope theta", ort="GQA (attention sinks as head_sink)", window=True
     ),
     "GraniteMoeSWAForCausalLM": Arch(
         "GraniteMoe-SWA",
         notes="GraniteMoE with sliding layers, attention sinks, per-layer rope theta",
-        ort=f"portable attention (attention sinks); {_TOPK_FIRST}",
+        ort=f"GQA (attention sinks as head_sink); {_TOPK_FIRST}",
         window=True,
     ),
     "HeliumForCausalLM": Arch("Helium", notes="head_dim != hidden/heads"),
@@ -279,6 +301,22 @@ ARCHS: Mapping[str, Arch] = {
     "VaultGemmaForCausalLM": Arch(
         "VaultGemma", notes="alternating sliding/global layers, attention and final logit soft-capping, no post-norms", window=True
     ),
+    # issue 43: multi-head latent attention, its own cache layout (``_latent_cache``)
+    "DeepseekV2ForCausalLM": Arch(
+        "DeepSeek-V2",
+        notes="multi-head latent attention (latent + rope key cache), complex rotary, mixture of experts (softmax top-k, routed scaling) with shared experts, dense first layer",
+        ort=f"{_MLA}; per-expert MatMuls (routed scaling)",
+        cache=_latent_cache,
+    ),
+    "DeepseekV3ForCausalLM": Arch(
+        "DeepSeek-V3",
+        notes=(
+            "multi-head latent attention (latent + rope key cache), q low-rank, interleaved rope, yarn, mixture of experts"
+            " (sigmoid, group-limited top-k, routed scaling) with a shared expert, dense first layer"
+        ),
+        ort=f"{_MLA}; {_SIGMOID}",
+        cache=_latent_cache,
+    ),
     "Gemma3ForConditionalGeneration": Arch(
         "Gemma 3 VLM",
         refusals=(
@@ -297,6 +335,23 @@ ARCHS: Mapping[str, Arch] = {
         notes="text decoder only (Mistral, from text_config); the vision tower is not exported",
         window=True,
         text=TextDecoder(texts=("MistralForCausalLM",)),
+    ),
+    # issue 43
+    "Llama4ForCausalLM": Arch(
+        "Llama 4 (text)",
+        notes=(
+            "chunked attention (rope layers), NoPE global layers with temperature tuning, L2 q/k norm,"
+            " experts (top-1 sigmoid routing) with a shared expert between dense layers, complex rotary"
+        ),
+        ort="GQA (the chunk mask as its bias); dense experts (every expert runs every token)",
+        chunked=True,
+    ),
+    "Llama4ForConditionalGeneration": Arch(
+        "Llama 4 VLM",
+        notes="text decoder only (Llama 4 text, from text_config); the vision tower is not exported",
+        ort="GQA (the chunk mask as its bias); dense experts (every expert runs every token)",
+        chunked=True,
+        text=TextDecoder(texts=("Llama4ForCausalLM",), prefix="language_model.model", head="language_model.lm_head"),
     ),
 }
 

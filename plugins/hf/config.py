@@ -34,7 +34,10 @@ SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"
 STATIC_ROPE = ("default", "linear", "yarn", "llama3", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _ROPE_WHY = {
-    "dynamic": "dynamic NTK recomputes its frequencies from the sequence length at run time and keeps them on the module between calls (a data-dependent, stateful branch a traced graph cannot reproduce)",
+    "dynamic": (
+        "dynamic NTK recomputes its frequencies from the sequence length at run time and keeps them on the module "
+        "between calls (a data-dependent, stateful branch a traced graph cannot reproduce)"
+    ),
 }
 
 
@@ -98,9 +101,10 @@ def refuse(cfg: Any, arch: str) -> None:
         if rope_type not in STATIC_ROPE:
             why = _ROPE_WHY.get(rope_type, f"kiln proves {', '.join(STATIC_ROPE)}")
             raise CheckpointError(f"{where}: rope_type {rope_type!r} is not supported: {why}")
-    kinds = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(LAYER_TYPES))
+    proved = (*LAYER_TYPES, *(("chunked_attention",) if ARCHS[arch].chunked else ()))
+    kinds = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(proved))
     if kinds:
-        raise CheckpointError(f"{where}: layer_types {kinds} are not supported: kiln exports {', '.join(LAYER_TYPES)} layers")
+        raise CheckpointError(f"{where}: layer_types {kinds} are not supported: kiln exports {', '.join(proved)} layers")
     for refusal in ARCHS[arch].refusals:
         value = _field(cfg, refusal.field)
         if refusal.refused(value):
@@ -163,6 +167,7 @@ def read_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
         eos_token_id=_token(cfg, "eos_token_id"),
         pad_token_id=_token(cfg, "pad_token_id"),
         config=_manifest_config(cfg, arch),
+        cache=a.cache(cfg) if a.cache is not None else None,
     )
 
 

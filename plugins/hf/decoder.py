@@ -5,6 +5,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from kiln.plugins.hf.deepseek_rotary import deepseek_rewrites_for
+from kiln.plugins.hf.real_rotary import rewrites_for
 from torch import Tensor, nn
 
 __all__ = ["KV", "HFDecoder", "HFSeq2Seq"]
@@ -27,11 +29,14 @@ def _cache_of(out: Any) -> Any:
 
 
 class HFDecoder(nn.Module):
-    """The model's own forward pass with its own ``DynamicCache``, flattened to kiln's contract."""
+    """The model's own forward pass with its own ``DynamicCache``, flattened to kiln's contract
+    (traced with ``real_rotary.rewrites_for`` its code: complex rotary in real arithmetic)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.rewrites = rewrites_for(model)
+        self.mla_rewrites = deepseek_rewrites_for(model)  # DeepSeek-V2's complex rotary (deepseek_rotary)
 
     def forward(
         self,
@@ -51,14 +56,15 @@ class HFDecoder(nn.Module):
         for i, (key, value) in enumerate(past_key_values or []):
             cache.update(key, value, i)
         cache_kwarg, takes_positions = _forward_kwargs(self.model)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            use_cache=True,
-            logits_to_keep=1 if last_logits_only else 0,
-            **{cache_kwarg: cache},
-            **({"position_ids": position_ids} if takes_positions else {}),
-        )
+        with self.rewrites(), self.mla_rewrites():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=True,
+                logits_to_keep=1 if last_logits_only else 0,
+                **{cache_kwarg: cache},
+                **({"position_ids": position_ids} if takes_positions else {}),
+            )
         layers = _cache_of(out).layers
         return out.logits, [(layer.keys, layer.values) for layer in layers]
 
@@ -84,7 +90,8 @@ class HFSeq2Seq(nn.Module):
         self,
         input_ids: Tensor,
         attention_mask: Tensor,
-        position_ids: Tensor,  # the decoder's positions are its cache's length (no left padding in a decoder of generate())
+        # the decoder's positions are its cache's length (no left padding in a decoder of generate())
+        position_ids: Tensor,
         past_key_values: list[tuple[Tensor, ...]] | None = None,
         last_logits_only: bool = False,
         encoder_hidden_states: Tensor | None = None,

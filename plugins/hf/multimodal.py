@@ -3,7 +3,8 @@
 A wrapper such as ``Gemma3ForConditionalGeneration`` or ``Mistral3ForConditionalGeneration``
 computes text-only logits as ``lm_head(language_model(inputs_embeds=embed(input_ids)))``: its
 language model at ``model.language_model`` (transformers 5.25's names, which its loader maps older
-checkpoints' keys to) and its head at ``lm_head``, with the sizes in ``config.text_config``. kiln
+checkpoints' keys to; Llama 4's at ``language_model.model``) and its head at ``lm_head`` (Llama
+4's ``language_model.lm_head``), with the sizes in ``config.text_config``. kiln
 loads the wrapper as transformers does, then builds the causal LM class transformers maps
 ``text_config`` to (``Gemma3ForCausalLM``, ``MistralForCausalLM``) around those two modules (the
 same tensors, tied as the wrapper ties them): the decoder every later stage exports. The rest of
@@ -103,6 +104,8 @@ def text_decoder(model: Any, arch: str) -> tuple[Any, str, TextDecoderOf]:
     with torch.device("meta"):  # its own modules are replaced by the wrapper's: no memory
         # _from_config is private, but transformers has no public way to build a named class with an attention implementation
         text = getattr(transformers, name)._from_config(config, attn_implementation="eager", dtype=head.weight.dtype)
-    setattr(text, text.base_model_prefix, body)
+    # the attribute that holds its base model (Llama4ForCausalLM's is ``model``, though its base_model_prefix says language_model)
+    own = next(name for name, child in text.named_children() if type(child) is type(body))
+    setattr(text, own, body)
     text.set_output_embeddings(head)
     return text.eval(), name, TextDecoderOf(arch, trait.prefix, _left_out(model, trait))

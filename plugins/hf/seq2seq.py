@@ -107,8 +107,8 @@ def read_seq2seq_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
 V, H, L, NH, FF, CTX = 128, 64, 2, 4, 128, 64
 _IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 _BART_LIKE = dict(
-    **_IDS, vocab_size=V, d_model=H, encoder_layers=L, decoder_layers=L, encoder_attention_heads=NH, decoder_attention_heads=NH,
-    encoder_ffn_dim=FF, decoder_ffn_dim=FF, max_position_embeddings=CTX,
+    **_IDS, vocab_size=V, d_model=H, encoder_layers=L, decoder_layers=L, encoder_attention_heads=NH,
+    decoder_attention_heads=NH, encoder_ffn_dim=FF, decoder_ffn_dim=FF, max_position_embeddings=CTX,
     init_std=0.3,  # transformers' 0.02 gives a tiny random model constant outputs: no test at all
 )  # fmt: skip
 
@@ -128,16 +128,17 @@ SEQ2SEQ_TINY: Mapping[str, tuple[str, Callable[..., Any]]] = {
     "t5": (
         "T5ForConditionalGeneration",
         _cfg(
-            "T5Config", **_IDS, vocab_size=V, d_model=H, d_kv=16, d_ff=FF, num_layers=L, num_decoder_layers=L, num_heads=NH,
-            relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0, initializer_factor=8.0,
+            "T5Config", **_IDS, vocab_size=V, d_model=H, d_kv=16, d_ff=FF, num_layers=L, num_decoder_layers=L,
+            num_heads=NH, relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0,
+            initializer_factor=8.0,
         ),
     ),  # fmt: skip
     "t5-gated": (  # T5 v1.1 / Flan-T5: gated-GELU feed-forward, untied head (no rescale)
         "T5ForConditionalGeneration",
         _cfg(
-            "T5Config", **_IDS, vocab_size=V, d_model=H, d_kv=16, d_ff=FF, num_layers=L, num_decoder_layers=L, num_heads=NH,
-            relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0, initializer_factor=1.5,
-            feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+            "T5Config", **_IDS, vocab_size=V, d_model=H, d_kv=16, d_ff=FF, num_layers=L, num_decoder_layers=L,
+            num_heads=NH, relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0,
+            initializer_factor=1.5, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
         ),
     ),  # fmt: skip
 }

@@ -35,6 +35,11 @@ _GEMMA3_TEXT: dict[str, Any] = dict(
     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
     attn_logit_softcapping=50.0,
 )
+# issue 43, Llama 4: layer 0 chunked (8 < prompt + generation), rope, q/k norm, dense MLP; layer 1 NoPE, global, temperature tuned (else 15 of 24 tokens differ), experts
+_LLAMA4_TEXT: dict[str, Any] = dict(head_dim=16, intermediate_size=32, intermediate_size_mlp=FF, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2)
+_LLAMA4_TEXT |= dict(no_rope_layers=[1, 0], attention_chunk_size=8, floor_scale=2, attn_scale=4.0)
+_LLAMA4_TEXT |= dict(rope_parameters=_rope(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16))
+_LLAMA4_VISION = dict.fromkeys(("vision_output_dim", "projector_input_dim", "projector_output_dim"), 32)  # its projector to the text decoder, tiny
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)  # a tiny vision tower
 
 TinyCase = tuple[str, Callable[..., Any]]  # (architecture, (transformers module, **overrides) -> config)
@@ -52,12 +57,13 @@ def _cfg(config: str, **kw: Any) -> Callable[..., Any]:
     return make
 
 
-def _wrapper(config: str, text: str, vision: str, text_kw: Mapping[str, Any], **kw: Any) -> Callable[..., Any]:
-    """``(transformers, **overrides) -> config`` of a multimodal wrapper: a tiny vision tower and a
-    text decoder of ``_LLAMA_LIKE`` sizes (the overrides are the text decoder's)."""
+def _wrapper(config: str, text: str, vision: str, text_kw: Mapping[str, Any], vision_kw: Mapping[str, Any] | None = None, **kw: Any) -> Callable[..., Any]:
+    """``(transformers, **overrides) -> config`` of a multimodal wrapper: a tiny vision tower (with
+    ``vision_kw``) and a text decoder of ``_LLAMA_LIKE`` sizes (the overrides are the text decoder's)."""
 
     def make(t: Any, **o: Any) -> Any:
-        return getattr(t, config)(text_config=getattr(t, text)(**{**_LLAMA_LIKE, **text_kw, **o}), vision_config=getattr(t, vision)(**_VISION), **kw)
+        vision_config, text_config = getattr(t, vision)(**{**_VISION, **(vision_kw or {})}), getattr(t, text)(**{**_LLAMA_LIKE, **text_kw, **o})
+        return getattr(t, config)(text_config=text_config, vision_config=vision_config, **kw)
 
     return make
 
@@ -65,6 +71,11 @@ def _wrapper(config: str, text: str, vision: str, text_kw: Mapping[str, Any], **
 def _c(arch: str, config: str, base: Mapping[str, Any] = _LLAMA_LIKE, **kw: Any) -> TinyCase:
     return arch, lambda t, **o: getattr(t, config)(**{**base, **kw, **o})
 
+
+# multi-head latent attention (issue 43): 4 heads of 16 + 8 rotary key channels, values of 16, a 32-wide latent; a dense first layer, then experts
+_MLA: dict[str, Any] = dict(num_key_value_heads=NH, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8, n_shared_experts=1)
+_MLA |= dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5)
+_MLA_YARN = _rope(rope_type="yarn", factor=4.0, mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=16)  # mscale_all_dim: the softmax scale too
 
 TINY: Mapping[str, TinyCase] = {
     "llama": _c("LlamaForCausalLM", "LlamaConfig"),
@@ -370,6 +381,9 @@ TINY: Mapping[str, TinyCase] = {
     "persimmon": _c("PersimmonForCausalLM", "PersimmonConfig", base=_MHA),
     "solar-open": _c("SolarOpenForCausalLM", "SolarOpenConfig", head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1, n_routed_experts=4),
     "vaultgemma-window": _c("VaultGemmaForCausalLM", "VaultGemmaConfig", head_dim=16, query_pre_attn_scalar=16, sliding_window=4, layer_types=_SLIDING_GLOBAL),
+    # issue 43: V3 with q low-rank, interleaved rope, yarn, group-limited sigmoid routing; V2-Lite's layout, complex rotary, greedy softmax routing
+    "deepseek-v3": _c("DeepseekV3ForCausalLM", "DeepseekV3Config", **_MLA, q_lora_rank=32, n_group=2, topk_group=1, rope_interleave=True, rope_parameters=_MLA_YARN),
+    "deepseek-v2": _c("DeepseekV2ForCausalLM", "DeepseekV2Config", **_MLA, q_lora_rank=None, topk_method="greedy"),
     # multimodal wrappers, exported as their text decoder (image tokens outside the tiny vocabulary)
     "gemma3-multimodal-window": (
         "Gemma3ForConditionalGeneration",
@@ -380,4 +394,7 @@ TINY: Mapping[str, TinyCase] = {
         _wrapper("Mistral3Config", "MistralConfig", "PixtralVisionConfig", {"head_dim": 16, "sliding_window": None}, image_token_index=V, spatial_merge_size=2),
     ),
     "mpt": ("MptForCausalLM", _cfg("MptConfig", vocab_size=V, d_model=H, n_layers=L, n_heads=NH, expansion_ratio=2, max_seq_len=CTX)),
+    "llama4-chunked": _c("Llama4ForCausalLM", "Llama4TextConfig", **_LLAMA4_TEXT),
+    "llama4-multimodal-chunked": ("Llama4ForConditionalGeneration", _wrapper(
+        "Llama4Config", "Llama4TextConfig", "Llama4VisionConfig", _LLAMA4_TEXT, _LLAMA4_VISION, image_token_index=V, boi_token_index=V + 1, eoi_token_index=V + 2)),  # fmt: skip
 }

@@ -60,11 +60,11 @@ _ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention", "global"
 _LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "layers_type")
 # a field of the config -> the mechanism it means
 _FIELDS = {
-    "kv_lora_rank": "multi-head latent attention",
+    "kv_lora_rank": "multi-head latent attention outside DeepSeek-V2/V3",  # those two are in ARCHS, never asked here
     "num_kv_shared_layers": "key/value caches shared across layers",
     "hidden_size_per_layer_input": "per-layer embeddings",
     "per_layer_config": "config attributes that vary by layer",
-    "attention_chunk_size": "chunked attention",
+    "attention_chunk_size": "chunked attention outside Llama 4's text decoder",  # Llama4ForCausalLM is in ARCHS, never asked here
     "cross_attention_layers": "cross-attention to image features",
     "state_size": "state-space (Mamba) layers",
     "ssm_state_size": "state-space (Mamba) layers",
@@ -176,9 +176,9 @@ def nearest(arch: str, config: Mapping[str, Any], supported: Collection[str]) ->
     for name in (str(_text(config).get("model_type") or ""), arch):
         family = _family(_stem(name))
         kin = [s for s in stems if len(family) >= 3 and _family(s) == family]
-        if kin:  # the most similar without version digits, then the latest version (gemma4 -> gemma3)
+        if kin:  # the most similar without version digits, then its own name (llama: not llama4), then the latest version (gemma4 -> gemma3)
             unversioned = re.sub(r"[0-9]", "", _stem(name))
-            return stems[max(kin, key=lambda s: (difflib.SequenceMatcher(None, unversioned, re.sub(r"[0-9]", "", s)).ratio(), s))]
+            return stems[max(kin, key=lambda s: (difflib.SequenceMatcher(None, unversioned, re.sub(r"[0-9]", "", s)).ratio(), s == _stem(name), s))]
     close = difflib.get_close_matches(_stem(arch), list(stems), n=1, cutoff=0.85)
     return stems[close[0]] if close else None
 

@@ -76,7 +76,8 @@ def _capped(items: list[str], sep: str = ", ") -> str:
 def check_sizes(model_class: Any, config: Any, header: Header, directory: Path) -> None:
     """The shapes of the model ``config`` describes (built on meta) against ``header``."""
     if not header and not _shards(directory):
-        return  # no safetensors file transformers reads: from_pretrained says so (a file of no tensors is checked below)
+        # no safetensors file transformers reads: from_pretrained says so (a file of no tensors is checked below)
+        return
     layers = int(getattr(config, "text_config", config).num_hidden_layers)  # a multimodal wrapper's are its text decoder's
     if layers > len(header):  # every layer holds a tensor of its own
         raise CheckpointError(

@@ -48,7 +48,8 @@ class _SafetensorsState(Mapping[str, Tensor]):
         self._path = path
         try:
             self._file = safe_open(str(path), framework="pt")
-            self._keys: list[str] = list(self._file.keys())  # type: ignore[no-untyped-call]  # safetensors' safe_open is untyped
+            # safetensors' safe_open is untyped
+            self._keys: list[str] = list(self._file.keys())  # type: ignore[no-untyped-call]
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None
 
@@ -56,7 +57,8 @@ class _SafetensorsState(Mapping[str, Tensor]):
         if key not in self._keys:
             raise KeyError(key)
         try:
-            tensor: Tensor = self._file.get_tensor(key)  # type: ignore[no-untyped-call]  # safetensors' safe_open is untyped
+            # safetensors' safe_open is untyped
+            tensor: Tensor = self._file.get_tensor(key)  # type: ignore[no-untyped-call]
             return tensor
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{self._path}: tensor {key} is unreadable ({_first_line(exc)})") from None
@@ -74,7 +76,8 @@ class _SafetensorsState(Mapping[str, Tensor]):
 
     def dtypes(self) -> set[torch.dtype]:
         """The floating-point dtypes the file stores, read from its header (no tensor is read)."""
-        names = {self._file.get_slice(key).get_dtype() for key in self._keys}  # type: ignore[no-untyped-call]  # untyped
+        # untyped
+        names = {self._file.get_slice(key).get_dtype() for key in self._keys}  # type: ignore[no-untyped-call]
         return {_SAFETENSORS_DTYPES[n] for n in names if n in _SAFETENSORS_DTYPES}
 
     def __len__(self) -> int:

@@ -100,7 +100,8 @@ def extend_ple(model: nn.Module, rows: int, mode: PLEExtendMode) -> None:
             hi = (lo + 1).clamp(max=m - 1)
             frac = (where - lo).to(old.dtype)[:, None]
             new = old[lo] * (1 - frac) + old[hi] * frac
-        sub.ple.table = nn.Embedding.from_pretrained(new.contiguous(), freeze=True)  # type: ignore[no-untyped-call]  # untyped in torch
+        # untyped in torch
+        sub.ple.table = nn.Embedding.from_pretrained(new.contiguous(), freeze=True)  # type: ignore[no-untyped-call]
 
 
 def folded_tables(folded: nn.Module) -> list[tuple[Tensor, Tensor]]:

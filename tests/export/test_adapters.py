@@ -152,7 +152,8 @@ def test_parity_is_against_peft_not_the_merge(tmp_path: Path, monkeypatch: pytes
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16), ExportOptions(max_batch=4, parity_tokens=8, target="ort")], ids=["fp16", "ort"])
 def test_precisions_and_targets_export_the_merged_model(options: ExportOptions, tmp_path: Path) -> None:
-    """What follows the merge sees a plain model: fp16 graphs and --target ort's pass their parity against PEFT's model."""
+    """What follows the merge sees a plain model: fp16 graphs and --target ort's pass their parity against PEFT's
+    model."""
     ckpt = save_base("llama", tmp_path / "ckpt")
     adapter = make_adapter(ckpt, tmp_path / "adapter", [*_ATTN, *_MLP], seed=2)
     result = export(ckpt, tmp_path / "out", dataclasses.replace(options, adapters=(Adapter(adapter, 0.5),)))

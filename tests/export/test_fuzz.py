@@ -355,7 +355,8 @@ def _sweep(original: dict[str, Any], attempt: Any) -> tuple[int, int, list[str]]
 
 
 def _cli(args: list[str]) -> bool:
-    """``kiln ARGS`` in this process within ``SECONDS``: success or one line (``_one_line_or_success``); True when refused."""
+    """``kiln ARGS`` in this process within ``SECONDS``: success or one line (``_one_line_or_success``); True when
+    refused."""
     with _deadline(SECONDS):
         result = CliRunner().invoke(main, args)
     _one_line_or_success(result)

@@ -64,8 +64,8 @@ def slots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, bytes]:
     ckpt = save_base("llama", root / "ckpt")
     adapter = make_adapter(ckpt, root / "peft", ["q_proj", "v_proj"], seed=2)
     export(ckpt, root / "slots", ExportOptions(max_batch=2, parity_tokens=2, lora_slots=4))
-    done = subprocess.run([sys.executable, "-m", "kiln.cli", *_args("adapter", {"ADAPTER": adapter, "SLOTS": root / "slots", "NEWFILE": root / "a.onnx_adapter"})],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    args = _args("adapter", {"ADAPTER": adapter, "SLOTS": root / "slots", "NEWFILE": root / "a.onnx_adapter"})
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return adapter, root / "slots", (root / "a.onnx_adapter").read_bytes()
 

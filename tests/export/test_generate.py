@@ -50,7 +50,8 @@ def test_greedy_tokens_equal_pytorch(demo_dir: Path, torch_runner: tuple[TorchRu
     runner, spec = torch_runner
     tok = Tokenizer.from_file(str(demo_dir / "onnx" / "tokenizer.json"))
     generator = Generator(demo_dir, threads=1)
-    for prompt in (tok.encode("def read_config(path):\n").ids, *make_prompts(spec, [1, 13], seed=3)):  # type: ignore[arg-type]
+    prompts = make_prompts(spec, [1, 13], seed=3)  # type: ignore[arg-type]
+    for prompt in (tok.encode("def read_config(path):\n").ids, *prompts):
         want, _ = greedy(runner, spec, [prompt], STEPS)  # type: ignore[arg-type]
         got = generator.run(prompt, STEPS, stop_at_eos=False)
         assert got.tokens == tuple(want[0].tolist()), prompt
@@ -100,7 +101,8 @@ def _json(*args: str) -> dict[str, object]:
 def test_ids_are_decoded_when_the_export_has_a_tokenizer(demo_dir: Path, tiny_dir: Path) -> None:
     data = _json(str(demo_dir), "--ids", "12,40,7", "--max-new-tokens", "6", "--ignore-eos")
     tok = Tokenizer.from_file(str(demo_dir / "onnx" / "tokenizer.json"))
-    assert isinstance(data["text"], str) and data["text"] == tok.decode(data["tokens"]) and data["text"]  # type: ignore[arg-type]
+    decoded = tok.decode(data["tokens"])  # type: ignore[arg-type]
+    assert isinstance(data["text"], str) and data["text"] == decoded and data["text"]
     assert _json(str(tiny_dir), "--ids", "5,6", "--max-new-tokens", "3", "--ignore-eos")["text"] is None  # no tokenizer.json
     plain = CliRunner().invoke(main, ["generate", str(tiny_dir), "--ids", "5,6", "--max-new-tokens", "3", "--ignore-eos"])
     assert plain.exit_code == 0 and len(plain.stdout.split()) == 3 and all(t.isdigit() for t in plain.stdout.split())
@@ -128,7 +130,8 @@ def test_stop_string_ends_the_text_and_the_stream(demo_dir: Path) -> None:
     stop = text[len(text) // 2 : len(text) // 2 + 3]  # a string the greedy text reaches halfway
     stopped = _json(*args, "--stop", stop)
     assert stopped["text"] == text[: text.index(stop)] and stopped["finish_reason"] == "stop"
-    assert stopped["tokens"] == tokens[: len(stopped["tokens"])] and len(stopped["tokens"]) < len(tokens)  # type: ignore[arg-type]
+    count = len(stopped["tokens"])  # type: ignore[arg-type]
+    assert stopped["tokens"] == tokens[:count] and count < len(tokens)
     pieces: list[str] = []
     summary = generate_command(demo_dir, "def read_config(path):\n", None, GenerateOptions(24, False, (stop,)), on_text=pieces.append)
     assert "".join(pieces) == stopped["text"] and len(pieces) > 3 and summary["text"] == stopped["text"]

@@ -36,37 +36,50 @@ from kiln.plugins.hf.tiny import TINY
 STEPS = 24
 # the cases whose attention --target ort leaves portable (ARCHS[arch].ort says so), and why
 PORTABLE_ATTENTION = {
-    "gpt2-upcast": "reorder_and_upcast_attn", "bloom": "ALiBi", "gpt-oss-window": "attention sinks", "mpt": "ALiBi", "flint-window": "attention sinks",
-    "granite-swa-window": "attention sinks", "granitemoe-swa-window": "attention sinks", "gpt-neox-japanese": "its own causal mask",
+    "gpt2-upcast": "reorder_and_upcast_attn", "bloom": "ALiBi", "mpt": "ALiBi",
+    "gpt-neox-japanese": "its own causal mask", "deepseek-v2": "multi-head latent attention",
+    "deepseek-v3": "multi-head latent attention",
 }  # fmt: skip
+# the cases with attention sinks: every GroupQueryAttention of theirs reads them as its head_sink
+ATTENTION_SINKS = {"gpt-oss-window", "flint-window", "granite-swa-window", "granitemoe-swa-window"}
 # the mixture-of-experts cases: the layers whose experts --target ort turns into ONNX Runtime's MoE
 # op in every graph, and the reason each block left as per-expert MatMuls gives (the manifest's
 # moe_not_fused; ARCHS[arch].ort says so)
 MOE_LAYERS = {
-    "mixtral-window": [0, 1], "qwen3-moe": [1], "qwen3-moe-unnormalised": [0, 1], "gpt-oss-window": [], "qwen2-moe-window": [0, 1], "olmoe": [0, 1],
-    "hunyuan-moe": [0, 1], "flex-olmo": [0, 1], "mellum-window": [0, 1],
+    "mixtral-window": [0, 1], "qwen3-moe": [1], "qwen3-moe-unnormalised": [0, 1], "gpt-oss-window": [],
+    "qwen2-moe-window": [0, 1], "olmoe": [0, 1], "hunyuan-moe": [0, 1], "flex-olmo": [0, 1], "mellum-window": [0, 1],
 }  # fmt: skip
-_NOT_TOPK = "the routing weights do not come from a TopK of the router"  # top-k before the softmax, sigmoid scores, a bias on the choice, sparsemixer
+# top-k before the softmax, sigmoid scores, a bias on the choice, sparsemixer
+_NOT_TOPK = "the routing weights do not come from a TopK of the router"
 _RELU = "the experts' first projection is not split in two halves (gate, up): its output is read by Relu"
 MOE_NOT_FUSED = {
-    "gpt-oss-window": dict.fromkeys([0, 1], "the experts' first projection is not split in two halves (gate, up): its output is read by Add"),
-    "granitemoe": dict.fromkeys([0, 1], _NOT_TOPK), "granitemoeshared": dict.fromkeys([0, 1], _NOT_TOPK), "glm4-moe": {1: _NOT_TOPK},
-    "ernie4_5-moe": {1: _NOT_TOPK}, "minimax-m2": dict.fromkeys([0, 1], _NOT_TOPK), "phimoe-window": dict.fromkeys([0, 1], _NOT_TOPK),
-    "aria-text": dict.fromkeys([0, 1], _NOT_TOPK), "cohere2-moe-window": dict.fromkeys([0, 1], _NOT_TOPK), "dots1": {1: _NOT_TOPK},
-    "exaone-moe-window": {1: _NOT_TOPK}, "hy-v3": {1: _NOT_TOPK}, "granitemoe-swa-window": dict.fromkeys([0, 1], _NOT_TOPK),
-    "kolibri1-window": dict.fromkeys([0, 1], _NOT_TOPK), "laguna-window": {1: _NOT_TOPK}, "minicpm5-moe": {1: _NOT_TOPK}, "afmoe-window": {1: _NOT_TOPK},
-    "solar-open": dict.fromkeys([0, 1], _NOT_TOPK), "minimax-m3-vl": dict.fromkeys([0, 1], "the gate/up activation is not silu(gate) * up"),
+    "gpt-oss-window": dict.fromkeys(
+        [0, 1], "the experts' first projection is not split in two halves (gate, up): its output is read by Add"
+    ),
+    "granitemoe": dict.fromkeys([0, 1], _NOT_TOPK), "granitemoeshared": dict.fromkeys([0, 1], _NOT_TOPK),
+    "glm4-moe": {1: _NOT_TOPK}, "ernie4_5-moe": {1: _NOT_TOPK}, "minimax-m2": dict.fromkeys([0, 1], _NOT_TOPK),
+    "phimoe-window": dict.fromkeys([0, 1], _NOT_TOPK), "aria-text": dict.fromkeys([0, 1], _NOT_TOPK),
+    "cohere2-moe-window": dict.fromkeys([0, 1], _NOT_TOPK), "dots1": {1: _NOT_TOPK},
+    "exaone-moe-window": {1: _NOT_TOPK}, "hy-v3": {1: _NOT_TOPK},
+    "granitemoe-swa-window": dict.fromkeys([0, 1], _NOT_TOPK), "kolibri1-window": dict.fromkeys([0, 1], _NOT_TOPK),
+    "laguna-window": {1: _NOT_TOPK}, "minicpm5-moe": {1: _NOT_TOPK}, "afmoe-window": {1: _NOT_TOPK},
+    "solar-open": dict.fromkeys([0, 1], _NOT_TOPK),
+    "minimax-m3-vl": dict.fromkeys([0, 1], "the gate/up activation is not silu(gate) * up"),
     "flint-window": {1: "the router does not take the top-k of a softmax over all experts"}, "ergo-window": {1: _RELU},
+    "deepseek-v2": {1: _NOT_TOPK}, "deepseek-v3": {1: _NOT_TOPK},
 }  # fmt: skip
 # the sliding-window cases (window 4, shorter than prompt + generation): the decode graph's layers
 # whose GroupQueryAttention applies the window itself (local_window_size 4, the family's mask
 # replaced by the padding-only bias); prefill keeps the family's mask (GQA refuses a local window
 # with causal=0)
 WINDOW_LAYERS = {
-    "mistral-window": [0, 1], "qwen2-window": [1], "gemma2-window": [0], "gemma3-window": [0], "starcoder2-window": [0, 1], "mixtral-window": [0, 1],
-    "qwen2-moe-window": [0], "phimoe-window": [0, 1], "olmo3-window": [0], "cohere2-window": [0], "exaone4-window": [0], "ministral-window": [0, 1],
-    "gemma3-multimodal-window": [0], "cohere2-moe-window": [0], "cwm-window": [1], "ergo-window": [1], "exaone-moe-window": [0], "kolibri1-window": [1],
-    "laguna-window": [1], "mellum-window": [0], "modernbert-decoder-window": [1], "vaultgemma-window": [0], "afmoe-window": [0],
+    "mistral-window": [0, 1], "qwen2-window": [1], "gemma2-window": [0], "gemma3-window": [0],
+    "starcoder2-window": [0, 1], "mixtral-window": [0, 1], "qwen2-moe-window": [0], "phimoe-window": [0, 1],
+    "olmo3-window": [0], "cohere2-window": [0], "exaone4-window": [0], "ministral-window": [0, 1],
+    "gemma3-multimodal-window": [0], "cohere2-moe-window": [0], "cwm-window": [1], "ergo-window": [1],
+    "exaone-moe-window": [0], "kolibri1-window": [1], "laguna-window": [1], "mellum-window": [0],
+    "modernbert-decoder-window": [1], "vaultgemma-window": [0], "afmoe-window": [0],
+    "gpt-oss-window": [0], "flint-window": [1], "granite-swa-window": [0], "granitemoe-swa-window": [0],
 }  # fmt: skip
 # tensors transformers initialises to zeros where zeros hide what they do: the routers' correction
 # biases on the expert choice (GLM-4-MoE, MiniMax-M2, Ernie 4.5-MoE, dots.llm1...), AFMoE's expert
@@ -76,10 +89,10 @@ ZERO_AT_INIT = ("e_score_correction_bias", "expert_bias", "gate_bias", "router.g
 # form; its parity), but those whose tiny model has near-tie steps that int8 weights flip (token
 # match 0.75 to 0.875 of 0.9): Ergo, MiniMax-M3, Nemotron, Persimmon
 ORT_INT8 = {
-    "afmoe-window", "apertus1p5", "aria-text", "biogpt", "codegen", "cohere-compass", "cohere2-moe-window", "cwm-window", "dots1",
-    "exaone-moe-window", "flex-olmo", "flint-window", "gpt-neox-japanese", "granite-swa-window", "granitemoe-swa-window", "helium", "hy-v3",
-    "hyperclovax", "jais2", "kolibri1-window", "laguna-window", "mellum-window", "minicpm5-moe", "modernbert-decoder-window", "nanochat",
-    "solar-open", "vaultgemma-window",
+    "afmoe-window", "apertus1p5", "aria-text", "biogpt", "codegen", "cohere-compass", "cohere2-moe-window",
+    "cwm-window", "dots1", "exaone-moe-window", "flex-olmo", "flint-window", "gpt-neox-japanese", "granite-swa-window",
+    "granitemoe-swa-window", "helium", "hy-v3", "hyperclovax", "jais2", "kolibri1-window", "laguna-window",
+    "mellum-window", "minicpm5-moe", "modernbert-decoder-window", "nanochat", "solar-open", "vaultgemma-window",
 }  # fmt: skip
 FIRST = {arch: next(case for case, (a, _) in TINY.items() if a == arch) for arch in ARCHS if any(a == arch for a, _ in TINY.values())}
 
@@ -135,9 +148,13 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     text = ARCHS[arch].text  # a multimodal wrapper: its text decoder is exported, as its own class
     assert result.manifest.config["architecture"] == (text.texts[0] if text else arch)
     assert result.manifest.tools["transformers"] == transformers.__version__  # what the export ran with
-    stated = json.loads((tmp_path / "out" / "onnx" / "genai_config.json").read_text())["model"]["decoder"]
-    own = transformers.AutoConfig.from_pretrained(ckpt).get_text_config()
-    assert (stated["num_attention_heads"], stated["hidden_size"], stated["num_hidden_layers"]) == (own.num_attention_heads, own.hidden_size, own.num_hidden_layers)
+    genai = tmp_path / "out" / "onnx" / "genai_config.json"
+    if ARCHS[arch].cache is not None:  # a cache of its own layout: GenAI cannot size it (serving.genai.genai_refusal), none is written
+        assert not genai.exists()
+    else:
+        stated = json.loads(genai.read_text())["model"]["decoder"]
+        own = transformers.AutoConfig.from_pretrained(ckpt).get_text_config()
+        assert (stated["num_attention_heads"], stated["hidden_size"], stated["num_hidden_layers"]) == (own.num_attention_heads, own.hidden_size, own.num_hidden_layers)
     assert result.manifest.targets is not None
     ort = {GraphKind(kind): entry for kind, entry in result.manifest.targets["ort"].graphs.items()}
     fused = {kind: entry.report("attention")["layers"] for kind, entry in ort.items() if kind is not GraphKind.UNIFIED}
@@ -153,6 +170,8 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
         graph = onnx.load(tmp_path / "out" / entry.file, load_external_data=False)
         moe = [n for n in graph.graph.node if n.op_type == "MoE" and n.domain == "com.microsoft"]
         assert len(moe) == len(layers), (kind, len(moe))
+        sinks = [n.input[11] if len(n.input) > 11 else "" for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
+        assert all(bool(name) == (case in ATTENTION_SINKS) for name in sinks), (kind, sinks)  # GQA's head_sink: the family's own sinks
     windows = {kind: entry.report("decode_mask").get("local_window_layers", []) for kind, entry in ort.items()}
     assert windows == {GraphKind.PREFILL: [], GraphKind.DECODE: WINDOW_LAYERS.get(case, []), GraphKind.UNIFIED: []}, windows
     if case in WINDOW_LAYERS:
@@ -182,7 +201,8 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
         fp16 = export(ckpt, tmp_path / "out16", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16))
         assert fp16.parity.passed, fp16.parity.failures()
     if case in ORT_INT8:  # a low-bit form: weight-only int8 on ONNX Runtime's graphs, kiln's own parity
-        int8 = export(ckpt, tmp_path / "out8", ExportOptions(max_batch=4, parity_tokens=8, target="ort", ort_int8=True))
+        ort_int8 = ExportOptions(max_batch=4, parity_tokens=8, target="ort", target_flags={"ort_int8": True})
+        int8 = export(ckpt, tmp_path / "out8", ort_int8)
         assert int8.parity.passed, int8.parity.failures()
         assert int8.manifest.targets is not None and (int8.manifest.targets["ort"].record or {}).get("int8", {}).get("bits") == 8, int8.manifest.targets
 
@@ -204,3 +224,30 @@ def test_a_checkpoints_own_class_name_loads_as_transformers_class(alias: str, ca
         want, _ = canonical.module(ids, torch.ones_like(ids), torch.arange(4)[None])
         got, _ = aliased.module(ids, torch.ones_like(ids), torch.arange(4)[None])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_llama4_chunked_attention_at_int4_and_never_as_full_attention_on_the_onnx_target(tmp_path: Path) -> None:
+    """Llama 4's chunked layers (chunks of 8 tokens, shorter than every parity run): kiln generate's
+    loop equals transformers' generate() on the portable and --target ort graphs; --target ort at
+    int4 (RTN) passes its parity; --target onnx, whose static masks have no chunk rule, refuses the
+    model by name before any work (it would attend to every earlier key), and says so in one line."""
+    from kiln.errors import ConfigError
+    from kiln.exporter.precision.kinds.int4 import Int4, Int4Method
+
+    from kiln.runtime.generate import Generator
+
+    ckpt = _save("llama4-chunked", tmp_path / "ckpt")
+    fp32 = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, target="ort"))
+    # its decode graph's mask and NoPE temperature read the past's length: no shared in-place buffer (it would read the capacity)
+    assert fp32.manifest.targets is not None and fp32.manifest.targets["ort"].kv_cache == "grown", fp32.manifest.targets["ort"].kv_cache
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    prompt = [5, 17, 3, 29, 11, 7, 9, 4, 8]
+    want = _generate(hf, np.array([prompt]), np.ones((1, len(prompt)), dtype=np.int64), STEPS)[0].tolist()
+    for target in (None, "ort"):  # kiln generate's own loop
+        assert list(Generator(tmp_path / "out", target=target).run(prompt, STEPS, stop_at_eos=False).tokens) == want, target
+    int4 = export(ckpt, tmp_path / "out4", ExportOptions(max_batch=4, parity_tokens=8, target="ort", precision=Precision.of(Int4(method=Int4Method.RTN))))
+    assert int4.parity.passed, int4.parity.failures()
+    with pytest.raises(ConfigError, match=r"^.*--target onnx does not apply chunked attention \(this Llama4ForCausalLM model attends within chunks of 8 tokens") as refused:
+        export(ckpt, tmp_path / "outx", ExportOptions(max_batch=4, parity_tokens=8, target="onnx"))
+    assert "\n" not in str(refused.value) and not (tmp_path / "outx" / "onnx").exists(), str(refused.value)

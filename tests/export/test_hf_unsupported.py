@@ -50,7 +50,6 @@ MECHANISMS = {
     "xLSTMForCausalLM": "xLSTM blocks",
     "Gemma3nForCausalLM": "key/value caches shared across layers (num_kv_shared_layers)",
     "Gemma4ForCausalLM": "per-layer embeddings (hidden_size_per_layer_input)",
-    "Llama4ForCausalLM": "chunked attention (attention_chunk_size)",
     "LlavaForConditionalGeneration": "a multimodal wrapper (vision tower: vision_config)",
     "Qwen2_5_VLForConditionalGeneration": "a multimodal wrapper (vision tower",
     "WhisperForConditionalGeneration": "a speech encoder-decoder",
@@ -129,10 +128,10 @@ def test_every_transformers_architecture_is_exported_or_refused_in_one_line(tmp_
 @pytest.mark.parametrize(
     ("config", "why"),
     [
-        ({"kv_lora_rank": 512}, "multi-head latent attention (kv_lora_rank)"),
+        ({"kv_lora_rank": 512}, "multi-head latent attention outside DeepSeek-V2/V3 (kv_lora_rank)"),
         ({"layer_types": ["full_attention", "mamba"]}, "state-space (Mamba) layers (layer_types: mamba)"),
         ({"layers_block_type": ["attention", "retention"]}, "'retention' (layers_block_type: retention)"),
-        ({"text_config": {"attention_chunk_size": 8192}, "vision_config": {}}, "chunked attention (attention_chunk_size)"),
+        ({"text_config": {"attention_chunk_size": 8192}, "vision_config": {}}, "chunked attention outside Llama 4's text decoder (attention_chunk_size)"),
         ({"text_config": {"model_type": "llama"}, "vision_config": {}}, "a multimodal wrapper (vision tower: vision_config)"),
         ({"ssm_state_size": 128}, "state-space (Mamba) layers (ssm_state_size)"),
         ({"num_kv_shared_layers": 10}, "key/value caches shared across layers (num_kv_shared_layers)"),
@@ -154,7 +153,9 @@ def test_the_nearest_supported_architecture() -> None:
     assert nearest("Gemma4ForCausalLM", {}, SUPPORTED) == "Gemma3ForCausalLM"  # the family's latest, not a near spelling
     assert nearest("Qwen3_5ForCausalLM", {}, SUPPORTED) == "Qwen3ForCausalLM"
     assert nearest("LlavaForConditionalGeneration", {"text_config": {"model_type": "llama"}}, SUPPORTED) == "LlamaForCausalLM"
-    assert nearest("DeepseekV3ForCausalLM", {}, SUPPORTED) is None
+    assert nearest("Llama4ForConditionalGeneration", {"text_config": {"model_type": "llama4_text"}}, SUPPORTED) == "Llama4ForCausalLM"
+    assert nearest("DeepseekV32ForCausalLM", {}, SUPPORTED) == "DeepseekV3ForCausalLM"  # DeepSeek-V3.2: MLA with a sparse indexer
+    assert nearest("RwkvForCausalLM", {}, SUPPORTED) is None  # no kin, no near spelling
     assert nearest("Olmo4ForCausalLM", {}, ["Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM"]) == "Olmo3ForCausalLM"
 
 

@@ -159,15 +159,17 @@ def test_int4_numbers_other_than_the_graphs_fail_where_agreement_passes(int4_ort
     assert any("max abs" in f and "tolerance 1e-05 + 0.0001 x max|row|" in f for f in failures), failures
 
 
-def test_agreement_can_be_recorded_only_for_int4(tiny_ckpt: Path, tmp_path: Path) -> None:
+def test_agreement_can_be_recorded_only_for_quantized_exports(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """int4, int8 and fp8 graphs are also checked against the quantized model (issue 40); fp16's are not."""
     with pytest.raises(ConfigError) as err:
         plan(ExportOptions(precision=Precision.FP16, parity_agreement="record"))
     assert str(err.value) == (
-        "config: --parity-agreement record only applies to --int4 exports, whose graphs are also checked against PyTorch on their own int4 weights; "
+        "config: --parity-agreement record only applies to --int8, --fp8 or --int4 exports, whose graphs are also checked against PyTorch on their own quantized numbers; "
         "a fp16 export's only proof is its agreement with the checkpoint's model"
     )
+    plan(ExportOptions(precision=Precision.INT8, calib_data="synthetic", parity_agreement="gate"))  # accepted
     base = ["export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out")]
-    assert config_error(*base, "--int8", "--calib-data", "synthetic", "--parity-agreement", "record").startswith("--parity-agreement record only applies to --int4 exports")
+    assert config_error(*base, "--parity-agreement", "record").startswith("--parity-agreement record only applies to --int8, --fp8 or --int4 exports")
     assert "'maybe' is not one of 'gate', 'record'" in CliRunner().invoke(main, [*base, "--parity-agreement", "maybe"]).output
     assert not (tmp_path / "out").exists()
 

@@ -131,7 +131,8 @@ def test_architectures_swap_adapters(case: str, tmp_path: Path) -> None:
     assert export(ckpt, tmp_path / "out", options).parity.passed
     run = CliRunner().invoke(main, ["adapter", str(adapter), "--export", str(tmp_path / "out"), "--out", str(tmp_path / "a.onnx_adapter")])
     assert run.exit_code == 0 and "parity passed" in run.output, run.output
-    assert read(tmp_path / "out").lora.dtype == ("float16" if precision == "fp16" else "float32")  # type: ignore[union-attr]
+    dtype = read(tmp_path / "out").lora.dtype  # type: ignore[union-attr]
+    assert dtype == ("float16" if precision == "fp16" else "float32")
     if precision == "fp16":  # fp16 graphs: kiln adapter's parity (fp16 tolerances) is the proof; greedy ties may flip against fp32 PEFT
         return
     other = make_adapter(ckpt, tmp_path / "other", targets[-2:], seed=5, r=2, scale=0.3)  # a second adapter on fewer modules (the MLP), another rank
@@ -260,7 +261,8 @@ def test_lora_targets_slot_those_modules_only(slots: dict[str, Path], tmp_path: 
     converts and generates PEFT's tokens, the wide one is refused by its first unslotted module."""
     out = tmp_path / "qv"
     assert export(slots["ckpt"], out, ExportOptions(max_batch=4, parity_tokens=4, lora_slots=4, lora_targets=("q_proj", "v_proj"))).parity.passed
-    assert [s.module.rsplit(".", 2)[-1] for s in read(out).lora.slots] == ["q_proj", "v_proj"] * 2  # type: ignore[union-attr]
+    written = read(out).lora.slots  # type: ignore[union-attr]
+    assert [s.module.rsplit(".", 2)[-1] for s in written] == ["q_proj", "v_proj"] * 2
     assert config_error("adapter", str(slots["wide"]), "--export", str(out), "--no-check").startswith(f"--adapter {slots['wide']}: the export has no LoRA slot for model.layers.0.mlp.down_proj")
     run = CliRunner().invoke(main, ["adapter", str(slots["narrow"]), "--export", str(out), "--out", str(tmp_path / "n.onnx_adapter")])
     assert run.exit_code == 0, run.output

@@ -116,7 +116,8 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_ort_graphs_keep_the_slots_and_their_fusions(llama: dict[str, Path]) -> None:
     graphs = _assert_ort_slots(llama["out"])
-    passes = {kind: read(llama["out"]).targets["ort"].graphs[kind.value].passes for kind in KINDS}  # type: ignore[index]
+    ort = read(llama["out"]).targets["ort"]  # type: ignore[index]
+    passes = {kind: ort.graphs[kind.value].passes for kind in KINDS}
     for kind in GraphKind.PREFILL, GraphKind.DECODE:
         assert len(_ops(graphs[kind], "GroupQueryAttention")) == 2 and passes[kind]["attention"] == {"layers": [0, 1]}
         assert "not_fused" not in passes[kind], passes[kind]  # q/k/v packed, decode's rotary in GQA: every fusion as without slots
@@ -157,7 +158,7 @@ def test_ort_int8_keeps_the_slots_float(tmp_path: Path) -> None:
     added to the MatMulNBits' output (or the packed one's Split); kiln adapter's parity, at the
     int8 tolerances against PEFT's model, passed on these graphs, and the adapter changes the
     tokens (int8 weights: PEFT's fp32 greedy tokens are parity's agreement, not asserted here)."""
-    paths = _exported("llama", tmp_path, ort_int8=True)
+    paths = _exported("llama", tmp_path, target_flags={"ort_int8": True})
     decode = _assert_ort_slots(paths["out"])[GraphKind.DECODE]
     made = {out: node.op_type for node in decode.graph.node for out in node.output}
     assert len(_ops(decode, "MatMulNBits")) == 2 * 4 + 1 and len(_ops(decode, "MatMul")) == 2 * 2 * len(ALL)  # the slots' two MatMuls each

@@ -416,7 +416,8 @@ def test_int8_all_matmuls_refused_by_name() -> None:
 # the windowed cases (window 4, shorter than their parity runs) prove the static mask's window;
 # gemma2/gemma3 soft-cap their scores: those layers read the in-place cache with plain ops
 HF_CASES = [
-    "llama", "qwen3", "gpt2", "phi3-partial", "smollm3", "mistral-window", "mixtral-window", "qwen2-window", "starcoder2-window", "qwen3-moe", "gemma", "gemma2-window", "gemma3-window",
+    "llama", "qwen3", "gpt2", "phi3-partial", "smollm3", "mistral-window", "mixtral-window", "qwen2-window",
+    "starcoder2-window", "qwen3-moe", "gemma", "gemma2-window", "gemma3-window",
 ]  # fmt: skip
 WINDOWS = {"mistral-window": {"0": 4, "1": 4}, "mixtral-window": {"0": 4, "1": 4}, "starcoder2-window": {"0": 4, "1": 4}, "qwen2-window": {"1": 4}, "gemma2-window": {"0": 4}, "gemma3-window": {"0": 4}}
 # issue 23's cases for fp16 and int4: one of each attention form (GQA, qk-norm, soft-capping, partial
@@ -597,6 +598,16 @@ def test_windows_read_from_the_config_or_refused() -> None:
     )
     with pytest.raises(ConfigError, match=r"config.layer_types \['full_attention', 'chunked_attention'\] is not one of"):
         layer_windows(spec(architecture="Gemma3ForCausalLM", sliding_window=4, layer_types=["full_attention", "chunked_attention"]))
+    # Llama 4's chunked layers: refused (the static masks would attend to every earlier key); without one, nothing to refuse
+    chunked = ["chunked_attention", "chunked_attention", "full_attention"]
+    with pytest.raises(ConfigError) as err:
+        layer_windows(spec(architecture="Llama4ForCausalLM", attention_chunk_size=8192, layer_types=chunked))
+    assert str(err.value) == (
+        "config: --target onnx does not apply chunked attention (this Llama4ForCausalLM model attends within chunks of 8192 tokens:"
+        " attention_chunk_size); export it without --target onnx"
+    )
+    assert layer_windows(spec(architecture="Llama4ForCausalLM", attention_chunk_size=8192, layer_types=["full_attention"] * 3)) == {}
+    assert layer_windows(spec(architecture="Llama4ForCausalLM", attention_chunk_size=None, layer_types=["full_attention"] * 3)) == {}
 
 
 def test_the_plugins_table_takes_what_these_tests_export() -> None:

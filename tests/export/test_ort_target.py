@@ -212,7 +212,8 @@ def test_other_hf_families(arch: str, int8: bool, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     tiny_model(arch, seed=1).module.model.save_pretrained(ckpt, safe_serialization=True)
     out = tmp_path / "out"
-    result = export(ckpt, out, ExportOptions(max_batch=4, target="ort", ort_int8=int8, parity_tokens=PARITY_TOKENS))
+    options = ExportOptions(max_batch=4, target="ort", target_flags={"ort_int8": int8}, parity_tokens=PARITY_TOKENS)
+    result = export(ckpt, out, options)
     _assert_ort_checked(result, "int8" if int8 else "fp32")
     graphs = _assert_manifest(out, "int8" if int8 else "fp32")["targets"]["ort"]["graphs"]
     assert graphs["prefill"]["passes"]["attention"]["layers"] == graphs["decode"]["passes"]["attention"]["layers"] == [0, 1]
@@ -289,7 +290,7 @@ def test_int8_blocks_round_trip() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(ort_int8=True), "--ort-int8 only applies to --target ort"),
+        (dict(target_flags={"ort_int8": True}), "--ort-int8 only applies to --target ort"),
         (dict(target="ort", precision=Precision.FP16), "--target ort rewrites fp32 graphs and cannot be combined with --fp16/--int8/--fp8 (found fp16)"),
         (dict(target="ort", precision=Precision.INT8, calib_data="synthetic"), "(found int8); for int8 on ONNX Runtime use --target ort --ort-int8"),
     ],

@@ -1,6 +1,6 @@
 """Parity's batches joined (issue 24 item 3): the candidate runs batch 1 and the padded batch as
-one greedy run (model.onnx: one chunked run on its tokens), judged batch by batch; batch 1 is still proved, by every graph's
-tensors on its unpadded row alone.
+one greedy run (model.onnx: one chunked run on its tokens), judged batch by batch; batch 1 is
+still proved, by every graph's tensors on its unpadded row alone.
 
 A candidate runner that records the batch of every call, and one that is wrong only at batch 1 (a
 graph whose batch-1 kernel differs, which the joined runs never call): the first shows the calls

@@ -107,7 +107,8 @@ def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     root = tmp_path_factory.mktemp(case)
     ckpt = _save(case, root / "ckpt")
     context = HF[case][3] if case in HF else None
-    return Exported(case, ckpt, root / "out", export(ckpt, root / "out", ExportOptions(**OPTIONS, max_context=context)))  # type: ignore[arg-type]
+    options = ExportOptions(**OPTIONS, max_context=context)  # type: ignore[arg-type]
+    return Exported(case, ckpt, root / "out", export(ckpt, root / "out", options))
 
 
 def test_parity_passes_at_the_models_scale(exported: Exported) -> None:
@@ -159,8 +160,8 @@ def _transformers_tokens(exported: Exported, prompts: list[list[int]], tmp_path:
     ignore: dict[str, Any] = dict(forced_eos_token_id=None, forced_bos_token_id=None, bad_words_ids=None) if seq2seq else {}
     with torch.no_grad():
         out = hf.generate(
-            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=STEPS, do_sample=False, num_beams=1,
-            eos_token_id=None, pad_token_id=0 if seq2seq else 1, **ignore,
+            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=STEPS,
+            do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0 if seq2seq else 1, **ignore,
         )  # fmt: skip
     return np.asarray(out[:, 1:].numpy() if seq2seq else out[:, ids.shape[1] :].numpy())
 

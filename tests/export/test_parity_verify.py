@@ -174,7 +174,8 @@ def test_an_export_and_its_check_load_the_model_again_when_it_does_not_fit(tmp_p
     precision = {"precision": Precision.of(Int4(method=Int4Method.RTN)), "target": "ort", "parity_agreement": "record"} if int4 else {}
     progress = RecordedProgress()
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(), seed=3)
-    result = export(ckpt, tmp_path / "out", ExportOptions(parity_tokens=STEPS, **precision), progress)  # type: ignore[arg-type]
+    options = ExportOptions(parity_tokens=STEPS, **precision)  # type: ignore[arg-type]
+    result = export(ckpt, tmp_path / "out", options, progress)
     assert result.parity.passed, result.parity.failures()
     assert "parity: PyTorch scores the graphs' tokens (model loaded again)" in progress.stages, progress.stages
     assert (result.parity.quantized is not None and result.parity.quantized.passed and "ort" in result.parity.quantized.targets) == int4

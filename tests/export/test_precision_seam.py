@@ -1,5 +1,5 @@
 """Adding a precision is its file and one registration (issue 22): ``Toy``, a kind declared in this
-file with this module as its machinery and registered by one line (``registry._BUILTIN``), exports
+file with this module as its machinery and registered by one entry (``registry.KINDS.register``), exports
 the tiny model end to end: its flag parsed, its option checked, its pass run on every graph and
 reported in the manifest, its record written, its tolerance judging parity, and ``kiln check``
 re-running it, with nothing of kiln's own code changed."""
@@ -7,6 +7,7 @@ re-running it, with nothing of kiln's own code changed."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -79,8 +80,10 @@ def prepare(kind: Toy, context: PrecisionContext) -> Prepared:
 
 
 @pytest.fixture
-def toy_registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry, "_BUILTIN", (*registry._BUILTIN, Toy))  # the one registration
+def toy_registered() -> Iterator[None]:
+    registry.KINDS.register("toy", Toy)  # the one registration
+    yield
+    registry.KINDS.forget("toy")
 
 
 def test_a_new_kind_is_its_file_and_one_registration(toy_registered: None, tmp_path: Path) -> None:

@@ -54,8 +54,9 @@ def _generate(hf: torch.nn.Module, ids: np.ndarray, mask: np.ndarray, steps: int
     logits processors (forced first/last tokens, banned words): the model's own argmax."""
     with torch.no_grad():
         out = hf.generate(
-            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps, do_sample=False, num_beams=1,
-            eos_token_id=None, forced_eos_token_id=None, forced_bos_token_id=None, bad_words_ids=None, pad_token_id=0,
+            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps,
+            do_sample=False, num_beams=1, eos_token_id=None, forced_eos_token_id=None, forced_bos_token_id=None,
+            bad_words_ids=None, pad_token_id=0,
         )  # fmt: skip
     return np.asarray(out[:, 1:].numpy())  # after the decoder's start token
 

@@ -54,8 +54,9 @@ def test_plugins_lists_the_families(monkeypatch: pytest.MonkeyPatch) -> None:
     # the Hugging Face family's table: an architecture per row, what --target ort fuses under it (80 columns)
     lines = out.splitlines()
     rows = {m.group(1): i for i, line in enumerate(lines) if (m := re.fullmatch(r"      class: (\w+(ForCausalLM|LMHeadModel))", line))}  # not a class a note names
-    assert len(rows) == 79 and lines[rows["Qwen3ForCausalLM"] + 1] == "      --target ort: GQA"
-    assert lines[rows["GptOssForCausalLM"] + 1].startswith("      --target ort: portable attention (attention sinks)")
+    assert len(rows) == 79 + 1 + 2 and lines[rows["Qwen3ForCausalLM"] + 1] == "      --target ort: GQA"  # + Llama 4, DeepSeek-V2 and -V3 (issue 43)
+    assert lines[rows["DeepseekV3ForCausalLM"] + 1].startswith("      --target ort: portable attention (multi-head latent attention")
+    assert lines[rows["GptOssForCausalLM"] + 1].startswith("      --target ort: GQA (attention sinks as head_sink)")
 
 
 def test_invalid_config_value(tiny_ckpt: Path, tmp_path: Path) -> None:
@@ -163,7 +164,11 @@ def test_plugins_says_when_hf_is_unavailable(monkeypatch: pytest.MonkeyPatch) ->
     assert code == 0
     lines = out.splitlines()
     hf = next(i for i, line in enumerate(lines) if line.startswith("hf "))
-    assert lines[hf + 1].strip() == """unavailable: transformers is not installed (pip install -e ".[hf]" in kiln's checkout, or pip install "kiln-*.whl[hf]" beside a wheel)"""
+    want = (
+        "unavailable: transformers is not installed "
+        """(pip install -e ".[hf]" in kiln's checkout, or pip install "kiln-*.whl[hf]" beside a wheel)"""
+    )
+    assert lines[hf + 1].strip() == want
     assert not any("unavailable" in line for line in lines[:hf] + lines[hf + 2 :])  # native needs nothing optional
 
 

@@ -7,8 +7,9 @@ Imports counted: every ``import``/``from ... import`` of a kiln module, at modul
 function (a lazy import is still a dependency); between folders, not those under
 ``if TYPE_CHECKING:`` (they exist for annotations only); between modules, those too (issue 42: an
 annotation names a dependency a reader follows; where one would close a circle, the lower module
-states what it reads as a ``Protocol``, as ``precision.kinds.base.Asked`` does of the options). ``from pkg import name`` depends on the module ``pkg.name`` when that is
-one, else on ``pkg``; a package's ``__init__`` runs before any of its modules, which is no edge.
+states what it reads as a ``Protocol``, as ``precision.kinds.base.Asked`` does of the options).
+``from pkg import name`` depends on the module ``pkg.name`` when that is one, else on ``pkg``; a
+package's ``__init__`` runs before any of its modules, which is no edge.
 Folders are the package's directories, with a package's ``__init__`` (its public face, the
 registry of ``plugins`` and ``exporter.targets``) a node of its own, and each module at the top
 of ``kiln`` and ``kiln.exporter`` (cli, errors, options, pipeline...) a node of its own.
@@ -168,7 +169,9 @@ def _crossings(sources: dict[str, str]) -> list[str]:
 
 def test_the_crossing_finder_sees_lazy_and_typing_imports() -> None:
     sources = {
-        "kiln.exporter.targets.onnx.graphs": "from kiln.exporter.patterns.norm import x\nfrom kiln.exporter.targets.base import T\n",
+        "kiln.exporter.targets.onnx.graphs": (
+            "from kiln.exporter.patterns.norm import x\nfrom kiln.exporter.targets.base import T\n"
+        ),
         "kiln.exporter.targets.onnx.cache": "if TYPE_CHECKING:\n    from kiln.exporter.targets.ort.gqa import G\n",
         "kiln.exporter.targets.ort.rotary": "def f():\n    import kiln.exporter.targets.onnx.rotary\n",
         "kiln.exporter.targets.ort.graphs": "from kiln.exporter.targets.ort import rules\n",
@@ -200,3 +203,90 @@ def test_the_shared_patterns_import_no_target() -> None:
         if imported.startswith(TARGETS)
     ]
     assert reaching == [], "exporter/patterns/ is shared by the targets and imports none of them:\n" + "\n".join(reaching)
+
+
+# Issue 42: a target or a precision kind is asked what it is (a declared attribute, a method:
+# ``Target.lora_slots``, ``PrecisionKind.weight_block``...), never tested by name outside its folder
+# (a target's: exporter/targets/<name>/; a kind's: exporter/precision/, its declaration in kinds/
+# and its machinery beside it). Found: a name compared (==, !=, in), looked up ([NAME], .get(NAME)),
+# or bound to a constant (a target's), and an ``isinstance`` of a kind's class. Each file allowed
+# below says why the name is not a test of the target or the kind there.
+NAME_ALLOWED = {
+    "exporter/artifacts/layout.py": "ONNX_DIR, the export's onnx/ folder, is no target",
+    "exporter/artifacts/manifest.py": "'onnx' the Python package whose version the manifest records",
+    "exporter/trace/cache.py": "'onnx' the Python package whose version keys the trace cache",
+    "exporter/artifacts/manifest_v1.py": "manifest v1, a frozen format, held the ort target's graphs only",
+    "exporter/engine/graphs.py": "kiln build --graphs onnx: engines of the onnx target's graphs (TensorRT 10.15+)",
+    "exporter/engine/options.py": "GraphSet.ONNX, kiln build --graphs onnx's value: the onnx target's graphs",
+    "exporter/engine/static_runner.py": "the TensorRT runner of the onnx target's static-cache graphs",
+    "exporter/parity/qdq_model.py": "the Q/DQ forms parity recomputes ('int8', 'fp8': their codes' types)",
+    "exporter/parity/qdq_numbers.py": "the Q/DQ forms parity recomputes ('int8', 'fp8': their codes' types)",
+    "exporter/parity/int4_proof.py": "'int4', a key of the proof file's own metadata",
+    # parity's second reference named in its reports (written while this test was: Precision.weight_only would say it)
+    "exporter/parity/report.py": "'int4 weights' or 'Q/DQ scales': the quantized reference's name",
+    "exporter/parity/results.py": "'int4 weights' or 'Q/DQ scales': the quantized reference's name",
+    "exporter/targets/onnx/graphs.py": "int8's Q/DQ in the form TensorRT and ONNX Runtime load (precision.int8_form)",
+}
+
+
+def _named(node: ast.AST, names: set[str]) -> str | None:
+    if isinstance(node, ast.Constant) and node.value in names:
+        return str(node.value)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return next((found for each in node.elts if (found := _named(each, names)) is not None), None)
+    return None
+
+
+def _name_tests(source: str, names: set[str], classes: set[str], constants: bool) -> Iterator[tuple[int, str]]:
+    """(line, name) of every test of one of ``names`` (or ``isinstance`` of one of ``classes``) in ``source``."""
+    for node in ast.walk(ast.parse(source)):
+        sides: list[ast.AST] = []
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+        elif isinstance(node, ast.Subscript):
+            sides = [node.slice]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            sides = node.args[:1]
+        elif constants and isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            sides = [node.value]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+            named = [n for arg in node.args[1:2] for n in ast.walk(arg) if isinstance(n, ast.Name) and n.id in classes]
+            yield from ((node.lineno, n.id) for n in named)
+        yield from ((node.lineno, found) for side in sides if (found := _named(side, names)) is not None)
+
+
+def test_the_name_finder_sees_comparisons_lookups_constants_and_isinstance() -> None:
+    source = (
+        'if options.target in (PORTABLE, "ort"):\n    pass\n'
+        'x = (manifest.targets or {})["onnx"]\ny = targets.get("ort")\nZ = "onnx"\n'
+        'ok = isinstance(k, (Fp16, Int4))\nw = {"ort": 1}\nprint("onnx")\n'
+    )
+    found = list(_name_tests(source, {"ort", "onnx"}, {"Fp16", "Int4"}, constants=True))
+    assert sorted(found) == [(1, "ort"), (3, "onnx"), (4, "ort"), (5, "onnx"), (6, "Fp16"), (6, "Int4")], found
+    assert sorted(_name_tests(source, {"ort", "onnx"}, set(), constants=False)) == [(1, "ort"), (3, "onnx"), (4, "ort")]
+
+
+def test_no_target_or_kind_is_tested_by_name_outside_its_folder() -> None:
+    from kiln.exporter.precision.kinds.registry import KINDS, kinds
+    from kiln.exporter.targets import TARGETS
+
+    target_names, kind_names = set(TARGETS.builtins()), set(KINDS.builtins())
+    kind_classes = {k.__name__ for k in kinds() if k.name in kind_names}
+    assert target_names >= {"ort", "onnx"} and kind_classes >= {"Fp16", "Int8", "Fp8", "Int4"}
+    found = []
+    for name, path in sorted(_modules().items()):
+        where = path.relative_to(ROOT).as_posix()
+        if where in NAME_ALLOWED:
+            continue
+        source = path.read_text()
+        own_target = where.startswith(tuple(f"exporter/targets/{t}/" for t in target_names))
+        if not own_target and where != "exporter/targets/__init__.py":
+            tests = _name_tests(source, target_names, set(), constants=True)
+            found += [f"{where}:{line} tests the target {n!r}" for line, n in tests]
+        if not where.startswith("exporter/precision/"):
+            tests = _name_tests(source, kind_names, kind_classes, constants=False)
+            found += [f"{where}:{line} tests the kind {n!r}" for line, n in tests]
+    why = "ask the target or the kind (a declared attribute or method) instead of testing its name:\n"
+    assert found == [], why + "\n".join(found)
+    stale = [where for where in NAME_ALLOWED if not (ROOT / where).is_file()]
+    assert stale == [], f"allowed files that are no more: {stale}"

@@ -152,8 +152,10 @@ def test_host_code_allowed_only_where_the_runtime_has_it() -> None:
 
 
 def test_device_memory_prefers_v2() -> None:
-    assert compat.device_memory_bytes(SimpleNamespace(device_memory_size=1, device_memory_size_v2=2)) == 2  # type: ignore[arg-type]  # 10.x
-    assert compat.device_memory_bytes(SimpleNamespace(device_memory_size_v2=3)) == 3  # type: ignore[arg-type]  # 11.x: v1 removed
+    engine = SimpleNamespace(device_memory_size=1, device_memory_size_v2=2)
+    assert compat.device_memory_bytes(engine) == 2  # type: ignore[arg-type]  # 10.x
+    # 11.x: v1 removed
+    assert compat.device_memory_bytes(SimpleNamespace(device_memory_size_v2=3)) == 3  # type: ignore[arg-type]
     assert compat.device_memory_bytes(SimpleNamespace(device_memory_size=4)) == 4  # type: ignore[arg-type]  # 10.0
     assert compat.device_memory_bytes(SimpleNamespace()) is None  # type: ignore[arg-type]
 

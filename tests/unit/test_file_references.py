@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w.-]*\w\.(?:md|py|json))\b")
 OUTPUT = re.compile(r"--out\s+$")
 ARTIFACTS = frozenset({
-    "manifest.json", "config.json", "generation_config.json", "genai_config.json", "tokenizer.json", "tokenizer_config.json",
-    "engines.json", "parity.json", "parity.md", "model.safetensors.index.json", "training.json", "adapter_config.json",
+    "manifest.json", "config.json", "generation_config.json", "genai_config.json", "tokenizer.json",
+    "tokenizer_config.json", "engines.json", "parity.json", "parity.md", "model.safetensors.index.json",
+    "training.json", "adapter_config.json",
 })  # fmt: skip
 OTHER = {
     "pydoc_data/topics.py": "CPython's standard library",

@@ -49,7 +49,7 @@ def _sequential(model: PLEDecoder, windows: list[np.ndarray], quantized_inputs: 
         x = model.embed(ids)
         for i, layer in enumerate(model.layers):
             inputs: dict[str, torch.Tensor] = {}
-            hooks = [layer.get_submodule(s).register_forward_pre_hook(lambda m, a, s=s: inputs.__setitem__(s, a[0].reshape(-1, a[0].shape[-1]).double())) for s in SUBS]
+            hooks = [layer.get_submodule(s).register_forward_pre_hook(lambda m, a, s=s, inputs=inputs: inputs.__setitem__(s, a[0].reshape(-1, a[0].shape[-1]).double())) for s in SUBS]
             layer(x, allowed, pos, None, None)
             for hook in hooks:
                 hook.remove()

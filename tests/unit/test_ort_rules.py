@@ -90,7 +90,7 @@ class Layer:
 
 
 def build(*, hd: int = 8, past: int = 0, rotary: str = "full", halves: str = "split", qk_norm: bool = False, mask: str = "where", scale: str = "mul",
-          softcap: tuple[float, float] | None = None, probs_read_twice: bool = False, halves_from_other: bool = False) -> ir.Model:  # fmt: skip
+          softcap: tuple[float, float] | None = None, probs_read_twice: bool = False, halves_from_other: bool = False) -> ir.Model:
     seq = 1 if past else S
     g = Layer(hd, past, seq)
     g.const("axis3", np.array([3], np.int64))

@@ -89,7 +89,7 @@ def test_the_kv_cache_by_the_same_rule() -> None:
 def test_precisions_are_ordered() -> None:
     order = ["fp32", "fp16", "int8", "int4"]
     for bound in ("logits", "kv"):
-        for tight, loose in zip(order, order[1:]):
+        for tight, loose in zip(order, order[1:], strict=False):
             a, b = getattr(TOLERANCES[tight], bound), getattr(TOLERANCES[loose], bound)
             assert a.atol < b.atol and a.rtol < b.rtol, (bound, tight, loose)
     assert TOLERANCES["fp8"] == TOLERANCES["int8"] and TOLERANCES["int8+fp16"] == TOLERANCES["int8"] and TOLERANCES["int4+fp16"] == TOLERANCES["int4"]

@@ -29,7 +29,7 @@ def test_every_reason_of_the_options_is_one_error_in_the_loops_order() -> None:
         "--auto-keep-fp32 cannot be combined with --ple-tables input",  # the kind
         "--target onnx takes the PLE tables as constants; drop --ple-tables input",  # the target
         "--lora-slots with --target onnx: slots are built on the portable graphs and --target ort only",  # LoRA
-        "--parity-agreement record only applies to --int4 exports, whose graphs are also checked against PyTorch on their own int4 weights; "
+        "--parity-agreement record only applies to --int8, --fp8 or --int4 exports, whose graphs are also checked against PyTorch on their own quantized numbers; "
         "a fp16 export's only proof is its agreement with the checkpoint's model",  # parity
     ]
 

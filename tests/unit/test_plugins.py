@@ -53,9 +53,8 @@ def toy_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     (site / "kiln_toy_family-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: kiln-toy-family\nVersion: 0.1\n")
     (site / "kiln_toy_family-0.1.dist-info" / "entry_points.txt").write_text("[kiln.plugins]\ntoy = kiln_toy_family:FAMILY\n")
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(registry, "_LOADED", False)
+    monkeypatch.setattr(registry, "FAMILIES", registry.FAMILIES.fresh())  # entry points read anew, dropped after
     yield site
-    registry._FAMILIES.pop("toy", None)
     sys.modules.pop("kiln_toy_family", None)
 
 

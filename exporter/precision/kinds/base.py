@@ -30,10 +30,11 @@ import abc
 import dataclasses
 import enum
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from kiln.exporter.tolerance import Tolerance
+from kiln.registry import Flag  # one CLI option of a kind besides --NAME, filling one of its fields
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -59,30 +60,6 @@ class Needs(enum.Enum):
     NOTHING = "nothing"
     RANGES = "ranges"  # each graph's activation ranges (``calibration.Calibration``)
     HESSIANS = "hessians"  # each weight's input Hessian through PyTorch (GPTQ)
-
-
-@dataclasses.dataclass(frozen=True)
-class Flag:
-    """One CLI option of a kind besides ``--NAME``, filling one field of it (``cli_options``
-    makes it a click option; its click parameter is ``dest``)."""
-
-    option: str  # "--int8-float"
-    field: str  # the kind's field it fills
-    help: str
-    multiple: bool = False
-    is_flag: bool = False
-    choices: tuple[str, ...] = ()
-    default: str | None = None  # a choice's default, as typed
-    metavar: str | None = None
-    convert: Callable[[Any], Any] | None = None  # the typed text -> the field's value
-
-    @property
-    def dest(self) -> str:
-        return self.option.removeprefix("--").replace("-", "_")
-
-    def given(self, value: Any) -> bool:
-        """Whether ``value`` (click's) is more than the option's default."""
-        return bool(value) if self.multiple or self.is_flag else value is not None and value != self.default
 
 
 class Named(Protocol):
@@ -149,12 +126,25 @@ class PrecisionKind(abc.ABC):
     full_check: ClassVar[bool] = False  # onnx.checker's full check on every graph it wrote
     calibration_use: ClassVar[str | None] = None  # how --calib-data's refusal names it ("--int4 (method gptq)")
     default_windows: ClassVar[int] = 32  # calibration windows when --calib-samples is not given
+    lora_slots: ClassVar[bool] = False  # --lora-slots is built on its graphs (the slots read float activations)
+    ways_out: ClassVar[str | None] = None  # what raises its quality on real text (its options): the gate's refusal says
+
+    @property
+    def weight_block(self) -> int | None:
+        """The block its weight-only weights are quantized in along K (None: it is not weight-only by blocks)."""
+        return None
+
+    @property
+    def quantizes_scores(self) -> bool:
+        """Whether its options quantize the attention-score MatMuls too (a target that fuses attention refuses it)."""
+        return False
 
     def needs(self) -> Needs:
         return Needs.NOTHING
 
     def reasons(self, spec: DecoderSpec | None, options: Asked) -> list[str]:
-        """Why it cannot be built with ``options`` (and, given a ``spec``, of that model), one line each; none: taken."""
+        """Why it cannot be built with ``options`` (and, given a ``spec``, of that model), one line each; none:
+        taken."""
         return []
 
     def prepare(self, context: object) -> Prepared:

@@ -41,6 +41,7 @@ class Fp16(PrecisionKind):
     # fp16: half an ulp, 4.9e-4 of it; measured rows reach 2e-3 of their scale)
     tolerance: ClassVar[Tolerance] = Tolerance(logits_atol=5e-2, logits_rtol=5e-3, kv_atol=2e-2, kv_rtol=5e-3, min_cosine=0.9999)
     bytes_per_weight: ClassVar[float] = 2.0
+    lora_slots: ClassVar[bool] = True
 
     def reasons(self, spec: DecoderSpec | None, options: Asked) -> list[str]:
         found = []

@@ -37,3 +37,6 @@ class Fp8(RangesKind):
     min_compute_capability: ClassVar[tuple[int, int, str] | None] = (8, 9, "Ada (L4, L40S, RTX 40) or Hopper (H100, H200) or later")
     full_check: ClassVar[bool] = True
     calibration_use: ClassVar[str | None] = "--fp8"
+    ways_out: ClassVar[str | None] = (
+        "keep the sensitive MatMuls fp16 (--fp8-float RULE), other calibration data (--calib-data, --calib-method)"
+    )

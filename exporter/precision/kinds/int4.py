@@ -86,6 +86,11 @@ class Int4(PrecisionKind):
     min_compute_capability: ClassVar[tuple[int, int, str] | None] = (8, 0, "Ampere (A100, A10, RTX 30) or later")
     weight_only: ClassVar[bool] = True
     full_check: ClassVar[bool] = True
+    lora_slots: ClassVar[bool] = True  # the slots stay float MatMuls beside its weights
+    ways_out: ClassVar[str | None] = (
+        "--int4-method gptq (with --calib-data), keep the sensitive MatMuls float (--int4-float RULE), "
+        "a smaller --int4-block"
+    )
     calibration_use: ClassVar[str | None] = "--int4 (method gptq)"
     default_windows: ClassVar[int] = GPTQ_SAMPLES
 
@@ -96,6 +101,10 @@ class Int4(PrecisionKind):
     @property
     def gptq(self) -> bool:
         return self.method is Int4Method.GPTQ
+
+    @property
+    def weight_block(self) -> int | None:
+        return self.block
 
     def needs(self) -> Needs:
         return Needs.HESSIANS if self.gptq else Needs.NOTHING

@@ -35,3 +35,10 @@ class Int8(RangesKind):
     tolerance: ClassVar[Tolerance] = EIGHT_BIT
     bytes_per_weight: ClassVar[float] = 1.0
     calibration_use: ClassVar[str | None] = "--int8"
+    ways_out: ClassVar[str | None] = (
+        "keep the sensitive MatMuls float (--int8-float RULE), other calibration data (--calib-data, --calib-method)"
+    )
+
+    @property
+    def quantizes_scores(self) -> bool:
+        return self.all_matmuls

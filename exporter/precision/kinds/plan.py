@@ -137,6 +137,31 @@ class Precision:
     def full_check(self) -> bool:
         return any(k.full_check for k in self.kinds)
 
+    @property
+    def weight_only(self) -> bool:
+        """Whether a kind quantizes the weights only (its activations stay float)."""
+        return any(k.weight_only for k in self.kinds)
+
+    @property
+    def weight_block(self) -> int | None:
+        """The block a weight-only kind quantizes the weights in along K (None: no such kind)."""
+        return next((k.weight_block for k in self.kinds if k.weight_block is not None), None)
+
+    @property
+    def quantizes_scores(self) -> bool:
+        """Whether a kind's options quantize the attention-score MatMuls too."""
+        return any(k.quantizes_scores for k in self.kinds)
+
+    @property
+    def lora_slots(self) -> bool:
+        """Whether --lora-slots can be built on these graphs (fp32: yes; else every kind says)."""
+        return all(k.lora_slots for k in self.kinds)
+
+    @property
+    def ways_out(self) -> str | None:
+        """What raises its quality on real text: its quantizing kind's own options."""
+        return next((k.ways_out for k in self.kinds if k.ways_out is not None), None)
+
     def graph_opset(self, opset: int) -> int:
         """The opset the graphs are written at: ``opset``, raised to what a kind needs."""
         return max((opset, *(k.min_opset for k in self.kinds)))

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from kiln.errors import ConfigError
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
-from kiln.exporter.precision.kinds.int8 import Int8
 from kiln.exporter.precision.kinds.plan import Precision
+from kiln.registry import Flag
 
 if TYPE_CHECKING:
     from kiln.exporter.options import ExportOptions
@@ -39,6 +39,9 @@ class OnnxTarget:
         "by TensorScatter), parity-checked like the portable ones"
     )
     kv_caches: tuple[CacheUpdate, ...] = (CacheUpdate.STATIC,)
+    flags: tuple[Flag, ...] = ()
+    letter = "x"
+    lora_slots = False
 
     def wanted(self, options: ExportOptions) -> bool:
         return options.target == self.name
@@ -47,12 +50,17 @@ class OnnxTarget:
         if not self.wanted(options):
             return []
         found = []
-        if isinstance(int8 := options.precision.get("int8"), Int8) and int8.all_matmuls:
+        if options.precision.quantizes_scores:
             found.append(ALL_MATMULS)
         if options.ple_tables.value == "input":
             found.append("--target onnx takes the PLE tables as constants; drop --ple-tables input")
         if spec is not None and spec.encoder_dim is not None:
             found.append("--target onnx is not supported for cross-attention decoders: its static cache holds self-attention keys and values only")
+        elif spec is not None and spec.cache is not None:
+            found.append(
+                f"--target onnx is not supported for a {spec.cache.kind} cache (multi-head latent attention): its static cache and Attention op hold"
+                " keys and values per KV head; the portable graphs (and --target ort, whose attention stays portable) export it"
+            )
         elif spec is not None:
             from kiln.exporter.targets.onnx.windows import layer_windows
 
@@ -73,6 +81,9 @@ class OnnxTarget:
 
     def quantized_precision(self, precision: str) -> str | None:
         return Precision.parse(precision).weight_only_float  # the portable graphs' int4 DQ MatMuls, unchanged
+
+    def serves_genai(self, precision: str) -> bool:
+        return False  # GenAI runs the portable unified graph
 
     def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
         from kiln.exporter.targets.onnx.runner import StaticCacheRunner

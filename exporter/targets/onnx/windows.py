@@ -9,7 +9,9 @@ slot ``i`` sees slot ``j`` only when ``j > i - window``.
 
 Any other architecture with a ``sliding_window`` in its config is refused by name, never
 guessed: a window applied wrongly passes a parity run shorter than the window and is wrong
-beyond it.
+beyond it. So is chunked attention (Llama 4's ``attention_chunk_size`` on its
+``chunked_attention`` layers: a query sees only the keys of its own chunk), which the target's
+static masks do not express: exported, those layers would silently attend to every earlier key.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def layer_windows(spec: DecoderSpec) -> dict[int, int]:
     """``{layer: window}`` of the layers with a sliding window (empty: none has one); a window
     the target cannot prove is one ``ConfigError``."""
     config = spec.config
+    _refuse_chunks(spec)
     window = config.get("sliding_window")
     if not isinstance(window, int) or config.get("use_sliding_window") is False:
         return {}
@@ -42,3 +45,14 @@ def layer_windows(spec: DecoderSpec) -> dict[int, int]:
     if len(kinds) != spec.n_layers or set(kinds) - {"sliding_attention", "full_attention"}:
         raise ConfigError(f"--target onnx: config.layer_types {kinds} is not one of sliding_attention/full_attention per layer")
     return {layer: window for layer, kind in enumerate(kinds) if kind == "sliding_attention"}
+
+
+def _refuse_chunks(spec: DecoderSpec) -> None:
+    """Chunked attention is one ``ConfigError``: a config with an ``attention_chunk_size`` whose
+    layer_types (absent: every layer) have a chunked_attention layer."""
+    chunk, kinds = spec.config.get("attention_chunk_size"), spec.config.get("layer_types")
+    if isinstance(chunk, int) and (kinds is None or "chunked_attention" in kinds):
+        raise ConfigError(
+            f"--target onnx does not apply chunked attention (this {spec.config.get('architecture') or spec.family} model attends within"
+            f" chunks of {chunk} tokens: attention_chunk_size); export it without --target onnx"
+        )

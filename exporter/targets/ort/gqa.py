@@ -34,8 +34,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
-from kiln.exporter.passes.ir_utils import MS_DOMAIN, copy_type, producer, use_ms_domain
+from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, use_ms_domain
 from kiln.exporter.patterns.attention import AttentionCore, AttentionCoreRule
 from kiln.exporter.patterns.heads import flatten_heads
 from kiln.exporter.patterns.rotary_tables import TableFn
@@ -54,7 +55,7 @@ class GroupQueryAttention(AttentionCoreRule):
     ``fused`` lists the layers it rewrote."""
 
     def __init__(self, values: GraphValues, *, n_kv_heads: int, head_dim: int, decode: bool) -> None:
-        super().__init__(head_dim, "GroupQueryAttention")
+        super().__init__(head_dim, "GroupQueryAttention", sinks=True)
         self.values, self.n_kv_heads, self.decode = values, n_kv_heads, decode
         self.fused: list[int] = []
 
@@ -68,8 +69,10 @@ class GroupQueryAttention(AttentionCoreRule):
             attrs["causal"] = 0  # the family's mask alone decides (module docstring)
         q, k, v = (flatten_heads(op, heads) for heads in (core.q, core.k, core.v))
         seqlens_k, total = self.values.lengths()
-        inputs = [q, k, v, core.past_key, core.past_value, seqlens_k, total, None, None, None, self.values.bias(core.bias)]
         name = f"/layers.{core.layer}.attn/ort"
+        inputs = [q, k, v, core.past_key, core.past_value, seqlens_k, total, None, None, None, self.values.bias(core.bias)]
+        if core.sink is not None:
+            inputs.append(_head_sink(op, core.sink, core.n_heads, name))
         out, present_key, present_value = op.GroupQueryAttention(*inputs, **attrs, _domain=MS_DOMAIN, _outputs=3, _name=f"{name}/GroupQueryAttention")
         if core.out.shape is None or len(core.out.shape) != 3:
             # GQA's [B, S, H*hd] has the element order of the Reshape's input, so the same
@@ -78,6 +81,18 @@ class GroupQueryAttention(AttentionCoreRule):
         _rewire_presents(core, present_key, present_value)
         self.fused.append(core.layer)
         return out  # type: ignore[no-any-return]
+
+
+def _head_sink(op: Any, sinks: ir.Value, n_heads: int, name: str) -> ir.Value:
+    """GQA's ``head_sink`` input, [num_heads] of the queries' type: the sinks as they are when
+    1-D (the traced initializer), else reshaped to that."""
+    if sinks.shape is not None and len(sinks.shape) == 1:
+        return sinks
+    graph = sinks.graph
+    assert isinstance(graph, ir.Graph), "matched sinks belong to the graph"
+    flat: ir.Value = op.Reshape(sinks, constant(graph, "ort/head_sink_shape", np.array([n_heads], dtype=np.int64)), _name=f"{name}/head_sink")
+    flat.type, flat.shape = sinks.type, ir.Shape([n_heads])
+    return flat
 
 
 def _rewire_presents(core: AttentionCore, present_key: ir.Value, present_value: ir.Value) -> None:

@@ -30,7 +30,8 @@ class RotaryInGroupQueryAttention(RewriteRuleClassBase):
         q, k, v = op.Split(packed, sizes, _outputs=["q", "k", "v"])
         rotated = [op.RotaryEmbedding(x, position_ids, cos, sin, _domain=MS_DOMAIN, _outputs=[f"r{name}"]) for x, name in ((q, "q"), (k, "k"))]
         inputs = [*rotated, v, past_key, past_value, seqlens_k, total, None, None, None, bias]
-        return op.GroupQueryAttention(*inputs, _domain=MS_DOMAIN, _outputs=["out", "present_key", "present_value"])
+        # other inputs after the bias (head_sink: attention sinks) are carried as they are
+        return op.GroupQueryAttention(*inputs, _domain=MS_DOMAIN, _allow_other_inputs=True, _outputs=["out", "present_key", "present_value"])
 
     def check(self, op: Any, *_: Any, **bound: Any) -> MatchResult:  # op: the MatchContext (the base class names it so)
         if self.head_dim % 16:
@@ -46,7 +47,7 @@ class RotaryInGroupQueryAttention(RewriteRuleClassBase):
         assert gqa is not None
         attrs = {**{name: attr for name, attr in gqa.attributes.items()}, "do_rotary": 1, "rotary_interleaved": 0}
         lengths = (bound["past_key"], bound["past_value"], bound["seqlens_k"], bound["total"])
-        inputs = [packed, None, None, *lengths, cos, sin, position_ids, bound["bias"]]
+        inputs = [packed, None, None, *lengths, cos, sin, position_ids, bound["bias"], *gqa.inputs[11:]]
         return op.GroupQueryAttention(*inputs, **attrs, _domain=MS_DOMAIN, _outputs=3, _name=gqa.name)
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import onnx_ir as ir
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
+from kiln.exporter.contract.shared_buffer import reads_past_length
 from kiln.exporter.passes import (
     ExternalizeWeights,
     GraphRewrite,
@@ -139,12 +140,21 @@ def ort_passes(
     ]
 
 
-def _cache_update(passes: dict[GraphKind, dict[str, Report]], n_layers: int) -> CacheUpdate:
+def _cache_update(passes: dict[GraphKind, dict[str, Report]], n_layers: int, past_lengths_unread: bool) -> CacheUpdate:
     """GroupQueryAttention writes the new key/value in place when past and present are one
     buffer: only when every layer's decode attention fused (a layer left portable grows its
-    cache with Concat)."""
+    cache with Concat) and no node reads a past's length (``_past_lengths_unread``)."""
     fused = passes.get(GraphKind.DECODE, {}).get("attention", {}).get("layers", [])
-    return CacheUpdate.SHARED if sorted(fused) == list(range(n_layers)) else CacheUpdate.GROWN
+    return CacheUpdate.SHARED if sorted(fused) == list(range(n_layers)) and past_lengths_unread else CacheUpdate.GROWN
+
+
+def _past_lengths_unread(graph: ir.Graph) -> bool:
+    """No node reads a ``past_key_values.*`` input's sequence length (``contract.shared_buffer``):
+    such a reader (the Shape of a family mask the decode_mask pass could not replace, Llama 4's
+    chunks; a position counted from the cache's length, its NoPE layers' temperature) would read
+    a shared buffer's capacity, not the tokens in it."""
+    pasts = [v for v in graph.inputs if v.name is not None and v.name.startswith("past_key_values.")]
+    return not any(reads_past_length(use.node.op_type, {k: a.value for k, a in use.node.attributes.items()}) for value in pasts for use in value.uses())
 
 
 def write_ort_target(
@@ -154,6 +164,7 @@ def write_ort_target(
     portable graphs' int4 weights become MatMulNBits bits=4)."""
     reports: dict[GraphKind, dict[str, Report]] = {}
     paths: dict[GraphKind, Path] = {}
+    in_place = True
     with WeightsWriter(onnx_dir / ORT_WEIGHTS_FILE, rename=False) as writer:
         for kind, path in graphs.items():
             log = NotFused()
@@ -161,10 +172,11 @@ def write_ort_target(
             model = run_passes(ir.load(path), passes, graph=f"{kind.value} (ORT target)")
             paths[kind] = onnx_dir / ort_graph_file(kind)
             ir.save(model, paths[kind])
+            in_place = in_place and (kind is not GraphKind.DECODE or _past_lengths_unread(model.graph))
             del model
             left = log.record()  # fusion -> "layer i: why" for each candidate left unfused
             reports[kind] = pass_reports(passes) | ({"not_fused": {fusion: list(why) for fusion, why in left.items()}} if left else {})
         weights = writer.close()
     precision = "int8" if int8 else "int4" if int4_block is not None else "fp32"
     record = {"int8": dict(INT8_FORMAT)} if int8 else {"int4": INT4_FORMAT(int4_block)} if int4_block is not None else None
-    return TargetGraphs("ort", precision, paths, weights, reports, _cache_update(reports, spec.n_layers), record)
+    return TargetGraphs("ort", precision, paths, weights, reports, _cache_update(reports, spec.n_layers, in_place), record)

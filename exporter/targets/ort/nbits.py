@@ -95,8 +95,8 @@ def replace_with_nbits(
 
 def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accuracy_level: int = ACCURACY_LEVEL) -> list[str]:
     """Replace every MatMul (and plain Gemm, its bias going to MatMulNBits' bias input) whose
-    weight is a constant float32 matrix; returns the replaced nodes' names. The packed weights get names derived from the original ones, so the
-    prefill, decode and unified graphs share them."""
+    weight is a constant float32 matrix; returns the replaced nodes' names. The packed weights get names derived from
+    the original ones, so the prefill, decode and unified graphs share them."""
     graph = model.graph
     replaced: list[str] = []
     for node in list(graph):

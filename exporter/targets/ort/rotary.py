@@ -60,7 +60,8 @@ class RotaryEmbeddingRule(RewriteRuleClassBase):
             attrs["rotary_embedding_dim"] = rotary.dim
         name = f"{(gqa.name or '').rsplit('/ort/', 1)[0]}/ort/RotaryEmbedding_{'qk'[index]}"
         packed = flatten_heads(op, rotary.x)
-        return op.RotaryEmbedding(packed, self.values.position_ids, *caches, **attrs, _domain=MS_DOMAIN, _name=name)  # type: ignore[no-any-return]
+        value: ir.Value = op.RotaryEmbedding(packed, self.values.position_ids, *caches, **attrs, _domain=MS_DOMAIN, _name=name)
+        return value
 
 
 def _reader(flat: ir.Node) -> tuple[ir.Node, int] | None:

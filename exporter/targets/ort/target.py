@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.precision.kinds.base import Needs
-from kiln.exporter.precision.kinds.int4 import Int4
 from kiln.exporter.precision.kinds.plan import Precision
+from kiln.registry import Flag
 
 if TYPE_CHECKING:
     from kiln.exporter.options import ExportOptions
@@ -20,24 +20,38 @@ if TYPE_CHECKING:
     from kiln.exporter.targets.base import TargetGiven, TargetGraphs
     from kiln.plugins.base import DecoderSpec
 
-__all__ = ["ORT", "OrtTarget"]
+__all__ = ["INT8", "ORT", "OrtTarget"]
+
+INT8 = Flag(
+    "--ort-int8",
+    "ort_int8",
+    is_flag=True,
+    help=(
+        "With --target ort: the ORT-target graphs use weight-only int8 MatMulNBits (no calibration data); "
+        "the portable graphs keep their precision."
+    ),
+)
 
 
 class OrtTarget:
     name = "ort"
     label = "ONNX Runtime-target"
     description = "also write ONNX Runtime-target graphs (onnx/*.ort.onnx: GroupQueryAttention, RotaryEmbedding, SimplifiedLayerNormalization), parity-checked like the portable ones"
-    # grown where a layer's attention did not fuse (``graphs._cache_update``)
+    # grown where a layer's attention did not fuse or another node reads a past (``graphs._cache_update``)
     kv_caches: tuple[CacheUpdate, ...] = (CacheUpdate.SHARED, CacheUpdate.GROWN)
+    flags: tuple[Flag, ...] = (INT8,)
+    letter = "o"
+    lora_slots = True  # the slots stay float MatMuls beside MatMulNBits weights
 
     def wanted(self, options: ExportOptions) -> bool:
         return options.target == self.name
 
     def reasons(self, spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
         found = []
-        if options.ort_int8 and not self.wanted(options):
+        int8 = _int8(options)
+        if int8 and not self.wanted(options):
             found.append("--ort-int8 only applies to --target ort (it quantizes the ONNX Runtime-target graphs)")
-        if options.ort_int8 and "int4" in options.precision:
+        if int8 and options.precision.weight_only:
             found.append("--ort-int8 and --int4 both quantize the ONNX Runtime-target weights; choose one")
         if self.wanted(options) and (options.precision.float16 or options.precision.needs(Needs.RANGES)):  # fp32 and int4 only
             found.append(
@@ -52,21 +66,34 @@ class OrtTarget:
         from kiln.exporter.targets.ort.graphs import write_ort_target
 
         options = given.options
-        int4 = kind.block if isinstance(kind := options.precision.get("int4"), Int4) else None
+        int4 = options.precision.weight_block
         with given.progress.stage("ONNX Runtime target graphs"):
-            return write_ort_target(given.onnx_dir, given.portable, given.spec, max_context=given.max_context, int8=options.ort_int8, int4_block=int4)
+            int8 = _int8(options)
+            return write_ort_target(
+                given.onnx_dir, given.portable, given.spec, max_context=given.max_context, int8=int8, int4_block=int4
+            )
 
     def quantized_precision(self, precision: str) -> str | None:
         """int4: int8's tolerances. Its MatMulNBits hold the portable graphs' int4 numbers but,
         at ``accuracy_level`` 4, quantize the activations to int8 per block: the approximation
         left between it and PyTorch on those weights (--ort-int8's own weights are not the
         portable graphs': None)."""
-        return "int8" if "int4" in Precision.parse(precision) else None
+        return "int8" if Precision.parse(precision).weight_only else None
+
+    def serves_genai(self, precision: str) -> bool:
+        """int4: MatMulNBits bits=4 is what is fast on ONNX Runtime (the portable graph's
+        DequantizeLinear would also run; same I/O contract)."""
+        return Precision.parse(precision).weight_only
 
     def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
         from kiln.exporter.runners import OrtRunner
 
         return OrtRunner.opener(paths, extra_feeds)
+
+
+def _int8(options: ExportOptions) -> bool:
+    """``--ort-int8``: the ORT-target graphs' MatMuls as weight-only int8 MatMulNBits."""
+    return bool(options.target_flags.get(INT8.field, False))
 
 
 ORT = OrtTarget()
