@@ -24,10 +24,8 @@ from typing import Any, TypeVar
 
 import click
 
-from kiln import __version__
-from kiln import cli_options
+from kiln import __version__, cli_options, interrupts
 from kiln.cli_options import options
-from kiln import interrupts
 from kiln.errors import KilnError
 from kiln.inputs import size_text
 
@@ -81,8 +79,12 @@ def _progress(as_json: bool) -> Any:
     from kiln.exporter.progress import LineProgress, RichProgress, Timed
 
     if as_json:
-        return Timed(LineProgress(stages=False))  # stdout is the JSON; a note (cleaned-up leftovers...) still goes to stderr
-    return Timed(RichProgress() if sys.stderr.isatty() else LineProgress())  # a log file gets lines that neither wrap nor redraw
+        return Timed(
+            LineProgress(stages=False)
+        )  # stdout is the JSON; a note (cleaned-up leftovers...) still goes to stderr
+    return Timed(
+        RichProgress() if sys.stderr.isatty() else LineProgress()
+    )  # a log file gets lines that neither wrap nor redraw
 
 
 @click.group()
@@ -105,23 +107,36 @@ def export(model: str, out: Path, as_json: bool, **flags: Any) -> None:
     manifest = result.manifest
     if as_json:
         parity = {**result.parity.to_dict(), **result.report.parity_extras()}
-        stages = {name: round(seconds, 3) for name, seconds in progress.seconds.items()}  # wall seconds per stage, in order
-        click.echo(json.dumps({"out": str(result.out), "stages": stages, "parity": parity, "manifest": manifest.to_json()}, indent=2))
+        stages = {
+            name: round(seconds, 3) for name, seconds in progress.seconds.items()
+        }  # wall seconds per stage, in order
+        click.echo(
+            json.dumps(
+                {"out": str(result.out), "stages": stages, "parity": parity, "manifest": manifest.to_json()}, indent=2
+            )
+        )
         return
     from kiln.exporter.parity.report import verdict
 
     extra = "".join(_target_summary(name, entry) for name, entry in (manifest.targets or {}).items())
     report = result.out / Path(manifest.parity.report).with_suffix(".md")
-    click.echo(f"wrote {result.out}: {len(manifest.graphs)} {manifest.precision} graphs{extra}, {_weights_summary(manifest)}; {verdict(result.parity)}; report {report}")
+    click.echo(
+        f"wrote {result.out}: {len(manifest.graphs)} {manifest.precision} graphs{extra}, "
+        f"{_weights_summary(manifest)}; {verdict(result.parity)}; report {report}"
+    )
 
 
 def _weights_summary(manifest: Any) -> str:
     """``one weights file (12.3 MB)``, or each file with its size: a target's own weights file adds to the
     export's size, which the line says rather than leaves to be found (``--target ort``: +57% at 0.5B)."""
-    files = {manifest.weights.file: manifest.weights.bytes} | {t.weights.file: t.weights.bytes for t in (manifest.targets or {}).values()}
+    files = {manifest.weights.file: manifest.weights.bytes} | {
+        t.weights.file: t.weights.bytes for t in (manifest.targets or {}).values()
+    }
     if len(files) == 1:
         return f"one weights file ({size_text(manifest.weights.bytes)})"
-    return f"{len(files)} weights files (" + " + ".join(f"{file} {size_text(size)}" for file, size in files.items()) + ")"
+    return (
+        f"{len(files)} weights files (" + " + ".join(f"{file} {size_text(size)}" for file, size in files.items()) + ")"
+    )
 
 
 def _target_summary(name: str, entry: Any) -> str:
@@ -157,7 +172,11 @@ def _export_options(flags: dict[str, Any]) -> Any:
     precision = Precision.from_flags(flags)
     target_flags = _target_flags(flags)
     fields = {name: enums[name](value) if name in enums else value for name, value in flags.items()}
-    fields["calib_cache"] = (fields["calib_cache"] or Path.home() / ".cache" / "kiln" / "calibration") if precision.needs(Needs.RANGES) else None
+    fields["calib_cache"] = (
+        (fields["calib_cache"] or Path.home() / ".cache" / "kiln" / "calibration")
+        if precision.needs(Needs.RANGES)
+        else None
+    )
     fields["adapters"] = tuple(Adapter(path, weight) for path, weight in fields["adapters"])
     options = ExportOptions(precision=precision, target_flags=target_flags, **fields)
     return plan(options).options  # refused before any heavy import (the pipeline asks again)
@@ -203,18 +222,32 @@ def check(directory: Path, model: str | None, backend: str, verbose: bool, adapt
     from kiln.exporter.check import check_dir
     from kiln.exporter.parity.report import markdown, summary_table, verdict
 
-    result = check_dir(directory, model, _progress(as_json), backend="tensorrt" if backend == "trt" else "onnxruntime", adapter=adapter)
+    result = check_dir(
+        directory, model, _progress(as_json), backend="tensorrt" if backend == "trt" else "onnxruntime", adapter=adapter
+    )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        parts = [result, *([result.quantized] if result.quantized is not None else [])]  # an int4 export: against both references
-        checks = f"{sum(len(r.tensors) for r in parts)} tensors and {sum(len(r.generation) for r in parts)} generation runs"
-        click.echo(markdown(result) if verbose else f"{directory}: {result.backend} vs PyTorch, {checks}\n\n" + "\n".join(summary_table(result)) + "\n")
+        parts = [
+            result,
+            *([result.quantized] if result.quantized is not None else []),
+        ]  # an int4 export: against both references
+        checks = (
+            f"{sum(len(r.tensors) for r in parts)} tensors and {sum(len(r.generation) for r in parts)} generation runs"
+        )
+        click.echo(
+            markdown(result)
+            if verbose
+            else f"{directory}: {result.backend} vs PyTorch, {checks}\n\n" + "\n".join(summary_table(result)) + "\n"
+        )
         click.echo(verdict(result) + ("" if verbose else f" (every check: kiln check {directory} --verbose)"))
     if not result.passed:
         raise ParityError(f"{directory}: " + "; ".join(result.failures()[:5]))
     if result.quality is not None and not result.quality.passed:
-        raise ParityError(f"{directory}: the quantization fell short of the export's quality gate: {result.quality.figures()} (at least {result.quality.threshold:g})")
+        raise ParityError(
+            f"{directory}: the quantization fell short of the export's quality gate: {result.quality.figures()} "
+            f"(at least {result.quality.threshold:g})"
+        )
 
 
 @main.command()
@@ -228,13 +261,21 @@ def adapter(adapter_dir: Path, directory: Path, out: Path | None, no_check: bool
     from kiln.exporter.parity.report import verdict
 
     result = convert_adapter(directory, adapter_dir, out, force=force, check=not no_check, progress=_progress(as_json))
-    summary = {"file": str(result.path), "modules": list(result.modules), "rank": result.rank, "parity": result.parity.to_dict() if result.parity is not None else None}
+    summary = {
+        "file": str(result.path),
+        "modules": list(result.modules),
+        "rank": result.rank,
+        "parity": result.parity.to_dict() if result.parity is not None else None,
+    }
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
     if result.parity is not None:
         click.echo(verdict(result.parity))
-    click.echo(f"wrote {result.path}: rank {result.rank} on {len(result.modules)} modules (kiln generate {directory} --adapter {result.path})")
+    click.echo(
+        f"wrote {result.path}: rank {result.rank} on {len(result.modules)} modules (kiln generate {directory} "
+        f"--adapter {result.path})"
+    )
 
 
 @main.command()
@@ -248,8 +289,10 @@ def verify(directory: Path, as_json: bool) -> None:
     result = verify_dir(directory)
     if result.leftovers:  # kiln's own, not the export's: said once, on stderr
         left = ", ".join(result.leftovers)
-        click.echo(f"{directory}: not checked: {left}, left by an interrupted kiln triton (the next one removes them)",
-                   err=True)
+        click.echo(
+            f"{directory}: not checked: {left}, left by an interrupted kiln triton (the next one removes them)",
+            err=True,
+        )
     if as_json:
         click.echo(json.dumps({"ok": result.ok, "checked": result.checked, "problems": result.problems()}, indent=2))
     elif result.ok:
@@ -264,7 +307,12 @@ def verify(directory: Path, as_json: bool) -> None:
 
 @main.command()
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--name", "name", required=True, help="Triton model name (letters, digits, '_', '.', '-'); engines become NAME_prefill and NAME_decode.")
+@click.option(
+    "--name",
+    "name",
+    required=True,
+    help="Triton model name (letters, digits, '_', '.', '-'); engines become NAME_prefill and NAME_decode.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the files written as JSON.")
 @_reports_errors
 def triton(directory: Path, name: str, as_json: bool) -> None:
@@ -278,15 +326,33 @@ def triton(directory: Path, name: str, as_json: bool) -> None:
     models = repository_models(directory)
     replaced = [m for m in earlier if m not in models]
     if as_json:
-        click.echo(json.dumps({"repository": str(directory / "triton"), "files": [str(p) for p in written], "replaced_models": replaced}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "repository": str(directory / "triton"),
+                    "files": [str(p) for p in written],
+                    "replaced_models": replaced,
+                },
+                indent=2,
+            )
+        )
         return
-    click.echo(f"wrote {directory / 'triton'}: {len(written)} files" + (f", replacing the earlier repository's {', '.join(replaced)}" if replaced else ""))
+    click.echo(
+        f"wrote {directory / 'triton'}: {len(written)} files"
+        + (f", replacing the earlier repository's {', '.join(replaced)}" if replaced else "")
+    )
     for path in written:
         click.echo(f"  {path.relative_to(directory)}")
-    click.echo(f"({name}/1/model.onnx/ is a folder: Triton's ONNX Runtime backend loads a graph with external weights from a directory holding both)")
+    click.echo(
+        f"({name}/1/model.onnx/ is a folder: Triton's ONNX Runtime backend loads a graph with external weights "
+        "from a directory holding both)"
+    )
     copied = sum(path.stat().st_size for path in written if path.suffix == ".bin")
     if copied:
-        click.echo(f"(its weights are a copy of the export's: {size_text(copied)} more on disk, unless the filesystem shares their blocks: btrfs, XFS)")
+        click.echo(
+            f"(its weights are a copy of the export's: {size_text(copied)} more on disk, unless the filesystem "
+            "shares their blocks: btrfs, XFS)"
+        )
 
 
 @main.command()
@@ -300,7 +366,12 @@ def build(directory: Path, workspace: str, hardware_compat: str, graphs: str, as
     engines/trtexec.sh, the equivalent trtexec commands, is written first, also where TensorRT is not installed."""
     from kiln.exporter.engine import BuildOptions, GraphSet, HardwareCompat, build_command, parse_size
 
-    options = BuildOptions(workspace=parse_size(workspace), hardware_compat=HardwareCompat(hardware_compat), graphs=GraphSet(graphs), **flags)  # the rest named as BuildOptions' fields
+    options = BuildOptions(
+        workspace=parse_size(workspace),
+        hardware_compat=HardwareCompat(hardware_compat),
+        graphs=GraphSet(graphs),
+        **flags,
+    )  # the rest named as BuildOptions' fields
     try:
         result = build_command(directory, options)
     except KilnError as exc:
@@ -312,8 +383,10 @@ def build(directory: Path, workspace: str, hardware_compat: str, graphs: str, as
         return
     engines = list(result["engines"].values())
     click.echo(
-        f"wrote {', '.join(e['file'] for e in engines)} in {directory} from the {result['graphs']['set']} graphs ({result['graphs']['reason']}; "
-        f"TensorRT {engines[0]['tensorrt']}, {engines[0]['gpu']}, compute capability {engines[0]['compute_capability']}); "
+        f"wrote {', '.join(e['file'] for e in engines)} in {directory} from the {result['graphs']['set']} graphs "
+        f"({result['graphs']['reason']}; "
+        f"TensorRT {engines[0]['tensorrt']}, {engines[0]['gpu']}, compute capability "
+        f"{engines[0]['compute_capability']}); "
         f"record in {result['record']}, trtexec commands in {result['trtexec']}"
     )
 
@@ -322,15 +395,29 @@ def build(directory: Path, workspace: str, hardware_compat: str, graphs: str, as
 @click.argument("directories", nargs=-1, required=True, type=click.Path(path_type=Path))
 @options(cli_options.BENCH)
 @_reports_errors
-def bench(directories: tuple[Path, ...], compare: tuple[Path, ...], no_torch: bool, no_roofline: bool, out: Path | None, plot: Path | None, force: bool, as_json: bool, **flags: Any) -> None:
+def bench(
+    directories: tuple[Path, ...],
+    compare: tuple[Path, ...],
+    no_torch: bool,
+    no_roofline: bool,
+    out: Path | None,
+    plot: Path | None,
+    force: bool,
+    as_json: bool,
+    **flags: Any,
+) -> None:
     """Prefill and decode-step latency at batch 1 on ONNX Runtime CPU, interleaved: kiln export
     directories and --compare peers side by side (ratios vs the first), PyTorch eager, the
     roofline fraction of each decode step, and optionally a past-length sweep with a plot."""
     from kiln.runtime.bench import BenchOptions, render, require_new_results, run_bench, write_result, writing
 
-    options = BenchOptions(torch=not no_torch, roofline=not no_roofline, **flags)  # the rest named as BenchOptions' fields
+    options = BenchOptions(
+        torch=not no_torch, roofline=not no_roofline, **flags
+    )  # the rest named as BenchOptions' fields
     plot = plot if plot is not None else out.with_suffix(".png") if out is not None else None
-    require_new_results([p for p in (out, plot if options.sweep else None) if p is not None], [*directories, *compare], force)  # before the timing
+    require_new_results(
+        [p for p in (out, plot if options.sweep else None) if p is not None], [*directories, *compare], force
+    )  # before the timing
     result = run_bench([*directories, *compare], options, _progress(as_json))  # stages on stderr, as export's
     if "sweep" in result and plot is not None:
         from kiln.runtime.sweep import plot_sweep
@@ -355,8 +442,13 @@ def generate(directory: Path, prompt: str | None, ids: str | None, as_json: bool
 
     sampling = SamplingOptions(*(flags.pop(k) for k in ("temperature", "top_k", "top_p", "repetition_penalty", "seed")))
     options = GenerateOptions(
-        max_new_tokens=flags["max_new_tokens"], stop_at_eos=not flags["ignore_eos"], stops=flags["stops"], sampling=sampling,
-        target=flags["target"], threads=flags["threads"], adapter=flags["adapter"],
+        max_new_tokens=flags["max_new_tokens"],
+        stop_at_eos=not flags["ignore_eos"],
+        stops=flags["stops"],
+        sampling=sampling,
+        target=flags["target"],
+        threads=flags["threads"],
+        adapter=flags["adapter"],
     )
     if as_json:
         click.echo(json.dumps(generate_command(directory, prompt, ids, options), indent=2))
@@ -364,7 +456,9 @@ def generate(directory: Path, prompt: str | None, ids: str | None, as_json: bool
     shown = [prompt or ""]  # the prompt, echoed once the generation is under way (not before an error)
 
     def stream(piece: str) -> None:
-        click.echo(shown.pop() + piece if shown else piece, nl=False)  # click.echo flushes: each piece shows as it comes
+        click.echo(
+            shown.pop() + piece if shown else piece, nl=False
+        )  # click.echo flushes: each piece shows as it comes
 
     summary = generate_command(directory, prompt, ids, options, on_text=stream)
     click.echo(shown.pop() if shown else "")

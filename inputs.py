@@ -111,9 +111,7 @@ def open_input(
     return os.fdopen(fd, "rb")
 
 
-def read_input(
-    path: Path, error: type[KilnError], limit: int, *, what: str = "this file", links: bool = True
-) -> bytes:
+def read_input(path: Path, error: type[KilnError], limit: int, *, what: str = "this file", links: bool = True) -> bytes:
     """The bytes of ``path`` (``open_input``'s rules), never more than ``limit`` of them read: a file
     that is larger by the time it is read is refused as one larger at the stat."""
     with open_input(path, error, limit, what=what, links=links) as file:

@@ -35,8 +35,16 @@ if TYPE_CHECKING:  # the CLI holds signals once this module is loaded: the less 
     from types import FrameType
 
 __all__ = [
-    "Interrupted", "deferred", "finish", "hold", "hold_if_program", "install", "message", "raise_if_interrupted",
-    "received", "wrote",
+    "Interrupted",
+    "deferred",
+    "finish",
+    "hold",
+    "hold_if_program",
+    "install",
+    "message",
+    "raise_if_interrupted",
+    "received",
+    "wrote",
 ]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)

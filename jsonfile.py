@@ -26,8 +26,14 @@ def read_json_object(path: Path, error: type[KilnError], missing: str, *, links:
         raise error(missing) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise error(f"{path}: not valid JSON ({exc})") from None
-    except (ValueError, RecursionError) as exc:  # an integer of more than 4300 digits; nesting deeper than Python's stack
-        raise error(f"{path}: not JSON kiln reads ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'too deep'})") from None
+    except (
+        ValueError,
+        RecursionError,
+    ) as exc:  # an integer of more than 4300 digits; nesting deeper than Python's stack
+        raise error(
+            f"{path}: not JSON kiln reads ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'too deep'})"
+        ) from None
     except OSError as exc:  # a directory of that name, no permission
         raise error(f"{path}: unreadable ({exc.strerror or exc})") from None
     if not isinstance(data, dict):

@@ -56,7 +56,11 @@ class GenAIModel:
 
     def __init__(self, directory: Path) -> None:
         config = json.loads((directory / "genai_config.json").read_text())["model"]["decoder"]
-        self.layers, self.kv_heads, self.head = config["num_hidden_layers"], config["num_key_value_heads"], config["head_size"]
+        self.layers, self.kv_heads, self.head = (
+            config["num_hidden_layers"],
+            config["num_key_value_heads"],
+            config["head_size"],
+        )
         self.names = config["inputs"], config["outputs"]
         self.session = ort_session(directory / config["filename"])
         self.types = {i.name: i.type for i in self.session.get_inputs()}
@@ -70,13 +74,18 @@ class GenAIModel:
         if past is None:
             past = [np.zeros((1, self.kv_heads, 0, self.head), dtype=dtype)] * (2 * self.layers)
         total = past[0].shape[2] + ids.shape[1]
-        feeds: dict[str, np.ndarray] = {self.names[0]["input_ids"]: ids.astype(np.int64), self.names[0]["attention_mask"]: np.ones((1, total), dtype=np.int64)}
+        feeds: dict[str, np.ndarray] = {
+            self.names[0]["input_ids"]: ids.astype(np.int64),
+            self.names[0]["attention_mask"]: np.ones((1, total), dtype=np.int64),
+        }
         if "position_ids" in self.names[0]:
             feeds[self.names[0]["position_ids"]] = np.arange(total - ids.shape[1], total, dtype=np.int64)[None]
         for layer in range(self.layers):
             key, value = self._past(layer)
             feeds[key], feeds[value] = past[2 * layer], past[2 * layer + 1]
-        outputs = [self.names[1]["logits"]] + [self.names[1][f"present_{kind}_names"] % layer for layer in range(self.layers) for kind in ("key", "value")]
+        outputs = [self.names[1]["logits"]] + [
+            self.names[1][f"present_{kind}_names"] % layer for layer in range(self.layers) for kind in ("key", "value")
+        ]
         got = self.session.run(outputs, feeds)
         return got[0].astype(np.float32), got[1:]
 
@@ -105,7 +114,9 @@ def _match_length(got: np.ndarray, want: np.ndarray) -> int:
     return int(diff[0]) if diff.size else 64
 
 
-def _scores(logits_per_window: Iterable[np.ndarray], windows: list[np.ndarray], ref_logits: list[np.ndarray]) -> dict[str, float]:
+def _scores(
+    logits_per_window: Iterable[np.ndarray], windows: list[np.ndarray], ref_logits: list[np.ndarray]
+) -> dict[str, float]:
     """Perplexity of the windows' next tokens and top-1 agreement with the reference logits."""
     nll, agree, count = 0.0, 0, 0
     for logits, w, ref in zip(logits_per_window, windows, ref_logits, strict=True):
@@ -116,15 +127,29 @@ def _scores(logits_per_window: Iterable[np.ndarray], windows: list[np.ndarray], 
     return {"perplexity": float(np.exp(nll / count)), "top1_agreement": agree / (count + len(windows))}
 
 
-def _measure_genai(directory: Path, windows: list[np.ndarray], ref_logits: list[np.ndarray], prompts: list[list[int]], ref_tokens: list[np.ndarray]) -> dict[str, Any]:
+def _measure_genai(
+    directory: Path,
+    windows: list[np.ndarray],
+    ref_logits: list[np.ndarray],
+    prompts: list[list[int]],
+    ref_tokens: list[np.ndarray],
+) -> dict[str, Any]:
     genai = GenAIModel(directory)
     row: dict[str, Any] = _scores((genai.run(w, None)[0] for w in windows), windows, ref_logits)
-    row["greedy_match_length"] = [_match_length(genai.greedy(p, 64), want) for p, want in zip(prompts, ref_tokens, strict=True)]
+    row["greedy_match_length"] = [
+        _match_length(genai.greedy(p, 64), want) for p, want in zip(prompts, ref_tokens, strict=True)
+    ]
     return row
 
 
 def _measure_kiln(
-    directory: Path, spec: DecoderSpec, target: str | None, windows: list[np.ndarray], ref_logits: list[np.ndarray], prompts: list[list[int]], ref_tokens: list[np.ndarray]
+    directory: Path,
+    spec: DecoderSpec,
+    target: str | None,
+    windows: list[np.ndarray],
+    ref_logits: list[np.ndarray],
+    prompts: list[list[int]],
+    ref_tokens: list[np.ndarray],
 ) -> dict[str, Any]:
     manifest = read_manifest(directory)
     kv = manifest.kv_cache.dtype
@@ -133,14 +158,20 @@ def _measure_kiln(
     past = {n: empty for i in range(spec.n_layers) for n in past_names(i)}
 
     def logits_of(w: np.ndarray) -> np.ndarray:
-        feeds = {"input_ids": w, "attention_mask": np.ones_like(w), "position_ids": np.arange(WIN, dtype=np.int64)[None], **past}
+        feeds = {
+            "input_ids": w,
+            "attention_mask": np.ones_like(w),
+            "position_ids": np.arange(WIN, dtype=np.int64)[None],
+            **past,
+        }
         return np.asarray(session.run(["logits"], feeds)[0])
 
     row: dict[str, Any] = _scores((logits_of(w) for w in windows), windows, ref_logits)
     graphs = {k: graph_file(directory, manifest, k, target) for k in (GraphKind.PREFILL, GraphKind.DECODE)}
     with OrtRunner(graphs) as runner:
         row["greedy_match_length"] = [
-            _match_length(greedy(runner, spec, [p], 64, kv_dtype=np.dtype(kv))[0][0], want) for p, want in zip(prompts, ref_tokens, strict=True)
+            _match_length(greedy(runner, spec, [p], 64, kv_dtype=np.dtype(kv))[0][0], want)
+            for p, want in zip(prompts, ref_tokens, strict=True)
         ]
     return row
 
@@ -150,8 +181,17 @@ def main() -> None:
     parser.add_argument("dirs", nargs="+", type=Path)
     parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--target", choices=["ort"], default=None, help="measure the export's --target ort graphs instead of the portable ones")
-    parser.add_argument("--model", default="demo", help="the checkpoint (with heldout.txt and tokenizer.json) the exports were made from")
+    parser.add_argument(
+        "--target",
+        choices=["ort"],
+        default=None,
+        help="measure the export's --target ort graphs instead of the portable ones",
+    )
+    parser.add_argument(
+        "--model",
+        default="demo",
+        help="the checkpoint (with heldout.txt and tokenizer.json) the exports were made from",
+    )
     args = parser.parse_args()
 
     ckpt = resolve_checkpoint(args.model)
@@ -165,7 +205,10 @@ def main() -> None:
     prompts = [tail[700 * k : 700 * k + 32] for k in range(args.prompts)]
     ref_tokens = [greedy(torch_runner, spec, [p], 64)[0][0] for p in prompts]
     with torch.no_grad():
-        ref_logits = [loaded.module(torch.from_numpy(w), torch.ones_like(torch.from_numpy(w)), torch.arange(WIN)[None])[0].numpy() for w in windows]
+        ref_logits = [
+            loaded.module(torch.from_numpy(w), torch.ones_like(torch.from_numpy(w)), torch.arange(WIN)[None])[0].numpy()
+            for w in windows
+        ]
 
     rows: dict[str, dict[str, Any]] = {"pytorch fp32": _scores(ref_logits, windows, ref_logits)}
     for d in args.dirs:
@@ -176,7 +219,12 @@ def main() -> None:
     base = rows["pytorch fp32"]["perplexity"]
     for row in rows.values():
         row["perplexity_change_pct"] = 100 * (row["perplexity"] / base - 1)
-    print(json.dumps({"windows": args.windows, "tokens_per_window": WIN, "target": args.target or "portable", "rows": rows}, indent=2))
+    print(
+        json.dumps(
+            {"windows": args.windows, "tokens_per_window": WIN, "target": args.target or "portable", "rows": rows},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

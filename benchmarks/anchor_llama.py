@@ -59,7 +59,9 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train([str(TEXT)], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -81,7 +83,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="anchor", help="anchor: the 33M model; 350m: for the memory target")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="anchor", help="anchor: the 33M model; 350m: for the memory target"
+    )
     args = parser.parse_args()
     out = write_anchor(args.out, args.seed, args.preset)
     params = sum(p.stat().st_size for p in out.glob("*.safetensors"))

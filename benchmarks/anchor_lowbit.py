@@ -43,7 +43,9 @@ def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, required=True, help="where the anchor and the exports go (reused when present)")
+    parser.add_argument(
+        "--work", type=Path, required=True, help="where the anchor and the exports go (reused when present)"
+    )
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--runs", type=int, default=60)
     parser.add_argument("--genai-venv", type=Path, default=Path("/work/peers-genai-venv"))
@@ -57,24 +59,82 @@ def main() -> None:
         anchor_llama.write_anchor(anchor)
     kiln = {
         "kiln-ort-int8": ["--target", "ort", "--ort-int8"],
-        f"kiln-ort-int4-b{args.block}": ["--target", "ort", "--int4", "--int4-block", str(args.block), "--calib-data", str(anchor_llama.TEXT)],
+        f"kiln-ort-int4-b{args.block}": [
+            "--target",
+            "ort",
+            "--int4",
+            "--int4-block",
+            str(args.block),
+            "--calib-data",
+            str(anchor_llama.TEXT),
+        ],
     }
     for name, flags in kiln.items():
         if not (args.work / name / "manifest.json").is_file():
-            _run([*KILN, "export", "--model", str(anchor), "--out", str(args.work / name), "--max-batch", "1", "--parity-tokens", "16", "--force", "--json", *flags], log)
+            _run(
+                [
+                    *KILN,
+                    "export",
+                    "--model",
+                    str(anchor),
+                    "--out",
+                    str(args.work / name),
+                    "--max-batch",
+                    "1",
+                    "--parity-tokens",
+                    "16",
+                    "--force",
+                    "--json",
+                    *flags,
+                ],
+                log,
+            )
     rtn = ["-p", "int4", "--extra_options", f"block_size={args.block}", "algo_config=rtn"]
-    genai = {f"genai-int4-rtn-b{args.block}": rtn, f"genai-int4-rtn-b{args.block}-head-float": [*rtn, "nodes_to_exclude=/lm_head/MatMul"]}
+    genai = {
+        f"genai-int4-rtn-b{args.block}": rtn,
+        f"genai-int4-rtn-b{args.block}-head-float": [*rtn, "nodes_to_exclude=/lm_head/MatMul"],
+    }
     for name, flags in genai.items():
         if not (args.work / name / "genai_config.json").is_file():
-            _run([str(args.genai_venv / "bin" / "python"), "-m", "onnxruntime_genai.models.builder", "-i", str(anchor), "-o", str(args.work / name),
-                  "-e", "cpu", "-c", str(args.work / "genai-cache"), *flags], log)
+            _run(
+                [
+                    str(args.genai_venv / "bin" / "python"),
+                    "-m",
+                    "onnxruntime_genai.models.builder",
+                    "-i",
+                    str(anchor),
+                    "-o",
+                    str(args.work / name),
+                    "-e",
+                    "cpu",
+                    "-c",
+                    str(args.work / "genai-cache"),
+                    *flags,
+                ],
+                log,
+            )
     compare = [a for name in genai for a in ("--compare", str(args.work / name))]
-    out = _run([*KILN, "bench", *(str(args.work / n) for n in kiln), *compare, "--no-torch", "--runs", str(args.runs), "--json"], log,
-               env={"OMP_WAIT_POLICY": "PASSIVE"})
+    out = _run(
+        [
+            *KILN,
+            "bench",
+            *(str(args.work / n) for n in kiln),
+            *compare,
+            "--no-torch",
+            "--runs",
+            str(args.runs),
+            "--json",
+        ],
+        log,
+        env={"OMP_WAIT_POLICY": "PASSIVE"},
+    )
     result = json.loads(out)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     decode = result["median_ms"]["decode"]
-    print(f"decode step, batch 1, past {result['decode_past']}, median of {result['runs']} interleaved runs, load {result['load_average']}:")
+    print(
+        f"decode step, batch 1, past {result['decode_past']}, median of {result['runs']} interleaved runs, load "
+        f"{result['load_average']}:"
+    )
     for label, ms in decode.items():
         print(f"  {label}: {ms:.3f} ms")
     int4 = next(ms for label, ms in decode.items() if label.startswith("kiln ort int4"))

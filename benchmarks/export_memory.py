@@ -40,8 +40,14 @@ def _shape(d_model: int) -> tuple[int, int, int]:
 def make_checkpoint(directory: Path, layers: int, d_model: int, vocab: int) -> tuple[Path, int]:
     heads, kv_heads, d_ff = _shape(d_model)
     cfg = NativeConfig(
-        vocab_size=vocab, d_model=d_model, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, d_ff=d_ff,
-        max_context=512, ple=PLEConfig(max_positions=512),
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        d_ff=d_ff,
+        max_context=512,
+        ple=PLEConfig(max_positions=512),
     )
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / "model.safetensors").is_file():
@@ -61,8 +67,14 @@ def make_hf_checkpoint(directory: Path, layers: int, d_model: int, vocab: int) -
     if not (directory / "model.safetensors").is_file():
         heads, kv_heads, d_ff = _shape(d_model)
         cfg = transformers.LlamaConfig(
-            vocab_size=vocab, hidden_size=d_model, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            intermediate_size=d_ff, max_position_embeddings=512, tie_word_embeddings=False,
+            vocab_size=vocab,
+            hidden_size=d_model,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            intermediate_size=d_ff,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
         )
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(cfg).eval()
@@ -98,7 +110,13 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--parity-tokens", type=int, default=8)
-    parser.add_argument("--peer", action="append", default=[], metavar="CMD", help="another exporter's command line with {ckpt} and {out}")
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="CMD",
+        help="another exporter's command line with {ckpt} and {out}",
+    )
     args = parser.parse_args()
 
     make = make_hf_checkpoint if args.family == "hf" else make_checkpoint
@@ -106,19 +124,46 @@ def main() -> None:
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     rows = {}
     out = args.work / "out"
-    kiln = [sys.executable, "-m", "kiln.cli", "export", "--model", str(ckpt), "--out", str(out), "--force", "--json",
-            "--max-batch", "2", "--parity-tokens", str(args.parity_tokens)]
-    peers = [(f"peer {i + 1}", shlex.split(p.format(ckpt=ckpt, out=args.work / f"peer{i + 1}"))) for i, p in enumerate(args.peer)]
+    kiln = [
+        sys.executable,
+        "-m",
+        "kiln.cli",
+        "export",
+        "--model",
+        str(ckpt),
+        "--out",
+        str(out),
+        "--force",
+        "--json",
+        "--max-batch",
+        "2",
+        "--parity-tokens",
+        str(args.parity_tokens),
+    ]
+    peers = [
+        (f"peer {i + 1}", shlex.split(p.format(ckpt=ckpt, out=args.work / f"peer{i + 1}")))
+        for i, p in enumerate(args.peer)
+    ]
     for name, cmd in [("kiln", kiln), *peers]:
         wall, peak = measure(cmd)
-        rows[name] = {"command": " ".join(cmd), "export_wall_s": round(wall, 1), "peak_rss_bytes": peak, "peak_rss_over_checkpoint": round(peak / size, 2)}
-    print(json.dumps({
-        "family": args.family,
-        "parameters": params,
-        "checkpoint_bytes": size,
-        "exports": rows,
-        "torch": torch.__version__,
-    }, indent=2))
+        rows[name] = {
+            "command": " ".join(cmd),
+            "export_wall_s": round(wall, 1),
+            "peak_rss_bytes": peak,
+            "peak_rss_over_checkpoint": round(peak / size, 2),
+        }
+    print(
+        json.dumps(
+            {
+                "family": args.family,
+                "parameters": params,
+                "checkpoint_bytes": size,
+                "exports": rows,
+                "torch": torch.__version__,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

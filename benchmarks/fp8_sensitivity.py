@@ -31,7 +31,13 @@ def fp8(x: Tensor, scale: Tensor) -> Tensor:
 
 
 @contextmanager
-def quantized(model: nn.Module, ranges: dict[str, float], keep: Callable[[str], bool], weights: bool = True, activations: bool = True) -> Iterator[None]:
+def quantized(
+    model: nn.Module,
+    ranges: dict[str, float],
+    keep: Callable[[str], bool],
+    weights: bool = True,
+    activations: bool = True,
+) -> Iterator[None]:
     saved, hooks = {}, []
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear) or name == "lm_head" or keep(name):
@@ -56,8 +62,12 @@ def quantized(model: nn.Module, ranges: dict[str, float], keep: Callable[[str], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--windows", type=int, default=16, help="evaluation windows of 256 tokens from the end of heldout.txt")
-    parser.add_argument("--calib", type=int, default=32, help="calibration windows of 128 tokens from its start (kiln's default)")
+    parser.add_argument(
+        "--windows", type=int, default=16, help="evaluation windows of 256 tokens from the end of heldout.txt"
+    )
+    parser.add_argument(
+        "--calib", type=int, default=32, help="calibration windows of 128 tokens from its start (kiln's default)"
+    )
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     ckpt = resolve_checkpoint(args.model)
@@ -68,8 +78,11 @@ def main() -> None:
         return model(x, torch.ones_like(x), torch.arange(x.shape[1])[None].expand(x.shape[0], -1))[0]
 
     absval: dict[str, list[Tensor]] = {}
-    hooks = [m.register_forward_pre_hook(lambda _m, a, n=n: absval.setdefault(n, []).append(a[0].abs().flatten()))
-             for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, a, n=n: absval.setdefault(n, []).append(a[0].abs().flatten()))
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    ]
     calib = torch.tensor(ids[: args.calib * 128]).view(args.calib, 128)
     for row in calib:
         run(row[None])
@@ -87,19 +100,30 @@ def main() -> None:
             got = torch.cat([run(w[None]).argmax(-1) for w in windows])
         return float((got == ref).float().mean())
 
-    rows: dict[str, float] = {"all fp8 (max ranges)": top1(), "weights only": top1(activations=False), "activations only": top1(weights=False)}
+    rows: dict[str, float] = {
+        "all fp8 (max ranges)": top1(),
+        "weights only": top1(activations=False),
+        "activations only": top1(weights=False),
+    }
     for p in (99.99, 99.999):
         r = {n: float(np.percentile(v.numpy(), p)) for n, v in values.items()}
         rows[f"activation ranges: percentile {p}"] = top1(r)
-    kinds = {"q/k/v": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate/fc1 (up)": ("gate", "fc1"), "fc2 (down)": ("fc2",)}
+    kinds = {
+        "q/k/v": ("q_proj", "k_proj", "v_proj"),
+        "o_proj": ("o_proj",),
+        "gate/fc1 (up)": ("gate", "fc1"),
+        "fc2 (down)": ("fc2",),
+    }
     for label, names in kinds.items():
         rows[f"float: every {label}"] = top1(keep=lambda n, names=names: n.rsplit(".", 1)[-1] in names)
-    layers = len(getattr(model, "layers"))
+    layers = len(model.layers)
     for i in range(layers):
         rows[f"float: layers.{i}"] = top1(keep=lambda n, i=i: n.startswith(f"layers.{i}."))
     best = max(range(layers), key=lambda i: rows[f"float: layers.{i}"])
     for label, names in kinds.items():  # which Linears of the most sensitive layer
-        rows[f"float: layers.{best} {label}"] = top1(keep=lambda n, names=names: n.startswith(f"layers.{best}.") and n.rsplit(".", 1)[-1] in names)
+        rows[f"float: layers.{best} {label}"] = top1(
+            keep=lambda n, names=names: n.startswith(f"layers.{best}.") and n.rsplit(".", 1)[-1] in names
+        )
     print(json.dumps({"windows": args.windows, "calib_windows": args.calib, "top1_agreement": rows}, indent=2))
 
 

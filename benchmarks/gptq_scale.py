@@ -27,11 +27,11 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.calibration.hessians import quantize_layerwise
-from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.passes.bind import ModuleWeight, WeightSource
 from kiln.exporter.passes.transposes import TRANSPOSE
 from kiln.exporter.precision.gptq import gptq_factored, inverse_factor
 from kiln.exporter.precision.int4 import Int4Quantizer
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.plugins.native.build import random_model
 from kiln.plugins.native.config import NativeConfig, PLEConfig
 
@@ -60,7 +60,12 @@ class _Clock:
 def _numbers_only(hidden: int, intermediate: int, kv: int) -> dict[str, float]:
     """GPTQ's numbers for one layer's weights (graph [K, N]), one factor per shared input."""
     rng = np.random.default_rng(0)
-    shapes = {"qkv": (hidden, [hidden, kv, kv]), "o": (hidden, [hidden]), "gate_up": (hidden, [intermediate, intermediate]), "down": (intermediate, [hidden])}
+    shapes = {
+        "qkv": (hidden, [hidden, kv, kv]),
+        "o": (hidden, [hidden]),
+        "gate_up": (hidden, [intermediate, intermediate]),
+        "down": (intermediate, [hidden]),
+    }
     out = {}
     for group, (k, ns) in shapes.items():
         x = rng.standard_normal((2 * k, k)).astype(np.float32)
@@ -88,12 +93,23 @@ def main() -> None:
     heads = args.hidden // args.head_dim
     kv = max(1, heads // 4)
     cfg = NativeConfig(
-        vocab_size=1000, d_model=args.hidden, n_layers=args.layers, n_heads=heads, n_kv_heads=kv, d_ff=args.intermediate,
-        max_context=args.window, ple=PLEConfig(enabled=False), tie_embeddings=False,
+        vocab_size=1000,
+        d_model=args.hidden,
+        n_layers=args.layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        d_ff=args.intermediate,
+        max_context=args.window,
+        ple=PLEConfig(enabled=False),
+        tie_embeddings=False,
     )
     model = random_model(cfg, 0)
     source = WeightSource(model)
-    names = [f"model.{n}.weight" for n, m in model.named_modules() if n.startswith("layers.") and hasattr(m, "weight") and m.weight.dim() == 2]
+    names = [
+        f"model.{n}.weight"
+        for n, m in model.named_modules()
+        if n.startswith("layers.") and hasattr(m, "weight") and m.weight.dim() == 2
+    ]
     clock = _Clock()
     windows = list(np.random.default_rng(1).integers(0, 1000, size=(args.samples, args.window)))
 
@@ -111,10 +127,20 @@ def main() -> None:
     layers = [round(b - a, 2) for a, b in zip(clock.marks[:-1], clock.marks[1:], strict=True)]
     numbers = _numbers_only(args.hidden, args.intermediate, kv * args.head_dim)
     result = {
-        "shape": {"hidden": args.hidden, "intermediate": args.intermediate, "heads": heads, "kv_heads": kv, "layers": args.layers},
+        "shape": {
+            "hidden": args.hidden,
+            "intermediate": args.intermediate,
+            "heads": heads,
+            "kv_heads": kv,
+            "layers": args.layers,
+        },
         "calibration": {"samples": args.samples, "window": args.window, "tokens": args.samples * args.window},
-        "total_s": round(total, 2), "per_layer_s": layers, "numbers_only_one_layer_s": numbers, "numbers_sum_s": round(sum(numbers.values()), 2),
-        "model_gb": round(sum(p.numel() * 4 for p in model.parameters()) / 1e9, 3), "peak_rss_gb": round(peak / 1e6, 3),
+        "total_s": round(total, 2),
+        "per_layer_s": layers,
+        "numbers_only_one_layer_s": numbers,
+        "numbers_sum_s": round(sum(numbers.values()), 2),
+        "model_gb": round(sum(p.numel() * 4 for p in model.parameters()) / 1e9, 3),
+        "peak_rss_gb": round(peak / 1e6, 3),
         "load": os.getloadavg(),
     }
     print(json.dumps(result, indent=2))

@@ -46,8 +46,15 @@ def write_adapter(directory: Path, config: dict[str, Any], rank: int, seed: int 
     directory.mkdir(parents=True, exist_ok=True)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     kv = hidden // config["num_attention_heads"] * config["num_key_value_heads"]
-    sizes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
-             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}  # (in, out)
+    sizes = {
+        "q_proj": (hidden, hidden),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (hidden, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }  # (in, out)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
@@ -59,8 +66,20 @@ def write_adapter(directory: Path, config: dict[str, Any], rank: int, seed: int 
                 tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.02
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     targets = [n for names in MODULES.values() for n in names]
-    (directory / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets, "base_model_name_or_path": "", "bias": "none"}, indent=2))
+    (directory / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": targets,
+                "base_model_name_or_path": "",
+                "bias": "none",
+            },
+            indent=2,
+        )
+    )
     return directory
 
 
@@ -82,7 +101,17 @@ def cost(work: Path, runs: int) -> dict[str, Any]:
     if not file.is_file():
         kiln("adapter", str(adapter), "--export", str(outs["slots"]), "--out", str(file))
     result_file = work / "bench.json"
-    kiln("bench", *(str(outs[n]) for n in ("plain", "merged", "slots")), "--adapter", str(file), "--runs", str(runs), "--no-torch", "--out", str(result_file))
+    kiln(
+        "bench",
+        *(str(outs[n]) for n in ("plain", "merged", "slots")),
+        "--adapter",
+        str(file),
+        "--runs",
+        str(runs),
+        "--no-torch",
+        "--out",
+        str(result_file),
+    )
     result: dict[str, Any] = json.loads(result_file.read_text())
     return result
 
@@ -115,20 +144,30 @@ def switch(work: Path, shape: str, repeats: int) -> dict[str, Any]:
     if not file.is_file():
         kiln("adapter", str(adapter), "--export", str(out), "--out", str(file), "--no-check")
     manifest = read(out)
-    sessions = [ort_session(out / manifest.graph(k).file, spinning=False) for k in (GraphKind.PREFILL, GraphKind.DECODE)]
+    sessions = [
+        ort_session(out / manifest.graph(k).file, spinning=False) for k in (GraphKind.PREFILL, GraphKind.DECODE)
+    ]
     bindings = [s.io_binding() for s in sessions]
     loads, binds = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in read_adapter_file(file, manifest.lora, "bench").items()}
+        values = {
+            n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in read_adapter_file(file, manifest.lora, "bench").items()
+        }
         loaded = time.perf_counter()
         for binding in bindings:
             for name, value in values.items():
                 binding.bind_ortvalue_input(name, value)
         binds.append(time.perf_counter() - loaded)
         loads.append(loaded - start)
-    return {"shape": shape, "adapter_bytes": file.stat().st_size, "slots": len(manifest.lora.slots) if manifest.lora else 0, "repeats": repeats,
-            "load_ms_median": statistics.median(loads) * 1e3, "bind_ms_median": statistics.median(binds) * 1e3}
+    return {
+        "shape": shape,
+        "adapter_bytes": file.stat().st_size,
+        "slots": len(manifest.lora.slots) if manifest.lora else 0,
+        "repeats": repeats,
+        "load_ms_median": statistics.median(loads) * 1e3,
+        "bind_ms_median": statistics.median(binds) * 1e3,
+    }
 
 
 def main() -> None:
@@ -145,7 +184,12 @@ def main() -> None:
     if args.switch_shape != "none":
         result["switch"] = switch(args.work, args.switch_shape, args.repeats)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"ratios": result["ratios"], "switch": result.get("switch"), "load_average": bench["load_average"]}, indent=2))
+    print(
+        json.dumps(
+            {"ratios": result["ratios"], "switch": result.get("switch"), "load_average": bench["load_average"]},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

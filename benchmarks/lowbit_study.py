@@ -60,12 +60,26 @@ def _variants(heldout: Path, calib_samples: int, block: int) -> dict[str, list[s
     out[f"int4-rtn{b}"] = ["--int4", "--int4-method", "rtn", "--int4-block", str(block), "--target", "ort"]
     out[f"int4-gptq{b}"] = ["--int4", "--int4-method", "gptq", "--int4-block", str(block), *data, "--target", "ort"]
     # the LM head int4 too, as the GenAI builder ships a tied model: the like-for-like row for its default
-    out[f"int4-gptq{b}-all"] = ["--int4", "--int4-method", "gptq", "--int4-block", str(block), "--int4-all-matmuls", *data, "--target", "ort"]
+    out[f"int4-gptq{b}-all"] = [
+        "--int4",
+        "--int4-method",
+        "gptq",
+        "--int4-block",
+        str(block),
+        "--int4-all-matmuls",
+        *data,
+        "--target",
+        "ort",
+    ]
     out["fp8"] = ["--fp8", *data, "--calib-samples", str(calib_samples)]
     # fp8 with the first layer's most sensitive MatMuls fp16 (benchmarks/fp8_sensitivity.py on this model)
     qkv = [a for m in ("q_proj", "k_proj", "v_proj") for a in ("--fp8-float", f"/layers.0.attn.{m}/")]
     out["fp8-l0qkv-fp16"] = [*out["fp8"], *qkv]
-    out["fp8-l0-fp16"] = [*out["fp8"], *qkv, *(a for m in ("attn.o_proj", "mlp.gate", "mlp.fc1", "mlp.fc2") for a in ("--fp8-float", f"/layers.0.{m}/"))]
+    out["fp8-l0-fp16"] = [
+        *out["fp8"],
+        *qkv,
+        *(a for m in ("attn.o_proj", "mlp.gate", "mlp.fc1", "mlp.fc2") for a in ("--fp8-float", f"/layers.0.{m}/")),
+    ]
     return out
 
 
@@ -87,8 +101,23 @@ def _genai(ckpt: Path, exports: Path, venv: Path, block: int, log: Path) -> dict
     out = {}
     for name, flags in builds.items():
         if not (exports / name / "genai_config.json").is_file():
-            _run([str(venv / "bin" / "python"), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(exports / name),
-                  "-e", "cpu", "-c", str(exports / "genai-cache"), *flags], log)
+            _run(
+                [
+                    str(venv / "bin" / "python"),
+                    "-m",
+                    "onnxruntime_genai.models.builder",
+                    "-i",
+                    str(hf),
+                    "-o",
+                    str(exports / name),
+                    "-e",
+                    "cpu",
+                    "-c",
+                    str(exports / "genai-cache"),
+                    *flags,
+                ],
+                log,
+            )
         out[name] = exports / name
     return out
 
@@ -103,10 +132,19 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=32, help="evaluation windows of 256 tokens")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--calib-samples", type=int, default=32)
-    parser.add_argument("--int4-block", type=int, default=128, help="int4 block size of kiln's and the GenAI builder's int4")
-    parser.add_argument("--genai-venv", type=Path, default=Path("/work/peers-genai-venv"), help="a venv with onnxruntime-genai (benchmarks/peers/make_venvs.sh); absent: no peer rows")
+    parser.add_argument(
+        "--int4-block", type=int, default=128, help="int4 block size of kiln's and the GenAI builder's int4"
+    )
+    parser.add_argument(
+        "--genai-venv",
+        type=Path,
+        default=Path("/work/peers-genai-venv"),
+        help="a venv with onnxruntime-genai (benchmarks/peers/make_venvs.sh); absent: no peer rows",
+    )
     parser.add_argument("--bench-runs", type=int, default=50, help="kiln bench --runs (interleaved; median)")
-    parser.add_argument("--retry-failed", action="store_true", help="export again the variants an earlier run's parity gate refused")
+    parser.add_argument(
+        "--retry-failed", action="store_true", help="export again the variants an earlier run's parity gate refused"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -115,27 +153,81 @@ def main() -> None:
     log = args.cache / "study.log"
     args.cache.mkdir(parents=True, exist_ok=True)
     if not (ckpt / "training.json").is_file():
-        _run([sys.executable, "-m", "kiln.demo.train", "--arch", "llama", "--out", str(ckpt), "--steps", str(args.steps),
-              "--d-model", str(args.d_model), "--n-layers", str(args.n_layers), "--d-ff", str(args.d_ff)], log)
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "kiln.demo.train",
+                "--arch",
+                "llama",
+                "--out",
+                str(ckpt),
+                "--steps",
+                str(args.steps),
+                "--d-model",
+                str(args.d_model),
+                "--n-layers",
+                str(args.n_layers),
+                "--d-ff",
+                str(args.d_ff),
+            ],
+            log,
+        )
     training = json.loads((ckpt / "training.json").read_text())
     variants = _variants(ckpt / "heldout.txt", args.calib_samples, args.int4_block)
     failed = _export_variants(ckpt, exports, variants, log, args.retry_failed)
     variants = {n: f for n, f in variants.items() if n not in failed}
-    peers = _genai(ckpt, exports, args.genai_venv, args.int4_block, log) if (args.genai_venv / "bin" / "python").is_file() else {}
-    measure = [sys.executable, str(HERE / "accuracy.py"), "--model", str(ckpt), "--windows", str(args.windows), "--prompts", str(args.prompts)]
-    portable = json.loads(_run([*measure, *(str(exports / n) for n in variants if n != "ort-int8")], log))  # ort-int8's portable graphs are fp32's
-    ort = json.loads(_run([*measure, "--target", "ort", *(str(exports / n) for n in variants if "--target" in variants[n]), *map(str, peers.values())], log))
+    peers = (
+        _genai(ckpt, exports, args.genai_venv, args.int4_block, log)
+        if (args.genai_venv / "bin" / "python").is_file()
+        else {}
+    )
+    measure = [
+        sys.executable,
+        str(HERE / "accuracy.py"),
+        "--model",
+        str(ckpt),
+        "--windows",
+        str(args.windows),
+        "--prompts",
+        str(args.prompts),
+    ]
+    portable = json.loads(
+        _run([*measure, *(str(exports / n) for n in variants if n != "ort-int8")], log)
+    )  # ort-int8's portable graphs are fp32's
+    ort = json.loads(
+        _run(
+            [
+                *measure,
+                "--target",
+                "ort",
+                *(str(exports / n) for n in variants if "--target" in variants[n]),
+                *map(str, peers.values()),
+            ],
+            log,
+        )
+    )
     timed = [str(exports / n) for n in variants if n == "fp32" or n.startswith(("ort-int8", "int4"))]
     compare = [a for p in peers.values() for a in ("--compare", str(p))]
     bench = _run([*KILN, "bench", *timed, *compare, "--no-torch", "--runs", str(args.bench_runs), "--json"], log)
-    result = {"checkpoint": str(ckpt), "parameters": training.get("param_count"), "heldout_perplexity": training.get("heldout_perplexity"),
-              "int4_block": args.int4_block, "genai": {k: str(v) for k, v in peers.items()},
-              "portable": portable, "ort": ort, "bench": json.loads(bench), "failed": failed}
+    result = {
+        "checkpoint": str(ckpt),
+        "parameters": training.get("param_count"),
+        "heldout_perplexity": training.get("heldout_perplexity"),
+        "int4_block": args.int4_block,
+        "genai": {k: str(v) for k, v in peers.items()},
+        "portable": portable,
+        "ort": ort,
+        "bench": json.loads(bench),
+        "failed": failed,
+    }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     _print_tables(result, args.int4_block)
 
 
-def _export_variants(ckpt: Path, exports: Path, variants: dict[str, list[str]], log: Path, retry_failed: bool) -> dict[str, str]:
+def _export_variants(
+    ckpt: Path, exports: Path, variants: dict[str, list[str]], log: Path, retry_failed: bool
+) -> dict[str, str]:
     """Export every variant not exported yet; returns those whose export failed its parity gate
     (a result too: recorded, not measured), with the failing line."""
     failed: dict[str, str] = {}
@@ -146,7 +238,22 @@ def _export_variants(ckpt: Path, exports: Path, variants: dict[str, list[str]], 
             print(f"  {name}: failed in an earlier run: {failed[name]}", flush=True)
         elif not (exports / name / "manifest.json").is_file():
             try:
-                _run([*KILN, "export", "--model", str(ckpt), "--out", str(exports / name), "--parity-tokens", "16", "--force", "--json", *flags], log)
+                _run(
+                    [
+                        *KILN,
+                        "export",
+                        "--model",
+                        str(ckpt),
+                        "--out",
+                        str(exports / name),
+                        "--parity-tokens",
+                        "16",
+                        "--force",
+                        "--json",
+                        *flags,
+                    ],
+                    log,
+                )
             except SystemExit:
                 failed[name] = log.read_text().strip().splitlines()[-1]
                 refused.parent.mkdir(parents=True, exist_ok=True)
@@ -160,10 +267,16 @@ def _print_tables(result: dict[str, Any], int4_block: int) -> None:
     print("|---|---|---|---|---|---|")
     for graphs in ("portable", "ort"):
         for name, row in result[graphs]["rows"].items():
-            print(f"| {Path(name).name} | {graphs} | {row['perplexity']:.3f} | {row['perplexity_change_pct']:+.2f}% | {100 * row['top1_agreement']:.2f}% | "
-                  f"{', '.join(map(str, row.get('greedy_match_length', [])))} |")
+            print(
+                f"| {Path(name).name} | {graphs} | {row['perplexity']:.3f} | "
+                f"{row['perplexity_change_pct']:+.2f}% | {100 * row['top1_agreement']:.2f}% | "
+                f"{', '.join(map(str, row.get('greedy_match_length', [])))} |"
+            )
     decode = result["bench"]["median_ms"]["decode"]
-    print(f"\ndecode step, batch 1, past {result['bench']['decode_past']}, median of {result['bench']['runs']} interleaved runs:")
+    print(
+        f"\ndecode step, batch 1, past {result['bench']['decode_past']}, median of {result['bench']['runs']} "
+        "interleaved runs:"
+    )
     for label, ms in decode.items():
         print(f"  {label}: {ms:.3f} ms")
     for line in ratios(decode, int4_block):
@@ -172,6 +285,7 @@ def _print_tables(result: dict[str, Any], int4_block: int) -> None:
 
 def ratios(decode: dict[str, float], block: int) -> list[str]:
     """Issue 16's decode ratios from ``kiln bench``'s decode medians (labels as it writes them)."""
+
     def ms(label: str) -> float | None:
         return decode.get(label)
 

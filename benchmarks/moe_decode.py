@@ -45,7 +45,9 @@ def _checkpoint(args: argparse.Namespace, directory: Path) -> None:
         eos_token_id=2,
         pad_token_id=0,
     )
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()  # public: MixtralForCausalLM for a MixtralConfig
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32
+    ).eval()  # public: MixtralForCausalLM for a MixtralConfig
     model.save_pretrained(directory, safe_serialization=True)
 
 
@@ -60,7 +62,9 @@ def _without_moe(onnx_dir: Path, target: Path, ckpt: Path, max_context: int) -> 
     target.mkdir(parents=True, exist_ok=True)
     for name in ("prefill.onnx", "decode.onnx"):
         shutil.copy(onnx_dir / name, target / name)
-    shutil.copy(onnx_dir / "weights.bin", target / "weights.bin")  # ONNX Runtime 1.32 refuses external data through a symlink or a hard link
+    shutil.copy(
+        onnx_dir / "weights.bin", target / "weights.bin"
+    )  # ONNX Runtime 1.32 refuses external data through a symlink or a hard link
     spec = load_model(ckpt).spec
 
     def no_moe(model: Any) -> MoeRewrite:
@@ -128,23 +132,38 @@ def main() -> None:
             raise SystemExit(f"parity failed: {result.parity.failures()}")
     onnx_dir = out / "onnx"
     no_moe = _without_moe(onnx_dir, args.out / "ort-without-moe", ckpt, args.max_context)
-    names = {"portable (Slice+MatMul per expert)": (onnx_dir, ""), "--target ort, MoE op": (onnx_dir, ".ort"), "--target ort without the MoE pass": (no_moe, ".ort")}
+    names = {
+        "portable (Slice+MatMul per expert)": (onnx_dir, ""),
+        "--target ort, MoE op": (onnx_dir, ".ort"),
+        "--target ort without the MoE pass": (no_moe, ".ort"),
+    }
     decode = {name: d / f"decode{suffix}.onnx" for name, (d, suffix) in names.items()}
     prefill = {name: d / f"prefill{suffix}.onnx" for name, (d, suffix) in names.items()}
-    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "export_s": export_s, "load_average": os.getloadavg()}
+    report: dict[str, Any] = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "export_s": export_s,
+        "load_average": os.getloadavg(),
+    }
     for label, graphs, seq, past in (("decode_ms", decode, 1, args.past), ("prefill_ms", prefill, args.prompt, 0)):
         sessions = {name: ort_session(path, threads=args.threads, spinning=False) for name, path in graphs.items()}
         calls = {}
         for name, session in sessions.items():
             feeds = _feeds(session, 1, seq, past, args.vocab)
             calls[name] = lambda s=session, f=feeds: s.run(["logits"], f)
-        outputs = {name: session.run(["logits"], _feeds(session, 1, seq, past, args.vocab))[0] for name, session in sessions.items()}
+        outputs = {
+            name: session.run(["logits"], _feeds(session, 1, seq, past, args.vocab))[0]
+            for name, session in sessions.items()
+        }
         first = next(iter(outputs.values()))
-        report[label.replace("_ms", "_max_abs_vs_portable")] = {name: float(np.abs(o - first).max()) for name, o in outputs.items()}
+        report[label.replace("_ms", "_max_abs_vs_portable")] = {
+            name: float(np.abs(o - first).max()) for name, o in outputs.items()
+        }
         report[label] = interleaved(calls, args.runs if seq == 1 else max(args.runs // 5, 10), pause=0.0, warmup=3)
     import onnx
 
-    report["decode_nodes"] = {name: len(onnx.load(path, load_external_data=False).graph.node) for name, path in decode.items()}
+    report["decode_nodes"] = {
+        name: len(onnx.load(path, load_external_data=False).graph.node) for name, path in decode.items()
+    }
     report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=1))
 

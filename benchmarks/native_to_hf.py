@@ -103,7 +103,7 @@ def hf_state_dict(state: Mapping[str, Tensor], cfg: NativeConfig) -> dict[str, T
             _, index, rest = key.split(".", 2)
             for native, hf in _LAYER_NAMES.items():
                 if rest == native or rest.startswith(native + "."):
-                    out[f"model.layers.{index}.{hf}{rest[len(native):]}"] = state[key]
+                    out[f"model.layers.{index}.{hf}{rest[len(native) :]}"] = state[key]
                     break
             else:
                 raise ValueError(f"native tensor {key} has no Hugging Face Llama counterpart")
@@ -133,7 +133,11 @@ def native_to_hf(ckpt: Path, out: Path) -> Path:
     if (ckpt / "tokenizer.json").is_file():
         shutil.copyfile(ckpt / "tokenizer.json", out / "tokenizer.json")
         fast = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
-        names = {i: fast.convert_ids_to_tokens(i) for i in (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) if i is not None}
+        names = {
+            i: fast.convert_ids_to_tokens(i)
+            for i in (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+            if i is not None
+        }
         if cfg.bos_token_id is not None:
             fast.bos_token = names[cfg.bos_token_id]
         if cfg.eos_token_id is not None:
@@ -164,7 +168,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ckpt", type=Path)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--check", action="store_true", help="compare transformers' logits with kiln's native model on held-out tokens")
+    parser.add_argument(
+        "--check", action="store_true", help="compare transformers' logits with kiln's native model on held-out tokens"
+    )
     args = parser.parse_args()
     native_to_hf(args.ckpt, args.out)
     print(f"wrote {args.out}")
@@ -174,7 +180,10 @@ def main() -> None:
         text = (args.ckpt / "heldout.txt").read_text()[:20000]
         ids = Tokenizer.from_file(str(args.ckpt / "tokenizer.json")).encode(text).ids[:512]
         batch = torch.tensor(ids, dtype=torch.int64).view(2, 256)
-        print(f"max |logit difference| native vs transformers over {batch.numel()} tokens: {max_logit_difference(args.ckpt, args.out, batch):.3g}")
+        print(
+            f"max |logit difference| native vs transformers over {batch.numel()} tokens: "
+            f"{max_logit_difference(args.ckpt, args.out, batch):.3g}"
+        )
 
 
 if __name__ == "__main__":

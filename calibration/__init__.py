@@ -66,7 +66,9 @@ class Calibration:
         cache_dir: Path | None,
     ) -> Calibration:
         window = min(WINDOW, context)
-        data = load_calibration_data(source, tokenizer=tokenizer, vocab_size=spec.vocab_size, samples=samples, window=window)
+        data = load_calibration_data(
+            source, tokenizer=tokenizer, vocab_size=spec.vocab_size, samples=samples, window=window
+        )
         settings: dict[str, object] = {
             "method": method,
             "percentile": percentile if method == "percentile" else None,
@@ -79,7 +81,9 @@ class Calibration:
         cached = read_cache(cache_dir, key) if cache_dir is not None else None
         return cls(data, CalibMethod(method), percentile, key, settings, cache_dir, cached or {}, cached is not None)
 
-    def ranges_for(self, kind: GraphKind, model: ir.Model, spec: DecoderSpec, reference: TorchRunner, progress: Progress) -> dict[str, tuple[float, float]]:
+    def ranges_for(
+        self, kind: GraphKind, model: ir.Model, spec: DecoderSpec, reference: TorchRunner, progress: Progress
+    ) -> dict[str, tuple[float, float]]:
         """The ranges of ``kind``'s graph (``model``): cached, or calibrated now in a stage of its
         own that counts the samples (each: PyTorch's teacher-forced steps, then ONNX Runtime's)."""
         if kind.value not in self.ranges:

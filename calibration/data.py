@@ -42,14 +42,18 @@ class CalibrationData:
 
 def _tokenizer(tokenizer: Path | None, path: Path, vocab_size: int) -> Tokenizer:
     if tokenizer is None:
-        raise CalibrationError(f"{path}: text calibration data needs the checkpoint's tokenizer.json, and the checkpoint has none; pass token ids as .npy/.npz")
+        raise CalibrationError(
+            f"{path}: text calibration data needs the checkpoint's tokenizer.json, and the checkpoint has none; "
+            "pass token ids as .npy/.npz"
+        )
     from tokenizers import Tokenizer
 
     text = read_input(tokenizer, CalibrationError, TOKENIZER_MAX_BYTES, what="a tokenizer.json")
     tok = Tokenizer.from_str(text.decode("utf-8"))
     if tok.get_vocab_size() > vocab_size:
         raise CalibrationError(
-            f"{tokenizer}: the tokenizer has {tok.get_vocab_size()} tokens but the model's vocabulary has {vocab_size}: "
+            f"{tokenizer}: the tokenizer has {tok.get_vocab_size()} tokens but the model's vocabulary has "
+            f"{vocab_size}: "
             "it does not belong to this checkpoint"
         )
     return tok
@@ -117,7 +121,9 @@ def _read_ids(path: Path, tokenizer: Path | None, vocab_size: int, limit: int) -
         return _text_ids(path, tokenizer, vocab_size, limit)[:limit]
     check_input(path, CalibrationError, DATA_MAX_BYTES, what="calibration data")  # numpy opens it by name
     try:
-        loaded = np.load(path, allow_pickle=False, mmap_mode="r" if suffix == ".npy" else None)  # .npy: only what is read is paged in
+        loaded = np.load(
+            path, allow_pickle=False, mmap_mode="r" if suffix == ".npy" else None
+        )  # .npy: only what is read is paged in
     except (ValueError, OSError) as exc:
         raise CalibrationError(f"{path}: not a readable numpy file ({exc})") from None
     if isinstance(loaded, np.lib.npyio.NpzFile) and not loaded.files:
@@ -144,7 +150,9 @@ def load_calibration_data(
         path = Path(source)
         if not path.exists():  # a FIFO or a device is there, and refused by what it is (inputs.check_input)
             raise CalibrationError(f"{path}: calibration data file not found")
-        ids = _read_ids(path, tokenizer, vocab_size, max(samples * window, 2))  # what the windows take (a datum is 2 tokens at least)
+        ids = _read_ids(
+            path, tokenizer, vocab_size, max(samples * window, 2)
+        )  # what the windows take (a datum is 2 tokens at least)
     if not ids:
         raise CalibrationError(f"{source}: the calibration data is empty")
     bad = [t for t in ids if not 0 <= t < vocab_size]

@@ -4,7 +4,6 @@ the data's own next tokens), so the activation ranges cover the KV path, not onl
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from kiln.exporter.contract.io import GraphKind, kv_pairs

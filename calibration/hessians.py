@@ -30,11 +30,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+
 from kiln.calibration.layers import Batch, Form, Stop, capture, decoder_layers, layer_feeds, replaced_forwards
 from kiln.errors import CalibrationError
 from kiln.exporter.progress import Progress
 from kiln.exporter.runners.torch_runner import computes_in_fp32
-from torch import nn
 
 __all__ = ["ACCUMULATE", "HessianSums", "Quantize", "live_hessians", "owner_of", "quantize_layerwise"]
 
@@ -96,11 +97,17 @@ class HessianSums:
     def _hook(self, name: str, module: nn.Module, args: tuple[object, ...]) -> None:
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor):
-            raise CalibrationError(f"GPTQ: the module of {name} was called without a tensor input first; its input Hessian cannot be collected")
+            raise CalibrationError(
+                f"GPTQ: the module of {name} was called without a tensor input first; its input Hessian cannot "
+                "be collected"
+            )
         seen = self._seen.get(id(x))
         leader = seen[1] if seen is not None and seen[0] is x else name
         if self._group.setdefault(name, leader) != leader:
-            raise CalibrationError(f"GPTQ: the module of {name} read another input than in the first batch ({leader}'s); its Hessian cannot be shared")
+            raise CalibrationError(
+                f"GPTQ: the module of {name} read another input than in the first batch ({leader}'s); its "
+                "Hessian cannot be shared"
+            )
         if leader == name:
             self._seen[id(x)] = (x, name)
             flat = x.detach().reshape(-1, x.shape[-1]).to(ACCUMULATE)  # [rows, K]
@@ -132,7 +139,9 @@ def _owners(module: nn.Module, names: Collection[str]) -> dict[str, nn.Module]:
         try:
             owners[name] = module.get_submodule(owner_of(name))
         except AttributeError:
-            raise CalibrationError(f"GPTQ: the graph's weight {name} has no module {owner_of(name)!r} to collect its inputs from") from None
+            raise CalibrationError(
+                f"GPTQ: the graph's weight {name} has no module {owner_of(name)!r} to collect its inputs from"
+            ) from None
     return owners
 
 
@@ -145,7 +154,9 @@ def _weights_in_place(module: nn.Module, weights: Mapping[str, np.ndarray]) -> I
         for name, values in weights.items():
             param = _parameter(module, name)
             if tuple(values.shape) != tuple(param.shape):
-                raise CalibrationError(f"GPTQ: the quantized {name} is {tuple(values.shape)}, the module's tensor {tuple(param.shape)}")
+                raise CalibrationError(
+                    f"GPTQ: the quantized {name} is {tuple(values.shape)}, the module's tensor {tuple(param.shape)}"
+                )
             saved.append((param, param.data))
             param.data = torch.from_numpy(values)
         yield
@@ -158,10 +169,20 @@ def _parameter(module: nn.Module, name: str) -> nn.Parameter:
     try:
         return module.get_parameter(name.removeprefix("model."))
     except AttributeError:
-        raise CalibrationError(f"GPTQ: the graph's weight {name} is no parameter of the model: its quantized layer cannot be run") from None
+        raise CalibrationError(
+            f"GPTQ: the graph's weight {name} is no parameter of the model: its quantized layer cannot be run"
+        ) from None
 
 
-def _quantize_layer(module: nn.Module, layer: nn.Module, index: int, batches: Sequence[Batch], todo: Collection[str], done: Collection[str], quantize: Quantize) -> None:
+def _quantize_layer(
+    module: nn.Module,
+    layer: nn.Module,
+    index: int,
+    batches: Sequence[Batch],
+    todo: Collection[str],
+    done: Collection[str],
+    quantize: Quantize,
+) -> None:
     """One layer: its weights' Hessians from its inputs, its weights quantized, its inputs replaced
     by its outputs computed with them."""
     hessians: dict[str, np.ndarray] = {}
@@ -174,14 +195,23 @@ def _quantize_layer(module: nn.Module, layer: nn.Module, index: int, batches: Se
     shared: dict[int, list[str]] = {}  # the weights of each Hessian, one after the other
     for name in sorted(todo):
         shared.setdefault(id(hessians[name]), []).append(name)
-    weights = {name: quantize(name, hessians.pop(name)) for names in shared.values() for name in names}  # each Hessian freed once its weights are done
+    weights = {
+        name: quantize(name, hessians.pop(name)) for names in shared.values() for name in names
+    }  # each Hessian freed once its weights are done
     weights.update({name: quantize(name, None) for name in sorted(done)})
     with _weights_in_place(module, weights):
         for batch in batches:
             batch.hidden.copy_(batch.calls[index].run(layer, batch.hidden))
 
 
-def _quantize_outside(module: nn.Module, layers: Sequence[nn.Module], batches: Sequence[Batch], form: Form | None, todo: Collection[str], quantize: Quantize) -> None:
+def _quantize_outside(
+    module: nn.Module,
+    layers: Sequence[nn.Module],
+    batches: Sequence[Batch],
+    form: Form | None,
+    todo: Collection[str],
+    quantize: Quantize,
+) -> None:
     """Weights outside the decoder layers: forwards of the whole model with every layer handing on
     the last layer's output (the quantized layers'), until their modules have all been called."""
     current: list[torch.Tensor] = []
@@ -213,7 +243,14 @@ def _by_layer(names: Collection[str], prefix: str | None, n_layers: int) -> dict
 
 
 def quantize_layerwise(
-    module: nn.Module, prefix: str | None, n_layers: int, windows: Sequence[np.ndarray], todo: Collection[str], done: Collection[str], quantize: Quantize, progress: Progress
+    module: nn.Module,
+    prefix: str | None,
+    n_layers: int,
+    windows: Sequence[np.ndarray],
+    todo: Collection[str],
+    done: Collection[str],
+    quantize: Quantize,
+    progress: Progress,
 ) -> None:
     """Quantize the weights ``todo`` (graph weight names) layer by layer over ``windows``: call
     ``quantize(name, H)`` for each, in layer order, and ``quantize(name, None)`` for each of

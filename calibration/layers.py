@@ -26,10 +26,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from kiln.errors import CalibrationError
 from torch import nn
 
-__all__ = ["Batch", "Form", "LayerCall", "Stop", "capture", "decoder_layers", "hidden_of", "layer_feeds", "replaced_forwards"]
+from kiln.errors import CalibrationError
+
+__all__ = [
+    "Batch",
+    "Form",
+    "LayerCall",
+    "Stop",
+    "capture",
+    "decoder_layers",
+    "hidden_of",
+    "layer_feeds",
+    "replaced_forwards",
+]
 
 _BATCH = 16  # windows per forward
 
@@ -48,7 +59,11 @@ class LayerCall:
 
     def run(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's output hidden state for ``hidden``."""
-        out = layer(hidden, *self.args, **self.kwargs) if self.positional else layer(*self.args, hidden_states=hidden, **self.kwargs)
+        out = (
+            layer(hidden, *self.args, **self.kwargs)
+            if self.positional
+            else layer(*self.args, hidden_states=hidden, **self.kwargs)
+        )
         return hidden_of(out)
 
 
@@ -66,7 +81,9 @@ def hidden_of(out: object) -> torch.Tensor:
     """A layer's output hidden state: the output itself, or the first of a tuple."""
     first = out[0] if isinstance(out, (tuple, list)) and out else out
     if not isinstance(first, torch.Tensor):
-        raise CalibrationError(f"GPTQ: a decoder layer returned {type(out).__name__}; expected its hidden state, alone or first in a tuple")
+        raise CalibrationError(
+            f"GPTQ: a decoder layer returned {type(out).__name__}; expected its hidden state, alone or first in a tuple"
+        )
     return first
 
 
@@ -81,7 +98,10 @@ def _split(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[torch.T
     positional = bool(args)
     hidden = args[0] if positional else kwargs.get("hidden_states")
     if not isinstance(hidden, torch.Tensor):
-        raise CalibrationError("GPTQ: a decoder layer was called without its hidden state first (positionally or as hidden_states=): it cannot be run on its own")
+        raise CalibrationError(
+            "GPTQ: a decoder layer was called without its hidden state first (positionally or as "
+            "hidden_states=): it cannot be run on its own"
+        )
     rest = tuple(_without_cache(a) for a in args[1:])
     named = {k: _without_cache(v) for k, v in kwargs.items() if k != "hidden_states"}
     return hidden, LayerCall(rest, named, positional)
@@ -94,7 +114,9 @@ def decoder_layers(module: nn.Module, prefix: str | None, n_layers: int) -> list
     try:
         return [module.get_submodule(prefix.format(i)) for i in range(n_layers)]
     except AttributeError:
-        raise CalibrationError(f"GPTQ: the model has no decoder layers at {prefix.format('i')} for i < {n_layers}") from None
+        raise CalibrationError(
+            f"GPTQ: the model has no decoder layers at {prefix.format('i')} for i < {n_layers}"
+        ) from None
 
 
 def layer_feeds(windows: Sequence[np.ndarray]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -130,10 +152,14 @@ def _check_order(index: int, hidden: torch.Tensor, calls: Sequence[LayerCall], h
     """Layer ``index`` is called next, on the very tensor the layer before handed on: run one at a
     time, the layers compute what the model computes."""
     if index != len(calls):
-        raise CalibrationError(f"GPTQ: decoder layer {index} was called out of order (after {len(calls)} layers); it cannot be quantized layer by layer: use --int4-method rtn")
+        raise CalibrationError(
+            f"GPTQ: decoder layer {index} was called out of order (after {len(calls)} layers); it cannot be "
+            "quantized layer by layer: use --int4-method rtn"
+        )
     if index > 0 and not (handed and hidden is handed[0]):
         raise CalibrationError(
-            f"GPTQ: the model changes the hidden state between decoder layers {index - 1} and {index}; it cannot be quantized layer by layer: use --int4-method rtn"
+            f"GPTQ: the model changes the hidden state between decoder layers {index - 1} and {index}; it cannot "
+            "be quantized layer by layer: use --int4-method rtn"
         )
 
 
@@ -152,7 +178,9 @@ class Form:
         return hidden if self.rest is None else (hidden, *self.rest)
 
 
-def capture(module: nn.Module, layers: Sequence[nn.Module], feeds: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[list[Batch], Form]:
+def capture(
+    module: nn.Module, layers: Sequence[nn.Module], feeds: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+) -> tuple[list[Batch], Form]:
     """Each batch's layer-0 input and every layer's call (layers replaced by recorders), and the
     form of the layers' output (learnt from one real call of layer 0)."""
     batches: list[Batch] = []
@@ -185,6 +213,9 @@ def capture(module: nn.Module, layers: Sequence[nn.Module], feeds: Iterable[tupl
             except Stop:
                 pass
             if len(calls) != len(layers) or len(first) != 1:
-                raise CalibrationError(f"GPTQ: the model called {len(calls)} of its {len(layers)} decoder layers (in order, each once expected)")
+                raise CalibrationError(
+                    f"GPTQ: the model called {len(calls)} of its {len(layers)} decoder layers (in order, each "
+                    "once expected)"
+                )
             batches.append(Batch((ids, mask, pos), first[0], tuple(calls)))
     return batches, form[0]

@@ -57,7 +57,9 @@ class _Reader:
         return next(self._it, None)
 
 
-def collect_ranges(model: ir.Model, samples: Iterable[list[Feeds]], method: CalibMethod, percentile: float) -> dict[str, tuple[float, float]]:
+def collect_ranges(
+    model: ir.Model, samples: Iterable[list[Feeds]], method: CalibMethod, percentile: float
+) -> dict[str, tuple[float, float]]:
     """Symmetric ranges ``(-a, a)`` of the activations around every MatMul/Gemm of ``model``,
     over the feeds of every sample (a calibration window's prefill and decode steps). Samples are
     run one at a time (ONNX Runtime's calibrators merge their statistics across calls), so only one
@@ -69,7 +71,9 @@ def collect_ranges(model: ir.Model, samples: Iterable[list[Feeds]], method: Cali
         ir.save(model, path, external_data="model.onnx.data")
         augmented = str(Path(tmp) / "augmented.onnx")
         if method is CalibMethod.MSE:
-            calibrator = PercentileCalibrater(path, ["MatMul", "Gemm"], augmented, True, method="percentile", symmetric=True, num_bins=2048)
+            calibrator = PercentileCalibrater(
+                path, ["MatMul", "Gemm"], augmented, True, method="percentile", symmetric=True, num_bins=2048
+            )
             calibrator.augment_graph()
             calibrator.create_inference_session()
         else:
@@ -78,8 +82,14 @@ def collect_ranges(model: ir.Model, samples: Iterable[list[Feeds]], method: Cali
                 CalibMethod.PERCENTILE: CalibrationMethod.Percentile,
                 CalibMethod.ENTROPY: CalibrationMethod.Entropy,
             }[method]
-            extra = {"symmetric": True, "percentile": percentile} if method is CalibMethod.PERCENTILE else {"symmetric": True}
-            calibrator = create_calibrator(path, ["MatMul", "Gemm"], augmented, kind, use_external_data_format=True, extra_options=extra)
+            extra = (
+                {"symmetric": True, "percentile": percentile}
+                if method is CalibMethod.PERCENTILE
+                else {"symmetric": True}
+            )
+            calibrator = create_calibrator(
+                path, ["MatMul", "Gemm"], augmented, kind, use_external_data_format=True, extra_options=extra
+            )
         for sample in samples:
             if method is CalibMethod.MAX:
                 calibrator.collect_data(_Reader(sample))
@@ -91,7 +101,10 @@ def collect_ranges(model: ir.Model, samples: Iterable[list[Feeds]], method: Cali
                 calibrator.collect_data(_Reader([feed]))
         if method is CalibMethod.MSE:
             hists = calibrator.collector.histogram_dict
-            ranges = {name: mse_threshold(np.asarray(h[0], dtype=np.float64), np.asarray(h[1], dtype=np.float64)) for name, h in hists.items()}
+            ranges = {
+                name: mse_threshold(np.asarray(h[0], dtype=np.float64), np.asarray(h[1], dtype=np.float64))
+                for name, h in hists.items()
+            }
             return {name: (-a, a) for name, a in ranges.items()}
         data = calibrator.compute_data()
         out = {}

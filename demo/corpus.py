@@ -4,15 +4,27 @@ and held-out text, and a byte-level BPE tokenizer trained on the train files (``
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import Tensor
 
-__all__ = ["Corpus", "Data", "build_corpus", "heldout_text", "train_tokenizer", "token_stream", "prepare_data", "EOS", "PAD", "VOCAB_SIZE", "SEQ_LEN"]
+__all__ = [
+    "Corpus",
+    "Data",
+    "build_corpus",
+    "heldout_text",
+    "train_tokenizer",
+    "token_stream",
+    "prepare_data",
+    "EOS",
+    "PAD",
+    "VOCAB_SIZE",
+    "SEQ_LEN",
+]
 
 EOS = "<|endoftext|>"  # id 0: bos and eos
 PAD = "<|pad|>"  # id 1
@@ -23,6 +35,7 @@ MAX_FILE_BYTES = 300_000  # skips generated data modules such as pydoc_data/topi
 HELDOUT_EVERY = 20  # every 20th selected file is held out
 HELDOUT_TXT_BYTES = 256_000  # size cap of heldout.txt
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
 
 @dataclass(frozen=True)
 class Corpus:
@@ -127,5 +140,3 @@ def prepare_data(out: Path) -> Data:
     eval_ids = torch.tensor(tok.encode(heldout, add_special_tokens=False).ids, dtype=torch.int64)
     print(f"tokenizer: {len(train_ids):,} train tokens, {len(eval_ids):,} heldout.txt tokens", flush=True)
     return Data(corpus, heldout, tok, train_ids, eval_ids)
-
-

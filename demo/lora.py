@@ -39,7 +39,9 @@ def write(root: Path, seed: int = 0) -> tuple[Path, Path]:
     with torch.no_grad():
         for name, param in lora.named_parameters():
             if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)  # scaled B @ A: std ~0.06, the base weights 0.02
+                param.copy_(
+                    torch.randn(param.shape, generator=generator) * 0.1
+                )  # scaled B @ A: std ~0.06, the base weights 0.02
     lora.save_pretrained(str(root / "adapter"))
     return root / "base", root / "adapter"
 
@@ -50,7 +52,9 @@ def main(argv: list[str]) -> int:
         return 2
     missing = [name for name in ("transformers", "peft") if importlib.util.find_spec(name) is None]
     if missing:
-        print(f"error: python -m kiln.demo.lora needs {' and '.join(missing)} (the hf extra): {HF_EXTRA}", file=sys.stderr)
+        print(
+            f"error: python -m kiln.demo.lora needs {' and '.join(missing)} (the hf extra): {HF_EXTRA}", file=sys.stderr
+        )
         return 1
     base, adapter = write(Path(argv[0]))
     print(f"wrote {base} (a tiny random Llama) and {adapter} (a LoRA adapter of it)")

@@ -43,15 +43,6 @@ from safetensors.torch import save_model
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from kiln.plugins.native.config import (
-    MLPKind,
-    NativeConfig,
-    NormKind,
-    NormPosition,
-    PLEConfig,
-    PLEPlacement,
-    PositionKind,
-)
 from kiln.demo.corpus import (
     CORPUS_CAP_BYTES,
     HELDOUT_EVERY,
@@ -62,6 +53,15 @@ from kiln.demo.corpus import (
     Corpus,
     Data,
     prepare_data,
+)
+from kiln.plugins.native.config import (
+    MLPKind,
+    NativeConfig,
+    NormKind,
+    NormPosition,
+    PLEConfig,
+    PLEPlacement,
+    PositionKind,
 )
 from kiln.plugins.native.model import DecoderLayer, PLEDecoder
 
@@ -235,7 +235,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--log-every", type=int, default=25)
-    parser.add_argument("--arch", choices=["demo", "llama"], default="demo", help="demo: the bundled PLE decoder; llama: the accuracy study's Llama (llama_config)")
+    parser.add_argument(
+        "--arch",
+        choices=["demo", "llama"],
+        default="demo",
+        help="demo: the bundled PLE decoder; llama: the accuracy study's Llama (llama_config)",
+    )
     parser.add_argument("--d-model", type=int, default=384, help="--arch llama: width")
     parser.add_argument("--n-layers", type=int, default=8, help="--arch llama: depth")
     parser.add_argument("--d-ff", type=int, default=1280, help="--arch llama: SwiGLU width")
@@ -265,8 +270,11 @@ def train(model: PLEDecoder, train_ids: torch.Tensor, args: argparse.Namespace) 
         if (step + 1) % args.log_every == 0 or step == 0:
             elapsed = time.perf_counter() - started
             recent = sum(losses[-args.log_every :]) / len(losses[-args.log_every :])
-            print(f"step {step + 1}/{args.steps} loss {recent:.4f} lr {lr:.2e} {elapsed / (step + 1):.3f} s/step "
-                  f"elapsed {elapsed:.0f} s", flush=True)
+            print(
+                f"step {step + 1}/{args.steps} loss {recent:.4f} lr {lr:.2e} {elapsed / (step + 1):.3f} s/step "
+                f"elapsed {elapsed:.0f} s",
+                flush=True,
+            )
     return losses, time.perf_counter() - started
 
 
@@ -282,50 +290,90 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = demo_config() if args.arch == "demo" else llama_config(args.d_model, args.n_layers, args.d_ff)
     model = PLEDecoder(cfg)
     init_weights(model)
-    print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; {args.steps} steps of {args.batch_size}x{SEQ_LEN} tokens", flush=True)
+    print(
+        f"model: {sum(p.numel() for p in model.parameters()):,} parameters; {args.steps} steps of "
+        f"{args.batch_size}x{SEQ_LEN} tokens",
+        flush=True,
+    )
     losses, train_seconds = train(model, data.train_ids, args)
     ppl, eval_tokens = heldout_perplexity(model, data.eval_ids)
     stats = ple_stats(model)
     sample = greedy(model, data.tokenizer, "def ", 40)
     print(f"held-out perplexity {ppl:.3f} over {eval_tokens} tokens", flush=True)
     if stats:
-        print(f"PLE max|a| {max(s['max_abs_a'] for s in stats):.4f} max|b| {max(s['max_abs_b'] for s in stats):.4f}", flush=True)
+        print(
+            f"PLE max|a| {max(s['max_abs_a'] for s in stats):.4f} max|b| {max(s['max_abs_b'] for s in stats):.4f}",
+            flush=True,
+        )
     print(f"sample: {sample!r}", flush=True)
     cfg.save(out / "config.json")
     save_model(model, str(out / "model.safetensors"))
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600
-    run = {"losses": losses, "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - started, "ppl": ppl, "eval_tokens": eval_tokens}
+    run = {
+        "losses": losses,
+        "train_seconds": train_seconds,
+        "wall_seconds": time.perf_counter() - started,
+        "ppl": ppl,
+        "eval_tokens": eval_tokens,
+    }
     facts = training_facts(args, model, data, run, stats, sample)
     (out / "training.json").write_text(json.dumps(facts, indent=2) + "\n")
     sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
     print(f"wrote {out}: {sizes} total {sum(sizes.values()):,} B", flush=True)
 
 
-def training_facts(args: argparse.Namespace, model: PLEDecoder, data: Data, run: dict[str, Any], stats: list[dict[str, Any]], sample: str) -> dict[str, Any]:
+def training_facts(
+    args: argparse.Namespace,
+    model: PLEDecoder,
+    data: Data,
+    run: dict[str, Any],
+    stats: list[dict[str, Any]],
+    sample: str,
+) -> dict[str, Any]:
     """Every fact of the run, for training.json."""
     losses, corpus, tail = run["losses"], data.corpus, run["losses"][-50:]
     return {
-        "command": "python -m kiln.demo.train " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        "command": "python -m kiln.demo.train "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "seed": args.seed,
         "steps": args.steps,
         "batch_size": args.batch_size,
         "seq_len": SEQ_LEN,
         "tokens_seen": args.steps * args.batch_size * SEQ_LEN,
-        "optimizer": {"kind": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": args.weight_decay,
-                      "ple_lr_mult": args.ple_lr_mult, "ple_weight_decay": 0.0, "warmup": args.warmup,
-                      "schedule": "linear warm-up, cosine to 10%", "grad_clip": 1.0},
+        "optimizer": {
+            "kind": "AdamW",
+            "lr": args.lr,
+            "betas": [0.9, 0.95],
+            "weight_decay": args.weight_decay,
+            "ple_lr_mult": args.ple_lr_mult,
+            "ple_weight_decay": 0.0,
+            "warmup": args.warmup,
+            "schedule": "linear warm-up, cosine to 10%",
+            "grad_clip": 1.0,
+        },
         "train_loss_last50": sum(tail) / len(tail),
         "train_loss_first": losses[0],
         "train_seconds": round(run["train_seconds"], 1),
         "wall_seconds": round(run["wall_seconds"], 1),
         "param_count": sum(p.numel() for p in model.parameters()),
         "heldout_perplexity": run["ppl"],
-        "heldout_eval": {"source": "heldout.txt", "windows": run["eval_tokens"] // SEQ_LEN, "window_tokens": SEQ_LEN,
-                         "tokens": run["eval_tokens"], "note": "first non-overlapping windows, no bos, positions 0..255"},
-        "ple": {"max_abs_a": max(s["max_abs_a"] for s in stats), "max_abs_b": max(s["max_abs_b"] for s in stats), "layers": stats} if stats else None,
+        "heldout_eval": {
+            "source": "heldout.txt",
+            "windows": run["eval_tokens"] // SEQ_LEN,
+            "window_tokens": SEQ_LEN,
+            "tokens": run["eval_tokens"],
+            "note": "first non-overlapping windows, no bos, positions 0..255",
+        },
+        "ple": {
+            "max_abs_a": max(s["max_abs_a"] for s in stats),
+            "max_abs_b": max(s["max_abs_b"] for s in stats),
+            "layers": stats,
+        }
+        if stats
+        else None,
         "corpus": {
             "source": "Python standard library .py files (sysconfig stdlib path), sorted, "
-                      f"skipping {sorted(SKIP_DIRS)} dirs, test_*.py and files > {MAX_FILE_BYTES} B",
+            f"skipping {sorted(SKIP_DIRS)} dirs, test_*.py and files > {MAX_FILE_BYTES} B",
             "python": platform.python_version(),
             "cap_bytes": CORPUS_CAP_BYTES,
             "heldout_every": HELDOUT_EVERY,
@@ -339,8 +387,12 @@ def training_facts(args: argparse.Namespace, model: PLEDecoder, data: Data, run:
             "heldout_txt_first_files": [name for name, _ in corpus.heldout[:5]],
         },
         "sample": {"prompt": "def ", "greedy_new_tokens": 40, "text": sample},
-        "versions": {"torch": torch.__version__, "tokenizers": tokenizers.__version__,
-                     "safetensors": safetensors.__version__, "python": platform.python_version()},
+        "versions": {
+            "torch": torch.__version__,
+            "tokenizers": tokenizers.__version__,
+            "safetensors": safetensors.__version__,
+            "python": platform.python_version(),
+        },
         "num_threads": NUM_THREADS,
     }
 

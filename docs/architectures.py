@@ -83,7 +83,10 @@ def main(argv: list[str]) -> int:
     new = rewritten(text, section(plugins_entry()))
     if argv[1:] == ["--check"]:
         if new != text:
-            print(f"{DOC}: the architecture table differs from kiln plugins; run: python docs/architectures.py", file=sys.stderr)
+            print(
+                f"{DOC}: the architecture table differs from kiln plugins; run: python docs/architectures.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if argv[1:]:

@@ -41,17 +41,28 @@ def default_path(adapter_dir: Path) -> Path:
     return absolute.with_name(absolute.name + SUFFIX)
 
 
-def convert_adapter(directory: Path, adapter_dir: Path, out: Path | None, *, force: bool, check: bool, progress: Progress) -> AdapterResult:
+def convert_adapter(
+    directory: Path, adapter_dir: Path, out: Path | None, *, force: bool, check: bool, progress: Progress
+) -> AdapterResult:
     from kiln.exporter.artifacts.verify import require_verified
     from kiln.exporter.check import check_dir
 
     manifest = require_verified(directory)
-    adapter, tensors = swapped_adapter(directory, manifest.lora, (manifest.checkpoint.reference, manifest.checkpoint.resolved), adapter_dir)
+    adapter, tensors = swapped_adapter(
+        directory, manifest.lora, (manifest.checkpoint.reference, manifest.checkpoint.resolved), adapter_dir
+    )
     path = out if out is not None else default_path(adapter_dir)
-    _require_writable(path, force, inputs=(directory, adapter_dir, *_checkpoint(manifest.checkpoint.reference, manifest.checkpoint.resolved)))
+    _require_writable(
+        path,
+        force,
+        inputs=(directory, adapter_dir, *_checkpoint(manifest.checkpoint.reference, manifest.checkpoint.resolved)),
+    )
     parity = check_dir(directory, progress=progress, adapter=adapter_dir) if check else None
     if parity is not None and not parity.passed:
-        raise ParityError(f"{adapter_dir}: the export's graphs fed this adapter differ from PEFT's model: " + "; ".join(parity.failures()[:5]))
+        raise ParityError(
+            f"{adapter_dir}: the export's graphs fed this adapter differ from PEFT's model: "
+            + "; ".join(parity.failures()[:5])
+        )
     _write(tensors, path)
     return AdapterResult(path, tuple(sorted(adapter.tensors)), adapter.rank, parity)
 
@@ -80,6 +91,9 @@ def _require_writable(path: Path, force: bool, inputs: tuple[Path, ...]) -> None
 
     require_new_file(path, force, inputs, "--out names a file outside it")
     if os.path.lexists(path) and (path.is_symlink() or not path.name.endswith(SUFFIX)):
-        raise ConfigError(f"{path}: --force replaces only an ONNX Runtime adapter file (*{SUFFIX}) kiln wrote, and this is {'a link' if path.is_symlink() else 'another file'}; nothing was replaced")
+        raise ConfigError(
+            f"{path}: --force replaces only an ONNX Runtime adapter file (*{SUFFIX}) kiln wrote, and this is "
+            f"{'a link' if path.is_symlink() else 'another file'}; nothing was replaced"
+        )
     if not path.parent.is_dir():
         raise ConfigError(f"{path}: its directory {path.parent} does not exist")

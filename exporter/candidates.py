@@ -39,7 +39,16 @@ def candidate(
     plan = Precision.parse(precision)
     judging = Precision.parse(quantized).tolerance if isinstance(quantized, str) else quantized
     against = dataclasses.replace(judging, min_token_match=1.0) if judging is not None else None
-    return Candidate(open_runner, graphs, plan.value, plan.tolerance, plan.kv_dtype, target=target, quantized=against, weight_bytes=set_bytes(files))
+    return Candidate(
+        open_runner,
+        graphs,
+        plan.value,
+        plan.tolerance,
+        plan.kv_dtype,
+        target=target,
+        quantized=against,
+        weight_bytes=set_bytes(files),
+    )
 
 
 def qdq_tolerance(precision: str) -> Tolerance:

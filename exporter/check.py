@@ -5,25 +5,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torch import nn
+
 from kiln.errors import ArtifactError, CheckpointError, ConfigError
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.artifacts.manifest import Manifest, graph_options
 from kiln.exporter.artifacts.verify import require_verified
+from kiln.exporter.candidates import candidate
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import fold, table_feeds
 from kiln.exporter.load import adapter_reference, prepare_reference, read_adapters
 from kiln.exporter.lora.adapter_file import swapped_adapter
-from kiln.exporter.candidates import candidate
 from kiln.exporter.options import PLETables
 from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity, quantized_model
+from kiln.exporter.pipeline import release_weights
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.progress import NullProgress, Progress
-from kiln.exporter.pipeline import release_weights
 from kiln.exporter.quality_gate import check_quality
 from kiln.exporter.runners import Feeds, OrtRunner
 from kiln.exporter.targets import PORTABLE, target
 from kiln.plugins import LoadedModel, load_model
-from torch import nn
 
 if TYPE_CHECKING:
     from kiln.plugins.hf.adapter import LoraAdapter
@@ -32,7 +33,11 @@ __all__ = ["check_dir"]
 
 
 def check_dir(
-    directory: Path, model: str | Path | None = None, progress: Progress | None = None, backend: str = "onnxruntime", adapter: Path | None = None
+    directory: Path,
+    model: str | Path | None = None,
+    progress: Progress | None = None,
+    backend: str = "onnxruntime",
+    adapter: Path | None = None,
 ) -> ParityResult:
     """Re-run parity on an export directory against its checkpoint (or ``model``), on ONNX
     Runtime (the ONNX graphs) or TensorRT (``backend="tensorrt"``: the engines of ``kiln build``,
@@ -42,7 +47,10 @@ def check_dir(
     progress = progress or NullProgress()
     manifest = require_verified(directory)
     if adapter is not None and backend != "onnxruntime":
-        raise ConfigError("--adapter: adapters are checked on ONNX Runtime only (kiln build's engines take the slot inputs, but feeding them an adapter has not run on a GPU yet)")
+        raise ConfigError(
+            "--adapter: adapters are checked on ONNX Runtime only (kiln build's engines take the slot inputs, "
+            "but feeding them an adapter has not run on a GPU yet)"
+        )
     if backend == "tensorrt":  # before loading anything: are there engines at all?
         from kiln.exporter.engine.records import read_records
 
@@ -51,9 +59,19 @@ def check_dir(
     # the export's graph options; every set's precision (its tolerances) is the manifest's, which
     # require_verified held to what the graphs are (their Q/DQ and dtypes: ``artifacts.claims``)
     options = graph_options(manifest)
-    swapped = swapped_adapter(directory, manifest.lora, (manifest.checkpoint.reference, manifest.checkpoint.resolved), adapter) if adapter is not None else None
+    swapped = (
+        swapped_adapter(
+            directory, manifest.lora, (manifest.checkpoint.reference, manifest.checkpoint.resolved), adapter
+        )
+        if adapter is not None
+        else None
+    )
     # with adapters, PEFT's model of the checkpoint and the recorded adapters, as the export's parity had
-    adapters = ((swapped[0],) if swapped is not None else _adapters(directory, manifest, loaded, model)) if swapped is not None or manifest.checkpoint.adapters else None
+    adapters = (
+        ((swapped[0],) if swapped is not None else _adapters(directory, manifest, loaded, model))
+        if swapped is not None or manifest.checkpoint.adapters
+        else None
+    )
 
     def build(loaded: LoadedModel) -> nn.Module:
         return adapter_reference(loaded, adapters) if adapters is not None else prepare_reference(loaded, options)
@@ -61,10 +79,14 @@ def check_dir(
     reference = build(loaded)
     extra: Feeds | None = dict(swapped[1]) if swapped is not None else None
     if options.ple_tables is PLETables.INPUT:
-        extra = {**(extra or {}), **table_feeds(list(fold(reference, loaded.ple).tables), Precision.parse(manifest.precision).kv_dtype)}
+        extra = {
+            **(extra or {}),
+            **table_feeds(list(fold(reference, loaded.ple).tables), Precision.parse(manifest.precision).kv_dtype),
+        }
     assert options.max_context is not None, "an export's manifest records its context"
     settings = ParitySettings(options.max_context, options.max_batch, options.parity_tokens, options.last_logits_only)
-    # an int4 export: against PyTorch on its own int4 weights too (read from its portable graphs), its agreement gating as the export chose.
+    # an int4 export: against PyTorch on its own int4 weights too (read from its portable graphs), its agreement gating
+    # as the export chose.
     # An int8 or fp8 export is not: the scales its calibration made (parity.qdq_numbers) are not in the
     # export (its calibration/*.trt-calibration.cache holds TensorRT's amax / 127, not the graphs' int8
     # or fp8 scales), and read back from the graphs being judged they would prove nothing; so kiln check
@@ -74,7 +96,14 @@ def check_dir(
     quantized = quantized_model(_portable_paths(directory, manifest).values(), gates) if weight_only else None
     # the model is freed while the graphs run unless both fit, and loaded again to score their tokens (check_parity)
     recorded = manifest.parity.quality
-    quality = check_quality(loaded, loaded.spec, manifest.precision, recorded.threshold if recorded is not None else None, options.last_logits_only, options.max_context)
+    quality = check_quality(
+        loaded,
+        loaded.spec,
+        manifest.precision,
+        recorded.threshold if recorded is not None else None,
+        options.last_logits_only,
+        options.max_context,
+    )
     return check_parity(
         reference, loaded.spec, _candidates(directory, manifest, backend, extra), settings, progress=progress,
         quantized=quantized, quality=quality, release_reference=release_weights(reference),
@@ -97,7 +126,9 @@ def _checkpoint(directory: Path, manifest: Manifest, model: str | Path | None, p
     return loaded
 
 
-def _adapters(directory: Path, manifest: Manifest, loaded: LoadedModel, model: str | Path | None) -> tuple[LoraAdapter, ...]:
+def _adapters(
+    directory: Path, manifest: Manifest, loaded: LoadedModel, model: str | Path | None
+) -> tuple[LoraAdapter, ...]:
     """The adapters the manifest records (at their path, else where it resolved when the export
     ran), refused when their files changed."""
     records = manifest.checkpoint.adapters or ()
@@ -105,8 +136,12 @@ def _adapters(directory: Path, manifest: Manifest, loaded: LoadedModel, model: s
     adapters = read_adapters(loaded, paths, model if model is not None else manifest.checkpoint.reference)
     for record, adapter in zip(records, adapters, strict=True):
         if adapter.sha256 != record.files:
-            changed = sorted(k for k in set(record.files) | set(adapter.sha256) if record.files.get(k) != adapter.sha256.get(k))
-            raise CheckpointError(f"--adapter {record.path}: adapter files {changed} differ from the ones {directory} was exported with")
+            changed = sorted(
+                k for k in set(record.files) | set(adapter.sha256) if record.files.get(k) != adapter.sha256.get(k)
+            )
+            raise CheckpointError(
+                f"--adapter {record.path}: adapter files {changed} differ from the ones {directory} was exported with"
+            )
     return adapters
 
 
@@ -119,7 +154,10 @@ def _load(ref: str | Path, resolved: str | None, progress: Progress) -> LoadedMo
     except CheckpointError as exc:
         if resolved is None or resolved == str(ref) or not Path(resolved).exists():
             raise
-        progress.note(f"checkpoint: {ref} does not resolve here ({str(exc).split(': ', 2)[-1]}); using {resolved}, where it resolved when the export ran")
+        progress.note(
+            f"checkpoint: {ref} does not resolve here ({str(exc).split(': ', 2)[-1]}); using {resolved}, where "
+            "it resolved when the export ran"
+        )
         return load_model(resolved)
 
 
@@ -133,7 +171,9 @@ def _graph_paths(directory: Path, files: dict[GraphKind, str]) -> dict[GraphKind
 
 def _candidates(directory: Path, manifest: Manifest, backend: str, extra: Feeds | None) -> list[Candidate]:
     """The engines (TensorRT), or the portable graphs and then every target's (ONNX Runtime)."""
-    if backend == "tensorrt":  # the runner of the engines' contract: the portable graphs' or --target onnx's (static cache)
+    if (
+        backend == "tensorrt"
+    ):  # the runner of the engines' contract: the portable graphs' or --target onnx's (static cache)
         from kiln.exporter.engine import open_engines
         from kiln.exporter.engine.records import read_records
 
@@ -141,13 +181,37 @@ def _candidates(directory: Path, manifest: Manifest, backend: str, extra: Feeds 
         graph_set = read_records(directory).get("graphs", {}).get("set", PORTABLE)
         precision = manifest.precision if graph_set == PORTABLE else (manifest.targets or {})[graph_set].precision
         # TensorRT computes int4 weight-only MatMuls in the engine's float precision
-        return [candidate(lambda: open_engines(directory, extra_feeds=extra), (GraphKind.PREFILL, GraphKind.DECODE), precision, Precision.parse(precision).weight_only_float)]
+        return [
+            candidate(
+                lambda: open_engines(directory, extra_feeds=extra),
+                (GraphKind.PREFILL, GraphKind.DECODE),
+                precision,
+                Precision.parse(precision).weight_only_float,
+            )
+        ]
     graphs = _portable_paths(directory, manifest)
-    candidates = [candidate(OrtRunner.opener(graphs, extra), tuple(graphs), manifest.precision, Precision.parse(manifest.precision).weight_only_float, files=graphs.values())]
+    candidates = [
+        candidate(
+            OrtRunner.opener(graphs, extra),
+            tuple(graphs),
+            manifest.precision,
+            Precision.parse(manifest.precision).weight_only_float,
+            files=graphs.values(),
+        )
+    ]
     for name, entry in (manifest.targets or {}).items():  # each target's graphs, opened its way
         paths = _graph_paths(directory, {GraphKind(kind): graph.file for kind, graph in entry.graphs.items()})
         chosen = target(name)
-        candidates.append(candidate(chosen.runner(paths, extra), tuple(paths), entry.precision, chosen.quantized_precision(entry.precision), name, files=paths.values()))
+        candidates.append(
+            candidate(
+                chosen.runner(paths, extra),
+                tuple(paths),
+                entry.precision,
+                chosen.quantized_precision(entry.precision),
+                name,
+                files=paths.values(),
+            )
+        )
     return candidates
 
 

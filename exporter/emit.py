@@ -32,7 +32,9 @@ def write_artifacts(root: Path, report: ExportReport) -> Manifest:
     for source in report.serving_files:  # e.g. Hugging Face's config.json: Optimum loads onnx/ as written
         target = root / ONNX_DIR / source.name
         if target.exists():
-            raise ArtifactError(f"{source}: the family asks for {source.name} beside the graphs, where kiln already wrote one")
+            raise ArtifactError(
+                f"{source}: the family asks for {source.name} beside the graphs, where kiln already wrote one"
+            )
         shutil.copyfile(source, target)
     manifest = build_manifest(report, root)
     # GenAI's decoder-only models have no way to feed a cross cache, nor a cache of per-tensor shapes (genai_refusal)

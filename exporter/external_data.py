@@ -47,7 +47,10 @@ def external_files(graph: Path, model: Any) -> dict[str, Path]:
             continue
         path = graph.parent / location
         if not plain_name(location) or path.is_symlink() or not path.is_file():
-            raise ArtifactError(f"{graph.name}: tensor {tensor.name} reads external data from {location!r}, which is not a file beside the graph")
+            raise ArtifactError(
+                f"{graph.name}: tensor {tensor.name} reads external data from {location!r}, which is not a file "
+                "beside the graph"
+            )
         files[location] = path
     return files
 
@@ -59,11 +62,22 @@ def set_bytes(graphs: Iterable[Path]) -> int:
 
     files: set[Path] = set()
     for graph in graphs:
-        files |= {graph.resolve(), *(path.resolve() for path in external_files(graph, onnx.load(str(graph), load_external_data=False)).values())}
+        files |= {
+            graph.resolve(),
+            *(
+                path.resolve()
+                for path in external_files(graph, onnx.load(str(graph), load_external_data=False)).values()
+            ),
+        }
     return sum(path.stat().st_size for path in files)
 
 
 def plain_name(location: str) -> bool:
     """Whether an external-data ``location`` names a file in the graph's own directory (no
     path, no ``..``), the only form kiln writes and reads."""
-    return bool(location) and "\\" not in location and PurePosixPath(location).name == location and location not in (".", "..")
+    return (
+        bool(location)
+        and "\\" not in location
+        and PurePosixPath(location).name == location
+        and location not in (".", "..")
+    )

@@ -9,10 +9,11 @@ import dataclasses
 
 import numpy as np
 import torch
+from torch import Tensor, nn
+
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import ple_table_names
 from kiln.plugins.base import PLEFolding
-from torch import Tensor, nn
 
 __all__ = ["Folded", "FoldCheck", "fold", "check_folding", "table_feeds"]
 
@@ -46,7 +47,9 @@ def fold(module: nn.Module, ple: PLEFolding | None) -> Folded:
 
 
 @torch.no_grad()
-def check_folding(ple: PLEFolding, reference: nn.Module, folded: nn.Module, seed: int = 0, tolerance: float = 1e-5) -> list[FoldCheck]:
+def check_folding(
+    ple: PLEFolding, reference: nn.Module, folded: nn.Module, seed: int = 0, tolerance: float = 1e-5
+) -> list[FoldCheck]:
     """Folded against unfolded sub-layers at every position of the table, on random states."""
     gen = torch.Generator().manual_seed(seed)
     ref_subs, fold_subs = ple.sublayers(reference), ple.sublayers(folded)
@@ -56,12 +59,17 @@ def check_folding(ple: PLEFolding, reference: nn.Module, folded: nn.Module, seed
         rows, d = (int(n) for n in tables[len(checks)][0].shape)
         x = 2.0 * torch.randn(2, rows, d, generator=gen)  # [2, rows, d]
         positions = torch.arange(rows).expand(2, rows)
-        want, got = copy.deepcopy(ref).float()(x, positions), copy.deepcopy(sub).float()(x, positions)  # in fp32, as the graphs compute
+        want, got = (
+            copy.deepcopy(ref).float()(x, positions),
+            copy.deepcopy(sub).float()(x, positions),
+        )  # in fp32, as the graphs compute
         err = float((want - got).abs().max())
         scale = float(want.abs().max()) or 1.0
         checks.append(FoldCheck(name, rows, err))
         if not err <= tolerance * max(1.0, scale):
-            raise ExportError(f"PLE folding of {name} differs from the unfolded sub-layer by {err:.3g} (tolerance {tolerance:g})")
+            raise ExportError(
+                f"PLE folding of {name} differs from the unfolded sub-layer by {err:.3g} (tolerance {tolerance:g})"
+            )
     return checks
 
 

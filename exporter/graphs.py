@@ -12,10 +12,11 @@ import dataclasses
 from pathlib import Path
 
 import onnx_ir as ir
+
 from kiln.exporter.contract.io import GraphIO, GraphKind, graph_io, graph_kinds
+from kiln.exporter.contract.lora import LoraSlots
 from kiln.exporter.fold import Folded
 from kiln.exporter.load import Reference
-from kiln.exporter.contract.lora import LoraSlots
 from kiln.exporter.options import ExportOptions, PLETables
 from kiln.exporter.passes import (
     ApplyContract,
@@ -43,7 +44,9 @@ class GraphRecord:
     kind: GraphKind
     path: Path
     io: GraphIO  # the graph's final I/O (the contract at its precision)
-    passes: dict[str, Report] = dataclasses.field(default_factory=dict)  # what its passes report (``passes.reports``): the manifest's graphs.<kind>.passes
+    passes: dict[str, Report] = dataclasses.field(
+        default_factory=dict
+    )  # what its passes report (``passes.reports``): the manifest's graphs.<kind>.passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +65,18 @@ class GraphSet:
         return {kind: record.passes for kind, record in self.graphs.items()}
 
 
-def contract_io(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, kv_dtype: str = "float32") -> GraphIO:
+def contract_io(
+    reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, kv_dtype: str = "float32"
+) -> GraphIO:
     tables = folded.table_shapes if options.ple_tables is PLETables.INPUT else ()
-    return graph_io(reference.spec, kind, last_logits_only=options.last_logits_only, ple_tables=tables, kv_dtype=kv_dtype)
+    return graph_io(
+        reference.spec, kind, last_logits_only=options.last_logits_only, ple_tables=tables, kv_dtype=kv_dtype
+    )
 
 
-def contract_passes(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, traced: Traced) -> list[ir.passes.PassBase]:
+def contract_passes(
+    reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, traced: Traced
+) -> list[ir.passes.PassBase]:
     """A traced graph -> the fp32 graph of ``kind`` in the contract (derived from the unified
     graph when ``kind`` was not traced itself)."""
     derive = specialise(kind, options.last_logits_only) if kind not in traced.graphs else []
@@ -76,7 +85,9 @@ def contract_passes(reference: Reference, folded: Folded, options: ExportOptions
     return [*derive, *stamp, *tables, ApplyContract(contract_io(reference, folded, options, kind), kind)]
 
 
-def fp32_graph(reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, traced: Traced) -> ir.Model:
+def fp32_graph(
+    reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, traced: Traced
+) -> ir.Model:
     """The fp32 graph of ``kind``, with the contract's I/O (a new model: ``traced`` is kept)."""
     source = traced.graphs.get(kind, traced.model)
     return run_passes(clone(source), contract_passes(reference, folded, options, kind, traced), graph=kind.value)
@@ -107,7 +118,9 @@ def write_portable_graphs(
                 writer.externalize(model, bar.advance)
                 ir.save(model, path)
             del model
-            records[kind] = GraphRecord(kind, path, contract_io(reference, folded, options, kind, final_dtype), pass_reports(passes))
+            records[kind] = GraphRecord(
+                kind, path, contract_io(reference, folded, options, kind, final_dtype), pass_reports(passes)
+            )
         weights = writer.close()
     if precision.precision.full_check:
         with progress.stage("low-bit graphs: onnx.checker (full check)"):

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.contract.limits import MAX_CONTEXT, MIN_CONTEXT
 from kiln.exporter.options import ExportOptions
@@ -17,13 +19,21 @@ from kiln.exporter.plan import plan
 from kiln.plugins import LoadedModel
 from kiln.plugins.base import DecoderSpec
 from kiln.plugins.hub_cache import HF_EXTRA
-from torch import nn
 
 if TYPE_CHECKING:
     from kiln.exporter.contract.lora import LoraSlots
     from kiln.plugins.hf.adapter import LoraAdapter
 
-__all__ = ["Reference", "adapter_reference", "load_reference", "lora_slots", "merge_adapters", "prepare_reference", "read_adapters", "resolve_limits"]
+__all__ = [
+    "Reference",
+    "adapter_reference",
+    "load_reference",
+    "lora_slots",
+    "merge_adapters",
+    "prepare_reference",
+    "read_adapters",
+    "resolve_limits",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +75,8 @@ def resolve_limits(spec: DecoderSpec, options: ExportOptions) -> int:
         rows = options.ple_extend or spec.ple_positions
         raise ExportError(
             f"--max-context {context} is longer than the PLE table ({rows} rows): positions past it would "
-            f"gather out of bounds; pass --ple-extend {context} (with --ple-extend-mode clamp|interpolate) or a smaller --max-context"
+            f"gather out of bounds; pass --ple-extend {context} (with --ple-extend-mode clamp|interpolate) or a "
+            "smaller --max-context"
         )
     if options.ple_extend is not None and spec.ple_positions is None:
         raise ExportError("--ple-extend was given but the model has no PLE tables")
@@ -91,11 +102,16 @@ def lora_slots(reference: Reference, options: ExportOptions) -> LoraSlots | None
     from kiln.plugins.hf.decoder import HFDecoder
 
     if not isinstance(reference.module, HFDecoder):
-        raise ConfigError(f"--lora-slots: kiln writes LoRA slots on Hugging Face decoder checkpoints only; {reference.loaded.source} is not one")
+        raise ConfigError(
+            "--lora-slots: kiln writes LoRA slots on Hugging Face decoder checkpoints only; "
+            f"{reference.loaded.source} is not one"
+        )
     return plan_slots(reference.module.model, options.lora_slots, options.precision.kv_dtype, options.lora_targets)
 
 
-def read_adapters(loaded: LoadedModel, adapters: Sequence[tuple[Path, float]], model_ref: str | Path | None) -> tuple[LoraAdapter, ...]:
+def read_adapters(
+    loaded: LoadedModel, adapters: Sequence[tuple[Path, float]], model_ref: str | Path | None
+) -> tuple[LoraAdapter, ...]:
     """``(directory, weight)`` adapters read and checked against ``loaded``'s base (its name and
     every module's shapes); refused for anything but a Hugging Face decoder read from disk."""
     from kiln.plugins.hf.adapter import base_names, check_base, read_adapter
@@ -103,11 +119,19 @@ def read_adapters(loaded: LoadedModel, adapters: Sequence[tuple[Path, float]], m
 
     if not isinstance(loaded.module, HFDecoder):
         kind = "an encoder-decoder" if loaded.spec.has_encoder else f"a {loaded.spec.family} checkpoint"
-        raise ConfigError(f"--adapter: kiln merges LoRA adapters into Hugging Face decoder checkpoints only; {loaded.source} is {kind}")
+        raise ConfigError(
+            f"--adapter: kiln merges LoRA adapters into Hugging Face decoder checkpoints only; {loaded.source} "
+            f"is {kind}"
+        )
     if not loaded.source.exists():
-        raise ConfigError(f"--adapter: {loaded.source} is not on disk; parity loads the base again for PEFT's model of base + adapters")
+        raise ConfigError(
+            f"--adapter: {loaded.source} is not on disk; parity loads the base again for PEFT's model of base + "
+            "adapters"
+        )
     if importlib.util.find_spec("peft") is None:
-        raise ConfigError(f"--adapter needs peft (parity's reference is PEFT's own model of base + adapters): {HF_EXTRA}")
+        raise ConfigError(
+            f"--adapter needs peft (parity's reference is PEFT's own model of base + adapters): {HF_EXTRA}"
+        )
     read = tuple(read_adapter(Path(path), weight) for path, weight in adapters)
     names = base_names(model_ref if model_ref is not None else loaded.source, loaded.source)
     for adapter in read:
@@ -115,7 +139,9 @@ def read_adapters(loaded: LoadedModel, adapters: Sequence[tuple[Path, float]], m
     return read
 
 
-def merge_adapters(loaded: LoadedModel, options: ExportOptions, model_ref: str | Path | None) -> tuple[LoraAdapter, ...]:
+def merge_adapters(
+    loaded: LoadedModel, options: ExportOptions, model_ref: str | Path | None
+) -> tuple[LoraAdapter, ...]:
     """``--adapter``: the adapters read, checked and merged into ``loaded``'s weights in place
     (what is traced and deployed); none given: nothing changes."""
     if not options.adapters:

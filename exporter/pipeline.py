@@ -17,14 +17,16 @@ from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 import torch
+
 from kiln.calibration import Calibration
 from kiln.errors import ParityError
-from kiln.exporter.emit import write_artifacts
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.artifacts.layout import CALIBRATION_DIR, ONNX_DIR
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.staging import refuse_held, require_replaceable, staged_output
+from kiln.exporter.candidates import candidate, qdq_tolerance
 from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.emit import write_artifacts
 from kiln.exporter.fold import Folded, fold, table_feeds
 from kiln.exporter.graphs import (
     GraphSet,
@@ -32,24 +34,37 @@ from kiln.exporter.graphs import (
     fp32_graph,
     write_portable_graphs,
 )
-from kiln.exporter.plan import plan
-from kiln.exporter.load import Reference, adapter_reference, load_reference, lora_slots, merge_adapters, prepare_reference, resolve_limits
+from kiln.exporter.load import (
+    Reference,
+    adapter_reference,
+    load_reference,
+    lora_slots,
+    merge_adapters,
+    prepare_reference,
+    resolve_limits,
+)
 from kiln.exporter.options import ExportOptions, PLETables, Precision
-from kiln.exporter.candidates import candidate, qdq_tolerance
 from kiln.exporter.parity import (
     Candidate,
     ParityResult,
     ParitySettings,
     check_parity,
 )
-from kiln.exporter.parity.int4_proof import NUMBERS_FILE, QuantizerNumbers, check_graph_weights, quantizer_model, write_numbers
-from kiln.exporter.qdq_spill import qdq_model, spill_qdq_numbers
+from kiln.exporter.parity.int4_proof import (
+    NUMBERS_FILE,
+    QuantizerNumbers,
+    check_graph_weights,
+    quantizer_model,
+    write_numbers,
+)
 from kiln.exporter.parity.tolerances import Tolerance
-from kiln.exporter.precision.kinds.base import Needs, Ranges
+from kiln.exporter.plan import plan
 from kiln.exporter.precision.context import PrecisionContext
 from kiln.exporter.precision.int4 import int4_quantizer
+from kiln.exporter.precision.kinds.base import Needs, Ranges
 from kiln.exporter.precision.prepare import PreparedPrecision, prepare_precision
 from kiln.exporter.progress import NullProgress, Progress
+from kiln.exporter.qdq_spill import qdq_model, spill_qdq_numbers
 from kiln.exporter.quality_gate import plan_quality, refuse_quality
 from kiln.exporter.report import ExportReport
 from kiln.exporter.runners import OrtRunner, TorchRunner
@@ -57,7 +72,7 @@ from kiln.exporter.runners.torch_runner import drop_fp32_buffers
 from kiln.exporter.static_fit import refuse_static_cache
 from kiln.exporter.targets import target, targets
 from kiln.exporter.targets.base import TargetGiven, TargetGraphs
-from kiln.exporter.trace import Traced, trace_unified
+from kiln.exporter.trace import trace_unified
 from kiln.plugins import LoadedModel, config_spec, load_model, resolve_checkpoint
 
 if TYPE_CHECKING:
@@ -77,12 +92,18 @@ class ExportResult:
 def export(model: str | Path, out: Path, options: ExportOptions, progress: Progress | None = None) -> ExportResult:
     progress = progress or NullProgress()
     plan(options)  # the options' own refusals, before anything is read
-    require_replaceable(out.absolute(), options.force, inputs=(resolve_checkpoint(model), *options.data_inputs))  # before the load (checked again)
-    refuse_held(out.absolute())  # another export writing there: refused now, not after the load (its lock decides again)
+    require_replaceable(
+        out.absolute(), options.force, inputs=(resolve_checkpoint(model), *options.data_inputs)
+    )  # before the load (checked again)
+    refuse_held(
+        out.absolute()
+    )  # another export writing there: refused now, not after the load (its lock decides again)
     with progress.stage("load checkpoint"):
         if (spec := config_spec(model)) is not None:
             plan(options, spec)  # every refusal of the config's structure, before any weight is read
-            refuse_static_cache(spec, options, resolve_limits(spec, options))  # the config's limits, before any weight is read
+            refuse_static_cache(
+                spec, options, resolve_limits(spec, options)
+            )  # the config's limits, before any weight is read
         loaded = load_model(model)
     return export_loaded(loaded, out, options, progress, model_ref=str(model), release_reference=True)
 
@@ -99,7 +120,8 @@ def _note_widening(reference: Reference, options: ExportOptions, progress: Progr
     """A 16-bit checkpoint exported at fp32 doubles in size: one line says so, and what keeps 2 bytes."""
     if options.precision is Precision.FP32 and reference.spec.dtype in ("bfloat16", "float16"):
         progress.note(
-            f"the checkpoint's weights are {reference.spec.dtype}: the fp32 graphs hold each in 4 bytes, twice the checkpoint's"
+            f"the checkpoint's weights are {reference.spec.dtype}: the fp32 graphs hold each in 4 bytes, twice "
+            "the checkpoint's"
             " size (--fp16 keeps 2 bytes a weight)"
         )
 
@@ -109,7 +131,8 @@ def _note_text_decoder(reference: Reference, progress: Progress) -> None:
     part = reference.spec.text_decoder_of
     if part is not None:
         progress.note(
-            f"{part.architecture} is multimodal: exporting its text decoder ({part.prefix}) only; not exported: {', '.join(part.not_exported)}"
+            f"{part.architecture} is multimodal: exporting its text decoder ({part.prefix}) only; not exported: "
+            f"{', '.join(part.not_exported)}"
             " (the graphs take token ids, no images)"
         )
 
@@ -140,7 +163,9 @@ def export_loaded(
     _note_widening(reference, options, progress)
     _note_text_decoder(reference, progress)
     inputs = (loaded.source, *loaded.files, *options.data_inputs)  # never replaced by the output, whatever --force says
-    quality = plan_quality(loaded, reference.spec, options, reference.max_context)  # its text read now: a bad --eval-data refused before any stage
+    quality = plan_quality(
+        loaded, reference.spec, options, reference.max_context
+    )  # its text read now: a bad --eval-data refused before any stage
     needs = int(sum(p.numel() for p in reference.module.parameters()) * options.precision.min_bytes_per_weight)
     with staged_output(out, options.force, inputs=inputs, note=progress.note, needs=needs) as root:
         folded = _fold(reference, loaded, progress)
@@ -148,35 +173,64 @@ def export_loaded(
         calibration = _calibration(reference, options, checkpoint, progress)
         traced = trace_unified(reference, folded, options, progress)  # its own stage
         context = PrecisionContext(
-            reference, options, progress, _calibrate(reference, options, calibration, progress),
-            lambda kind, kv_dtype: contract_io(reference, folded, options, kind, kv_dtype), lambda kind: fp32_graph(reference, folded, options, kind, traced),
+            reference,
+            options,
+            progress,
+            _calibrate(reference, options, calibration, progress),
+            lambda kind, kv_dtype: contract_io(reference, folded, options, kind, kv_dtype),
+            lambda kind: fp32_graph(reference, folded, options, kind, traced),
         )
         precision = prepare_precision(context)
         (root / ONNX_DIR).mkdir()
-        portable = write_portable_graphs(reference, folded, options, traced, precision, root / ONNX_DIR, progress, lora_slots(reference, options))
+        portable = write_portable_graphs(
+            reference, folded, options, traced, precision, root / ONNX_DIR, progress, lora_slots(reference, options)
+        )
         calibrated = calibration.finish(root / CALIBRATION_DIR) if calibration is not None else None
         given = TargetGiven(root / ONNX_DIR, portable.paths, reference.spec, options, reference.max_context, progress)
         written = tuple(target.write(given) for target in targets() if target.wanted(options))
-        recorded, extras, numbers = precision.record(portable.reports), precision.extras(portable.reports), _int4_numbers(precision, root, portable, written, out, progress)
-        qdq = spill_qdq_numbers(precision, root, portable, written, out, progress)  # int8, fp8: their proof's numbers (parity.qdq_proof)
-        del precision, context  # the int4 numbers (3.5 GB at 8B) are in the spill file now: parity's reference reads them there
+        recorded, extras, numbers = (
+            precision.record(portable.reports),
+            precision.extras(portable.reports),
+            _int4_numbers(precision, root, portable, written, out, progress),
+        )
+        qdq = spill_qdq_numbers(
+            precision, root, portable, written, out, progress
+        )  # int8, fp8: their proof's numbers (parity.qdq_proof)
+        del (
+            precision,
+            context,
+        )  # the int4 numbers (3.5 GB at 8B) are in the spill file now: parity's reference reads them there
         release = release_weights(reference.module) if release_reference else None
         reload = (lambda: prepare_reference(load_model(loaded.source), options)) if release_reference else None
         parity_module = reference.module
         if adapters:
             parity_module, release, reload = _peft_reference(loaded, adapters, release, progress)
+        gate = options.parity_agreement == "gate"
         parity = check_parity(
             parity_module, reference.spec, _candidates(folded, options, portable, written, qdq is not None),
             _settings(reference, options), release_reference=release, reload_reference=reload, progress=progress,
             quality=quality,
-            quantized=quantizer_model(numbers, options.parity_agreement == "gate") if numbers is not None else qdq_model(qdq, options.parity_agreement == "gate"),
+            quantized=quantizer_model(numbers, gate) if numbers is not None else qdq_model(qdq, gate),
         )  # fmt: skip
         if not parity.passed:
             raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
         report = ExportReport(
-            reference.spec, options, model_ref, checkpoint, reference.max_context, folded.checks, portable, calibrated, written, parity,
-            loaded.tokenizer, loaded.serving_files, recorded, extras,
-            checkpoint_path=str(loaded.source.absolute()) if loaded.source.exists() else None, adapters=adapters,
+            reference.spec,
+            options,
+            model_ref,
+            checkpoint,
+            reference.max_context,
+            folded.checks,
+            portable,
+            calibrated,
+            written,
+            parity,
+            loaded.tokenizer,
+            loaded.serving_files,
+            recorded,
+            extras,
+            checkpoint_path=str(loaded.source.absolute()) if loaded.source.exists() else None,
+            adapters=adapters,
         )
         refuse_quality(report, out)  # the graphs are right, the quantization short of its gate: reports kept beside out
         manifest = write_artifacts(root, report)
@@ -184,7 +238,12 @@ def export_loaded(
 
 
 def _int4_numbers(
-    precision: PreparedPrecision, root: Path, portable: GraphSet, written: tuple[TargetGraphs, ...], out: Path, progress: Progress
+    precision: PreparedPrecision,
+    root: Path,
+    portable: GraphSet,
+    written: tuple[TargetGraphs, ...],
+    out: Path,
+    progress: Progress,
 ) -> QuantizerNumbers | None:
     """--int4: the quantizer's own numbers spilled to the staging directory (the int4 proof's
     reference is built on them, not on the graphs it judges, and deletes the file once it has read
@@ -232,7 +291,9 @@ def _peft_reference(
     return module, release_weights(module) if release is not None else None, build if release is not None else None
 
 
-def _calibration(reference: Reference, options: ExportOptions, checkpoint: dict[str, str], progress: Progress) -> Calibration | None:
+def _calibration(
+    reference: Reference, options: ExportOptions, checkpoint: dict[str, str], progress: Progress
+) -> Calibration | None:
     """The kinds that read activation ranges (int8, fp8): the calibration data and settings (and
     ranges, when the cache has them)."""
     if not options.precision.needs(Needs.RANGES):
@@ -262,10 +323,14 @@ def _calibration(reference: Reference, options: ExportOptions, checkpoint: dict[
     return calibration
 
 
-def _calibrate(reference: Reference, options: ExportOptions, calibration: Calibration | None, progress: Progress) -> Callable[[GraphKind, ir.Model], Ranges] | None:
+def _calibrate(
+    reference: Reference, options: ExportOptions, calibration: Calibration | None, progress: Progress
+) -> Callable[[GraphKind, ir.Model], Ranges] | None:
     if calibration is None:
         return None
-    runner = TorchRunner(reference.module, reference.spec.n_layers, options.last_logits_only)  # runs the teacher-forced decode feeds
+    runner = TorchRunner(
+        reference.module, reference.spec.n_layers, options.last_logits_only
+    )  # runs the teacher-forced decode feeds
     return lambda kind, model: calibration.ranges_for(kind, model, reference.spec, runner, progress)
 
 
@@ -273,16 +338,41 @@ def _settings(reference: Reference, options: ExportOptions) -> ParitySettings:
     return ParitySettings(reference.max_context, options.max_batch, options.parity_tokens, options.last_logits_only)
 
 
-def _candidates(folded: Folded, options: ExportOptions, portable: GraphSet, written: tuple[TargetGraphs, ...], qdq: bool = False) -> list[Candidate]:
+def _candidates(
+    folded: Folded, options: ExportOptions, portable: GraphSet, written: tuple[TargetGraphs, ...], qdq: bool = False
+) -> list[Candidate]:
     """The graph sets parity checks: the portable graphs, then each target's (opened its way);
     with ``qdq`` (an int8 or fp8 export whose Q/DQ numbers were kept) every Q/DQ set is judged
     against PyTorch with them too (``qdq_tolerance``)."""
-    feeds = table_feeds(list(folded.tables), options.precision.kv_dtype) if options.ple_tables is PLETables.INPUT else None
+    feeds = (
+        table_feeds(list(folded.tables), options.precision.kv_dtype) if options.ple_tables is PLETables.INPUT else None
+    )
     own = qdq_tolerance(options.precision.value) if qdq else options.precision.weight_only_float
-    candidates = [candidate(OrtRunner.opener(portable.paths, feeds), tuple(portable.paths), options.precision.value, own, files=portable.paths.values())]
+    candidates = [
+        candidate(
+            OrtRunner.opener(portable.paths, feeds),
+            tuple(portable.paths),
+            options.precision.value,
+            own,
+            files=portable.paths.values(),
+        )
+    ]
     for graphs in written:
         chosen = target(graphs.name)
         quantized: str | Tolerance | None = chosen.quantized_precision(graphs.precision)
-        quantized = qdq_tolerance(graphs.precision) if qdq and quantized is None and graphs.precision == options.precision.value else quantized
-        candidates.append(candidate(chosen.runner(graphs.paths, feeds), tuple(graphs.paths), graphs.precision, quantized, graphs.name, files=graphs.paths.values()))
+        quantized = (
+            qdq_tolerance(graphs.precision)
+            if qdq and quantized is None and graphs.precision == options.precision.value
+            else quantized
+        )
+        candidates.append(
+            candidate(
+                chosen.runner(graphs.paths, feeds),
+                tuple(graphs.paths),
+                graphs.precision,
+                quantized,
+                graphs.name,
+                files=graphs.paths.values(),
+            )
+        )
     return candidates

@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ExportPlan", "Refusal", "SEPARATOR", "plan", "reasons"]
 
-Refusal = Callable[["DecoderSpec | None", "ExportOptions"], list[str]]  # (spec or None: the options alone, options) -> one line a reason
+Refusal = Callable[
+    ["DecoderSpec | None", "ExportOptions"], list[str]
+]  # (spec or None: the options alone, options) -> one line a reason
 SEPARATOR = " | "  # between the reasons of one error
 
 
@@ -69,7 +71,15 @@ def reasons(options: ExportOptions, spec: DecoderSpec | None = None) -> list[str
 
 
 def _refusals(options: ExportOptions) -> list[Refusal]:
-    return [*(k.reasons for k in options.precision.kinds), _calibration, _target_name, *(t.reasons for t in targets()), _lora, _parity, _family]
+    return [
+        *(k.reasons for k in options.precision.kinds),
+        _calibration,
+        _target_name,
+        *(t.reasons for t in targets()),
+        _lora,
+        _parity,
+        _family,
+    ]
 
 
 def _calibration(spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
@@ -98,23 +108,33 @@ def _lora(spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
     found = []
     if not options.precision.lora_slots:
         found.append(
-            f"--lora-slots with {options.precision.value}: slots are built on float and int4 (weight-only) bases only; int8 and fp8 quantize the activations the adapters would read"
+            f"--lora-slots with {options.precision.value}: slots are built on float and int4 (weight-only) bases "
+            "only; int8 and fp8 quantize the activations the adapters would read"
         )
     if options.target != PORTABLE and not (options.target in names() and target(options.target).lora_slots):
-        found.append(f"--lora-slots with --target {options.target}: slots are built on the portable graphs and --target ort only")
+        found.append(
+            f"--lora-slots with --target {options.target}: slots are built on the portable graphs and --target ort only"
+        )
     if spec is not None and spec.encoder_dim is not None:
-        found.append("--lora-slots: cross-attention decoders are not built with slots yet; merge the adapter with --adapter")
+        found.append(
+            "--lora-slots: cross-attention decoders are not built with slots yet; merge the adapter with --adapter"
+        )
     return found
 
 
 def _parity(spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
     """--parity-agreement: only where the graphs are also checked against the quantized model
     (int4's weights, int8's and fp8's Q/DQ scales: ``parity.quantized``, ``parity.qdq_model``)."""
-    if options.parity_agreement is None or options.precision.weight_only_float is not None or options.precision.needs(Needs.RANGES):
+    if (
+        options.parity_agreement is None
+        or options.precision.weight_only_float is not None
+        or options.precision.needs(Needs.RANGES)
+    ):
         return []
     flags = [k.flag() for k in kinds() if k.weight_only or issubclass(k, RangesKind)]
     return [
-        f"--parity-agreement {options.parity_agreement} only applies to {', '.join(flags[:-1])} or {flags[-1]} exports, whose graphs are also checked against PyTorch on their own quantized numbers; "
+        f"--parity-agreement {options.parity_agreement} only applies to {', '.join(flags[:-1])} or {flags[-1]} "
+        "exports, whose graphs are also checked against PyTorch on their own quantized numbers; "
         f"a {options.precision.value} export's only proof is its agreement with the checkpoint's model"
     ]
 

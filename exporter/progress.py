@@ -67,7 +67,10 @@ class LineProgress:
         finally:
             self._depth -= 1
         if self._stages:
-            self._line(f"{label}: {total}/{total} in {time.monotonic() - stage.start:.1f} s (run {_clock(time.monotonic() - self._began)})")
+            self._line(
+                f"{label}: {total}/{total} in {time.monotonic() - stage.start:.1f} s (run "
+                f"{_clock(time.monotonic() - self._began)})"
+            )
 
     def note(self, message: str) -> None:
         self._line(message)
@@ -85,7 +88,10 @@ class _LineStage:
         if now - self._last >= self._every and 0 < self._done < self._total:
             self._last = now
             eta = (now - self.start) / self._done * (self._total - self._done)
-            self._print(f"{self._label}: {self._done}/{self._total}, {now - self.start:.0f} s, eta {_clock(eta)} (run {_clock(now - self._began)})")
+            self._print(
+                f"{self._label}: {self._done}/{self._total}, {now - self.start:.0f} s, eta {_clock(eta)} (run "
+                f"{_clock(now - self._began)})"
+            )
 
 
 class RichProgress:
@@ -149,7 +155,10 @@ def _columns(width: int, began: float) -> tuple[Any, ...]:
     return (
         TextColumn("{task.description}", table_column=Column(width=description, no_wrap=True, overflow="ellipsis")),
         *((BarColumn(bar_width=_BAR),) if with_bar else ()),
-        MofNCompleteColumn(table_column=counts), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+        MofNCompleteColumn(table_column=counts),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
         *((_since_column(began),) if with_run else ()),
     )
 

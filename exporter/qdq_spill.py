@@ -21,7 +21,12 @@ __all__ = ["spill_qdq_numbers", "qdq_model"]
 
 
 def spill_qdq_numbers(
-    precision: PreparedPrecision, root: Path, portable: GraphSet, written: tuple[TargetGraphs, ...], out: Path, progress: Progress
+    precision: PreparedPrecision,
+    root: Path,
+    portable: GraphSet,
+    written: tuple[TargetGraphs, ...],
+    out: Path,
+    progress: Progress,
 ) -> QdqNumbers | None:
     """The numbers, read back from their spill file (None: not a Q/DQ export, or one whose
     quantized MatMuls are not all modelled: ``precision.qdq_scales``), once every Q/DQ graph set
@@ -32,12 +37,17 @@ def spill_qdq_numbers(
         return None
     made = made.in_float16() if precision.precision.float16 else made
     # spilled and read back before the check: what parity is built on is what the file holds
-    sets = [("portable", portable.paths), *((g.name, g.paths) for g in written if g.precision == precision.precision.value)]
+    sets = [
+        ("portable", portable.paths),
+        *((g.name, g.paths) for g in written if g.precision == precision.precision.value),
+    ]
     with progress.stage(f"parity: {made.form} Q/DQ scales against the calibration's"):
         path = root / NUMBERS_FILE
         numbers = write_qdq_numbers(path, made)
         path.unlink()  # read back whole: the file is not needed again
-        failure = check_graph_qdq(numbers, [(label, {kind.value: p for kind, p in paths.items()}) for label, paths in sets])
+        failure = check_graph_qdq(
+            numbers, [(label, {kind.value: p for kind, p in paths.items()}) for label, paths in sets]
+        )
     if failure is not None:
         raise ParityError(f"{out}: exported Q/DQ differ from the calibration's numbers: {failure}")
     return numbers

@@ -41,20 +41,40 @@ def plan_quality(loaded: LoadedModel, spec: DecoderSpec, options: ExportOptions,
 
     def calibration_ids(tokens: int, chunk: int) -> Sequence[int]:
         assert calib is not None
-        windows = load_calibration_data(calib, tokenizer=loaded.tokenizer, vocab_size=spec.vocab_size, samples=max(1, tokens // chunk), window=chunk).windows
+        windows = load_calibration_data(
+            calib, tokenizer=loaded.tokenizer, vocab_size=spec.vocab_size, samples=max(1, tokens // chunk), window=chunk
+        ).windows
         return [int(t) for w in windows for t in w]
 
     text = quality_text_of(
-        options.eval_data, _demo_heldout(loaded), (calib, calibration_ids, Path(calib).suffix.lower() not in (".npy", ".npz")) if calib is not None else None, loaded.tokenizer, spec.vocab_size, max_context
+        options.eval_data,
+        _demo_heldout(loaded),
+        (calib, calibration_ids, Path(calib).suffix.lower() not in (".npy", ".npz")) if calib is not None else None,
+        loaded.tokenizer,
+        spec.vocab_size,
+        max_context,
     )
-    return QualityPlan(text, threshold_for(options.precision.value, options.quality_gate), measures(spec, options.last_logits_only))
+    return QualityPlan(
+        text, threshold_for(options.precision.value, options.quality_gate), measures(spec, options.last_logits_only)
+    )
 
 
-def check_quality(loaded: LoadedModel, spec: DecoderSpec, precision: str, threshold: float | None, last_logits_only: bool, max_context: int) -> QualityPlan:
+def check_quality(
+    loaded: LoadedModel,
+    spec: DecoderSpec,
+    precision: str,
+    threshold: float | None,
+    last_logits_only: bool,
+    max_context: int,
+) -> QualityPlan:
     """``kiln check``'s quality: on the demo's held-out text for the demo, else random tokens (an
     export's own real text is not recorded), gated at the ``threshold`` its manifest recorded."""
     text = quality_text_of(None, _demo_heldout(loaded), None, loaded.tokenizer, spec.vocab_size, max_context)
-    return QualityPlan(text, threshold if any(p in precision for p in ("int4", "int8", "fp8")) else None, measures(spec, last_logits_only))
+    return QualityPlan(
+        text,
+        threshold if any(p in precision for p in ("int4", "int8", "fp8")) else None,
+        measures(spec, last_logits_only),
+    )
 
 
 def refuse_quality(report: ExportReport, out: Path) -> None:
@@ -66,8 +86,10 @@ def refuse_quality(report: ExportReport, out: Path) -> None:
     kept = Path(tempfile.mkdtemp(prefix=f"{out.name}.refused-", dir=out.absolute().parent))
     write_parity_reports(report.parity, kept / "reports", report.parity_extras())
     raise QualityError(
-        f"{out}: the {report.options.precision.value} quantization fell short (its graphs compute the quantized model: parity passed): "
-        f"{quality.figures()}; top-1 agreement {quality.agreement:.3f} is below {quality.threshold:g}. Ways out: {_ways_out(report.options.precision.value)}, "
+        f"{out}: the {report.options.precision.value} quantization fell short (its graphs compute the quantized "
+        "model: parity passed): "
+        f"{quality.figures()}; top-1 agreement {quality.agreement:.3f} is below {quality.threshold:g}. Ways out: "
+        f"{_ways_out(report.options.precision.value)}, "
         f"--fp16; or --quality-gate lower or off. Reports kept in {kept / 'reports'}"
     )
 

@@ -33,8 +33,12 @@ class ExportReport:
     targets: tuple[TargetGraphs, ...]  # what each target wrote (--target NAME)
     parity: ParityResult  # every graph set's checks
     tokenizer: Path | None  # the checkpoint's tokenizer.json (copied into the export), when it has one
-    serving_files: tuple[Path, ...] = ()  # the family's files for consumers (Hugging Face's config.json...), copied into onnx/
-    precision_record: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the precision kinds record in the manifest's export section (keep_fp32, quantization)
+    serving_files: tuple[
+        Path, ...
+    ] = ()  # the family's files for consumers (Hugging Face's config.json...), copied into onnx/
+    precision_record: dict[str, Any] = dataclasses.field(
+        default_factory=dict
+    )  # what the precision kinds record in the manifest's export section (keep_fp32, quantization)
     precision_extras: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the parity report shows of them
     checkpoint_path: str | None = None  # the absolute path the checkpoint was read from (None: built in memory)
     adapters: tuple[LoraAdapter, ...] = ()  # the LoRA adapters merged into it (--adapter)

@@ -21,7 +21,13 @@ def refuse_static_cache(spec: DecoderSpec, options: ExportOptions, context: int)
 
     if any(CacheUpdate.STATIC in t.kv_caches for t in targets() if t.wanted(options)):
         rows = parity_rows(spec, options.max_batch, context, options.parity_tokens)
-        refuse_oversized(spec, max_batch=options.max_batch, parity_rows=rows, max_context=context, kv_dtype=options.precision.kv_dtype)
+        refuse_oversized(
+            spec,
+            max_batch=options.max_batch,
+            parity_rows=rows,
+            max_context=context,
+            kv_dtype=options.precision.kv_dtype,
+        )
 
 
 def parity_rows(spec: DecoderSpec, max_batch: int, max_context: int, tokens: int) -> int:

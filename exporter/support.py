@@ -18,11 +18,11 @@ from typing import Any
 
 from kiln.errors import ConfigError
 from kiln.exporter.options import ExportOptions
+from kiln.exporter.plan import plan
 from kiln.exporter.precision.kinds.base import Needs
 from kiln.exporter.precision.kinds.int4 import Int4, Int4Method
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.precision.kinds.registry import kinds
-from kiln.exporter.plan import plan
 from kiln.exporter.targets import PORTABLE, names, target
 from kiln.plugins.base import DecoderSpec
 
@@ -168,9 +168,9 @@ def legend(supports: Iterable[Support]) -> list[str]:
     found: dict[str, dict[str, set[str]]] = {}  # condition -> mark -> precisions
     for each in supports:
         for precision, row in each.cells.items():
-            for target, cell in row.items():
+            for name, cell in row.items():
                 if cell.taken and cell.condition:
-                    found.setdefault(cell.condition, {}).setdefault(letter(target).upper(), set()).add(precision)
+                    found.setdefault(cell.condition, {}).setdefault(letter(name).upper(), set()).add(precision)
     head = f"{where}, {REFUSED} refused" + ("; a capital: only as below" if found else "")
     return [head, *(f"{_marked(marks)}: {condition}" for condition, marks in found.items())]
 

@@ -35,7 +35,19 @@ from kiln.plugins.cache_layout import CacheLayout
 if TYPE_CHECKING:  # importing kiln.plugins.base must stay cheap: the CLI reads specs without torch
     from torch import Tensor, nn
 
-__all__ = ["MAX_DIM", "DecoderSpec", "LayerPlan", "LoadedModel", "ModelFamily", "PLEExtendMode", "PLEFolding", "PLETables", "TextDecoderOf", "dim_error", "non_finite"]
+__all__ = [
+    "MAX_DIM",
+    "DecoderSpec",
+    "LayerPlan",
+    "LoadedModel",
+    "ModelFamily",
+    "PLEExtendMode",
+    "PLEFolding",
+    "PLETables",
+    "TextDecoderOf",
+    "dim_error",
+    "non_finite",
+]
 
 # the largest dimension a config may give: TensorRT's dimensions and ONNX Runtime GenAI's config are 32-bit
 MAX_DIM = 2**31 - 1
@@ -53,7 +65,10 @@ def dim_error(name: str, value: object) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         return f"{name} must be a positive integer, found {_shown(value)}"
     if value > MAX_DIM:
-        return f"{name} must be at most 2**31 - 1 (TensorRT's and ONNX Runtime GenAI's dimensions are 32-bit), found {_shown(value)}"
+        return (
+            f"{name} must be at most 2**31 - 1 (TensorRT's and ONNX Runtime GenAI's dimensions are 32-bit), found "
+            f"{_shown(value)}"
+        )
     return None
 
 
@@ -122,20 +137,28 @@ class DecoderSpec:
     decoder_start_token_id: int | None = None  # the decoder's first input token (encoder-decoders)
     dtype: str = "float32"  # the checkpoint's floating-point dtype, as the module holds it (float32, bfloat16, float16)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the family's own config, for the manifest
-    max_context_why: str | None = None  # why max_context is what it is, when it is not the config's own limit (errors say it)
-    text_decoder_of: TextDecoderOf | None = None  # set when the checkpoint is a multimodal wrapper and this is its text decoder
+    max_context_why: str | None = (
+        None  # why max_context is what it is, when it is not the config's own limit (errors say it)
+    )
+    text_decoder_of: TextDecoderOf | None = (
+        None  # set when the checkpoint is a multimodal wrapper and this is its text decoder
+    )
     # what each layer caches when it is not keys and values of n_kv_heads x head_dim (``cache_layout``)
     cache: CacheLayout | None = None
 
     def __post_init__(self) -> None:
         if self.cache is not None and len(self.cache.layers) != self.n_layers:
-            raise ValueError(f"the cache layout describes {len(self.cache.layers)} layers, the decoder has {self.n_layers}")  # a family's bug
+            raise ValueError(
+                f"the cache layout describes {len(self.cache.layers)} layers, the decoder has {self.n_layers}"
+            )  # a family's bug
 
     @property
     def cache_layout(self) -> CacheLayout:
         """Every layer's cache tensors: the family's own layout, else keys and values of
         ``n_kv_heads`` x ``head_dim`` (and a cross-attention decoder's cross cache)."""
-        return self.cache or CacheLayout.kv(self.n_layers, self.n_kv_heads, self.head_dim, cross=self.encoder_dim is not None)
+        return self.cache or CacheLayout.kv(
+            self.n_layers, self.n_kv_heads, self.head_dim, cross=self.encoder_dim is not None
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,4 +231,6 @@ def non_finite(tensor: Tensor, slice_elements: int = 1 << 24) -> int:
     import torch
 
     flat = tensor.detach().reshape(-1)
-    return sum(int((~torch.isfinite(flat[i : i + slice_elements])).sum()) for i in range(0, flat.numel(), slice_elements))
+    return sum(
+        int((~torch.isfinite(flat[i : i + slice_elements])).sum()) for i in range(0, flat.numel(), slice_elements)
+    )

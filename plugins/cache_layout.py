@@ -66,7 +66,14 @@ class CacheLayout:
     def kv(cls, n_layers: int, heads: int, width: int, *, cross: bool = False) -> CacheLayout:
         """Keys and values per head (and a cross-attention decoder's cross cache)."""
         own = (CacheTensor("key", heads, width), CacheTensor("value", heads, width))
-        extra = (CacheTensor("cross_key", heads, width, Span.ENCODER), CacheTensor("cross_value", heads, width, Span.ENCODER)) if cross else ()
+        extra = (
+            (
+                CacheTensor("cross_key", heads, width, Span.ENCODER),
+                CacheTensor("cross_value", heads, width, Span.ENCODER),
+            )
+            if cross
+            else ()
+        )
         return cls("kv", ((*own, *extra),) * n_layers)
 
     @classmethod

@@ -15,7 +15,6 @@ import os
 import shlex
 import stat
 from pathlib import Path
-
 from typing import Any
 
 from kiln.errors import CheckpointError
@@ -82,7 +81,8 @@ def checkpoint_tokenizer(directory: Path) -> Path | None:
     except Exception as exc:  # tokenizers raises a bare Exception for every way a file is not a tokenizer
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise CheckpointError(
-            f"{path}: not a tokenizer the tokenizers library loads ({reason}); replace it with the model's own tokenizer.json, or remove it to export without one"
+            f"{path}: not a tokenizer the tokenizers library loads ({reason}); replace it with the model's own "
+            "tokenizer.json, or remove it to export without one"
         ) from None
     return path
 

@@ -49,7 +49,8 @@ def cached_snapshot(repo_id: str) -> Path:
         path = Path(snapshot_download(repo_id, local_files_only=True, cache_dir=cache))
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
         raise CheckpointError(
-            f"{repo_id}: no such directory, and not in the Hugging Face cache (looked in {where}; set HF_HUB_CACHE or HF_HOME "
+            f"{repo_id}: no such directory, and not in the Hugging Face cache (looked in {where}; set "
+            "HF_HUB_CACHE or HF_HOME "
             f"to use another cache); kiln never downloads: fetch it first (hf download {repo_id}) or pass a directory"
         ) from None
     _refuse_outside_snapshots(repo_id, path, where)

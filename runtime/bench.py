@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import BenchError, ConfigError
-from kiln.exporter.artifacts.manifest import Manifest
-from kiln.exporter.runners import ort_session
 from kiln.exporter.artifacts import manifest as manifest_mod
+from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.lora.adapter_file import read_adapter_file
 from kiln.exporter.progress import NullProgress, Progress
+from kiln.exporter.runners import ort_session
 from kiln.runtime.decoder_dirs import DecoderDir, open_decoder_dirs
 from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs
 from kiln.runtime.roofline import BandwidthProbe, read_bandwidths, weights_bytes_per_step
@@ -56,18 +56,28 @@ def load_warning(load_average: Sequence[float], cores: int) -> str | None:
     load = max(load_average)
     if load <= cores:
         return None
-    return f"WARNING: the 1-minute load average reached {load:.1f}, above the {cores} cores: other processes competed for them, and these figures are unreliable"
+    return (
+        f"WARNING: the 1-minute load average reached {load:.1f}, above the {cores} cores: other processes competed "
+        "for them, and these figures are unreliable"
+    )
 
 
-def _torch_worker(kiln_dirs: list[DecoderDir], sizes: dict[str, Sizes], sessions: dict[Path, Any], threads: int) -> TorchWorker:
+def _torch_worker(
+    kiln_dirs: list[DecoderDir], sizes: dict[str, Sizes], sessions: dict[Path, Any], threads: int
+) -> TorchWorker:
     """The PyTorch row: the first kiln directory's checkpoint in a worker process (``torch_row``:
     the same threads as ONNX Runtime, no spinning), fed what its graphs are fed."""
     first = kiln_dirs[0] if kiln_dirs else None
     ref = first.manifest.checkpoint.reference if first is not None and first.manifest is not None else None
     if first is None or first.manifest is None or ref is None:
-        raise BenchError("a PyTorch row needs a kiln export directory whose manifest names its checkpoint; pass --no-torch")
+        raise BenchError(
+            "a PyTorch row needs a kiln export directory whose manifest names its checkpoint; pass --no-torch"
+        )
     vocab = first.manifest.model.vocab_size
-    feeds = {kind: build_feeds(declared_inputs(sessions[graph]), sizes[kind], vocab=vocab) for kind, graph in (("prefill", first.prefill), ("decode", first.decode))}
+    feeds = {
+        kind: build_feeds(declared_inputs(sessions[graph]), sizes[kind], vocab=vocab)
+        for kind, graph in (("prefill", first.prefill), ("decode", first.decode))
+    }
     return TorchWorker(ref, feeds, threads)
 
 
@@ -80,7 +90,9 @@ def _check_same_checkpoint(kiln_dirs: list[DecoderDir]) -> None:
     first = kiln_dirs[0]
     for other in kiln_dirs[1:]:
         if _manifest(other).checkpoint.files != _manifest(first).checkpoint.files:
-            raise BenchError(f"{other.path}: exported from another checkpoint than {first.path}; bench compares exports of one model")
+            raise BenchError(
+                f"{other.path}: exported from another checkpoint than {first.path}; bench compares exports of one model"
+            )
 
 
 def run_bench(directories: list[Path], options: BenchOptions, progress: Progress | None = None) -> dict[str, Any]:
@@ -97,7 +109,9 @@ def run_bench(directories: list[Path], options: BenchOptions, progress: Progress
     seq = options.prefill_seq if limit is None else min(options.prefill_seq, limit)
     past = options.past if limit is None else min(options.past, limit - 1)
     if options.sweep and limit is not None and max(options.sweep) >= limit:
-        raise BenchError(f"--sweep past {max(options.sweep)} does not fit the export's context limit {limit} (past + 1 token)")
+        raise BenchError(
+            f"--sweep past {max(options.sweep)} does not fit the export's context limit {limit} (past + 1 token)"
+        )
     sizes = {"prefill": Sizes(seq=seq, past=0), "decode": Sizes(seq=1, past=past)}
     labels = _unique([d.label for d in decoders])
     sessions = _open_sessions(decoders, labels, options.threads, progress)
@@ -117,7 +131,11 @@ def run_bench(directories: list[Path], options: BenchOptions, progress: Progress
     if worker is not None:
         worker.close()
     if worker is not None:
-        result["pytorch"] = {"threads": worker.info["threads"], "omp_wait_policy": worker.info["omp_wait_policy"], "process": "worker"}
+        result["pytorch"] = {
+            "threads": worker.info["threads"],
+            "omp_wait_policy": worker.info["omp_wait_policy"],
+            "process": "worker",
+        }
     return result
 
 
@@ -141,7 +159,9 @@ def _with_adapter(decoders: list[DecoderDir], adapter: Path | None) -> list[Deco
         return decoders
     slotted = [d for d in decoders if d.manifest is not None and d.manifest.lora is not None and d.target is None]
     if not slotted:
-        raise BenchError(f"--adapter {adapter}: no directory given is a kiln export with LoRA slots (kiln export --lora-slots RANK)")
+        raise BenchError(
+            f"--adapter {adapter}: no directory given is a kiln export with LoRA slots (kiln export --lora-slots RANK)"
+        )
     for d in slotted:
         assert d.manifest is not None
         read_adapter_file(adapter, d.manifest.lora, f"--adapter {adapter} for {d.path}")
@@ -152,8 +172,13 @@ def _with_adapter(decoders: list[DecoderDir], adapter: Path | None) -> list[Deco
 
 
 def _measure(
-    decoders: list[DecoderDir], labels: list[str], calls: dict[str, dict[str, Callable[[], object]]],
-    sessions: dict[Path, Any], sizes: dict[str, Sizes], options: BenchOptions, progress: Progress,
+    decoders: list[DecoderDir],
+    labels: list[str],
+    calls: dict[str, dict[str, Callable[[], object]]],
+    sessions: dict[Path, Any],
+    sizes: dict[str, Sizes],
+    options: BenchOptions,
+    progress: Progress,
 ) -> dict[str, Any]:
     """The interleaved runs of every row (and the bandwidth probe, the sweep) into the result."""
     seq, past = sizes["prefill"].seq, sizes["decode"].past
@@ -167,13 +192,22 @@ def _measure(
     what = {"prefill": f"prefill (seq {seq})", "decode": f"decode step (past {past})"}  # as the table's columns
     seconds: dict[str, dict[str, list[float]]] = {}
     for kind, row_calls in calls.items():
-        seconds[kind] = interleaved_seconds(row_calls, options.runs, options.pause_s, progress=progress, what=what[kind])
+        seconds[kind] = interleaved_seconds(
+            row_calls, options.runs, options.pause_s, progress=progress, what=what[kind]
+        )
     probe_seconds = seconds["decode"].pop(_PROBE) if probe is not None else []
     rows = {kind: medians_ms(s) for kind, s in seconds.items()}
     result: dict[str, Any] = {
         "directories": [
-            {"label": lab, "path": str(d.path), "tool": d.tool, "prefill_graph": d.prefill.name, "decode_graph": d.decode.name,
-             "shared_kv_buffer": d.shared_kv_buffer, "weights_bytes_per_step": weights_bytes_per_step(d.decode)}
+            {
+                "label": lab,
+                "path": str(d.path),
+                "tool": d.tool,
+                "prefill_graph": d.prefill.name,
+                "decode_graph": d.decode.name,
+                "shared_kv_buffer": d.shared_kv_buffer,
+                "weights_bytes_per_step": weights_bytes_per_step(d.decode),
+            }
             for lab, d in zip(labels, decoders, strict=True)
         ],
         "baseline": labels[0],
@@ -195,7 +229,8 @@ def _measure(
         result["read_bandwidth_gb_s"] = bandwidth / 1e9  # median, interleaved: the roofline's denominator
         result["read_bandwidth_best_gb_s"] = best / 1e9  # fastest call, interleaved or alone: >= the median
         result["roofline"] = {
-            e["label"]: (e["weights_bytes_per_step"] / bandwidth * 1e3) / rows["decode"][e["label"]] for e in result["directories"]
+            e["label"]: (e["weights_bytes_per_step"] / bandwidth * 1e3) / rows["decode"][e["label"]]
+            for e in result["directories"]
         }
     if options.sweep:
         from kiln.runtime.sweep import sweep
@@ -219,29 +254,44 @@ def render(result: dict[str, Any]) -> str:
     base = result["baseline"]
     roof = result.get("roofline", {})
     weights = {e["label"]: e["weights_bytes_per_step"] for e in result["directories"]}
-    warning = load_warning(result["load_average"], result["cores"]) if "load_average" in result and "cores" in result else None
+    warning = (
+        load_warning(result["load_average"], result["cores"])
+        if "load_average" in result and "cores" in result
+        else None
+    )
     lines = [warning] if warning else []
     lines.append(
-        f"batch 1, {result['threads']} threads, median of {result['runs']} interleaved runs; ratios: time / time of {base}"
+        f"batch 1, {result['threads']} threads, median of {result['runs']} interleaved runs; ratios: time / time "
+        f"of {base}"
         + (" (load average {:.1f} -> {:.1f})".format(*result["load_average"]) if "load_average" in result else "")
     )
     if "pytorch" in result:
-        lines.append(f"{TORCH}: {result['pytorch']['threads']} threads, OMP_WAIT_POLICY={result['pytorch']['omp_wait_policy']}, in a worker process (as ONNX Runtime: no spinning)")
+        lines.append(
+            f"{TORCH}: {result['pytorch']['threads']} threads, "
+            f"OMP_WAIT_POLICY={result['pytorch']['omp_wait_policy']}, in a worker process (as ONNX Runtime: no "
+            "spinning)"
+        )
     if "read_bandwidth_gb_s" in result:
         lines.append(_bandwidth_line(result))
     lines += [
         "",
-        f"| backend | prefill (seq {result['prefill_seq']}) ms | vs base | decode step (past {result['decode_past']}) ms | vs base | weights MB/step | roofline |",
+        f"| backend | prefill (seq {result['prefill_seq']}) ms | vs base | decode step (past "
+        f"{result['decode_past']}) ms | vs base | weights MB/step | roofline |",
         "|---|---|---|---|---|---|---|",
     ]
     for name in pre:
         w = f"{weights[name] / 1e6:.1f}" if name in weights else "-"
         r = f"{roof[name]:.0%}" if name in roof else "-"
-        lines.append(f"| {name} | {pre[name]:.2f} | {pre[name] / pre[base]:.2f}x | {dec[name]:.2f} | {dec[name] / dec[base]:.2f}x | {w} | {r} |")
+        lines.append(
+            f"| {name} | {pre[name]:.2f} | {pre[name] / pre[base]:.2f}x | {dec[name]:.2f} | "
+            f"{dec[name] / dec[base]:.2f}x | {w} | {r} |"
+        )
     lines += [
         "",
-        "weights MB/step: the bytes of initializers one decode step reads: every weight whole (quantized ones with their scales), a table"
-        " read only at the step's tokens or positions (the embedding, RotaryEmbedding's cos/sin caches) by the rows it reads",
+        "weights MB/step: the bytes of initializers one decode step reads: every weight whole (quantized ones "
+        "with their scales), a table"
+        " read only at the step's tokens or positions (the embedding, RotaryEmbedding's cos/sin caches) by the "
+        "rows it reads",
     ]
     if "sweep" in result:
         from kiln.runtime.sweep import render_sweep

@@ -32,7 +32,9 @@ class DecoderDir:
     decode: Path  # graph timed on one new token with a past (may be the same file)
     roles: dict[str, str]  # input name -> input_ids / attention_mask / position_ids, where names differ
     shared_kv_buffer: bool  # past and present are one buffer of fixed capacity (GenAI past_present_share_buffer)
-    present_to_past: dict[str, str] = dataclasses.field(default_factory=dict)  # shared buffer: output -> the input it aliases
+    present_to_past: dict[str, str] = dataclasses.field(
+        default_factory=dict
+    )  # shared buffer: output -> the input it aliases
     manifest: Manifest | None = None  # kiln exports only
     named_dims: tuple[tuple[str, int], ...] = ()  # symbolic dims with a known size (see graph_feeds.Sizes.named)
     target: str | None = None  # kiln exports: "ort" for the --target ort graphs, None for the portable ones
@@ -63,7 +65,11 @@ def open_decoder_dirs(path: Path) -> list[DecoderDir]:
         shared = shares_kv_buffer(first.manifest, name)
         aliases = {present: past for past, present in kv_pairs(first.manifest.model.n_layers)} if shared else {}
         decode, prefill = path / t.graphs["decode"].file, path / t.graphs["prefill"].file
-        extra.append(dataclasses.replace(first, prefill=prefill, decode=decode, target=name, shared_kv_buffer=shared, present_to_past=aliases))
+        extra.append(
+            dataclasses.replace(
+                first, prefill=prefill, decode=decode, target=name, shared_kv_buffer=shared, present_to_past=aliases
+            )
+        )
     return [first, *extra]
 
 
@@ -87,7 +93,10 @@ def open_decoder_dir(path: Path) -> DecoderDir:
     if graph is not None:  # Optimum: model.onnx; its ORTQuantizer: model_quantized.onnx
         return DecoderDir(path, "onnx", _graph_file(graph), graph, {}, False)
     if len(graphs) > 1:
-        raise BenchError(f"{path}: several .onnx files and no model.onnx ({', '.join(g.name for g in graphs)}); which one is the decoder?")
+        raise BenchError(
+            f"{path}: several .onnx files and no model.onnx ({', '.join(g.name for g in graphs)}); which one is "
+            "the decoder?"
+        )
     raise BenchError(
         f"{path}: no manifest.json, genai_config.json or model.onnx; expected a kiln export directory "
         "or an ONNX decoder directory (Optimum, ONNX Runtime GenAI builder)"
@@ -131,7 +140,9 @@ def _graph_file(graph: Path) -> Path:
 def _field(data: dict[str, Any], key: str, kind: type, where: str, prefix: str = "") -> Any:
     value = data.get(key)
     if not isinstance(value, kind):
-        raise BenchError(f"{where}: {prefix}{key} must be {'an object' if kind is dict else 'a string'}, found {_shown(value)}")
+        raise BenchError(
+            f"{where}: {prefix}{key} must be {'an object' if kind is dict else 'a string'}, found {_shown(value)}"
+        )
     return value
 
 

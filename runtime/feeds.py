@@ -45,7 +45,13 @@ class Sizes:
 _BATCH = {"batch", "batch_size", "n", "b"}
 _SEQ = {"seq", "seq_len", "sequence", "sequence_length", "decoder_sequence_length", "num_tokens"}
 _PAST = {"past_seq", "past_seq_len", "past_sequence_length", "past_decoder_sequence_length"}
-_TOTAL = {"total_seq", "total_seq_len", "total_sequence_length", "attention_mask_sequence_length", "past_sequence_length+sequence_length"}
+_TOTAL = {
+    "total_seq",
+    "total_seq_len",
+    "total_sequence_length",
+    "attention_mask_sequence_length",
+    "past_sequence_length+sequence_length",
+}
 _ENCODER = {"encoder_seq", "encoder_sequence_length", "encoder_seq_len", "encoder_sequence_length_out"}
 _CAPACITY = {"max_seq_len", "max_sequence_length", "max_length"}
 
@@ -64,7 +70,9 @@ def resolve_dim(dim: str | int | None, sizes: Sizes, *, kv_buffer: bool = False,
     if "+" in name:  # torch.onnx writes e.g. "past_sequence_length + 1"
         if name in _TOTAL:
             return sizes.total
-        return sum(int(p) if p.isdigit() else resolve_dim(p, sizes, kv_buffer=kv_buffer, where=where) for p in name.split("+"))
+        return sum(
+            int(p) if p.isdigit() else resolve_dim(p, sizes, kv_buffer=kv_buffer, where=where) for p in name.split("+")
+        )
     if name in _BATCH:
         return sizes.batch
     if name in _SEQ:
@@ -77,7 +85,10 @@ def resolve_dim(dim: str | int | None, sizes: Sizes, *, kv_buffer: bool = False,
         return sizes.encoder
     if name in _CAPACITY:
         return sizes.capacity if sizes.capacity is not None else sizes.total
-    raise BenchError(f"{where}: unknown dim name {dim!r}; known: batch, seq, past_seq, total_seq, encoder_seq and their Optimum/GenAI spellings")
+    raise BenchError(
+        f"{where}: unknown dim name {dim!r}; known: batch, seq, past_seq, total_seq, encoder_seq and their "
+        "Optimum/GenAI spellings"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +137,8 @@ def _require_memory(needed: int, sizes: Sizes) -> None:
     if needed > total // 2:
         raise BenchError(
             f"the inputs of one call at past {sizes.past}, {sizes.seq} new tokens need {needed / 2**30:.1f} GiB,"
-            f" more than half of this machine's {total / 2**30:.1f} GiB of memory; choose a smaller --past or --prefill-seq"
+            f" more than half of this machine's {total / 2**30:.1f} GiB of memory; choose a smaller --past or "
+            "--prefill-seq"
         )
 
 
@@ -163,7 +175,10 @@ def build_feeds(
         elif np.issubdtype(decl.dtype, np.floating):
             value = rng.standard_normal(shape) * 0.5
         else:
-            raise BenchError(f"input {decl.name}: {decl.dtype} input with no known role (input ids, mask, positions); cannot build a value for it")
+            raise BenchError(
+                f"input {decl.name}: {decl.dtype} input with no known role (input ids, mask, positions); cannot "
+                "build a value for it"
+            )
         feeds[decl.name] = np.array(value, dtype=decl.dtype, order="C")  # a writable copy
     return feeds
 

@@ -38,7 +38,19 @@ from kiln.runtime.kv_strategies import ConcatKv, KvStrategy, SharedKv, StaticKv,
 from kiln.runtime.sampling import Sampler, SamplingOptions
 from kiln.runtime.text import TextStream
 
-__all__ = ["ConcatKv", "GenerateOptions", "Generation", "generate_command", "Generator", "KvStrategy", "SharedKv", "StaticKv", "find_tokenizer", "load_tokenizer", "parse_ids"]
+__all__ = [
+    "ConcatKv",
+    "GenerateOptions",
+    "Generation",
+    "generate_command",
+    "Generator",
+    "KvStrategy",
+    "SharedKv",
+    "StaticKv",
+    "find_tokenizer",
+    "load_tokenizer",
+    "parse_ids",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,16 +75,23 @@ class Generation:
 class Generator:
     """The prefill and decode sessions of one verified kiln export directory, batch 1."""
 
-    def __init__(self, directory: Path, threads: int = 2, target: str | None = None, adapter: Path | None = None) -> None:
+    def __init__(
+        self, directory: Path, threads: int = 2, target: str | None = None, adapter: Path | None = None
+    ) -> None:
         from kiln.exporter.runners import ort_session
 
         manifest = require_verified(directory)
         self._adapter = _adapter_values(manifest, adapter) if adapter is not None else {}
         ple = manifest.export.ple
         if ple is not None and ple.tables == "input":
-            raise GenerateError(f"{directory}: exported with --ple-tables input; kiln generate runs graphs with the tables as constants")
+            raise GenerateError(
+                f"{directory}: exported with --ple-tables input; kiln generate runs graphs with the tables as constants"
+            )
         if manifest.model.encoder_dim is not None and not manifest.model.has_encoder:
-            raise GenerateError(f"{directory}: a cross-attention decoder needs its encoder's output (encoder_hidden_states); kiln generate has no encoder to run")
+            raise GenerateError(
+                f"{directory}: a cross-attention decoder needs its encoder's output (encoder_hidden_states); "
+                "kiln generate has no encoder to run"
+            )
         files = {kind: manifest.graph(kind).file for kind in (GraphKind.PREFILL, GraphKind.DECODE)}
         if target is not None:
             targets = manifest.targets or {}
@@ -90,7 +109,9 @@ class Generator:
         # an encoder-decoder: the prompt is the encoder's input; the decoder starts from its start token
         self._encoder = self._encoder_session(directory, manifest, threads) if manifest.model.has_encoder else None
         self._kv = kv
-        self.kv_cache = "static-buffer" if isinstance(kv, StaticKv) else "shared-buffer" if isinstance(kv, SharedKv) else "concat"  # how each step's cache is written
+        self.kv_cache = (
+            "static-buffer" if isinstance(kv, StaticKv) else "shared-buffer" if isinstance(kv, SharedKv) else "concat"
+        )  # how each step's cache is written
         self._vocab = manifest.model.vocab_size
 
     def run(
@@ -108,7 +129,14 @@ class Generator:
         greedy; ``forced`` tokens instead, for teacher-forced parity). ``on_token`` sees every new
         token as it comes and ends the generation by returning True (a stop string)."""
         self._check(prompt, max_new_tokens)
-        steps = _BoundSteps(self._prefill, self._decode, self._kv, self._vocab, capacity=len(prompt) + max_new_tokens, adapter=self._adapter)
+        steps = _BoundSteps(
+            self._prefill,
+            self._decode,
+            self._kv,
+            self._vocab,
+            capacity=len(prompt) + max_new_tokens,
+            adapter=self._adapter,
+        )
         pick: Chooser = (lambda step, logits: np.array([forced[step]])) if forced is not None else choose or _greedy
         tokens: list[int] = []
         kept: list[np.ndarray] = []
@@ -128,7 +156,9 @@ class Generator:
             if reason != "length":
                 break
         decode_s = time.perf_counter() - start
-        return Generation(tuple(prompt), tuple(tokens), prefill_s, decode_s, np.stack(kept) if keep_logits else None, reason)
+        return Generation(
+            tuple(prompt), tuple(tokens), prefill_s, decode_s, np.stack(kept) if keep_logits else None, reason
+        )
 
     @staticmethod
     def _encoder_session(directory: Path, manifest: Manifest, threads: int) -> Any:
@@ -136,7 +166,10 @@ class Generator:
 
         entry = manifest.graphs.get(GraphKind.ENCODER.value)
         if entry is None or manifest.model.decoder_start_token_id is None:
-            raise GenerateError(f"{directory}: the manifest says encoder-decoder but has no encoder graph or decoder start token; re-export it")
+            raise GenerateError(
+                f"{directory}: the manifest says encoder-decoder but has no encoder graph or decoder start "
+                "token; re-export it"
+            )
         return ort_session(directory / entry.file, threads=threads, spinning=False)
 
     @property
@@ -167,11 +200,19 @@ class Generator:
         if self._encoder is not None:  # the encoder's input and the decoder's output have a limit each
             longest = max(len(prompt), max_new_tokens)
             if longest > self.max_context:
-                raise GenerateError(f"the encoder's input ({len(prompt)} tokens) or the {max_new_tokens} new tokens exceed the export's context limit {self.max_context}")
+                raise GenerateError(
+                    f"the encoder's input ({len(prompt)} tokens) or the {max_new_tokens} new tokens exceed the "
+                    f"export's context limit {self.max_context}"
+                )
         elif len(prompt) + max_new_tokens - 1 > self.max_context:
-            raise GenerateError(f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceed the export's context limit {self.max_context}")
+            raise GenerateError(
+                f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceed the export's context limit "
+                f"{self.max_context}"
+            )
         if any(not 0 <= t < self._vocab for t in prompt):
-            raise GenerateError(f"token ids must be in [0, {self._vocab}); found {[t for t in prompt if not 0 <= t < self._vocab][:5]}")
+            raise GenerateError(
+                f"token ids must be in [0, {self._vocab}); found {[t for t in prompt if not 0 <= t < self._vocab][:5]}"
+            )
 
 
 class _BoundSteps:
@@ -179,7 +220,9 @@ class _BoundSteps:
     caches stay OrtValues between steps (bound by the ``KvStrategy``), the decode step's logits
     land in one preallocated buffer, and only the logits are read into numpy."""
 
-    def __init__(self, prefill: Any, decode: Any, kv: KvStrategy, vocab: int, capacity: int, adapter: dict[str, Any]) -> None:
+    def __init__(
+        self, prefill: Any, decode: Any, kv: KvStrategy, vocab: int, capacity: int, adapter: dict[str, Any]
+    ) -> None:
         from onnxruntime import OrtValue
 
         self._adapter = adapter  # an adapter file's OrtValues by slot input (--adapter), bound to every run
@@ -210,7 +253,9 @@ class _BoundSteps:
             if name in feeds and (name != ENCODER_STATES or kind is GraphKind.PREFILL):
                 binding.bind_cpu_input(name, feeds[name])
         (self._prefill if kind is GraphKind.PREFILL else self._session).run_with_iobinding(binding)
-        outputs = dict(zip(self._names if kind is GraphKind.PREFILL else self._step_names, binding.get_outputs(), strict=True))
+        outputs = dict(
+            zip(self._names if kind is GraphKind.PREFILL else self._step_names, binding.get_outputs(), strict=True)
+        )
         if kind is GraphKind.PREFILL:
             self._kv.start(outputs, capacity=self._capacity)
         return outputs
@@ -221,9 +266,14 @@ def _check_slots(prefill: Any, decode: Any, adapter: dict[str, Any], target: str
     ``--lora-slots`` export have them, and so do its ``--target ort`` graphs (they keep the
     portable graphs' slots); a target's graphs without them are refused by name."""
     for session in (prefill, decode):
-        names = {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}  # a slot is the latter
+        names = {
+            i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())
+        }  # a slot is the latter
         if missing := sorted(set(adapter) - names):
-            raise GenerateError(f"--adapter with --target {target or 'portable'}: its graphs have no LoRA slot input {missing[0]} (and {len(missing) - 1} more)")
+            raise GenerateError(
+                f"--adapter with --target {target or 'portable'}: its graphs have no LoRA slot input "
+                f"{missing[0]} (and {len(missing) - 1} more)"
+            )
 
 
 def _adapter_values(manifest: Manifest, adapter: Path) -> dict[str, Any]:
@@ -240,7 +290,9 @@ def _adapter_values(manifest: Manifest, adapter: Path) -> dict[str, Any]:
         tensors = read_adapter_file(adapter, manifest.lora, f"--adapter {adapter}")
     except ConfigError as exc:
         raise GenerateError(str(exc)) from None
-    return {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in tensors.items()}  # each OrtValue keeps its array alive
+    return {
+        name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in tensors.items()
+    }  # each OrtValue keeps its array alive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +312,13 @@ class GenerateOptions:
             raise GenerateError("--stop is empty: give the text that ends the generation")
 
 
-def generate_command(directory: Path, prompt: str | None, ids: str | None, options: GenerateOptions, on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
+def generate_command(
+    directory: Path,
+    prompt: str | None,
+    ids: str | None,
+    options: GenerateOptions,
+    on_text: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """``kiln generate``: continue ``prompt`` (text, tokenized with the export's tokenizer) or
     ``ids`` ("1,2,3"); ``on_text`` gets the new text as it comes (token ids, space-separated,
     when the export has no tokenizer). Returns the JSON summary (``text`` decoded whenever the
@@ -277,7 +335,9 @@ def generate_command(directory: Path, prompt: str | None, ids: str | None, optio
         assert ids is not None  # exactly one of the two, checked above
         prompt_ids = parse_ids(ids)
     if options.stops and tokenizer is None:
-        raise GenerateError(f"{directory}: --stop needs the export's tokenizer.json to find the text, and the export has none")
+        raise GenerateError(
+            f"{directory}: --stop needs the export's tokenizer.json to find the text, and the export has none"
+        )
     stream = TextStream(tokenizer, options.stops) if tokenizer is not None else None
     count = [0]
 
@@ -289,7 +349,9 @@ def generate_command(directory: Path, prompt: str | None, ids: str | None, optio
         return stream is not None and stream.stopped
 
     sampler = Sampler(options.sampling, generator.history_start or prompt_ids)
-    result = generator.run(prompt_ids, options.max_new_tokens, stop_at_eos=options.stop_at_eos, choose=sampler.choose, on_token=on_token)
+    result = generator.run(
+        prompt_ids, options.max_new_tokens, stop_at_eos=options.stop_at_eos, choose=sampler.choose, on_token=on_token
+    )
     if stream is not None and on_text is not None and (rest := stream.rest()):
         on_text(rest)
     return {
@@ -316,7 +378,9 @@ def find_tokenizer(directory: Path, manifest: Manifest) -> Any | None:
     rel = manifest.tokenizer
     if not rel or not (directory / rel).exists():
         return None
-    text = read_input(directory / rel, GenerateError, TOKENIZER_MAX_BYTES, what="a tokenizer.json")  # no FIFO, no device
+    text = read_input(
+        directory / rel, GenerateError, TOKENIZER_MAX_BYTES, what="a tokenizer.json"
+    )  # no FIFO, no device
     return Tokenizer.from_str(text.decode("utf-8"))
 
 
@@ -324,7 +388,9 @@ def load_tokenizer(directory: Path, manifest: Manifest) -> Any:
     """The export's tokenizer, or a GenerateError saying to pass ids."""
     tokenizer = find_tokenizer(directory, manifest)
     if tokenizer is None:
-        raise GenerateError(f"{directory}: the export has no tokenizer.json (its checkpoint had none); pass token ids with --ids")
+        raise GenerateError(
+            f"{directory}: the export has no tokenizer.json (its checkpoint had none); pass token ids with --ids"
+        )
     return tokenizer
 
 

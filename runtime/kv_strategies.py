@@ -24,7 +24,9 @@ class KvStrategy:
     def __init__(self, n_layers: int, cross: bool = False) -> None:
         self._pairs = self.pairs = kv_pairs(n_layers, cross=cross)
         self.presents = [present for _, present in self._pairs]  # prefill's, bound after ``logits``, in this order
-        self.step_presents = [present for past, present in self._pairs if not is_cross(past)]  # decode's (the cross cache never grows)
+        self.step_presents = [
+            present for past, present in self._pairs if not is_cross(past)
+        ]  # decode's (the cross cache never grows)
 
     def start(self, prefill: dict[str, Any], capacity: int) -> None:
         """Take the prompt's presents (OrtValues by name) before the first decode step."""
@@ -93,7 +95,9 @@ class StaticKv(KvStrategy):
     def bind_prompt(self, binding: Any) -> None:
         from onnxruntime import OrtValue
 
-        self._buffers = {past: OrtValue.ortvalue_from_numpy(np.zeros(self._shape, self._dtype)) for past, _ in self._pairs}
+        self._buffers = {
+            past: OrtValue.ortvalue_from_numpy(np.zeros(self._shape, self._dtype)) for past, _ in self._pairs
+        }
         self._bound = None
         self._bind_buffers(binding)
 

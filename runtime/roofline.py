@@ -77,7 +77,13 @@ def read_bandwidths(nbytes: int, interleaved: Sequence[float], alone: Sequence[f
 
 # (op type, input slot) of a table read only at the rows of the step's positions or tokens: an
 # embedding, the cos/sin caches of RotaryEmbedding and of GroupQueryAttention's own rotary
-_GATHERED = {("Gather", 0), ("RotaryEmbedding", 2), ("RotaryEmbedding", 3), ("GroupQueryAttention", 7), ("GroupQueryAttention", 8)}
+_GATHERED = {
+    ("Gather", 0),
+    ("RotaryEmbedding", 2),
+    ("RotaryEmbedding", 3),
+    ("GroupQueryAttention", 7),
+    ("GroupQueryAttention", 8),
+}
 
 
 def weights_bytes_per_step(graph: Path, tokens: int = 1) -> int:
@@ -99,7 +105,11 @@ def weights_bytes_per_step(graph: Path, tokens: int = 1) -> int:
     total = 0
     for init in model.graph.initializer:
         dims = tuple(init.dims)
-        itemsize = np.dtype(tensor_dtype_to_np_dtype(init.data_type)).itemsize if init.data_type != onnx.TensorProto.INT4 else 0.5
+        itemsize = (
+            np.dtype(tensor_dtype_to_np_dtype(init.data_type)).itemsize
+            if init.data_type != onnx.TensorProto.INT4
+            else 0.5
+        )
         use = consumers.get(init.name, set())
         if use and all((op, slot) in _GATHERED for op, slot in use) and len(dims) >= 2:
             total += int(np.prod(dims[1:]) * itemsize * tokens)

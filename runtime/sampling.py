@@ -40,7 +40,10 @@ class SamplingOptions:
         if not self.temperature >= 0.0:  # also refuses NaN
             raise GenerateError(f"--temperature must be at least 0 (0 is greedy), found {self.temperature}")
         if self.temperature == math.inf:
-            raise GenerateError("--temperature inf would draw every token alike (uniformly, whatever the model says); give a finite temperature")
+            raise GenerateError(
+                "--temperature inf would draw every token alike (uniformly, whatever the model says); give a "
+                "finite temperature"
+            )
         if self.seed is not None and self.seed < 0:
             raise GenerateError(f"--seed must be at least 0, found {self.seed}")
         if self.top_k < 0:
@@ -48,9 +51,13 @@ class SamplingOptions:
         if not 0.0 < self.top_p <= 1.0:
             raise GenerateError(f"--top-p must be in (0, 1] (1 keeps every token), found {self.top_p}")
         if not 0.0 < self.repetition_penalty < math.inf:
-            raise GenerateError(f"--repetition-penalty must be above 0 (1 changes nothing), found {self.repetition_penalty}")
+            raise GenerateError(
+                f"--repetition-penalty must be above 0 (1 changes nothing), found {self.repetition_penalty}"
+            )
         if self.greedy and (self.top_k or self.top_p < 1.0):
-            raise GenerateError("--top-k and --top-p shape sampling: give --temperature above 0 too (0, the default, is greedy)")
+            raise GenerateError(
+                "--top-k and --top-p shape sampling: give --temperature above 0 too (0, the default, is greedy)"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +117,8 @@ class Sampler:
     def choose(self, step: int, logits: np.ndarray) -> np.ndarray:
         o = self.options
         row = apply_repetition_penalty(logits[0], self._history, o.repetition_penalty)
-        token = int(row.argmax()) if o.greedy else sample(logits_to_probs(row, o.temperature, o.top_k, o.top_p), self._rng)
+        token = (
+            int(row.argmax()) if o.greedy else sample(logits_to_probs(row, o.temperature, o.top_k, o.top_p), self._rng)
+        )
         self._history.append(token)
         return np.array([token], dtype=np.int64)

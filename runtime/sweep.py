@@ -17,8 +17,8 @@ import numpy as np
 from kiln.exporter.progress import Progress
 from kiln.newfile import new_output
 from kiln.runtime.decoder_dirs import DecoderDir
-from kiln.runtime.timing import Timed, interleaved, vocab_of
 from kiln.runtime.feeds import Sizes
+from kiln.runtime.timing import Timed, interleaved, vocab_of
 
 __all__ = ["fit_line", "plot_sweep", "render_sweep", "runs_at", "sweep"]
 
@@ -45,7 +45,10 @@ def fit_line(pasts: list[int], ms: list[float]) -> dict[str, float]:
 
 
 def sweep(
-    decoders: list[DecoderDir], labels: list[str], sessions: dict[Path, Any], options: Any,
+    decoders: list[DecoderDir],
+    labels: list[str],
+    sessions: dict[Path, Any],
+    options: Any,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Decode-step medians of every directory at every past in ``options.sweep``, interleaved
@@ -63,7 +66,12 @@ def sweep(
         what = f"sweep: decode step (past {past})"
         for label, ms in interleaved(calls, runs[-1], options.pause_s, warmup=2, progress=progress, what=what).items():
             medians[label].append(ms)
-    return {"pasts": pasts, "runs": runs, "median_ms": medians, "fit": {label: fit_line(pasts, ms) for label, ms in medians.items()} if len(pasts) > 1 else {}}
+    return {
+        "pasts": pasts,
+        "runs": runs,
+        "median_ms": medians,
+        "fit": {label: fit_line(pasts, ms) for label, ms in medians.items()} if len(pasts) > 1 else {},
+    }
 
 
 def render_sweep(result: dict[str, Any]) -> str:
@@ -106,5 +114,3 @@ def plot_sweep(result: dict[str, Any], path: Path) -> Path:
         fig.savefig(staged, dpi=110, format=path.suffix[1:].lower() or "png")  # by path's suffix, as savefig(path)
     plt.close(fig)
     return path
-
-

@@ -35,7 +35,9 @@ class TextStream:
             safe = len(full)
         else:
             safe = len(full.rstrip(_INCOMPLETE))
-            safe -= max((n for s in self._stops for n in range(len(s) - 1, 0, -1) if full[:safe].endswith(s[:n])), default=0)
+            safe -= max(
+                (n for s in self._stops for n in range(len(s) - 1, 0, -1) if full[:safe].endswith(s[:n])), default=0
+            )
         self.text = full
         piece = full[self._released : max(safe, self._released)]
         self._released += len(piece)

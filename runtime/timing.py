@@ -26,9 +26,13 @@ class Timed:
     def __init__(self, decoder: DecoderDir, sess: Any, sizes: Sizes, vocab: int) -> None:
         from onnxruntime import OrtValue
 
-        sizes = dataclasses.replace(sizes, named=decoder.named_dims, capacity=sizes.total if decoder.shared_kv_buffer else None)
+        sizes = dataclasses.replace(
+            sizes, named=decoder.named_dims, capacity=sizes.total if decoder.shared_kv_buffer else None
+        )
         feeds = build_feeds(declared_inputs(sess), sizes, vocab=vocab, roles=decoder.roles)
-        if decoder.adapter is not None:  # the slot inputs (overridable initializers, not declared inputs) get the adapter's tensors
+        if (
+            decoder.adapter is not None
+        ):  # the slot inputs (overridable initializers, not declared inputs) get the adapter's tensors
             assert decoder.manifest is not None, "only kiln exports take adapters (run_bench)"
             feeds |= read_adapter_file(decoder.adapter, decoder.manifest.lora, f"--adapter {decoder.adapter}")
         self._values = {name: OrtValue.ortvalue_from_numpy(array) for name, array in feeds.items()}
@@ -48,8 +52,12 @@ class Timed:
 
 
 def interleaved(
-    calls: dict[str, Callable[[], object]], runs: int, pause: float, warmup: int = 1,
-    progress: Progress | None = None, what: str = "calls",
+    calls: dict[str, Callable[[], object]],
+    runs: int,
+    pause: float,
+    warmup: int = 1,
+    progress: Progress | None = None,
+    what: str = "calls",
 ) -> dict[str, float]:
     """Median milliseconds of each call, the calls taken in turn ``runs`` times (a ``SelfTimed``
     call, the PyTorch row's worker, says how long it took itself)."""
@@ -62,8 +70,12 @@ def medians_ms(seconds: dict[str, list[float]]) -> dict[str, float]:
 
 
 def interleaved_seconds(
-    calls: dict[str, Callable[[], object]], runs: int, pause: float, warmup: int = 1,
-    progress: Progress | None = None, what: str = "calls",
+    calls: dict[str, Callable[[], object]],
+    runs: int,
+    pause: float,
+    warmup: int = 1,
+    progress: Progress | None = None,
+    what: str = "calls",
 ) -> dict[str, list[float]]:
     """The seconds of every call of ``interleaved`` (the bandwidth probe needs its fastest as well
     as its median). ``progress`` gets two stages named after ``what``: the warm-up, counted in

@@ -39,7 +39,13 @@ __all__ = ["SelfTimed", "TorchWorker", "worker_env"]
 def worker_env(threads: int) -> dict[str, str]:
     """The environment of the worker: this one, with OpenMP's threads passive and counted."""
     count = str(threads)
-    return {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0", "OMP_NUM_THREADS": count, "MKL_NUM_THREADS": count}
+    return {
+        **os.environ,
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "KMP_BLOCKTIME": "0",
+        "OMP_NUM_THREADS": count,
+        "MKL_NUM_THREADS": count,
+    }
 
 
 class SelfTimed:
@@ -76,7 +82,9 @@ class TorchWorker:
     def __init__(self, checkpoint: str, feeds: dict[str, dict[str, np.ndarray]], threads: int) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kiln-bench-torch-")
         path = Path(self._dir.name) / "feeds.npz"
-        arrays: dict[str, Any] = {f"{kind}/{name}": array for kind, kind_feeds in feeds.items() for name, array in kind_feeds.items()}
+        arrays: dict[str, Any] = {
+            f"{kind}/{name}": array for kind, kind_feeds in feeds.items() for name, array in kind_feeds.items()
+        }
         np.savez(path, **arrays)
         command = [sys.executable, "-m", "kiln.runtime.torch_row", checkpoint, str(path), str(threads)]
         self._proc = _spawn(command, worker_env(threads))
@@ -102,7 +110,10 @@ class TorchWorker:
         line = self._proc.stdout.readline()
         if not line:
             code = self._proc.wait()
-            raise BenchError(f"the PyTorch row's worker process exited with code {code} (its error is above); pass --no-torch to bench without it")
+            raise BenchError(
+                f"the PyTorch row's worker process exited with code {code} (its error is above); pass --no-torch "
+                "to bench without it"
+            )
         answer: dict[str, Any] = json.loads(line)
         if "error" in answer:
             self.close()

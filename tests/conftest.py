@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
 from kiln_testing import tiny_config, write_checkpoint
 
 # CI (the default profile) draws the same examples every run: a fuzz finding is a bug to fix, not a

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
+import dataclasses
 import json
 import re
 import subprocess
@@ -32,7 +31,9 @@ def tiny_config(**overrides: Any) -> NativeConfig:
     return NativeConfig(**fields)
 
 
-def write_checkpoint(directory: Path, cfg: NativeConfig, seed: int = 0, edit: Callable[[PLEDecoder], None] | None = None) -> Path:
+def write_checkpoint(
+    directory: Path, cfg: NativeConfig, seed: int = 0, edit: Callable[[PLEDecoder], None] | None = None
+) -> Path:
     """A random native checkpoint; ``edit`` changes the model's weights in place before it is saved."""
     directory.mkdir(parents=True, exist_ok=True)
     cfg.save(directory / "config.json")
@@ -50,8 +51,6 @@ def edit_config(directory: Path, **changes: Any) -> None:
     path.write_text(json.dumps(data))
 
 
-
-
 def typed_manifest(data: dict[str, Any]) -> Manifest:
     """A ``Manifest`` from the parts of manifest.json a test writes (graphs, limits, files...);
     every other field gets a placeholder of the right type."""
@@ -61,8 +60,16 @@ def typed_manifest(data: dict[str, Any]) -> Manifest:
         "family": "native",
         "checkpoint": {"reference": None, "files": {}, "dtype": "float32"},
         "config": {},
-        "model": {"n_layers": spec.n_layers, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "vocab_size": spec.vocab_size,
-                  "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "encoder_dim": None},
+        "model": {
+            "n_layers": spec.n_layers,
+            "n_kv_heads": spec.n_kv_heads,
+            "head_dim": spec.head_dim,
+            "vocab_size": spec.vocab_size,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "pad_token_id": None,
+            "encoder_dim": None,
+        },
         "precision": "fp32",
         "kv_cache": {"layout": "BNSH", "dims": ["batch", "n_kv_heads", "seq", "head_dim"], "dtype": "float32"},
         "limits": {"max_batch": 8, "max_context": 48},
@@ -89,8 +96,19 @@ def with_std_target(m: dict[str, Any], kv_dtype: str = "float32") -> dict[str, A
     graphs = {}
     for kind in DECODER_KINDS:
         io = static_io(spec, kind, max_context=m["limits"]["max_context"], kv_dtype=kv_dtype)
-        graphs[kind.value] = {"file": f"onnx/{kind.value}.std.onnx", "inputs": [t.to_dict() for t in io.inputs], "outputs": [t.to_dict() for t in io.outputs]}
-    m["targets"] = {"onnx": {"precision": "fp32", "kv_cache": "static", "graphs": graphs, "weights": {"file": "onnx/weights.std.bin", "bytes": 0}}}
+        graphs[kind.value] = {
+            "file": f"onnx/{kind.value}.std.onnx",
+            "inputs": [t.to_dict() for t in io.inputs],
+            "outputs": [t.to_dict() for t in io.outputs],
+        }
+    m["targets"] = {
+        "onnx": {
+            "precision": "fp32",
+            "kv_cache": "static",
+            "graphs": graphs,
+            "weights": {"file": "onnx/weights.std.bin", "bytes": 0},
+        }
+    }
     return m
 
 
@@ -102,10 +120,16 @@ def _io_graph(graph: dict[str, Any], opset: int | None = None) -> bytes:
     from onnx import helper
 
     def values(entries: list[dict[str, Any]]) -> list[Any]:
-        return [helper.make_tensor_value_info(e["name"], helper.np_dtype_to_tensor_dtype(np.dtype(e["dtype"])), e["shape"]) for e in entries]
+        return [
+            helper.make_tensor_value_info(e["name"], helper.np_dtype_to_tensor_dtype(np.dtype(e["dtype"])), e["shape"])
+            for e in entries
+        ]
 
     opsets = [helper.make_opsetid("", opset)] if opset is not None else None
-    model = helper.make_model(helper.make_graph([], "placeholder", values(graph["inputs"]), values(graph.get("outputs", []))), opset_imports=opsets)
+    model = helper.make_model(
+        helper.make_graph([], "placeholder", values(graph["inputs"]), values(graph.get("outputs", []))),
+        opset_imports=opsets,
+    )
     return bytes(onnx.ModelProto.SerializeToString(model))
 
 
@@ -116,7 +140,9 @@ def placeholder_export(directory: Path, m: dict[str, Any]) -> Path:
     from kiln.exporter.artifacts.hashing import hash_tree
 
     typed = typed_manifest(m)  # the placeholders of the fields m leaves out
-    targets = [entry for entry in (m.get("targets") or {}).values()]  # a target's graphs and weights too (--target onnx's static contract)
+    targets = [
+        entry for entry in (m.get("targets") or {}).values()
+    ]  # a target's graphs and weights too (--target onnx's static contract)
     for graph in m["graphs"].values():  # kiln verify holds export.opset to the portable graphs'
         (directory / graph["file"]).parent.mkdir(parents=True, exist_ok=True)
         (directory / graph["file"]).write_bytes(_io_graph(graph, typed.export.opset))
@@ -126,10 +152,16 @@ def placeholder_export(directory: Path, m: dict[str, Any]) -> Path:
     for rel in (typed.weights.file, typed.parity.report, *(entry["weights"]["file"] for entry in targets)):
         (directory / rel).parent.mkdir(parents=True, exist_ok=True)
         (directory / rel).write_bytes(b"placeholder")
-    m["weights"] = {**dataclasses.asdict(typed.weights), "bytes": len(b"placeholder")}  # verify holds the sizes to the files
+    m["weights"] = {
+        **dataclasses.asdict(typed.weights),
+        "bytes": len(b"placeholder"),
+    }  # verify holds the sizes to the files
     for entry in targets:
         entry["weights"] = {**entry["weights"], "bytes": len(b"placeholder")}
-    m["checkpoint"] = {**dataclasses.asdict(typed.checkpoint), "files": dict(typed.checkpoint.files) or {"model.safetensors": "0" * 64}}
+    m["checkpoint"] = {
+        **dataclasses.asdict(typed.checkpoint),
+        "files": dict(typed.checkpoint.files) or {"model.safetensors": "0" * 64},
+    }
     m["files"] = hash_tree(directory)
     manifest_mod.write(directory, typed_manifest(m))
     return directory
@@ -162,13 +194,23 @@ def downgrade(data: dict[str, Any]) -> dict[str, Any]:
     """A version-2 manifest in version 1's layout (what the previous kiln wrote): the inverse of
     ``upgrade_v1``, which ``test_downgrade_inverts_the_upgrade`` proves on the fixtures."""
     out = dict(data, manifest_version=1)
-    fields = {("int8", "nodes"): "int8_nodes", ("int4", "nodes"): "int4_nodes", ("fp8", "nodes"): "fp8_nodes",
-              ("fp16", "fp32_nodes"): "fp32_nodes", ("fp16", "fp32_ple_tables"): "fp32_ple_tables"}
+    fields = {
+        ("int8", "nodes"): "int8_nodes",
+        ("int4", "nodes"): "int4_nodes",
+        ("fp8", "nodes"): "fp8_nodes",
+        ("fp16", "fp32_nodes"): "fp32_nodes",
+        ("fp16", "fp32_ple_tables"): "fp32_ple_tables",
+    }
     out["graphs"] = {kind: _flat(g, fields) for kind, g in data["graphs"].items()}
     if data.get("targets"):
         ort = data["targets"]["ort"]
         graphs = {kind: _ort_graph(kind, g) for kind, g in ort["graphs"].items()}
-        entry = {"precision": ort["precision"], "int8": (ort.get("record") or {}).get("int8"), "graphs": graphs, "weights": ort["weights"]}
+        entry = {
+            "precision": ort["precision"],
+            "int8": (ort.get("record") or {}).get("int8"),
+            "graphs": graphs,
+            "weights": ort["weights"],
+        }
         if "int4" in (ort.get("record") or {}):
             entry["int4"] = ort["record"]["int4"]
         out["targets"] = {"ort": entry}
@@ -194,8 +236,12 @@ def _ort_graph(kind: str, graph: dict[str, Any]) -> dict[str, Any]:
         "packed_matmuls": passes.get("pack", {}).get("matmuls", []),
         "int8_nodes": passes.get("nbits_int8", {}).get("nodes", []),
     }
-    optional = {"int4_nodes": ("nbits_int4", "nodes"), "moe_layers": ("moe", "layers"), "moe_not_fused": ("moe", "not_fused"),
-                "local_window_layers": ("decode_mask", "local_window_layers")}
+    optional = {
+        "int4_nodes": ("nbits_int4", "nodes"),
+        "moe_layers": ("moe", "layers"),
+        "moe_not_fused": ("moe", "not_fused"),
+        "local_window_layers": ("decode_mask", "local_window_layers"),
+    }
     out |= {field: passes[r][k] for field, (r, k) in optional.items() if k in passes.get(r, {})}
     return out
 
@@ -267,7 +313,9 @@ def hf_model(ckpt: Path) -> Any:
     import torch
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def make_adapter(ckpt: Path, directory: Path, targets: list[str], seed: int, scale: float = 0.1, **config: Any) -> Path:
@@ -280,7 +328,9 @@ def make_adapter(ckpt: Path, directory: Path, targets: list[str], seed: int, sca
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # GPT-2: PEFT sets fan_in_fan_out itself, and says so
-        model = peft.get_peft_model(hf_model(ckpt), peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": targets, **config}))
+        model = peft.get_peft_model(
+            hf_model(ckpt), peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": targets, **config})
+        )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -317,6 +367,11 @@ def hf_greedy(model: Any, prompts: list[list[int]], steps: int) -> Any:
     ids, mask, _ = left_pad(prompts, 0)
     with torch.no_grad():
         out = model.generate(
-            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            max_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
         )
     return np.asarray(out[:, ids.shape[1] :].numpy())

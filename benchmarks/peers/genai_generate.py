@@ -30,4 +30,7 @@ while not gen.is_done() and steps < args.new - 1:
     gen.generate_next_token()
     steps += 1
 decode = time.perf_counter() - start
-print(f"prefill: {args.prompt_len} tokens at {args.prompt_len / prefill:.1f} tokens/s; decode: {steps} tokens at {steps / decode:.1f} tokens/s")
+print(
+    f"prefill: {args.prompt_len} tokens at {args.prompt_len / prefill:.1f} tokens/s; decode: {steps} tokens at "
+    f"{steps / decode:.1f} tokens/s"
+)

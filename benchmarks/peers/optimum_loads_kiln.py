@@ -24,7 +24,12 @@ hf = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, 
 ort = ORTModelForCausalLM.from_pretrained(args.onnx_dir)  # model.onnx with its external weights, config.json beside it
 vocab = hf.config.vocab_size
 prompts = [[(7 * i + 3) % vocab for i in range(11)], [(5 * i + 1) % vocab for i in range(6)]]
-greedy = {"max_new_tokens": args.new, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}  # no end token: every step compared
+greedy = {
+    "max_new_tokens": args.new,
+    "do_sample": False,
+    "pad_token_id": 0,
+    "eos_token_id": None,
+}  # no end token: every step compared
 
 
 def generate(model, ids, mask):
@@ -32,7 +37,9 @@ def generate(model, ids, mask):
         return model.generate(input_ids=ids, attention_mask=mask, **greedy)[:, ids.shape[1] :].tolist()
 
 
-cases = [(f"batch 1, prompt of {len(p)}", torch.tensor([p]), torch.ones((1, len(p)), dtype=torch.int64)) for p in prompts]
+cases = [
+    (f"batch 1, prompt of {len(p)}", torch.tensor([p]), torch.ones((1, len(p)), dtype=torch.int64)) for p in prompts
+]
 length = max(map(len, prompts))
 ids = torch.zeros((2, length), dtype=torch.int64)
 mask = torch.zeros_like(ids)
@@ -46,5 +53,8 @@ for name, ids, mask in cases:
     want, got = generate(hf, ids, mask), generate(ort, ids, mask)
     same = want == got
     failed |= not same
-    print(f"{name}: {'same' if same else 'DIFFERENT'} {args.new} tokens{'' if same else f' (transformers {want}, Optimum {got})'}")
+    print(
+        f"{name}: {'same' if same else 'DIFFERENT'} {args.new} "
+        f"tokens{'' if same else f' (transformers {want}, Optimum {got})'}"
+    )
 sys.exit(1 if failed else 0)

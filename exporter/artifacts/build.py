@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.exporter.artifacts.layout import PARITY_REPORT, TOKENIZER
 from kiln.exporter.artifacts.cache_info import CacheTensorInfo
+from kiln.exporter.artifacts.layout import PARITY_REPORT, TOKENIZER
 from kiln.exporter.artifacts.manifest import (
     MANIFEST_VERSION,
-    QualityInfo,
     AdapterRef,
     CheckpointRef,
     GraphEntry,
@@ -18,6 +17,7 @@ from kiln.exporter.artifacts.manifest import (
     Manifest,
     ModelInfo,
     ParityInfo,
+    QualityInfo,
     TargetEntry,
     TargetGraph,
     TargetWeights,
@@ -41,7 +41,11 @@ def _rel(path: Path, root: Path) -> str:
 
 def _target_graph(target: TargetGraphs, kind: GraphKind, path: Path, root: Path) -> TargetGraph:
     io = (target.io or {}).get(kind)
-    own = (tuple(map(TensorEntry.of, io.inputs)), tuple(map(TensorEntry.of, io.outputs))) if io is not None else (None, None)
+    own = (
+        (tuple(map(TensorEntry.of, io.inputs)), tuple(map(TensorEntry.of, io.outputs)))
+        if io is not None
+        else (None, None)
+    )
     return TargetGraph(_rel(path, root), target.passes.get(kind) or None, *own)
 
 
@@ -49,13 +53,16 @@ def _target_entry(target: TargetGraphs, root: Path) -> TargetEntry:
     """What a target wrote, as the manifest holds it: all of it the target's own data."""
     graphs = {kind.value: _target_graph(target, kind, path, root) for kind, path in target.paths.items()}
     weights = TargetWeights(_rel(target.weights.path, root), target.weights.bytes)
-    return TargetEntry(target.precision, target.kv_cache.value, graphs, weights, dict(target.record) if target.record else None)
+    return TargetEntry(
+        target.precision, target.kv_cache.value, graphs, weights, dict(target.record) if target.record else None
+    )
 
 
 def _adapters(report: ExportReport) -> tuple[AdapterRef, ...] | None:
     """What the manifest records of each ``--adapter`` (none: the key is left out)."""
     refs = tuple(
-        AdapterRef(str(a.path), str(a.path.absolute()), dict(a.sha256), a.weight, a.rank, a.alpha, a.rslora, a.targets) for a in report.adapters
+        AdapterRef(str(a.path), str(a.path.absolute()), dict(a.sha256), a.weight, a.rank, a.alpha, a.rslora, a.targets)
+        for a in report.adapters
     )
     return refs or None
 
@@ -78,25 +85,49 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
     """The manifest of the export staged in ``root`` (its ``files`` are filled in last, once
     every file is written: ``exporter.emit``)."""
     spec, options = report.spec, report.options
-    graphs = {kind.value: GraphEntry.of(_rel(g.path, root), g.io, g.passes) for kind, g in report.portable.graphs.items()}
+    graphs = {
+        kind.value: GraphEntry.of(_rel(g.path, root), g.io, g.passes) for kind, g in report.portable.graphs.items()
+    }
     weights = report.portable.weights
     return Manifest(
         manifest_version=MANIFEST_VERSION,
         family=spec.family,
-        checkpoint=CheckpointRef(report.model_ref, report.checkpoint_files, spec.dtype, report.checkpoint_path, _adapters(report)),
+        checkpoint=CheckpointRef(
+            report.model_ref, report.checkpoint_files, spec.dtype, report.checkpoint_path, _adapters(report)
+        ),
         config=spec.config,
         model=ModelInfo(
-            spec.n_layers, spec.n_kv_heads, spec.head_dim, spec.vocab_size, spec.bos_token_id, spec.eos_token_id, spec.pad_token_id, spec.encoder_dim,
-            spec.has_encoder, spec.decoder_start_token_id, _text_decoder_of(spec),
+            spec.n_layers,
+            spec.n_kv_heads,
+            spec.head_dim,
+            spec.vocab_size,
+            spec.bos_token_id,
+            spec.eos_token_id,
+            spec.pad_token_id,
+            spec.encoder_dim,
+            spec.has_encoder,
+            spec.decoder_start_token_id,
+            _text_decoder_of(spec),
         ),
         precision=options.precision.value,
         kv_cache=_kv_cache(spec, options.precision.kv_dtype),
         limits=Limits(options.max_batch, report.max_context),
-        export=export_settings(options, trained_rows=spec.ple_positions, keep_fp32=report.keep_fp32, calibration=report.calibration, quantization=report.quantization),
+        export=export_settings(
+            options,
+            trained_rows=spec.ple_positions,
+            keep_fp32=report.keep_fp32,
+            calibration=report.calibration,
+            quantization=report.quantization,
+        ),
         graphs=graphs,
         weights=WeightsInfo(_rel(weights.path, root), weights.tensors, weights.bytes),
         tokenizer=TOKENIZER if report.tokenizer is not None else None,
-        parity=ParityInfo(report.parity.passed, PARITY_REPORT, options.parity_agreement or "record" if report.parity.quantized is not None else None, _quality(report)),
+        parity=ParityInfo(
+            report.parity.passed,
+            PARITY_REPORT,
+            options.parity_agreement or "record" if report.parity.quantized is not None else None,
+            _quality(report),
+        ),
         tools=tool_versions(),
         files={},
         targets={t.name: _target_entry(t, root) for t in report.targets} or None,
@@ -109,4 +140,14 @@ def _quality(report: ExportReport) -> QualityInfo | None:
     q = report.parity.quality
     if q is None or q.note is not None:
         return None
-    return QualityInfo(q.source, q.real, q.tokens, q.agreement, q.kl, q.perplexity_checkpoint, q.perplexity_graphs, q.judged, q.threshold)
+    return QualityInfo(
+        q.source,
+        q.real,
+        q.tokens,
+        q.agreement,
+        q.kl,
+        q.perplexity_checkpoint,
+        q.perplexity_graphs,
+        q.judged,
+        q.threshold,
+    )

@@ -31,7 +31,10 @@ from kiln.exporter.targets import PORTABLE, names, target
 __all__ = ["claim_problems"]
 
 _KV_LAYOUT = ("BNSH", ("batch", "n_kv_heads", "seq", "head_dim"))  # every graph's cache tensors (contract.io)
-_TENSORS_LAYOUT = ("BNSH", ("batch", "heads", "seq", "width"))  # a cache of its own tensors (kv_cache.tensors: each its heads and width)
+_TENSORS_LAYOUT = (
+    "BNSH",
+    ("batch", "heads", "seq", "width"),
+)  # a cache of its own tensors (kv_cache.tensors: each its heads and width)
 _GRAPH_KINDS = frozenset({"fp16", "int8", "int4", "fp8"})  # what facts._quantized and the float type find
 _TOKENIZER_BYTES = 1 << 28  # no tokenizer.json comes near (the largest of the Hub's, Gemma 3's, is 33 MB)
 _WHY = {
@@ -48,7 +51,9 @@ _WHY = {
 def claim_problems(directory: Path, manifest: Manifest) -> list[str]:
     """Every way the manifest's claims and its graphs disagree (empty: none); a graph file that is
     missing or a link is reported by ``verify``, and nothing is compared then."""
-    if missing := [kind for kind in ("prefill", "decode", "model") if kind not in manifest.graphs]:  # as the schema requires
+    if missing := [
+        kind for kind in ("prefill", "decode", "model") if kind not in manifest.graphs
+    ]:  # as the schema requires
         return [f"graphs lacks {', '.join(missing)}; every export has a prefill, a decode and a unified graph"]
     sets = {PORTABLE: {kind: Path(entry.file) for kind, entry in manifest.graphs.items()}}
     for name, entry in (manifest.targets or {}).items():
@@ -63,7 +68,13 @@ def claim_problems(directory: Path, manifest: Manifest) -> list[str]:
             found.setdefault(field, problem)
     context = _context_problem(manifest.limits.max_context, facts)
     recorded = [*_opset_problems(manifest, facts[PORTABLE]), *_weights_problems(directory, manifest)]
-    return [*found.values(), *context, *recorded, *_choice_problems(manifest), *_tokenizer_problems(directory, manifest)]
+    return [
+        *found.values(),
+        *context,
+        *recorded,
+        *_choice_problems(manifest),
+        *_tokenizer_problems(directory, manifest),
+    ]
 
 
 def _opset_problems(manifest: Manifest, portable: SetFacts) -> list[str]:
@@ -75,7 +86,10 @@ def _opset_problems(manifest: Manifest, portable: SetFacts) -> list[str]:
         return []
     found = {g.opset for g in portable.graphs.values()}
     if found != {expected}:
-        return [f"export.opset is {manifest.export.opset!r}, but the portable graphs are of opset {', '.join(map(str, sorted(found)))}"]
+        return [
+            f"export.opset is {manifest.export.opset!r}, but the portable graphs are of opset "
+            f"{', '.join(map(str, sorted(found)))}"
+        ]
     return []
 
 
@@ -182,7 +196,10 @@ def _choice_problems(manifest: Manifest) -> list[str]:
         problems.append(f"export.ple.extend_mode is {ple.extend_mode!r}, not one of {choices}")
     layout = _KV_LAYOUT if manifest.kv_cache.tensors is None else _TENSORS_LAYOUT
     if (manifest.kv_cache.layout, tuple(manifest.kv_cache.dims)) != layout:  # what a host allocates by
-        problems.append(f"kv_cache.layout and .dims are {manifest.kv_cache.layout!r} {list(manifest.kv_cache.dims)!r}, not the graphs' {layout[0]} {list(layout[1])}")
+        problems.append(
+            f"kv_cache.layout and .dims are {manifest.kv_cache.layout!r} {list(manifest.kv_cache.dims)!r}, not "
+            f"the graphs' {layout[0]} {list(layout[1])}"
+        )
     if not manifest.checkpoint.files:  # kiln check matches the checkpoint it loads against these hashes
         problems.append("checkpoint.files is empty; an export records the hash of every checkpoint file it read")
     for name, digest in manifest.checkpoint.files.items():

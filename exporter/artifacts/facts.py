@@ -123,7 +123,11 @@ def _reads_past_length(nodes: Iterable[Any], pasts: set[str]) -> bool:
     """Whether a node that takes a past input may read its sequence length."""
     import onnx
 
-    return any(set(n.input) & pasts and reads_past_length(n.op_type, {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}) for n in nodes)
+    return any(
+        set(n.input) & pasts
+        and reads_past_length(n.op_type, {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute})
+        for n in nodes
+    )
 
 
 def _constant_nodes(nodes: Iterable[Any]) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from kiln import __version__
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts.cache_info import CacheTensorInfo
 from kiln.exporter.artifacts.manifest_v1 import upgrade_v1
-from kiln.newfile import new_output
 from kiln.exporter.artifacts.serde import OMIT_IF_NONE, from_json, to_json
 from kiln.exporter.contract.io import GraphIO, GraphKind, TensorSpec
 from kiln.exporter.contract.lora import LoraSlots
@@ -35,6 +34,7 @@ from kiln.exporter.options import (
     Precision,
 )
 from kiln.jsonfile import read_json_object
+from kiln.newfile import new_output
 
 __all__ = [
     "MANIFEST",
@@ -65,7 +65,15 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2  # 1 (before targets and passes reported their own data) is still read: ``manifest_v1``
-_TOOLS = ("torch", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "polygraphy", "transformers")  # transformers: the Hugging Face family's model code
+_TOOLS = (
+    "torch",
+    "onnx",
+    "onnx-ir",
+    "onnxscript",
+    "onnxruntime",
+    "polygraphy",
+    "transformers",
+)  # transformers: the Hugging Face family's model code
 
 
 def _omit() -> Any:
@@ -215,7 +223,9 @@ class QualityInfo:
 class ParityInfo:
     passed: bool
     report: str
-    agreement: str | None = _omit()  # int4: "gate" or "record" (--parity-agreement): whether agreement with the checkpoint's model gated it
+    agreement: str | None = (
+        _omit()
+    )  # int4: "gate" or "record" (--parity-agreement): whether agreement with the checkpoint's model gated it
     quality: QualityInfo | None = _omit()  # absent in manifests written before it, and where quality was not measured
 
 
@@ -284,7 +294,9 @@ class Manifest:
     files: dict[str, str]
     targets: dict[str, TargetEntry] | None = _omit()
     engines: EnginesEntry | None = _omit()
-    lora: LoraSlots | None = _omit()  # --lora-slots: every portable graph's optional adapter inputs, and --target ort's graphs' (``exporter.lora``)
+    lora: LoraSlots | None = (
+        _omit()
+    )  # --lora-slots: every portable graph's optional adapter inputs, and --target ort's graphs' (``exporter.lora``)
 
     def graph(self, kind: GraphKind) -> GraphEntry:
         return self.graphs[kind.value]
@@ -309,14 +321,26 @@ def tool_versions() -> dict[str, str]:
 
 
 def export_settings(
-    options: ExportOptions, *, trained_rows: int | None, keep_fp32: tuple[str, ...], calibration: dict[str, Any] | None, quantization: dict[str, Any] | None = None
+    options: ExportOptions,
+    *,
+    trained_rows: int | None,
+    keep_fp32: tuple[str, ...],
+    calibration: dict[str, Any] | None,
+    quantization: dict[str, Any] | None = None,
 ) -> ExportSettings:
     """What the manifest records of the options that shaped the graphs (``graph_options`` reads it back)."""
     ple = None
     if trained_rows is not None:
         extend = options.ple_extend_mode.value if options.ple_extend else None
         ple = PleInfo(True, trained_rows, options.ple_extend or trained_rows, extend, options.ple_tables.value)
-    return ExportSettings(options.graph_opset, keep_fp32 if options.precision.float16 else (), calibration, options.logits.value, ple, quantization)
+    return ExportSettings(
+        options.graph_opset,
+        keep_fp32 if options.precision.float16 else (),
+        calibration,
+        options.logits.value,
+        ple,
+        quantization,
+    )
 
 
 def graph_options(manifest: Manifest) -> ExportOptions:
@@ -353,12 +377,17 @@ def read(root: Path) -> Manifest:
     if not root.is_dir():
         raise ArtifactError(f"{root}: not a directory")
     # links=False: kiln writes no link into an export (kiln verify reports one), so it reads none
-    data = read_json_object(path, ArtifactError, f"{root}: no {MANIFEST}; is this a kiln export directory?", links=False)
+    data = read_json_object(
+        path, ArtifactError, f"{root}: no {MANIFEST}; is this a kiln export directory?", links=False
+    )
     version = data.get("manifest_version")
     if version == 1:
         data = upgrade_v1(data, str(path))
     elif version != MANIFEST_VERSION:
-        raise ArtifactError(f"{path}: manifest_version {version!r} is not supported (this kiln reads versions 1 and {MANIFEST_VERSION}); re-export with this kiln")
+        raise ArtifactError(
+            f"{path}: manifest_version {version!r} is not supported (this kiln reads versions 1 and "
+            f"{MANIFEST_VERSION}); re-export with this kiln"
+        )
     manifest = Manifest.from_json(data, str(path))
     _check_ranges(manifest, path)
     return manifest
@@ -379,19 +408,28 @@ _RANGES = {
 def _check_ranges(manifest: Manifest, path: Path) -> None:
     """Refuse numbers no export has (a hand-edited or damaged manifest) before anyone sizes by them."""
     values = {
-        "model.n_layers": manifest.model.n_layers, "model.n_kv_heads": manifest.model.n_kv_heads, "model.head_dim": manifest.model.head_dim,
-        "model.vocab_size": manifest.model.vocab_size, "limits.max_batch": manifest.limits.max_batch, "limits.max_context": manifest.limits.max_context,
+        "model.n_layers": manifest.model.n_layers,
+        "model.n_kv_heads": manifest.model.n_kv_heads,
+        "model.head_dim": manifest.model.head_dim,
+        "model.vocab_size": manifest.model.vocab_size,
+        "limits.max_batch": manifest.limits.max_batch,
+        "limits.max_context": manifest.limits.max_context,
     }
     for key, value in values.items():
         low, high = _RANGES[key]
         if not low <= value <= high:
-            raise ArtifactError(f"{path}: {key} is {value}, outside {low}..{high}; the manifest is damaged or was edited: re-export")
+            raise ArtifactError(
+                f"{path}: {key} is {value}, outside {low}..{high}; the manifest is damaged or was edited: re-export"
+            )
     for name in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
         token = getattr(manifest.model, name)
         if token is not None and not 0 <= token < 1 << 31:
-            raise ArtifactError(f"{path}: model.{name} is {token}, not a token id; the manifest is damaged or was edited: re-export")
+            raise ArtifactError(
+                f"{path}: model.{name} is {token}, not a token id; the manifest is damaged or was edited: re-export"
+            )
     ple = manifest.export.ple
     if ple is not None and not manifest.limits.max_context <= ple.rows <= 1 << 24:
         raise ArtifactError(
-            f"{path}: limits.max_context is {manifest.limits.max_context} but the PLE tables have {ple.rows} rows; the manifest is damaged or was edited: re-export"
+            f"{path}: limits.max_context is {manifest.limits.max_context} but the PLE tables have {ple.rows} "
+            "rows; the manifest is damaged or was edited: re-export"
         )

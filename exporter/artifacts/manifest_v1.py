@@ -66,7 +66,12 @@ def _ort_target(entry: dict[str, Any], n_layers: Any, where: str) -> dict[str, A
     fused = decode.get("fused_attention_layers", []) if isinstance(decode, dict) else []
     shared = isinstance(n_layers, int) and isinstance(fused, list) and sorted(fused) == list(range(n_layers))
     record = {name: entry[name] for name in ("int8", "int4") if entry.get(name) is not None}
-    out = {"precision": entry.get("precision"), "kv_cache": "shared" if shared else "grown", "graphs": graphs, "weights": entry.get("weights")}
+    out = {
+        "precision": entry.get("precision"),
+        "kv_cache": "shared" if shared else "grown",
+        "graphs": graphs,
+        "weights": entry.get("weights"),
+    }
     return out | ({"record": record} if record else {})
 
 
@@ -74,11 +79,11 @@ def _version_2_field(data: dict[str, Any]) -> str | None:
     """The first field of ``data`` that only version 2 has (a graph's ``passes``, a target other
     than ``ort``, a target's ``kv_cache`` or ``record``), or None."""
     graphs = data.get("graphs")
-    for kind, graph in (graphs.items() if isinstance(graphs, dict) else ()):
+    for kind, graph in graphs.items() if isinstance(graphs, dict) else ():
         if isinstance(graph, dict) and "passes" in graph:
             return f"graphs.{kind}.passes"
     targets = data.get("targets")
-    for name, entry in (targets.items() if isinstance(targets, dict) else ()):
+    for name, entry in targets.items() if isinstance(targets, dict) else ():
         if name != "ort":
             return f"targets.{name}"
         found = [key for key in ("kv_cache", "record") if isinstance(entry, dict) and key in entry]

@@ -35,10 +35,10 @@ import contextlib
 import errno
 import fcntl
 import os
+import secrets
 import shutil
 import stat
 import sys
-import secrets
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -46,7 +46,18 @@ from kiln.errors import ArtifactError, ConfigError
 from kiln.exporter.artifacts.lockfile import lock_path, lock_record, ours
 from kiln.interrupts import deferred, raise_if_interrupted, wrote
 
-__all__ = ["Owner", "Note", "brief", "cannot_write", "earlier_export", "listing", "refuse_held", "require_new_file", "require_replaceable", "staged_output"]
+__all__ = [
+    "Owner",
+    "Note",
+    "brief",
+    "cannot_write",
+    "earlier_export",
+    "listing",
+    "refuse_held",
+    "require_new_file",
+    "require_replaceable",
+    "staged_output",
+]
 
 Owner = Callable[[Path], str | None]  # a non-empty directory -> None when kiln wrote it, else why not (one line)
 Note = Callable[[str], None]  # where a line about cleaned-up leftovers goes
@@ -120,7 +131,10 @@ def _lock(out: Path, note: Note) -> Iterator[MakeDir]:
 
 def _held(out: Path, holder: int | None) -> str:
     pid = f"pid {holder}, " if holder else ""
-    return f"{out}: another kiln process is writing this directory ({pid}lock {lock_path(out)}); wait for it or choose another --out"
+    return (
+        f"{out}: another kiln process is writing this directory ({pid}lock {lock_path(out)}); wait for it or choose "
+        "another --out"
+    )
 
 
 def refuse_held(out: Path) -> None:
@@ -196,10 +210,16 @@ def earlier_export(out: Path) -> str | None:
         found = manifest.read(out)
     except ArtifactError:
         has = "a manifest.json this kiln does not accept" if (out / manifest.MANIFEST).is_file() else "no manifest.json"
-        return f"--force replaces only an empty directory or an earlier kiln export, and this holds {listing(out)} with {has}"
+        return (
+            f"--force replaces only an empty directory or an earlier kiln export, and this holds {listing(out)} with "
+            f"{has}"
+        )
     foreign = unlisted(out, found)
     if foreign:
-        return f"--force replaces only an earlier kiln export whose manifest.json lists every file in it, and it does not list {brief(foreign)}"
+        return (
+            "--force replaces only an earlier kiln export whose manifest.json lists every file in it, and it does "
+            f"not list {brief(foreign)}"
+        )
     return None
 
 
@@ -212,7 +232,8 @@ def _refuse_inputs(out: Path, inputs: Sequence[Path]) -> None:
         source = Path(path).resolve()
         if source == target or source.is_relative_to(target):
             raise ArtifactError(
-                f"{out}: this is where the input {path} lives, and kiln never replaces a directory it reads from; choose another --out"
+                f"{out}: this is where the input {path} lives, and kiln never replaces a directory it reads "
+                "from; choose another --out"
             )
 
 
@@ -247,7 +268,9 @@ def require_replaceable(out: Path, force: bool, owner: Owner = earlier_export, i
     try:
         _refuse_inputs(out, inputs)
         if os.path.lexists(out) and (out.is_symlink() or not out.is_dir()):
-            raise ArtifactError(f"{out}: exists and is not a directory" + (" (a symbolic link)" if out.is_symlink() else ""))
+            raise ArtifactError(
+                f"{out}: exists and is not a directory" + (" (a symbolic link)" if out.is_symlink() else "")
+            )
         if not out.is_dir():
             _creatable(out)
             return
@@ -269,7 +292,10 @@ def _gb(size: float) -> str:
 def _require_space(out: Path, needs: int) -> None:
     free = shutil.disk_usage(out.parent).free
     if free < needs:
-        raise ArtifactError(f"{out}: the export needs at least {_gb(needs)} for its weights, and {_gb(free)} are free on {out.parent}; free some space or choose another --out")
+        raise ArtifactError(
+            f"{out}: the export needs at least {_gb(needs)} for its weights, and {_gb(free)} are free on "
+            f"{out.parent}; free some space or choose another --out"
+        )
 
 
 @contextlib.contextmanager

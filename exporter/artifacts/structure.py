@@ -35,7 +35,13 @@ _CACHE = re.compile(r"^(?:past_key_values|present)\.(\d+)\.(\w+)$")  # any cache
 def inside(path: str) -> bool:
     """True for a relative POSIX path that stays inside the directory it is relative to."""
     pure = PurePosixPath(path)
-    return bool(path) and "\\" not in path and not pure.is_absolute() and ".." not in pure.parts and pure.parts[:1] != (".",)
+    return (
+        bool(path)
+        and "\\" not in path
+        and not pure.is_absolute()
+        and ".." not in pure.parts
+        and pure.parts[:1] != (".",)
+    )
 
 
 def named_paths(manifest: Manifest) -> dict[str, str]:
@@ -54,7 +60,10 @@ def _path_problems(manifest: Manifest) -> list[str]:
     problems = []
     for where, path in named_paths(manifest).items():
         if not inside(path):
-            problems.append(f"outside the export: {where} is {path!r} (a relative path inside the directory, without '..', is expected)")
+            problems.append(
+                f"outside the export: {where} is {path!r} (a relative path inside the directory, without '..', "
+                "is expected)"
+            )
         elif path not in manifest.files:
             problems.append(f"unlisted: {where} names {path}, which manifest.files does not list (nor hash)")
     return problems
@@ -71,12 +80,24 @@ def structure_problems(directory: Path, manifest: Manifest) -> list[str]:
         for kind, target_graph in target.graphs.items():
             portable = manifest.graphs.get(kind)
             if portable is None:
-                problems.append(f"graph {target_graph.file}: a target graph of kind {kind!r}, which the portable graphs do not have")
+                problems.append(
+                    f"graph {target_graph.file}: a target graph of kind {kind!r}, which the portable graphs do not have"
+                )
                 continue
-            if target_graph.inputs is not None and target_graph.outputs is not None:  # a contract of its own (static cache)
-                problems += _graph_problems(directory, manifest, target_graph.file, GraphEntry(target_graph.file, target_graph.inputs, target_graph.outputs), with_dtypes=True)
+            if (
+                target_graph.inputs is not None and target_graph.outputs is not None
+            ):  # a contract of its own (static cache)
+                problems += _graph_problems(
+                    directory,
+                    manifest,
+                    target_graph.file,
+                    GraphEntry(target_graph.file, target_graph.inputs, target_graph.outputs),
+                    with_dtypes=True,
+                )
             else:
-                problems += _graph_problems(directory, manifest, target_graph.file, _with_lora(portable, manifest), with_dtypes=False)
+                problems += _graph_problems(
+                    directory, manifest, target_graph.file, _with_lora(portable, manifest), with_dtypes=False
+                )
     return problems + _dim_problems(manifest)
 
 
@@ -100,10 +121,15 @@ def _graph_problems(directory: Path, manifest: Manifest, file: str, want: GraphE
     except Exception as exc:  # protobuf's DecodeError and friends: any failure means "not a graph"
         return [f"graph {file}: not a readable ONNX model ({type(exc).__name__})"]
     problems = []
-    for side, found, expected in (("inputs", model.graph.input, want.inputs), ("outputs", model.graph.output, want.outputs)):
+    for side, found, expected in (
+        ("inputs", model.graph.input, want.inputs),
+        ("outputs", model.graph.output, want.outputs),
+    ):
         got, want_side = [_key(_entry(v), with_dtypes) for v in found], [_key(t, with_dtypes) for t in expected]
         if got != want_side:
-            problems.append(f"graph {file}: its {side} are not the ones the manifest records ({_first_difference(got, want_side)})")
+            problems.append(
+                f"graph {file}: its {side} are not the ones the manifest records ({_first_difference(got, want_side)})"
+            )
     problem = _external_problem(directory, manifest, file, model)
     return problems + ([problem] if problem else [])
 
@@ -145,9 +171,15 @@ def _external_problem(directory: Path, manifest: Manifest, file: str, model: Any
         location = info.get("location", "")
         rel = (folder / location).as_posix()
         if not plain_name(location):
-            return f"graph {file}: tensor {tensor.name} reads external data from {location!r}, not from a file beside the graph"
+            return (
+                f"graph {file}: tensor {tensor.name} reads external data from {location!r}, not from a file beside "
+                "the graph"
+            )
         if rel not in manifest.files:
-            return f"graph {file}: tensor {tensor.name} reads external data from {location}, which manifest.files does not list"
+            return (
+                f"graph {file}: tensor {tensor.name} reads external data from {location}, which manifest.files does "
+                "not list"
+            )
         try:
             offset, length = int(info.get("offset", "0")), int(info.get("length", "-1"))
         except ValueError:
@@ -159,7 +191,10 @@ def _external_problem(directory: Path, manifest: Manifest, file: str, model: Any
             sizes[rel] = data.stat().st_size
         size = sizes[rel]
         if offset < 0 or offset > size or (length >= 0 and offset + length > size):
-            return f"graph {file}: tensor {tensor.name} reads bytes {offset}..{offset + max(length, 0)} of {location}, which has {size}"
+            return (
+                f"graph {file}: tensor {tensor.name} reads bytes {offset}..{offset + max(length, 0)} of {location}, "
+                f"which has {size}"
+            )
     return None
 
 
@@ -170,12 +205,20 @@ def _dim_problems(manifest: Manifest) -> list[str]:
         names = [t.name for t in entry.inputs] + [t.name for t in entry.outputs]
         layers = {m.group(1) for n in names for m in (_PAST_KEY.match(n), _PRESENT_KEY.match(n)) if m}
         if kind != "encoder" and len(layers) != model.n_layers:
-            problems.append(f"model.n_layers is {model.n_layers}, but graph {entry.file} carries the KV cache of {len(layers)} layers")
+            problems.append(
+                f"model.n_layers is {model.n_layers}, but graph {entry.file} carries the KV cache of "
+                f"{len(layers)} layers"
+            )
         for t in entry.outputs:
             if t.name == "logits" and t.shape and isinstance(t.shape[-1], int) and t.shape[-1] != model.vocab_size:
-                problems.append(f"model.vocab_size is {model.vocab_size}, but graph {entry.file} has {t.shape[-1]} logits")
+                problems.append(
+                    f"model.vocab_size is {model.vocab_size}, but graph {entry.file} has {t.shape[-1]} logits"
+                )
             if _PRESENT_KEY.match(t.name) and len(t.shape) == 4 and manifest.kv_cache.tensors is None:
-                for what, value, dim in (("n_kv_heads", model.n_kv_heads, t.shape[1]), ("head_dim", model.head_dim, t.shape[3])):
+                for what, value, dim in (
+                    ("n_kv_heads", model.n_kv_heads, t.shape[1]),
+                    ("head_dim", model.head_dim, t.shape[3]),
+                ):
                     if isinstance(dim, int) and dim != value:
                         problems.append(f"model.{what} is {value}, but graph {entry.file} has {dim} in {t.name}")
         problems += _layout_problems(manifest, entry.file, [*entry.inputs, *entry.outputs])
@@ -197,5 +240,8 @@ def _layout_problems(manifest: Manifest, file: str, tensors: list[TensorEntry]) 
         if want is None:
             problems.append(f"graph {file} has {t.name}, which kv_cache.tensors does not list")
         elif (t.shape[1], t.shape[3]) != (want.heads, want.width):
-            problems.append(f"kv_cache.tensors gives {t.name} {want.heads} heads of {want.width}, but graph {file} has {t.shape[1]} of {t.shape[3]}")
+            problems.append(
+                f"kv_cache.tensors gives {t.name} {want.heads} heads of {want.width}, but graph {file} has "
+                f"{t.shape[1]} of {t.shape[3]}"
+            )
     return problems

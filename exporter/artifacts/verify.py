@@ -12,9 +12,9 @@ from pathlib import Path, PurePosixPath
 
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts import manifest as manifest_mod
+from kiln.exporter.artifacts.claims import claim_problems
 from kiln.exporter.artifacts.hashing import hash_tree, links
 from kiln.exporter.artifacts.lockfile import own_leftovers, staging_pids
-from kiln.exporter.artifacts.claims import claim_problems
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.structure import structure_problems
 

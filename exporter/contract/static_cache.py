@@ -54,9 +54,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+
 from kiln.errors import ExportError
-from kiln.exporter.contract.limits import MIN_CONTEXT
 from kiln.exporter.contract.io import BATCH, GraphIO, GraphKind, TensorSpec, graph_io, past_names, present_names
+from kiln.exporter.contract.limits import MIN_CONTEXT
 from kiln.plugins.base import DecoderSpec
 
 __all__ = [
@@ -65,11 +66,17 @@ __all__ = [
 ]  # fmt: skip
 
 WRITE_INDICES = "write_indices"
-PARITY_PEAK = 17  # an export's peak over the buffers of the rows parity runs at once: the largest measured (module docstring)
-CacheBuffers = Mapping[str, tuple[tuple[int, ...], np.dtype]]  # each cache input: its shape without the batch, its dtype
+PARITY_PEAK = (
+    17  # an export's peak over the buffers of the rows parity runs at once: the largest measured (module docstring)
+)
+CacheBuffers = Mapping[
+    str, tuple[tuple[int, ...], np.dtype]
+]  # each cache input: its shape without the batch, its dtype
 
 
-def static_io(spec: DecoderSpec, kind: GraphKind, *, max_context: int, kv_dtype: str = "float32", last_logits_only: bool = False) -> GraphIO:
+def static_io(
+    spec: DecoderSpec, kind: GraphKind, *, max_context: int, kv_dtype: str = "float32", last_logits_only: bool = False
+) -> GraphIO:
     """The inputs and outputs of one static-cache graph, in order: the portable contract's with
     every cache tensor ``[batch, n_kv_heads, max_context, head_dim]`` and, after ``position_ids``,
     ``write_indices`` (decode, model) and prefill's cache inputs."""
@@ -83,7 +90,9 @@ def static_io(spec: DecoderSpec, kind: GraphKind, *, max_context: int, kv_dtype:
     return GraphIO((*ids, *writes, *caches), outputs)
 
 
-def static_feeds(kind: GraphKind, feeds: Mapping[str, np.ndarray], caches: CacheBuffers) -> tuple[dict[str, np.ndarray], int]:
+def static_feeds(
+    kind: GraphKind, feeds: Mapping[str, np.ndarray], caches: CacheBuffers
+) -> tuple[dict[str, np.ndarray], int]:
     """Feeds of the portable contract (a past of ``past_seq`` slots, none for prefill) as this
     contract's: each past copied into a zeroed buffer of its capacity, ``write_indices`` the past
     length in every row (kiln's batches are left-padded: every row writes at one slot), prefill's
@@ -135,7 +144,9 @@ def refuse_oversized(spec: DecoderSpec, *, max_batch: int, parity_rows: int, max
     buffers at ``max_batch`` rows, or parity's peak at its ``parity_rows`` rows (``PARITY_PEAK`` times
     their buffers), past half this machine's memory (module docstring). The figures are the config's."""
     limit, row = machine_memory() // 2, cache_bytes(spec, batch=1, max_context=max_context, kv_dtype=kv_dtype)
-    fits = max(MIN_CONTEXT, max_context * limit // (max(max_batch, PARITY_PEAK * parity_rows) * row))  # the longest that passes both
+    fits = max(
+        MIN_CONTEXT, max_context * limit // (max(max_batch, PARITY_PEAK * parity_rows) * row)
+    )  # the longest that passes both
     machine = f"more than half this machine's memory ({limit} bytes, {limit / 2**30:.1f} GiB)"
     figures = (
         f"{spec.n_layers} layers x 2 (key, value) x {spec.n_kv_heads} KV heads x {max_context} slots x {spec.head_dim}"
@@ -143,12 +154,17 @@ def refuse_oversized(spec: DecoderSpec, *, max_batch: int, parity_rows: int, max
     )
     if (need := max_batch * row) > limit:
         raise ExportError(
-            f"--max-context {max_context}: the static KV cache of --target onnx takes {max_batch} rows (--max-batch) x {figures}"
-            f" = {need} bytes ({need / 2**30:.1f} GiB), {machine}; pass --max-context {fits} or less, or a smaller --max-batch"
+            f"--max-context {max_context}: the static KV cache of --target onnx takes {max_batch} rows "
+            f"(--max-batch) x {figures}"
+            f" = {need} bytes ({need / 2**30:.1f} GiB), {machine}; pass --max-context {fits} or less, or a "
+            "smaller --max-batch"
         )
     if (need := PARITY_PEAK * parity_rows * row) > limit:
         raise ExportError(
-            f"--max-context {max_context}: the export's parity runs the static KV cache of --target onnx at {parity_rows} row{'s' if parity_rows != 1 else ''} of"
-            f" {figures} = {row} bytes each, and needs about {PARITY_PEAK}x those buffers (ONNX Runtime's copies of them and its"
-            f" attention over every slot, measured) = {need} bytes ({need / 2**30:.1f} GiB), {machine}; pass --max-context {fits} or less"
+            f"--max-context {max_context}: the export's parity runs the static KV cache of --target onnx at "
+            f"{parity_rows} row{'s' if parity_rows != 1 else ''} of"
+            f" {figures} = {row} bytes each, and needs about {PARITY_PEAK}x those buffers (ONNX Runtime's copies "
+            "of them and its"
+            f" attention over every slot, measured) = {need} bytes ({need / 2**30:.1f} GiB), {machine}; pass "
+            f"--max-context {fits} or less"
         )

@@ -14,11 +14,23 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+
 from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind
 from kiln.plugins.base import DecoderSpec
 from kiln.plugins.cache_layout import Span
 
-__all__ = ["Step", "StepRunner", "Chooser", "left_pad", "right_pad", "prompt_feeds", "encoder_decoder_feeds", "empty_past", "carry", "run_steps"]
+__all__ = [
+    "Step",
+    "StepRunner",
+    "Chooser",
+    "left_pad",
+    "right_pad",
+    "prompt_feeds",
+    "encoder_decoder_feeds",
+    "empty_past",
+    "carry",
+    "run_steps",
+]
 
 Chooser = Callable[[int, np.ndarray], np.ndarray]  # (step, last-position logits [B, vocab]) -> tokens [B]
 
@@ -35,7 +47,9 @@ class Step:
     tokens: np.ndarray  # the tokens chosen from them [B] int64
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``input_ids``, ``attention_mask`` and ``position_ids`` ([B, L] int64) of prompts left-padded
     to ``length`` (default: the longest prompt's)."""
     length = max([len(p) for p in prompts] + [length or 0])
@@ -54,7 +68,9 @@ def prompt_feeds(prompts: Sequence[Sequence[int]], pad_id: int, length: int | No
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
 
 
-def right_pad(prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def right_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``input_ids`` and ``attention_mask`` ([B, L] int64) of right-padded encoder inputs (to
     ``length``, as ``left_pad``): an encoder with absolute positions (BART, Marian) numbers every
     row from 0, as its tokenizer pads."""
@@ -68,7 +84,11 @@ def right_pad(prompts: Sequence[Sequence[int]], pad_id: int, length: int | None 
 
 
 def encoder_decoder_feeds(
-    encode: Callable[[np.ndarray, np.ndarray], np.ndarray], prompts: Sequence[Sequence[int]], start: int, pad_id: int, length: int | None = None
+    encode: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    prompts: Sequence[Sequence[int]],
+    start: int,
+    pad_id: int,
+    length: int | None = None,
 ) -> dict[str, Any]:
     """An encoder-decoder's first step (parity and ``kiln generate`` alike): ``prompts`` are the
     encoder's inputs, right-padded and run through ``encode(ids, mask) -> states``; the decoder
@@ -80,10 +100,16 @@ def encoder_decoder_feeds(
 
 def empty_past(spec: DecoderSpec, batch: int, dtype: np.dtype) -> dict[str, Any]:
     """A self-attention cache of length 0, for a prompt through the unified graph."""
-    return {f"past_key_values.{i}.{t.suffix}": np.zeros((batch, t.heads, 0, t.width), dtype=dtype) for i, t in spec.cache_layout.tensors() if t.span is Span.SEQUENCE}
+    return {
+        f"past_key_values.{i}.{t.suffix}": np.zeros((batch, t.heads, 0, t.width), dtype=dtype)
+        for i, t in spec.cache_layout.tensors()
+        if t.span is Span.SEQUENCE
+    }
 
 
-def carry(feeds: dict[str, Any], outputs: Mapping[str, Any], previous: Mapping[str, Any], pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:
+def carry(
+    feeds: dict[str, Any], outputs: Mapping[str, Any], previous: Mapping[str, Any], pairs: Sequence[tuple[str, str]]
+) -> dict[str, Any]:
     """The next step's feeds: each past from this step's present, or (a cross cache, which only
     prefill returns) from the previous step's feeds."""
     for past, present in pairs:
@@ -122,5 +148,10 @@ def run_steps(
             return
         pos = pos[:, -1:] + 1
         mask = np.concatenate([mask, np.ones((mask.shape[0], 1), dtype=np.int64)], axis=1)
-        feeds = carry({"input_ids": tokens[:, None], "attention_mask": mask, "position_ids": pos, **constant}, outputs, feeds, pairs)
+        feeds = carry(
+            {"input_ids": tokens[:, None], "attention_mask": mask, "position_ids": pos, **constant},
+            outputs,
+            feeds,
+            pairs,
+        )
         outputs = runner.run(step_kind, feeds)

@@ -20,6 +20,8 @@ from typing import Any
 
 from kiln.errors import ArtifactError, ConfigError, EngineError
 from kiln.exporter.artifacts.manifest import Manifest
+from kiln.exporter.artifacts.staging import Owner
+from kiln.exporter.artifacts.verify import unlisted
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.build import build_engines, load_tensorrt
 from kiln.exporter.engine.graphs import GraphChoice, choose_graphs, has_onnx_graphs, require_onnx_graphs
@@ -34,10 +36,14 @@ from kiln.exporter.engine.records import (
 )
 from kiln.exporter.engine.runner import TrtRunner
 from kiln.exporter.engine.static_runner import StaticTrtRunner
+from kiln.exporter.engine.trtexec import (
+    DEFAULT_TIMING_CACHE,
+    SCRIPT,
+    script_cache_note,
+    timing_cache_path,
+    write_script,
+)
 from kiln.newfile import target_of_temporary
-from kiln.exporter.artifacts.staging import Owner
-from kiln.exporter.artifacts.verify import unlisted
-from kiln.exporter.engine.trtexec import DEFAULT_TIMING_CACHE, SCRIPT, script_cache_note, timing_cache_path, write_script
 
 __all__ = [
     "BuildOptions",
@@ -66,11 +72,16 @@ def _kiln_build_wrote(manifest: Manifest, own: set[str]) -> Owner:
     of anything else is never overwritten or recorded."""
 
     def owner(engines: Path) -> str | None:
-        foreign = [f for f in unlisted(engines.parent, manifest, engines.name) if f not in own and not _temporary_of(f, own)]
+        foreign = [
+            f for f in unlisted(engines.parent, manifest, engines.name) if f not in own and not _temporary_of(f, own)
+        ]
         if not foreign:
             return None
         more = f" (and {len(foreign) - 5} more)" if len(foreign) > 5 else ""
-        return f"kiln build writes only its own files in {_ENGINES}, and manifest.json does not list {', '.join(foreign[:5])}{more}"
+        return (
+            f"kiln build writes only its own files in {_ENGINES}, and manifest.json does not list "
+            f"{', '.join(foreign[:5])}{more}"
+        )
 
     return owner
 
@@ -98,7 +109,10 @@ def _cache_in_engines(relative: str, options: BuildOptions) -> str:
     """A timing cache inside the export lives in ``engines/``, the folder kiln build writes:
     elsewhere it would overwrite one of the export's files (``onnx/weights.bin`` was taken)."""
     if not relative.startswith(_ENGINES):
-        raise ConfigError(f"--timing-cache {options.timing_cache}: inside the export but outside {_ENGINES}, which is all kiln build writes; name a file in {_ENGINES} or outside the export")
+        raise ConfigError(
+            f"--timing-cache {options.timing_cache}: inside the export but outside {_ENGINES}, which is all kiln "
+            f"build writes; name a file in {_ENGINES} or outside the export"
+        )
     return relative
 
 
@@ -116,8 +130,10 @@ def prepare(directory: Path, options: BuildOptions) -> tuple[Manifest, ProfileSe
     manifest = manifest_mod.read(directory)
     if manifest.model.has_encoder:
         raise ArtifactError(
-            f"{directory}: TensorRT engines for encoder-decoders are not built yet (the encoder graph would need its own engine,"
-            " and engine parity a runner for it); run the graphs on ONNX Runtime (kiln generate) or build onnx/*.onnx with trtexec yourself"
+            f"{directory}: TensorRT engines for encoder-decoders are not built yet (the encoder graph would need "
+            "its own engine,"
+            " and engine parity a runner for it); run the graphs on ONNX Runtime (kiln generate) or build "
+            "onnx/*.onnx with trtexec yourself"
         )
     require_onnx_graphs(manifest, options.graphs)
     sets: ProfileSets = {GraphSet.PORTABLE: engine_profiles(manifest, options)}
@@ -146,7 +162,11 @@ def write_trtexec_or_raise(directory: Path, options: BuildOptions) -> tuple[Grap
         choice = choose_graphs(manifest, options.graphs, compat.trt_version(trt))
     except EngineError as exc:
         update_manifest(directory, None)
-        both = " (it builds the --target onnx graphs where trtexec is TensorRT 10.15+, else the portable ones)" if GraphSet.ONNX in sets else ""
+        both = (
+            " (it builds the --target onnx graphs where trtexec is TensorRT 10.15+, else the portable ones)"
+            if GraphSet.ONNX in sets
+            else ""
+        )
         raise EngineError(f"{_one_line(exc)} (wrote {script}{both}{script_cache_note(directory, options)})") from None
     return choice, sets[choice.graphs]
 

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts.hashing import sha256_file
-from kiln.newfile import new_output
 from kiln.exporter.engine import compat
 from kiln.exporter.engine.device import current_runtime
 from kiln.exporter.engine.gpus import require_gpu_for
@@ -52,11 +51,23 @@ from kiln.exporter.engine.records import (
     write_records,
 )
 from kiln.exporter.engine.trtexec import SCRIPT, timing_cache_path
+from kiln.newfile import new_output
 
 if TYPE_CHECKING:
     import tensorrt as trt_types
 
-__all__ = ["INSTALL_HINT", "TrtLog", "make_logger", "load_tensorrt", "format_parser_error", "parser_errors", "slot_free_graph", "check_in_place", "build_engine", "build_engines"]
+__all__ = [
+    "INSTALL_HINT",
+    "TrtLog",
+    "make_logger",
+    "load_tensorrt",
+    "format_parser_error",
+    "parser_errors",
+    "slot_free_graph",
+    "check_in_place",
+    "build_engine",
+    "build_engines",
+]
 
 INSTALL_HINT = (
     "pip install tensorrt on a machine with an NVIDIA GPU and CUDA (then run kiln build again there), "
@@ -77,7 +88,9 @@ def load_tensorrt() -> ModuleType:
         raise EngineError(f"TensorRT is not installed ({type(exc).__name__}: {exc}); {INSTALL_HINT}") from None
     if not hasattr(trt, "Builder"):
         where = ", ".join(str(p) for p in getattr(trt, "__path__", [])) or "?"
-        raise EngineError(f"TensorRT is not installed (the 'tensorrt' at {where} has no Builder: type stubs only?); {INSTALL_HINT}")
+        raise EngineError(
+            f"TensorRT is not installed (the 'tensorrt' at {where} has no Builder: type stubs only?); {INSTALL_HINT}"
+        )
     compat.require_supported(trt)
     return trt
 
@@ -89,7 +102,11 @@ class TrtLog:
         self.errors: list[str] = []
 
     def last_error(self) -> str:
-        return self.errors[-1] if self.errors else "no error was logged; rerun with the trtexec command in engines/trtexec.sh for details"
+        return (
+            self.errors[-1]
+            if self.errors
+            else "no error was logged; rerun with the trtexec command in engines/trtexec.sh for details"
+        )
 
 
 def make_logger(log: TrtLog) -> trt_types.ILogger:
@@ -159,7 +176,10 @@ def slot_free_graph(onnx: Path, slots: Sequence[str]) -> bytes:
     names = set(slots)
     kept = [init for init in proto.graph.initializer if init.name not in names]
     if len(proto.graph.initializer) - len(kept) != len(names):
-        raise ArtifactError(f"{onnx}: the manifest's {len(names)} LoRA slot inputs are not all initializers of the graph; re-export the directory")
+        raise ArtifactError(
+            f"{onnx}: the manifest's {len(names)} LoRA slot inputs are not all initializers of the graph; "
+            "re-export the directory"
+        )
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(kept)
     return bytes(proto.SerializeToString())
@@ -192,7 +212,11 @@ def _as_tuple(dims: trt_types.Dims) -> Shape:
 
 
 def _add_profile(
-    trt: ModuleType, builder: trt_types.Builder, network: trt_types.INetworkDefinition, config: trt_types.IBuilderConfig, profile: EngineProfile
+    trt: ModuleType,
+    builder: trt_types.Builder,
+    network: trt_types.INetworkDefinition,
+    config: trt_types.IBuilderConfig,
+    profile: EngineProfile,
 ) -> list[InputShape]:
     """Set the profile's shapes on every dynamic network input; check the static ones.
     Returns the inputs whose shapes were set."""
@@ -200,19 +224,25 @@ def _add_profile(
     wanted = {spec.name: spec for spec in profile.inputs}
     if set(tensors) != set(wanted):
         raise EngineError(
-            f"{profile.onnx}: the graph's inputs {sorted(tensors)} differ from the manifest's {sorted(wanted)}; re-export the directory"
+            f"{profile.onnx}: the graph's inputs {sorted(tensors)} differ from the manifest's {sorted(wanted)}; "
+            "re-export the directory"
         )
     opt_profile: trt_types.IOptimizationProfile = builder.create_optimization_profile()
     dynamic: list[InputShape] = []
     for name, tensor in tensors.items():
         spec, shape = wanted[name], _as_tuple(tensor.shape)
         if len(shape) != len(spec.min):
-            raise EngineError(f"{profile.onnx}: input {name} has rank {len(shape)} in the graph and {len(spec.min)} in the manifest")
+            raise EngineError(
+                f"{profile.onnx}: input {name} has rank {len(shape)} in the graph and {len(spec.min)} in the manifest"
+            )
         if any(d < 0 for d in shape):
             opt_profile.set_shape(name, _dims(trt, spec.min), _dims(trt, spec.opt), _dims(trt, spec.max))
             dynamic.append(spec)
         elif shape != spec.min or shape != spec.max:
-            raise EngineError(f"{profile.onnx}: input {name} is fixed at {list(shape)} in the graph but {list(spec.min)} in the manifest")
+            raise EngineError(
+                f"{profile.onnx}: input {name} is fixed at {list(shape)} in the graph but {list(spec.min)} in "
+                "the manifest"
+            )
     if config.add_optimization_profile(opt_profile) < 0:
         raise EngineError(f"{profile.onnx}: TensorRT rejected the optimization profile {profile.shapes()}")
     return dynamic
@@ -224,7 +254,9 @@ def _set_timing_cache(config: trt_types.IBuilderConfig, cache_file: Path) -> Non
     if not bool(config.set_timing_cache(cache, ignore_mismatch=False)):  # stubs: see _parse
         if not data:
             raise EngineError("TensorRT refused an empty timing cache")
-        print(f"[kiln] {cache_file} was written for another GPU or TensorRT; starting a new timing cache", file=sys.stderr)
+        print(
+            f"[kiln] {cache_file} was written for another GPU or TensorRT; starting a new timing cache", file=sys.stderr
+        )
         config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
 
 
@@ -238,10 +270,15 @@ def _check_profile(engine: trt_types.ICudaEngine, dynamic: Sequence[InputShape],
     for spec in dynamic:
         got = [_as_tuple(d) for d in engine.get_tensor_profile_shape(spec.name, 0)]
         if got != [spec.min, spec.opt, spec.max]:
-            raise EngineError(f"{onnx}: the built engine's profile for {spec.name} is {got}, expected {[spec.min, spec.opt, spec.max]}")
+            raise EngineError(
+                f"{onnx}: the built engine's profile for {spec.name} is {got}, expected "
+                f"{[spec.min, spec.opt, spec.max]}"
+            )
 
 
-def _builder_config(trt: ModuleType, builder: trt_types.Builder, options: BuildOptions) -> tuple[trt_types.IBuilderConfig, bool]:
+def _builder_config(
+    trt: ModuleType, builder: trt_types.Builder, options: BuildOptions
+) -> tuple[trt_types.IBuilderConfig, bool]:
     """The builder config of ``options`` and whether TF32 stays on (TensorRT builds that lack the flag)."""
     config: trt_types.IBuilderConfig = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace)
@@ -262,19 +299,34 @@ def check_in_place(trt: ModuleType, engine: trt_types.ICudaEngine, where: str) -
     operators reference, KVCacheUpdate). Returns the aliases (output -> input)."""
     aliases = compat.aliased_inputs(trt, engine)
     if aliases is None:
-        raise EngineError(f"{where}: this TensorRT {trt.__version__} cannot report aliased tensors (ICudaEngine.get_aliased_input_tensor, 10.15+); the --target onnx engines need 10.15 or newer")
+        raise EngineError(
+            f"{where}: this TensorRT {trt.__version__} cannot report aliased tensors "
+            "(ICudaEngine.get_aliased_input_tensor, 10.15+); the --target onnx engines need 10.15 or newer"
+        )
     outputs = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     presents = [name for name in outputs if name.startswith("present.")]
-    wrong = [f"{name} -> {aliases.get(name)}" for name in presents if aliases.get(name) != "past_key_values." + name.removeprefix("present.")]
+    wrong = [
+        f"{name} -> {aliases.get(name)}"
+        for name in presents
+        if aliases.get(name) != "past_key_values." + name.removeprefix("present.")
+    ]
     if not presents or wrong:
         raise EngineError(
-            f"{where}: the cache is not written in place: {', '.join(wrong) or 'no present output'} (each present.{{i}}.* must alias past_key_values.{{i}}.*); "
-            "TensorRT's parser did not lower TensorScatter to IKVCacheUpdateLayer: build the portable graphs (--graphs portable)"
+            f"{where}: the cache is not written in place: {', '.join(wrong) or 'no present output'} (each "
+            f"present.{{i}}.* must alias past_key_values.{{i}}.*); "
+            "TensorRT's parser did not lower TensorScatter to IKVCacheUpdateLayer: build the portable graphs "
+            "(--graphs portable)"
         )
     return aliases
 
 
-def build_engine(directory: Path, profile: EngineProfile, options: BuildOptions, built_with: RuntimeInfo, graphs: GraphSet = GraphSet.PORTABLE) -> EngineRecord:
+def build_engine(
+    directory: Path,
+    profile: EngineProfile,
+    options: BuildOptions,
+    built_with: RuntimeInfo,
+    graphs: GraphSet = GraphSet.PORTABLE,
+) -> EngineRecord:
     """Build ``profile.engine`` from ``profile.onnx`` (both relative to ``directory``; ``graphs``: the
     set they belong to, the --target onnx engines checked for their in-place cache);
     ``load_tensorrt()`` must have succeeded."""
@@ -288,7 +340,9 @@ def build_engine(directory: Path, profile: EngineProfile, options: BuildOptions,
     try:
         builder: trt_types.Builder = trt.Builder(logger)
     except (TypeError, RuntimeError) as exc:  # pybind11: "factory function returned nullptr" without a GPU
-        raise EngineError(f"TensorRT could not create a builder ({log.last_error() if log.errors else exc}); is a CUDA GPU visible?") from None
+        raise EngineError(
+            f"TensorRT could not create a builder ({log.last_error() if log.errors else exc}); is a CUDA GPU visible?"
+        ) from None
     network, _parser = _parse(trt, builder, logger, onnx, profile.slot_inputs)
 
     config, tf32 = _builder_config(trt, builder, options)
@@ -334,7 +388,10 @@ def build_engine(directory: Path, profile: EngineProfile, options: BuildOptions,
 
 
 def build_engines(
-    directory: Path, options: BuildOptions, profiles: Sequence[EngineProfile] | None = None, choice: GraphChoice | None = None
+    directory: Path,
+    options: BuildOptions,
+    profiles: Sequence[EngineProfile] | None = None,
+    choice: GraphChoice | None = None,
 ) -> dict[str, EngineRecord]:
     """Build the prefill and decode engines of the chosen graph set (``choice``, else
     ``engine.graphs.choose_graphs`` for ``options.graphs`` and this TensorRT; ``profiles``, else that
@@ -357,7 +414,9 @@ def build_engines(
     for kind in ENGINE_GRAPHS:
         for graphs in (GraphSet.PORTABLE, GraphSet.ONNX):
             if graphs is not choice.graphs:
-                (directory / engine_file(kind, graphs)).unlink(missing_ok=True)  # kiln build's own name: one set in engines/
+                (directory / engine_file(kind, graphs)).unlink(
+                    missing_ok=True
+                )  # kiln build's own name: one set in engines/
     records: dict[str, EngineRecord] = {}
     for profile in profiles:
         records[profile.kind.value] = build_engine(directory, profile, options, built_with, choice.graphs)

@@ -72,7 +72,10 @@ def require_supported(trt: ModuleType) -> tuple[int, ...]:
     version = trt_version(trt)
     if version[:2] < MIN_VERSION:
         need = ".".join(map(str, MIN_VERSION))
-        raise EngineError(f"TensorRT {trt.__version__} is too old: kiln builds strongly typed engines on TensorRT {need} or newer; pip install -U tensorrt")
+        raise EngineError(
+            f"TensorRT {trt.__version__} is too old: kiln builds strongly typed engines on TensorRT {need} or "
+            "newer; pip install -U tensorrt"
+        )
     return version
 
 
@@ -89,7 +92,9 @@ def network_flags(trt: ModuleType) -> int:
         return 0
     flags = getattr(trt, "NetworkDefinitionCreationFlag", None)
     if flags is None or not hasattr(flags, "STRONGLY_TYPED"):
-        raise EngineError(f"TensorRT {trt.__version__} has no NetworkDefinitionCreationFlag.STRONGLY_TYPED; kiln needs 10.12 or newer")
+        raise EngineError(
+            f"TensorRT {trt.__version__} has no NetworkDefinitionCreationFlag.STRONGLY_TYPED; kiln needs 10.12 or newer"
+        )
     return 1 << int(flags.STRONGLY_TYPED)
 
 
@@ -99,7 +104,10 @@ def hardware_level(trt: ModuleType, level: HardwareCompat) -> Any:
     name = _HARDWARE_NAMES[level]
     levels = getattr(trt, "HardwareCompatibilityLevel", None)
     if levels is None or not hasattr(levels, name):
-        raise EngineError(f"TensorRT {trt.__version__} has no HardwareCompatibilityLevel.{name}; build with --hardware-compat none or upgrade TensorRT")
+        raise EngineError(
+            f"TensorRT {trt.__version__} has no HardwareCompatibilityLevel.{name}; build with --hardware-compat "
+            "none or upgrade TensorRT"
+        )
     return getattr(levels, name)
 
 

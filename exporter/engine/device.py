@@ -40,14 +40,19 @@ def _cudart() -> ctypes.CDLL:
             return ctypes.CDLL(name)
         except OSError:
             continue
-    raise EngineError("cannot load the CUDA runtime library (libcudart); install TensorRT's CUDA dependencies (pip install tensorrt) or add CUDA's lib64 to LD_LIBRARY_PATH")
+    raise EngineError(
+        "cannot load the CUDA runtime library (libcudart); install TensorRT's CUDA dependencies (pip install "
+        "tensorrt) or add CUDA's lib64 to LD_LIBRARY_PATH"
+    )
 
 
 def _int_call(lib: ctypes.CDLL, func: str, *args: object) -> int:
     value = ctypes.c_int(0)
     status = getattr(lib, func)(ctypes.byref(value), *args)
     if status != 0:
-        raise EngineError(f"CUDA {func} failed with error {status}; is an NVIDIA GPU visible (nvidia-smi, CUDA_VISIBLE_DEVICES)?")
+        raise EngineError(
+            f"CUDA {func} failed with error {status}; is an NVIDIA GPU visible (nvidia-smi, CUDA_VISIBLE_DEVICES)?"
+        )
     return value.value
 
 

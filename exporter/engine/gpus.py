@@ -42,4 +42,8 @@ def require_gpu_for(precision: str, compute_capability: str, gpu: str) -> None:
 def gpu_note(precision: str) -> str | None:
     """The trtexec.sh comment line saying which GPUs build ``precision`` (None: any TensorRT GPU)."""
     need = min_compute_capability(precision)
-    return None if need is None else f"# {precision} graphs build on GPUs of compute capability {need[0]}.{need[1]} or later: {need[2]}."
+    return (
+        None
+        if need is None
+        else f"# {precision} graphs build on GPUs of compute capability {need[0]}.{need[1]} or later: {need[2]}."
+    )

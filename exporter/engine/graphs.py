@@ -27,7 +27,9 @@ __all__ = ["ONNX_TARGET", "ONNX_MIN_VERSION", "GraphChoice", "has_onnx_graphs", 
 
 ONNX_TARGET = "onnx"  # the manifest's targets.<name> of the --target onnx graphs
 ONNX_MIN_VERSION = (10, 15)  # TensorScatter, RotaryEmbedding, RMSNormalization parsed; IKVCacheUpdateLayer
-_NEED = "TensorRT 10.15 or newer (the first whose ONNX parser imports TensorScatter, RotaryEmbedding and RMSNormalization)"
+_NEED = (
+    "TensorRT 10.15 or newer (the first whose ONNX parser imports TensorScatter, RotaryEmbedding and RMSNormalization)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,8 @@ def require_onnx_graphs(manifest: Manifest, requested: GraphSet) -> None:
     """Refuse ``--graphs onnx`` on an export without ``--target onnx`` graphs (no TensorRT needed)."""
     if requested is GraphSet.ONNX and not has_onnx_graphs(manifest):
         raise ConfigError(
-            "--graphs onnx builds the --target onnx graphs (onnx/*.std.onnx), and this export has none (its manifest has no targets.onnx); "
+            "--graphs onnx builds the --target onnx graphs (onnx/*.std.onnx), and this export has none (its "
+            "manifest has no targets.onnx); "
             "re-export with --target onnx, or build the portable graphs with --graphs portable or auto"
         )
 
@@ -68,10 +71,17 @@ def choose_graphs(manifest: Manifest, requested: GraphSet, version: tuple[int, .
         return GraphChoice(GraphSet.PORTABLE, "--graphs portable")
     if requested is GraphSet.ONNX:
         if not new_enough:
-            raise EngineError(f"--graphs onnx needs {_NEED}, found TensorRT {found}; pip install -U tensorrt, or build the portable graphs with --graphs portable or auto")
+            raise EngineError(
+                f"--graphs onnx needs {_NEED}, found TensorRT {found}; pip install -U tensorrt, or build the "
+                "portable graphs with --graphs portable or auto"
+            )
         return GraphChoice(GraphSet.ONNX, f"--graphs onnx, TensorRT {found}")
     if not has_onnx_graphs(manifest):
         return GraphChoice(GraphSet.PORTABLE, "the export has no --target onnx graphs (manifest targets.onnx)")
     if not new_enough:
-        return GraphChoice(GraphSet.PORTABLE, f"TensorRT {found} is older than 10.15, the first whose ONNX parser imports the --target onnx graphs' TensorScatter, RotaryEmbedding and RMSNormalization")
+        return GraphChoice(
+            GraphSet.PORTABLE,
+            f"TensorRT {found} is older than 10.15, the first whose ONNX parser imports the --target onnx "
+            "graphs' TensorScatter, RotaryEmbedding and RMSNormalization",
+        )
     return GraphChoice(GraphSet.ONNX, f"the export has --target onnx graphs and TensorRT {found} parses them (10.15+)")

@@ -55,7 +55,9 @@ class BuildOptions:
         if self.opt_context is not None and self.opt_context < 1:
             raise ConfigError(f"--opt-context must be at least 1, found {self.opt_context}")
         if not isinstance(self.hardware_compat, HardwareCompat):
-            raise ConfigError(f"--hardware-compat must be one of none, ampere+, same-cc, found {self.hardware_compat!r}")
+            raise ConfigError(
+                f"--hardware-compat must be one of none, ampere+, same-cc, found {self.hardware_compat!r}"
+            )
         if not isinstance(self.graphs, GraphSet):
             raise ConfigError(f"--graphs must be one of auto, portable, onnx, found {self.graphs!r}")
 

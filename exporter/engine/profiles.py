@@ -48,7 +48,17 @@ from kiln.exporter.contract.lora import LoraSlots
 from kiln.exporter.engine.graphs import ONNX_TARGET
 from kiln.exporter.engine.options import BuildOptions, GraphSet
 
-__all__ = ["ENGINE_GRAPHS", "DimRange", "InputShape", "EngineProfile", "dim_ranges", "engine_file", "lora_shapes", "engine_profile", "engine_profiles"]
+__all__ = [
+    "ENGINE_GRAPHS",
+    "DimRange",
+    "InputShape",
+    "EngineProfile",
+    "dim_ranges",
+    "engine_file",
+    "lora_shapes",
+    "engine_profile",
+    "engine_profiles",
+]
 
 ENGINE_GRAPHS = (GraphKind.PREFILL, GraphKind.DECODE)  # one engine each; model.onnx gets none
 Shape = tuple[int, ...]
@@ -103,11 +113,18 @@ def dim_ranges(kind: GraphKind, limits: Limits, options: BuildOptions) -> dict[s
     opt_batch = 1 if options.opt_batch is None else options.opt_batch
     opt_context = max(2, max_context // 2) if options.opt_context is None else options.opt_context
     if opt_batch > max_batch:
-        raise ConfigError(f"--opt-batch {opt_batch} is larger than the export's max_batch {max_batch}; pass at most {max_batch}")
+        raise ConfigError(
+            f"--opt-batch {opt_batch} is larger than the export's max_batch {max_batch}; pass at most {max_batch}"
+        )
     if opt_context > max_context:
-        raise ConfigError(f"--opt-context {opt_context} is larger than the export's max_context {max_context}; pass at most {max_context}")
+        raise ConfigError(
+            f"--opt-context {opt_context} is larger than the export's max_context {max_context}; pass at most "
+            f"{max_context}"
+        )
     batch = DimRange(1, opt_batch, max_batch)
-    encoder = DimRange(1, opt_context, max_context)  # cross-attention decoders: encoder_seq <= max_context (trace bound)
+    encoder = DimRange(
+        1, opt_context, max_context
+    )  # cross-attention decoders: encoder_seq <= max_context (trace bound)
     if kind is GraphKind.PREFILL:
         seq = DimRange(1, opt_context, max_context)
         return {BATCH: batch, SEQ: seq, TOTAL_SEQ: seq, ENC_SEQ: encoder}  # no past: the mask spans the prompt
@@ -136,7 +153,9 @@ def _input_shape(kind: GraphKind, spec: TensorEntry, ranges: Mapping[str, DimRan
             hi.append(r.max)
         else:
             known = ", ".join(sorted(ranges))
-            raise ArtifactError(f"manifest graphs.{kind.value}: input {name} has dim {dim!r}; expected an int or one of {known}")
+            raise ArtifactError(
+                f"manifest graphs.{kind.value}: input {name} has dim {dim!r}; expected an int or one of {known}"
+            )
     return InputShape(name, dtype, tuple(lo), tuple(mid), tuple(hi))
 
 
@@ -166,28 +185,37 @@ def _graph_inputs(manifest: Manifest, kind: GraphKind, graphs: GraphSet) -> tupl
     entry = (manifest.targets or {}).get(ONNX_TARGET)
     std = None if entry is None else entry.graphs.get(kind.value)
     if std is None or std.inputs is None:
-        raise ArtifactError(f"manifest has no targets.{ONNX_TARGET}.graphs.{kind.value} with its inputs; re-export with --target onnx")
+        raise ArtifactError(
+            f"manifest has no targets.{ONNX_TARGET}.graphs.{kind.value} with its inputs; re-export with --target onnx"
+        )
     max_context = manifest.limits.max_context
     for spec in std.inputs:  # the contract: every cache buffer holds max_context slots, a fixed dim
         if spec.name.startswith("past_key_values.") and (len(spec.shape) != 4 or spec.shape[2] != max_context):
             raise ArtifactError(
-                f"manifest targets.{ONNX_TARGET}.graphs.{kind.value}: cache input {spec.name} is {list(spec.shape)}, expected [batch, n_kv_heads, {max_context}, head_dim] "
+                f"manifest targets.{ONNX_TARGET}.graphs.{kind.value}: cache input {spec.name} is "
+                f"{list(spec.shape)}, expected [batch, n_kv_heads, {max_context}, head_dim] "
                 "(its sequence dim fixed at limits.max_context); re-export with --target onnx"
             )
     return std.file, std.inputs
 
 
-def engine_profile(manifest: Manifest, kind: GraphKind, options: BuildOptions, graphs: GraphSet = GraphSet.PORTABLE) -> EngineProfile:
+def engine_profile(
+    manifest: Manifest, kind: GraphKind, options: BuildOptions, graphs: GraphSet = GraphSet.PORTABLE
+) -> EngineProfile:
     """The profile of the ``kind`` engine: every input of its graph in ``graphs`` with its range."""
     if graphs is GraphSet.AUTO:
         raise ValueError("engine_profile takes a chosen graph set (engine.graphs.choose_graphs), not auto")
     file, inputs = _graph_inputs(manifest, kind, graphs)
     ranges = dim_ranges(kind, manifest.limits, options)
     shapes = tuple(_input_shape(kind, spec, ranges) for spec in inputs)
-    slots = lora_shapes(manifest.lora) if graphs is GraphSet.PORTABLE and manifest.lora is not None else ()  # portable graphs only
+    slots = (
+        lora_shapes(manifest.lora) if graphs is GraphSet.PORTABLE and manifest.lora is not None else ()
+    )  # portable graphs only
     return EngineProfile(kind, file, engine_file(kind, graphs), shapes + slots, tuple(s.name for s in slots))
 
 
-def engine_profiles(manifest: Manifest, options: BuildOptions, graphs: GraphSet = GraphSet.PORTABLE) -> tuple[EngineProfile, ...]:
+def engine_profiles(
+    manifest: Manifest, options: BuildOptions, graphs: GraphSet = GraphSet.PORTABLE
+) -> tuple[EngineProfile, ...]:
     """The prefill and decode profiles of ``graphs``, in that order."""
     return tuple(engine_profile(manifest, kind, options, graphs) for kind in ENGINE_GRAPHS)

@@ -23,10 +23,10 @@ from typing import Any
 
 from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts.manifest import EnginesEntry, Manifest
-from kiln.newfile import new_output
 from kiln.exporter.engine.compat import version_tuple
 from kiln.exporter.engine.options import HardwareCompat
 from kiln.jsonfile import read_json_object
+from kiln.newfile import new_output
 
 __all__ = [
     "ENGINES_JSON",
@@ -62,7 +62,12 @@ class RuntimeInfo:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RuntimeInfo:
         cuda = data.get("cuda")
-        return cls(str(data["tensorrt"]), None if cuda is None else str(cuda), str(data["gpu"]), str(data["compute_capability"]))
+        return cls(
+            str(data["tensorrt"]),
+            None if cuda is None else str(cuda),
+            str(data["gpu"]),
+            str(data["compute_capability"]),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,18 +128,22 @@ def compat_problems(engine_record: Mapping[str, Any], runtime_info: RuntimeInfo)
     here = runtime_info.tensorrt
     built_v, here_v = version_tuple(built), version_tuple(here)
     if engine_record.get("version_compatible"):
-        same_or_allowed = bool(built_v and here_v) and (built_v[0] == here_v[0] or (built_v[0], here_v[0]) in _CROSS_MAJOR)
+        same_or_allowed = bool(built_v and here_v) and (
+            built_v[0] == here_v[0] or (built_v[0], here_v[0]) in _CROSS_MAJOR
+        )
         if not (same_or_allowed and here_v >= built_v):
             major = built_v[0] if built_v else "?"
             later = "".join(f" or any {to}.x" for frm, to in sorted(_CROSS_MAJOR) if frm == major)
             problems.append(
-                f"{name} is a version-compatible engine built by TensorRT {built}: it needs TensorRT {built} or a later "
+                f"{name} is a version-compatible engine built by TensorRT {built}: it needs TensorRT {built} or "
+                "a later "
                 f"{major}.x{later}, found TensorRT {here}; rebuild it here with kiln build"
             )
     elif built_v != here_v:
         problems.append(
             f"{name} was built by TensorRT {built} and needs exactly that version, found TensorRT {here}; "
-            f"pip install tensorrt=={built}, or rebuild it here with kiln build (--version-compatible makes engines that run on later versions)"
+            f"pip install tensorrt=={built}, or rebuild it here with kiln build (--version-compatible makes "
+            "engines that run on later versions)"
         )
     level = str(engine_record.get("hardware_compat", HardwareCompat.NONE.value))
     built_cc_text = str(engine_record.get("compute_capability", "?"))
@@ -148,7 +157,8 @@ def compat_problems(engine_record: Mapping[str, Any], runtime_info: RuntimeInfo)
             )
     elif built_cc is None or here_cc != built_cc:
         problems.append(
-            f"{name} was built for compute capability {built_cc_text} ({gpu}) and needs a GPU of that compute capability, "
+            f"{name} was built for compute capability {built_cc_text} ({gpu}) and needs a GPU of that compute "
+            "capability, "
             f"found {runtime_info.compute_capability} ({runtime_info.gpu}); rebuild it here with kiln build, "
             f"or build with --hardware-compat ampere+ for any GPU of compute capability 8.0 or newer"
         )
@@ -163,7 +173,13 @@ def check_engine_compat(engine_record: Mapping[str, Any], runtime_info: RuntimeI
         raise EngineError("; ".join(problems))
 
 
-def write_records(directory: Path, records: Mapping[str, EngineRecord], build_options: Mapping[str, Any], trtexec: str, graphs: Mapping[str, str] | None = None) -> Path:
+def write_records(
+    directory: Path,
+    records: Mapping[str, EngineRecord],
+    build_options: Mapping[str, Any],
+    trtexec: str,
+    graphs: Mapping[str, str] | None = None,
+) -> Path:
     """Write ``DIR/engines/engines.json`` (no timestamps) and return its path; ``graphs``: the graph
     set the engines were built from and why (``GraphChoice.to_dict``)."""
     path = directory / ENGINES_JSON
@@ -183,13 +199,19 @@ def write_records(directory: Path, records: Mapping[str, EngineRecord], build_op
 def read_records(directory: Path) -> dict[str, Any]:
     """The parsed ``engines.json`` of an export directory, or one clear error."""
     path = directory / ENGINES_JSON
-    data = read_json_object(path, ArtifactError, f"{directory}: no {ENGINES_JSON}; run kiln build {directory} on a machine with TensorRT")
+    data = read_json_object(
+        path, ArtifactError, f"{directory}: no {ENGINES_JSON}; run kiln build {directory} on a machine with TensorRT"
+    )
     if data.get("engines_version") != ENGINES_VERSION or not isinstance(data.get("engines"), dict):
-        raise ArtifactError(f"{path}: not an engines.json of version {ENGINES_VERSION}; rebuild with kiln build {directory}")
+        raise ArtifactError(
+            f"{path}: not an engines.json of version {ENGINES_VERSION}; rebuild with kiln build {directory}"
+        )
     return data
 
 
-def update_manifest(directory: Path, records: Mapping[str, EngineRecord] | None, graphs: Mapping[str, str] | None = None) -> Manifest:
+def update_manifest(
+    directory: Path, records: Mapping[str, EngineRecord] | None, graphs: Mapping[str, str] | None = None
+) -> Manifest:
     """Record the files under ``engines/`` (sha256) in ``manifest.json`` so that ``kiln verify``
     still passes, and, after a build (``records``), the engines with their TensorRT, CUDA and GPU
     and the graph set they were built from (``graphs``: ``GraphChoice.to_dict``) under
@@ -206,8 +228,17 @@ def update_manifest(directory: Path, records: Mapping[str, EngineRecord] | None,
         first = first_record.built_with
         chosen = graphs or {"set": first_record.graphs, "reason": "not recorded"}
         engines = EnginesEntry(
-            ENGINES_JSON, first.tensorrt, first.cuda, first.gpu, first.compute_capability, {kind: r.file for kind, r in records.items()}, chosen["set"], chosen["reason"]
+            ENGINES_JSON,
+            first.tensorrt,
+            first.cuda,
+            first.gpu,
+            first.compute_capability,
+            {kind: r.file for kind, r in records.items()},
+            chosen["set"],
+            chosen["reason"],
         )
-    manifest = dataclasses.replace(manifest, files=rehash_subtree(manifest.files, directory, _ENGINES_PREFIX.rstrip("/")), engines=engines)
+    manifest = dataclasses.replace(
+        manifest, files=rehash_subtree(manifest.files, directory, _ENGINES_PREFIX.rstrip("/")), engines=engines
+    )
     manifest_mod.write(directory, manifest)
     return manifest

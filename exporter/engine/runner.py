@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+
 from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.contract.io import GraphKind
@@ -63,7 +64,9 @@ def recorded_engines(directory: Path, graphs: str) -> tuple[dict[GraphKind, Path
     for kind in ENGINE_GRAPHS:
         record = data["engines"].get(kind.value)
         if not isinstance(record, dict):
-            raise ArtifactError(f"{directory}: engines.json has no {kind.value} engine; rebuild with kiln build {directory}")
+            raise ArtifactError(
+                f"{directory}: engines.json has no {kind.value} engine; rebuild with kiln build {directory}"
+            )
         path = directory / str(record["file"])
         if not path.is_file():
             raise ArtifactError(f"{path}: engine file missing; rebuild with kiln build {directory}")

@@ -40,6 +40,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from kiln.errors import EngineError
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.contract.static_cache import portable_outputs, static_feeds
@@ -71,7 +72,11 @@ class _Session:
         self._inputs = tuple(n for n in names if n not in self._outputs)
         self._dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}
         # each cache input without its batch dim ([n_kv_heads, max_context, head_dim], static), for static_feeds
-        self.caches = {n: (_shape(engine.get_tensor_shape(n))[1:], self._dtypes[n]) for n in self._inputs if n.startswith("past_key_values.")}
+        self.caches = {
+            n: (_shape(engine.get_tensor_shape(n))[1:], self._dtypes[n])
+            for n in self._inputs
+            if n.startswith("past_key_values.")
+        }
         self._buffers: dict[str, Any] = {}  # polygraphy.cuda.DeviceArray by tensor name
 
     def _device(self, name: str, shape: tuple[int, ...]) -> Any:
@@ -90,7 +95,10 @@ class _Session:
         for name in self._inputs:
             host = np.ascontiguousarray(feeds[name], dtype=self._dtypes[name])
             if not self._context.set_input_shape(name, host.shape):
-                raise EngineError(f"TensorRT refused the shape {list(host.shape)} of {name}: outside the engine's optimization profile?")
+                raise EngineError(
+                    f"TensorRT refused the shape {list(host.shape)} of {name}: outside the engine's optimization "
+                    "profile?"
+                )
             buffer = self._device(name, host.shape)
             buffer.copy_from(host, stream=stream)
             hosts.append(host)
@@ -101,7 +109,9 @@ class _Session:
             else:
                 shape = _shape(self._context.get_tensor_shape(name))
                 if any(d < 0 for d in shape):
-                    raise EngineError(f"TensorRT did not resolve the shape of {name} ({list(shape)}) from the input shapes")
+                    raise EngineError(
+                        f"TensorRT did not resolve the shape of {name} ({list(shape)}) from the input shapes"
+                    )
                 buffer = self._device(name, shape)
             self._context.set_tensor_address(name, buffer.ptr)
         if not self._context.execute_async_v3(stream.ptr):

@@ -19,13 +19,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import ConfigError
-from kiln.newfile import new_output
 from kiln.exporter.engine.gpus import gpu_note
 from kiln.exporter.engine.graphs import ONNX_MIN_VERSION
 from kiln.exporter.engine.options import MIB, BuildOptions, GraphSet, HardwareCompat
 from kiln.exporter.engine.profiles import EngineProfile, InputShape, Shape
+from kiln.newfile import new_output
 
-__all__ = ["SCRIPT", "DEFAULT_TIMING_CACHE", "timing_cache_path", "trtexec_args", "trtexec_command", "render_script", "write_script"]
+__all__ = [
+    "SCRIPT",
+    "DEFAULT_TIMING_CACHE",
+    "timing_cache_path",
+    "trtexec_args",
+    "trtexec_command",
+    "render_script",
+    "write_script",
+]
 
 SCRIPT = "engines/trtexec.sh"
 DEFAULT_TIMING_CACHE = "engines/timing.cache"
@@ -61,7 +69,10 @@ def script_cache_note(directory: Path, options: BuildOptions) -> str:
         return ""
     if timing_cache_path(directory, options).absolute() == (directory / DEFAULT_TIMING_CACHE).absolute():
         return ""
-    return f"; the script keeps its timing cache in {DEFAULT_TIMING_CACHE}, as --timing-cache {options.timing_cache} is outside the export it runs from"
+    return (
+        f"; the script keeps its timing cache in {DEFAULT_TIMING_CACHE}, as --timing-cache {options.timing_cache} is "
+        "outside the export it runs from"
+    )
 
 
 def _dims(shape: Shape) -> str:
@@ -72,7 +83,9 @@ def _shapes(inputs: Sequence[InputShape], which: str) -> str:
     parts = []
     for spec in inputs:
         if _UNSAFE_NAME & set(spec.name):
-            raise ConfigError(f"input name {spec.name!r} cannot be written as a trtexec shape (it has one of : , ' = or a space)")
+            raise ConfigError(
+                f"input name {spec.name!r} cannot be written as a trtexec shape (it has one of : , ' = or a space)"
+            )
         shape: Shape = getattr(spec, which)
         parts.append(f"{spec.name}:{_dims(shape)}")
     return ",".join(parts)
@@ -114,7 +127,9 @@ def trtexec_command(profile: EngineProfile, options: BuildOptions, timing_cache:
     return shlex.join(["trtexec", *trtexec_args(profile, options, timing_cache)])
 
 
-def _commands(profiles: Sequence[EngineProfile], options: BuildOptions, timing_cache: str, indent: str = "") -> list[str]:
+def _commands(
+    profiles: Sequence[EngineProfile], options: BuildOptions, timing_cache: str, indent: str = ""
+) -> list[str]:
     lines = []
     for profile in profiles:
         args = trtexec_args(profile, options, timing_cache)
@@ -137,14 +152,15 @@ def _graph_switch(default: GraphSet) -> list[str]:
     return [
         f'graphs="${{KILN_GRAPHS:-{default.value}}}"',
         "version=0",
-        'if [[ $graphs != portable ]]; then',
+        "if [[ $graphs != portable ]]; then",
         "  banner=$(trtexec --help 2>&1 || true)",
         r"  re='\[TensorRT v([0-9]+)\]'",
-        '  if [[ $banner =~ $re ]]; then version=${BASH_REMATCH[1]}; fi',
+        "  if [[ $banner =~ $re ]]; then version=${BASH_REMATCH[1]}; fi",
         "fi",
         "case $graphs in",
         f"  auto) if (( version >= {need} )); then graphs=onnx; else graphs=portable; fi ;;",
-        f'  onnx) if (( version > 0 && version < {need} )); then echo "trtexec.sh: KILN_GRAPHS=onnx needs TensorRT 10.15 or newer, trtexec is TensorRT v$version; use KILN_GRAPHS=portable" >&2; exit 1; fi ;;',
+        f'  onnx) if (( version > 0 && version < {need} )); then echo "trtexec.sh: KILN_GRAPHS=onnx needs '
+        'TensorRT 10.15 or newer, trtexec is TensorRT v$version; use KILN_GRAPHS=portable" >&2; exit 1; fi ;;',
         "  portable) ;;",
         '  *) echo "trtexec.sh: KILN_GRAPHS must be auto, portable or onnx, found $graphs" >&2; exit 2 ;;',
         "esac",
@@ -179,24 +195,41 @@ def render_script(
             "# Two graph sets: the portable graphs (onnx/*.onnx, any TensorRT 10.12+) and the --target onnx graphs",
             "# (onnx/*.std.onnx: Attention, RotaryEmbedding, RMSNormalization, a static KV cache written in place by",
             "# TensorScatter; TensorRT 10.15+). KILN_GRAPHS=auto|portable|onnx picks, as kiln build --graphs does;",
-            f"# default {options.graphs.value}. auto: the --target onnx graphs when trtexec is TensorRT 10.15 or newer.",
+            f"# default {options.graphs.value}. auto: the --target onnx graphs when trtexec is TensorRT 10.15 or "
+            "newer.",
         ]
     if any(p.slot_inputs for p in profiles):
         lines += [
-            "# LoRA slots (--lora-slots): each slot's A/B carry the rank range [0, max_rank] below. In onnx/*.onnx they are also",
-            "# initializers (ONNX Runtime's optional inputs), which TensorRT's parser takes for constants: kiln build parses the",
-            "# graphs without them, but trtexec reads the file as it is (and refuses external weights under ../, so no slot-free",
-            "# copy can sit in engines/): these commands build engines that take no adapter. Build slotted engines with kiln build.",
+            "# LoRA slots (--lora-slots): each slot's A/B carry the rank range [0, max_rank] below. In "
+            "onnx/*.onnx they are also",
+            "# initializers (ONNX Runtime's optional inputs), which TensorRT's parser takes for constants: kiln "
+            "build parses the",
+            "# graphs without them, but trtexec reads the file as it is (and refuses external weights under ../, "
+            "so no slot-free",
+            "# copy can sit in engines/): these commands build engines that take no adapter. Build slotted "
+            "engines with kiln build.",
         ]
     lines += ["set -euo pipefail", 'cd "$(dirname "$0")/.."', "mkdir -p engines"]
     if not std:
         return "\n".join([*lines, *_commands(profiles, options, timing_cache)]) + "\n"
     lines += _graph_switch(options.graphs)
-    lines += ["", "if [[ $graphs == onnx ]]; then", *_commands(std, options, timing_cache, "  ")[1:], "else", *_commands(profiles, options, timing_cache, "  ")[1:], "fi"]
+    lines += [
+        "",
+        "if [[ $graphs == onnx ]]; then",
+        *_commands(std, options, timing_cache, "  ")[1:],
+        "else",
+        *_commands(profiles, options, timing_cache, "  ")[1:],
+        "fi",
+    ]
     return "\n".join(lines) + "\n"
 
 
-def write_script(directory: Path, profiles: Sequence[EngineProfile], options: BuildOptions, std: Sequence[EngineProfile] | None = None) -> Path:
+def write_script(
+    directory: Path,
+    profiles: Sequence[EngineProfile],
+    options: BuildOptions,
+    std: Sequence[EngineProfile] | None = None,
+) -> Path:
     """Write ``DIR/engines/trtexec.sh`` (mode 755; ``std``: the ``--target onnx`` graphs' profiles,
     when the export has them) and return its path. Graphs TensorRT would refuse (int4 blocks outside
     its sizes: ``lowbit_check.require_tensorrt_int4``) are refused first: no script is written for them."""

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kiln.errors import ArtifactError, ConfigError, ExportError
-from kiln.newfile import new_output
 from kiln.exporter.contract.lora import LoraSlots
+from kiln.newfile import new_output
 from kiln.plugins.hub_cache import HF_EXTRA
 
 if TYPE_CHECKING:
@@ -42,29 +42,45 @@ def slot_tensors(adapter: LoraAdapter, lora: LoraSlots, where: str) -> dict[str,
     """The slot inputs that carry ``adapter`` (scaled by its weight and scaling), refused by name
     where the export has no slot for a module, a slot of other sizes, or a smaller --lora-slots."""
     if adapter.rank > lora.max_rank:
-        raise ConfigError(f"{where}: its rank {adapter.rank} exceeds the export's --lora-slots {lora.max_rank}; export again with --lora-slots {adapter.rank} or more")
+        raise ConfigError(
+            f"{where}: its rank {adapter.rank} exceeds the export's --lora-slots {lora.max_rank}; export again "
+            f"with --lora-slots {adapter.rank} or more"
+        )
     slots, dtype = lora.by_module(), np.dtype(lora.dtype)
     out: dict[str, np.ndarray] = {}
     for module, (a, b) in adapter.tensors.items():
         slot = slots.get(module)
         if slot is None:
-            raise ConfigError(f"{where}: the export has no LoRA slot for {module} (slots: every Linear but the output head, or those --lora-targets names); merge this adapter with kiln export --adapter")
+            raise ConfigError(
+                f"{where}: the export has no LoRA slot for {module} (slots: every Linear but the output head, or "
+                "those --lora-targets names); merge this adapter with kiln export --adapter"
+            )
         if (a.shape[1], b.shape[0]) != (slot.in_features, slot.out_features):
-            raise ConfigError(f"{where}: {module} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; the export's slot takes [r, {slot.in_features}] and [{slot.out_features}, r] (an adapter of another base?)")
+            raise ConfigError(
+                f"{where}: {module} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; the export's slot "
+                f"takes [r, {slot.in_features}] and [{slot.out_features}, r] (an adapter of another base?)"
+            )
         scale = adapter.weight * adapter.scaling
         out[slot.a] = np.ascontiguousarray(a.float().T.numpy()).astype(dtype)
         out[slot.b] = np.ascontiguousarray((b.float() * scale).T.numpy()).astype(dtype)
         if not (np.isfinite(out[slot.a]).all() and np.isfinite(out[slot.b]).all()):  # an fp16 slot overflows first
-            raise ConfigError(f"{where}: {module}'s tensors, scaled by weight x scaling, overflow the export's {lora.dtype} slots")
+            raise ConfigError(
+                f"{where}: {module}'s tensors, scaled by weight x scaling, overflow the export's {lora.dtype} slots"
+            )
     return out
 
 
-def swapped_adapter(directory: Path, lora: LoraSlots | None, base: tuple[str | None, str | None], path: Path) -> tuple[LoraAdapter, dict[str, np.ndarray]]:
+def swapped_adapter(
+    directory: Path, lora: LoraSlots | None, base: tuple[str | None, str | None], path: Path
+) -> tuple[LoraAdapter, dict[str, np.ndarray]]:
     """The PEFT adapter in ``path`` and its slot tensors for the export in ``directory`` (its
     manifest's ``lora`` and its checkpoint's reference and resolved path, ``base``)."""
     where = f"--adapter {path}"
     if lora is None:
-        raise ConfigError(f"{where}: {directory} has no LoRA slots (export it with --lora-slots RANK, or merge the adapter with kiln export --adapter)")
+        raise ConfigError(
+            f"{where}: {directory} has no LoRA slots (export it with --lora-slots RANK, or merge the adapter "
+            "with kiln export --adapter)"
+        )
     if importlib.util.find_spec("peft") is None:
         raise ConfigError(f"{where}: needs peft (parity's reference is PEFT's own model of base + adapter): {HF_EXTRA}")
     from kiln.plugins.hf.adapter import base_names, check_base_name, read_adapter
@@ -87,7 +103,10 @@ def write_adapter_file(tensors: Mapping[str, np.ndarray], path: Path) -> None:
     with new_output(path) as partial:  # an OSError (a full disk) leaves nothing: the caller says it in one line
         _export_adapter(adapter, partial, path, sum(a.nbytes for a in tensors.values()))
         back = _arrays(ort.AdapterFormat.read_adapter(str(partial)))
-        if set(back) != set(tensors) or any(not np.array_equal(back[n], tensors[n], equal_nan=True) or back[n].dtype != tensors[n].dtype for n in tensors):
+        if set(back) != set(tensors) or any(
+            not np.array_equal(back[n], tensors[n], equal_nan=True) or back[n].dtype != tensors[n].dtype
+            for n in tensors
+        ):
             raise ExportError(f"{path}: the adapter file ONNX Runtime wrote does not read back as the tensors given")
 
 
@@ -119,7 +138,10 @@ def read_adapter_file(path: Path, lora: LoraSlots | None, where: str) -> dict[st
     try:
         read = ort.AdapterFormat.read_adapter(str(path))
     except Exception as exc:  # onnxruntime raises its own untyped errors for a file it cannot parse
-        raise ConfigError(f"{where}: not an ONNX Runtime adapter file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise ConfigError(
+            f"{where}: not an ONNX Runtime adapter file "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
     tensors = _arrays(read)
     inputs = lora.inputs()
     if unknown := sorted(set(tensors) - set(inputs)):
@@ -128,7 +150,9 @@ def read_adapter_file(path: Path, lora: LoraSlots | None, where: str) -> dict[st
         if (slot.a in tensors) != (slot.b in tensors):
             raise ConfigError(f"{where}: {slot.module} has only one of {slot.a} and {slot.b}")
         if slot.a in tensors:
-            _check_pair(tensors[slot.a], tensors[slot.b], (slot.in_features, slot.out_features), lora, f"{where}: {slot.module}")
+            _check_pair(
+                tensors[slot.a], tensors[slot.b], (slot.in_features, slot.out_features), lora, f"{where}: {slot.module}"
+            )
     if not tensors:
         raise ConfigError(f"{where}: holds no tensors")
     return tensors
@@ -144,7 +168,9 @@ def _check_pair(a: np.ndarray, b: np.ndarray, sizes: tuple[int, int], lora: Lora
     if a.dtype != np.dtype(lora.dtype) or b.dtype != a.dtype:
         raise ConfigError(f"{where}: its tensors are {a.dtype}/{b.dtype}, the export's slots {lora.dtype}")
     if a.ndim != 2 or b.ndim != 2 or (a.shape[0], b.shape[1]) != sizes or a.shape[1] != b.shape[0]:
-        raise ConfigError(f"{where}: A {list(a.shape)} and B {list(b.shape)} are not [{sizes[0]}, r] and [r, {sizes[1]}]")
+        raise ConfigError(
+            f"{where}: A {list(a.shape)} and B {list(b.shape)} are not [{sizes[0]}, r] and [r, {sizes[1]}]"
+        )
     if a.shape[1] > lora.max_rank:
         raise ConfigError(f"{where}: rank {a.shape[1]} exceeds the export's --lora-slots {lora.max_rank}")
     if not (np.isfinite(a).all() and np.isfinite(b).all()):  # generate printed "0 0 0 ..." and exited 0

@@ -29,7 +29,6 @@ from kiln.exporter.contract.lora import GRAPH_PREFIX, LoraSlot, LoraSlots
 __all__ = ["LoraSlot", "LoraSlots", "plan_slots", "GRAPH_PREFIX"]
 
 
-
 def plan_slots(model: nn.Module, rank: int, dtype: str, targets: tuple[str, ...] = ()) -> LoraSlots:
     """The slots of a transformers model (``HFDecoder.model``): every Linear and Conv1D but the
     output head and tied weights, in module order; with ``targets`` (``--lora-targets``, module
@@ -49,9 +48,16 @@ def plan_slots(model: nn.Module, rank: int, dtype: str, targets: tuple[str, ...]
         if targets and path.rsplit(".", 1)[-1] not in targets:
             continue
         rows, cols = (int(d) for d in module.weight.shape)
-        slots.append(LoraSlot.of(path, cols, rows) if isinstance(module, nn.Linear) else LoraSlot.of(path, rows, cols))  # Conv1D's weight is [in, out]
+        slots.append(
+            LoraSlot.of(path, cols, rows) if isinstance(module, nn.Linear) else LoraSlot.of(path, rows, cols)
+        )  # Conv1D's weight is [in, out]
     if unknown := sorted(set(targets) - names):
-        raise ConfigError(f"--lora-targets: {', '.join(unknown)} names no Linear of the model that can take a slot; it has {', '.join(sorted(names))}")
+        raise ConfigError(
+            f"--lora-targets: {', '.join(unknown)} names no Linear of the model that can take a slot; it has "
+            f"{', '.join(sorted(names))}"
+        )
     if not slots:
-        raise ConfigError("--lora-slots: the model has no Linear or Conv1D layer besides its output head to give a slot")
+        raise ConfigError(
+            "--lora-slots: the model has no Linear or Conv1D layer besides its output head to give a slot"
+        )
     return LoraSlots(rank, dtype, tuple(slots))

@@ -10,12 +10,14 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
+from torch import nn
+
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.parity.generation import candidate_run, judge, make_prompts
 from kiln.exporter.parity.memory import keeps_model
-from kiln.exporter.parity.quality import QualityPlan, QualityResult, graph_quality, reference_logprobs
 from kiln.exporter.parity.qdq_check import against_qdq
 from kiln.exporter.parity.qdq_numbers import QdqNumbers
+from kiln.exporter.parity.quality import QualityPlan, QualityResult, graph_quality, reference_logprobs
 from kiln.exporter.parity.quantized import Int4Weight, read_int4_weights, use_int4_weights
 from kiln.exporter.parity.results import ParityResult, TensorCheck
 from kiln.exporter.parity.scoring import score
@@ -25,7 +27,6 @@ from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.runners import RecordingRunner, Runner, TorchRunner
 from kiln.exporter.runners.base import Feeds
 from kiln.plugins.base import DecoderSpec
-from torch import nn
 
 __all__ = ["Candidate", "ParitySettings", "QuantizedModel", "check_parity", "quantized_model", "parity_plan"]
 
@@ -69,7 +70,9 @@ class Candidate:
     kv_dtype: str = "float32"
     target: str | None = None
     quantized: Tolerance | None = None
-    weight_bytes: int = 0  # its graph files' and weights files' bytes: what a runtime holds beside the model (``keeps_model``)
+    weight_bytes: int = (
+        0  # its graph files' and weights files' bytes: what a runtime holds beside the model (``keeps_model``)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +108,14 @@ class _Plan:
     def of(cls, spec: DecoderSpec, settings: ParitySettings) -> _Plan:
         single, padded, steps = parity_plan(settings.max_context, settings.max_batch, settings.tokens)
         seed, joined = settings.seed, joins_batches(spec) and len(single) + len(padded) <= settings.max_batch
-        return cls([make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)], single[0], steps, seed, joined, settings.max_batch)
+        return cls(
+            [make_prompts(spec, single, seed), make_prompts(spec, padded, seed + 1)],
+            single[0],
+            steps,
+            seed,
+            joined,
+            settings.max_batch,
+        )
 
     def groups(self) -> list[list[list[list[int]]]]:
         """The batches as they run: all in one group when joined, else one group each."""
@@ -132,8 +142,9 @@ def check_parity(
     cannot be loaded again (no ``release_reference`` or ``reload_reference``); else
     ``release_reference`` frees it before any runtime loads its weights, and ``reload_reference``
     loads it again to score. With ``quantized``, the module is then made to compute with the
-    graphs' int4 weights (or an int8/fp8 export's Q/DQ numbers: ``parity.qdq_check``), and every candidate with a ``quantized`` precision is also judged against
-    it, at that precision's tolerances (``ParityResult.quantized``). With ``quality``, PyTorch's
+    graphs' int4 weights (or an int8/fp8 export's Q/DQ numbers: ``parity.qdq_check``), and every
+    candidate with a ``quantized`` precision is also judged against it, at that precision's
+    tolerances (``ParityResult.quantized``). With ``quality``, PyTorch's
     log-probabilities on its text are kept with the recording, and the first candidate's prefill
     is measured against them while its session is open (``ParityResult.quality``)."""
     progress = progress or NullProgress()
@@ -142,15 +153,24 @@ def check_parity(
     runner = TorchRunner(reference, spec.n_layers, settings.last_logits_only)
     recorded = _record(runner, spec, graphs, plan, np.dtype(candidates[0].kv_dtype), progress)
     measure = _quality(reference, spec, quality, progress)
-    keep = release_reference is None or reload_reference is None or keeps_model(reference, max(c.weight_bytes for c in candidates))
+    keep = (
+        release_reference is None
+        or reload_reference is None
+        or keeps_model(reference, max(c.weight_bytes for c in candidates))
+    )
     held: nn.Module | None = reference
     del reference, runner
     if not keep:
         assert release_reference is not None
         held = None
         release_reference()
-    ran = [_run(recorded, spec, candidate, plan, progress, quantized is not None, measure if i == 0 else None) for i, candidate in enumerate(candidates)]
-    with progress.stage(f"parity: PyTorch scores the graphs' tokens ({'model kept in memory' if keep else 'model loaded again'})"):
+    ran = [
+        _run(recorded, spec, candidate, plan, progress, quantized is not None, measure if i == 0 else None)
+        for i, candidate in enumerate(candidates)
+    ]
+    with progress.stage(
+        f"parity: PyTorch scores the graphs' tokens ({'model kept in memory' if keep else 'model loaded again'})"
+    ):
         module = held if held is not None else _reload(reload_reference)
         del held
         scored = _score(module, spec, plan, ran)
@@ -171,7 +191,9 @@ def check_parity(
     return merged
 
 
-def _quality(reference: nn.Module, spec: DecoderSpec, quality: QualityPlan | None, progress: Progress) -> Callable[[Runner], QualityResult] | None:
+def _quality(
+    reference: nn.Module, spec: DecoderSpec, quality: QualityPlan | None, progress: Progress
+) -> Callable[[Runner], QualityResult] | None:
     """PyTorch's log-probabilities on the quality text (``parity.quality``), computed while the
     model is in memory, and what measures a graph set's runner against them."""
     if quality is None or quality.note is not None:
@@ -181,7 +203,12 @@ def _quality(reference: nn.Module, spec: DecoderSpec, quality: QualityPlan | Non
     return lambda runner: graph_quality(runner, spec, quality.text, kept, quality.threshold)
 
 
-def _merged(ran: Sequence[_Ran], results: list[ParityResult], against: list[ParityResult | None], quantized: QuantizedModel | None) -> ParityResult:
+def _merged(
+    ran: Sequence[_Ran],
+    results: list[ParityResult],
+    against: list[ParityResult | None],
+    quantized: QuantizedModel | None,
+) -> ParityResult:
     """The first candidate's result with every target's merged in, and each one's checks against
     the quantized model."""
     result = results[0]
@@ -201,7 +228,14 @@ def _reload(reload_reference: Callable[[], nn.Module] | None) -> nn.Module:
     return reload_reference()
 
 
-def _record(runner: Runner, spec: DecoderSpec, graphs: tuple[GraphKind, ...], plan: _Plan, kv_dtype: np.dtype, progress: Progress) -> RecordingRunner:
+def _record(
+    runner: Runner,
+    spec: DecoderSpec,
+    graphs: tuple[GraphKind, ...],
+    plan: _Plan,
+    kv_dtype: np.dtype,
+    progress: Progress,
+) -> RecordingRunner:
     """PyTorch's outputs on each graph's tensor feeds (batch 2 and batch 1), recorded, then frozen."""
     recorder = RecordingRunner(runner)
     with progress.stage("parity: PyTorch reference tensors", total=len(graphs)) as bar:
@@ -235,7 +269,13 @@ class _Ran:
 
 
 def _run(
-    recorded: RecordingRunner, spec: DecoderSpec, candidate: Candidate, plan: _Plan, progress: Progress, quantized: bool, measure: Callable[[Runner], QualityResult] | None = None
+    recorded: RecordingRunner,
+    spec: DecoderSpec,
+    candidate: Candidate,
+    plan: _Plan,
+    progress: Progress,
+    quantized: bool,
+    measure: Callable[[Runner], QualityResult] | None = None,
 ) -> _Ran:
     """The candidate's tensors against the recording (batch 2 with a padded row, unless the
     export's max batch is 1, and batch 1), then its greedy run per group of batches (``_Plan``),
@@ -252,7 +292,9 @@ def _run(
         runs = []
         for group in plan.groups():
             rows = [p for prompts in group for p in prompts]
-            runs.append(candidate_run(runner, spec, rows, plan.steps, unified=unified, kv_dtype=kv_dtype, length=plan.length))
+            runs.append(
+                candidate_run(runner, spec, rows, plan.steps, unified=unified, kv_dtype=kv_dtype, length=plan.length)
+            )
             bar.advance()
         return _Ran(candidate, runner.name, tensors, keep or [], runs, measure(runner) if measure is not None else None)
 
@@ -268,35 +310,55 @@ def _score(module: nn.Module | Runner, spec: DecoderSpec, plan: _Plan, ran: Sequ
     return [[next(scored) for _ in r.runs] for r in ran]
 
 
-def _against_qdq(module: nn.Module, spec: DecoderSpec, plan: _Plan, numbers: QdqNumbers, ran: Sequence[_Ran], last_logits_only: bool) -> list[ParityResult | None]:
+def _against_qdq(
+    module: nn.Module, spec: DecoderSpec, plan: _Plan, numbers: QdqNumbers, ran: Sequence[_Ran], last_logits_only: bool
+) -> list[ParityResult | None]:
     """Each candidate with a ``quantized`` tolerance against the module with the export's Q/DQ
     numbers (``parity.qdq_check``), each generation path against its own graphs' scales."""
     judged = [r for r in ran if r.candidate.quantized is not None]
-    checks = against_qdq(module, spec, numbers, ran, last_logits_only, plan.length, lambda runner: _score(runner, spec, plan, judged))
+    checks = against_qdq(
+        module, spec, numbers, ran, last_logits_only, plan.length, lambda runner: _score(runner, spec, plan, judged)
+    )
     return [_result(r, *c[:3], plan, c[3]) if c is not None else None for r, c in zip(ran, checks, strict=True)]
 
 
 def _result(
-    ran: _Ran, tolerance: Tolerance, tensors: list[TensorCheck], scored: list[np.ndarray], plan: _Plan, scored_chunked: list[np.ndarray] | None = None
+    ran: _Ran,
+    tolerance: Tolerance,
+    tensors: list[TensorCheck],
+    scored: list[np.ndarray],
+    plan: _Plan,
+    scored_chunked: list[np.ndarray] | None = None,
 ) -> ParityResult:
     """One candidate's checks: its tensors, then batch by batch each graph path's generation,
     judged against the reference's logits at the candidate's own prefixes (the unified graph's
     chunks against ``scored_chunked`` where given: the Q/DQ reference scores each path with its
     own graphs' scales)."""
-    result = ParityResult(backend=ran.backend, precision=ran.candidate.precision, tolerance=tolerance, tensors=list(tensors))
-    for group, (_, logits, chunked), reference, unified in zip(plan.groups(), ran.runs, scored, scored_chunked or scored, strict=True):
+    result = ParityResult(
+        backend=ran.backend, precision=ran.candidate.precision, tolerance=tolerance, tensors=list(tensors)
+    )
+    for group, (_, logits, chunked), reference, unified in zip(
+        plan.groups(), ran.runs, scored, scored_chunked or scored, strict=True
+    ):
         start = 0
         for prompts in group:
             rows = slice(start, start + len(prompts))
             result.generation.append(judge(prompts, reference[:, rows], logits[:, rows], tolerance, False, plan.length))
             if chunked is not None:
-                result.generation.append(judge(prompts, unified[:, rows], chunked[:, rows], tolerance, True, plan.length))
+                result.generation.append(
+                    judge(prompts, unified[:, rows], chunked[:, rows], tolerance, True, plan.length)
+                )
             start += len(prompts)
     return result
 
 
 def _against_quantized(
-    module: nn.Module, spec: DecoderSpec, plan: _Plan, quantized: QuantizedModel, ran: Sequence[_Ran], last_logits_only: bool
+    module: nn.Module,
+    spec: DecoderSpec,
+    plan: _Plan,
+    quantized: QuantizedModel,
+    ran: Sequence[_Ran],
+    last_logits_only: bool,
 ) -> list[ParityResult | None]:
     """Each candidate with a ``quantized`` precision against the module on the graphs' int4
     weights (converted in place): its tensor outputs on the same feeds, and its runs scored again."""
@@ -310,6 +372,10 @@ def _against_quantized(
         if tolerance is None:
             out.append(None)
             continue
-        tensors = [check for kind, feeds, got in r.outputs for check in compare_outputs(kind, feeds, runner.run(kind, feeds), got, tolerance)]
+        tensors = [
+            check
+            for kind, feeds, got in r.outputs
+            for check in compare_outputs(kind, feeds, runner.run(kind, feeds), got, tolerance)
+        ]
         out.append(_result(r, tolerance, tensors, next(scored), plan))
     return out

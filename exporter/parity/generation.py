@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
 from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.contract.steps import carry, empty_past, encoder_decoder_feeds, left_pad, prompt_feeds, run_steps
 from kiln.exporter.parity.results import GenerationCheck
@@ -14,7 +15,16 @@ from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["greedy", "candidate_run", "unified_chunks", "judge", "make_prompts", "left_pad", "encoder_states", "first_feeds"]  # left_pad: contract.steps
+__all__ = [
+    "greedy",
+    "candidate_run",
+    "unified_chunks",
+    "judge",
+    "make_prompts",
+    "left_pad",
+    "encoder_states",
+    "first_feeds",
+]  # left_pad: contract.steps
 
 
 def make_prompts(spec: DecoderSpec, lengths: Sequence[int], seed: int) -> list[list[int]]:
@@ -25,7 +35,9 @@ def make_prompts(spec: DecoderSpec, lengths: Sequence[int], seed: int) -> list[l
     return [rng.choice(allowed, size=n).tolist() for n in lengths]
 
 
-def encoder_states(spec: DecoderSpec, batch: int, seed: int = 0, length: int = 6, dtype: np.dtype = np.dtype(np.float32)) -> np.ndarray | None:
+def encoder_states(
+    spec: DecoderSpec, batch: int, seed: int = 0, length: int = 6, dtype: np.dtype = np.dtype(np.float32)
+) -> np.ndarray | None:
     """Deterministic stand-in encoder output ``[batch, length, encoder_dim]`` for a cross-attention
     decoder (None for any other): what parity feeds every backend alike."""
     if spec.encoder_dim is None:
@@ -86,7 +98,9 @@ def _unified_first(runner: Runner, spec: DecoderSpec, feeds: Feeds, cross: bool,
     return {k: v for k, v in feeds.items() if k != ENCODER_STATES} | empty_past(spec, batch, kv_dtype) | caches
 
 
-def first_feeds(runner: Runner, spec: DecoderSpec, prompts: Sequence[Sequence[int]], length: int | None) -> tuple[Feeds, np.ndarray | None]:
+def first_feeds(
+    runner: Runner, spec: DecoderSpec, prompts: Sequence[Sequence[int]], length: int | None
+) -> tuple[Feeds, np.ndarray | None]:
     """The prompt step's feeds and the encoder states it reads (None: no cross-attention); an
     encoder-decoder's are the runner's own encoder's."""
     pad = spec.pad_token_id if spec.pad_token_id is not None else 0
@@ -95,7 +109,9 @@ def first_feeds(runner: Runner, spec: DecoderSpec, prompts: Sequence[Sequence[in
     assert spec.decoder_start_token_id is not None, "the family refuses an encoder-decoder without a start token"
 
     def encode(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        return np.asarray(runner.run(GraphKind.ENCODER, {"input_ids": ids, "attention_mask": mask})[ENCODER_STATES], dtype=np.float32)
+        return np.asarray(
+            runner.run(GraphKind.ENCODER, {"input_ids": ids, "attention_mask": mask})[ENCODER_STATES], dtype=np.float32
+        )
 
     feeds = encoder_decoder_feeds(encode, prompts, spec.decoder_start_token_id, pad, length)
     return feeds, feeds.pop(ENCODER_STATES)
@@ -153,7 +169,12 @@ def candidate_run(
 
 
 def judge(
-    prompts: Sequence[Sequence[int]], ref_logits: np.ndarray, cand_logits: np.ndarray, tolerance: Tolerance, unified: bool, length: int | None
+    prompts: Sequence[Sequence[int]],
+    ref_logits: np.ndarray,
+    cand_logits: np.ndarray,
+    tolerance: Tolerance,
+    unified: bool,
+    length: int | None,
 ) -> GenerationCheck:
     """One batch's candidate logits ``[steps, B, vocab]`` against the reference's logits at the
     same positions of the candidate's own sequence (``parity.scoring``): at every step the token
@@ -182,11 +203,15 @@ def judge(
         per_step_max_abs=tuple(float(x) for x in np.abs(cand_logits - ref_logits).max(axis=(1, 2))),
         per_step_scale=tuple(float(x) for x in scale.max(axis=1)),
         per_step_match=tuple(float(x) for x in 1.0 - mismatch.mean(axis=0)),
-        passed=first is None if tolerance.min_token_match >= 1.0 else match + ties / mismatch.size >= tolerance.min_token_match,
+        passed=first is None
+        if tolerance.min_token_match >= 1.0
+        else match + ties / mismatch.size >= tolerance.min_token_match,
     )
 
 
-def _divergence(ref_logits: np.ndarray, ref_tokens: np.ndarray, cand_tokens: np.ndarray, limit: np.ndarray) -> tuple[int | None, int]:
+def _divergence(
+    ref_logits: np.ndarray, ref_tokens: np.ndarray, cand_tokens: np.ndarray, limit: np.ndarray
+) -> tuple[int | None, int]:
     """The first step where the candidate's argmax differs from the reference's argmax other than
     by a tie, and the number of ties: a mismatch where the reference's own logits of the two
     tokens are within twice that row's logits limit (``limit``, [steps, B]) of each other, an

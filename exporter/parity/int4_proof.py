@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.exporter.parity.driver import QuantizedModel
 from kiln.exporter.parity.quantized import Int4Weight
 from kiln.exporter.passes.ir_utils import read_uncached
@@ -36,15 +37,24 @@ _DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32", np.dtype(np.fl
 _MS = "com.microsoft"
 
 
-def write_numbers(path: Path, numbers: Iterable[tuple[str, np.ndarray, np.ndarray, tuple[int, int]]]) -> QuantizerNumbers:
+def write_numbers(
+    path: Path, numbers: Iterable[tuple[str, np.ndarray, np.ndarray, tuple[int, int]]]
+) -> QuantizerNumbers:
     """``numbers`` (module, packed codes, scale [K/B, N], (K, N)) as a safetensors file at ``path``,
     written tensor by tensor (no second copy of them in memory)."""
-    items = [(module, np.ascontiguousarray(packed), np.ascontiguousarray(scale), shape) for module, packed, scale, shape in numbers]
+    items = [
+        (module, np.ascontiguousarray(packed), np.ascontiguousarray(scale), shape)
+        for module, packed, scale, shape in numbers
+    ]
     header: dict[str, object] = {"__metadata__": {"int4": json.dumps({m: list(s) for m, _, _, s in items})}}
     offset = 0
     for module, packed, scale, _ in items:
         for name, array in ((f"{module}.q", packed), (f"{module}.scale", scale)):
-            header[name] = {"dtype": _DTYPES[array.dtype], "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+            header[name] = {
+                "dtype": _DTYPES[array.dtype],
+                "shape": list(array.shape),
+                "data_offsets": [offset, offset + array.nbytes],
+            }
             offset += array.nbytes
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
@@ -124,7 +134,10 @@ def _nbits_numbers(node: ir.Node) -> tuple[np.ndarray, np.ndarray] | None:
 def _first_difference(q: np.ndarray, scale: np.ndarray, want_q: np.ndarray, want_scale: np.ndarray) -> str | None:
     """Where a graph weight's codes and scales first differ, bit for bit, from the quantizer's."""
     if q.shape != want_q.shape or scale.shape != want_scale.shape:
-        return f"codes {list(q.shape)} and scales {list(scale.shape)} where the quantizer made {list(want_q.shape)} and {list(want_scale.shape)}"
+        return (
+            f"codes {list(q.shape)} and scales {list(scale.shape)} where the quantizer made {list(want_q.shape)} and "
+            f"{list(want_scale.shape)}"
+        )
     if scale.dtype != want_scale.dtype:
         return f"{scale.dtype} scales where the quantizer made {want_scale.dtype}"
     blocks, n = scale.shape
@@ -146,7 +159,13 @@ def _first_difference(q: np.ndarray, scale: np.ndarray, want_q: np.ndarray, want
 def _dq_weight(node: ir.Node) -> tuple[list[str], np.ndarray, np.ndarray] | None:
     """A portable int4 ``DequantizeLinear``'s module (its MatMul's), codes and scales."""
     weight = node.inputs[0] if node.op_type == "DequantizeLinear" and node.domain == "" and node.inputs else None
-    if weight is None or weight.dtype != ir.DataType.INT4 or weight.const_value is None or len(node.inputs) < 2 or node.inputs[1] is None:
+    if (
+        weight is None
+        or weight.dtype != ir.DataType.INT4
+        or weight.const_value is None
+        or len(node.inputs) < 2
+        or node.inputs[1] is None
+    ):
         return None
     scale = node.inputs[1].const_value
     modules = sorted({module_of(u.node) for u in node.outputs[0].uses()})
@@ -201,7 +220,9 @@ class _Judge:
         after no module of its own), in the quantizer's order."""
         layer = re.search(r"(?:^|\.)([A-Za-z_]\w*\.\d+)\.", prefix)
         scope = layer.group(1) if layer else ""
-        candidates = [m for m in self.numbers.modules if _in_layer(m, scope) and self.numbers.shapes[m][0] == q.shape[0]]
+        candidates = [
+            m for m in self.numbers.modules if _in_layer(m, scope) and self.numbers.shapes[m][0] == q.shape[0]
+        ]
         start = 0
         for part, size in enumerate(sizes):
             pq, ps = q[:, start : start + size], scale[:, start : start + size]
@@ -213,7 +234,10 @@ class _Judge:
             elif shaped:
                 self.one(f"{where} (part {part}, columns {start - size}-{start - 1})", shaped[0], pq, ps)
             else:
-                self.fail(where, f"part {part} ({size} columns) matches no int4 weight the quantizer made in {scope or 'the model'}")
+                self.fail(
+                    where,
+                    f"part {part} ({size} columns) matches no int4 weight the quantizer made in {scope or 'the model'}",
+                )
 
     def node(self, node: ir.Node) -> None:
         where = node.name or node.op_type
@@ -221,7 +245,9 @@ class _Judge:
         if dq is not None:
             modules, q, scale = dq
             if len(modules) != 1 or not modules[0]:
-                return self.fail(where, f"its int4 weight does not feed the MatMul of one named module (found {modules})")
+                return self.fail(
+                    where, f"its int4 weight does not feed the MatMul of one named module (found {modules})"
+                )
             return self.one(where, modules[0], q, scale)
         nbits = _nbits_numbers(node) if node.op_type == "MatMulNBits" and node.domain == _MS else None
         if nbits is None:
@@ -262,5 +288,8 @@ def check_graph_weights(numbers: QuantizerNumbers, sets: Sequence[tuple[str, Seq
                     return judge.failure
         missing = [m for m in numbers.modules if m not in judge.covered]
         if missing:
-            return f"{label}: holds no int4 weight for {missing[:3]}{' and more' if len(missing) > 3 else ''}, which the quantizer made numbers for"
+            return (
+                f"{label}: holds no int4 weight for {missing[:3]}{' and more' if len(missing) > 3 else ''}, which "
+                "the quantizer made numbers for"
+            )
     return None

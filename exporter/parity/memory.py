@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import itertools
 
-from kiln.exporter.contract.static_cache import machine_memory
 from torch import nn
+
+from kiln.exporter.contract.static_cache import machine_memory
 
 __all__ = ["KEEP_FRACTION", "keeps_model", "module_bytes"]
 

@@ -55,7 +55,14 @@ def plot_lines(result: ParityResult) -> list[PlotLine]:
         error = tuple(max(e, _FLOOR) for e in g.per_step_max_abs)
         limit = tuple(rules[g.target or "portable"].limit(s) for s in g.per_step_scale)
         line = PlotLine(g.label, g.target or "portable", g.path.endswith("model"), error, limit, g.per_step_match)
-        same = next((i for i, other in enumerate(lines) if (other.error, other.limit, other.match) == (error, limit, g.per_step_match)), None)
+        same = next(
+            (
+                i
+                for i, other in enumerate(lines)
+                if (other.error, other.limit, other.match) == (error, limit, g.per_step_match)
+            ),
+            None,
+        )
         if same is None:
             lines.append(line)
         else:
@@ -67,7 +74,11 @@ def plot_lines(result: ParityResult) -> list[PlotLine]:
 
 def limit_labels(result: ParityResult) -> dict[str, str]:
     """Per graph set, the label of its runs' dotted limits: ``limit 1e-05 + 0.0001 x max|logit| (portable fp32)``."""
-    return {s.name: f"limit {s.tolerance.logits_atol:g} + {s.tolerance.logits_rtol:g} x step's max|logit| ({s.name} {s.precision})" for s in result.sets()}
+    return {
+        s.name: f"limit {s.tolerance.logits_atol:g} + {s.tolerance.logits_rtol:g} x step's max|logit| ({s.name} "
+        f"{s.precision})"
+        for s in result.sets()
+    }
 
 
 def run_rules(result: ParityResult) -> list[tuple[str, float]]:
@@ -75,7 +86,10 @@ def run_rules(result: ParityResult) -> list[tuple[str, float]]:
     grouped: dict[float, list[str]] = {}
     for s in result.sets():
         grouped.setdefault(s.tolerance.min_token_match, []).append(f"{s.name} {s.precision}")
-    return [(f"whole run: token match at least {m:.0%}, ties excepted ({', '.join(names)})", m) for m, names in grouped.items()]
+    return [
+        (f"whole run: token match at least {m:.0%}, ties excepted ({', '.join(names)})", m)
+        for m, names in grouped.items()
+    ]
 
 
 def write_plot(result: ParityResult, path: Path) -> None:
@@ -96,7 +110,14 @@ def figure(result: ParityResult) -> Figure:
     lines = plot_lines(result)
     quality = result.quality is not None and result.quality.note is None
     ratios = (3, 2, 1.4) if quality else (3, 2)
-    fig, axes = plt.subplots(len(ratios), 1, figsize=(8, 6.5 + 1.2 * quality + 0.18 * len(lines)), dpi=100, layout="constrained", height_ratios=ratios)
+    fig, axes = plt.subplots(
+        len(ratios),
+        1,
+        figsize=(8, 6.5 + 1.2 * quality + 0.18 * len(lines)),
+        dpi=100,
+        layout="constrained",
+        height_ratios=ratios,
+    )
     error, tokens = axes[0], axes[1]
     tokens.sharex(error)
     _proof(result, lines, error, tokens, plt.rcParams["axes.prop_cycle"].by_key()["color"])
@@ -112,18 +133,37 @@ def _proof(result: ParityResult, lines: list[PlotLine], error: Axes, tokens: Axe
     markers = {name: m for name, m in zip(dict.fromkeys(line.graph_set for line in lines), itertools.cycle(_MARKERS))}
     labels, labelled = limit_labels(result), set()
     for index, (line, color) in enumerate(zip(lines, itertools.cycle(palette))):
-        size = max(2.0, 7.0 - 1.5 * index)  # each line drawn smaller than the one before: one hidden under a later one still shows
-        style: dict[str, Any] = dict(color=color, marker=markers[line.graph_set], markersize=size, linestyle="--" if line.model else "-", linewidth=max(0.8, 2.4 - 0.4 * index))
+        size = max(
+            2.0, 7.0 - 1.5 * index
+        )  # each line drawn smaller than the one before: one hidden under a later one still shows
+        style: dict[str, Any] = dict(
+            color=color,
+            marker=markers[line.graph_set],
+            markersize=size,
+            linestyle="--" if line.model else "-",
+            linewidth=max(0.8, 2.4 - 0.4 * index),
+        )
         steps = range(len(line.error))
         error.semilogy(steps, line.error, label=line.label, **style)
         first = line.graph_set not in labelled
         labelled.add(line.graph_set)
-        error.semilogy(steps, line.limit, color=color, linestyle=":", linewidth=1.2, label=labels[line.graph_set] if first else "_nolegend_")
+        error.semilogy(
+            steps,
+            line.limit,
+            color=color,
+            linestyle=":",
+            linewidth=1.2,
+            label=labels[line.graph_set] if first else "_nolegend_",
+        )
         tokens.plot(steps, [100 * m for m in line.run_match], **style)
     for (label, share), color in zip(run_rules(result), itertools.cycle(("red", "purple", "darkorange", "black"))):
-        tokens.axhline(100 * share, xmin=0.9, xmax=1.0, color=color, linestyle=":", linewidth=2.5, label=label)  # judged at the run's end
+        tokens.axhline(
+            100 * share, xmin=0.9, xmax=1.0, color=color, linestyle=":", linewidth=2.5, label=label
+        )  # judged at the run's end
     error.set_ylabel("max |logit error| (dotted: its limit)")
-    error.set_title(f"proof: {result.backend} vs PyTorch: {', '.join(f'{s.name} {s.precision}' for s in result.sets())}")
+    error.set_title(
+        f"proof: {result.backend} vs PyTorch: {', '.join(f'{s.name} {s.precision}' for s in result.sets())}"
+    )
     tokens.set_ylabel("run's token match so far (%)")
     tokens.set_ylim(-5, 105)
     tokens.set_xlabel("generation step (the graphs' own tokens, scored by PyTorch)")
@@ -135,12 +175,15 @@ def _quality(result: ParityResult, ax: Axes) -> None:
     assert q is not None
     ax.barh([0], [100 * q.agreement], color="tab:blue" if q.passed else "tab:red", height=0.5)
     if q.threshold is not None:
-        ax.axvline(100 * q.threshold, color="black", linestyle=":", linewidth=2, label=f"gate: at least {q.threshold:g}")
+        ax.axvline(
+            100 * q.threshold, color="black", linestyle=":", linewidth=2, label=f"gate: at least {q.threshold:g}"
+        )
     ax.set_xlim(0, 100)
     ax.set_yticks([0], [f"top-1 agreement {q.agreement:.3f}"])
     ax.set_xlabel("top-1 agreement with the checkpoint's model on the text (%)")
     ax.set_title(
         f"quality, apart from the proof ({q.judged})\n{q.tokens} tokens of {q.source}\n"
-        f"KL {q.kl:.3g} nats, perplexity {q.perplexity_checkpoint:.4g} (checkpoint) -> {q.perplexity_graphs:.4g} (graphs)",
+        f"KL {q.kl:.3g} nats, perplexity {q.perplexity_checkpoint:.4g} (checkpoint) -> {q.perplexity_graphs:.4g} "
+        "(graphs)",
         fontsize=8,
     )

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
+from torch import nn
+
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.parity.qdq_model import QdqReference
 from kiln.exporter.parity.qdq_numbers import QdqNumbers
@@ -17,7 +19,6 @@ from kiln.exporter.parity.tensors import compare_outputs
 from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
 from kiln.plugins.base import DecoderSpec
-from torch import nn
 
 __all__ = ["Judged", "against_qdq"]
 
@@ -37,11 +38,19 @@ class _Ran(Protocol):
     def outputs(self) -> list[tuple[GraphKind, Feeds, Feeds]]: ...
 
 
-Judged = tuple[Tolerance, list[TensorCheck], list[np.ndarray], list[np.ndarray]]  # its tolerance, tensor checks, each path's scores
+Judged = tuple[
+    Tolerance, list[TensorCheck], list[np.ndarray], list[np.ndarray]
+]  # its tolerance, tensor checks, each path's scores
 
 
 def against_qdq(
-    module: nn.Module, spec: DecoderSpec, numbers: QdqNumbers, ran: Sequence[_Ran], last_logits_only: bool, length: int, score: Callable[[Runner], list[list[np.ndarray]]]
+    module: nn.Module,
+    spec: DecoderSpec,
+    numbers: QdqNumbers,
+    ran: Sequence[_Ran],
+    last_logits_only: bool,
+    length: int,
+    score: Callable[[Runner], list[list[np.ndarray]]],
 ) -> list[Judged | None]:
     """Each candidate with a ``quantized`` tolerance checked against ``module`` made to compute
     with ``numbers`` (in place): its tensor checks, then the reference's logits at every step of
@@ -59,7 +68,9 @@ def against_qdq(
         tensors = [
             check
             for kind, feeds, got in r.outputs
-            for check in compare_outputs(kind, feeds, reference.runner(kind, last_logits_only=last_logits_only).run(kind, feeds), got, tolerance)
+            for check in compare_outputs(
+                kind, feeds, reference.runner(kind, last_logits_only=last_logits_only).run(kind, feeds), got, tolerance
+            )
         ]
         scored = next(stepped)
         out.append((tolerance, tensors, scored, next(unified) if unified is not None else scored))

@@ -25,12 +25,13 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+from torch import nn
+
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.parity.qdq_numbers import QdqModule, QdqNumbers
 from kiln.exporter.runners import TorchRunner
 from kiln.exporter.runners.base import Feeds
-from torch import nn
 
 __all__ = ["QdqReference"]
 
@@ -65,12 +66,23 @@ class _Columns:
         if len(set(kinds)) == 1:
             return per_kind[kinds[0]]
         if len(shape) < 2 or shape[-2] != len(kinds):  # as an MoE's gathered tokens would be
-            raise ExportError(f"parity: the Q/DQ reference cannot tell which graph's scales apply to an input {list(shape)} of a forward of {len(kinds)} positions")
+            raise ExportError(
+                f"parity: the Q/DQ reference cannot tell which graph's scales apply to an input {list(shape)} of "
+                f"a forward of {len(kinds)} positions"
+            )
         return torch.stack([per_kind[k] for k in kinds]).reshape(len(kinds), 1)
 
 
-def _qdq_forward(module: nn.Module, weight: torch.Tensor, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor] | None,
-                 columns: _Columns, form: str, half: bool, x: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def _qdq_forward(
+    module: nn.Module,
+    weight: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
+    outputs: dict[str, torch.Tensor] | None,
+    columns: _Columns,
+    form: str,
+    half: bool,
+    x: torch.Tensor,
+) -> torch.Tensor:
     x = x.float()
     out = _fake(x, columns.scales(inputs, x.shape), form, half) @ weight
     if outputs is not None:
@@ -104,7 +116,8 @@ def _linear(root: nn.Module, name: str, numbers: QdqModule) -> tuple[nn.Module, 
         weight = own.detach().float()
     if weight is None or weight.shape[1] != numbers.weight.shape[0]:
         raise ExportError(
-            f"parity: {numbers.node}'s Q/DQ weight ({numbers.weight.shape[0]} columns) cannot be mapped onto {name} ({type(sub).__name__}): "
+            f"parity: {numbers.node}'s Q/DQ weight ({numbers.weight.shape[0]} columns) cannot be mapped onto "
+            f"{name} ({type(sub).__name__}): "
             "only an nn.Linear's or a Conv1D's weight of as many output features can be"
         )
     return sub, weight.contiguous()
@@ -123,20 +136,33 @@ class QdqReference:
         for name in names:
             per_kind = {kind: modules[name] for kind, modules in graphs.items() if name in modules}
             if len(per_kind) != len(graphs):
-                raise ExportError(f"parity: {name} is quantized in some graphs only ({sorted(per_kind)}): the Q/DQ reference needs it in every graph")
+                raise ExportError(
+                    f"parity: {name} is quantized in some graphs only ({sorted(per_kind)}): the Q/DQ reference "
+                    "needs it in every graph"
+                )
             first = next(iter(per_kind.values()))
             sub, weight = _linear(module, name, first)
             inputs = {k: _scalar(numbers.held(m.input)) for k, m in per_kind.items()}
-            outputs = {k: _scalar(numbers.held(m.output)) for k, m in per_kind.items() if m.output is not None} if first.output is not None else None
+            outputs = (
+                {k: _scalar(numbers.held(m.output)) for k, m in per_kind.items() if m.output is not None}
+                if first.output is not None
+                else None
+            )
             w = _dequantized(weight, first.weight, form, numbers.float16)
-            sub.forward = functools.partial(_qdq_forward, sub, w, inputs, outputs, self._columns, form, numbers.float16)  # this instance only
+            sub.forward = functools.partial(
+                _qdq_forward, sub, w, inputs, outputs, self._columns, form, numbers.float16
+            )  # this instance only
             own = sub._parameters.get("weight")
             if own is not None and id(own) not in shared:
-                own.data = torch.empty(0, dtype=own.dtype)  # its float values are never read again (the dequantized ones are)
+                own.data = torch.empty(
+                    0, dtype=own.dtype
+                )  # its float values are never read again (the dequantized ones are)
         if not names:
             raise ExportError("parity: the Q/DQ numbers name no quantized MatMul to check against")
 
-    def runner(self, first: GraphKind, boundary: int = 0, rest: GraphKind | None = None, *, last_logits_only: bool = False) -> _Scheduled:
+    def runner(
+        self, first: GraphKind, boundary: int = 0, rest: GraphKind | None = None, *, last_logits_only: bool = False
+    ) -> _Scheduled:
         """A runner applying ``first``'s scales before position ``boundary`` and ``rest``'s (else
         ``first``'s) from there on; with ``last_logits_only`` its prefill returns the last position's logits."""
         return _Scheduled(self._runners[last_logits_only], self._columns, first.value, boundary, (rest or first).value)

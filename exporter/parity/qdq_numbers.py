@@ -71,7 +71,9 @@ def write_qdq_numbers(path: Path, numbers: QdqNumbers) -> QdqNumbers:
             nodes[graph][name] = m.node
             parts = {"input": m.input, "weight": m.weight} | ({"output": m.output} if m.output is not None else {})
             tensors |= {f"{graph}|{name}|{part}": np.ascontiguousarray(value) for part, value in parts.items()}
-    save_file(tensors, str(path), metadata={"form": numbers.form, "nodes": json.dumps(nodes), "float16": str(numbers.float16)})
+    save_file(
+        tensors, str(path), metadata={"form": numbers.form, "nodes": json.dumps(nodes), "float16": str(numbers.float16)}
+    )
     return read_qdq_numbers(path)
 
 
@@ -96,5 +98,7 @@ def read_qdq_numbers(path: Path) -> QdqNumbers:
                 scale, weight = get(graph, module, "input"), get(graph, module, "weight")
                 assert scale is not None and weight is not None, "write_qdq_numbers writes both"
                 output = get(graph, module, "output")  # scalars: safetensors may give them back as [1]
-                graphs[graph][module] = QdqModule(module, node, scale.reshape(()), output.reshape(()) if output is not None else None, weight)
+                graphs[graph][module] = QdqModule(
+                    module, node, scale.reshape(()), output.reshape(()) if output is not None else None, weight
+                )
     return QdqNumbers(form, graphs, meta.get("float16") == "True")

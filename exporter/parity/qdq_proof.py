@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.exporter.parity.qdq_numbers import QdqModule, QdqNumbers
 from kiln.exporter.passes.names import module_of
 
@@ -38,7 +39,10 @@ def _differs(found: np.ndarray | None, want: np.ndarray, what: str) -> str | Non
     if found is None:
         return f"its {what} scale is not a constant"
     if found.dtype != want.dtype or found.shape != want.shape:
-        return f"its {what} scale is {found.dtype} {list(found.shape)} where the calibration made {want.dtype} {list(want.shape)}"
+        return (
+            f"its {what} scale is {found.dtype} {list(found.shape)} where the calibration made {want.dtype} "
+            f"{list(want.shape)}"
+        )
     bits = np.dtype(f"u{want.dtype.itemsize}")
     bad = np.flatnonzero(found.view(bits) != want.view(bits))
     if bad.size == 0:
@@ -54,8 +58,14 @@ def _zero_point(node: ir.Node, form: str, what: str) -> str | None:
     zero, codes = node.inputs[2] if len(node.inputs) > 2 else None, _CODES[form]
     if zero is None:
         source = node.inputs[0]
-        typed = node.attributes.get_int("output_dtype", 0) if node.op_type == "QuantizeLinear" else (source.dtype if source is not None else None)
-        return None if typed == codes else f"its {what} {node.op_type} has no zero point and is not of type {codes.name}"
+        typed = (
+            node.attributes.get_int("output_dtype", 0)
+            if node.op_type == "QuantizeLinear"
+            else (source.dtype if source is not None else None)
+        )
+        return (
+            None if typed == codes else f"its {what} {node.op_type} has no zero point and is not of type {codes.name}"
+        )
     value = _const(zero)
     if value is None or zero.dtype != codes:
         return f"its {what} {node.op_type} has no {codes.name} zero point"
@@ -64,7 +74,11 @@ def _zero_point(node: ir.Node, form: str, what: str) -> str | None:
 
 def _pair(dq: ir.Node | None, form: str, want: np.ndarray, what: str) -> str | None:
     """``dq`` as the DequantizeLinear of a QuantizeLinear -> DequantizeLinear pair of scale ``want``."""
-    q = dq.inputs[0].producer() if dq is not None and dq.op_type == "DequantizeLinear" and dq.inputs[0] is not None else None
+    q = (
+        dq.inputs[0].producer()
+        if dq is not None and dq.op_type == "DequantizeLinear" and dq.inputs[0] is not None
+        else None
+    )
     if dq is None or q is None or q.op_type != "QuantizeLinear":
         return f"its {what} has no QuantizeLinear -> DequantizeLinear pair, which the calibration made a scale for"
     for node in (q, dq):
@@ -88,10 +102,17 @@ def _weight(node: ir.Node, form: str, want: np.ndarray) -> str | None:
 def _output(node: ir.Node, form: str, want: np.ndarray) -> str | None:
     users = [u.node for u in node.outputs[0].uses()]
     if not users or any(u.op_type != "QuantizeLinear" for u in users):
-        return "its output does not go only into a QuantizeLinear -> DequantizeLinear pair, which the calibration made a scale for"
+        return (
+            "its output does not go only into a QuantizeLinear -> DequantizeLinear pair, which the calibration made "
+            "a scale for"
+        )
     for q in users:
         dqs = [u.node for u in q.outputs[0].uses()]
-        found = next((f for dq in dqs if (f := _pair(dq, form, want, "output")) is not None), None) if dqs else "its output's QuantizeLinear feeds nothing"
+        found = (
+            next((f for dq in dqs if (f := _pair(dq, form, want, "output")) is not None), None)
+            if dqs
+            else "its output's QuantizeLinear feeds nothing"
+        )
         if found is not None:
             return found
     return None
@@ -117,14 +138,22 @@ def _graph(path: Path, modules: Mapping[str, QdqModule], numbers: QdqNumbers) ->
         if made is None:
             reads = x.producer() if x is not None else None
             if reads is not None and reads.op_type == "DequantizeLinear":
-                return f"{node.name}: it reads a Q/DQ activation, where the calibration made no numbers for {module or 'its module'}"
+                return (
+                    f"{node.name}: it reads a Q/DQ activation, where the calibration made no numbers for "
+                    f"{module or 'its module'}"
+                )
             continue
         found = _module(node, made, numbers)
         if found is not None:
             return f"{node.name}: {found}"
         seen.add(module)
     missing = [m for m in modules if m not in seen]
-    return f"holds no MatMul of {missing[:3]}{' and more' if len(missing) > 3 else ''}, which the calibration made numbers for" if missing else None
+    return (
+        f"holds no MatMul of {missing[:3]}{' and more' if len(missing) > 3 else ''}, which the calibration made "
+        "numbers for"
+        if missing
+        else None
+    )
 
 
 def check_graph_qdq(numbers: QdqNumbers, sets: Sequence[tuple[str, Mapping[str, Path]]]) -> str | None:

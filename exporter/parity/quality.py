@@ -20,13 +20,22 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.contract.steps import prompt_feeds
 from kiln.exporter.parity.quality_text import QualityText
 from kiln.exporter.runners.base import Runner
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["THRESHOLDS", "QualityPlan", "QualityResult", "graph_quality", "measures", "reference_logprobs", "threshold_for"]
+__all__ = [
+    "THRESHOLDS",
+    "QualityPlan",
+    "QualityResult",
+    "graph_quality",
+    "measures",
+    "reference_logprobs",
+    "threshold_for",
+]
 
 # top-1 agreement on real text, at least, per low-bit kind (docs/parity.md: the demo's figures behind them)
 THRESHOLDS = {"int8": 0.9, "fp8": 0.9, "int4": 0.85}
@@ -108,7 +117,8 @@ class QualityResult:
         if self.note is not None:
             return self.note
         return (
-            f"top-1 agreement {self.agreement:.3f}, KL {self.kl:.3g}, perplexity {self.perplexity_checkpoint:.4g} (checkpoint) -> "
+            f"top-1 agreement {self.agreement:.3f}, KL {self.kl:.3g}, perplexity "
+            f"{self.perplexity_checkpoint:.4g} (checkpoint) -> "
             f"{self.perplexity_graphs:.4g} (graphs) over {self.tokens} tokens of {self.source}"
         )
 
@@ -116,7 +126,9 @@ class QualityResult:
         return {**dataclasses.asdict(self), "passed": self.passed, "judged": self.judged}
 
 
-def graph_quality(runner: Runner, spec: DecoderSpec, text: QualityText, reference: Sequence[np.ndarray], threshold: float | None) -> QualityResult:
+def graph_quality(
+    runner: Runner, spec: DecoderSpec, text: QualityText, reference: Sequence[np.ndarray], threshold: float | None
+) -> QualityResult:
     """The graphs' prefill on every chunk against PyTorch's kept log-probabilities."""
     agree = kl = nll_ref = nll_graph = 0.0
     positions = predicted = 0

@@ -19,14 +19,27 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+
 from kiln.errors import ConfigError
 from kiln.inputs import TOKENIZER_MAX_BYTES, open_input, read_input
 
-__all__ = ["CHUNK_TOKENS", "EVAL_READ_CHARS", "QUALITY_BYTES", "QUALITY_TOKENS", "QualityText", "chunked", "quality_text_of", "random_text", "read_eval_ids"]
+__all__ = [
+    "CHUNK_TOKENS",
+    "EVAL_READ_CHARS",
+    "QUALITY_BYTES",
+    "QUALITY_TOKENS",
+    "QualityText",
+    "chunked",
+    "quality_text_of",
+    "random_text",
+    "read_eval_ids",
+]
 
 QUALITY_TOKENS = 2048  # tokens scored (teacher-forced), at most
 CHUNK_TOKENS = 256  # tokens per chunk (one prefill each), at most the export's context
-QUALITY_BYTES = 1 << 28  # PyTorch's kept log-probabilities, 4 x tokens x vocab, at most (256 MB): 512 tokens at a 128k vocabulary
+QUALITY_BYTES = (
+    1 << 28
+)  # PyTorch's kept log-probabilities, 4 x tokens x vocab, at most (256 MB): 512 tokens at a 128k vocabulary
 EVAL_READ_CHARS = 1 << 20  # characters of --eval-data read: far more than QUALITY_TOKENS tokens take
 
 
@@ -85,27 +98,43 @@ def read_eval_ids(path: Path, tokenizer: Path | None, vocab_size: int, flag: str
         raise ConfigError(f"{flag} {path}: text needs the checkpoint's tokenizer.json, and the checkpoint has none")
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_str(read_input(tokenizer, ConfigError, TOKENIZER_MAX_BYTES, what="a tokenizer.json").decode("utf-8"))
+    tok = Tokenizer.from_str(
+        read_input(tokenizer, ConfigError, TOKENIZER_MAX_BYTES, what="a tokenizer.json").decode("utf-8")
+    )
     ids = tok.encode(text, add_special_tokens=False).ids
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ConfigError(f"{flag} {path}: the tokenizer gives ids outside the model's vocabulary [0, {vocab_size}) (e.g. {bad[0]})")
+        raise ConfigError(
+            f"{flag} {path}: the tokenizer gives ids outside the model's vocabulary [0, {vocab_size}) (e.g. {bad[0]})"
+        )
     if len(ids) < 2:
         raise ConfigError(f"{flag} {path}: {len(ids)} token of text; at least 2 are needed")
     return ids
 
 
 def quality_text_of(
-    eval_data: Path | None, demo_heldout: Path | None, calibration: tuple[str, Callable[[int, int], Sequence[int]], bool] | None, tokenizer: Path | None, vocab_size: int, max_context: int
+    eval_data: Path | None,
+    demo_heldout: Path | None,
+    calibration: tuple[str, Callable[[int, int], Sequence[int]], bool] | None,
+    tokenizer: Path | None,
+    vocab_size: int,
+    max_context: int,
 ) -> QualityText:
     """The export's quality text (the module's order), random tokens without any. ``calibration``:
     the calibration data's name, what reads its first ids (given the tokens and the chunk length),
     and whether it is text (a ``.npy``/``.npz`` file of ids may be anything: it never gates)."""
     if eval_data is not None:
-        return chunked(read_eval_ids(eval_data, tokenizer, vocab_size), f"--eval-data {eval_data}", vocab_size, max_context)
+        return chunked(
+            read_eval_ids(eval_data, tokenizer, vocab_size), f"--eval-data {eval_data}", vocab_size, max_context
+        )
     if demo_heldout is not None and tokenizer is not None:
         held = read_eval_ids(demo_heldout, tokenizer, vocab_size, "the demo's held-out text")
-        return chunked(held[-budget(vocab_size, max_context)[0] :], "demo/checkpoint/heldout.txt (its last tokens)", vocab_size, max_context)
+        return chunked(
+            held[-budget(vocab_size, max_context)[0] :],
+            "demo/checkpoint/heldout.txt (its last tokens)",
+            vocab_size,
+            max_context,
+        )
     if calibration is not None:
         name, ids, text = calibration
         what = "the calibration data" if text else "the calibration token ids (not known to be text: recorded only)"

@@ -26,11 +26,12 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import torch
+from torch import nn
+
 from kiln.errors import ExportError
 from kiln.exporter.passes.ir_utils import read_uncached
 from kiln.exporter.passes.names import module_of
 from kiln.exporter.runners.torch_runner import Scratch, computes_in_fp32, fp32_scratch
-from torch import nn
 
 __all__ = ["Int4Weight", "read_int4_weights", "use_int4_weights"]
 
@@ -68,9 +69,14 @@ def _int4_weight(node: ir.Node) -> Int4Weight | None:
     users = [u.node for u in node.outputs[0].uses()]
     modules = {module_of(u) for u in users}
     if scale is None or not users or len(modules) != 1 or "" in modules:
-        raise ExportError(f"parity: the int4 weight of {node.name} does not feed the MatMul of one named module (found {sorted(modules)})")
+        raise ExportError(
+            f"parity: the int4 weight of {node.name} does not feed the MatMul of one named module (found "
+            f"{sorted(modules)})"
+        )
     q = read_uncached(weight.const_value, np.dtype(np.int8))
-    return Int4Weight(modules.pop(), node.name or "", q, np.array(scale.numpy(), dtype=np.float32))  # a copy: torch wants it writable
+    return Int4Weight(
+        modules.pop(), node.name or "", q, np.array(scale.numpy(), dtype=np.float32)
+    )  # a copy: torch wants it writable
 
 
 def use_int4_weights(module: nn.Module, weights: Iterable[Int4Weight]) -> list[str]:
@@ -82,13 +88,18 @@ def use_int4_weights(module: nn.Module, weights: Iterable[Int4Weight]) -> list[s
         sub = _module(module, weight.module, weight)
         sub.register_buffer(_Q, torch.from_numpy(weight.q), persistent=False)
         sub.register_buffer(_SCALE, torch.from_numpy(weight.scale), persistent=False)
-        sub.forward = functools.partial(_int4_forward, sub, weight.q.shape[0] // weight.scale.shape[0], scratch)  # this instance only
+        sub.forward = functools.partial(
+            _int4_forward, sub, weight.q.shape[0] // weight.scale.shape[0], scratch
+        )  # this instance only
         own = sub._parameters["weight"]
         if own is not None and id(own) not in shared:
             own.data = torch.empty(0, dtype=own.dtype)  # its float values are never read again
         changed.append(weight.module)
     if not changed:
-        raise ExportError("parity: the graphs hold no int4 weight to check against (an int4 export without one is refused when written)")
+        raise ExportError(
+            "parity: the graphs hold no int4 weight to check against (an int4 export without one is refused when "
+            "written)"
+        )
     return changed
 
 
@@ -107,7 +118,8 @@ def _module(root: nn.Module, name: str, weight: Int4Weight) -> nn.Module:
     if expected is None or not isinstance(own, torch.Tensor) or tuple(own.shape) != expected:
         found = tuple(own.shape) if isinstance(own, torch.Tensor) else None
         raise ExportError(
-            f"parity: {weight.node}'s int4 weight [K={k}, N={n}] cannot be mapped onto {name} ({type(sub).__name__}, weight {found}): "
+            f"parity: {weight.node}'s int4 weight [K={k}, N={n}] cannot be mapped onto {name} "
+            f"({type(sub).__name__}, weight {found}): "
             "only an nn.Linear's or a Conv1D's weight can be"
         )
     return sub

@@ -69,13 +69,16 @@ def summary_table(result: ParityResult) -> list[str]:
     their limits) against their tolerances, atol + rtol x the row's max abs reference; cosine and
     tokens against theirs."""
     lines = [
-        "| graph set | precision | worst logit error | logits tolerance: atol + rtol x its row's max abs logit | worst KV/other error "
-        "| KV/other tolerance: atol + rtol x its row's max abs value | cosine at least | lowest token match | token match at least | ok |",
+        "| graph set | precision | worst logit error | logits tolerance: atol + rtol x its row's max abs logit | "
+        "worst KV/other error "
+        "| KV/other tolerance: atol + rtol x its row's max abs value | cosine at least | lowest token match | "
+        "token match at least | ok |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s, gates in _labelled_sets(result):
         lines.append(
-            f"| {name} | {s.precision} | {_cells(s.worst(True))} | {_cells(s.worst(False))} | {s.tolerance.min_cosine:g} "
+            f"| {name} | {s.precision} | {_cells(s.worst(True))} | {_cells(s.worst(False))} | "
+            f"{s.tolerance.min_cosine:g} "
             f"| {s.token_match:.2%} | {_token_floor(s)} | {_ok(s.passed, gates)} |"
         )
     return lines
@@ -86,7 +89,11 @@ def _token_floor(s: GraphSetParity) -> str:
     (a row read "98.96% | 100% | yes" with nothing saying so)."""
     floor = f"{s.tolerance.min_token_match:.0%}"
     ties = sum(g.ties for g in s.generation)
-    return f"{floor} ({ties} near-tie{'s' if ties > 1 else ''} excepted)" if ties and s.token_match < s.tolerance.min_token_match else floor
+    return (
+        f"{floor} ({ties} near-tie{'s' if ties > 1 else ''} excepted)"
+        if ties and s.token_match < s.tolerance.min_token_match
+        else floor
+    )
 
 
 def _figures(t: TensorCheck | None, missing: str) -> str:
@@ -110,7 +117,9 @@ def verdict(result: ParityResult) -> str:
     """One short line: passed or failed, and each graph set's worst logits and KV rows against their
     limits and its lowest token match (a summary; the report's tables hold every check)."""
     sets = _labelled_sets(result)
-    figures = "; ".join(f"{name} ({s.precision}): {_set_figures(s)}" if len(sets) > 1 else _set_figures(s) for name, s, _ in sets)
+    figures = "; ".join(
+        f"{name} ({s.precision}): {_set_figures(s)}" if len(sets) > 1 else _set_figures(s) for name, s, _ in sets
+    )
     return f"parity {'passed' if result.passed else 'FAILED'}: {figures}{_quality_phrase(result)}"
 
 
@@ -126,21 +135,24 @@ def _quality_phrase(result: ParityResult) -> str:
 
 def _tensor_rows(sets: list[GraphSetParity]) -> list[str]:
     lines = [
-        "| graph | batch | output | max abs | worst row's error | its tolerance: atol + rtol x the row's max abs reference | max rel | cosine | cosine at least | top-1 | ok |",
+        "| graph | batch | output | max abs | worst row's error | its tolerance: atol + rtol x the row's max abs "
+        "reference | max rel | cosine | cosine at least | top-1 | ok |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sets:
         for t in s.tensors:
             top1 = f"{t.top1:.4f}" if t.top1 is not None else ""
             lines.append(
-                f"| {t.graph} | {t.batch} | {t.output} | {t.max_abs:.3g} | {_cells(t)} | {t.max_rel:.3g} | {t.cosine:.8f} | {s.tolerance.min_cosine:g} | {top1} | {_yes(t.passed)} |"
+                f"| {t.graph} | {t.batch} | {t.output} | {t.max_abs:.3g} | {_cells(t)} | {t.max_rel:.3g} | "
+                f"{t.cosine:.8f} | {s.tolerance.min_cosine:g} | {top1} | {_yes(t.passed)} |"
             )
     return lines
 
 
 def _generation_rows(sets: list[GraphSetParity]) -> list[str]:
     lines = [
-        "| path | batch | prompt lengths | steps | token match | at least | first divergence | ties | max logit error | max abs logit | ok |",
+        "| path | batch | prompt lengths | steps | token match | at least | first divergence | ties | max logit "
+        "error | max abs logit | ok |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sets:
@@ -148,7 +160,8 @@ def _generation_rows(sets: list[GraphSetParity]) -> list[str]:
             worst = max(g.per_step_max_abs, default=0.0)
             div = "-" if g.first_divergence is None else str(g.first_divergence)
             lines.append(
-                f"| {g.path} | {g.batch} | {g.lengths} | {g.steps} | {g.token_match_rate:.4f} | {s.tolerance.min_token_match:g} "
+                f"| {g.path} | {g.batch} | {g.lengths} | {g.steps} | {g.token_match_rate:.4f} | "
+                f"{s.tolerance.min_token_match:g} "
                 f"| {div} | {g.ties} | {worst:.3g} | {max(g.per_step_scale, default=0.0):.3g} | {_yes(g.passed)} |"
             )
     return lines
@@ -158,7 +171,8 @@ def markdown(result: ParityResult, extras: Mapping[str, Any] | None = None) -> s
     lines = [
         f"# Parity: {result.backend} vs PyTorch ({_precisions(result)}): {'PASSED' if result.passed else 'FAILED'}",
         "",
-        f"Each graph set is judged by its own precision's tolerances. Every output, row by row (its last axis: a position's "
+        "Each graph set is judged by its own precision's tolerances. Every output, row by row (its last axis: a "
+        "position's "
         f"logits, a head's key or value at a position), by {RULE}; and by cosine. Generation is judged by its tokens: "
         "a mismatch is a tie (not a failure) where PyTorch's own two logits are within twice that row's logits limit; "
         "a generation step's logit error carries the cache's accumulated rounding and is shown, not judged.",
@@ -183,14 +197,21 @@ def _quality_section(result: ParityResult) -> list[str]:
     q = result.quality
     if q is None:
         return []
-    head = ["# Quality: what the quantization costs", "", f"The portable graphs against the checkpoint's model, teacher-forced on {q.source}: {q.judged}.", ""]
+    head = [
+        "# Quality: what the quantization costs",
+        "",
+        f"The portable graphs against the checkpoint's model, teacher-forced on {q.source}: {q.judged}.",
+        "",
+    ]
     if q.note is not None:
         return head
     verdict = "-" if q.threshold is None else _yes(q.passed)
     return head + [
-        "| text | real | tokens | top-1 agreement | agreement at least | mean KL (checkpoint \\|\\| graphs), nats | perplexity: checkpoint | perplexity: graphs | ok |",
+        "| text | real | tokens | top-1 agreement | agreement at least | mean KL (checkpoint \\|\\| graphs), "
+        "nats | perplexity: checkpoint | perplexity: graphs | ok |",
         "|---|---|---|---|---|---|---|---|---|",
-        f"| {q.source} | {_yes(q.real).lower()} | {q.tokens} | {q.agreement:.4f} | {'-' if q.threshold is None else f'{q.threshold:g}'} | {q.kl:.4g} "
+        f"| {q.source} | {_yes(q.real).lower()} | {q.tokens} | {q.agreement:.4f} | "
+        f"{'-' if q.threshold is None else f'{q.threshold:g}'} | {q.kl:.4g} "
         f"| {q.perplexity_checkpoint:.4g} | {q.perplexity_graphs:.4g} | {verdict} |",
         "",
     ]
@@ -201,10 +222,22 @@ def _check_sections(result: ParityResult) -> list[str]:
     graphs' own int4 weights in PyTorch), then against the checkpoint's model (agreement)."""
     parts = [("", result.sets())]
     if result.quantized is not None:
-        parts = [(f" against {quantized_model_name(result.quantized.precision)}", result.quantized.sets()), (" against the checkpoint's model (agreement)", result.sets())]
+        parts = [
+            (f" against {quantized_model_name(result.quantized.precision)}", result.quantized.sets()),
+            (" against the checkpoint's model (agreement)", result.sets()),
+        ]
     lines: list[str] = []
     for title, sets in parts:
-        lines += ["## Tensors" + title, "", *_tensor_rows(sets), "", "## Greedy generation (the graphs' tokens, scored by PyTorch at each prefix)" + title, "", *_generation_rows(sets), ""]
+        lines += [
+            "## Tensors" + title,
+            "",
+            *_tensor_rows(sets),
+            "",
+            "## Greedy generation (the graphs' tokens, scored by PyTorch at each prefix)" + title,
+            "",
+            *_generation_rows(sets),
+            "",
+        ]
     return lines[:-1]
 
 
@@ -217,15 +250,23 @@ def _cell(value: Any) -> str:
 
 
 def _flat(value: Any) -> bool:
-    return isinstance(value, (str, int, float, bool, type(None))) or (isinstance(value, (list, tuple)) and all(_flat(v) and not isinstance(v, (list, tuple)) for v in value))
+    return isinstance(value, (str, int, float, bool, type(None))) or (
+        isinstance(value, (list, tuple)) and all(_flat(v) and not isinstance(v, (list, tuple)) for v in value)
+    )
 
 
 def _section(value: Any) -> list[str]:
     """A table where the value has one: a list of records (a row each), or a record (a row per
     key); anything nested deeper stays a JSON block."""
-    if isinstance(value, list) and value and all(isinstance(v, dict) and all(_flat(x) for x in v.values()) for v in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, dict) and all(_flat(x) for x in v.values()) for v in value)
+    ):
         keys = list(dict.fromkeys(k for v in value for k in v))
-        return [f"| {' | '.join(keys)} |", "|" + "---|" * len(keys)] + [f"| {' | '.join(_cell(v.get(k)) for k in keys)} |" for v in value]
+        return [f"| {' | '.join(keys)} |", "|" + "---|" * len(keys)] + [
+            f"| {' | '.join(_cell(v.get(k)) for k in keys)} |" for v in value
+        ]
     if isinstance(value, dict) and value and all(_flat(v) for v in value.values()):
         return ["| | |", "|---|---|"] + [f"| {k} | {_cell(v)} |" for k, v in value.items()]
     return ["```", json.dumps(value, indent=2), "```"]

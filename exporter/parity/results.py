@@ -75,7 +75,9 @@ class GenerationCheck:
     @property
     def label(self) -> str:
         """The run in words: ``prefill+decode, batch 1`` (``..., batch 1, 8 (padded to 12)``)."""
-        return f"{self.path}, batch {self.batch}" + (f", {self.lengths}" if self.padded_to > max(self.prompt_lengths) else "")
+        return f"{self.path}, batch {self.batch}" + (
+            f", {self.lengths}" if self.padded_to > max(self.prompt_lengths) else ""
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +169,13 @@ class ParityResult:
                 if not t.passed
             ]
             out += [
-                f"generation via {g.label}: token match {g.token_match_rate:.3f} (at least {s.tolerance.min_token_match:g}), "
-                + (f"first divergence at step {g.first_divergence}" if g.first_divergence is not None else f"every mismatch a near-tie ({g.ties})")
+                f"generation via {g.label}: token match {g.token_match_rate:.3f} (at least "
+                f"{s.tolerance.min_token_match:g}), "
+                + (
+                    f"first divergence at step {g.first_divergence}"
+                    if g.first_divergence is not None
+                    else f"every mismatch a near-tie ({g.ties})"
+                )
                 for g in s.generation
                 if not g.passed
             ]
@@ -190,17 +197,25 @@ class ParityResult:
             assert self.quantized is None, "the first graph set comes first"
             self.quantized = other
         else:
-            assert self.quantized is not None, "the portable graphs are checked against the quantized model before any target"
+            assert self.quantized is not None, (
+                "the portable graphs are checked against the quantized model before any target"
+            )
             self.quantized.merge(target, other)
         return self
 
     def sets(self) -> list[GraphSetParity]:
         """The checks grouped by graph set, each with its own precision and tolerances: the
         portable graphs (or the engines) first, then every target in the order merged."""
-        own = [("portable", None, self.precision, self.tolerance)] + [(name, name, t.precision, t.tolerance) for name, t in self.targets.items()]
+        own = [("portable", None, self.precision, self.tolerance)] + [
+            (name, name, t.precision, t.tolerance) for name, t in self.targets.items()
+        ]
         return [
             GraphSetParity(
-                name, precision, tolerance, tuple(t for t in self.tensors if t.target == key), tuple(g for g in self.generation if g.target == key)
+                name,
+                precision,
+                tolerance,
+                tuple(t for t in self.tensors if t.target == key),
+                tuple(g for g in self.generation if g.target == key),
             )
             for name, key, precision, tolerance in own
         ]
@@ -215,7 +230,11 @@ class ParityResult:
             "tensors": [dataclasses.asdict(t) for t in self.tensors],
             "generation": [dataclasses.asdict(g) for g in self.generation],
             **({"targets": {name: dataclasses.asdict(t) for name, t in self.targets.items()}} if self.targets else {}),
-            **({"quantized": self.quantized.to_dict(), "agreement_gates": self.agreement_gates} if self.quantized is not None else {}),
+            **(
+                {"quantized": self.quantized.to_dict(), "agreement_gates": self.agreement_gates}
+                if self.quantized is not None
+                else {}
+            ),
             **({"quality": self.quality.to_dict()} if self.quality is not None else {}),
         }
 

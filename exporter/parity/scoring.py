@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
 from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache
 from kiln.exporter.contract.steps import carry
 from kiln.exporter.parity.generation import candidate_run, first_feeds, judge
@@ -27,7 +28,11 @@ LOGITS_BYTES = 1 << 28  # the logits one forward may return (256 MB): positions 
 
 
 def score(
-    reference: Runner, spec: DecoderSpec, groups: Sequence[Sequence[Sequence[int]]], length: int | None, sequences: Sequence[tuple[int, np.ndarray]]
+    reference: Runner,
+    spec: DecoderSpec,
+    groups: Sequence[Sequence[Sequence[int]]],
+    length: int | None,
+    sequences: Sequence[tuple[int, np.ndarray]],
 ) -> list[np.ndarray]:
     """The reference's logits ``[steps, B, vocab]`` that each sequence's tokens were chosen from,
     teacher-forced: ``sequences`` are ``(group, tokens [B, steps])``, row ``b`` of a group's prompts
@@ -40,7 +45,11 @@ def score(
     for group, tokens in sequences:
         picks.append([])
         for b in range(tokens.shape[0]):
-            key = (group, b, np.ascontiguousarray(tokens[b, :-1], dtype=np.int64).tobytes())  # the last token is chosen, never fed
+            key = (
+                group,
+                b,
+                np.ascontiguousarray(tokens[b, :-1], dtype=np.int64).tobytes(),
+            )  # the last token is chosen, never fed
             if key not in index:
                 index[key] = len(rows)
                 rows.append(_row(firsts[group], b, tokens[b]))
@@ -78,7 +87,12 @@ def _forward(reference: Runner, spec: DecoderSpec, feeds: Feeds, prompt: int) ->
     budget = max(1, LOGITS_BYTES // (4 * spec.vocab_size))
     per = max(1, budget // total)
     span = max(1, budget // per)
-    return np.concatenate([_rows(reference, spec, {k: v[r : r + per] for k, v in feeds.items()}, prompt, span) for r in range(0, rows, per)])
+    return np.concatenate(
+        [
+            _rows(reference, spec, {k: v[r : r + per] for k, v in feeds.items()}, prompt, span)
+            for r in range(0, rows, per)
+        ]
+    )
 
 
 def _rows(reference: Runner, spec: DecoderSpec, feeds: Feeds, prompt: int, span: int) -> np.ndarray:
@@ -88,7 +102,9 @@ def _rows(reference: Runner, spec: DecoderSpec, feeds: Feeds, prompt: int, span:
     outputs: Feeds = {}
     for start in range(0, total, span):
         end = min(total, start + span)
-        step = {name: feeds[name][:, start:end] for name in ("input_ids", "position_ids")} | {"attention_mask": feeds["attention_mask"][:, :end]}
+        step = {name: feeds[name][:, start:end] for name in ("input_ids", "position_ids")} | {
+            "attention_mask": feeds["attention_mask"][:, :end]
+        }
         step |= {ENCODER_MASK: feeds[ENCODER_MASK]} if ENCODER_MASK in feeds else {}
         if start == 0:
             kind = GraphKind.PREFILL
@@ -118,6 +134,8 @@ def generation_parity(
     (``unified``: the unified graph is then fed those tokens in chunks and judged), and the
     reference (a runner whose prefill returns every position's logits) scores that sequence
     teacher-forced (``parity.scoring``); each step is judged against the reference's logits at it."""
-    tokens, logits, chunked = candidate_run(candidate, spec, prompts, steps, unified=unified, kv_dtype=kv_dtype, length=length)
+    tokens, logits, chunked = candidate_run(
+        candidate, spec, prompts, steps, unified=unified, kv_dtype=kv_dtype, length=length
+    )
     (scored,) = score(reference, spec, [prompts], length, [(0, tokens)])
     return judge(prompts, scored, chunked if chunked is not None else logits, tolerance, unified, length)

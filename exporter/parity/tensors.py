@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
 from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.parity.generation import encoder_states
 from kiln.exporter.parity.results import TensorCheck
@@ -15,13 +16,23 @@ from kiln.plugins.base import DecoderSpec
 __all__ = ["compare_outputs", "real_positions", "tensor_feeds", "tensor_parity"]
 
 
-def _compare(graph: str, name: str, want: np.ndarray, got: np.ndarray, bound: Bound, min_cos: float, real: np.ndarray | None = None) -> TensorCheck:
+def _compare(
+    graph: str,
+    name: str,
+    want: np.ndarray,
+    got: np.ndarray,
+    bound: Bound,
+    min_cos: float,
+    real: np.ndarray | None = None,
+) -> TensorCheck:
     """``got`` against ``want`` by ``bound``'s rule, row by row (the last axis); with ``real`` (a
     boolean mask broadcastable to both) the values are compared at the real positions only,
     while every value must be finite. The check records the row that comes closest to its limit
     (or passes it furthest): its error and its scale, the figures the reports show."""
     if want.shape != got.shape:
-        return TensorCheck(graph, name, float("inf"), float("inf"), 0.0, None, bound.atol, bound.rtol, float("inf"), 0.0, False)
+        return TensorCheck(
+            graph, name, float("inf"), float("inf"), 0.0, None, bound.atol, bound.rtol, float("inf"), 0.0, False
+        )
     finite, row = bool(np.isfinite(got).all()), want.shape[-1] if want.ndim else 1
     if real is not None:  # broadcast along the last axis: whole rows are kept or dropped
         keep = np.broadcast_to(real, want.shape)
@@ -36,7 +47,9 @@ def _compare(graph: str, name: str, want: np.ndarray, got: np.ndarray, bound: Bo
     cosine = float(np.dot(w.ravel(), g.ravel()) / denom) if denom > 0 else float(np.array_equal(w, g))
     top1 = float((w.argmax(-1) == g.argmax(-1)).mean()) if name == "logits" else None
     passed = finite and error <= bound.limit(scale) and cosine >= min_cos
-    return TensorCheck(graph, name, float(diff.max()), max_rel, cosine, top1, bound.atol, bound.rtol, error, scale, passed)
+    return TensorCheck(
+        graph, name, float(diff.max()), max_rel, cosine, top1, bound.atol, bound.rtol, error, scale, passed
+    )
 
 
 def real_positions(name: str, attention_mask: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
@@ -56,20 +69,31 @@ def real_positions(name: str, attention_mask: np.ndarray, shape: tuple[int, ...]
 
 
 def tensor_feeds(
-    spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dtype = np.dtype(np.float32), reference: Runner | None = None, *, single_row: bool = False
+    spec: DecoderSpec,
+    kind: GraphKind,
+    seed: int,
+    kv_dtype: np.dtype = np.dtype(np.float32),
+    reference: Runner | None = None,
+    *,
+    single_row: bool = False,
 ) -> Feeds:
     """Inputs for one graph: batch 2, the first row left-padded, a non-empty past where allowed
     (``single_row``: the unpadded row alone, batch 1). With a ``reference`` runner the past is the
     keys/values it computes for random past tokens (what a graph sees in use); without one,
     random normal values."""
     feeds = _batch_of_two(spec, kind, seed, kv_dtype, reference)
-    return {name: value[1:2] for name, value in feeds.items()} if single_row else feeds  # every feed's first axis is the batch
+    return (
+        {name: value[1:2] for name, value in feeds.items()} if single_row else feeds
+    )  # every feed's first axis is the batch
 
 
 def _batch_of_two(spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dtype, reference: Runner | None) -> Feeds:
     rng = np.random.default_rng(seed)
     if kind is GraphKind.ENCODER:
-        return {"input_ids": rng.integers(0, spec.vocab_size, size=(2, 6), dtype=np.int64), "attention_mask": _encoder_mask(2, 6)}
+        return {
+            "input_ids": rng.integers(0, spec.vocab_size, size=(2, 6), dtype=np.int64),
+            "attention_mask": _encoder_mask(2, 6),
+        }
     seq = {GraphKind.PREFILL: 7, GraphKind.DECODE: 1, GraphKind.UNIFIED: 4}[kind]
     past = {GraphKind.PREFILL: 0, GraphKind.DECODE: 9, GraphKind.UNIFIED: 6}[kind]
     total = past + seq
@@ -97,10 +121,17 @@ def _batch_of_two(spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dt
             if encoder is not None:
                 prompt |= {ENCODER_STATES: encoder, **masked}
             presents = reference.run(GraphKind.PREFILL, prompt)
-        shapes = {name: (t.heads, t.width) for (name, _), (_, t) in zip(carried_cache(spec), spec.cache_layout.tensors(), strict=True)}
+        shapes = {
+            name: (t.heads, t.width)
+            for (name, _), (_, t) in zip(carried_cache(spec), spec.cache_layout.tensors(), strict=True)
+        }
         for name, present in carried_cache(spec):
             length = encoder.shape[1] if encoder is not None and is_cross(name) else past
-            value = presents[present] if presents is not None else rng.standard_normal((2, shapes[name][0], length, shapes[name][1]))
+            value = (
+                presents[present]
+                if presents is not None
+                else rng.standard_normal((2, shapes[name][0], length, shapes[name][1]))
+            )
             feeds[name] = np.asarray(value).astype(kv_dtype)
     return feeds
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 import onnx_ir as ir
+
 from kiln.errors import ExportError, KilnError
 from kiln.exporter.passes.reports import Report
 
@@ -46,7 +47,12 @@ class GraphRewrite(ir.passes.InPlacePass, Generic[R]):
     under ``name`` (``passes.reports``). Postcondition: the graph's input and output names are
     those it had (a rewrite replaces what computes the contract, never the contract itself)."""
 
-    def __init__(self, rewrite: Callable[[ir.Model], R], name: str | None = None, reporter: Callable[[R], Report | None] | None = None) -> None:
+    def __init__(
+        self,
+        rewrite: Callable[[ir.Model], R],
+        name: str | None = None,
+        reporter: Callable[[R], Report | None] | None = None,
+    ) -> None:
         super().__init__()
         self.rewrite = rewrite
         self.result: R | None = None

@@ -19,8 +19,9 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 import torch
-from kiln.errors import ExportError
 from torch import nn
+
+from kiln.errors import ExportError
 
 __all__ = ["Transform", "ModuleWeight", "WeightSource", "BindWeights"]
 
@@ -62,7 +63,9 @@ class WeightSource:
         if name not in self._abs_max:
             flat = self.tensor(name).detach().reshape(-1)
             step = 1 << 24  # elements at a time: no full-size temporary
-            self._abs_max[name] = max((float(flat[i : i + step].abs().max()) for i in range(0, flat.numel(), step)), default=0.0)
+            self._abs_max[name] = max(
+                (float(flat[i : i + step].abs().max()) for i in range(0, flat.numel(), step)), default=0.0
+            )
         return self._abs_max[name]
 
     def __contains__(self, name: str) -> bool:
@@ -78,7 +81,9 @@ class ModuleWeight(ir.LazyTensor):
     """A module tensor as ``dtype``, then ``transforms``, computed on demand (``tobytes()``,
     ``numpy()``). ``key`` names the recipe: the same key in two graphs is the same bytes."""
 
-    def __init__(self, source: WeightSource, name: str, dtype: ir.DataType, transforms: tuple[Transform, ...] = ()) -> None:
+    def __init__(
+        self, source: WeightSource, name: str, dtype: ir.DataType, transforms: tuple[Transform, ...] = ()
+    ) -> None:
         tensor = source.tensor(name)
         shape, final = tuple(int(d) for d in tensor.shape), dtype
         for transform in transforms:
@@ -136,9 +141,14 @@ def _bound(source: WeightSource, name: str, value: ir.Value) -> ModuleWeight:
     have the traced shape (a shape the trace did not see would break every reader)."""
     assert value.dtype is not None
     weight = ModuleWeight(source, name, value.dtype)
-    traced = value.shape if value.shape is not None else value.const_value.shape if value.const_value is not None else None
+    traced = (
+        value.shape if value.shape is not None else value.const_value.shape if value.const_value is not None else None
+    )
     if traced is not None and list(traced) != list(weight.shape):
-        raise ExportError(f"the traced graph reads {name} as {list(traced)}, but the model's tensor of that name is {list(weight.shape)}")
+        raise ExportError(
+            f"the traced graph reads {name} as {list(traced)}, but the model's tensor of that name is "
+            f"{list(weight.shape)}"
+        )
     return weight
 
 

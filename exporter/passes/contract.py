@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import GraphIO, GraphKind, TensorSpec
 
@@ -25,14 +26,22 @@ def apply_contract(model: ir.Model, io_spec: GraphIO, kind: GraphKind) -> None:
         for value, spec in zip(values, specs, strict=True):
             dtype = ir.DataType.from_numpy(np.dtype(spec.dtype))
             if value.dtype != dtype:
-                raise ExportError(f"{kind.value} graph {what[:-1]} {value.name} is {value.dtype}, the contract needs {spec.dtype}")
+                raise ExportError(
+                    f"{kind.value} graph {what[:-1]} {value.name} is {value.dtype}, the contract needs {spec.dtype}"
+                )
             shape = value.shape
             if shape is None or len(shape) != len(spec.dims):
-                raise ExportError(f"{kind.value} graph {what[:-1]} {value.name} has shape {shape}, the contract needs {list(spec.dims)}")
+                raise ExportError(
+                    f"{kind.value} graph {what[:-1]} {value.name} has shape {shape}, the contract needs "
+                    f"{list(spec.dims)}"
+                )
             dims: list[int | str] = []
             for got, dim in zip(shape, spec.dims, strict=True):
                 if isinstance(dim, int) and got != dim:
-                    raise ExportError(f"{kind.value} graph {what[:-1]} {value.name} has shape {shape}, the contract needs {list(spec.dims)}")
+                    raise ExportError(
+                        f"{kind.value} graph {what[:-1]} {value.name} has shape {shape}, the contract needs "
+                        f"{list(spec.dims)}"
+                    )
                 dims.append(dim)
             value.shape = ir.Shape(dims)
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 import onnxscript.optimizer
-from kiln.exporter.passes.bind import ModuleWeight
 from onnx_ir.passes.common import LiftConstantsToInitializersPass, RemoveUnusedNodesPass
+
+from kiln.exporter.passes.bind import ModuleWeight
 
 __all__ = ["FoldConstants"]
 
@@ -33,7 +34,11 @@ class FoldConstants(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         folded = onnxscript.optimizer.fold_constants(
-            model, onnx_shape_inference=True, input_size_limit=_INPUT_LIMIT, output_size_limit=_OUTPUT_LIMIT, should_fold=_reads_weight
+            model,
+            onnx_shape_inference=True,
+            input_size_limit=_INPUT_LIMIT,
+            output_size_limit=_OUTPUT_LIMIT,
+            should_fold=_reads_weight,
         )
         modified = folded.modified
         modified |= RemoveUnusedNodesPass()(model).modified

@@ -23,8 +23,19 @@ def _plain(node: ir.Node) -> bool:
     if node.op_type != "Gemm" or node.domain != "" or len(node.inputs) < 2:
         return False
     attrs, weight = node.attributes, node.inputs[1]
-    plain = attrs.get_int("transA", 0) == 0 and attrs.get_int("transB", 0) == 0 and attrs.get_float("alpha", 1.0) == 1.0 and attrs.get_float("beta", 1.0) == 1.0
-    return plain and weight is not None and weight.const_value is not None and weight.dtype == ir.DataType.FLOAT and len(weight.const_value.shape) == 2
+    plain = (
+        attrs.get_int("transA", 0) == 0
+        and attrs.get_int("transB", 0) == 0
+        and attrs.get_float("alpha", 1.0) == 1.0
+        and attrs.get_float("beta", 1.0) == 1.0
+    )
+    return (
+        plain
+        and weight is not None
+        and weight.const_value is not None
+        and weight.dtype == ir.DataType.FLOAT
+        and len(weight.const_value.shape) == 2
+    )
 
 
 def _as_matmul(graph: ir.Graph, gemm: ir.Node) -> str:

@@ -5,7 +5,20 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["MS_DOMAIN", "constant", "copy_type", "replace_value", "set_dtype", "clone", "scalar_of", "producer", "single_consumer", "skip_casts", "use_ms_domain", "read_uncached"]
+__all__ = [
+    "MS_DOMAIN",
+    "constant",
+    "copy_type",
+    "replace_value",
+    "set_dtype",
+    "clone",
+    "scalar_of",
+    "producer",
+    "single_consumer",
+    "skip_casts",
+    "use_ms_domain",
+    "read_uncached",
+]
 
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
 
@@ -60,7 +73,12 @@ def single_consumer(value: ir.Value, op_type: str) -> ir.Node | None:
 def skip_casts(value: ir.Value) -> ir.Value:
     """Walk back through no-op float32->float32 Casts (the tracer leaves some around softmax)."""
     node = value.producer()
-    while node is not None and node.op_type == "Cast" and node.inputs[0] is not None and node.inputs[0].dtype == value.dtype:
+    while (
+        node is not None
+        and node.op_type == "Cast"
+        and node.inputs[0] is not None
+        and node.inputs[0].dtype == value.dtype
+    ):
         value = node.inputs[0]
         node = value.producer()
     return value

@@ -38,7 +38,10 @@ class AddLoraSlots(ir.passes.InPlacePass):
             if node.name in wanted:
                 found.setdefault(wanted[node.name].module, []).append(node)
         if missing := [s.module for s in self.slots.slots if len(found.get(s.module, ())) != 1]:
-            raise ExportError(f"--lora-slots: the MatMul of {missing[0]} is not found exactly once ({len(found.get(missing[0], ()))} times; and {len(missing) - 1} more modules)")
+            raise ExportError(
+                f"--lora-slots: the MatMul of {missing[0]} is not found exactly once "
+                f"({len(found.get(missing[0], ()))} times; and {len(missing) - 1} more modules)"
+            )
         for slot in self.slots.slots:  # the inputs in the slots' order, as the manifest lists them
             _wire(graph, found[slot.module][0], slot, self.slots.dtype)
         return ir.passes.PassResult(model, modified=True)
@@ -49,11 +52,19 @@ def _wire(graph: ir.Graph, node: ir.Node, slot: LoraSlot, slots_dtype: str) -> N
     assert x is not None and weight is not None
     shape = tuple(weight.shape or ())
     transposed = node.op_type == "Gemm" and node.attributes.get_int("transB", 0) == 1
-    if (shape[::-1] if transposed else shape) != (slot.in_features, slot.out_features) or (node.op_type == "Gemm" and node.attributes.get_int("transA", 0) != 0):
-        raise ExportError(f"--lora-slots: {node.name} multiplies by a {list(shape)} weight, not {slot.module}'s [{slot.in_features}, {slot.out_features}]")
+    if (shape[::-1] if transposed else shape) != (slot.in_features, slot.out_features) or (
+        node.op_type == "Gemm" and node.attributes.get_int("transA", 0) != 0
+    ):
+        raise ExportError(
+            f"--lora-slots: {node.name} multiplies by a {list(shape)} weight, not {slot.module}'s "
+            f"[{slot.in_features}, {slot.out_features}]"
+        )
     dtype = x.dtype
     if dtype is None or dtype.numpy().name != slots_dtype:
-        raise ExportError(f"--lora-slots: {node.name} computes in {dtype}, not the slots' {slots_dtype} (a Linear kept in another precision)")
+        raise ExportError(
+            f"--lora-slots: {node.name} computes in {dtype}, not the slots' {slots_dtype} (a Linear kept in "
+            "another precision)"
+        )
     uses = list(y.uses())  # before the Add below becomes one
     a = _empty_input(graph, slot.a, (slot.in_features, 0), (slot.in_features, slot.rank_dim), dtype)
     b = _empty_input(graph, slot.b, (0, slot.out_features), (slot.rank_dim, slot.out_features), dtype)
@@ -68,9 +79,13 @@ def _wire(graph: ir.Graph, node: ir.Node, slot: LoraSlot, slots_dtype: str) -> N
     graph.insert_after(node, [down, up, add])
 
 
-def _empty_input(graph: ir.Graph, name: str, empty: tuple[int, int], dims: tuple[int | str, int | str], dtype: ir.DataType) -> ir.Value:
+def _empty_input(
+    graph: ir.Graph, name: str, empty: tuple[int, int], dims: tuple[int | str, int | str], dtype: ir.DataType
+) -> ir.Value:
     array = np.zeros(empty, dtype=dtype.numpy())
-    value = ir.Value(name=name, shape=ir.Shape(dims), type=ir.TensorType(dtype), const_value=ir.tensor(array, name=name))
+    value = ir.Value(
+        name=name, shape=ir.Shape(dims), type=ir.TensorType(dtype), const_value=ir.tensor(array, name=name)
+    )
     graph.inputs.append(value)
     graph.register_initializer(value)
     return value

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
+from torch import Tensor
+
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import ple_table_names
 from kiln.exporter.passes.bind import ModuleWeight
-from torch import Tensor
 
 __all__ = ["PleTablesToInputs", "ple_tables_to_inputs"]
 
@@ -23,10 +24,18 @@ __all__ = ["PleTablesToInputs", "ple_tables_to_inputs"]
 def ple_tables_to_inputs(model: ir.Model, tables: Sequence[tuple[Tensor, Tensor]]) -> ir.Model:
     """Replace the initializer holding each table by a graph input, in place."""
     graph = model.graph
-    by_source = {id(v.const_value.module_tensor): v for v in graph.initializers.values() if isinstance(v.const_value, ModuleWeight) and not v.const_value.transforms}
+    by_source = {
+        id(v.const_value.module_tensor): v
+        for v in graph.initializers.values()
+        if isinstance(v.const_value, ModuleWeight) and not v.const_value.transforms
+    }
     by_content: dict[bytes, list[ir.Value]] = {}  # equal tables (an untrained PLE) are separate constants
     for value in graph.initializers.values():
-        if value.const_value is not None and not isinstance(value.const_value, ModuleWeight) and len(value.const_value.shape) == 2:
+        if (
+            value.const_value is not None
+            and not isinstance(value.const_value, ModuleWeight)
+            and len(value.const_value.shape) == 2
+        ):
             by_content.setdefault(value.const_value.tobytes(), []).append(value)
     for i, pair in enumerate(tables):
         for name, table in zip(ple_table_names(i), pair, strict=True):
@@ -34,7 +43,9 @@ def ple_tables_to_inputs(model: ir.Model, tables: Sequence[tuple[Tensor, Tensor]
             if found is None:
                 candidates = by_content.get(np.ascontiguousarray(table.detach().numpy()).tobytes())
                 if not candidates:
-                    raise ExportError(f"--ple-tables input: the folded table {name} is not a constant of the traced graph")
+                    raise ExportError(
+                        f"--ple-tables input: the folded table {name} is not a constant of the traced graph"
+                    )
                 found = candidates.pop(0)
             graph.initializers.pop(found.name or "")
             found.const_value = None

@@ -25,6 +25,7 @@ import re
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import PAST_SEQ, SEQ, GraphKind
 from kiln.exporter.passes.fold import FoldConstants
@@ -41,7 +42,9 @@ def _substitute(graph: ir.Graph, symbol: str, size: int) -> None:
     token = re.compile(rf"\b{re.escape(symbol)}\b")
     values = [*graph.inputs, *(o for n in graph for o in n.outputs)]
     for value in values:
-        if value.shape is None or not any(isinstance(d, ir.SymbolicDim) and d.value and token.search(d.value) for d in value.shape):
+        if value.shape is None or not any(
+            isinstance(d, ir.SymbolicDim) and d.value and token.search(d.value) for d in value.shape
+        ):
             continue
         value.shape = ir.Shape([_sized(d, token, size) for d in value.shape])
 
@@ -77,7 +80,10 @@ def _empty_past_shape(graph: ir.Graph, node: ir.Node, ids: ir.Value, index: int)
     new = [batch, full]
     start, end = node.attributes.get_int("start", 0), node.attributes.get_int("end", 4)
     if (start, end) != (0, 4):
-        bounds = [_const(graph, f"prefill.empty_past_shape.{index}.{which}", np.array([b], dtype=np.int64)) for which, b in (("start", start), ("end", end))]
+        bounds = [
+            _const(graph, f"prefill.empty_past_shape.{index}.{which}", np.array([b], dtype=np.int64))
+            for which, b in (("start", start), ("end", end))
+        ]
         new.append(ir.node("Slice", [full.outputs[0], *bounds], name=f"{node.name}/prefill/Slice"))
     graph.insert_before(node, new)
     return new[-1].outputs[0]
@@ -87,14 +93,25 @@ class SpecialisePrefill(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         inputs = {v.name: v for v in graph.inputs}
-        for index, node in enumerate([n for n in graph if n.op_type == "Shape" and n.inputs[0] is not None and (n.inputs[0].name or "").startswith(_PAST)]):
+        for index, node in enumerate(
+            [
+                n
+                for n in graph
+                if n.op_type == "Shape" and n.inputs[0] is not None and (n.inputs[0].name or "").startswith(_PAST)
+            ]
+        ):
             node.outputs[0].replace_all_uses_with(_empty_past_shape(graph, node, inputs["input_ids"], index))
             graph.remove(node, safe=True)
         _substitute(graph, PAST_SEQ, 0)
         FoldConstants()(model)
-        readers = [(v.name, use.node.name) for v in graph.inputs if (v.name or "").startswith(_PAST) for use in v.uses()]
+        readers = [
+            (v.name, use.node.name) for v in graph.inputs if (v.name or "").startswith(_PAST) for use in v.uses()
+        ]
         if readers:
-            raise ExportError(f"the past is empty at prefill but {readers[0][1]} still reads {readers[0][0]}; this model cannot be specialised")
+            raise ExportError(
+                f"the past is empty at prefill but {readers[0][1]} still reads {readers[0][0]}; this model "
+                "cannot be specialised"
+            )
         kept = [v for v in graph.inputs if not (v.name or "").startswith(_PAST)]
         graph.inputs.clear()
         graph.inputs.extend(kept)
@@ -142,7 +159,10 @@ class LastLogits(ir.passes.InPlacePass):
         if head is None or head.inputs[0] is None:
             raise ExportError("--logits last: no LM head MatMul found behind the logits through position-wise ops")
         hidden = head.inputs[0]
-        bounds = [_const(graph, f"last_logits.{which}", np.array([b], dtype=np.int64)) for which, b in (("starts", -1), ("ends", np.iinfo(np.int64).max), ("axes", 1))]
+        bounds = [
+            _const(graph, f"last_logits.{which}", np.array([b], dtype=np.int64))
+            for which, b in (("starts", -1), ("ends", np.iinfo(np.int64).max), ("axes", 1))
+        ]
         last = ir.node("Slice", [hidden, *bounds], name=f"{head.name}/last_position/Slice")
         if hidden.dtype is not None:
             set_dtype(last.outputs[0], hidden.dtype)
@@ -150,7 +170,9 @@ class LastLogits(ir.passes.InPlacePass):
         head.replace_input_with(0, last.outputs[0])
         declared = logits.shape
         value: ir.Value | None = logits
-        while value is not None and (node := value.producer()) is not None:  # what the trace wrote of these shapes holds no longer
+        while (
+            value is not None and (node := value.producer()) is not None
+        ):  # what the trace wrote of these shapes holds no longer
             value.shape = None
             value = None if node is head else next((v for v in node.inputs if v is not None and not _constant(v)), None)
         head.outputs[0].shape = None

@@ -26,6 +26,7 @@ import re
 from collections.abc import Iterable
 
 import onnx_ir as ir
+
 from kiln.errors import ExportError
 from kiln.exporter.passes.bind import ModuleWeight
 from kiln.plugins.base import LayerPlan
@@ -66,14 +67,22 @@ class _Layers:
     def __init__(self, graph: ir.Graph, plan: StampPlan) -> None:
         self.graph, self.plan = graph, plan
         self._scope = re.compile("^/" + re.escape(plan.prefix).replace(r"\{\}", r"(\d+)") + r"[./]")
-        self._weights = re.compile(r"^(?:val_transposed\.)?model\." + re.escape(plan.prefix).replace(r"\{\}", r"(\d+)") + r"\.")
+        self._weights = re.compile(
+            r"^(?:val_transposed\.)?model\." + re.escape(plan.prefix).replace(r"\{\}", r"(\d+)") + r"\."
+        )
         self.assign = self._assign()
         self.nodes = {i: [n for n in graph if self.assign[id(n)] == i] for i in range(plan.traced)}
 
     def seed(self, value: ir.Value) -> int | None:
         """The layer a graph input (its cache) or an initializer (its weight) belongs to."""
         name = value.name or ""
-        match = _CACHE.match(name) if value.is_graph_input() or value.is_graph_output() else self._weights.match(name) if value.is_initializer() else None
+        match = (
+            _CACHE.match(name)
+            if value.is_graph_input() or value.is_graph_output()
+            else self._weights.match(name)
+            if value.is_initializer()
+            else None
+        )
         return int(match.group(match.lastindex or 1)) if match else None
 
     def _traced_scope(self, node: ir.Node) -> int | None:
@@ -90,16 +99,26 @@ class _Layers:
             if (node.name or "").startswith("/"):
                 scopes[id(node)] = self._traced_scope(node)
         for node in reversed(made):
-            users = {scopes.get(id(use.node)) for out in node.outputs for use in out.uses() if use.node.op_type not in _SHAPES}
+            users = {
+                scopes.get(id(use.node))
+                for out in node.outputs
+                for use in out.uses()
+                if use.node.op_type not in _SHAPES
+            }
             if len(users) == 1:
                 scopes[id(node)] = users.pop()
             else:
-                producers = [scopes.get(id(v.producer())) for v in node.inputs if v is not None and v.producer() is not None]
+                producers = [
+                    scopes.get(id(v.producer())) for v in node.inputs if v is not None and v.producer() is not None
+                ]
                 scopes[id(node)] = max((p for p in producers if p is not None), default=None)
         return scopes
 
     def _assign(self) -> Assignment:
-        deps: dict[int, frozenset[int]] = {id(v): frozenset({s} if (s := self.seed(v)) is not None else ()) for v in (*self.graph.inputs, *self.graph.initializers.values())}
+        deps: dict[int, frozenset[int]] = {
+            id(v): frozenset({s} if (s := self.seed(v)) is not None else ())
+            for v in (*self.graph.inputs, *self.graph.initializers.values())
+        }
         scopes = self._scopes()
         assign: Assignment = {}
         for node in self.graph:
@@ -119,7 +138,12 @@ class _Layers:
         """The one value ``layer`` reads from the layer before, and the one it hands on."""
         mine = {id(n) for n in self.nodes[layer]}
         before = {id(n) for n in self.nodes.get(layer - 1, [])}
-        ins = {id(v): v for n in self.nodes[layer] for v in n.inputs if v is not None and v.producer() is not None and id(v.producer()) in before}
+        ins = {
+            id(v): v
+            for n in self.nodes[layer]
+            for v in n.inputs
+            if v is not None and v.producer() is not None and id(v.producer()) in before
+        }
         outs = {
             id(o): o
             for n in self.nodes[layer]
@@ -127,22 +151,33 @@ class _Layers:
             if any(id(use.node) not in mine and use.node.op_type not in _SHAPES for use in o.uses())
         }
         if len(ins) != 1 or len(outs) != 1:
-            raise ExportError(f"layer {layer} of the template reads {len(ins)} and hands on {len(outs)} values; stamping needs one hidden state each")
+            raise ExportError(
+                f"layer {layer} of the template reads {len(ins)} and hands on {len(outs)} values; stamping needs "
+                "one hidden state each"
+            )
         return next(iter(ins.values())), next(iter(outs.values()))
 
 
 def _renamed(name: str, plan: StampPlan, template: int, layer: int) -> str:
     old, new = plan.prefix.format(template), plan.prefix.format(layer)
-    return re.sub(r"(?<=[/.])" + re.escape(old) + r"(?=[./])", new, name, count=1) if old in name else f"{name}.layer{layer}"
+    return (
+        re.sub(r"(?<=[/.])" + re.escape(old) + r"(?=[./])", new, name, count=1)
+        if old in name
+        else f"{name}.layer{layer}"
+    )
 
 
 class _Copy:
     """One stamped layer: the template layer's nodes with their inputs mapped."""
 
-    def __init__(self, layers: _Layers, template: int, layer: int, boundary: tuple[ir.Value, ir.Value], hidden: ir.Value) -> None:
+    def __init__(
+        self, layers: _Layers, template: int, layer: int, boundary: tuple[ir.Value, ir.Value], hidden: ir.Value
+    ) -> None:
         self.layers, self.template, self.layer = layers, template, layer
         self.map: dict[int, ir.Value] = {id(boundary[0]): hidden}
-        for value in [v for v in layers.graph.inputs if layers.seed(v) == template]:  # its cache inputs, in the contract's order
+        for value in [
+            v for v in layers.graph.inputs if layers.seed(v) == template
+        ]:  # its cache inputs, in the contract's order
             copy = ir.Value(name=self._cache_name(value), type=value.type, shape=value.shape)
             layers.graph.inputs.append(copy)
             self.map[id(value)] = copy
@@ -159,7 +194,11 @@ class _Copy:
         name = _renamed("/" + (value.name or ""), plan, self.template, self.layer)[1:]
         if name not in graph.initializers:
             weight = value.const_value
-            tensor = weight.renamed(_renamed("/" + weight.module_name, plan, self.template, self.layer)[1:]) if isinstance(weight, ModuleWeight) else weight
+            tensor = (
+                weight.renamed(_renamed("/" + weight.module_name, plan, self.template, self.layer)[1:])
+                if isinstance(weight, ModuleWeight)
+                else weight
+            )
             graph.register_initializer(ir.Value(name=name, type=value.type, shape=value.shape, const_value=tensor))
         self.map[id(value)] = graph.initializers[name]
         return self.map[id(value)]
@@ -170,7 +209,9 @@ class _Copy:
             inputs = [self.value(v) if v is not None else None for v in node.inputs]
             attributes = [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
             name = _renamed(node.name, plan, self.template, self.layer) if node.name else None
-            copy = ir.Node(node.domain, node.op_type, inputs, attributes=attributes, num_outputs=len(node.outputs), name=name)
+            copy = ir.Node(
+                node.domain, node.op_type, inputs, attributes=attributes, num_outputs=len(node.outputs), name=name
+            )
             for old, new in zip(node.outputs, copy.outputs, strict=True):
                 new.name = self._cache_name(old) if old.is_graph_output() else f"layer{self.layer}/{old.name}"
                 new.type, new.shape = old.type, old.shape
@@ -179,7 +220,11 @@ class _Copy:
 
     def outputs(self) -> list[ir.Value]:
         """The copy's cache outputs, in the template layer's (the contract's) order."""
-        return [self.map[id(v)] for v in self.layers.graph.outputs if self.layers.seed(v) == self.template and id(v) in self.map]
+        return [
+            self.map[id(v)]
+            for v in self.layers.graph.outputs
+            if self.layers.seed(v) == self.template and id(v) in self.map
+        ]
 
 
 class StampLayers(ir.passes.InPlacePass):

@@ -69,7 +69,11 @@ def cut_subgraph(
             return None
     ordered = [n for n in proto.graph.node if id(n) in nodes]
     # an fp16 graph's values are fp16: declared FLOAT, ONNX Runtime refuses the model (a type mismatch)
-    recorded = {v.name: v.type.tensor_type.elem_type for v in [*proto.graph.value_info, *proto.graph.output] if v.type.tensor_type.elem_type}
+    recorded = {
+        v.name: v.type.tensor_type.elem_type
+        for v in [*proto.graph.value_info, *proto.graph.output]
+        if v.type.tensor_type.elem_type
+    }
     outs = [helper.make_tensor_value_info(o, recorded.get(o, onnx.TensorProto.FLOAT), None) for o in outputs]
     graph = helper.make_graph(ordered, name, list(inputs.values()), outs, list(inits.values()))
     opsets = [o for o in proto.opset_import if o.domain in ("", "ai.onnx")]

@@ -23,7 +23,9 @@ from kiln.exporter.passes.bind import ModuleWeight, Transform
 __all__ = ["FoldWeightTransposes", "TRANSPOSE", "TRANSPOSED"]
 
 TRANSPOSED = "val_transposed."  # a made-up constant's prefix: the weights writer names it after its reader
-TRANSPOSE = Transform("T", lambda w: w.t(), lambda shape: (shape[1], shape[0]))  # a view: made contiguous once, at the end
+TRANSPOSE = Transform(
+    "T", lambda w: w.t(), lambda shape: (shape[1], shape[0])
+)  # a view: made contiguous once, at the end
 
 
 def _gathers_rows(node: ir.Node) -> bool:
@@ -34,7 +36,9 @@ def _transposed(graph: ir.Graph, source: ir.Value, weight: ModuleWeight) -> ir.V
     name = f"{TRANSPOSED}{source.name}"
     if name not in graph.initializers:
         tensor = weight.then(TRANSPOSE)
-        graph.register_initializer(ir.Value(name=name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor))
+        graph.register_initializer(
+            ir.Value(name=name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
+        )
     return graph.initializers[name]
 
 
@@ -69,7 +73,12 @@ class FoldWeightTransposes(ir.passes.InPlacePass):
         for node in list(graph):
             table = node.inputs[0] if _gathers_rows(node) else None
             weight = table.const_value if table is not None else None
-            if table is None or not isinstance(weight, ModuleWeight) or len(weight.shape) != 2 or _identity(weight) not in self.transposed:
+            if (
+                table is None
+                or not isinstance(weight, ModuleWeight)
+                or len(weight.shape) != 2
+                or _identity(weight) not in self.transposed
+            ):
                 continue
             if all(_gathers_rows(use.node) and use.idx == 0 for use in table.uses()):
                 _gather_columns(graph, node, _transposed(graph, table, weight))
@@ -87,7 +96,9 @@ class FoldWeightTransposes(ir.passes.InPlacePass):
             if list(node.attributes.get_ints("perm", [1, 0])) != [1, 0]:
                 continue
             readers = [use for use in source.uses() if use.node is not node]
-            if any(not (_gathers_rows(use.node) and use.idx == 0) and use.node.op_type != "Transpose" for use in readers):
+            if any(
+                not (_gathers_rows(use.node) and use.idx == 0) and use.node.op_type != "Transpose" for use in readers
+            ):
                 continue  # read as it is by something else: keep the one tensor and its Transpose
             table = _transposed(graph, source, weight)
             for use in readers:

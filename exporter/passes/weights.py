@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.errors import ExportError
 from kiln.exporter.passes.bind import ModuleWeight
 
@@ -93,7 +94,13 @@ class WeightsWriter(contextlib.AbstractContextManager["WeightsWriter"]):
                 graph.initializers.pop(value.name or "")
                 value.name = name
             value.const_value = ir.ExternalTensor(
-                self.path.name, stored.offset, stored.length, tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=name, base_dir=self.path.parent
+                self.path.name,
+                stored.offset,
+                stored.length,
+                tensor.dtype,
+                shape=ir.Shape(tensor.shape.numpy()),
+                name=name,
+                base_dir=self.path.parent,
             )
             if self._rename:
                 graph.register_initializer(value)
@@ -115,7 +122,9 @@ class WeightsWriter(contextlib.AbstractContextManager["WeightsWriter"]):
             pad = -offset % _ALIGN
             self._file.write(b"\0" * pad)
             self._file.write(data)
-            self._by_content[key] = _Stored(offset + pad, data.nbytes, self._canonical(_readable_name(value)) if self._rename else value.name or "")
+            self._by_content[key] = _Stored(
+                offset + pad, data.nbytes, self._canonical(_readable_name(value)) if self._rename else value.name or ""
+            )
         return self._known(value, key)
 
     def _known(self, value: ir.Value, key: bytes) -> _Stored:

@@ -29,12 +29,13 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
+
 from kiln.exporter.passes.ir_utils import producer, scalar_of
 from kiln.exporter.patterns.heads import Bias, projection_of
 from kiln.exporter.patterns.rotary import find_rotary
 from kiln.exporter.patterns.rules import fail, rule_of
 from kiln.exporter.patterns.sinks import concat_sink, gate_sink
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
 
 __all__ = ["AttentionCore", "AttentionCoreRule", "find_attention"]
 
@@ -103,7 +104,12 @@ def _twin_cast(value: ir.Value) -> ir.Value | None:
     to = node.attributes.get_int("to", 0)
     for use in source.uses():
         other = use.node
-        if other is not node and other.op_type == "Cast" and other.attributes.get_int("to", 0) == to and other.outputs[0].is_graph_output():
+        if (
+            other is not node
+            and other.op_type == "Cast"
+            and other.attributes.get_int("to", 0) == to
+            and other.outputs[0].is_graph_output()
+        ):
             return other.outputs[0]
     return None
 
@@ -130,32 +136,69 @@ class AttentionCoreRule(RewriteRuleClassBase):
     """The attention core (module docstring); ``check`` leaves what it found in ``self.core``.
     This class only matches (``find_attention``); ``targets.ort.gqa.GroupQueryAttention`` rewrites."""
 
-    def __init__(self, head_dim: int, name: str = "AttentionCore", *, softmax_island: bool = False, sinks: bool = False) -> None:
+    def __init__(
+        self, head_dim: int, name: str = "AttentionCore", *, softmax_island: bool = False, sinks: bool = False
+    ) -> None:
         super().__init__(name, remove_nodes=False)  # the presents are graph outputs: rewired, not matched away
         self.head_dim = head_dim
-        self.softmax_island = softmax_island  # also match fp16 scores whose softmax runs in fp32 (an --fp16 graph's island)
+        self.softmax_island = (
+            softmax_island  # also match fp16 scores whose softmax runs in fp32 (an --fp16 graph's island)
+        )
         self.sinks = sinks  # also match a core with attention sinks (``sinks``): only for a rewrite that carries them
         self.core: AttentionCore | None = None
 
     def pattern(
-        self, op: Any, q: Any, key: Any, value: Any, scale: Any, cap: Any, cap_div: Any, cond: Any, fill: Any, mask: Any, out_shape: Any, sink_wide: Any, max_axes: Any,
-        slice_starts: Any, slice_ends: Any, lse_axes: Any, sink_lse: Any, gate_axes: Any,
+        self,
+        op: Any,
+        q: Any,
+        key: Any,
+        value: Any,
+        scale: Any,
+        cap: Any,
+        cap_div: Any,
+        cond: Any,
+        fill: Any,
+        mask: Any,
+        out_shape: Any,
+        sink_wide: Any,
+        max_axes: Any,
+        slice_starts: Any,
+        slice_ends: Any,
+        lse_axes: Any,
+        sink_lse: Any,
+        gate_axes: Any,
     ) -> Any:
         # a Mul or Add of a computed value and a variable, in either order, is an OrValue of both
         # (a Mul of two variables could not be told apart: then ``commute`` makes two rules);
         # every OrValue has a tag: onnxscript 0.7's commute() cannot copy one without
         scores = op.MatMul(q, op.Transpose(key, perm=[0, 1, 3, 2]))
-        scaled = _or([op.Mul(scores, scale), op.Mul(scale, scores), op.Div(scores, scale), scores], "scale_op", ["Mul", "Mul", "Div", None])
-        tanh = op.Tanh(_or([op.Div(scaled, cap_div), op.Mul(scaled, cap_div), op.Mul(cap_div, scaled)], "cap_op", ["Div", "Mul", "Mul"]))
+        scaled = _or(
+            [op.Mul(scores, scale), op.Mul(scale, scores), op.Div(scores, scale), scores],
+            "scale_op",
+            ["Mul", "Mul", "Div", None],
+        )
+        tanh = op.Tanh(
+            _or(
+                [op.Div(scaled, cap_div), op.Mul(scaled, cap_div), op.Mul(cap_div, scaled)],
+                "cap_op",
+                ["Div", "Mul", "Mul"],
+            )
+        )
         capped = _or([op.Mul(tanh, cap), op.Mul(cap, tanh), scaled], "capped", [True, True, False])
         where = [op.Where(cond, capped, fill), op.Where(cond, fill, capped)]
-        masked = _or([*where, op.Add(capped, mask), op.Add(mask, capped)], "mask_kind", ["where", "where_inv", "add", "add"])
+        masked = _or(
+            [*where, op.Add(capped, mask), op.Add(mask, capped)], "mask_kind", ["where", "where_inv", "add", "add"]
+        )
         # attention sinks (``sinks``), concatenated: Softmax(Concat(masked, sinks) [- row max])[..., :-1]
         joined = op.Concat(masked, sink_wide, _outputs=["joined"])
         shifted = op.Sub(joined, op.ReduceMax(joined, max_axes, _outputs=["row_max"]))
         logits = _or([shifted, joined, masked], "sink_form", ["shifted", "concat", None])
         probs = op.Softmax(_or([op.Cast(logits, _outputs=["cast_in"]), logits], "cast_before"), _outputs=["probs"])
-        kept = _or([op.Slice(probs, slice_starts, slice_ends, _allow_other_inputs=True, _outputs=["kept"]), probs], "sink_slice", [True, False])
+        kept = _or(
+            [op.Slice(probs, slice_starts, slice_ends, _allow_other_inputs=True, _outputs=["kept"]), probs],
+            "sink_slice",
+            [True, False],
+        )
         pv = op.MatMul(_or([op.Cast(kept, _outputs=["probs_cast"]), kept], "cast_after"), value, _outputs=["pv"])
         # attention sinks as a gate: pv * Unsqueeze(Sigmoid(ReduceLogSumExp(masked) - sinks))
         lse = op.ReduceLogSumExp(masked, lse_axes, _outputs=["lse"])
@@ -180,24 +223,50 @@ class AttentionCoreRule(RewriteRuleClassBase):
             return fail("the query, key or value heads are graph inputs (nothing to flatten for GroupQueryAttention)")
         width = _width(q)
         if width is None or width % self.head_dim:
-            return fail(f"the query is not [B, N, S, {self.head_dim}] heads of a static N, packed [B, S, N*{self.head_dim}] (width {width})")
+            return fail(
+                f"the query is not [B, N, S, {self.head_dim}] heads of a static N, packed [B, S, "
+                f"N*{self.head_dim}] (width {width})"
+            )
         if _width(new_key) is None or _width(new_value) is None:
-            return fail("the new keys or values are not heads [B, N, S, hd] of a static N whose packed form is [B, S, N*hd]")
+            return fail(
+                "the new keys or values are not heads [B, N, S, hd] of a static N whose packed form is [B, S, N*hd]"
+            )
         scale, softcap, bias = scored
         sink = self._sink(bound, width // self.head_dim, q.dtype)
         if isinstance(sink, MatchResult):
             return sink
         self.core = AttentionCore(
-            layer, q, new_key, new_value, width // self.head_dim, past_key, past_value, present_key, present_value, bias, scale, softcap, bound["out"], bound["out_shape"], sink=sink
+            layer,
+            q,
+            new_key,
+            new_value,
+            width // self.head_dim,
+            past_key,
+            past_value,
+            present_key,
+            present_value,
+            bias,
+            scale,
+            softcap,
+            bound["out"],
+            bound["out_shape"],
+            sink=sink,
         )
         return MatchResult()
 
     def _sink(self, bound: dict[str, Any], n_heads: int, dtype: ir.DataType | None) -> ir.Value | MatchResult | None:
         """The core's attention sinks (``sinks``), None without, or why they are not matched."""
         if not bound.get("sink_form") and not bound.get("sink_gate"):
-            return fail("the probabilities are sliced, but the scores have no attention sinks concatenated") if bound.get("sink_slice") else None
+            return (
+                fail("the probabilities are sliced, but the scores have no attention sinks concatenated")
+                if bound.get("sink_slice")
+                else None
+            )
         if not self.sinks:
-            return fail("the softmax has attention sinks (a learned logit per head in its denominator), which this rewrite does not carry")
+            return fail(
+                "the softmax has attention sinks (a learned logit per head in its denominator), which this "
+                "rewrite does not carry"
+            )
         if bound.get("sink_form") and bound.get("sink_gate"):
             return fail("attention sinks both concatenated to the scores and gating the output")
         return concat_sink(bound, n_heads, dtype) if bound.get("sink_form") else gate_sink(bound, n_heads, dtype)
@@ -220,7 +289,9 @@ def _scores(bound: dict[str, Any]) -> MatchResult | tuple[float, float | None, B
         if cap is None or cap <= 0.0 or divisor is None or divisor == 0.0:
             return fail("the soft cap is not a positive constant")
         if not np.isclose(divisor if bound["cap_op"] == "Div" else 1.0 / divisor, cap, rtol=1e-6, atol=0.0):
-            return fail(f"tanh(scores / {divisor}) * {cap}: the soft cap divides by another constant than it multiplies by")
+            return fail(
+                f"tanh(scores / {divisor}) * {cap}: the soft cap divides by another constant than it multiplies by"
+            )
         softcap = cap
     kind = bound["mask_kind"]
     if kind == "add":
@@ -234,7 +305,12 @@ def _scores(bound: dict[str, Any]) -> MatchResult | tuple[float, float | None, B
 def _island(source: ir.Value | None, cast: ir.Value, bound: dict[str, Any]) -> bool:
     """fp16 scores -> fp32 softmax -> probabilities cast back to fp16 (the fp16 pass's island)."""
     back = bound.get("probs_cast")
-    return source is not None and (source.dtype, cast.dtype) == (ir.DataType.FLOAT16, ir.DataType.FLOAT) and back is not None and back.dtype == ir.DataType.FLOAT16
+    return (
+        source is not None
+        and (source.dtype, cast.dtype) == (ir.DataType.FLOAT16, ir.DataType.FLOAT)
+        and back is not None
+        and back.dtype == ir.DataType.FLOAT16
+    )
 
 
 def _readers(bound: dict[str, Any], softmax_island: bool = False) -> MatchResult | None:
@@ -253,7 +329,9 @@ def _readers(bound: dict[str, Any], softmax_island: bool = False) -> MatchResult
     return None
 
 
-def _presents(key: ir.Value, value: ir.Value) -> MatchResult | tuple[tuple[int, ir.Value, ir.Value | None, ir.Value], tuple[ir.Value, ir.Value | None, ir.Value]]:
+def _presents(
+    key: ir.Value, value: ir.Value
+) -> MatchResult | tuple[tuple[int, ir.Value, ir.Value | None, ir.Value], tuple[ir.Value, ir.Value | None, ir.Value]]:
     """The layer's present.i.key behind the keys and present.i.value behind the values, each
     split into (past, new)."""
     got_key, got_value = _present_source(key, "key"), _present_source(value, "value")
@@ -276,7 +354,14 @@ def find_attention(model: ir.Model, head_dim: int, *, softmax_island: bool = Fal
     cores: dict[int, AttentionCore] = {}
     rule = rule_of(finder)
     for node in model.graph:
-        if node.op_type == "Reshape" and rule.match(model, model.graph, node, check_nodes_are_removable=False) and finder.core is not None:
+        if (
+            node.op_type == "Reshape"
+            and rule.match(model, model.graph, node, check_nodes_are_removable=False)
+            and finder.core is not None
+        ):
             found = find_rotary(model, finder.core.q)
-            cores.setdefault(finder.core.layer, dataclasses.replace(finder.core, rotary=(found.cos, found.sin) if not isinstance(found, str) else None))
+            cores.setdefault(
+                finder.core.layer,
+                dataclasses.replace(finder.core, rotary=(found.cos, found.sin) if not isinstance(found, str) else None),
+            )
     return [cores[layer] for layer in sorted(cores)]

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.exporter.passes.ir_utils import constant, producer
 
 __all__ = ["Bias", "flatten_heads", "projection_of"]

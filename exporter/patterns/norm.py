@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
+
 from kiln.exporter.passes.ir_utils import constant, producer, scalar_of
 from kiln.exporter.patterns.rules import NotFused, apply_rules, explain, fail, rule_of
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, pattern
 
 __all__ = ["RmsNorm", "fuse_rms_norm", "ones_weight"]
 
@@ -46,10 +47,18 @@ class RmsNorm(RewriteRuleClassBase):
         # either operand order: an OrValue of both where one operand is computed (onnxscript 0.7's
         # commute() cannot copy an OrValue without a tag); the root's two orders are two rules
         mean = op.ReduceMean(op.Pow(squared, exponent), _allow_other_inputs=True, _outputs=["mean"])
-        denominator = op.Reciprocal(op.Sqrt(pattern.OrValue([op.Add(mean, eps), op.Add(eps, mean)], tag_var="eps_second")))
+        denominator = op.Reciprocal(
+            op.Sqrt(pattern.OrValue([op.Add(mean, eps), op.Add(eps, mean)], tag_var="eps_second"))
+        )
         if not self.weighted:
-            return op.Mul(denominator, x, _outputs=["normalized"]) if self.swapped else op.Mul(x, denominator, _outputs=["normalized"])
-        normalized = pattern.OrValue([op.Mul(x, denominator), op.Mul(denominator, x)], name="normalized", tag_var="x_second")
+            return (
+                op.Mul(denominator, x, _outputs=["normalized"])
+                if self.swapped
+                else op.Mul(x, denominator, _outputs=["normalized"])
+            )
+        normalized = pattern.OrValue(
+            [op.Mul(x, denominator), op.Mul(denominator, x)], name="normalized", tag_var="x_second"
+        )
         return op.Mul(weight, normalized) if self.swapped else op.Mul(normalized, weight)
 
     def check(self, op: Any, *_: Any, **bound: Any) -> MatchResult:  # op: the MatchContext (the base class names it so)
@@ -72,11 +81,17 @@ class RmsNorm(RewriteRuleClassBase):
             return fail("the hidden size is not static (the ones weight needs it)")
         return MatchResult()
 
-    def rewrite(self, op: Any, x: ir.Value, eps: ir.Value, normalized: ir.Value, weight: ir.Value | None = None, **_: Any) -> ir.Value:
+    def rewrite(
+        self, op: Any, x: ir.Value, eps: ir.Value, normalized: ir.Value, weight: ir.Value | None = None, **_: Any
+    ) -> ir.Value:
         gamma = weight if self.weighted and weight is not None else ones_weight(x)
         mul = normalized.producer()
         name = f"{((mul.name if mul is not None else None) or '').rsplit('/', 1)[0]}/{self.op_type}"
-        attrs = {"axis": -1, "epsilon": float(scalar_of(eps) or 0.0), "stash_type": 1}  # stash_type 1: computed in fp32 (TensorRT honours a fp16 stash and overflows)
+        attrs = {
+            "axis": -1,
+            "epsilon": float(scalar_of(eps) or 0.0),
+            "stash_type": 1,
+        }  # stash_type 1: computed in fp32 (TensorRT honours a fp16 stash and overflows)
         return getattr(op, self.op_type)(x, gamma, **attrs, _name=name)  # type: ignore[no-any-return]
 
 
@@ -86,7 +101,9 @@ def ones_weight(x: ir.Value, dtype: ir.DataType | None = None) -> ir.Value:
     last = x.shape[-1] if x.shape is not None else None
     width = last if isinstance(last, int) else 0
     half = (dtype or x.dtype) == ir.DataType.FLOAT16
-    return constant(_graph(x), f"ort/ones{'16' if half else ''}_{width}", np.ones(width, dtype=np.float16 if half else np.float32))
+    return constant(
+        _graph(x), f"ort/ones{'16' if half else ''}_{width}", np.ones(width, dtype=np.float16 if half else np.float32)
+    )
 
 
 def _graph(value: ir.Value) -> ir.Graph:
@@ -101,10 +118,16 @@ def _name(node: ir.Node) -> str:
 
 def _candidates(model: ir.Model) -> list[ir.Node]:
     """Every mean of a square left in the graph (what an RMSNorm starts with)."""
-    return [n for n in model.graph if n.op_type == "ReduceMean" and n.domain == "" and producer(n.inputs[0], "Pow") is not None]
+    return [
+        n
+        for n in model.graph
+        if n.op_type == "ReduceMean" and n.domain == "" and producer(n.inputs[0], "Pow") is not None
+    ]
 
 
-def fuse_rms_norm(model: ir.Model, *, not_fused: NotFused | None = None, op_type: str = "SimplifiedLayerNormalization") -> int:
+def fuse_rms_norm(
+    model: ir.Model, *, not_fused: NotFused | None = None, op_type: str = "SimplifiedLayerNormalization"
+) -> int:
     """Fuse every RMSNorm in ``model`` into ``op_type`` (``RmsNorm``); returns how many.
     ``not_fused`` gets the reason of each mean of a square left (fusion ``rms_norm``, by node name)."""
     weighted = [rule_of(RmsNorm(True, swapped, op_type)) for swapped in (False, True)]

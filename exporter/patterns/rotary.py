@@ -18,9 +18,10 @@ import dataclasses
 from typing import Any
 
 import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase, RewriteRuleSet
+
 from kiln.exporter.passes.ir_utils import producer, scalar_of
 from kiln.exporter.patterns.rules import fail, first_match, rule_of
-from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase, RewriteRuleSet
 
 __all__ = ["Rotary", "RotaryFinder", "RotateHalf", "find_rotary", "same_value"]
 
@@ -41,9 +42,16 @@ def same_value(a: ir.Value | None, b: ir.Value | None, depth: int = 4) -> bool:
     if a is b:
         return True
     na, nb = (a.producer() if a is not None else None), (b.producer() if b is not None else None)
-    if depth == 0 or na is None or nb is None or (na.op_type, na.domain, len(na.inputs)) != (nb.op_type, nb.domain, len(nb.inputs)):
+    if (
+        depth == 0
+        or na is None
+        or nb is None
+        or (na.op_type, na.domain, len(na.inputs)) != (nb.op_type, nb.domain, len(nb.inputs))
+    ):
         return False
-    same_attrs = {k: repr(v.value) for k, v in na.attributes.items()} == {k: repr(v.value) for k, v in nb.attributes.items()}
+    same_attrs = {k: repr(v.value) for k, v in na.attributes.items()} == {
+        k: repr(v.value) for k, v in nb.attributes.items()
+    }
     return same_attrs and all(same_value(x, y, depth - 1) for x, y in zip(na.inputs, nb.inputs, strict=True))
 
 
@@ -90,7 +98,11 @@ class RotateHalf(RewriteRuleClassBase):
             second = op.Slice(x_b, _allow_other_inputs=True, _outputs=["second"])
         half = op.Concat(op.Neg(second), first, _outputs=["half"])
         out = op.Add(op.Mul(rotated, cos), op.Mul(half, sin))
-        return op.Concat(out, op.Slice(x_rest, _allow_other_inputs=True, _outputs=["rest"]), _outputs=["joined"]) if self.partial else out
+        return (
+            op.Concat(out, op.Slice(x_rest, _allow_other_inputs=True, _outputs=["rest"]), _outputs=["joined"])
+            if self.partial
+            else out
+        )
 
     def check(self, op: Any, *_: Any, **bound: Any) -> MatchResult:  # op: the MatchContext (the base class names it so)
         self.found = None
@@ -105,7 +117,14 @@ class RotateHalf(RewriteRuleClassBase):
         dim = None
         if self.partial:
             part, rest = _slice(rotated), _slice(bound["rest"])
-            if part is None or rest is None or part[0] != 0 or rest[0] != part[1] or part[1] % 2 or not same_value(bound["x_rest"], x):
+            if (
+                part is None
+                or rest is None
+                or part[0] != 0
+                or rest[0] != part[1]
+                or part[1] % 2
+                or not same_value(bound["x_rest"], x)
+            ):
                 return fail("partial rotary: not Concat(rotate(x[..., :d]), x[..., d:]) of one x")
             dim = part[1]
         last = rotated.shape[-1] if rotated.shape is not None else None
@@ -123,7 +142,9 @@ class RotaryFinder:
 
     def __init__(self) -> None:
         self.patterns = [RotateHalf(split=s, partial=p) for p in (False, True) for s in (True, False)]
-        self.rules: list[tuple[RotateHalf, RewriteRule]] = [(f, r) for f in self.patterns for r in RewriteRuleSet([rule_of(f)], commute=True)]
+        self.rules: list[tuple[RotateHalf, RewriteRule]] = [
+            (f, r) for f in self.patterns for r in RewriteRuleSet([rule_of(f)], commute=True)
+        ]
 
     def find(self, model: ir.Model, value: ir.Value) -> Rotary | str:
         node = value.producer()

@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+from onnx import helper
+
 from kiln.exporter.passes.subgraph import cut_subgraph, proto_for_cuts
 from kiln.exporter.runners.ort_runner import ort_session
-from onnx import helper
 
 __all__ = ["TableFn", "graph_tables"]
 
@@ -37,11 +38,15 @@ def graph_tables(model: ir.Model, base_dir: Path, max_positions: int, head_dim: 
     proto = proto_for_cuts(model)
 
     def tables(cos: ir.Value, sin: ir.Value) -> tuple[np.ndarray, np.ndarray] | None:
-        sub_model = cut_subgraph(proto, [cos.name or "", sin.name or ""], base_dir, name="rotary_tables", allowed_inputs={"position_ids"})
+        sub_model = cut_subgraph(
+            proto, [cos.name or "", sin.name or ""], base_dir, name="rotary_tables", allowed_inputs={"position_ids"}
+        )
         if sub_model is None:
             return None
         del sub_model.graph.input[:]  # the tables are one row of positions
-        sub_model.graph.input.append(helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "positions"]))
+        sub_model.graph.input.append(
+            helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, "positions"])
+        )
         session = ort_session(sub_model.SerializeToString())
 
         def run(count: int) -> list[np.ndarray] | None:
@@ -52,7 +57,11 @@ def graph_tables(model: ir.Model, base_dir: Path, max_positions: int, head_dim: 
             return [a.astype(np.float32).reshape(count, width) for a in arrays]
 
         full, prefix = run(max_positions), run(min(_PREFIX, max_positions))
-        if full is None or prefix is None or any(not np.array_equal(f[: len(p)], p) for f, p in zip(full, prefix, strict=True)):
+        if (
+            full is None
+            or prefix is None
+            or any(not np.array_equal(f[: len(p)], p) for f, p in zip(full, prefix, strict=True))
+        ):
             return None  # a row that depends on the call's other positions
         half = full[0].shape[1] // 2
         if any(not np.array_equal(t[:, :half], t[:, half:]) for t in full):
@@ -60,4 +69,3 @@ def graph_tables(model: ir.Model, base_dir: Path, max_positions: int, head_dim: 
         return np.ascontiguousarray(full[0][:, :half]), np.ascontiguousarray(full[1][:, :half])
 
     return tables
-

@@ -16,7 +16,14 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 
 import onnx_ir as ir
-from onnxscript.rewriter import MatchingTracer, MatchResult, MatchStatus, RewriteRule, RewriteRuleClassBase, RewriteRuleSet
+from onnxscript.rewriter import (
+    MatchingTracer,
+    MatchResult,
+    MatchStatus,
+    RewriteRule,
+    RewriteRuleClassBase,
+    RewriteRuleSet,
+)
 
 __all__ = ["NotFused", "apply_rules", "explain", "fail", "first_match", "rule_of", "where"]
 
@@ -29,7 +36,7 @@ def fail(reason: str) -> MatchResult:
 
 
 def where(node: ir.Node) -> str:
-    """"layer i" for a node of layer i (named after its module), else the node's name."""
+    """ "layer i" for a node of layer i (named after its module), else the node's name."""
     found = _LAYER.search(node.name or "")
     return f"layer {found.group(1)}" if found else (node.name or node.op_type)
 
@@ -57,14 +64,18 @@ class _Attempts(MatchingTracer):
         super().__init__()
         self.attempts: list[tuple[MatchResult, MatchStatus]] = []
 
-    def log(self, rule: object, container: object, node: ir.Node, match_result: MatchResult, status: MatchStatus) -> None:
+    def log(
+        self, rule: object, container: object, node: ir.Node, match_result: MatchResult, status: MatchStatus
+    ) -> None:
         self.attempts.append((match_result, status))
 
 
 def rule_of(instance: RewriteRuleClassBase) -> RewriteRule:
     """``instance`` as a rule (``RewriteRuleClassBase.rule`` for an instance the caller keeps, to
     read what its check found)."""
-    return RewriteRule(instance.pattern, instance.rewrite, instance.check, name=instance.name, remove_nodes=instance.remove_nodes)
+    return RewriteRule(
+        instance.pattern, instance.rewrite, instance.check, name=instance.name, remove_nodes=instance.remove_nodes
+    )
 
 
 def apply_rules(model: ir.Model, rules: Sequence[RewriteRule], *, commute: bool = False) -> int:
@@ -83,7 +94,11 @@ def _reason(match: MatchResult, status: MatchStatus) -> str:
 def _best(attempts: list[tuple[MatchResult, MatchStatus]], around: ir.Node | None) -> str | None:
     """The reason of the failed attempt (around a node) that matched the most: a failing check
     beats a pattern mismatch."""
-    tried = [(status, len(m.nodes), m) for m, status in attempts if status is not MatchStatus.SUCCESS and (around is None or around in m.nodes)]
+    tried = [
+        (status, len(m.nodes), m)
+        for m, status in attempts
+        if status is not MatchStatus.SUCCESS and (around is None or around in m.nodes)
+    ]
     best = max(tried, default=None, key=lambda t: (t[0] is MatchStatus.CONDITION_FAILED, t[1]))
     return _reason(best[2], best[0]) or None if best is not None else None
 
@@ -108,7 +123,7 @@ def explain(
     label: Callable[[ir.Node], str] = where,
     otherwise: Callable[[ir.Node], str] = lambda _: "no pattern of this fusion matches around it",
 ) -> list[str]:
-    """"<label>: reason" for each candidate node: the reason of the attempt that matched the most
+    """ "<label>: reason" for each candidate node: the reason of the attempt that matched the most
     of the pattern around it (``_best``), ``otherwise(node)`` when none reached it. Nothing is
     rewritten."""
     if not candidates:

@@ -19,9 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 import onnx_ir as ir
+from onnxscript.rewriter import MatchResult
+
 from kiln.exporter.passes.ir_utils import producer
 from kiln.exporter.patterns.rules import fail
-from onnxscript.rewriter import MatchResult
 
 __all__ = ["concat_sink", "gate_sink"]
 
@@ -41,13 +42,18 @@ def _last_axis(axes: list[int] | None, rank: int = 4) -> bool:
     return axes is not None and len(axes) == 1 and axes[0] in (-1, rank - 1)
 
 
-def _per_head(sinks: ir.Value | None, dims: tuple[tuple[int, ...], ...], n_heads: int, dtype: ir.DataType | None) -> ir.Value | MatchResult:
+def _per_head(
+    sinks: ir.Value | None, dims: tuple[tuple[int, ...], ...], n_heads: int, dtype: ir.DataType | None
+) -> ir.Value | MatchResult:
     """``sinks`` (shaped as one of ``dims``, N standing for n_heads) as N values: the 1-D value a
     Reshape made it from, when there is one, else itself."""
     shape = tuple(sinks.shape) if sinks is not None and sinks.shape is not None else None
     wanted = [tuple(n_heads if d == -1 else d for d in form) for form in dims]
     if sinks is None or shape not in wanted:
-        return fail(f"the attention sinks are shaped {list(shape) if shape is not None else None}, not one logit per query head ({n_heads})")
+        return fail(
+            f"the attention sinks are shaped {list(shape) if shape is not None else None}, not one logit per "
+            f"query head ({n_heads})"
+        )
     if sinks.dtype != dtype:
         return fail(f"the attention sinks are {sinks.dtype}, the queries {dtype}")
     reshape = producer(sinks, "Reshape")
@@ -64,12 +70,18 @@ def concat_sink(bound: dict[str, Any], n_heads: int, dtype: ir.DataType | None) 
     if probs is None:
         return fail("the scores are concatenated with per-head logits, but no column is sliced off the probabilities")
     slice_node = probs.producer()
-    starts, ends, axes, steps = ([*slice_node.inputs[1:], None, None][:4] if slice_node is not None else [None] * 4)
-    if (_ints(starts), _ints(ends), _ints(steps) if steps is not None else [1]) != ([0], [-1], [1]) or not _last_axis(_ints(axes)):
+    starts, ends, axes, steps = [*slice_node.inputs[1:], None, None][:4] if slice_node is not None else [None] * 4
+    if (_ints(starts), _ints(ends), _ints(steps) if steps is not None else [1]) != ([0], [-1], [1]) or not _last_axis(
+        _ints(axes)
+    ):
         return fail("the probabilities are sliced otherwise than [..., :-1] (dropping the sink's column)")
     if bound.get("sink_form") == "shifted":
         reduce = bound["row_max"].producer()
-        if reduce is None or reduce.attributes.get_int("keepdims", 1) != 1 or not _last_axis(_ints(bound.get("max_axes"))):
+        if (
+            reduce is None
+            or reduce.attributes.get_int("keepdims", 1) != 1
+            or not _last_axis(_ints(bound.get("max_axes")))
+        ):
             return fail("the concatenated logits are shifted by something other than their row max")
     wide: ir.Value = bound["sink_wide"]
     expand = producer(wide, "Expand")
@@ -86,4 +98,3 @@ def gate_sink(bound: dict[str, Any], n_heads: int, dtype: ir.DataType | None) ->
     if gate is None or not _last_axis(_ints(bound.get("gate_axes"))):
         return fail("the attention output's gate is not unsqueezed on the last axis")
     return _per_head(bound["sink_lse"], ((1, -1, 1), (-1, 1)), n_heads, dtype)
-

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import onnx_ir as ir
+
     from kiln.exporter.contract.io import GraphIO, GraphKind
     from kiln.exporter.load import Reference
     from kiln.exporter.options import ExportOptions

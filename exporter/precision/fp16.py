@@ -20,10 +20,11 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 import torch
-from kiln.exporter.passes.reports import Report
+
 from kiln.errors import ExportError
 from kiln.exporter.passes.bind import ModuleWeight, Transform
 from kiln.exporter.passes.ir_utils import set_dtype
+from kiln.exporter.passes.reports import Report
 from kiln.exporter.precision.policy import Fp16Policy, resolve_kept_nodes
 
 __all__ = ["ConvertFp16", "Fp16Result", "convert_to_fp16", "FP16", "FP16_MAX"]
@@ -65,7 +66,11 @@ def _drop_cast_round_trips(graph: ir.Graph) -> int:
         if source is None or source.dtype != ir.DataType.FLOAT:
             continue
         for user, _ in list(node.outputs[0].uses()):
-            if user.op_type == "Cast" and user.attributes.get_int("to") == ir.DataType.FLOAT and not user.outputs[0].is_graph_output():
+            if (
+                user.op_type == "Cast"
+                and user.attributes.get_int("to") == ir.DataType.FLOAT
+                and not user.outputs[0].is_graph_output()
+            ):
                 user.outputs[0].replace_all_uses_with(source)
                 graph.remove(user, safe=True)
                 removed += 1
@@ -163,7 +168,11 @@ class _Casts:
 def _convert_initializers(graph: ir.Graph, blocked: Callable[[ir.Node], bool]) -> None:
     for value in graph.initializers.values():
         tensor = value.const_value
-        if tensor is not None and value.dtype == ir.DataType.FLOAT and any(not blocked(use.node) for use in value.uses()):
+        if (
+            tensor is not None
+            and value.dtype == ir.DataType.FLOAT
+            and any(not blocked(use.node) for use in value.uses())
+        ):
             value.const_value = _fp16_tensor(tensor)
             set_dtype(value, ir.DataType.FLOAT16)
 

@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING, Any
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
-from kiln.exporter.passes.reports import Report
+
 from kiln.errors import ConfigError, ExportError
-from kiln.exporter.passes.ir_utils import set_dtype
 from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
-from kiln.exporter.precision.int8 import DEFAULT_INT8_FLOAT, int8_targets
+from kiln.exporter.passes.ir_utils import set_dtype
 from kiln.exporter.passes.names import module_of
+from kiln.exporter.passes.reports import Report
+from kiln.exporter.precision.int8 import DEFAULT_INT8_FLOAT, int8_targets
 from kiln.exporter.precision.kinds.base import Prepared
 from kiln.exporter.precision.lowbit_check import CheckLowBit
 from kiln.exporter.precision.policy import KeepFloat, rule_matches
@@ -44,8 +45,8 @@ from kiln.exporter.precision.qdq_scales import FP8_MAX, QdqSink, fp8_numbers, fp
 if TYPE_CHECKING:
     from kiln.exporter.contract.io import GraphKind
     from kiln.exporter.parity.qdq_numbers import QdqModule
-    from kiln.exporter.precision.kinds.base import GraphReports, Ranges
     from kiln.exporter.precision.context import PrecisionContext
+    from kiln.exporter.precision.kinds.base import GraphReports, Ranges
     from kiln.exporter.precision.kinds.fp8 import Fp8
 
 __all__ = ["prepare", "QuantizeFp8", "FP8_MAX", "MIN_FP8_OPSET", "fp8_scale"]
@@ -61,7 +62,9 @@ def fp8_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(w / scale.astype(np.float32), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn), scale
 
 
-def _const(graph: ir.Graph, name: str, make: Callable[[], np.ndarray], dtype: ir.DataType, shape: tuple[int, ...]) -> ir.Value:
+def _const(
+    graph: ir.Graph, name: str, make: Callable[[], np.ndarray], dtype: ir.DataType, shape: tuple[int, ...]
+) -> ir.Value:
     tensor = ir.LazyTensor(lambda: ir.tensor(make(), dtype=dtype), dtype, ir.Shape(shape), name=name)
     value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape), const_value=tensor)
     graph.register_initializer(value)
@@ -73,7 +76,10 @@ class QuantizeFp8(ir.passes.InPlacePass):
     (run on the fp32 graph). ``quantized`` names the MatMuls."""
 
     def __init__(
-        self, calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]], policy: KeepFloat, required: tuple[str, ...] = (),
+        self,
+        calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]],
+        policy: KeepFloat,
+        required: tuple[str, ...] = (),
         keep: Callable[[dict[str, QdqModule] | None], None] | None = None,
     ) -> None:
         super().__init__()
@@ -89,14 +95,27 @@ class QuantizeFp8(ir.passes.InPlacePass):
             raise ExportError(f"--fp8 needs --opset {MIN_FP8_OPSET} or later, found {model.opset_imports.get('', 0)}")
         for rule in self.required:
             if not any(n.op_type == "MatMul" and rule_matches(rule, n) for n in graph):
-                raise ConfigError(f"--fp8-float {rule}: no MatMul of the {graph.name} graph matches it (modules look like /layers.0.mlp.fc2/, or *.fc2 for every layer's)")
+                raise ConfigError(
+                    f"--fp8-float {rule}: no MatMul of the {graph.name} graph matches it (modules look like "
+                    "/layers.0.mlp.fc2/, or *.fc2 for every layer's)"
+                )
         names = set(int8_targets(graph, self.policy))
         names |= plain_gemms_as_matmuls(graph, names)  # GPT-2's Conv1D: passes.gemm
         targets = []
         for node in graph:
-            weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" and node.name in names and len(node.inputs) == 2 else None
+            weight = (
+                node.inputs[1]
+                if node.op_type == "MatMul" and node.domain == "" and node.name in names and len(node.inputs) == 2
+                else None
+            )
             tensor = weight.const_value if weight is not None else None
-            if weight is not None and tensor is not None and weight.dtype == ir.DataType.FLOAT and len(tensor.shape) == 2 and node.inputs[0] is not None:
+            if (
+                weight is not None
+                and tensor is not None
+                and weight.dtype == ir.DataType.FLOAT
+                and len(tensor.shape) == 2
+                and node.inputs[0] is not None
+            ):
                 targets.append(node)
         ranges = self.calibrate(model) if targets else {}
         if self.keep is not None:
@@ -120,7 +139,9 @@ class QuantizeFp8(ir.passes.InPlacePass):
         """The manifest's ``passes.fp8``: the MatMuls with fp8 Q/DQ inputs."""
         return {"nodes": list(self.quantized)} if self._ran else None
 
-    def _activation(self, graph: ir.Graph, node: ir.Node, x: ir.Value, ranges: dict[str, tuple[float, float]]) -> ir.Value:
+    def _activation(
+        self, graph: ir.Graph, node: ir.Node, x: ir.Value, ranges: dict[str, tuple[float, float]]
+    ) -> ir.Value:
         if x.name not in ranges:
             raise ExportError(f"{node.name}: no calibrated range for its input {x.name}")
         lo, hi = ranges[x.name]
@@ -151,24 +172,40 @@ class QuantizeFp8(ir.passes.InPlacePass):
         base = f"fp8/{module_of(node) or node.name}"
         q = _const(graph, f"{base}.weight", lambda: numbers()[0], _FP8, (k, n))
         scale = _const(graph, f"{base}.weight_scale", lambda: numbers()[1], _SCALE, (n,))
-        zero = _const(graph, f"{base}.weight_zero_point", lambda: np.zeros(n, dtype=ml_dtypes.float8_e4m3fn), _FP8, (n,))
+        zero = _const(
+            graph, f"{base}.weight_zero_point", lambda: np.zeros(n, dtype=ml_dtypes.float8_e4m3fn), _FP8, (n,)
+        )
         dq = ir.node("DequantizeLinear", [q, scale, zero], {"axis": 1}, name=f"{node.name}/weight/DequantizeLinear")
         set_dtype(dq.outputs[0], _SCALE)
         dq.outputs[0].shape, dq.outputs[0].name = ir.Shape([k, n]), f"{base}.weight_dq"
         graph.insert_before(node, dq)
         node.replace_input_with(1, dq.outputs[0])
-        if not weight.uses() and not weight.is_graph_output() and weight.name is not None and weight.name in graph.initializers:
+        if (
+            not weight.uses()
+            and not weight.is_graph_output()
+            and weight.name is not None
+            and weight.name in graph.initializers
+        ):
             graph.initializers.pop(weight.name)
 
 
-_FORMAT = "fp8 E4M3 Q/DQ: weights float8e4m3fn per output channel (DequantizeLinear axis 1), activations per tensor, scales amax/448 in fp16"
+_FORMAT = (
+    "fp8 E4M3 Q/DQ: weights float8e4m3fn per output channel (DequantizeLinear axis 1), activations per tensor, "
+    "scales amax/448 in fp16"
+)
 
 
 def prepare(kind: Fp8, context: PrecisionContext) -> Prepared:
     """The fp8 kind's machinery (``kinds.fp8``): int8's default float rules and ``--fp8-float``'s,
     and each graph's pass on that graph's calibrated ranges."""
     assert context.ranges is not None, "the pipeline calibrates every Needs.RANGES export"
-    return _Fp8Prepared(KeepFloat(DEFAULT_INT8_FLOAT + kind.float_rules), kind.float_rules, context.ranges, context.options.calib_method, QdqSink("fp8"))
+    return _Fp8Prepared(
+        KeepFloat(DEFAULT_INT8_FLOAT + kind.float_rules),
+        kind.float_rules,
+        context.ranges,
+        context.options.calib_method,
+        QdqSink("fp8"),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,10 +218,23 @@ class _Fp8Prepared(Prepared):
 
     def passes(self, kind: GraphKind) -> list[ir.passes.PassBase]:
         ranges = self.ranges
-        return [QuantizeFp8(lambda model: ranges(kind, model), self.policy, self.required, lambda numbers: self.qdq.keep(kind.value, numbers))]
+        return [
+            QuantizeFp8(
+                lambda model: ranges(kind, model),
+                self.policy,
+                self.required,
+                lambda numbers: self.qdq.keep(kind.value, numbers),
+            )
+        ]
 
     def checks(self, kind: GraphKind) -> list[ir.passes.PassBase]:
         return [CheckLowBit()]
 
     def record(self, reports: GraphReports) -> dict[str, Any]:
-        return {"quantization": {"format": _FORMAT, "method": self.method, "kept_float": {"rules": list(self.policy.keep_float), "nodes": {}}}}
+        return {
+            "quantization": {
+                "format": _FORMAT,
+                "method": self.method,
+                "kept_float": {"rules": list(self.policy.keep_float), "nodes": {}},
+            }
+        }

@@ -62,12 +62,16 @@ def inverse_factor(hessian: np.ndarray, percdamp: float = PERCDAMP) -> InverseFa
     return InverseFactor(torch.linalg.cholesky(inverse, upper=True), dead)
 
 
-def gptq(weight: np.ndarray, hessian: np.ndarray, block: int, scale_dtype: np.dtype, percdamp: float = PERCDAMP) -> tuple[np.ndarray, np.ndarray]:
+def gptq(
+    weight: np.ndarray, hessian: np.ndarray, block: int, scale_dtype: np.dtype, percdamp: float = PERCDAMP
+) -> tuple[np.ndarray, np.ndarray]:
     """``weight [K, N]``, ``hessian [K, K]`` -> (q int8 [K, N] in [-8, 7], scale [K/B, N] of ``scale_dtype``)."""
     return gptq_factored(weight, inverse_factor(hessian, percdamp), block, scale_dtype)
 
 
-def gptq_factored(weight: np.ndarray, factor: InverseFactor, block: int, scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def gptq_factored(
+    weight: np.ndarray, factor: InverseFactor, block: int, scale_dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
     """``gptq`` from the Hessian's ``InverseFactor`` (shared by the weights that read one input)."""
     k, n = weight.shape
     if k % block:

@@ -24,27 +24,27 @@ weights file (the manifest's ``targets.ort.record.int4``), so both forms hold th
 from __future__ import annotations
 
 import dataclasses
-import dataclasses
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_ir as ir
-from kiln.exporter.passes.reports import Report
+
 from kiln.errors import ExportError
 from kiln.exporter.passes.bind import ModuleWeight
 from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
 from kiln.exporter.passes.ir_utils import set_dtype
+from kiln.exporter.passes.names import module_of
+from kiln.exporter.passes.reports import Report
 from kiln.exporter.passes.transposes import TRANSPOSE
 from kiln.exporter.precision.gptq import InverseFactor, gptq_factored, inverse_factor
 from kiln.exporter.precision.int4_numbers import dequantize, layer_block, pack_int4, rtn, unpack_int4
-from kiln.exporter.precision.kinds.int4 import DEFAULT_INT4_METHOD, MIN_INT4_OPSET, Int4Method
 from kiln.exporter.precision.int8 import int8_targets
 from kiln.exporter.precision.kinds.base import Prepared
+from kiln.exporter.precision.kinds.int4 import DEFAULT_INT4_METHOD, MIN_INT4_OPSET, Int4Method
 from kiln.exporter.precision.lowbit_check import CheckLowBit, check_int4, outside_tensorrt_int4, tensorrt_int4_reason
 from kiln.exporter.precision.policy import KeepFloat
-from kiln.exporter.passes.names import module_of
 
 __all__ = [
     "Int4Method",
@@ -68,8 +68,8 @@ _CHANGED_BY_21 = frozenset({"DFT", "GridSample", "GroupNormalization", "ReduceMa
 
 if TYPE_CHECKING:
     from kiln.exporter.contract.io import GraphKind
-    from kiln.exporter.precision.kinds.base import GraphReports
     from kiln.exporter.precision.context import PrecisionContext
+    from kiln.exporter.precision.kinds.base import GraphReports
     from kiln.exporter.precision.kinds.int4 import Int4
     from kiln.exporter.progress import Progress
 
@@ -122,9 +122,13 @@ class Int4Quantizer:
         self._layerwise = layerwise
         self._wanted: dict[tuple[str, int, ir.DataType], _Wanted] = {}
         self._done: dict[tuple[str, int, ir.DataType], tuple[np.ndarray, np.ndarray]] = {}
-        self._placed: dict[str, tuple[str, int, ir.DataType]] = {}  # the module whose MatMul each weight feeds -> its slot
+        self._placed: dict[
+            str, tuple[str, int, ir.DataType]
+        ] = {}  # the module whose MatMul each weight feeds -> its slot
 
-    def place(self, module: str, tensor: ir.TensorProtocol, key: str, hessian_name: str, block: int, scale_dtype: ir.DataType) -> None:
+    def place(
+        self, module: str, tensor: ir.TensorProtocol, key: str, hessian_name: str, block: int, scale_dtype: ir.DataType
+    ) -> None:
         """Record that ``module``'s MatMul computes with this weight's numbers (parity's reference
         is built on them: ``placed_numbers``)."""
         wanted = _Wanted(tensor, key, hessian_name, block, scale_dtype)
@@ -140,11 +144,15 @@ class Int4Quantizer:
             k, n = wanted.tensor.shape.numpy()
             yield module, packed, scale, (int(k), int(n))
 
-    def want(self, tensor: ir.TensorProtocol, key: str, hessian_name: str, block: int, scale_dtype: ir.DataType) -> None:
+    def want(
+        self, tensor: ir.TensorProtocol, key: str, hessian_name: str, block: int, scale_dtype: ir.DataType
+    ) -> None:
         wanted = _Wanted(tensor, key, hessian_name, block, scale_dtype)
         self._wanted.setdefault(wanted.slot, wanted)
 
-    def numbers(self, tensor: ir.TensorProtocol, key: str, hessian_name: str, block: int, scale_dtype: ir.DataType) -> tuple[np.ndarray, np.ndarray]:
+    def numbers(
+        self, tensor: ir.TensorProtocol, key: str, hessian_name: str, block: int, scale_dtype: ir.DataType
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(ONNX INT4 bytes of q [K, N], scale [K/B, N]) of ``tensor``."""
         wanted = _Wanted(tensor, key, hessian_name, block, scale_dtype)
         if wanted.slot not in self._done:
@@ -169,7 +177,12 @@ class Int4Quantizer:
         def quantize(name: str, hessian: np.ndarray | None) -> np.ndarray:
             for wanted in todo.get(name, []):
                 assert hessian is not None, "a weight to quantize comes with its Hessian"
-                q, scale = gptq_factored(np.asarray(wanted.tensor.numpy(), dtype=np.float32), factors.of(hessian), wanted.block, wanted.scale_dtype.numpy())
+                q, scale = gptq_factored(
+                    np.asarray(wanted.tensor.numpy(), dtype=np.float32),
+                    factors.of(hessian),
+                    wanted.block,
+                    wanted.scale_dtype.numpy(),
+                )
                 self._done[wanted.slot] = (pack_int4(q), scale)
             first = (todo.get(name) or done[name])[0]  # the layer computes with its first graph's numbers
             packed, scale = self._done[first.slot]
@@ -201,10 +214,16 @@ def module_layout(tensor: ir.TensorProtocol, values: np.ndarray) -> np.ndarray:
     """A graph weight's values (``[K, N]``) in its module tensor's layout (an ``nn.Linear``'s
     ``[N, K]``): its recipe's transposes undone; any other transform cannot be, and is refused."""
     if not isinstance(tensor, ModuleWeight):
-        raise ExportError(f"GPTQ: the graph weight {tensor.name} is no module tensor: the layer it belongs to cannot compute with its quantized values")
+        raise ExportError(
+            f"GPTQ: the graph weight {tensor.name} is no module tensor: the layer it belongs to cannot compute "
+            "with its quantized values"
+        )
     for transform in reversed(tensor.transforms):
         if transform.name != TRANSPOSE.name:
-            raise ExportError(f"GPTQ: the graph weight {tensor.name} is the module tensor through {transform.name!r}, which cannot be undone to run its quantized layer")
+            raise ExportError(
+                f"GPTQ: the graph weight {tensor.name} is the module tensor through {transform.name!r}, which "
+                "cannot be undone to run its quantized layer"
+            )
         values = values.T
     return np.ascontiguousarray(values, dtype=np.float32)
 
@@ -218,14 +237,25 @@ def gptq_layerwise(context: PrecisionContext) -> tuple[Layerwise, dict[str, Any]
     reference, options, progress = context.reference, context.options, context.progress
     assert options.calib_data is not None, "Int4.check refuses gptq without --calib-data"
     data = load_calibration_data(
-        options.calib_data, tokenizer=reference.loaded.tokenizer, vocab_size=reference.spec.vocab_size, samples=options.samples, window=min(WINDOW, reference.max_context)
+        options.calib_data,
+        tokenizer=reference.loaded.tokenizer,
+        vocab_size=reference.spec.vocab_size,
+        samples=options.samples,
+        window=min(WINDOW, reference.max_context),
     )
     prefix = reference.loaded.layers.prefix if reference.loaded.layers is not None else None
 
     def layerwise(todo: Collection[str], done: Collection[str], quantize: Quantize) -> None:
-        quantize_layerwise(reference.module, prefix, reference.spec.n_layers, data.windows, todo, done, quantize, progress)
+        quantize_layerwise(
+            reference.module, prefix, reference.spec.n_layers, data.windows, todo, done, quantize, progress
+        )
 
-    return layerwise, {"source": data.source, "data_sha256": data.sha256, "windows": len(data.windows), "window": int(len(data.windows[0]))}
+    return layerwise, {
+        "source": data.source,
+        "data_sha256": data.sha256,
+        "windows": len(data.windows),
+        "window": int(len(data.windows[0])),
+    }
 
 
 def raise_opset(model: ir.Model, opset: int) -> None:
@@ -235,7 +265,9 @@ def raise_opset(model: ir.Model, opset: int) -> None:
         return
     changed = sorted({n.op_type for n in model.graph if n.domain == "" and n.op_type in _CHANGED_BY_21})
     if changed:
-        raise ExportError(f"the graph holds {changed}, whose meaning changed by opset {opset}; export with --opset {opset} or later")
+        raise ExportError(
+            f"the graph holds {changed}, whose meaning changed by opset {opset}; export with --opset {opset} or later"
+        )
     model.opset_imports[""] = opset
     model.graph.opset_imports[""] = opset
     model.ir_version = max(model.ir_version or 0, 10)
@@ -263,7 +295,11 @@ class QuantizeInt4(ir.passes.InPlacePass):
         plan: list[tuple[ir.Node, ir.Value, int]] = []
         left: dict[str, str] = {}
         for node in graph:
-            weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" and node.name in names and len(node.inputs) == 2 else None
+            weight = (
+                node.inputs[1]
+                if node.op_type == "MatMul" and node.domain == "" and node.name in names and len(node.inputs) == 2
+                else None
+            )
             tensor = weight.const_value if weight is not None else None
             if weight is None or tensor is None or weight.dtype != ir.DataType.FLOAT or len(tensor.shape) != 2:
                 continue
@@ -272,15 +308,23 @@ class QuantizeInt4(ir.passes.InPlacePass):
                 left[node.name or ""] = f"K={tensor.shape.numpy()[0]} has no whole block of at least 16"
                 continue
             plan.append((node, weight, block))
-            self.quantizer.want(tensor, _weight_key(tensor, weight.name or ""), _hessian_name(tensor, weight), block, self.float_dtype)
+            self.quantizer.want(
+                tensor, _weight_key(tensor, weight.name or ""), _hessian_name(tensor, weight), block, self.float_dtype
+            )
         if not plan and not left:
             raise ExportError(
-                "--int4 found no MatMul or plain Gemm weight to quantize in this graph (a constant 2-D float weight outside the kept-float rules): its export would be int4 in name only"
+                "--int4 found no MatMul or plain Gemm weight to quantize in this graph (a constant 2-D float "
+                "weight outside the kept-float rules): its export would be int4 in name only"
             )
         for node, weight, block in plan:
             self._quantize(graph, node, weight, block)
         for _, weight, _ in plan:  # a float weight nothing else reads is not written
-            if not weight.uses() and not weight.is_graph_output() and weight.name is not None and weight.name in graph.initializers:
+            if (
+                not weight.uses()
+                and not weight.is_graph_output()
+                and weight.name is not None
+                and weight.name in graph.initializers
+            ):
                 graph.initializers.pop(weight.name)
         self.record = Int4Record(tuple(n.name or "" for n, _, _ in plan), {n.name or "": b for n, _, b in plan}, left)
         return ir.passes.PassResult(model, modified=bool(plan))
@@ -293,7 +337,11 @@ class QuantizeInt4(ir.passes.InPlacePass):
         the candidates left float with why."""
         if self.record is None:
             return None
-        return {"nodes": list(self.record.nodes), "blocks": dict(self.record.blocks), "kept_float": dict(self.record.float_nodes)}
+        return {
+            "nodes": list(self.record.nodes),
+            "blocks": dict(self.record.blocks),
+            "kept_float": dict(self.record.float_nodes),
+        }
 
     def _quantize(self, graph: ir.Graph, node: ir.Node, weight: ir.Value, block: int) -> None:
         tensor = weight.const_value
@@ -308,11 +356,21 @@ class QuantizeInt4(ir.passes.InPlacePass):
         quantizer.place(module_of(node) or node.name or "", tensor, key, hessian, block, dtype)
 
         base = f"int4/{module_of(node) or node.name}"
-        q = _lazy(f"{base}.weight", ir.DataType.INT4, (k, n), lambda: ir.PackedTensor(numbers()[0], ir.DataType.INT4, shape=ir.Shape([k, n])))
+        q = _lazy(
+            f"{base}.weight",
+            ir.DataType.INT4,
+            (k, n),
+            lambda: ir.PackedTensor(numbers()[0], ir.DataType.INT4, shape=ir.Shape([k, n])),
+        )
         scale = _lazy(f"{base}.scale", dtype, (k // block, n), lambda: ir.tensor(numbers()[1]))
         for value in (q, scale):
             graph.register_initializer(value)
-        dq = ir.node("DequantizeLinear", [q, scale], {"axis": 0, "block_size": block}, name=f"{node.name}/weight/DequantizeLinear")
+        dq = ir.node(
+            "DequantizeLinear",
+            [q, scale],
+            {"axis": 0, "block_size": block},
+            name=f"{node.name}/weight/DequantizeLinear",
+        )
         set_dtype(dq.outputs[0], dtype)
         dq.outputs[0].shape = ir.Shape([k, n])
         dq.outputs[0].name = f"{base}.weight_dq"
@@ -325,9 +383,9 @@ def _hessian_name(tensor: ir.TensorProtocol, weight: ir.Value) -> str:
     return tensor.module_name if isinstance(tensor, ModuleWeight) else weight.name or ""
 
 
-
-
-_FORMAT = "int4 weight-only: DequantizeLinear(INT4 [K, N], scale [K/B, N], axis=0, block_size=B), symmetric, no zero point"
+_FORMAT = (
+    "int4 weight-only: DequantizeLinear(INT4 [K, N], scale [K/B, N], axis=0, block_size=B), symmetric, no zero point"
+)
 
 
 def prepare(kind: Int4, context: PrecisionContext) -> Prepared:

@@ -13,7 +13,17 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["QMAX", "MIN_BLOCK", "layer_block", "rtn", "dequantize", "pack_int4", "unpack_int4", "pack_nbits", "clip_scales"]
+__all__ = [
+    "QMAX",
+    "MIN_BLOCK",
+    "layer_block",
+    "rtn",
+    "dequantize",
+    "pack_int4",
+    "unpack_int4",
+    "pack_nbits",
+    "clip_scales",
+]
 
 QMAX = 7.0
 MIN_BLOCK = 16  # MatMulNBits' smallest block (a power of two >= 16)

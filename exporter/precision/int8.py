@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx
 import onnx_ir as ir
-from kiln.exporter.passes.reports import Report
+
 from kiln.errors import ExportError
+from kiln.exporter.passes.reports import Report
 from kiln.exporter.precision.kinds.base import Prepared
 from kiln.exporter.precision.policy import KeepFloat, rule_matches
 from kiln.exporter.precision.qdq_rules import MIN_INT8_OPSET, check_qdq
@@ -31,11 +32,20 @@ from kiln.exporter.precision.via_proto import via_proto
 if TYPE_CHECKING:
     from kiln.exporter.contract.io import GraphKind
     from kiln.exporter.parity.qdq_numbers import QdqModule
-    from kiln.exporter.precision.kinds.base import GraphReports, Ranges
     from kiln.exporter.precision.context import PrecisionContext
+    from kiln.exporter.precision.kinds.base import GraphReports, Ranges
     from kiln.exporter.precision.kinds.int8 import Int8
 
-__all__ = ["prepare", "QuantizeInt8", "Int8Policy", "DEFAULT_INT8_FLOAT", "int8_targets", "quantize_int8", "check_qdq", "MIN_INT8_OPSET"]
+__all__ = [
+    "prepare",
+    "QuantizeInt8",
+    "Int8Policy",
+    "DEFAULT_INT8_FLOAT",
+    "int8_targets",
+    "quantize_int8",
+    "check_qdq",
+    "MIN_INT8_OPSET",
+]
 
 # module-suffix rules, so that they hold for every family: kiln's `lm_head`/`layers.N.attn`,
 # Hugging Face's `model.lm_head`/`model.layers.N.self_attn` (Llama, Qwen2, Mistral) and
@@ -53,10 +63,16 @@ class Int8Policy(KeepFloat):
 
 def int8_targets(graph: ir.Graph, policy: KeepFloat) -> list[str]:
     """Names of the MatMul/Gemm nodes the policy quantizes, in graph order."""
-    return [n.name for n in graph if n.op_type in ("MatMul", "Gemm") and n.name and not any(rule_matches(r, n) for r in policy.keep_float)]
+    return [
+        n.name
+        for n in graph
+        if n.op_type in ("MatMul", "Gemm") and n.name and not any(rule_matches(r, n) for r in policy.keep_float)
+    ]
 
 
-def quantize_int8(model: ir.Model, ranges: dict[str, tuple[float, float]], policy: KeepFloat) -> tuple[ir.Model, list[str]]:
+def quantize_int8(
+    model: ir.Model, ranges: dict[str, tuple[float, float]], policy: KeepFloat
+) -> tuple[ir.Model, list[str]]:
     """A new model with Q/DQ before the inputs of every MatMul/Gemm the policy does not keep in
     float, and the names of the quantized nodes."""
     from onnxruntime.quantization import QuantType
@@ -103,11 +119,16 @@ class QuantizeInt8(ir.passes.FunctionalPass):
     given (calibration runs the fp32 graph itself); ``quantized`` names the quantized nodes."""
 
     def __init__(
-        self, calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]], policy: KeepFloat, keep: Callable[[dict[str, QdqModule] | None], None] | None = None
+        self,
+        calibrate: Callable[[ir.Model], dict[str, tuple[float, float]]],
+        policy: KeepFloat,
+        keep: Callable[[dict[str, QdqModule] | None], None] | None = None,
     ) -> None:
         super().__init__()
         self.calibrate, self.policy = calibrate, policy
-        self.keep = keep  # given the scales kiln expects the Q/DQ to hold (``qdq_scales``), made before the quantizer runs
+        self.keep = (
+            keep  # given the scales kiln expects the Q/DQ to hold (``qdq_scales``), made before the quantizer runs
+        )
         self.quantized: list[str] = []
         self._ran = False
 
@@ -131,7 +152,9 @@ def prepare(kind: Int8, context: PrecisionContext) -> Prepared:
     """The int8 kind's machinery (``kinds.int8``): its policy, and each graph's pass on that
     graph's calibrated ranges."""
     assert context.ranges is not None, "the pipeline calibrates every Needs.RANGES export"
-    return _Int8Prepared(Int8Policy(() if kind.all_matmuls else DEFAULT_INT8_FLOAT + kind.float_rules), context.ranges, QdqSink("int8"))
+    return _Int8Prepared(
+        Int8Policy(() if kind.all_matmuls else DEFAULT_INT8_FLOAT + kind.float_rules), context.ranges, QdqSink("int8")
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +165,11 @@ class _Int8Prepared(Prepared):
 
     def passes(self, kind: GraphKind) -> list[ir.passes.PassBase]:
         ranges = self.ranges
-        return [QuantizeInt8(lambda model: ranges(kind, model), self.policy, lambda numbers: self.qdq.keep(kind.value, numbers))]
+        return [
+            QuantizeInt8(
+                lambda model: ranges(kind, model), self.policy, lambda numbers: self.qdq.keep(kind.value, numbers)
+            )
+        ]
 
     def extras(self, reports: GraphReports) -> dict[str, Any]:
         return {"int8_nodes": {kind.value: r.get("int8", {}).get("nodes", []) for kind, r in reports.items()}}

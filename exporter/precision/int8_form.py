@@ -20,6 +20,7 @@ opset 24, and each q/k/v projection's output pair feeds the attention's Reshape.
 from __future__ import annotations
 
 import onnx_ir as ir
+
 from kiln.errors import ExportError
 
 __all__ = ["MIN_OUTPUT_DTYPE_OPSET", "int8_type_attribute_form"]

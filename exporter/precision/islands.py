@@ -10,11 +10,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import onnx_ir as ir
+
 from kiln.exporter.contract.io import GraphIO, GraphKind
 from kiln.exporter.passes.contract import ApplyContract
+from kiln.exporter.precision.context import PrecisionContext
 from kiln.exporter.precision.fp16 import ConvertFp16
 from kiln.exporter.precision.kinds.base import GraphReports, Prepared
-from kiln.exporter.precision.context import PrecisionContext
 from kiln.exporter.precision.policy import Fp16Policy
 from kiln.exporter.precision.sensitivity import SensitivityResult, search_against_reference
 
@@ -40,11 +41,17 @@ def prepare(kind: Fp16, context: PrecisionContext) -> Prepared:
 def _found_line(found: SensitivityResult) -> str:
     """What ``--auto-keep-fp32`` found, in one line (the manifest and the report hold the detail)."""
     if not found.groups:
-        return f"--auto-keep-fp32: no module needs fp32 (logits error {found.error_default:.3g} within {found.tolerance:g} at fp16)"
-    rules = ", ".join(g.rule for g in found.groups[:5]) + (f" (and {len(found.groups) - 5} more)" if len(found.groups) > 5 else "")
+        return (
+            f"--auto-keep-fp32: no module needs fp32 (logits error {found.error_default:.3g} within "
+            f"{found.tolerance:g} at fp16)"
+        )
+    rules = ", ".join(g.rule for g in found.groups[:5]) + (
+        f" (and {len(found.groups) - 5} more)" if len(found.groups) > 5 else ""
+    )
     return (
         f"--auto-keep-fp32: kept {len(found.groups)} module{'s' if len(found.groups) > 1 else ''} in fp32: {rules}"
-        f" (logits error {found.error_default:.3g} at fp16, {found.error_found:.3g} with them kept; limit {found.tolerance:g})"
+        f" (logits error {found.error_default:.3g} at fp16, {found.error_found:.3g} with them kept; limit "
+        f"{found.tolerance:g})"
     )
 
 
@@ -61,6 +68,10 @@ class _Fp16Prepared(Prepared):
         return {"keep_fp32": self.policy.keep}
 
     def extras(self, reports: GraphReports) -> dict[str, Any]:
-        fp32 = {kind.value: {"nodes": r["fp16"]["fp32_nodes"], "tables": r["fp16"]["fp32_ple_tables"]} for kind, r in reports.items() if "fp16" in r}
+        fp32 = {
+            kind.value: {"nodes": r["fp16"]["fp32_nodes"], "tables": r["fp16"]["fp32_ple_tables"]}
+            for kind, r in reports.items()
+            if "fp16" in r
+        }
         found = {"fp16_sensitivity": dataclasses.asdict(self.sensitivity)} if self.sensitivity is not None else {}
         return ({"kept_fp32": fp32} if fp32 else {}) | found

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+
 from kiln.errors import EngineError, ExportError
 from kiln.exporter.precision.kinds.int4 import MIN_INT4_OPSET, TENSORRT_INT4_BLOCKS
 from kiln.exporter.precision.qdq_rules import check_qdq
@@ -60,16 +61,27 @@ def check_int4(model: ir.Model) -> int:
     checked = 0
     for node in model.graph:
         if node.op_type == "QuantizeLinear" and node.inputs[0] is not None and node.inputs[0].const_value is not None:
-            raise ExportError(f"{node.name}: a QuantizeLinear on a constant weight; int4 weights are stored quantized (DequantizeLinear only)")
-        if node.op_type != "DequantizeLinear" or node.inputs[0] is None or node.inputs[0].dtype not in (ir.DataType.INT4, ir.DataType.UINT4):
+            raise ExportError(
+                f"{node.name}: a QuantizeLinear on a constant weight; int4 weights are stored quantized "
+                "(DequantizeLinear only)"
+            )
+        if (
+            node.op_type != "DequantizeLinear"
+            or node.inputs[0] is None
+            or node.inputs[0].dtype not in (ir.DataType.INT4, ir.DataType.UINT4)
+        ):
             continue
         checked += 1
         if opset < MIN_INT4_OPSET:
-            raise ExportError(f"{node.name}: int4 block DequantizeLinear needs opset {MIN_INT4_OPSET}, the graph has {opset}")
+            raise ExportError(
+                f"{node.name}: int4 block DequantizeLinear needs opset {MIN_INT4_OPSET}, the graph has {opset}"
+            )
         weight, scale = node.inputs[0], node.inputs[1]
         zero = node.inputs[2] if len(node.inputs) > 2 else None
         if weight.dtype != ir.DataType.INT4 or weight.const_value is None or len(weight.const_value.shape) != 2:
-            raise ExportError(f"{node.name}: the weight must be a constant signed INT4 [K, N] (TensorRT: symmetric only)")
+            raise ExportError(
+                f"{node.name}: the weight must be a constant signed INT4 [K, N] (TensorRT: symmetric only)"
+            )
         if scale is None or scale.const_value is None:
             raise ExportError(f"{node.name}: the scale is not a constant")
         k, n = weight.const_value.shape.numpy()
@@ -78,19 +90,25 @@ def check_int4(model: ir.Model) -> int:
         values = scale.const_value.numpy().astype(np.float32)
         if axis != 0 or block <= 0 or k % block or tuple(values.shape) != (k // block, n):
             raise ExportError(
-                f"{node.name}: expected axis 0, a block_size dividing K={k} and scale [K/B, N]; found axis {axis}, block_size {block}, scale {tuple(values.shape)}"
+                f"{node.name}: expected axis 0, a block_size dividing K={k} and scale [K/B, N]; found axis "
+                f"{axis}, block_size {block}, scale {tuple(values.shape)}"
             )
         if not (np.isfinite(values).all() and (values > 0).all()):
             raise ExportError(f"{node.name}: scales must be finite and > 0, found min {values.min()}")
         if zero is not None and (zero.const_value is None or zero.const_value.numpy().astype(np.int8).any()):
-            raise ExportError(f"{node.name}: the zero point must be absent or a constant of zeros (TensorRT: symmetric only)")
+            raise ExportError(
+                f"{node.name}: the zero point must be absent or a constant of zeros (TensorRT: symmetric only)"
+            )
         uses = list(node.outputs[0].uses())
         if not uses or any(u.node.op_type != "MatMul" or u.idx != 1 for u in uses):
             raise ExportError(f"{node.name}: an int4 weight must feed MatMul input B only")
         for use in uses:
             other = use.node.inputs[0]
             if other is not None and other.dtype is not None and other.dtype != scale.dtype:
-                raise ExportError(f"{node.name}: scale type {scale.dtype} differs from the MatMul's activation type {other.dtype} (the DQ outputs the scale's type)")
+                raise ExportError(
+                    f"{node.name}: scale type {scale.dtype} differs from the MatMul's activation type "
+                    f"{other.dtype} (the DQ outputs the scale's type)"
+                )
     return checked
 
 

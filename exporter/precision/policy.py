@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 
 import onnx_ir as ir
-from kiln.exporter.passes.names import module_of
+
 from kiln.errors import ConfigError
+from kiln.exporter.passes.names import module_of
 
 __all__ = ["Fp16Policy", "KeepFloat", "DEFAULT_KEEP_FP32", "resolve_kept_nodes", "rule_matches"]
 
@@ -73,23 +74,28 @@ def resolve_kept_nodes(graph: ir.Graph, policy: Fp16Policy) -> list[str]:
     for rule in policy.keep:
         hits = [n for n in nodes if rule_matches(rule, n)]
         if not hits and (rule.startswith("/")):
-            raise ConfigError(f"--keep-fp32 {rule}: no node of the {graph.name} graph has that name (node names look like /layers.0.attn/Softmax)")
+            raise ConfigError(
+                f"--keep-fp32 {rule}: no node of the {graph.name} graph has that name (node names look like "
+                "/layers.0.attn/Softmax)"
+            )
         kept.update(n.name for n in hits if n.name)
     changed = True
     while changed:  # propagate to element-wise nodes of the same module fed only by kept nodes and constants
         changed = False
         for node in nodes:
-            if node.name in kept or node.op_type not in _ELEMENTWISE or not any(o.dtype in _FLOATS for o in node.outputs):
+            if (
+                node.name in kept
+                or node.op_type not in _ELEMENTWISE
+                or not any(o.dtype in _FLOATS for o in node.outputs)
+            ):
                 continue
-            producers = [v.producer() for v in node.inputs if v is not None and v.dtype in _FLOATS and v.const_value is None]
+            producers = [
+                v.producer() for v in node.inputs if v is not None and v.dtype in _FLOATS and v.const_value is None
+            ]
             if any(p is None for p in producers):
                 continue  # fed by a graph input
             real = [p for p in producers if p is not None and p.op_type != "Constant"]  # constants may feed it too
-            if (
-                real
-                and all(p.name in kept for p in real)
-                and any(module_of(p) == module_of(node) for p in real)
-            ):
+            if real and all(p.name in kept for p in real) and any(module_of(p) == module_of(node) for p in real):
                 kept.add(node.name or "")
                 changed = True
     return [n.name for n in nodes if n.name in kept]

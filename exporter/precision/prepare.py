@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from kiln.exporter.precision.kinds.base import GraphReports, Prepared
 from kiln.exporter.precision.context import PrecisionContext
+from kiln.exporter.precision.kinds.base import GraphReports, Prepared
 
 if TYPE_CHECKING:
     import onnx_ir as ir
+
     from kiln.exporter.contract.io import GraphKind
     from kiln.exporter.precision.kinds.plan import Precision
 
@@ -25,7 +26,9 @@ class PreparedPrecision:
 
     def passes(self, kind: GraphKind) -> list[ir.passes.PassBase]:
         """Every kind's passes of graph ``kind``, then every kind's checks."""
-        return [p for each in self.prepared for p in each.passes(kind)] + [c for each in self.prepared for c in each.checks(kind)]
+        return [p for each in self.prepared for p in each.passes(kind)] + [
+            c for each in self.prepared for c in each.checks(kind)
+        ]
 
     def record(self, reports: GraphReports) -> dict[str, Any]:
         """What the manifest's ``export`` section records of the kinds."""

@@ -21,6 +21,7 @@ import dataclasses
 import numpy as np
 import onnx
 import onnx_ir as ir
+
 from kiln.errors import ExportError
 
 __all__ = ["check_qdq", "MIN_INT8_OPSET", "MIN_FP8_OPSET"]
@@ -55,7 +56,10 @@ def check_qdq(model: ir.Model | onnx.ModelProto) -> int:
         if form is None:
             continue
         if opset < MIN_INT8_OPSET:
-            raise ExportError(f"Q/DQ graph has opset {opset}; {form.name} needs {MIN_INT8_OPSET if form is _INT8 else MIN_FP8_OPSET} or later")
+            raise ExportError(
+                f"Q/DQ graph has opset {opset}; {form.name} needs "
+                f"{MIN_INT8_OPSET if form is _INT8 else MIN_FP8_OPSET} or later"
+            )
         _check_node(node, form)
         checked += node.op_type == "DequantizeLinear"
     return checked
@@ -84,10 +88,15 @@ def _output_dtype(node: ir.Node) -> ir.DataType | None:
 def _check_int8_type(node: ir.Node) -> None:
     """An int8 Q/DQ without a zero point: its quantized type must still be int8."""
     if node.op_type == "QuantizeLinear" and _output_dtype(node) != ir.DataType.INT8:
-        raise ExportError(f"{node.name}: a QuantizeLinear without a zero point must set output_dtype to int8 (without either it writes uint8)")
+        raise ExportError(
+            f"{node.name}: a QuantizeLinear without a zero point must set output_dtype to int8 (without either "
+            "it writes uint8)"
+        )
     source = node.inputs[0]
     if node.op_type == "DequantizeLinear" and source is not None and source.dtype not in (None, ir.DataType.INT8):
-        raise ExportError(f"{node.name}: a DequantizeLinear without a zero point must read int8, found {source.dtype.name.lower()}")
+        raise ExportError(
+            f"{node.name}: a DequantizeLinear without a zero point must read int8, found {source.dtype.name.lower()}"
+        )
 
 
 def _array(value: ir.Value | None) -> np.ndarray | None:
@@ -105,7 +114,12 @@ def _check_node(node: ir.Node, form: _Form) -> None:
     zero_value = node.inputs[2] if len(node.inputs) > 2 else None
     if zero_value is not None or form.zero_required:
         zero = _array(zero_value)
-        if zero is None or zero_value is None or zero_value.dtype not in form.zero_types or zero.astype(np.float32).any():
+        if (
+            zero is None
+            or zero_value is None
+            or zero_value.dtype not in form.zero_types
+            or zero.astype(np.float32).any()
+        ):
             raise ExportError(f"{node.name}: {form.zero_rule}")
     elif form is _INT8:
         _check_int8_type(node)
@@ -113,9 +127,16 @@ def _check_node(node: ir.Node, form: _Form) -> None:
         raise ExportError(f"{node.name}: scale must be a scalar or 1-D, found shape {scale.shape}")
     if scale.ndim == 1 and scale.size > 1:
         source = node.inputs[0]
-        weight = ir.convenience.get_const_tensor(source) if node.op_type == "DequantizeLinear" and source is not None else None
+        weight = (
+            ir.convenience.get_const_tensor(source)
+            if node.op_type == "DequantizeLinear" and source is not None
+            else None
+        )
         if weight is None:
             raise ExportError(f"{node.name}: activations must be quantized per tensor, found a scale of {scale.size}")
         shape, axis = tuple(weight.shape), node.attributes.get_int("axis", 1)  # the shape only: a weight is not read
         if len(shape) != 2 or axis not in (1, -1) or shape[1] != scale.size:
-            raise ExportError(f"{node.name}: a per-channel {'' if form is _INT8 else 'fp8 '}weight scale must run along the output channels (axis 1 of [K, N])")
+            raise ExportError(
+                f"{node.name}: a per-channel {'' if form is _INT8 else 'fp8 '}weight scale must run along the "
+                "output channels (axis 1 of [K, N])"
+            )

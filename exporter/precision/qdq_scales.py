@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.exporter.parity.qdq_numbers import QdqModule, QdqNumbers
 from kiln.exporter.passes.names import module_of
 
@@ -54,8 +55,12 @@ def _amax(lo_hi: tuple[float, float]) -> np.ndarray:
 
 
 def _numbers(
-    graph: ir.Graph, targets: set[str], ranges: Mapping[str, tuple[float, float]], scale: Callable[[np.ndarray], np.ndarray],
-    weight_scale: Callable[[np.ndarray], np.ndarray], outputs: bool,
+    graph: ir.Graph,
+    targets: set[str],
+    ranges: Mapping[str, tuple[float, float]],
+    scale: Callable[[np.ndarray], np.ndarray],
+    weight_scale: Callable[[np.ndarray], np.ndarray],
+    outputs: bool,
 ) -> dict[str, QdqModule] | None:
     """Per target MatMul's module: its input's (and with ``outputs`` its output's) scale from its
     calibrated range, and its weight's column scales; None where a target is not modelled."""
@@ -67,7 +72,14 @@ def _numbers(
         tensor = w.const_value if w is not None else None
         module = module_of(node)
         name = x.name if x is not None else None
-        if name is None or tensor is None or len(tensor.shape) != 2 or not module or module in found or name not in ranges:
+        if (
+            name is None
+            or tensor is None
+            or len(tensor.shape) != 2
+            or not module
+            or module in found
+            or name not in ranges
+        ):
             return None
         out = node.outputs[0].name if outputs else None
         if out is not None and out not in ranges:
@@ -77,14 +89,25 @@ def _numbers(
     return found
 
 
-def int8_numbers(graph: ir.Graph, targets: list[str], ranges: Mapping[str, tuple[float, float]]) -> dict[str, QdqModule] | None:
+def int8_numbers(
+    graph: ir.Graph, targets: list[str], ranges: Mapping[str, tuple[float, float]]
+) -> dict[str, QdqModule] | None:
     """int8's numbers of ``graph`` (fp32, before quantization) for its ``targets``."""
     return _numbers(graph, set(targets), ranges, int8_scale, _int8_weight_scale, outputs=True)
 
 
-def fp8_numbers(graph: ir.Graph, targets: list[str], ranges: Mapping[str, tuple[float, float]]) -> dict[str, QdqModule] | None:
+def fp8_numbers(
+    graph: ir.Graph, targets: list[str], ranges: Mapping[str, tuple[float, float]]
+) -> dict[str, QdqModule] | None:
     """fp8's numbers of ``graph`` (fp32, before quantization) for its ``targets``."""
-    return _numbers(graph, set(targets), ranges, fp8_scale, lambda w: fp8_scale(np.abs(np.asarray(w, dtype=np.float32)).max(axis=0)), outputs=False)
+    return _numbers(
+        graph,
+        set(targets),
+        ranges,
+        fp8_scale,
+        lambda w: fp8_scale(np.abs(np.asarray(w, dtype=np.float32)).max(axis=0)),
+        outputs=False,
+    )
 
 
 class QdqSink:

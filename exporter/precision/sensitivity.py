@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+from torch import nn
+
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.contract.steps import empty_past
@@ -31,7 +33,6 @@ from kiln.exporter.precision.fp16 import convert_to_fp16
 from kiln.exporter.precision.policy import Fp16Policy, resolve_kept_nodes, rule_matches
 from kiln.exporter.runners import TorchRunner
 from kiln.plugins.base import DecoderSpec
-from torch import nn
 
 __all__ = ["SensitiveGroup", "SensitivityResult", "find_fp32_groups", "module_groups", "search_against_reference"]
 
@@ -57,7 +58,11 @@ def module_groups(graph: ir.Graph, skip: set[str]) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for node in graph:
         name = node.name or ""
-        if name in skip or not name.startswith("/") or not any(o.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16) for o in node.outputs):
+        if (
+            name in skip
+            or not name.startswith("/")
+            or not any(o.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16) for o in node.outputs)
+        ):
             continue
         groups.setdefault(name[: name.rfind("/") + 1], []).append(name)
     return groups
@@ -67,8 +72,21 @@ class _Search:
     """Delta debugging over module rules: ``error(rules)`` converts a fresh copy of the fp32 graph
     with ``rules`` also kept fp32 and evaluates it (memoised)."""
 
-    def __init__(self, fp32_graph: onnx.ModelProto, policy: Fp16Policy, evaluate: Callable[[Path], float], tolerance: float, kind: GraphKind) -> None:
-        self._graph, self._policy, self._evaluate, self.tolerance, self._kind = fp32_graph, policy, evaluate, tolerance, kind
+    def __init__(
+        self,
+        fp32_graph: onnx.ModelProto,
+        policy: Fp16Policy,
+        evaluate: Callable[[Path], float],
+        tolerance: float,
+        kind: GraphKind,
+    ) -> None:
+        self._graph, self._policy, self._evaluate, self.tolerance, self._kind = (
+            fp32_graph,
+            policy,
+            evaluate,
+            tolerance,
+            kind,
+        )
         self.cache: dict[frozenset[str], float] = {}
 
     def error(self, rules: Sequence[str]) -> float:
@@ -126,7 +144,11 @@ def find_fp32_groups(
         )
     found = search.bisect(candidates, [])
     groups = tuple(
-        SensitiveGroup(rule, tuple(n.name or "" for n in graph_nodes if rule_matches(rule, n)), search.error([r for r in found if r != rule]))
+        SensitiveGroup(
+            rule,
+            tuple(n.name or "" for n in graph_nodes if rule_matches(rule, n)),
+            search.error([r for r in found if r != rule]),
+        )
         for rule in found
     )
     return SensitivityResult(tolerance, default_error, search.error(found), len(search.cache), groups)
@@ -171,5 +193,8 @@ def _prefill_as_unified(spec: DecoderSpec, seed: int, with_past: dict[str, np.nd
     cross-attention decoder, the cross cache of ``with_past``, the unified feeds)."""
     feeds = tensor_feeds(spec, GraphKind.PREFILL, seed, np.dtype(np.float16))
     feeds.pop(ENCODER_STATES, None)
-    feeds.update({past: with_past[past] for past, _ in carried_cache(spec) if is_cross(past)} | empty_past(spec, 2, np.dtype(np.float16)))
+    feeds.update(
+        {past: with_past[past] for past, _ in carried_cache(spec) if is_cross(past)}
+        | empty_past(spec, 2, np.dtype(np.float16))
+    )
     return feeds

@@ -14,12 +14,17 @@ from collections.abc import Callable
 
 import onnx
 import onnx_ir as ir
+
 from kiln.exporter.passes.ir_utils import set_dtype
 
 __all__ = ["via_proto"]
 
 
-def via_proto(model: ir.Model, tool: Callable[[onnx.ModelProto], onnx.ModelProto], repair: Callable[[ir.Graph], object] | None = None) -> ir.Model:
+def via_proto(
+    model: ir.Model,
+    tool: Callable[[onnx.ModelProto], onnx.ModelProto],
+    repair: Callable[[ir.Graph], object] | None = None,
+) -> ir.Model:
     """A new model: ``tool`` applied to ``model``'s proto. ``model`` must not be used afterwards."""
     proto = ir.serde.serialize_model(model)
     del model

@@ -23,7 +23,12 @@ if TYPE_CHECKING:
 
 __all__ = ["Feeds", "Runner", "TorchRunner", "OrtRunner", "RecordingRunner", "ort_session"]
 
-_LAZY = {"TorchRunner": "torch_runner", "OrtRunner": "ort_runner", "ort_session": "ort_runner", "RecordingRunner": "recording"}
+_LAZY = {
+    "TorchRunner": "torch_runner",
+    "OrtRunner": "ort_runner",
+    "ort_session": "ort_runner",
+    "RecordingRunner": "recording",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
+
 from kiln.exporter.contract.io import GraphKind
 
 __all__ = ["Feeds", "Runner"]

@@ -33,7 +33,9 @@ def memory_error(exc: BaseException, what: str) -> MemoryLimitError:
     from kiln.exporter.contract.static_cache import machine_memory
 
     found = _REQUESTED.search(str(exc))
-    asked = f" a buffer of {int(found.group(1))} bytes ({int(found.group(1)) / 2**30:.1f} GiB)" if found else " a buffer"
+    asked = (
+        f" a buffer of {int(found.group(1))} bytes ({int(found.group(1)) / 2**30:.1f} GiB)" if found else " a buffer"
+    )
     memory = machine_memory()
     return MemoryLimitError(
         f"{what}: ONNX Runtime could not allocate{asked}: out of memory (this machine has {memory / 2**30:.1f} GiB);"

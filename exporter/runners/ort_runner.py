@@ -64,7 +64,9 @@ def ort_session(
         opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     if threads:
         opts.intra_op_num_threads = threads
-    opts.log_severity_level = 4  # fatal only: a failed run is its exception (one line, ort_memory), not also a logged error
+    opts.log_severity_level = (
+        4  # fatal only: a failed run is its exception (one line, ort_memory), not also a logged error
+    )
     if not spinning:
         opts.inter_op_num_threads = 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -80,9 +82,19 @@ def _session(ort: Any, model: Path | bytes, opts: Any) -> Any:
     directory kiln verified may still be one it cannot run)."""
     from onnxruntime.capi import onnxruntime_pybind11_state as state
 
-    refusals = (state.Fail, state.InvalidArgument, state.NoSuchFile, state.InvalidGraph, state.InvalidProtobuf, state.RuntimeException, state.NotImplemented)
+    refusals = (
+        state.Fail,
+        state.InvalidArgument,
+        state.NoSuchFile,
+        state.InvalidGraph,
+        state.InvalidProtobuf,
+        state.RuntimeException,
+        state.NotImplemented,
+    )
     try:
-        return ort.InferenceSession(str(model) if isinstance(model, Path) else model, opts, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(
+            str(model) if isinstance(model, Path) else model, opts, providers=["CPUExecutionProvider"]
+        )
     except refusals as exc:
         what = model if isinstance(model, Path) else "a graph"
         if allocation_failure(exc):
@@ -105,7 +117,9 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
 
     name = "onnxruntime"
 
-    def __init__(self, paths: dict[GraphKind, Path], threads: int | None = None, extra_feeds: Feeds | None = None) -> None:
+    def __init__(
+        self, paths: dict[GraphKind, Path], threads: int | None = None, extra_feeds: Feeds | None = None
+    ) -> None:
         self._paths = paths
         self._extra = dict(extra_feeds or {})  # inputs fed to every run (e.g. PLE tables)
         self._threads = threads
@@ -152,7 +166,10 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
         if sum(self._traits[k].weight_bytes for k in (*self._open, kind)) > KEEP_OPEN_BYTES:
             self._close()
         session = ort_session(
-            path, threads=self._threads, fp16_weights_stay_fp16=traits.fp16_weights, weight_only_dq=True,
+            path,
+            threads=self._threads,
+            fp16_weights_stay_fp16=traits.fp16_weights,
+            weight_only_dq=True,
             qdq_as_written=traits.quantizes,
         )
         runner = OnnxrtRunner(session, name=f"onnxruntime:{kind.value}")
@@ -182,7 +199,11 @@ class _GraphTraits:
 
         model = onnx.load(str(graph), load_external_data=False)
         return cls(
-            fp16_weights=any(i.data_type == onnx.TensorProto.FLOAT16 and i.data_location == onnx.TensorProto.EXTERNAL for i in model.graph.initializer),
+            fp16_weights=any(
+                i.data_type == onnx.TensorProto.FLOAT16 and i.data_location == onnx.TensorProto.EXTERNAL
+                for i in model.graph.initializer
+            ),
             quantizes=any(node.op_type == "QuantizeLinear" for node in model.graph.node),
-            weight_bytes=graph.stat().st_size + sum(path.stat().st_size for path in external_files(graph, model).values()),
+            weight_bytes=graph.stat().st_size
+            + sum(path.stat().st_size for path in external_files(graph, model).values()),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.runners.base import Feeds, Runner
 
@@ -37,7 +38,9 @@ class RecordingRunner:
         key = self._key(kind, feeds)
         if key not in self._recorded:
             if self._inner is None:
-                raise RuntimeError(f"no recorded {self.name} output for these {kind.value} inputs (the recording is frozen)")
+                raise RuntimeError(
+                    f"no recorded {self.name} output for these {kind.value} inputs (the recording is frozen)"
+                )
             self._recorded[key] = self._inner.run(kind, feeds)
         return self._recorded[key]
 

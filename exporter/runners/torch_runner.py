@@ -6,6 +6,8 @@ import functools
 import itertools
 
 import torch
+from torch import nn
+
 from kiln.exporter.contract.io import (
     ENCODER_MASK,
     ENCODER_STATES,
@@ -17,7 +19,6 @@ from kiln.exporter.contract.io import (
 )
 from kiln.exporter.runners.base import Feeds
 from kiln.exporter.trace.wrapper import EncoderModule, GraphModule
-from torch import nn
 
 __all__ = ["TorchRunner", "computes_in_fp32", "drop_fp32_buffers", "fp32_scratch"]
 
@@ -93,7 +94,9 @@ def computes_in_fp32(module: nn.Module, *, budget: int | None = None) -> nn.Modu
 def _converted_in_place(module: nn.Module, budget: int | None) -> bool:
     """Whether ``module``'s low-precision weights and buffers fit ``budget`` bytes in fp32
     (``computes_in_fp32``), converted in place when they do."""
-    weights = [t for t in module.parameters() if t.is_floating_point() and t.dtype != torch.float32]  # shared (tied) ones once
+    weights = [
+        t for t in module.parameters() if t.is_floating_point() and t.dtype != torch.float32
+    ]  # shared (tied) ones once
     if sum(t.numel() * 4 for t in weights) > (_available_bytes() // 2 if budget is None else budget):
         return False
     for tensor in itertools.chain(weights, module.buffers()):
@@ -182,13 +185,17 @@ class TorchRunner:
     @torch.no_grad()
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
         if kind is GraphKind.ENCODER:
-            states = EncoderModule(self._module)(torch.from_numpy(feeds["input_ids"]), torch.from_numpy(feeds["attention_mask"]))
+            states = EncoderModule(self._module)(
+                torch.from_numpy(feeds["input_ids"]), torch.from_numpy(feeds["attention_mask"])
+            )
             return {ENCODER_STATES: states.numpy()}
         # a cross-attention decoder shows itself by its inputs: encoder states or a cross cache
         cross = ENCODER_STATES in feeds or cross_past_names(0)[0] in feeds
         masked = ENCODER_MASK in feeds  # an encoder-decoder's
         if (kind, cross, masked) not in self._wrappers:  # built once: kiln bench times this call
-            self._wrappers[kind, cross, masked] = GraphModule(self._module, kind, self._n_layers, self._last, cross, masked).eval()
+            self._wrappers[kind, cross, masked] = GraphModule(
+                self._module, kind, self._n_layers, self._last, cross, masked
+            ).eval()
         wrapper = self._wrappers[kind, cross, masked]
         ids, mask, pos = (torch.from_numpy(feeds[n]) for n in ("input_ids", "attention_mask", "position_ids"))
         # the reference computes in fp32 whatever the graphs' float I/O dtype
@@ -196,9 +203,15 @@ class TorchRunner:
         if kind is GraphKind.PREFILL:
             extra = torch.from_numpy(feeds[ENCODER_STATES]).float() if cross else None
         else:
-            names = [n for i in range(self._n_layers) for n in (*past_names(i), *(cross_past_names(i) if cross else ()))]
+            names = [
+                n for i in range(self._n_layers) for n in (*past_names(i), *(cross_past_names(i) if cross else ()))
+            ]
             extra = [torch.from_numpy(feeds[n]).float() for n in names]
-        outs = wrapper(ids, mask, pos, torch.from_numpy(feeds[ENCODER_MASK]), extra) if masked else wrapper(ids, mask, pos, extra)
+        outs = (
+            wrapper(ids, mask, pos, torch.from_numpy(feeds[ENCODER_MASK]), extra)
+            if masked
+            else wrapper(ids, mask, pos, extra)
+        )
         names = ["logits"]
         for i in range(self._n_layers):
             names += [*present_names(i), *(cross_present_names(i) if cross and kind is GraphKind.PREFILL else ())]

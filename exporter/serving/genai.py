@@ -82,14 +82,20 @@ def _check_io(manifest: Manifest) -> None:
     wanted_out = {"logits"}
     for i in range(n_layers):
         key, value = past_names(i)
-        if (PAST_KEY_TEMPLATE % i, PAST_VALUE_TEMPLATE % i) != (key, value) or (PRESENT_KEY_TEMPLATE % i, PRESENT_VALUE_TEMPLATE % i) != present_names(i):
-            raise AssertionError(f"GenAI name templates disagree with kiln.exporter.contract.io at layer {i}")  # a kiln bug
+        if (PAST_KEY_TEMPLATE % i, PAST_VALUE_TEMPLATE % i) != (key, value) or (
+            PRESENT_KEY_TEMPLATE % i,
+            PRESENT_VALUE_TEMPLATE % i,
+        ) != present_names(i):
+            raise AssertionError(
+                f"GenAI name templates disagree with kiln.exporter.contract.io at layer {i}"
+            )  # a kiln bug
         wanted_in.update((key, value))
         wanted_out.update(present_names(i))
     missing = sorted(wanted_in - inputs) + sorted(wanted_out - outputs)
     if missing:
         raise ArtifactError(
-            f"genai: {graph.file} lacks {missing[:4]} that ONNX Runtime GenAI binds by name; re-export the directory with this kiln"
+            f"genai: {graph.file} lacks {missing[:4]} that ONNX Runtime GenAI binds by name; re-export the "
+            "directory with this kiln"
         )
 
 
@@ -110,12 +116,17 @@ def genai_refusal(manifest: Manifest) -> str | None:
     ``kv_cache.kind`` and from the unified graph's own cache inputs, so no config of other shapes
     than the graph's is ever written."""
     model = manifest.model
-    shapes = {(t.shape[1], t.shape[3]) for t in manifest.graph(GraphKind.UNIFIED).inputs if t.name.startswith("past_key_values.") and len(t.shape) == 4}
+    shapes = {
+        (t.shape[1], t.shape[3])
+        for t in manifest.graph(GraphKind.UNIFIED).inputs
+        if t.name.startswith("past_key_values.") and len(t.shape) == 4
+    }
     if manifest.kv_cache.kind is None and shapes <= {(model.n_kv_heads, model.head_dim)}:
         return None
     kind = manifest.kv_cache.kind or "per-tensor"
     return (
-        f"genai: no genai_config.json for a {kind} cache (multi-head latent attention: a latent and a rope key per layer, of two widths):"
+        f"genai: no genai_config.json for a {kind} cache (multi-head latent attention: a latent and a rope key "
+        "per layer, of two widths):"
         f" ONNX Runtime GenAI sizes every cache tensor by one head_size; run the portable graphs (kiln generate)"
     )
 
@@ -215,7 +226,11 @@ def tokenizer_config(tokenizer: Mapping[str, Any], manifest: Manifest) -> dict[s
         return None
     ids = manifest.model
     config: dict[str, Any] = {"tokenizer_class": _TOKENIZER_CLASS}
-    for key, token_id in (("bos_token", ids.bos_token_id), ("eos_token", ids.eos_token_id), ("pad_token", ids.pad_token_id)):
+    for key, token_id in (
+        ("bos_token", ids.bos_token_id),
+        ("eos_token", ids.eos_token_id),
+        ("pad_token", ids.pad_token_id),
+    ):
         text = _token_text(tokenizer, token_id)
         if text is not None:
             config[key] = text
@@ -236,7 +251,9 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> Path:
     try:
         path.write_text(json.dumps(data, indent=2) + "\n")
     except OSError as exc:
-        raise ArtifactError(f"genai: could not write {path} ({exc}); check the permissions and free space of {path.parent}") from exc
+        raise ArtifactError(
+            f"genai: could not write {path} ({exc}); check the permissions and free space of {path.parent}"
+        ) from exc
     return path
 
 
@@ -248,17 +265,25 @@ def write_genai_config(onnx_dir: Path, manifest: Manifest) -> list[Path]:
     """
     model_file = Path(manifest.graph(GraphKind.UNIFIED).file).name
     if not (onnx_dir / model_file).is_file():
-        raise ArtifactError(f"genai: {onnx_dir / model_file} does not exist; write genai_config.json into the directory that holds {model_file}")
+        raise ArtifactError(
+            f"genai: {onnx_dir / model_file} does not exist; write genai_config.json into the directory that "
+            f"holds {model_file}"
+        )
     written = [_write_json(onnx_dir / GENAI_CONFIG, genai_config(manifest))]
     if manifest.tokenizer:
         tok_path = onnx_dir / Path(manifest.tokenizer).name
         if not tok_path.is_file():
-            raise ArtifactError(f"genai: the manifest names the tokenizer {manifest.tokenizer} but {tok_path} does not exist; re-export the directory")
+            raise ArtifactError(
+                f"genai: the manifest names the tokenizer {manifest.tokenizer} but {tok_path} does not exist; "
+                "re-export the directory"
+            )
         text = read_input(tok_path, ArtifactError, TOKENIZER_MAX_BYTES, what="a tokenizer.json")  # no FIFO, no device
         try:
             tokenizer = json.loads(text.decode("utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ArtifactError(f"genai: {tok_path} is not valid JSON ({exc}); replace it with the checkpoint's tokenizer.json") from None
+            raise ArtifactError(
+                f"genai: {tok_path} is not valid JSON ({exc}); replace it with the checkpoint's tokenizer.json"
+            ) from None
         tok_config = tokenizer_config(tokenizer, manifest)
         if tok_config is not None:
             written.append(_write_json(onnx_dir / TOKENIZER_CONFIG, tok_config))

@@ -145,7 +145,9 @@ def _dtype(tensor: TensorEntry, graph: str) -> _Enum:
     try:
         return _Enum(TRITON_DTYPES[tensor.dtype])
     except KeyError:
-        raise ArtifactError(f"triton: {graph}: {tensor.name} has dtype {tensor.dtype!r}, which has no Triton data type") from None
+        raise ArtifactError(
+            f"triton: {graph}: {tensor.name} has dtype {tensor.dtype!r}, which has no Triton data type"
+        ) from None
 
 
 def triton_dims(tensor: TensorEntry, graph: str) -> list[int]:
@@ -153,8 +155,10 @@ def triton_dims(tensor: TensorEntry, graph: str) -> list[int]:
     shape = list(tensor.shape)
     if not shape or shape[0] != BATCH:
         raise ArtifactError(
-            f"triton: {graph}: {tensor.name} has shape {shape} without a leading {BATCH!r} dim, which Triton cannot batch"
-            " (with --ple-tables input the tables are such inputs; re-export with --ple-tables constant to serve with Triton)"
+            f"triton: {graph}: {tensor.name} has shape {shape} without a leading {BATCH!r} dim, which Triton "
+            "cannot batch"
+            " (with --ple-tables input the tables are such inputs; re-export with --ple-tables constant to serve "
+            "with Triton)"
         )
     return [d if isinstance(d, int) else -1 for d in shape[1:]]
 
@@ -168,19 +172,29 @@ def _graph(manifest: Manifest, kind: GraphKind) -> tuple[str, dict[str, TensorEn
     return graph.file, {t.name: t for t in graph.inputs}, {t.name: t for t in graph.outputs}
 
 
-def _states(manifest: Manifest, file: str, inputs: Mapping[str, TensorEntry], outputs: Mapping[str, TensorEntry]) -> list[dict[str, Any]]:
+def _states(
+    manifest: Manifest, file: str, inputs: Mapping[str, TensorEntry], outputs: Mapping[str, TensorEntry]
+) -> list[dict[str, Any]]:
     states = []
     for layer in range(manifest.model.n_layers):
         for past, present in zip(past_names(layer), present_names(layer), strict=True):
             if past not in inputs or present not in outputs:
-                raise ArtifactError(f"triton: {file} lacks {past if past not in inputs else present}; re-export the directory with this kiln")
+                raise ArtifactError(
+                    f"triton: {file} lacks {past if past not in inputs else present}; re-export the directory "
+                    "with this kiln"
+                )
             p_in, p_out = inputs[past], outputs[present]
             dims, out_dims = triton_dims(p_in, file), triton_dims(p_out, file)
             if dims != out_dims or p_in.dtype != p_out.dtype:
-                raise ArtifactError(f"triton: {file}: {past} ({p_in.dtype} {dims}) and {present} ({p_out.dtype} {out_dims}) must match to be one state")
+                raise ArtifactError(
+                    f"triton: {file}: {past} ({p_in.dtype} {dims}) and {present} ({p_out.dtype} {out_dims}) must "
+                    "match to be one state"
+                )
             initial = [0 if d == PAST_SEQ else d for d in p_in.shape[1:]]
             if not all(isinstance(d, int) for d in initial):
-                raise ArtifactError(f"triton: {file}: {past} has shape {list(p_in.shape)}; only its {PAST_SEQ!r} dim may vary")
+                raise ArtifactError(
+                    f"triton: {file}: {past} has shape {list(p_in.shape)}; only its {PAST_SEQ!r} dim may vary"
+                )
             dtype = _dtype(p_in, file)
             states.append(
                 {
@@ -207,7 +221,9 @@ def _ort_model(directory: Path, manifest: Manifest, name: str) -> TritonModel:
         external = external_files(graph_path, proto)
     except ArtifactError as exc:
         raise ArtifactError(f"triton: {exc.args[0]}; re-export the directory") from exc
-    files = {f"model.onnx/{graph_path.name}": graph_path} | {f"model.onnx/{name}": path for name, path in sorted(external.items())}
+    files = {f"model.onnx/{graph_path.name}": graph_path} | {
+        f"model.onnx/{name}": path for name, path in sorted(external.items())
+    }
     config = {
         "name": name,
         "platform": "onnxruntime_onnx",
@@ -250,14 +266,20 @@ def _engines(directory: Path) -> bool:
     present = {kind: (directory / path).is_file() for kind, path in ENGINE_FILES.items()}
     if any(present.values()) and not all(present.values()):
         missing = [ENGINE_FILES[k] for k, ok in present.items() if not ok]
-        raise ArtifactError(f"triton: {directory} has {' and '.join(ENGINE_FILES[k] for k, ok in present.items() if ok)} but not {missing[0]}; run kiln build {directory}")
+        raise ArtifactError(
+            f"triton: {directory} has {' and '.join(ENGINE_FILES[k] for k, ok in present.items() if ok)} but not "
+            f"{missing[0]}; run kiln build {directory}"
+        )
     return all(present.values())
 
 
 def triton_models(directory: Path, manifest: Manifest, name: str) -> list[TritonModel]:
     """The models of the repository: ``NAME`` (ONNX Runtime) and, with engines, ``NAME_prefill``/``NAME_decode``."""
     if not TRITON_NAME.match(name):
-        raise ArtifactError(f"triton: model name {name!r} must start with a letter or digit and hold only letters, digits, '_', '.' and '-'")
+        raise ArtifactError(
+            f"triton: model name {name!r} must start with a letter or digit and hold only letters, digits, '_', "
+            "'.' and '-'"
+        )
     if manifest.lora is not None:
         raise ConfigError(f"triton: {directory} was exported with --lora-slots: {LORA_TRITON_REASON}")
     if manifest.model.encoder_dim is not None:
@@ -299,7 +321,10 @@ def _written_by_kiln(manifest: Manifest) -> Owner:
         if not foreign:
             return None
         more = f" (and {len(foreign) - 5} more)" if len(foreign) > 5 else ""
-        return f"kiln triton replaces only a {TRITON_DIR}/ folder kiln wrote, and manifest.json does not list {', '.join(foreign[:5])}{more}"
+        return (
+            f"kiln triton replaces only a {TRITON_DIR}/ folder kiln wrote, and manifest.json does not list "
+            f"{', '.join(foreign[:5])}{more}"
+        )
 
     return owner
 
@@ -327,7 +352,9 @@ def write_triton_repo(directory: Path, name: str) -> list[Path]:
             files = rehash_subtree(manifest.files, directory, TRITON_DIR, staged=tmp)
             written.append(dataclasses.replace(manifest, files=files))
     except OSError as exc:
-        raise ArtifactError(f"triton: could not write {target} ({exc}); check the permissions and free space of {directory}") from exc
+        raise ArtifactError(
+            f"triton: could not write {target} ({exc}); check the permissions and free space of {directory}"
+        ) from exc
     return sorted(p for p in target.rglob("*") if p.is_file())
 
 

@@ -73,7 +73,8 @@ def _readme_ort(manifest: Manifest, ort: dict[str, Any]) -> list[str]:
         "",
         "1. Prefill: one request with `sequence_start=True`, `input_ids` = the P prompt ids ([1, P] int64),",
         "   `attention_mask` = ones [1, P], `position_ids` = [[0, 1, ..., P-1]]. Triton feeds the zero",
-        f"   initial state (past length 0, dims {_shape(first['initial_state'][0]['dims'])}). The next token is the argmax of",
+        f"   initial state (past length 0, dims {_shape(first['initial_state'][0]['dims'])}). The next token is "
+        "the argmax of",
         "   `logits[0, -1]`.",
         "2. Decode, step t = 1, 2, ...: `input_ids` = [[next token]], `attention_mask` = ones [1, P + t]",
         "   (the whole context including this token), `position_ids` = [[P + t - 1]], same `sequence_id`,",

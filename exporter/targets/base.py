@@ -71,7 +71,9 @@ class TargetGraphs:
     passes: dict[GraphKind, dict[str, dict[str, Any]]]  # per graph, what its passes report
     kv_cache: CacheUpdate  # how its decode step carries the cache
     record: Mapping[str, Any] | None = None  # what its graphs were written with, for the manifest
-    io: Mapping[GraphKind, GraphIO] | None = None  # its graphs' inputs and outputs, when they are not the portable contract's
+    io: Mapping[GraphKind, GraphIO] | None = (
+        None  # its graphs' inputs and outputs, when they are not the portable contract's
+    )
 
 
 class Target(Protocol):
@@ -93,7 +95,9 @@ class Target(Protocol):
 
     def write(self, given: TargetGiven) -> TargetGraphs: ...
 
-    def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]: ...
+    def runner(
+        self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None
+    ) -> Callable[[], contextlib.AbstractContextManager[Runner]]: ...
 
     def serves_genai(self, precision: str) -> bool:
         """Whether ONNX Runtime GenAI runs its unified graph (of ``precision``), not the portable one."""

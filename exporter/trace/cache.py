@@ -33,6 +33,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 import torch
+
 # onnx.load's error for bytes that are no model
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from torch import nn
@@ -134,7 +135,9 @@ def _versions() -> str:
 def _kiln_source() -> str:
     """A digest of every Python file of kiln (any change to kiln's code is a new key)."""
     root = Path(__file__).resolve().parents[2]
-    packages = [d for d in sorted(root.iterdir()) if (d / "__init__.py").is_file()]  # not a checkout's .venv, tests or build outputs
+    packages = [
+        d for d in sorted(root.iterdir()) if (d / "__init__.py").is_file()
+    ]  # not a checkout's .venv, tests or build outputs
     h = hashlib.sha256()
     for path in [*sorted(root.glob("*.py")), *(p for d in packages for p in sorted(d.rglob("*.py")))]:
         h.update(str(path.relative_to(root)).encode())
@@ -159,8 +162,15 @@ def _module_parts(module: nn.Module) -> list[str]:
             source = _file_digest(inspect.getsourcefile(cls) or "")
         except TypeError:
             source = "builtin"
-        attrs = {k: v for k, v in vars(sub).items() if (not k.startswith("_") or k == "_attn_implementation") and k not in _WHERE_FROM}
-        tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in (*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False))]
+        attrs = {
+            k: v
+            for k, v in vars(sub).items()
+            if (not k.startswith("_") or k == "_attn_implementation") and k not in _WHERE_FROM
+        }
+        tensors = [
+            (n, tuple(t.shape), str(t.dtype))
+            for n, t in (*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False))
+        ]
         parts.append(f"{name}|{cls.__module__}.{cls.__qualname__}|{source}|{_stable(attrs)}|{tensors}")
     return parts
 
@@ -171,7 +181,13 @@ def _stable(value: Any, depth: int = 0) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor{tuple(value.shape)}:{value.dtype}"
     if isinstance(value, Mapping):
-        return "{" + ",".join(f"{_stable(k, depth)}:{_stable(v, depth)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
+        return (
+            "{"
+            + ",".join(
+                f"{_stable(k, depth)}:{_stable(v, depth)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))
+            )
+            + "}"
+        )
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_stable(v, depth) for v in value) + "]"
     if isinstance(value, (set, frozenset)):

@@ -30,6 +30,9 @@ from typing import Any
 
 import onnx_ir as ir
 import torch
+from torch import nn
+from torch.export import Dim
+
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import (
     ENC_SEQ,
@@ -41,8 +44,6 @@ from kiln.exporter.contract.io import (
     is_cross,
 )
 from kiln.exporter.trace.wrapper import EncoderModule, GraphModule
-from torch import nn
-from torch.export import Dim
 
 __all__ = ["trace_graph", "example_inputs", "root_cause"]
 
@@ -55,9 +56,16 @@ def example_inputs(io_spec: GraphIO, kind: GraphKind, vocab: int) -> tuple[objec
     batch = _EXAMPLE_BATCH
     gen = torch.Generator().manual_seed(0)
     if kind is GraphKind.ENCODER:
-        return (torch.randint(0, vocab, (batch, _EXAMPLE_ENC), generator=gen), torch.ones(batch, _EXAMPLE_ENC, dtype=torch.int64))
+        return (
+            torch.randint(0, vocab, (batch, _EXAMPLE_ENC), generator=gen),
+            torch.ones(batch, _EXAMPLE_ENC, dtype=torch.int64),
+        )
     # an encoder-decoder's decoder graphs take the encoder's mask fourth
-    enc_mask = (torch.ones(batch, _EXAMPLE_ENC, dtype=torch.int64),) if any(t.name == ENCODER_MASK for t in io_spec.inputs) else ()
+    enc_mask = (
+        (torch.ones(batch, _EXAMPLE_ENC, dtype=torch.int64),)
+        if any(t.name == ENCODER_MASK for t in io_spec.inputs)
+        else ()
+    )
     seq = 1 if kind is GraphKind.DECODE else _EXAMPLE_SEQ
     past = 0 if kind is GraphKind.PREFILL else _EXAMPLE_PAST
     ids = torch.randint(0, vocab, (batch, seq), generator=gen)
@@ -89,7 +97,13 @@ def _dynamic_shapes(kind: GraphKind, io_spec: GraphIO, max_batch: int, max_conte
     past = Dim("past_seq", min=0, max=max(max_context, _EXAMPLE_PAST))
     total = past + 1 if kind is GraphKind.DECODE else Dim.AUTO
     kv = [t for t in io_spec.inputs if t.name.startswith("past_key_values.")]
-    return (ids, {0: batch, 1: total}, ids, *enc_mask, [{0: batch, 2: enc if t.dims[2] == ENC_SEQ else past} for t in kv])
+    return (
+        ids,
+        {0: batch, 1: total},
+        ids,
+        *enc_mask,
+        [{0: batch, 2: enc if t.dims[2] == ENC_SEQ else past} for t in kv],
+    )
 
 
 def _to_meta(value: object) -> object:
@@ -160,7 +174,11 @@ def trace_graph(
     ``on_phase``: called after each of the exporter's ``PHASES`` (progress)."""
     cross = any(is_cross(t.name) for t in (*io_spec.inputs, *io_spec.outputs))
     encoder_mask = any(t.name == ENCODER_MASK for t in io_spec.inputs)
-    wrapper = EncoderModule(module) if kind is GraphKind.ENCODER else GraphModule(module, kind, n_layers, last_logits_only, cross, encoder_mask)
+    wrapper = (
+        EncoderModule(module)
+        if kind is GraphKind.ENCODER
+        else GraphModule(module, kind, n_layers, last_logits_only, cross, encoder_mask)
+    )
     wrapper = wrapper.eval()
     args = example_inputs(io_spec, kind, vocab)
     if meta:

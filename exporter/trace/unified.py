@@ -23,6 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 import onnx_ir as ir
+from torch import nn
+
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import GraphKind, graph_io
 from kiln.exporter.fold import Folded
@@ -36,7 +38,6 @@ from kiln.exporter.passes.transposes import FoldWeightTransposes
 from kiln.exporter.progress import Progress
 from kiln.exporter.trace.cache import as_cached, from_cached, trace_cache
 from kiln.exporter.trace.torch_export import PHASES, trace_graph
-from torch import nn
 
 __all__ = ["Traced", "trace_unified"]
 
@@ -62,14 +63,21 @@ def trace_unified(reference: Reference, folded: Folded, options: ExportOptions, 
 
 
 def _traced_kinds(reference: Reference) -> tuple[GraphKind, ...]:
-    kinds: tuple[GraphKind, ...] = (GraphKind.UNIFIED, GraphKind.PREFILL) if reference.spec.encoder_dim is not None else (GraphKind.UNIFIED,)
+    kinds: tuple[GraphKind, ...] = (
+        (GraphKind.UNIFIED, GraphKind.PREFILL) if reference.spec.encoder_dim is not None else (GraphKind.UNIFIED,)
+    )
     # the encoder last: it gathers from the tables the decoder graphs store transposed (passes.transposes)
     kinds += (GraphKind.ENCODER,) if reference.spec.has_encoder else ()
     return kinds
 
 
 def _trace_all(
-    reference: Reference, folded: Folded, options: ExportOptions, progress: Progress, kinds: tuple[GraphKind, ...], on_phase: Callable[[], None]
+    reference: Reference,
+    folded: Folded,
+    options: ExportOptions,
+    progress: Progress,
+    kinds: tuple[GraphKind, ...],
+    on_phase: Callable[[], None],
 ) -> Traced:
     transposed: set[int] = set()  # the module tensors a graph of this export stores transposed
     plan = reference.loaded.layers
@@ -77,16 +85,48 @@ def _trace_all(
     if stamp is not None:
         try:
             template = _template(reference, stamp.traced)
-            graphs = {kind: _checked(_trace(reference, folded, options, template, kind, stamp.traced, meta=True, transposed=transposed, on_phase=on_phase), stamp) for kind in kinds}
+            graphs = {
+                kind: _checked(
+                    _trace(
+                        reference,
+                        folded,
+                        options,
+                        template,
+                        kind,
+                        stamp.traced,
+                        meta=True,
+                        transposed=transposed,
+                        on_phase=on_phase,
+                    ),
+                    stamp,
+                )
+                for kind in kinds
+            }
             return Traced(graphs, stamp)
         except ExportError as exc:  # the template's own trace or analysis: the whole model still traces
             progress.note(f"trace: tracing the whole model ({exc})")
     if reference.spec.dtype != "float32":  # the graphs are traced in fp32: this path needs an fp32 copy of the model
-        progress.note(f"trace: converting the {reference.spec.dtype} model to float32 to trace it whole (twice its memory)")
+        progress.note(
+            f"trace: converting the {reference.spec.dtype} model to float32 to trace it whole (twice its memory)"
+        )
         folded.module.float()  # in place: the reference shares these parameters and computes in fp32 anyway
     transposed.clear()
     return Traced(
-        {kind: _trace(reference, folded, options, folded.module, kind, reference.spec.n_layers, meta=False, transposed=transposed, on_phase=on_phase) for kind in kinds}, None
+        {
+            kind: _trace(
+                reference,
+                folded,
+                options,
+                folded.module,
+                kind,
+                reference.spec.n_layers,
+                meta=False,
+                transposed=transposed,
+                on_phase=on_phase,
+            )
+            for kind in kinds
+        },
+        None,
     )
 
 
@@ -110,7 +150,9 @@ def _trace(
     on_phase: Callable[[], None],
 ) -> ir.Model:
     own = reference.spec.cache
-    spec = dataclasses.replace(reference.spec, n_layers=layers, cache=dataclasses.replace(own, layers=own.layers[:layers]) if own else None)
+    spec = dataclasses.replace(
+        reference.spec, n_layers=layers, cache=dataclasses.replace(own, layers=own.layers[:layers]) if own else None
+    )
     arguments: dict[str, Any] = dict(
         kind=kind,
         io_spec=graph_io(spec, kind, last_logits_only=options.last_logits_only),

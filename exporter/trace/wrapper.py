@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.exporter.contract.io import GraphKind
 from torch import Tensor, nn
+
+from kiln.exporter.contract.io import GraphKind
 
 __all__ = ["EncoderModule", "GraphModule"]
 
@@ -17,12 +18,27 @@ class GraphModule(nn.Module):
     inputs of a cross-attention prefill. An encoder-decoder's graphs (``encoder_mask``) take
     ``encoder_attention_mask`` fourth, before the encoder states or the past."""
 
-    def __init__(self, model: nn.Module, kind: GraphKind, n_layers: int, last_logits_only: bool, cross: bool = False, encoder_mask: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        kind: GraphKind,
+        n_layers: int,
+        last_logits_only: bool,
+        cross: bool = False,
+        encoder_mask: bool = False,
+    ) -> None:
         super().__init__()
         self.model, self.kind, self.n_layers, self.cross, self.encoder_mask = model, kind, n_layers, cross, encoder_mask
         self.last_logits_only = last_logits_only and kind is GraphKind.PREFILL
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, fourth: object = None, fifth: object = None) -> tuple[Tensor, ...]:
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        fourth: object = None,
+        fifth: object = None,
+    ) -> tuple[Tensor, ...]:
         # (explicit arguments, not *args: torch.export's dynamic_shapes follow the signature)
         kwargs: dict[str, object] = {"encoder_attention_mask": fourth} if self.encoder_mask else {}
         extra = fifth if self.encoder_mask else fourth
@@ -30,7 +46,11 @@ class GraphModule(nn.Module):
         encoder = extra if self.kind is GraphKind.PREFILL and isinstance(extra, Tensor) else None
         past = list(extra) if self.kind is not GraphKind.PREFILL and isinstance(extra, (list, tuple)) else None
         per_layer = 4 if self.cross else 2
-        pkv = [tuple(past[per_layer * i : per_layer * (i + 1)]) for i in range(self.n_layers)] if past is not None else None
+        pkv = (
+            [tuple(past[per_layer * i : per_layer * (i + 1)]) for i in range(self.n_layers)]
+            if past is not None
+            else None
+        )
         if self.cross:
             kwargs["encoder_hidden_states"] = encoder
         logits, presents = self.model(input_ids, attention_mask, position_ids, pkv, self.last_logits_only, **kwargs)

@@ -34,7 +34,9 @@ SUPPORTED: Mapping[str, object] = {**ARCHS, **SEQ2SEQ}  # the architectures kiln
 def _architecture(config: Mapping[str, Any], path: Path) -> str:
     names = config.get("architectures") or []
     arch = names[0] if isinstance(names, list) and names else config.get("model_type", "<none>")
-    arch = ALIASES.get(arch, arch) if isinstance(arch, str) else arch  # a checkpoint's own name for a class transformers names otherwise
+    arch = (
+        ALIASES.get(arch, arch) if isinstance(arch, str) else arch
+    )  # a checkpoint's own name for a class transformers names otherwise
     if arch not in SUPPORTED:  # one line: the mechanism kiln lacks and the nearest it exports
         raise CheckpointError(f"{path}: {refusal(str(arch), config, SUPPORTED, [a.label for a in SEQ2SEQ.values()])}")
     return str(arch)
@@ -43,7 +45,8 @@ def _architecture(config: Mapping[str, Any], path: Path) -> str:
 class HFFamily:
     name = "hf"
     description = (
-        f"Hugging Face causal LMs ({len(ARCHS)} architectures) and encoder-decoders ({len(SEQ2SEQ)}) from a local directory,"
+        f"Hugging Face causal LMs ({len(ARCHS)} architectures) and encoder-decoders ({len(SEQ2SEQ)}) from a "
+        "local directory,"
         " each proved against transformers' generate()"
     )
 
@@ -87,18 +90,32 @@ class HFFamily:
         return decoders + [_structure(name, encoder=True) for name in SEQ2SEQ]
 
 
-_PLACEHOLDER = types.SimpleNamespace(num_hidden_layers=1, kv_lora_rank=64, qk_rope_head_dim=64)  # the sizes a cache layout reads
+_PLACEHOLDER = types.SimpleNamespace(
+    num_hidden_layers=1, kv_lora_rank=64, qk_rope_head_dim=64
+)  # the sizes a cache layout reads
 
 
-def _structure(arch: str, *, window: bool = False, chunked: bool = False, cache: Callable[[Any], CacheLayout] | None = None, encoder: bool = False) -> DecoderSpec:
+def _structure(
+    arch: str,
+    *,
+    window: bool = False,
+    chunked: bool = False,
+    cache: Callable[[Any], CacheLayout] | None = None,
+    encoder: bool = False,
+) -> DecoderSpec:
     """A decoder of ``arch``: its config with a sliding_window field (unset) where its class has
     one, an attention_chunk_size field (unset) where it has chunked layers, its own cache layout
     where it has one (of placeholder sizes), and an encoder-decoder's with cross-attention over
     its own encoder's states."""
-    config = {"architecture": arch, **({"sliding_window": None} if window else {}), **({"attention_chunk_size": None} if chunked else {})}
+    config = {
+        "architecture": arch,
+        **({"sliding_window": None} if window else {}),
+        **({"attention_chunk_size": None} if chunked else {}),
+    }
     return DecoderSpec(
         family=HFFamily.name, n_layers=1, n_kv_heads=1, head_dim=64, vocab_size=1, max_context=None,
-        encoder_dim=64 if encoder else None, has_encoder=encoder, config=config, cache=cache(_PLACEHOLDER) if cache is not None else None,
+        encoder_dim=64 if encoder else None, has_encoder=encoder, config=config,
+        cache=cache(_PLACEHOLDER) if cache is not None else None,
     )  # fmt: skip
 
 

@@ -40,7 +40,17 @@ from kiln.errors import ConfigError
 from kiln.inputs import check_input, open_input
 from kiln.jsonfile import read_json_object
 
-__all__ = ["CONFIG", "WEIGHTS", "LoraAdapter", "base_names", "check_base", "check_base_name", "merge", "peft_reference", "read_adapter"]
+__all__ = [
+    "CONFIG",
+    "WEIGHTS",
+    "LoraAdapter",
+    "base_names",
+    "check_base",
+    "check_base_name",
+    "merge",
+    "peft_reference",
+    "read_adapter",
+]
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # what PEFT's saved keys start with: the LoRA model's wrapped model
@@ -80,7 +90,9 @@ class LoraAdapter:
     base: str | None  # base_model_name_or_path (None when empty)
     sha256: dict[str, str]  # of adapter_config.json and adapter_model.safetensors
     tensors: Mapping[str, tuple[Tensor, Tensor]]  # module path in the transformers model -> (A [r, in], B [out, r])
-    saved: Mapping[str, Tensor] = dataclasses.field(default_factory=dict)  # module path -> the base weight PEFT saved (must be the checkpoint's)
+    saved: Mapping[str, Tensor] = dataclasses.field(
+        default_factory=dict
+    )  # module path -> the base weight PEFT saved (must be the checkpoint's)
 
     @property
     def scaling(self) -> float:
@@ -106,7 +118,11 @@ def read_adapter(path: Path, weight: float) -> LoraAdapter:
     if not path.is_dir():
         raise ConfigError(f"{where}: no such directory (an adapter is the directory PEFT's save_pretrained writes)")
     if not (path / WEIGHTS).is_file():
-        pickled = " (adapter_model.bin is pickled, which kiln does not read: save it again with safe_serialization=True)" if (path / "adapter_model.bin").is_file() else ""
+        pickled = (
+            " (adapter_model.bin is pickled, which kiln does not read: save it again with safe_serialization=True)"
+            if (path / "adapter_model.bin").is_file()
+            else ""
+        )
         raise ConfigError(f"{where}: no {WEIGHTS}{pickled}")
     config = read_json_object(path / CONFIG, ConfigError, f"{where}: no {CONFIG}")
     rank, alpha = _refuse_config(config, where)
@@ -114,15 +130,32 @@ def read_adapter(path: Path, weight: float) -> LoraAdapter:
     try:
         tensors = load_file(str(path / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise ConfigError(f"{where}: {WEIGHTS} is not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise ConfigError(
+            f"{where}: {WEIGHTS} is not a readable safetensors file "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
     base = config.get("base_model_name_or_path")
-    saved = {key[len(_PREFIX) : -len(_SAVED)]: tensors.pop(key) for key in list(tensors) if key.startswith(_PREFIX) and key.endswith(_SAVED)}
+    saved = {
+        key[len(_PREFIX) : -len(_SAVED)]: tensors.pop(key)
+        for key in list(tensors)
+        if key.startswith(_PREFIX) and key.endswith(_SAVED)
+    }
     pairs = _pairs(tensors, where, rank)
     if alone := sorted(set(saved) - set(pairs)):
-        raise ConfigError(f"{where}: {WEIGHTS} holds base weights of {', '.join(alone)} without a lora_A/lora_B for them, which kiln does not merge")
+        raise ConfigError(
+            f"{where}: {WEIGHTS} holds base weights of {', '.join(alone)} without a lora_A/lora_B for them, "
+            "which kiln does not merge"
+        )
     return LoraAdapter(
-        path, float(weight), rank, alpha, bool(config.get("use_rslora")), str(base) if base else None,
-        {CONFIG: _sha256(path / CONFIG), WEIGHTS: _sha256(path / WEIGHTS)}, pairs, saved,
+        path,
+        float(weight),
+        rank,
+        alpha,
+        bool(config.get("use_rslora")),
+        str(base) if base else None,
+        {CONFIG: _sha256(path / CONFIG), WEIGHTS: _sha256(path / WEIGHTS)},
+        pairs,
+        saved,
     )
 
 
@@ -130,12 +163,20 @@ def _refuse_config(config: Mapping[str, Any], where: str) -> tuple[int, float]:
     """``(r, lora_alpha)`` of a plain LoRA config; anything else is refused by name."""
     kind = config.get("peft_type")
     if kind != "LORA":
-        raise ConfigError(f"{where}: peft_type {kind!r} is not supported: kiln merges LoRA adapters only (peft_type 'LORA')")
+        raise ConfigError(
+            f"{where}: peft_type {kind!r} is not supported: kiln merges LoRA adapters only (peft_type 'LORA')"
+        )
     for name, what in _REFUSED.items():
         if config.get(name):
-            raise ConfigError(f"{where}: {name}={config[name]!r} is not supported ({what}): kiln merges plain LoRA, W + s * B @ A per module")
+            raise ConfigError(
+                f"{where}: {name}={config[name]!r} is not supported ({what}): kiln merges plain LoRA, W + s * B "
+                "@ A per module"
+            )
     if config.get("bias", "none") != "none":
-        raise ConfigError(f"{where}: bias={config['bias']!r} is not supported (trained biases of the base): kiln merges plain LoRA, bias 'none'")
+        raise ConfigError(
+            f"{where}: bias={config['bias']!r} is not supported (trained biases of the base): kiln merges plain "
+            "LoRA, bias 'none'"
+        )
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ConfigError(f"{where}: r must be a positive integer in {CONFIG}, found {rank!r}")
@@ -150,7 +191,13 @@ def _pairs(tensors: Mapping[str, Tensor], where: str, rank: int) -> dict[str, tu
     for key, tensor in tensors.items():
         half = next((i for i, suffix in enumerate(_HALVES) if key.endswith(suffix)), None)
         if not key.startswith(_PREFIX) or half is None:
-            what = "LoRA on an embedding" if "lora_embedding_" in key else "DoRA's magnitude" if "lora_magnitude_vector" in key else "not a lora_A/lora_B weight"
+            what = (
+                "LoRA on an embedding"
+                if "lora_embedding_" in key
+                else "DoRA's magnitude"
+                if "lora_magnitude_vector" in key
+                else "not a lora_A/lora_B weight"
+            )
             raise ConfigError(f"{where}: {WEIGHTS} holds {key!r} ({what}), which kiln does not merge")
         halves.setdefault(key[len(_PREFIX) : -len(_HALVES[half])], {})[half] = tensor
     if not halves:
@@ -162,9 +209,14 @@ def _pairs(tensors: Mapping[str, Tensor], where: str, rank: int) -> dict[str, tu
             raise ConfigError(f"{where}: {module} has lora_{have} but no lora_{lack} in {WEIGHTS}")
         a, b = found[0], found[1]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
-            raise ConfigError(f"{where}: {module} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, not [r, in] and [out, r] with r={rank} of {CONFIG}")
+            raise ConfigError(
+                f"{where}: {module} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, not [r, in] and [out, "
+                f"r] with r={rank} of {CONFIG}"
+            )
         for name, tensor in (("lora_A", a), ("lora_B", b)):
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # refused here, not after the trace
+            if tensor.is_floating_point() and not bool(
+                torch.isfinite(tensor).all()
+            ):  # refused here, not after the trace
                 raise ConfigError(f"{where}: {module}'s {name} holds NaN or infinite values")
         pairs[module] = (a, b)
     return pairs
@@ -182,8 +234,10 @@ def check_base_name(adapter: LoraAdapter, names: set[str], where: str) -> None:
     """The adapter's named base (when it names one) is one of ``names`` (``base_names``)."""
     if adapter.base is not None and PurePosixPath(adapter.base.rstrip("/")).name.lower() not in names:
         raise ConfigError(
-            f"{where}: its base_model_name_or_path {adapter.base!r} is not this checkpoint ({', '.join(sorted(names))}): kiln compares the last"
-            f" path components; export it onto its own base, or empty base_model_name_or_path in {CONFIG} if this is that model under another name"
+            f"{where}: its base_model_name_or_path {adapter.base!r} is not this checkpoint "
+            f"({', '.join(sorted(names))}): kiln compares the last"
+            f" path components; export it onto its own base, or empty base_model_name_or_path in {CONFIG} if "
+            "this is that model under another name"
         )
 
 
@@ -203,13 +257,22 @@ def check_base(adapter: LoraAdapter, model: nn.Module, names: set[str]) -> None:
         out, inp = _shape(module, where, path)
         if [out, inp] != [b.shape[0], a.shape[1]]:
             raise ConfigError(
-                f"{where}: {path} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, the base's weight needs [r, {inp}] and [{out}, r]"
+                f"{where}: {path} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, the base's weight needs "
+                f"[r, {inp}] and [{out}, r]"
                 " (an adapter of another base?)"
             )
-        if path in adapter.saved and not torch.equal(adapter.saved[path], _weight(module).to(adapter.saved[path].dtype)):
-            raise ConfigError(f"{where}: {WEIGHTS} holds its own {path} base weight, which is not the checkpoint's (a resized vocabulary?); kiln merges onto the checkpoint's weights only")
+        if path in adapter.saved and not torch.equal(
+            adapter.saved[path], _weight(module).to(adapter.saved[path].dtype)
+        ):
+            raise ConfigError(
+                f"{where}: {WEIGHTS} holds its own {path} base weight, which is not the checkpoint's (a resized "
+                "vocabulary?); kiln merges onto the checkpoint's weights only"
+            )
         if len(shared := owners[id(module.weight)]) > 1:
-            raise ConfigError(f"{where}: {path}.weight is tied to {', '.join(n for n in shared if n != f'{path}.weight')}: merging into it would change both")
+            raise ConfigError(
+                f"{where}: {path}.weight is tied to {', '.join(n for n in shared if n != f'{path}.weight')}: "
+                "merging into it would change both"
+            )
 
 
 def _weight(module: nn.Module) -> Tensor:
@@ -223,10 +286,14 @@ def _shape(module: nn.Module, where: str, path: str) -> tuple[int, int]:
     from transformers.pytorch_utils import Conv1D
 
     if isinstance(module, Conv1D):
-        return int(module.weight.shape[1]), int(module.weight.shape[0])  # Conv1D's weight is [in, out] (PEFT's fan_in_fan_out)
+        return int(module.weight.shape[1]), int(
+            module.weight.shape[0]
+        )  # Conv1D's weight is [in, out] (PEFT's fan_in_fan_out)
     if isinstance(module, nn.Linear):
         return int(module.out_features), int(module.in_features)
-    raise ConfigError(f"{where}: {path} is a {type(module).__name__}; kiln merges LoRA into Linear and Conv1D modules only")
+    raise ConfigError(
+        f"{where}: {path} is a {type(module).__name__}; kiln merges LoRA into Linear and Conv1D modules only"
+    )
 
 
 def merge(model: nn.Module, adapters: Sequence[LoraAdapter]) -> None:
@@ -241,12 +308,16 @@ def merge(model: nn.Module, adapters: Sequence[LoraAdapter]) -> None:
         for path in modules:
             module = model.get_submodule(path)
             delta = sum(
-                a.weight * a.scaling * (a.tensors[path][1].float() @ a.tensors[path][0].float()) for a in adapters if path in a.tensors
+                a.weight * a.scaling * (a.tensors[path][1].float() @ a.tensors[path][0].float())
+                for a in adapters
+                if path in a.tensors
             )  # [out, in]
             assert isinstance(delta, Tensor)
             if not bool(torch.isfinite(delta).all()):  # finite halves whose product overflows float32: before the trace
                 named = ", ".join(str(a.path) for a in adapters if path in a.tensors)
-                raise ConfigError(f"--adapter {named}: {path}'s merged update (weight x scaling x B @ A) overflows float32")
+                raise ConfigError(
+                    f"--adapter {named}: {path}'s merged update (weight x scaling x B @ A) overflows float32"
+                )
             weight = module.weight
             assert isinstance(weight, Tensor)
             update = delta.T if isinstance(module, Conv1D) else delta  # Conv1D: [in, out]

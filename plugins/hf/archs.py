@@ -89,14 +89,16 @@ def _latent_cache(cfg: Any) -> CacheLayout:
     return CacheLayout.latent(int(cfg.num_hidden_layers), int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim))
 
 
-# multi-head latent attention: --target ort leaves it portable (GroupQueryAttention caches per-head keys and values, not the latent)
+# multi-head latent attention: --target ort leaves it portable (GroupQueryAttention caches per-head keys and values, not
+# the latent)
 _MLA = "portable attention (multi-head latent attention)"
 
 _BIDIRECTIONAL = Refusal("use_bidirectional_attention", _truthy, "non-causal attention is not a decoder")
 _LLAMA_PARTIAL = Refusal(
     "partial_rotary_factor",
     lambda v: v is not None and float(v) != 1.0,
-    "this architecture's rotary ignores it (transformers rotates the whole head), so the checkpoint would not run as trained",
+    "this architecture's rotary ignores it (transformers rotates the whole head), so the checkpoint would not "
+    "run as trained",
 )
 
 # --target ort: the mixture-of-experts routings its MoE op does not match (their blocks keep the per-expert MatMuls)
@@ -104,15 +106,31 @@ _TOPK_FIRST = "per-expert MatMuls (softmax over the top-k logits)"
 _SIGMOID = "per-expert MatMuls (sigmoid routing with a correction bias)"
 
 ARCHS: Mapping[str, Arch] = {
-    "LlamaForCausalLM": Arch("Llama", refusals=(_LLAMA_PARTIAL,), notes="rope linear, yarn, llama3, longrope; tied and untied; bias; head_dim != hidden/heads"),
+    "LlamaForCausalLM": Arch(
+        "Llama",
+        refusals=(_LLAMA_PARTIAL,),
+        notes="rope linear, yarn, llama3, longrope; tied and untied; bias; head_dim != hidden/heads",
+    ),
     "MistralForCausalLM": Arch("Mistral", notes="sliding window", window=True),
     "Qwen2ForCausalLM": Arch("Qwen2", notes="sliding window on layers >= max_window_layers; tied", window=True),
     "Qwen3ForCausalLM": Arch("Qwen3", notes="q/k norm", window=True),
     "GemmaForCausalLM": Arch("Gemma", refusals=(_BIDIRECTIONAL,)),
-    "Gemma2ForCausalLM": Arch("Gemma 2", refusals=(_BIDIRECTIONAL,), notes="alternating sliding/global layers, attention and final logit soft-capping", window=True),
-    "Gemma3ForCausalLM": Arch("Gemma 3 (text)", refusals=(_BIDIRECTIONAL,), notes="sliding/global layers with their own rope, q/k norm, soft-capping", window=True),
+    "Gemma2ForCausalLM": Arch(
+        "Gemma 2",
+        refusals=(_BIDIRECTIONAL,),
+        notes="alternating sliding/global layers, attention and final logit soft-capping",
+        window=True,
+    ),
+    "Gemma3ForCausalLM": Arch(
+        "Gemma 3 (text)",
+        refusals=(_BIDIRECTIONAL,),
+        notes="sliding/global layers with their own rope, q/k norm, soft-capping",
+        window=True,
+    ),
     "PhiForCausalLM": Arch("Phi", notes="partial rotary, q/k LayerNorm, parallel attention + MLP"),
-    "Phi3ForCausalLM": Arch("Phi-3", notes="partial rotary; longrope up to original_max_position_embeddings (refused past it)", window=True),
+    "Phi3ForCausalLM": Arch(
+        "Phi-3", notes="partial rotary; longrope up to original_max_position_embeddings (refused past it)", window=True
+    ),
     "GraniteForCausalLM": Arch("Granite", notes="embedding, residual, attention and logit multipliers"),
     "OlmoForCausalLM": Arch("OLMo", notes="clip_qkv, non-parametric LayerNorm"),
     "Olmo2ForCausalLM": Arch("OLMo 2", notes="q/k norm over all heads, post-norms"),
@@ -123,7 +141,13 @@ ARCHS: Mapping[str, Arch] = {
     "CohereForCausalLM": Arch("Cohere", notes="interleaved rope, per-head q/k LayerNorm, logit scale"),
     "GPT2LMHeadModel": Arch(
         "GPT-2",
-        refusals=(Refusal("add_cross_attention", _truthy, "GPT-2 with cross-attention needs encoder states kiln's Hugging Face decoders do not take"),),
+        refusals=(
+            Refusal(
+                "add_cross_attention",
+                _truthy,
+                "GPT-2 with cross-attention needs encoder states kiln's Hugging Face decoders do not take",
+            ),
+        ),
         notes="inverse-layer-index scaling, upcast attention",
         ort="GQA; portable attention with reorder_and_upcast_attn",
     ),
@@ -134,14 +158,28 @@ ARCHS: Mapping[str, Arch] = {
     "FalconForCausalLM": Arch(
         "Falcon",
         kv_heads=_falcon_kv_heads,
-        refusals=(Refusal("alibi", _truthy, "Falcon's ALiBi computes its biases in bfloat16, which ONNX Runtime's CPU cannot run for parity"),),
+        refusals=(
+            Refusal(
+                "alibi",
+                _truthy,
+                "Falcon's ALiBi computes its biases in bfloat16, which ONNX Runtime's CPU cannot run for parity",
+            ),
+        ),
         notes="7B (multi-query) and 40B (new decoder architecture) layouts",
         ort="GQA",
     ),
     "BloomForCausalLM": Arch(
-        "Bloom", context=None, notes="ALiBi: no context limit of its own, --max-context is required", ort="portable attention (ALiBi)"
+        "Bloom",
+        context=None,
+        notes="ALiBi: no context limit of its own, --max-context is required",
+        ort="portable attention (ALiBi)",
     ),
-    "MixtralForCausalLM": Arch("Mixtral", notes="mixture of experts (top-k routing, renormalised), sliding window", ort="GQA; MoE (decode)", window=True),
+    "MixtralForCausalLM": Arch(
+        "Mixtral",
+        notes="mixture of experts (top-k routing, renormalised), sliding window",
+        ort="GQA; MoE (decode)",
+        window=True,
+    ),
     "Qwen3MoeForCausalLM": Arch(
         "Qwen3-MoE",
         notes="mixture of experts (norm_topk_prob on and off), dense layers (mlp_only_layers), q/k norm",
@@ -155,29 +193,45 @@ ARCHS: Mapping[str, Arch] = {
         window=True,
     ),
     "Qwen2MoeForCausalLM": Arch(
-        "Qwen2-MoE", notes="mixture of experts (top-k, not renormalised) with a sigmoid-gated shared expert, qkv bias, sliding window", ort="GQA; MoE (decode)", window=True
+        "Qwen2-MoE",
+        notes="mixture of experts (top-k, not renormalised) with a sigmoid-gated shared expert, qkv bias, sliding "
+        "window",
+        ort="GQA; MoE (decode)",
+        window=True,
     ),
-    "OlmoeForCausalLM": Arch("OLMoE", notes="mixture of experts, clip_qkv, q/k norm over all heads", ort="GQA; MoE (decode)"),
+    "OlmoeForCausalLM": Arch(
+        "OLMoE", notes="mixture of experts, clip_qkv, q/k norm over all heads", ort="GQA; MoE (decode)"
+    ),
     "GraniteMoeForCausalLM": Arch(
         "GraniteMoE",
         notes="mixture of experts (softmax over the top-k logits), embedding, residual, attention and logit "
         "multipliers",
         ort=f"GQA; {_TOPK_FIRST}",
     ),
-    "GraniteMoeSharedForCausalLM": Arch("GraniteMoeShared", notes="GraniteMoE with a shared MLP", ort=f"GQA; {_TOPK_FIRST}"),
+    "GraniteMoeSharedForCausalLM": Arch(
+        "GraniteMoeShared", notes="GraniteMoE with a shared MLP", ort=f"GQA; {_TOPK_FIRST}"
+    ),
     "Glm4MoeForCausalLM": Arch(
         "GLM-4-MoE",
-        notes="mixture of experts (sigmoid scores, correction bias, group-limited top-k, routed scaling) with a shared expert, dense first layer, q/k norm, partial rotary",
+        notes="mixture of experts (sigmoid scores, correction bias, group-limited top-k, routed scaling) with a shared "
+        "expert, dense first layer, q/k norm, partial rotary",
         ort=f"GQA; {_SIGMOID}",
     ),
     "Ernie4_5_MoeForCausalLM": Arch(
         "Ernie 4.5-MoE",
-        notes="mixture of experts (a correction bias on the choice, renormalised) with shared experts, dense first layer, interleaved rope, bias, tied",
+        notes="mixture of experts (a correction bias on the choice, renormalised) with shared experts, dense first "
+        "layer, interleaved rope, bias, tied",
         ort="GQA; per-expert MatMuls (a bias on the expert choice)",
     ),
-    "HunYuanMoEV1ForCausalLM": Arch("HunYuan-MoE", notes="mixture of experts (renormalised) with a shared MLP, per-head q/k norm after the rotary", ort="GQA; MoE (decode)"),
+    "HunYuanMoEV1ForCausalLM": Arch(
+        "HunYuan-MoE",
+        notes="mixture of experts (renormalised) with a shared MLP, per-head q/k norm after the rotary",
+        ort="GQA; MoE (decode)",
+    ),
     "MiniMaxM2ForCausalLM": Arch(
-        "MiniMax-M2", notes="mixture of experts (sigmoid scores, correction bias), q/k norm over all heads, partial rotary", ort=f"GQA; {_SIGMOID}"
+        "MiniMax-M2",
+        notes="mixture of experts (sigmoid scores, correction bias), q/k norm over all heads, partial rotary",
+        ort=f"GQA; {_SIGMOID}",
     ),
     "PhimoeForCausalLM": Arch(
         "PhiMoE",
@@ -185,10 +239,12 @@ ARCHS: Mapping[str, Arch] = {
             Refusal(
                 "rope_type",
                 lambda v: v not in (None, "default"),
-                "PhiMoE's rotary picks its scale (short_mscale or long_mscale) by a Python branch on the longest position, which torch.export cannot trace",
+                "PhiMoE's rotary picks its scale (short_mscale or long_mscale) by a Python branch on the longest "
+                "position, which torch.export cannot trace",
             ),
         ),
-        notes="mixture of experts (sparsemixer routing), LayerNorm, attention and head biases, sliding window; default rope only; also named PhiMoEForCausalLM",
+        notes="mixture of experts (sparsemixer routing), LayerNorm, attention and head biases, sliding window; default "
+        "rope only; also named PhiMoEForCausalLM",
         ort="GQA; per-expert MatMuls (sparsemixer routing)",
         window=True,
     ),
@@ -199,22 +255,46 @@ ARCHS: Mapping[str, Arch] = {
     "ArceeForCausalLM": Arch("Arcee", notes="relu^2 MLP (no gate)"),
     "GPTBigCodeForCausalLM": Arch(
         "GPTBigCode",
-        refusals=(Refusal("add_cross_attention", _truthy, "GPTBigCode with cross-attention needs encoder states kiln's Hugging Face decoders do not take"),),
+        refusals=(
+            Refusal(
+                "add_cross_attention",
+                _truthy,
+                "GPTBigCode with cross-attention needs encoder states kiln's Hugging Face decoders do not take",
+            ),
+        ),
         notes="multi-query attention (one KV head), learned positions",
     ),
     "Olmo3ForCausalLM": Arch("OLMo 3", notes="sliding/global layers, q/k norm over all heads, post-norms", window=True),
     "Cohere2ForCausalLM": Arch(
-        "Cohere2", notes="sliding layers with interleaved rope, global layers without rotary, parallel attention + MLP, logit scale", window=True
+        "Cohere2",
+        notes="sliding layers with interleaved rope, global layers without rotary, parallel attention + MLP, logit "
+        "scale",
+        window=True,
     ),
-    "Exaone4ForCausalLM": Arch("Exaone 4", notes="sliding layers with rope, global layers without rotary, per-head q/k norm, post-norms", window=True),
+    "Exaone4ForCausalLM": Arch(
+        "Exaone 4",
+        notes="sliding layers with rope, global layers without rotary, per-head q/k norm, post-norms",
+        window=True,
+    ),
     "MinistralForCausalLM": Arch("Ministral", notes="sliding window", window=True),
-    "Ministral3ForCausalLM": Arch("Ministral 3", notes="yarn with llama-4 attention scaling (steps at original_max_position_embeddings)", window=True),
-    "MptForCausalLM": Arch("MPT", context="max_seq_len", notes="ALiBi up to max_seq_len; also named MPTForCausalLM", ort="portable attention (ALiBi)"),
-    # issue 41, more families: each proved as the 21 above (test_hf_archs), and most with --target ort --ort-int8 (test_hf_archs.ORT_INT8)
+    "Ministral3ForCausalLM": Arch(
+        "Ministral 3",
+        notes="yarn with llama-4 attention scaling (steps at original_max_position_embeddings)",
+        window=True,
+    ),
+    "MptForCausalLM": Arch(
+        "MPT",
+        context="max_seq_len",
+        notes="ALiBi up to max_seq_len; also named MPTForCausalLM",
+        ort="portable attention (ALiBi)",
+    ),
+    # issue 41, more families: each proved as the 21 above (test_hf_archs), and most with --target ort --ort-int8
+    # (test_hf_archs.ORT_INT8)
     "AfmoeForCausalLM": Arch(
         "AFMoE",
         notes=(
-            "mixture of experts (sigmoid scores, expert bias, route scale) with shared experts, dense first layer, sliding layers with rope,"
+            "mixture of experts (sigmoid scores, expert bias, route scale) with shared experts, dense first "
+            "layer, sliding layers with rope,"
             " global layers without rotary, sigmoid-gated attention output, q/k norm"
         ),
         ort=f"GQA; {_SIGMOID}",
@@ -222,39 +302,74 @@ ARCHS: Mapping[str, Arch] = {
     ),
     "Apertus1p5TextForCausalLM": Arch(
         "Apertus 1.5",
-        refusals=(Refusal("output_vocab_size", lambda v: v is not None, "a pruned head (logits over fewer ids than vocab_size) that kiln's graphs and tokenizer do not size"),),
+        refusals=(
+            Refusal(
+                "output_vocab_size",
+                lambda v: v is not None,
+                "a pruned head (logits over fewer ids than vocab_size) that kiln's graphs and tokenizer do not size",
+            ),
+        ),
         notes="xIELU activation, llama3 rope, per-head q/k norm; unpruned head only",
     ),
-    "AriaTextForCausalLM": Arch("Aria (text)", notes="mixture of experts (softmax over the top-k logits) with shared experts", ort=f"GQA; {_TOPK_FIRST}"),
+    "AriaTextForCausalLM": Arch(
+        "Aria (text)",
+        notes="mixture of experts (softmax over the top-k logits) with shared experts",
+        ort=f"GQA; {_TOPK_FIRST}",
+    ),
     "BioGptForCausalLM": Arch("BioGPT", notes="learned positions, scaled embeddings, LayerNorm, GELU"),
     "CodeGenForCausalLM": Arch("CodeGen", notes="interleaved partial rotary, fused qkv, parallel attention + MLP"),
     "Cohere2MoeForCausalLM": Arch(
-        "Cohere2-MoE", notes="Cohere2 with a mixture of experts (softmax over the top-k logits) and a shared expert", ort=f"GQA; {_TOPK_FIRST}", window=True
+        "Cohere2-MoE",
+        notes="Cohere2 with a mixture of experts (softmax over the top-k logits) and a shared expert",
+        ort=f"GQA; {_TOPK_FIRST}",
+        window=True,
     ),
-    "CohereCompassForCausalLM": Arch("Cohere Compass", notes="multimodal rope sections on text positions, logit scale, tied", window=True),
+    "CohereCompassForCausalLM": Arch(
+        "Cohere Compass", notes="multimodal rope sections on text positions, logit scale, tied", window=True
+    ),
     "CwmForCausalLM": Arch("CWM", notes="llama3 rope, global and sliding layers", window=True),
     "Dots1ForCausalLM": Arch(
-        "dots.llm1", notes="mixture of experts (sigmoid scores, correction bias) with a shared expert, dense first layer, q/k norm", ort=f"GQA; {_SIGMOID}", window=True
+        "dots.llm1",
+        notes="mixture of experts (sigmoid scores, correction bias) with a shared expert, dense first layer, q/k norm",
+        ort=f"GQA; {_SIGMOID}",
+        window=True,
     ),
     "ErgoForCausalLM": Arch(
         "Ergo",
-        notes="mixture of experts (relu^2 experts, sigmoid scores) with a shared expert, dense first layer, global/sliding layers, q/k scale, gated residuals",
+        notes="mixture of experts (relu^2 experts, sigmoid scores) with a shared expert, dense first layer, "
+        "global/sliding layers, q/k scale, gated residuals",
         ort="GQA; per-expert MatMuls (relu^2 experts without a gate)",
         window=True,
     ),
     "ExaoneMoeForCausalLM": Arch(
-        "EXAONE-MoE", notes="Exaone 4 with a mixture of experts (sigmoid scores, correction bias) and a shared expert, dense first layer", ort=f"GQA; {_SIGMOID}", window=True
+        "EXAONE-MoE",
+        notes="Exaone 4 with a mixture of experts (sigmoid scores, correction bias) and a shared expert, dense first "
+        "layer",
+        ort=f"GQA; {_SIGMOID}",
+        window=True,
     ),
-    "FlexOlmoForCausalLM": Arch("FlexOlmo", notes="mixture of experts (not renormalised), q/k norm over all heads, post-norms", ort="GQA; MoE (decode)"),
+    "FlexOlmoForCausalLM": Arch(
+        "FlexOlmo",
+        notes="mixture of experts (not renormalised), q/k norm over all heads, post-norms",
+        ort="GQA; MoE (decode)",
+    ),
     "FlintForCausalLM": Arch(
         "Flint",
-        notes="mixture of experts (sigmoid top-k, renormalised) with a shared expert, a dense first layer, attention sinks, sliding layers with rope, global layers without rotary",
+        notes="mixture of experts (sigmoid top-k, renormalised) with a shared expert, a dense first layer, attention "
+        "sinks, sliding layers with rope, global layers without rotary",
         ort="GQA (attention sinks as head_sink); per-expert MatMuls (sigmoid routing)",
         window=True,
     ),
-    "GPTNeoXJapaneseForCausalLM": Arch("GPT-NeoX (ja)", notes="rotary, a bias added after the residual, tied", ort="portable attention (its own causal mask)"),
+    "GPTNeoXJapaneseForCausalLM": Arch(
+        "GPT-NeoX (ja)",
+        notes="rotary, a bias added after the residual, tied",
+        ort="portable attention (its own causal mask)",
+    ),
     "GraniteSWAForCausalLM": Arch(
-        "Granite-SWA", notes="Granite with sliding layers, attention sinks, per-layer rope theta", ort="GQA (attention sinks as head_sink)", window=True
+        "Granite-SWA",
+        notes="Granite with sliding layers, attention sinks, per-layer rope theta",
+        ort="GQA (attention sinks as head_sink)",
+        window=True,
     ),
     "GraniteMoeSWAForCausalLM": Arch(
         "GraniteMoe-SWA",
@@ -264,54 +379,81 @@ ARCHS: Mapping[str, Arch] = {
     ),
     "HeliumForCausalLM": Arch("Helium", notes="head_dim != hidden/heads"),
     "HYV3ForCausalLM": Arch(
-        "HY-V3", notes="mixture of experts (sigmoid scores, correction bias) with a shared expert, dense first layer, per-head q/k norm", ort=f"GQA; {_SIGMOID}"
+        "HY-V3",
+        notes="mixture of experts (sigmoid scores, correction bias) with a shared expert, dense first layer, per-head "
+        "q/k norm",
+        ort=f"GQA; {_SIGMOID}",
     ),
-    "HyperCLOVAXForCausalLM": Arch("HyperCLOVA X", notes="Granite's multipliers (embedding, residual, attention, logits) with post-norms"),
+    "HyperCLOVAXForCausalLM": Arch(
+        "HyperCLOVA X", notes="Granite's multipliers (embedding, residual, attention, logits) with post-norms"
+    ),
     "Jais2ForCausalLM": Arch("Jais 2", notes="relu^2 MLP (no gate), LayerNorm, attention and MLP biases"),
     "Kolibri1ForCausalLM": Arch(
         "Kolibri 1",
-        notes="mixture of experts (correction bias on the choice, sigmoid of the chosen logits) with a shared expert, sliding layers with rope, global layers without rotary, post-norms",
+        notes="mixture of experts (correction bias on the choice, sigmoid of the chosen logits) with a shared expert, "
+        "sliding layers with rope, global layers without rotary, post-norms",
         ort=f"GQA; {_SIGMOID}",
         window=True,
     ),
     "LagunaForCausalLM": Arch(
         "Laguna",
-        notes="mixture of experts (sigmoid scores, correction bias) with a shared expert, dense first layer, per-head output gate, per-layer-type partial rotary, sliding layers",
+        notes="mixture of experts (sigmoid scores, correction bias) with a shared expert, dense first layer, per-head "
+        "output gate, per-layer-type partial rotary, sliding layers",
         ort=f"GQA; {_SIGMOID}",
         window=True,
     ),
-    "MellumForCausalLM": Arch("Mellum", notes="mixture of experts (renormalised), q/k norm, per-layer-type rope, sliding layers", ort="GQA; MoE (decode)", window=True),
+    "MellumForCausalLM": Arch(
+        "Mellum",
+        notes="mixture of experts (renormalised), q/k norm, per-layer-type rope, sliding layers",
+        ort="GQA; MoE (decode)",
+        window=True,
+    ),
     "MiniCPM5MoeForCausalLM": Arch(
-        "MiniCPM5-MoE", notes="mixture of experts (sigmoid scores, correction bias, routed scaling) with a shared expert, dense first layer", ort=f"GQA; {_SIGMOID}"
+        "MiniCPM5-MoE",
+        notes="mixture of experts (sigmoid scores, correction bias, routed scaling) with a shared expert, dense first "
+        "layer",
+        ort=f"GQA; {_SIGMOID}",
     ),
     "MiniMaxM3VLForCausalLM": Arch(
         "MiniMax-M3",
-        notes="full-attention layers (the indexer's sparse layers are refused), mixture of experts (clamped SwiGLU), per-head q/k norm, partial rotary",
+        notes="full-attention layers (the indexer's sparse layers are refused), mixture of experts (clamped SwiGLU), "
+        "per-head q/k norm, partial rotary",
         ort="GQA; per-expert MatMuls (clamped SwiGLU)",
     ),
     "ModernBertDecoderForCausalLM": Arch(
-        "ModernBERT", notes="global and sliding layers (window local_attention / 2) with their own rope, LayerNorm without bias, GELU GLU, a prediction head", window=True
+        "ModernBERT",
+        notes="global and sliding layers (window local_attention / 2) with their own rope, LayerNorm without bias, "
+        "GELU GLU, a prediction head",
+        window=True,
     ),
-    "NanoChatForCausalLM": Arch("NanoChat", notes="weightless RMSNorm, q/k norm after the rotary, relu^2 MLP, final logit soft-capping"),
+    "NanoChatForCausalLM": Arch(
+        "NanoChat", notes="weightless RMSNorm, q/k norm after the rotary, relu^2 MLP, final logit soft-capping"
+    ),
     "NemotronForCausalLM": Arch("Nemotron", notes="LayerNorm (1 + weight), partial rotary, relu^2 MLP (no gate)"),
     "PersimmonForCausalLM": Arch("Persimmon", notes="partial rotary, per-head q/k LayerNorm, relu^2 MLP, fused qkv"),
     "SolarOpenForCausalLM": Arch(
-        "Solar Open", notes="mixture of experts (sigmoid scores, correction bias) with a shared expert on every layer", ort=f"GQA; {_SIGMOID}"
+        "Solar Open",
+        notes="mixture of experts (sigmoid scores, correction bias) with a shared expert on every layer",
+        ort=f"GQA; {_SIGMOID}",
     ),
     "VaultGemmaForCausalLM": Arch(
-        "VaultGemma", notes="alternating sliding/global layers, attention and final logit soft-capping, no post-norms", window=True
+        "VaultGemma",
+        notes="alternating sliding/global layers, attention and final logit soft-capping, no post-norms",
+        window=True,
     ),
     # issue 43: multi-head latent attention, its own cache layout (``_latent_cache``)
     "DeepseekV2ForCausalLM": Arch(
         "DeepSeek-V2",
-        notes="multi-head latent attention (latent + rope key cache), complex rotary, mixture of experts (softmax top-k, routed scaling) with shared experts, dense first layer",
+        notes="multi-head latent attention (latent + rope key cache), complex rotary, mixture of experts (softmax "
+        "top-k, routed scaling) with shared experts, dense first layer",
         ort=f"{_MLA}; per-expert MatMuls (routed scaling)",
         cache=_latent_cache,
     ),
     "DeepseekV3ForCausalLM": Arch(
         "DeepSeek-V3",
         notes=(
-            "multi-head latent attention (latent + rope key cache), q low-rank, interleaved rope, yarn, mixture of experts"
+            "multi-head latent attention (latent + rope key cache), q low-rank, interleaved rope, yarn, mixture "
+            "of experts"
             " (sigmoid, group-limited top-k, routed scaling) with a shared expert, dense first layer"
         ),
         ort=f"{_MLA}; {_SIGMOID}",
@@ -323,7 +465,8 @@ ARCHS: Mapping[str, Arch] = {
             Refusal(
                 "final_logit_softcapping",
                 lambda v: v is not None,
-                "Gemma3ForConditionalGeneration's head does not soft-cap the logits, Gemma3ForCausalLM's does, so its text decoder would not compute as the checkpoint does",
+                "Gemma3ForConditionalGeneration's head does not soft-cap the logits, Gemma3ForCausalLM's does, "
+                "so its text decoder would not compute as the checkpoint does",
             ),
         ),
         notes="text decoder only (Gemma 3 text, from text_config); the vision tower is not exported",

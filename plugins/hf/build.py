@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from kiln.errors import CheckpointError
 from kiln.plugins.base import DecoderSpec, LayerPlan, LoadedModel, non_finite
 from kiln.plugins.files import checkpoint_tokenizer
@@ -24,7 +26,6 @@ from kiln.plugins.hf.seq2seq import SEQ2SEQ, SEQ2SEQ_TINY, read_seq2seq_spec, re
 from kiln.plugins.hf.tiny import TINY
 from kiln.plugins.hf.weights import check_sizes, read_headers, refuse_loading_info
 from kiln.plugins.hub_cache import HF_EXTRA
-from torch import nn
 
 __all__ = ["config_spec", "load", "quiet", "read_config", "tiny_model", "tiny_transformers"]
 
@@ -65,9 +66,20 @@ def read_config(transformers: Any, directory: Path, arch: str) -> Any:
         with quiet(transformers):
             config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     # a config's own arithmetic on its values (head_dim = hidden // heads with heads 0) fails as well
-    except (StrictDataclassError, OSError, ValueError, TypeError, ArithmeticError, KeyError, AttributeError, IndexError) as exc:
+    except (
+        StrictDataclassError,
+        OSError,
+        ValueError,
+        TypeError,
+        ArithmeticError,
+        KeyError,
+        AttributeError,
+        IndexError,
+    ) as exc:
         cause = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ is not None else exc
-        raise CheckpointError(f"{directory / 'config.json'}: transformers refuses this config ({' '.join(str(cause).split())})") from None
+        raise CheckpointError(
+            f"{directory / 'config.json'}: transformers refuses this config ({' '.join(str(cause).split())})"
+        ) from None
     _refuse(config, arch)
     return config
 
@@ -92,7 +104,13 @@ def load(path: Path, directory: Path, arch: str) -> LoadedModel:
         check_sizes(model_class, config, read_headers(directory), directory)
         try:
             model, info = model_class.from_pretrained(
-                directory, config=config, local_files_only=True, use_safetensors=True, dtype="auto", attn_implementation="eager", output_loading_info=True  # the checkpoint's dtype
+                directory,
+                config=config,
+                local_files_only=True,
+                use_safetensors=True,
+                dtype="auto",
+                attn_implementation="eager",
+                output_loading_info=True,  # the checkpoint's dtype
             )
         except (OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{directory}: transformers could not load it ({str(exc).splitlines()[0]})") from None
@@ -103,7 +121,11 @@ def load(path: Path, directory: Path, arch: str) -> LoadedModel:
     files = (directory / "config.json", *weights) + ((tokenizer,) if tokenizer else ())
     # beside model.onnx these make the export's onnx/ a directory Optimum's ORTModelForCausalLM loads
     # (not a multimodal wrapper's config.json: Optimum would load it as the wrapper, not its text decoder)
-    serving = tuple(p for p in (directory / "config.json", directory / "generation_config.json") if p.is_file() and not (wrapped(arch) and p.name == "config.json"))
+    serving = tuple(
+        p
+        for p in (directory / "config.json", directory / "generation_config.json")
+        if p.is_file() and not (wrapped(arch) and p.name == "config.json")
+    )
     return _loaded(model, arch, path, tokenizer, files, serving)
 
 
@@ -128,7 +150,9 @@ def tiny_transformers(case: str, seed: int, **overrides: Any) -> nn.Module:
     _refuse(config, arch)
     # eager attention, as load() uses: with SDPA, fully masked (left-padding) query rows differ
     # between PyTorch and the traced graph, and padded positions' keys with them
-    model: nn.Module = getattr(transformers, arch)._from_config(config, attn_implementation="eager").eval()  # private: see _meta_template
+    model: nn.Module = (
+        getattr(transformers, arch)._from_config(config, attn_implementation="eager").eval()
+    )  # private: see _meta_template
     return model
 
 
@@ -142,7 +166,12 @@ def _refuse(config: Any, arch: str) -> None:
 
 
 def _loaded(
-    model: nn.Module, arch: str, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = (), serving: tuple[Path, ...] = ()
+    model: nn.Module,
+    arch: str,
+    source: Path,
+    tokenizer: Path | None = None,
+    files: tuple[Path, ...] = (),
+    serving: tuple[Path, ...] = (),
 ) -> LoadedModel:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     if arch in SEQ2SEQ:  # traced whole: its layer lists are the encoder's and the decoder's
@@ -153,7 +182,14 @@ def _loaded(
         model, arch, part = text_decoder(model, arch)
     spec = dataclasses.replace(read_spec(model.config, arch, FAMILY), dtype=dtype, text_decoder_of=part)
     return LoadedModel(
-        HFDecoder(model).eval(), spec, source, tokenizer, files, layers=_layer_plan(model, arch), serving_files=serving, translations=translations()
+        HFDecoder(model).eval(),
+        spec,
+        source,
+        tokenizer,
+        files,
+        layers=_layer_plan(model, arch),
+        serving_files=serving,
+        translations=translations(),
     )
 
 
@@ -165,7 +201,9 @@ def _scalars(layer: nn.Module) -> tuple[tuple[str, str, object], ...]:
         (path, name, value)
         for path, module in layer.named_modules()
         for name, value in sorted(vars(module).items())
-        if isinstance(value, (int, float, str, bool, type(None))) and not name.startswith("_") and name not in ("layer_idx", "training")
+        if isinstance(value, (int, float, str, bool, type(None)))
+        and not name.startswith("_")
+        and name not in ("layer_idx", "training")
     )
 
 
@@ -177,13 +215,16 @@ def _layer_plan(model: nn.Module, arch: str) -> LayerPlan | None:
     config: Any = model.config
     n_layers = int(config.num_hidden_layers)
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
-    lists = [(name, m) for name, m in lists if not any(name.startswith(f"{other}.") for other, _ in lists)]  # not a list inside a layer (StableLM's per-head norms)
+    lists = [
+        (name, m) for name, m in lists if not any(name.startswith(f"{other}.") for other, _ in lists)
+    ]  # not a list inside a layer (StableLM's per-head norms)
     if len(lists) != 1:
         return None
     path, layers = lists[0]
     kinds = list(getattr(config, "layer_types", None) or [None] * n_layers)
     signatures = tuple(
-        (type(layer).__name__, tuple((n, tuple(t.shape)) for n, t in layer.state_dict().items()), kind, _scalars(layer)) for layer, kind in zip(layers, kinds, strict=True)
+        (type(layer).__name__, tuple((n, tuple(t.shape)) for n, t in layer.state_dict().items()), kind, _scalars(layer))
+        for layer, kind in zip(layers, kinds, strict=True)
     )
     return LayerPlan(f"model.{path}.{{}}", signatures, functools.partial(_meta_template, arch, config))
 
@@ -197,5 +238,7 @@ def _meta_template(arch: str, config: Any, n_layers: int) -> nn.Module:
     with torch.device("meta"):
         # _from_config is private, but transformers has no public way to build a named class (``arch``,
         # not the Auto mapping's choice for the config) with an attention implementation and a dtype
-        model = getattr(transformers, arch)._from_config(template, attn_implementation="eager", dtype=torch.float32)  # the graphs' dtype
+        model = getattr(transformers, arch)._from_config(
+            template, attn_implementation="eager", dtype=torch.float32
+        )  # the graphs' dtype
     return HFDecoder(model.eval()).eval()

@@ -25,9 +25,24 @@ from kiln.errors import CheckpointError
 from kiln.plugins.base import DecoderSpec, dim_error
 from kiln.plugins.hf.archs import ARCHS, Arch
 
-__all__ = ["LAYER_TYPES", "SIZES", "STATIC_ROPE", "read_spec", "refuse", "refuse_per_layer", "refuse_quantized", "refuse_sizes", "rope_types"]
+__all__ = [
+    "LAYER_TYPES",
+    "SIZES",
+    "STATIC_ROPE",
+    "read_spec",
+    "refuse",
+    "refuse_per_layer",
+    "refuse_quantized",
+    "refuse_sizes",
+    "rope_types",
+]
 
-SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")  # every architecture's, by the standard names
+SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)  # every architecture's, by the standard names
 
 # rope types whose frequencies are fixed at init (traced as constants), and longrope, whose
 # switch at original_max_position_embeddings is traced as a Where on max(position_ids)
@@ -53,8 +68,15 @@ def rope_types(cfg: Any) -> Iterator[tuple[str, dict[str, Any]]]:
 def refuse_quantized(cfg: Any, arch: str) -> None:
     """Every Hugging Face checkpoint kiln reads is a float one (decoders and encoder-decoders alike)."""
     if getattr(cfg, "quantization_config", None):
-        method = dict(cfg.quantization_config).get("quant_method", "?") if isinstance(cfg.quantization_config, dict) else type(cfg.quantization_config).__name__
-        raise CheckpointError(f"{arch}: quantization_config ({method}) is not supported: kiln exports float checkpoints (its --int8/--fp16 quantize them)")
+        method = (
+            dict(cfg.quantization_config).get("quant_method", "?")
+            if isinstance(cfg.quantization_config, dict)
+            else type(cfg.quantization_config).__name__
+        )
+        raise CheckpointError(
+            f"{arch}: quantization_config ({method}) is not supported: kiln exports float checkpoints (its "
+            "--int8/--fp16 quantize them)"
+        )
 
 
 def refuse_sizes(cfg: Any, arch: str, optional: tuple[str | None, ...] = ()) -> None:
@@ -67,14 +89,21 @@ def refuse_sizes(cfg: Any, arch: str, optional: tuple[str | None, ...] = ()) -> 
 
 def _kv_heads(cfg: Any, a: Arch) -> int:
     """The heads the cache holds: the architecture's rule, else ``num_key_value_heads`` (absent: every head)."""
-    return a.kv_heads(cfg) if a.kv_heads is not None else int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    return (
+        a.kv_heads(cfg)
+        if a.kv_heads is not None
+        else int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    )
 
 
 def _refuse_heads(cfg: Any, arch: str) -> None:
     """The heads split the hidden size (unless the config gives ``head_dim``) and share the KV heads evenly."""
     heads, hidden = cfg.num_attention_heads, cfg.hidden_size
     if getattr(cfg, "head_dim", None) is None and hidden % heads:
-        raise CheckpointError(f"{arch}: num_attention_heads ({heads}) does not divide hidden_size ({hidden}), and config.json gives no head_dim")
+        raise CheckpointError(
+            f"{arch}: num_attention_heads ({heads}) does not divide hidden_size ({hidden}), and config.json "
+            "gives no head_dim"
+        )
     kv = _kv_heads(cfg, ARCHS[arch])
     if heads % kv:
         raise CheckpointError(f"{arch}: num_attention_heads ({heads}) is not a multiple of the key/value heads ({kv})")
@@ -85,7 +114,10 @@ def refuse_per_layer(cfg: Any, arch: str) -> None:
     of them globally raises) is refused by name: kiln reads each size once, for every layer."""
     varying = getattr(cfg, "per_layer_attributes", None) if getattr(cfg, "is_heterogeneous", False) else None
     if varying:
-        raise CheckpointError(f"{arch}: config attributes that vary by layer (per_layer_config: {', '.join(sorted(varying))}) are not supported yet")
+        raise CheckpointError(
+            f"{arch}: config attributes that vary by layer (per_layer_config: {', '.join(sorted(varying))}) are "
+            "not supported yet"
+        )
 
 
 def refuse(cfg: Any, arch: str) -> None:
@@ -96,7 +128,9 @@ def refuse(cfg: Any, arch: str) -> None:
     _refuse_heads(cfg, arch)
     refuse_quantized(cfg, arch)
     if getattr(cfg, "is_encoder_decoder", False):
-        raise CheckpointError(f"{where}: is_encoder_decoder is not supported: kiln exports decoder-only Hugging Face models")
+        raise CheckpointError(
+            f"{where}: is_encoder_decoder is not supported: kiln exports decoder-only Hugging Face models"
+        )
     for rope_type, _ in rope_types(cfg):
         if rope_type not in STATIC_ROPE:
             why = _ROPE_WHY.get(rope_type, f"kiln proves {', '.join(STATIC_ROPE)}")
@@ -104,7 +138,9 @@ def refuse(cfg: Any, arch: str) -> None:
     proved = (*LAYER_TYPES, *(("chunked_attention",) if ARCHS[arch].chunked else ()))
     kinds = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(proved))
     if kinds:
-        raise CheckpointError(f"{where}: layer_types {kinds} are not supported: kiln exports {', '.join(proved)} layers")
+        raise CheckpointError(
+            f"{where}: layer_types {kinds} are not supported: kiln exports {', '.join(proved)} layers"
+        )
     for refusal in ARCHS[arch].refusals:
         value = _field(cfg, refusal.field)
         if refusal.refused(value):
@@ -126,7 +162,9 @@ def _longrope_limit(cfg: Any, arch: str) -> int | None:
     if arch != "Phi3ForCausalLM":
         return None
     for rope_type, params in rope_types(cfg):
-        original = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+        original = params.get("original_max_position_embeddings") or getattr(
+            cfg, "original_max_position_embeddings", None
+        )
         if rope_type == "longrope" and original:
             return int(original)
     return None
@@ -148,12 +186,20 @@ def read_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
     hidden = int(cfg.hidden_size)
     kv = _kv_heads(cfg, a)
     context = getattr(cfg, a.context, None) if a.context is not None else getattr(cfg, "seq_length", None)
-    why = None if context is not None else f"{arch} has no context length of its own (its config has no {a.context or 'seq_length'})"
+    why = (
+        None
+        if context is not None
+        else f"{arch} has no context length of its own (its config has no {a.context or 'seq_length'})"
+    )
     longrope = _longrope_limit(cfg, arch)
     if longrope is not None and context is not None and longrope < int(context):
-        context, why = longrope, (
-            f"Phi-3's generate() recomputes the whole sequence with longrope's long factors once it passes original_max_position_embeddings"
-            f" ({longrope}), which a KV cache cannot do, so kiln exports it up to there"
+        context, why = (
+            longrope,
+            (
+                "Phi-3's generate() recomputes the whole sequence with longrope's long factors once it passes "
+                "original_max_position_embeddings"
+                f" ({longrope}), which a KV cache cannot do, so kiln exports it up to there"
+            ),
         )
     return DecoderSpec(
         family=family,
@@ -175,7 +221,11 @@ def _manifest_config(cfg: Any, arch: str) -> dict[str, Any]:
     """The config's scalar fields, its sizes under the standard names too (``attribute_map``), and
     ``layer_types`` (each layer's attention kind: a host, and ``--target onnx``, need its windows)."""
     own = {k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))}
-    standard = {k: getattr(cfg, k) for k in getattr(cfg, "attribute_map", {}) if isinstance(getattr(cfg, k, None), (int, float, str, bool))}
+    standard = {
+        k: getattr(cfg, k)
+        for k in getattr(cfg, "attribute_map", {})
+        if isinstance(getattr(cfg, k, None), (int, float, str, bool))
+    }
     kinds = getattr(cfg, "layer_types", None)
     layers = {"layer_types": [str(kind) for kind in kinds]} if isinstance(kinds, (list, tuple)) else {}
     return {"architecture": arch, **own, **standard, **layers}

@@ -5,9 +5,10 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from torch import Tensor, nn
+
 from kiln.plugins.hf.deepseek_rotary import deepseek_rewrites_for
 from kiln.plugins.hf.real_rotary import rewrites_for
-from torch import Tensor, nn
 
 __all__ = ["KV", "HFDecoder", "HFSeq2Seq"]
 

@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from kiln.plugins.hf.real_rotary import real_freqs
 from torch import Tensor, nn
+
+from kiln.plugins.hf.real_rotary import real_freqs
 
 __all__ = ["real_apply_rotary_bhsd", "real_deepseek_rotary", "deepseek_rewrites_for"]
 

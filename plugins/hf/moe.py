@@ -54,10 +54,17 @@ def _histc(input: Any, bins: int = 100, min: float = 0.0, max: float = 0.0) -> A
     if max <= min:
         raise ValueError("histc: kiln translates only an explicit range (max > min)")
     x = op.Cast(op.Reshape(input, op.Constant(value_ints=[-1, 1])), to=1)  # float [n, 1]
-    index = op.Floor(op.Mul(op.Sub(x, op.Constant(value_float=float(min))), op.Constant(value_float=bins / (max - min))))
+    index = op.Floor(
+        op.Mul(op.Sub(x, op.Constant(value_float=float(min))), op.Constant(value_float=bins / (max - min)))
+    )
     index = op.Min(index, op.Constant(value_float=float(bins - 1)))
-    inside = op.And(op.GreaterOrEqual(x, op.Constant(value_float=float(min))), op.LessOrEqual(x, op.Constant(value_float=float(max))))
-    edges = op.Cast(op.Range(op.Constant(value_int=0), op.Constant(value_int=bins), op.Constant(value_int=1)), to=1)  # [bins]
+    inside = op.And(
+        op.GreaterOrEqual(x, op.Constant(value_float=float(min))),
+        op.LessOrEqual(x, op.Constant(value_float=float(max))),
+    )
+    edges = op.Cast(
+        op.Range(op.Constant(value_int=0), op.Constant(value_int=bins), op.Constant(value_int=1)), to=1
+    )  # [bins]
     hits = op.Cast(op.And(op.Equal(index, edges), inside), to=1)  # [n, bins]
     return op.CastLike(op.ReduceSum(hits, op.Constant(value_ints=[0]), keepdims=0), input)
 

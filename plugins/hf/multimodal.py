@@ -39,12 +39,15 @@ def text_arch(cfg: Any, arch: str) -> str:
     assert trait is not None, arch
     text = getattr(cfg, "text_config", None)
     if text is None:
-        raise CheckpointError(f"{arch}: config.json has no text_config (where a multimodal checkpoint gives its text decoder's sizes)")
+        raise CheckpointError(
+            f"{arch}: config.json has no text_config (where a multimodal checkpoint gives its text decoder's sizes)"
+        )
     kind = getattr(text, "model_type", None)
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(kind))
     if name not in trait.texts:
         raise CheckpointError(
-            f"{arch}: text_config.model_type {kind!r} ({name or 'no causal LM class'}) is not supported: kiln exports this wrapper's text decoder as {', '.join(trait.texts)}"
+            f"{arch}: text_config.model_type {kind!r} ({name or 'no causal LM class'}) is not supported: kiln "
+            f"exports this wrapper's text decoder as {', '.join(trait.texts)}"
         )
     return str(name)
 
@@ -84,7 +87,11 @@ def _text_config(cfg: Any) -> Any:
 def _left_out(model: Any, trait: TextDecoder) -> tuple[str, ...]:
     """The wrapper's modules beside the text decoder and the head, by path (its vision tower...)."""
     kept = (trait.prefix, trait.head)
-    paths = [name for name, _ in model.named_modules() if name and not any(k == name or k.startswith(f"{name}.") or name.startswith(f"{k}.") for k in kept)]
+    paths = [
+        name
+        for name, _ in model.named_modules()
+        if name and not any(k == name or k.startswith(f"{name}.") or name.startswith(f"{k}.") for k in kept)
+    ]
     return tuple(sorted(p for p in paths if not any(p.startswith(f"{q}.") for q in paths)))  # the outermost ones
 
 
@@ -102,9 +109,11 @@ def text_decoder(model: Any, arch: str) -> tuple[Any, str, TextDecoderOf]:
     config.tie_word_embeddings = head.weight is body.get_input_embeddings().weight  # as the wrapper ties them
     config.architectures = [name]
     with torch.device("meta"):  # its own modules are replaced by the wrapper's: no memory
-        # _from_config is private, but transformers has no public way to build a named class with an attention implementation
+        # _from_config is private, but transformers has no public way to build a named class with an attention
+        # implementation
         text = getattr(transformers, name)._from_config(config, attn_implementation="eager", dtype=head.weight.dtype)
-    # the attribute that holds its base model (Llama4ForCausalLM's is ``model``, though its base_model_prefix says language_model)
+    # the attribute that holds its base model (Llama4ForCausalLM's is ``model``, though its base_model_prefix says
+    # language_model)
     own = next(name for name, child in text.named_children() if type(child) is type(body))
     setattr(text, own, body)
     text.set_output_embeddings(head)

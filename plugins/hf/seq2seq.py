@@ -41,17 +41,34 @@ class Seq2SeqArch:
 _UNSHARED_VOCAB = Refusal(
     "share_encoder_decoder_embeddings",
     lambda v: v is False,
-    "separate source and target vocabularies (the encoder graph's ids would need their own vocabulary size in the contract)",
+    "separate source and target vocabularies (the encoder graph's ids would need their own vocabulary size in "
+    "the contract)",
 )
 
 SEQ2SEQ: Mapping[str, Seq2SeqArch] = {
-    "BartForConditionalGeneration": Seq2SeqArch("BART", "decoder_layers", "decoder_attention_heads", notes="learned positions (offset 2), post-LayerNorm, tied head"),
-    "MBartForConditionalGeneration": Seq2SeqArch("mBART", "decoder_layers", "decoder_attention_heads", notes="pre-LayerNorm, final layer norms, scaled embedding"),
+    "BartForConditionalGeneration": Seq2SeqArch(
+        "BART",
+        "decoder_layers",
+        "decoder_attention_heads",
+        notes="learned positions (offset 2), post-LayerNorm, tied head",
+    ),
+    "MBartForConditionalGeneration": Seq2SeqArch(
+        "mBART", "decoder_layers", "decoder_attention_heads", notes="pre-LayerNorm, final layer norms, scaled embedding"
+    ),
     "MarianMTModel": Seq2SeqArch(
-        "Marian", "decoder_layers", "decoder_attention_heads", refusals=(_UNSHARED_VOCAB,), notes="sinusoidal positions, final_logits_bias, scaled embedding"
+        "Marian",
+        "decoder_layers",
+        "decoder_attention_heads",
+        refusals=(_UNSHARED_VOCAB,),
+        notes="sinusoidal positions, final_logits_bias, scaled embedding",
     ),
     "T5ForConditionalGeneration": Seq2SeqArch(
-        "T5", "num_decoder_layers", "num_heads", context=None, notes="relative position buckets (no context limit of its own: --max-context), RMS norm, rescaled tied head; v1.1/Flan-T5: gated GELU, untied head"
+        "T5",
+        "num_decoder_layers",
+        "num_heads",
+        context=None,
+        notes="relative position buckets (no context limit of its own: --max-context), RMS norm, rescaled tied head; "
+        "v1.1/Flan-T5: gated GELU, untied head",
     ),
 }
 
@@ -65,7 +82,10 @@ def refuse_seq2seq(cfg: Any, arch: str) -> None:
         if refusal.refused(value):
             raise CheckpointError(f"{arch}: {refusal.field}={value!r} is not supported: {refusal.why}")
     if _start_token(cfg) is None:
-        raise CheckpointError(f"{arch}: the config has no decoder_start_token_id (nor a bos_token_id): the decoder's first token is unknown")
+        raise CheckpointError(
+            f"{arch}: the config has no decoder_start_token_id (nor a bos_token_id): the decoder's first token "
+            "is unknown"
+        )
 
 
 def _start_token(cfg: Any) -> int | None:
@@ -88,19 +108,26 @@ def read_seq2seq_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
     context = getattr(cfg, a.context, None) if a.context is not None else None
     return DecoderSpec(
         family=family,
-        n_layers=int(getattr(cfg, a.layers) or cfg.num_hidden_layers),  # T5: num_decoder_layers None means as deep as the encoder
+        n_layers=int(
+            getattr(cfg, a.layers) or cfg.num_hidden_layers
+        ),  # T5: num_decoder_layers None means as deep as the encoder
         n_kv_heads=heads,
         head_dim=int(getattr(cfg, "d_kv", None) or hidden // heads),
         vocab_size=int(cfg.vocab_size),
         max_context=int(context) if context is not None else None,
-        max_context_why=None if context is not None else f"{arch}'s relative position buckets have no context length of their own",
+        max_context_why=None
+        if context is not None
+        else f"{arch}'s relative position buckets have no context length of their own",
         bos_token_id=_token(cfg, "bos_token_id"),
         eos_token_id=_token(cfg, "eos_token_id"),
         pad_token_id=_token(cfg, "pad_token_id"),
         encoder_dim=hidden,
         has_encoder=True,
         decoder_start_token_id=_start_token(cfg),
-        config={"architecture": arch, **{k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))}},
+        config={
+            "architecture": arch,
+            **{k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))},
+        },
     )
 
 
@@ -123,22 +150,47 @@ def _cfg(config: str, **kw: Any) -> Callable[..., Any]:
 # (architecture, (transformers, **overrides) -> config): 2 encoder and 2 decoder layers, hidden 64
 SEQ2SEQ_TINY: Mapping[str, tuple[str, Callable[..., Any]]] = {
     "bart": ("BartForConditionalGeneration", _cfg("BartConfig", **_BART_LIKE, decoder_start_token_id=2)),
-    "mbart": ("MBartForConditionalGeneration", _cfg("MBartConfig", **_BART_LIKE, decoder_start_token_id=2, scale_embedding=True)),
+    "mbart": (
+        "MBartForConditionalGeneration",
+        _cfg("MBartConfig", **_BART_LIKE, decoder_start_token_id=2, scale_embedding=True),
+    ),
     "marian": ("MarianMTModel", _cfg("MarianConfig", **_BART_LIKE, decoder_start_token_id=0, scale_embedding=True)),
     "t5": (
         "T5ForConditionalGeneration",
         _cfg(
-            "T5Config", **_IDS, vocab_size=V, d_model=H, d_kv=16, d_ff=FF, num_layers=L, num_decoder_layers=L,
-            num_heads=NH, relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0,
+            "T5Config",
+            **_IDS,
+            vocab_size=V,
+            d_model=H,
+            d_kv=16,
+            d_ff=FF,
+            num_layers=L,
+            num_decoder_layers=L,
+            num_heads=NH,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=20,
+            decoder_start_token_id=0,
             initializer_factor=8.0,
         ),
     ),  # fmt: skip
     "t5-gated": (  # T5 v1.1 / Flan-T5: gated-GELU feed-forward, untied head (no rescale)
         "T5ForConditionalGeneration",
         _cfg(
-            "T5Config", **_IDS, vocab_size=V, d_model=H, d_kv=16, d_ff=FF, num_layers=L, num_decoder_layers=L,
-            num_heads=NH, relative_attention_num_buckets=8, relative_attention_max_distance=20, decoder_start_token_id=0,
-            initializer_factor=1.5, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+            "T5Config",
+            **_IDS,
+            vocab_size=V,
+            d_model=H,
+            d_kv=16,
+            d_ff=FF,
+            num_layers=L,
+            num_decoder_layers=L,
+            num_heads=NH,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=20,
+            decoder_start_token_id=0,
+            initializer_factor=1.5,
+            feed_forward_proj="gated-gelu",
+            tie_word_embeddings=False,
         ),
     ),  # fmt: skip
 }

@@ -35,10 +35,13 @@ FAMILIES: Mapping[str, str] = {
     "moshi": "speech generation (a depth decoder over audio codebooks)",
     "doge": "dynamic mask attention (an input-dependent mask over the keys)",
     "hrm_text": "hierarchical recurrent reasoning modules (a recurrent state, not a KV cache)",
-    "xglm": "XGLM's sinusoidal position table, regrown by a Python branch on the sequence length (torch.export cannot trace it)",
+    "xglm": "XGLM's sinusoidal position table, regrown by a Python branch on the sequence length (torch.export cannot "
+    "trace it)",
     "dbrx": "DBRX's experts, a Python loop over the experts a batch hits (torch.export cannot trace it)",
-    "jetmoe": "JetMoE's mixture of attention heads, whose scatter-add ONNX Runtime's CPU cannot run at fp16 (its fp32 graphs pass)",
-    "beam": "Beam's position-scaled queries on its layers without rotary at fp16 (its fp32 graphs pass; at fp16 the one-graph model fails kiln's parity)",
+    "jetmoe": "JetMoE's mixture of attention heads, whose scatter-add ONNX Runtime's CPU cannot run at fp16 (its fp32 "
+    "graphs pass)",
+    "beam": "Beam's position-scaled queries on its layers without rotary at fp16 (its fp32 graphs pass; at fp16 the "
+    "one-graph model fails kiln's parity)",
 }
 
 # what each non-attention layer kind of a layer-types list is
@@ -64,7 +67,8 @@ _FIELDS = {
     "num_kv_shared_layers": "key/value caches shared across layers",
     "hidden_size_per_layer_input": "per-layer embeddings",
     "per_layer_config": "config attributes that vary by layer",
-    "attention_chunk_size": "chunked attention outside Llama 4's text decoder",  # Llama4ForCausalLM is in ARCHS, never asked here
+    # Llama4ForCausalLM is in ARCHS, never asked here
+    "attention_chunk_size": "chunked attention outside Llama 4's text decoder",
     "cross_attention_layers": "cross-attention to image features",
     "state_size": "state-space (Mamba) layers",
     "ssm_state_size": "state-space (Mamba) layers",
@@ -74,9 +78,22 @@ _FIELDS = {
     "type_vocab_size": "a bidirectional encoder (BERT family) run as a decoder",
 }
 # sub-model configs that make a multimodal or composite model (what kiln does not export)
-_TOWERS = {"vision_config": "vision", "audio_config": "audio", "vq_config": "image tokenizer", "audio_encoder_config": "audio"}
+_TOWERS = {
+    "vision_config": "vision",
+    "audio_config": "audio",
+    "vq_config": "image tokenizer",
+    "audio_encoder_config": "audio",
+}
 _HEADS = re.compile(r"(ForCausalLM|ForConditionalGeneration|LMHeadModel|MTModel)$")  # the heads that generate text
-_OWN_PARTS = ("text_config", "attn_config", "ffn_config", "per_layer_config", "quantization_config", "rope_scaling", "rope_parameters")
+_OWN_PARTS = (
+    "text_config",
+    "attn_config",
+    "ffn_config",
+    "per_layer_config",
+    "quantization_config",
+    "rope_scaling",
+    "rope_parameters",
+)
 
 
 def _text(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -119,10 +136,15 @@ def _encoder_decoder(cfg: Mapping[str, Any], seq2seq: Collection[str]) -> str | 
 
 
 def _composite(cfg: Mapping[str, Any]) -> str | None:
-    parts = sorted(k for k, v in cfg.items() if k.endswith("_config") and isinstance(v, Mapping) and k not in _OWN_PARTS)
+    parts = sorted(
+        k for k, v in cfg.items() if k.endswith("_config") and isinstance(v, Mapping) and k not in _OWN_PARTS
+    )
     towers = sorted({_TOWERS[p] for p in parts if p in _TOWERS})
     if towers:
-        return f"a multimodal wrapper ({' and '.join(towers)} {'tower' if len(towers) == 1 else 'towers'}: {', '.join(parts)})"
+        return (
+            f"a multimodal wrapper ({' and '.join(towers)} {'tower' if len(towers) == 1 else 'towers'}: "
+            f"{', '.join(parts)})"
+        )
     if parts:
         return f"a composite of sub-models ({', '.join(parts)})"
     if isinstance(cfg.get("text_config"), Mapping):
@@ -134,7 +156,9 @@ def _head(arch: str, config: Mapping[str, Any]) -> str | None:
     if not config.get("architectures"):
         return "a config.json that names no architectures (the model class it was saved from)"
     if not _HEADS.search(arch):
-        return "a model without a text-generation head (kiln exports *ForCausalLM and *ForConditionalGeneration classes)"
+        return (
+            "a model without a text-generation head (kiln exports *ForCausalLM and *ForConditionalGeneration classes)"
+        )
     return None
 
 
@@ -172,13 +196,26 @@ def _family(stem: str) -> str:
 def nearest(arch: str, config: Mapping[str, Any], supported: Collection[str]) -> str | None:
     """The supported architecture closest to ``arch``: of its family (the leading letters of its
     name or of its text decoder's model_type), the most similar name; else a near spelling."""
-    stems = {_stem(s): s for s in sorted(supported, key=lambda s: s.endswith("ForCausalLM"))}  # a causal LM over a wrapper of its stem
+    stems = {
+        _stem(s): s for s in sorted(supported, key=lambda s: s.endswith("ForCausalLM"))
+    }  # a causal LM over a wrapper of its stem
     for name in (str(_text(config).get("model_type") or ""), arch):
         family = _family(_stem(name))
         kin = [s for s in stems if len(family) >= 3 and _family(s) == family]
-        if kin:  # the most similar without version digits, then its own name (llama: not llama4), then the latest version (gemma4 -> gemma3)
+        # the most similar without version digits, then its own name (llama: not llama4), then the latest
+        # version (gemma4 -> gemma3)
+        if kin:
             unversioned = re.sub(r"[0-9]", "", _stem(name))
-            return stems[max(kin, key=lambda s: (difflib.SequenceMatcher(None, unversioned, re.sub(r"[0-9]", "", s)).ratio(), s == _stem(name), s))]
+            return stems[
+                max(
+                    kin,
+                    key=lambda s: (
+                        difflib.SequenceMatcher(None, unversioned, re.sub(r"[0-9]", "", s)).ratio(),
+                        s == _stem(name),
+                        s,
+                    ),
+                )
+            ]
     close = difflib.get_close_matches(_stem(arch), list(stems), n=1, cutoff=0.85)
     return stems[close[0]] if close else None
 
@@ -188,4 +225,7 @@ def refusal(arch: str, config: Mapping[str, Any], supported: Collection[str], se
     why = mechanism(arch, config, seq2seq)
     alternative = nearest(arch, config, supported)
     near = f"the nearest kiln exports is {alternative}; " if alternative else ""
-    return f"unsupported Hugging Face architecture {arch!r}: {why if why == NOT_PROVED else f'kiln does not export {why} yet'} ({near}`kiln plugins` lists them all)"
+    return (
+        f"unsupported Hugging Face architecture {arch!r}: "
+        f"{why if why == NOT_PROVED else f'kiln does not export {why} yet'} ({near}`kiln plugins` lists them all)"
+    )

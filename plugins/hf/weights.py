@@ -64,7 +64,10 @@ def read_headers(directory: Path) -> Header:
                 for key in file.keys():
                     header[key] = (tuple(file.get_slice(key).get_shape()), path)
         except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+            raise CheckpointError(
+                f"{path}: not a readable safetensors file "
+                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            ) from None
     return header
 
 
@@ -78,10 +81,13 @@ def check_sizes(model_class: Any, config: Any, header: Header, directory: Path) 
     if not header and not _shards(directory):
         # no safetensors file transformers reads: from_pretrained says so (a file of no tensors is checked below)
         return
-    layers = int(getattr(config, "text_config", config).num_hidden_layers)  # a multimodal wrapper's are its text decoder's
+    layers = int(
+        getattr(config, "text_config", config).num_hidden_layers
+    )  # a multimodal wrapper's are its text decoder's
     if layers > len(header):  # every layer holds a tensor of its own
         raise CheckpointError(
-            f"{directory}: weights do not match the config: config.json says num_hidden_layers={layers}, but the weights hold {len(header)} tensors in all"
+            f"{directory}: weights do not match the config: config.json says num_hidden_layers={layers}, but the "
+            f"weights hold {len(header)} tensors in all"
         )
     try:
         with torch.device("meta"):
@@ -90,9 +96,21 @@ def check_sizes(model_class: Any, config: Any, header: Header, directory: Path) 
             model = model_class._from_config(config, attn_implementation="eager")
     # values transformers' config accepts but its modules cannot be built from (issue 38's fuzz: an int
     # dtype, an unknown hidden_act, a negative size, a pad id past the vocabulary, a rope_theta of null)
-    except (KeyError, RuntimeError, AssertionError, TypeError, AttributeError, ValueError, ArithmeticError, IndexError) as exc:
+    except (
+        KeyError,
+        RuntimeError,
+        AssertionError,
+        TypeError,
+        AttributeError,
+        ValueError,
+        ArithmeticError,
+        IndexError,
+    ) as exc:
         first = " ".join(str(exc).split()) or type(exc).__name__
-        raise CheckpointError(f"{directory / 'config.json'}: transformers cannot build the model it describes ({type(exc).__name__}: {first[:200]})") from None
+        raise CheckpointError(
+            f"{directory / 'config.json'}: transformers cannot build the model it describes "
+            f"({type(exc).__name__}: {first[:200]})"
+        ) from None
     prefix = f"{model.base_model_prefix}."
     problems = []
     for name, tensor in model.state_dict().items():

@@ -13,11 +13,19 @@ import torch
 from kiln.errors import CheckpointError
 from kiln.plugins.base import LayerPlan, LoadedModel
 from kiln.plugins.files import checkpoint_dir, checkpoint_tokenizer
-from kiln.plugins.native.spec import FAMILY, spec_of
-from kiln.plugins.native.checkpoint import Header, apply_state_dict, check_header, find_weights, read_state_dict, state_dtype, state_header
+from kiln.plugins.native.checkpoint import (
+    Header,
+    apply_state_dict,
+    check_header,
+    find_weights,
+    read_state_dict,
+    state_dtype,
+    state_header,
+)
 from kiln.plugins.native.config import NativeConfig
 from kiln.plugins.native.model import PLEDecoder
 from kiln.plugins.native.ple import NATIVE_PLE
+from kiln.plugins.native.spec import FAMILY, spec_of
 
 __all__ = ["load", "loaded_model", "meta_template", "random_model"]
 
@@ -38,7 +46,9 @@ def load(path: Path) -> LoadedModel:
     check_header(meta_template(cfg, cfg.n_layers), header, weights)
     module = PLEDecoder(cfg)
     dtype = state_dtype(state)
-    for parameter in module.parameters():  # the checkpoint's dtype, not an fp32 copy of it (buffers such as inv_freq stay fp32)
+    for (
+        parameter
+    ) in module.parameters():  # the checkpoint's dtype, not an fp32 copy of it (buffers such as inv_freq stay fp32)
         parameter.data = parameter.data.to(dtype)
     apply_state_dict(module, state, weights)
     files = (directory / "config.json", weights) + ((tokenizer,) if tokenizer else ())
@@ -58,12 +68,17 @@ def _check_sizes(cfg: NativeConfig, header: Header, weights: Path) -> None:
         problem = f"config.json says n_layers={cfg.n_layers}, the weights hold {len(held)} layers{span}"
     key = next((k for k in ("embed.weight", "lm_head.weight") if k in header), None)
     if problem is None and key is not None and header[key][0] != (cfg.vocab_size, cfg.d_model):
-        problem = f"{key} has shape {list(header[key][0])}, the config needs [vocab_size, d_model] = {[cfg.vocab_size, cfg.d_model]}"
+        problem = (
+            f"{key} has shape {list(header[key][0])}, the config needs [vocab_size, d_model] = "
+            f"{[cfg.vocab_size, cfg.d_model]}"
+        )
     if problem is not None:
         raise CheckpointError(f"{weights}: weights do not match the config: {problem}")
 
 
-def loaded_model(cfg: NativeConfig, module: PLEDecoder, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = ()) -> LoadedModel:
+def loaded_model(
+    cfg: NativeConfig, module: PLEDecoder, source: Path, tokenizer: Path | None = None, files: tuple[Path, ...] = ()
+) -> LoadedModel:
     """A native model as the exporter sees it, with the family's PLE folding and layer plan."""
     plan = LayerPlan("layers.{}", (FAMILY,) * cfg.n_layers, functools.partial(meta_template, cfg))
     spec = dataclasses.replace(spec_of(cfg), dtype=str(next(module.parameters()).dtype).removeprefix("torch."))

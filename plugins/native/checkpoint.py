@@ -14,15 +14,23 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from kiln.errors import CheckpointError
 from kiln.inputs import check_input
 from kiln.plugins.base import non_finite
 
-__all__ = ["WEIGHT_FILES", "Header", "find_weights", "read_state_dict", "state_header", "check_header", "apply_state_dict", "state_dtype"]
+__all__ = [
+    "WEIGHT_FILES",
+    "Header",
+    "find_weights",
+    "read_state_dict",
+    "state_header",
+    "check_header",
+    "apply_state_dict",
+    "state_dtype",
+]
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
@@ -110,8 +118,16 @@ def read_state_dict(weights: Path) -> Mapping[str, Tensor]:
 def state_dtype(state: Mapping[str, Tensor]) -> torch.dtype:
     """The dtype a checkpoint's weights are held in: the one floating-point dtype it stores
     (float32 when it mixes several, or stores float64)."""
-    found = state.dtypes() if isinstance(state, _SafetensorsState) else {t.dtype for t in state.values() if t.is_floating_point()}
-    return found.pop() if len(found) == 1 and next(iter(found)) in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    found = (
+        state.dtypes()
+        if isinstance(state, _SafetensorsState)
+        else {t.dtype for t in state.values() if t.is_floating_point()}
+    )
+    return (
+        found.pop()
+        if len(found) == 1 and next(iter(found)) in (torch.float32, torch.bfloat16, torch.float16)
+        else torch.float32
+    )
 
 
 _SHOWN = 5  # problems (and names in a list) an error shows before "and N more"
@@ -139,7 +155,9 @@ def check_header(module: nn.Module, header: Header, source: Path) -> dict[str, s
     missing, unexpected, mis-shaped and non-float tensor. Returns each canonical name's key."""
     expected = _expected_tensors(module)
     aliases = {alias for _, names in expected.values() for alias in names}
-    chosen = {name: present[0] for name, (_, names) in expected.items() if (present := [n for n in names if n in header])}
+    chosen = {
+        name: present[0] for name, (_, names) in expected.items() if (present := [n for n in names if n in header])
+    }
     missing = sorted(name for name in expected if name not in chosen)
     unexpected = sorted(key for key in header if key not in aliases)
     problems = [f"missing keys {_capped(missing)}"] if missing else []
@@ -197,8 +215,10 @@ def _pickle_refusal(weights: Path, exc: pickle.UnpicklingError) -> str:
     target = weights.parent / "model.safetensors"  # what find_weights reads first
     return (
         f"{weights}: refused to load: this pickle would build {what}, and unpickling anything but tensors can run code"
-        f" from the file, which kiln never does; if you trust the file, convert it to safetensors once (kiln then reads {target}):"
-        f" python -c \"import torch; from safetensors.torch import save_file; m = torch.load('{weights}', weights_only=False);"
+        " from the file, which kiln never does; if you trust the file, convert it to safetensors once (kiln "
+        f"then reads {target}):"
+        f" python -c \"import torch; from safetensors.torch import save_file; m = torch.load('{weights}', "
+        "weights_only=False);"
         " sd = m.state_dict() if hasattr(m, 'state_dict') else m;"
         f" save_file({{k: v.contiguous().clone() for k, v in sd.items() if torch.is_tensor(v)}}, '{target}')\""
     )

@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])"
+)
 peft = pytest.importorskip("peft", reason="--adapter needs peft (pip install -e .[hf])")
 
 import torch
@@ -60,7 +62,12 @@ CASES = {
 def _generate(model: Any, ids: np.ndarray, mask: np.ndarray, steps: int) -> np.ndarray:
     with torch.no_grad():
         out = model.generate(
-            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            max_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
         )
     return np.asarray(out[:, ids.shape[1] :].numpy())
 
@@ -74,12 +81,16 @@ def peft_model(ckpt: Path, adapters: list[tuple[Path, float]]) -> Any:
         for i, (path, _) in enumerate(adapters[1:], 1):
             model.load_adapter(str(path), adapter_name=f"a{i}")
     if len(adapters) > 1 or adapters[0][1] != 1.0:
-        model.add_weighted_adapter([f"a{i}" for i in range(len(adapters))], [w for _, w in adapters], "mix", combination_type="cat")
+        model.add_weighted_adapter(
+            [f"a{i}" for i in range(len(adapters))], [w for _, w in adapters], "mix", combination_type="cat"
+        )
         model.set_adapter("mix")
     return model.eval()
 
 
-def assert_tokens(out: Path, ckpt: Path, adapters: list[tuple[Path, float]], different_from: list[list[tuple[Path, float]]]) -> None:
+def assert_tokens(
+    out: Path, ckpt: Path, adapters: list[tuple[Path, float]], different_from: list[list[tuple[Path, float]]]
+) -> None:
     """The export's greedy tokens equal PEFT's generate() (batch 1, a left-padded batch), and
     PEFT's differ from the base's and from each of ``different_from``'s (so the test can fail)."""
     spec = load_model(ckpt).spec
@@ -93,7 +104,9 @@ def assert_tokens(out: Path, ckpt: Path, adapters: list[tuple[Path, float]], dif
             got, _ = greedy(runner, spec, prompts, STEPS)
         np.testing.assert_array_equal(got, want, err_msg=f"{lengths}")
         for other in [base, *others]:
-            assert not np.array_equal(want, _generate(other, ids, mask, STEPS)), f"the adapter does not change the tokens of {lengths}"
+            assert not np.array_equal(want, _generate(other, ids, mask, STEPS)), (
+                f"the adapter does not change the tokens of {lengths}"
+            )
 
 
 @pytest.mark.slow
@@ -115,24 +128,63 @@ def test_two_weighted_adapters_are_peft_s_weighted_sum(tmp_path: Path, monkeypat
     -0.5, given on the command line as DIR:WEIGHT from the directory they are relative to."""
     ckpt = save_base("llama", tmp_path / "ckpt")
     first = make_adapter(ckpt, tmp_path / "first", [*_ATTN, *_MLP], seed=2)
-    second = make_adapter(ckpt, tmp_path / "second", ["q_proj", "v_proj", "down_proj"], seed=3, r=2, lora_alpha=4, use_rslora=True, scale=0.2)
+    second = make_adapter(
+        ckpt,
+        tmp_path / "second",
+        ["q_proj", "v_proj", "down_proj"],
+        seed=3,
+        r=2,
+        lora_alpha=4,
+        use_rslora=True,
+        scale=0.2,
+    )
     monkeypatch.chdir(tmp_path)
-    run = CliRunner().invoke(main, ["export", "--model", "ckpt", "--adapter", "first:0.7", "--adapter", "second:-0.5", "--out", "out", "--max-batch", "4", "--parity-tokens", "8"])
+    run = CliRunner().invoke(
+        main,
+        [
+            "export",
+            "--model",
+            "ckpt",
+            "--adapter",
+            "first:0.7",
+            "--adapter",
+            "second:-0.5",
+            "--out",
+            "out",
+            "--max-batch",
+            "4",
+            "--parity-tokens",
+            "8",
+        ],
+    )
     assert run.exit_code == 0, run.output
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     schema = json.loads(resources.files("kiln.exporter.artifacts").joinpath("manifest.schema.json").read_text())
     assert not [e.message for e in Draft202012Validator(schema).iter_errors(manifest)]
     recorded = manifest["checkpoint"]["adapters"]
-    assert [(a["path"], a["weight"], a["rank"], a["alpha"], a["use_rslora"]) for a in recorded] == [("first", 0.7, 4, 8.0, False), ("second", -0.5, 2, 4.0, True)]
-    assert recorded[1]["target_modules"] == ["down_proj", "q_proj", "v_proj"] and recorded[1]["resolved"] == str(second.absolute())
+    assert [(a["path"], a["weight"], a["rank"], a["alpha"], a["use_rslora"]) for a in recorded] == [
+        ("first", 0.7, 4, 8.0, False),
+        ("second", -0.5, 2, 4.0, True),
+    ]
+    assert recorded[1]["target_modules"] == ["down_proj", "q_proj", "v_proj"] and recorded[1]["resolved"] == str(
+        second.absolute()
+    )
     import hashlib
 
-    assert recorded[0]["files"] == {name: hashlib.sha256((first / name).read_bytes()).hexdigest() for name in ("adapter_config.json", "adapter_model.safetensors")}
+    assert recorded[0]["files"] == {
+        name: hashlib.sha256((first / name).read_bytes()).hexdigest()
+        for name in ("adapter_config.json", "adapter_model.safetensors")
+    }
     both = [(first, 0.7), (second, -0.5)]
     assert_tokens(tmp_path / "out", ckpt, both, different_from=[[(first, 1.0)], [(first, 0.7)]])
     assert check_dir(tmp_path / "out").passed  # kiln check rebuilds PEFT's model from the manifest
-    (second / "adapter_config.json").write_text((second / "adapter_config.json").read_text().replace('"lora_alpha": 4', '"lora_alpha": 5'))
-    with pytest.raises(CheckpointError, match=r"^checkpoint: --adapter second: adapter files \['adapter_config.json'\] differ from the ones"):
+    (second / "adapter_config.json").write_text(
+        (second / "adapter_config.json").read_text().replace('"lora_alpha": 4', '"lora_alpha": 5')
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"^checkpoint: --adapter second: adapter files \['adapter_config.json'\] differ from the ones",
+    ):
         check_dir(tmp_path / "out")
 
 
@@ -150,7 +202,14 @@ def test_parity_is_against_peft_not_the_merge(tmp_path: Path, monkeypatch: pytes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16), ExportOptions(max_batch=4, parity_tokens=8, target="ort")], ids=["fp16", "ort"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16),
+        ExportOptions(max_batch=4, parity_tokens=8, target="ort"),
+    ],
+    ids=["fp16", "ort"],
+)
 def test_precisions_and_targets_export_the_merged_model(options: ExportOptions, tmp_path: Path) -> None:
     """What follows the merge sees a plain model: fp16 graphs and --target ort's pass their parity against PEFT's
     model."""
@@ -166,8 +225,18 @@ def test_the_readme_s_adapter_example_runs_as_written(tmp_path: Path) -> None:
     """The README's tour marks its adapter lines ``# needs:`` (the hf extra, which Set up's first
     command does not install), so ``test_readme`` skips them; here they run as written."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    lines = [line.strip().split("  #")[0].strip() for line in readme.splitlines() if line.startswith("    ") and "build/lora" in line]
-    assert [line.split()[:2] for line in lines] == [["python", "-m"], ["kiln", "export"], ["kiln", "export"], ["kiln", "adapter"], ["kiln", "generate"]], lines
+    lines = [
+        line.strip().split("  #")[0].strip()
+        for line in readme.splitlines()
+        if line.startswith("    ") and "build/lora" in line
+    ]
+    assert [line.split()[:2] for line in lines] == [
+        ["python", "-m"],
+        ["kiln", "export"],
+        ["kiln", "export"],
+        ["kiln", "adapter"],
+        ["kiln", "generate"],
+    ], lines
     for line in lines:
         args = shlex.split(line)
         command = [sys.executable, *args[1:]] if args[0] == "python" else [sys.executable, "-m", "kiln.cli", *args[1:]]
@@ -175,7 +244,9 @@ def test_the_readme_s_adapter_example_runs_as_written(tmp_path: Path) -> None:
         assert done.returncode == 0, f"{line}\n{done.stderr[-3000:]}"
     manifest = json.loads((tmp_path / "build" / "lora" / "out" / "manifest.json").read_text())
     assert [a["path"] for a in manifest["checkpoint"]["adapters"]] == ["build/lora/adapter"]
-    assert (tmp_path / "build" / "lora" / "adapter.onnx_adapter").is_file()  # kiln adapter's file, which kiln generate read
+    assert (
+        tmp_path / "build" / "lora" / "adapter.onnx_adapter"
+    ).is_file()  # kiln adapter's file, which kiln generate read
     assert json.loads((tmp_path / "build" / "lora" / "slots" / "manifest.json").read_text())["lora"]["max_rank"] == 16
 
 

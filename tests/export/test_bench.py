@@ -13,22 +13,22 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
-from kiln_testing import tiny_config, write_checkpoint
 from onnx import TensorProto, helper
 
 from kiln.cli import main
 from kiln.errors import BenchError
 from kiln.exporter.artifacts import manifest as manifest_mod
-from kiln.exporter.runners import ort_session
-from kiln.runtime.bench import load_warning, render
-from kiln.runtime.timing import Timed
-from kiln.runtime.torch_row import TorchWorker
-from kiln.runtime.sweep import fit_line, render_sweep, runs_at
-from kiln.runtime.decoder_dirs import open_decoder_dir
-from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs, resolve_dim
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.pipeline import export
+from kiln.exporter.runners import ort_session
+from kiln.runtime.bench import load_warning, render
+from kiln.runtime.decoder_dirs import open_decoder_dir
+from kiln.runtime.feeds import Sizes, build_feeds, declared_inputs, resolve_dim
 from kiln.runtime.roofline import BandwidthProbe, read_bandwidths, weights_bytes_per_step
+from kiln.runtime.sweep import fit_line, render_sweep, runs_at
+from kiln.runtime.timing import Timed
+from kiln.runtime.torch_row import TorchWorker
+from kiln_testing import tiny_config, write_checkpoint
 
 N_KV, HD, VOCAB = 2, 4, 7
 
@@ -47,7 +47,10 @@ def _hf_graph(dims: dict[str, str], *, shared: bool = False, position_ids: bool 
     b, s, p, t = dims["batch"], dims["seq"], dims["past"], dims["total"]
     hd = dims.get("head", HD)
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    inputs = [helper.make_tensor_value_info("input_ids", i64, [b, s]), helper.make_tensor_value_info("attention_mask", i64, [b, t])]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", i64, [b, s]),
+        helper.make_tensor_value_info("attention_mask", i64, [b, t]),
+    ]
     if position_ids:
         inputs.append(helper.make_tensor_value_info("position_ids", i64, [b, s]))
     nodes = [
@@ -84,7 +87,12 @@ def _hf_graph(dims: dict[str, str], *, shared: bool = False, position_ids: bool 
 @pytest.fixture(scope="module")
 def optimum_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("optimum")
-    dims = {"batch": "batch_size", "seq": "sequence_length", "past": "past_sequence_length", "total": "past_sequence_length + sequence_length"}
+    dims = {
+        "batch": "batch_size",
+        "seq": "sequence_length",
+        "past": "past_sequence_length",
+        "total": "past_sequence_length + sequence_length",
+    }
     onnx.save(_hf_graph(dims, position_ids=True), str(root / "model.onnx"))
     (root / "config.json").write_text("{}")
     return root
@@ -93,23 +101,53 @@ def optimum_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def genai_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("genai")
-    dims = {"batch": "batch_size", "seq": "sequence_length", "past": "past_sequence_length", "total": "total_sequence_length", "head": "kv_cache_dim"}
+    dims = {
+        "batch": "batch_size",
+        "seq": "sequence_length",
+        "past": "past_sequence_length",
+        "total": "total_sequence_length",
+        "head": "kv_cache_dim",
+    }
     onnx.save(_hf_graph(dims, shared=True), str(root / "model.onnx"))
     decoder = {
-        "filename": "model.onnx", "head_size": HD, "num_hidden_layers": 1,
-        "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask", "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
-        "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+        "filename": "model.onnx",
+        "head_size": HD,
+        "num_hidden_layers": 1,
+        "inputs": {
+            "input_ids": "input_ids",
+            "attention_mask": "attention_mask",
+            "past_key_names": "past_key_values.%d.key",
+            "past_value_names": "past_key_values.%d.value",
+        },
+        "outputs": {
+            "logits": "logits",
+            "present_key_names": "present.%d.key",
+            "present_value_names": "present.%d.value",
+        },
     }
-    (root / "genai_config.json").write_text(json.dumps({"model": {"decoder": decoder}, "search": {"past_present_share_buffer": True}}))
+    (root / "genai_config.json").write_text(
+        json.dumps({"model": {"decoder": decoder}, "search": {"past_present_share_buffer": True}})
+    )
     return root
 
 
 def test_dims_of_every_tool_resolve() -> None:
     sizes = Sizes(seq=3, past=10, encoder=5, named=(("kv_cache_dim", 64),))
     cases = {
-        "batch": 1, "batch_size": 1, "seq": 3, "sequence_length": 3, "past_seq": 10, "past_sequence_length": 10,
-        "total_seq": 13, "total_sequence_length": 13, "past_sequence_length + sequence_length": 13,
-        "past_sequence_length + 1": 11, "encoder_seq": 5, "encoder_sequence_length": 5, "kv_cache_dim": 64, 16: 16,
+        "batch": 1,
+        "batch_size": 1,
+        "seq": 3,
+        "sequence_length": 3,
+        "past_seq": 10,
+        "past_sequence_length": 10,
+        "total_seq": 13,
+        "total_sequence_length": 13,
+        "past_sequence_length + sequence_length": 13,
+        "past_sequence_length + 1": 11,
+        "encoder_seq": 5,
+        "encoder_sequence_length": 5,
+        "kv_cache_dim": 64,
+        16: 16,
     }
     for dim, want in cases.items():
         assert resolve_dim(dim, sizes) == want, dim
@@ -131,16 +169,29 @@ def test_feeds_for_kiln_graphs_run(kiln_dir: Path) -> None:
     assert feeds["past_key_values.1.value"].shape == (1, cfg.n_kv_heads, 5, cfg.d_model // cfg.n_heads)
     assert feeds["attention_mask"].tolist() == [[1] * 6]
     assert feeds["position_ids"].tolist() == [[5]]
-    assert feeds["input_ids"].dtype == np.int64 and 0 <= feeds["input_ids"].min() and feeds["input_ids"].max() < cfg.vocab_size
+    assert (
+        feeds["input_ids"].dtype == np.int64
+        and 0 <= feeds["input_ids"].min()
+        and feeds["input_ids"].max() < cfg.vocab_size
+    )
     out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
     assert out["present.0.key"].shape == (1, cfg.n_kv_heads, 6, cfg.d_model // cfg.n_heads)
     prefill = build_feeds(declared_inputs(ort_session(d.prefill, threads=1, spinning=False)), Sizes(seq=9, past=0))
-    assert {k: v.shape for k, v in prefill.items()} == {"input_ids": (1, 9), "attention_mask": (1, 9), "position_ids": (1, 9)}
+    assert {k: v.shape for k, v in prefill.items()} == {
+        "input_ids": (1, 9),
+        "attention_mask": (1, 9),
+        "position_ids": (1, 9),
+    }
 
 
 def test_feeds_for_optimum_names(optimum_dir: Path) -> None:
     d = open_decoder_dir(optimum_dir)
-    assert (d.tool, d.prefill, d.decode, d.shared_kv_buffer) == ("onnx", optimum_dir / "model.onnx", optimum_dir / "model.onnx", False)
+    assert (d.tool, d.prefill, d.decode, d.shared_kv_buffer) == (
+        "onnx",
+        optimum_dir / "model.onnx",
+        optimum_dir / "model.onnx",
+        False,
+    )
     sess = ort_session(d.decode, threads=1, spinning=False)
     feeds = build_feeds(declared_inputs(sess), Sizes(seq=2, past=3), vocab=VOCAB)
     assert feeds["attention_mask"].shape == (1, 5) and feeds["position_ids"].tolist() == [[3, 4]]
@@ -169,7 +220,9 @@ def test_directory_errors(tmp_path: Path, genai_dir: Path) -> None:
     with pytest.raises(BenchError, match="not a directory"):
         open_decoder_dir(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(BenchError, match=r"no manifest.json, genai_config.json or model.onnx; expected a kiln export directory"):
+    with pytest.raises(
+        BenchError, match=r"no manifest.json, genai_config.json or model.onnx; expected a kiln export directory"
+    ):
         open_decoder_dir(tmp_path / "empty")
     two = tmp_path / "two"
     two.mkdir()
@@ -198,18 +251,35 @@ def test_a_genai_config_s_fields_are_checked_before_use(tmp_path: Path, genai_di
     decoder = good["model"]["decoder"]
     where = "genai_config.json: "
     cases = {
-        "outside": ({**good, "model": {"decoder": {**decoder, "filename": "../../../other/model.onnx"}}},
-                    "model.decoder.filename '../../../other/model.onnx' is not a file name in "),
-        "layers": ({**good, "model": {"decoder": {**decoder, "num_hidden_layers": 1e9}}},
-                   "model.decoder.num_hidden_layers must be an integer from 1 to 4096, found 1000000000.0"),
+        "outside": (
+            {**good, "model": {"decoder": {**decoder, "filename": "../../../other/model.onnx"}}},
+            "model.decoder.filename '../../../other/model.onnx' is not a file name in ",
+        ),
+        "layers": (
+            {**good, "model": {"decoder": {**decoder, "num_hidden_layers": 1e9}}},
+            "model.decoder.num_hidden_layers must be an integer from 1 to 4096, found 1000000000.0",
+        ),
         "model": ({"model": [1]}, "model must be an object, found [1]"),
         "decoder": ({"model": {"decoder": "x"}}, "model.decoder must be an object, found 'x'"),
         "filename": ({"model": {"decoder": {"filename": 3}}}, "model.decoder.filename must be a string, found 3"),
-        "inputs": ({**good, "model": {"decoder": {**decoder, "inputs": ["input_ids"]}}}, "model.decoder.inputs must map names to strings, found ['input_ids']"),
+        "inputs": (
+            {**good, "model": {"decoder": {**decoder, "inputs": ["input_ids"]}}},
+            "model.decoder.inputs must map names to strings, found ['input_ids']",
+        ),
         "search": ({**good, "search": 1}, "search must be an object, found 1"),
-        "head_size": ({**good, "model": {"decoder": {**decoder, "head_size": "64"}}}, "model.decoder.head_size must be an integer from 1 to 65536, found '64'"),
-        "patterns": ({**good, "model": {"decoder": {**decoder, "outputs": {**decoder["outputs"], "present_key_names": "present.%s.%d"}}}},
-                     "'present.%s.%d' and 'past_key_values.%d.key' are not name patterns with one %d"),
+        "head_size": (
+            {**good, "model": {"decoder": {**decoder, "head_size": "64"}}},
+            "model.decoder.head_size must be an integer from 1 to 65536, found '64'",
+        ),
+        "patterns": (
+            {
+                **good,
+                "model": {
+                    "decoder": {**decoder, "outputs": {**decoder["outputs"], "present_key_names": "present.%s.%d"}}
+                },
+            },
+            "'present.%s.%d' and 'past_key_values.%d.key' are not name patterns with one %d",
+        ),
     }
     for case, (config, message) in cases.items():
         directory = _with_decoder(genai_dir, tmp_path / case, config)
@@ -223,10 +293,15 @@ def test_feeds_that_cannot_fit_are_refused_before_allocation(monkeypatch: pytest
     (12 x 8 x 1e8 x 64 float32 = 2288.8 GiB here)."""
     from kiln.runtime.feeds import InputDecl
 
-    decls = [InputDecl(f"past_key_values.{i}.key", np.dtype(np.float32), ("batch", 8, "past_seq", 64)) for i in range(12)]
+    decls = [
+        InputDecl(f"past_key_values.{i}.key", np.dtype(np.float32), ("batch", 8, "past_seq", 64)) for i in range(12)
+    ]
     with pytest.raises(BenchError) as refused:
         build_feeds(decls, Sizes(seq=1, past=100_000_000))
-    assert str(refused.value).startswith("bench: the inputs of one call at past 100000000, 1 new tokens need 2288.8 GiB, more than half of this machine's ")
+    assert str(refused.value).startswith(
+        "bench: the inputs of one call at past 100000000, 1 new tokens need 2288.8 GiB, more than half of this "
+        "machine's "
+    )
     assert str(refused.value).endswith(" GiB of memory; choose a smaller --past or --prefill-seq")
     assert set(build_feeds(decls, Sizes(seq=1, past=4))) == {d.name for d in decls}
 
@@ -245,12 +320,28 @@ def test_slope_fit() -> None:
 
 def test_render_table_and_sweep() -> None:
     result = {
-        "threads": 2, "runs": 30, "prefill_seq": 128, "decode_past": 256, "baseline": "kiln fp32 (a)",
-        "read_bandwidth_gb_s": 20.0, "read_bandwidth_best_gb_s": 25.0,
-        "directories": [{"label": "kiln fp32 (a)", "weights_bytes_per_step": 100_000_000}, {"label": "onnx (b)", "weights_bytes_per_step": 50_000_000}],
-        "median_ms": {"prefill": {"pytorch eager": 60.0, "kiln fp32 (a)": 30.0, "onnx (b)": 45.0}, "decode": {"pytorch eager": 15.0, "kiln fp32 (a)": 10.0, "onnx (b)": 5.0}},
+        "threads": 2,
+        "runs": 30,
+        "prefill_seq": 128,
+        "decode_past": 256,
+        "baseline": "kiln fp32 (a)",
+        "read_bandwidth_gb_s": 20.0,
+        "read_bandwidth_best_gb_s": 25.0,
+        "directories": [
+            {"label": "kiln fp32 (a)", "weights_bytes_per_step": 100_000_000},
+            {"label": "onnx (b)", "weights_bytes_per_step": 50_000_000},
+        ],
+        "median_ms": {
+            "prefill": {"pytorch eager": 60.0, "kiln fp32 (a)": 30.0, "onnx (b)": 45.0},
+            "decode": {"pytorch eager": 15.0, "kiln fp32 (a)": 10.0, "onnx (b)": 5.0},
+        },
         "roofline": {"kiln fp32 (a)": 0.5, "onnx (b)": 0.5},
-        "sweep": {"pasts": [64, 128], "runs": [5, 5], "median_ms": {"kiln fp32 (a)": [1.0, 2.0]}, "fit": {"kiln fp32 (a)": fit_line([64, 128], [1.0, 2.0])}},
+        "sweep": {
+            "pasts": [64, 128],
+            "runs": [5, 5],
+            "median_ms": {"kiln fp32 (a)": [1.0, 2.0]},
+            "fit": {"kiln fp32 (a)": fit_line([64, 128], [1.0, 2.0])},
+        },
     }
     text = render(result)
     assert "| pytorch eager | 60.00 | 2.00x | 15.00 | 1.50x | - | - |" in text
@@ -277,7 +368,11 @@ def test_best_bandwidth_is_never_below_the_median() -> None:
         median, best = read_bandwidths(10**9, samples[0], samples[1])
         assert best >= median
     base = {
-        "threads": 2, "runs": 5, "prefill_seq": 8, "decode_past": 6, "baseline": "a",
+        "threads": 2,
+        "runs": 5,
+        "prefill_seq": 8,
+        "decode_past": 6,
+        "baseline": "a",
         "directories": [{"label": "a", "weights_bytes_per_step": 1}],
         "median_ms": {"prefill": {"a": 1.0}, "decode": {"a": 1.0}},
     }
@@ -305,13 +400,23 @@ def test_bandwidth_probe_alone_warms_up_and_counts() -> None:
 def test_load_warning() -> None:
     assert load_warning([1.5, 1.9], 2) is None and load_warning([2.0, 2.0], 2) is None
     assert load_warning([1.5, 2.6], 2) == (
-        "WARNING: the 1-minute load average reached 2.6, above the 2 cores: other processes competed for them, and these figures are unreliable"
+        "WARNING: the 1-minute load average reached 2.6, above the 2 cores: other processes competed for them, "
+        "and these figures are unreliable"
     )
     result = {
-        "threads": 2, "runs": 3, "prefill_seq": 8, "decode_past": 6, "baseline": "a", "load_average": [3.0, 1.0], "cores": 2,
-        "directories": [{"label": "a", "weights_bytes_per_step": 1}], "median_ms": {"prefill": {"a": 1.0}, "decode": {"a": 1.0}},
+        "threads": 2,
+        "runs": 3,
+        "prefill_seq": 8,
+        "decode_past": 6,
+        "baseline": "a",
+        "load_average": [3.0, 1.0],
+        "cores": 2,
+        "directories": [{"label": "a", "weights_bytes_per_step": 1}],
+        "median_ms": {"prefill": {"a": 1.0}, "decode": {"a": 1.0}},
     }
-    assert render(result).splitlines()[0].startswith("WARNING: the 1-minute load average reached 3.0, above the 2 cores")
+    assert (
+        render(result).splitlines()[0].startswith("WARNING: the 1-minute load average reached 3.0, above the 2 cores")
+    )
     assert render({**result, "load_average": [1.0, 1.0]}).splitlines()[0].startswith("batch 1, 2 threads")
 
 
@@ -321,7 +426,9 @@ def _decode_feeds(directory: Path) -> dict[str, dict[str, np.ndarray]]:
     return {"decode": build_feeds(declared_inputs(sess), Sizes(seq=1, past=5), vocab=tiny_config().vocab_size)}
 
 
-def test_torch_row_worker_is_passive_with_the_thread_count(kiln_dir: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_row_worker_is_passive_with_the_thread_count(
+    kiln_dir: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The worker's OpenMP runtime itself reads the settings (libgomp prints what it read with
     OMP_DISPLAY_ENV, when torch loads it in the worker), and torch runs with the thread count."""
     monkeypatch.setenv("OMP_DISPLAY_ENV", "TRUE")
@@ -341,7 +448,11 @@ def test_torch_row_worker_is_passive_with_the_thread_count(kiln_dir: Path, capfd
 def test_torch_row_worker_errors(kiln_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(BenchError) as err:
         TorchWorker(str(tmp_path / "gone"), _decode_feeds(kiln_dir), threads=1)
-    assert str(err.value) == f"bench: the PyTorch row: checkpoint: {tmp_path / 'gone'}: no such checkpoint file or directory; pass --no-torch to bench without it"
+    assert (
+        str(err.value)
+        == f"bench: the PyTorch row: checkpoint: {tmp_path / 'gone'}: no such checkpoint file or directory; pass "
+        "--no-torch to bench without it"
+    )
 
 
 def _run(*args: str) -> tuple[int, str, str]:
@@ -356,8 +467,26 @@ def _stage_lines(stderr: str) -> list[str]:
 
 def test_bench_cli_side_by_side_with_sweep(kiln_dir: Path, optimum_dir: Path, genai_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "r" / "bench.json"
-    code, stdout, err = _run("bench", str(kiln_dir), "--compare", str(optimum_dir), "--compare", str(genai_dir), "--runs", "3",
-                             "--prefill-seq", "8", "--past", "6", "--sweep", "4,8,16", "--sweep-runs", "3", "--out", str(out))
+    code, stdout, err = _run(
+        "bench",
+        str(kiln_dir),
+        "--compare",
+        str(optimum_dir),
+        "--compare",
+        str(genai_dir),
+        "--runs",
+        "3",
+        "--prefill-seq",
+        "8",
+        "--past",
+        "6",
+        "--sweep",
+        "4,8,16",
+        "--sweep-runs",
+        "3",
+        "--out",
+        str(out),
+    )
     assert code == 0, err
     data = json.loads(out.read_text())
     labels = {"kiln fp32 (kiln)", f"onnx ({optimum_dir.name})", f"genai ({genai_dir.name})"}
@@ -366,18 +495,33 @@ def test_bench_cli_side_by_side_with_sweep(kiln_dir: Path, optimum_dir: Path, ge
     assert set(data["roofline"]) == labels and data["read_bandwidth_gb_s"] > 0 and data["read_bandwidth_best_gb_s"] > 0
     assert len(data["load_average"]) == 2 and "load average" in stdout
     assert data["sweep"]["pasts"] == [4, 8, 16] and set(data["sweep"]["fit"]) == labels
-    assert data["pytorch"] == {"threads": 2, "omp_wait_policy": "PASSIVE", "process": "worker"} and data["cores"] == os.cpu_count()
-    assert "pytorch eager: 2 threads, OMP_WAIT_POLICY=PASSIVE, in a worker process (as ONNX Runtime: no spinning)" in stdout
-    assert Path(data["sweep"]["plot"]) == out.with_suffix(".png") and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert (
+        data["pytorch"] == {"threads": 2, "omp_wait_policy": "PASSIVE", "process": "worker"}
+        and data["cores"] == os.cpu_count()
+    )
+    assert (
+        "pytorch eager: 2 threads, OMP_WAIT_POLICY=PASSIVE, in a worker process (as ONNX Runtime: no spinning)"
+        in stdout
+    )
+    assert (
+        Path(data["sweep"]["plot"]) == out.with_suffix(".png")
+        and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    )
     assert "| kiln fp32 (kiln) |" in stdout and "slope ms/1k past" in stdout
     assert data["read_bandwidth_best_gb_s"] >= data["read_bandwidth_gb_s"]
     # the sweep: 3 rows warmed up twice, runs_at's 5 runs at least
     sweep = [f"sweep: decode step (past {p}) {part}" for p in (4, 8, 16) for part in ("warm-up: 6/6", "runs: 5/5")]
     stages = [
-        "load kiln fp32 (kiln): 2/2", f"load onnx ({optimum_dir.name}): 1/1", f"load genai ({genai_dir.name}): 1/1",
-        "load pytorch eager: 1/1", "prefill (seq 8) warm-up: 4/4", "prefill (seq 8) runs: 3/3",
-        "decode step (past 6) warm-up: 5/5", "decode step (past 6) runs: 3/3",  # 4 rows and the bandwidth probe
-        "memory read bandwidth alone: 3/3", *sweep,
+        "load kiln fp32 (kiln): 2/2",
+        f"load onnx ({optimum_dir.name}): 1/1",
+        f"load genai ({genai_dir.name}): 1/1",
+        "load pytorch eager: 1/1",
+        "prefill (seq 8) warm-up: 4/4",
+        "prefill (seq 8) runs: 3/3",
+        "decode step (past 6) warm-up: 5/5",
+        "decode step (past 6) runs: 3/3",  # 4 rows and the bandwidth probe
+        "memory read bandwidth alone: 3/3",
+        *sweep,
     ]
     assert _stage_lines(err) == [f"{stage} in S s (run T)" for stage in stages]
 
@@ -398,20 +542,42 @@ def test_bench_cli_errors(kiln_dir: Path, optimum_dir: Path, tmp_path: Path) -> 
     )
     assert code == 1 and err.strip().splitlines() == [want]
     code, _, err = _run("bench", str(optimum_dir), "--runs", "3")
-    assert code == 1 and "a PyTorch row needs a kiln export directory whose manifest names its checkpoint; pass --no-torch" in err
+    assert (
+        code == 1
+        and "a PyTorch row needs a kiln export directory whose manifest names its checkpoint; pass --no-torch" in err
+    )
     code, _, err = _run("bench", str(kiln_dir), "--sweep", "8,x")
     assert code == 2 and "expected comma-separated integers, found '8,x'" in err
     # the result files: never inside a directory it times, an existing one only with --force (before any timing)
     report = kiln_dir / "reports" / "parity.json"
     before = report.read_bytes()
     code, _, err = _run("bench", str(kiln_dir), "--no-torch", "--out", str(report), "--force")
-    assert (code, err.strip().splitlines()) == (1, [f"error: config: {report}: inside {kiln_dir}, which this command reads; write the result outside it"])
+    assert (code, err.strip().splitlines()) == (
+        1,
+        [f"error: config: {report}: inside {kiln_dir}, which this command reads; write the result outside it"],
+    )
     notes = tmp_path / "notes.json"
     notes.write_text("mine")
     code, _, err = _run("bench", str(kiln_dir), "--no-torch", "--out", str(notes))
-    assert (code, err.strip().splitlines()) == (1, [f"error: config: {notes}: already exists; pass --force to replace it"])
-    code, _, err = _run("bench", str(kiln_dir), "--no-torch", "--out", str(tmp_path / "new.json"), "--plot", str(notes), "--sweep", "4,8")
-    assert (code, err.strip().splitlines()) == (1, [f"error: config: {notes}: already exists; pass --force to replace it"])
+    assert (code, err.strip().splitlines()) == (
+        1,
+        [f"error: config: {notes}: already exists; pass --force to replace it"],
+    )
+    code, _, err = _run(
+        "bench",
+        str(kiln_dir),
+        "--no-torch",
+        "--out",
+        str(tmp_path / "new.json"),
+        "--plot",
+        str(notes),
+        "--sweep",
+        "4,8",
+    )
+    assert (code, err.strip().splitlines()) == (
+        1,
+        [f"error: config: {notes}: already exists; pass --force to replace it"],
+    )
     assert report.read_bytes() == before and notes.read_text() == "mine" and not (tmp_path / "new.json").exists()
     code, _, err = _run("bench", str(kiln_dir), "--no-torch", "--no-roofline", "--runs", "3", "--sweep", "8,64")
     assert code == 1 and "--sweep past 64 does not fit the export's context limit 48" in err
@@ -426,9 +592,15 @@ def test_rotary_caches_count_by_the_rows_a_step_reads(tmp_path: Path) -> None:
     sin = numpy_helper.from_array(np.zeros((256, 16), np.float32), "sin_cache")
     weight = numpy_helper.from_array(np.zeros((8, 8), np.float32), "w")
     inputs = ["q", "", "", "", "", "", "", "cos_cache", "sin_cache"]
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["q"]), helper.make_node("GroupQueryAttention", inputs, ["y"], domain="com.microsoft")]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["q"]),
+        helper.make_node("GroupQueryAttention", inputs, ["y"], domain="com.microsoft"),
+    ]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
         [cache, sin, weight],
     )
     path = tmp_path / "g.onnx"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 from pathlib import Path
@@ -11,15 +10,15 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from kiln_testing import config_error, tiny_config, write_checkpoint
 from safetensors.torch import load_file, save_file
 
 from kiln.errors import ConfigError
 from kiln.exporter.check import check_dir
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.precision.kinds import Fp16
 from kiln.exporter.pipeline import export
+from kiln.exporter.precision.kinds import Fp16
 from kiln.exporter.progress import LineProgress
+from kiln_testing import config_error, tiny_config, write_checkpoint
 
 FP16 = ExportOptions(precision=Precision.FP16, parity_tokens=16)
 
@@ -78,16 +77,25 @@ def test_parity_and_check(fp16_export: Path) -> None:
 
 def test_keep_fp32_by_name_and_module(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    options = ExportOptions(precision=Precision.of(Fp16(keep_fp32=("/layers.1.attn.o_proj/MatMul", "/layers.0.mlp.fc2/", "Gather"))), parity_tokens=4)
+    options = ExportOptions(
+        precision=Precision.of(Fp16(keep_fp32=("/layers.1.attn.o_proj/MatMul", "/layers.0.mlp.fc2/", "Gather"))),
+        parity_tokens=4,
+    )
     manifest = export(ckpt, tmp_path / "out", options).manifest.to_json()
     kept = manifest["graphs"]["model"]["passes"]["fp16"]["fp32_nodes"]
     assert "/layers.1.attn.o_proj/MatMul" in kept and "/layers.0.mlp.fc2/MatMul" in kept
     assert "/layers.0.ple/Gather" in kept and "/embed/Gather" in kept
     assert manifest["export"]["keep_fp32"][-3:] == ["/layers.1.attn.o_proj/MatMul", "/layers.0.mlp.fc2/", "Gather"]
-    with pytest.raises(ConfigError, match=r"--keep-fp32 /layers.7.attn/MatMul: no node of the prefill graph has that name"):
-        export(ckpt, tmp_path / "bad", ExportOptions(precision=Precision.of(Fp16(keep_fp32=("/layers.7.attn/MatMul",)))))
+    with pytest.raises(
+        ConfigError, match=r"--keep-fp32 /layers.7.attn/MatMul: no node of the prefill graph has that name"
+    ):
+        export(
+            ckpt, tmp_path / "bad", ExportOptions(precision=Precision.of(Fp16(keep_fp32=("/layers.7.attn/MatMul",))))
+        )
     assert not (tmp_path / "bad").exists()
-    assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "bad"), "--keep-fp32", "Softmax").endswith("only apply to --fp16 exports")
+    assert config_error(
+        "export", "--model", str(ckpt), "--out", str(tmp_path / "bad"), "--keep-fp32", "Softmax"
+    ).endswith("only apply to --fp16 exports")
 
 
 def test_auto_keep_finds_the_overflowing_module(tmp_path: Path) -> None:
@@ -100,7 +108,12 @@ def test_auto_keep_finds_the_overflowing_module(tmp_path: Path) -> None:
     state["layers.1.mlp.fc2.weight"] /= 1e5
     save_file(state, ckpt / "model.safetensors")
     lines = io.StringIO()
-    result = export(ckpt, tmp_path / "auto", ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True)), parity_tokens=8), LineProgress(lines))
+    result = export(
+        ckpt,
+        tmp_path / "auto",
+        ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True)), parity_tokens=8),
+        LineProgress(lines),
+    )
     assert result.parity.passed
     found = result.report.precision_extras["fp16_sensitivity"]
     rules = [g["rule"] for g in found["groups"]]
@@ -113,9 +126,13 @@ def test_auto_keep_finds_the_overflowing_module(tmp_path: Path) -> None:
     kept = result.manifest.graphs["decode"].report("fp16")["fp32_nodes"]
     assert any(n.startswith("/layers.1.mlp") for n in kept)
     assert torch.isfinite(torch.tensor(result.parity.tensors[0].max_abs))
-    said = [line for line in lines.getvalue().splitlines() if line.startswith("--auto-keep-fp32: ")]  # what it found, said (issue 39)
+    said = [
+        line for line in lines.getvalue().splitlines() if line.startswith("--auto-keep-fp32: ")
+    ]  # what it found, said (issue 39)
     count = len(rules)
     assert said == [
-        f"--auto-keep-fp32: kept {count} module{'s' if count > 1 else ''} in fp32: {', '.join(rules[:5])}{f' (and {count - 5} more)' if count > 5 else ''}"
-        f" (logits error {found['error_default']:.3g} at fp16, {found['error_found']:.3g} with them kept; limit {found['tolerance']:g})"
+        f"--auto-keep-fp32: kept {count} module{'s' if count > 1 else ''} in fp32: "
+        f"{', '.join(rules[:5])}{f' (and {count - 5} more)' if count > 5 else ''}"
+        f" (logits error {found['error_default']:.3g} at fp16, {found['error_found']:.3g} with them kept; limit "
+        f"{found['tolerance']:g})"
     ]

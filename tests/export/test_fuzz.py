@@ -30,7 +30,6 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.cli import main
 from kiln.errors import KilnError
@@ -38,6 +37,7 @@ from kiln.exporter.artifacts.hashing import hash_tree
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.pipeline import export
 from kiln.plugins import load_model
+from kiln_testing import tiny_config, write_checkpoint
 
 SECONDS = 20.0  # the longest one example may take (the issue's allocator tracebacks took 8-86 s)
 GROWTH = 2 << 30  # the most the run may raise this process's peak memory
@@ -82,10 +82,21 @@ def _peak() -> int:
 
 # --- configs and safetensors headers ---------------------------------------------------------
 
-_INTS = st.one_of(st.sampled_from([0, -2, 10**6, 10**7, 10**9, 10**400, 2**31]), st.integers(1, 64))  # the extremes first: hypothesis favours earlier branches
+_INTS = st.one_of(
+    st.sampled_from([0, -2, 10**6, 10**7, 10**9, 10**400, 2**31]), st.integers(1, 64)
+)  # the extremes first: hypothesis favours earlier branches
 _VALUES = st.one_of(_INTS, st.sampled_from(["64", "", None, 1.5, True, [], {}]))
 _NATIVE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_context")
-_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "max_position_embeddings", "head_dim")
+_HF_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "head_dim",
+)
 
 
 def _safetensors(header: dict[str, Any], data: bytes) -> bytes:
@@ -101,9 +112,15 @@ def _header(draw: st.DrawFn, names: list[str]) -> bytes:
     header: dict[str, Any] = {}
     offset = 0
     for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
-        shape = draw(st.lists(st.one_of(st.integers(1, 8), st.sampled_from([0, -1, 10**9, 10**12])), min_size=1, max_size=3))
+        shape = draw(
+            st.lists(st.one_of(st.integers(1, 8), st.sampled_from([0, -1, 10**9, 10**12])), min_size=1, max_size=3)
+        )
         size = draw(st.sampled_from([0, 4, 16, 64]))
-        header[name] = {"dtype": draw(st.sampled_from(["F32", "BF16", "F16", "I64", "XX"])), "shape": shape, "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": draw(st.sampled_from(["F32", "BF16", "F16", "I64", "XX"])),
+            "shape": shape,
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     return _safetensors(header, bytes(draw(st.sampled_from([offset, max(0, offset - 4), offset + 4]))))
 
@@ -145,7 +162,9 @@ def _checkpoint(root: Path, config: dict[str, Any], weights: bytes) -> Path:
     return root
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
 def test_native_configs_and_headers(tmp_path: Path, data: st.DataObject) -> None:
     base = tiny_config()
@@ -154,23 +173,41 @@ def test_native_configs_and_headers(tmp_path: Path, data: st.DataObject) -> None
         config[field] = data.draw(_VALUES)
     names = ["embed.weight", "layers.0.attn.q_proj.weight", "lm_head.weight", "layers.0.ple.table.weight"]
     valid = (tmp_path / "valid" / "model.safetensors").read_bytes()
-    weights = valid if data.draw(st.booleans(), label="the real weights") else data.draw(_header(names))  # a lying config is the common case
+    weights = (
+        valid if data.draw(st.booleans(), label="the real weights") else data.draw(_header(names))
+    )  # a lying config is the common case
     peak = _peak()
     _load_outcome(_checkpoint(tmp_path / "ckpt", config, weights))
     assert _peak() - peak < GROWTH
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
 def test_hf_configs_and_headers(tmp_path: Path, data: st.DataObject) -> None:
-    pytest.importorskip("transformers", reason="Hugging Face checkpoints load through transformers (pip install 'kiln[hf]')")
+    pytest.importorskip(
+        "transformers", reason="Hugging Face checkpoints load through transformers (pip install 'kiln[hf]')"
+    )
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 32, "max_position_embeddings": 32,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 32,
+        "max_position_embeddings": 32,
     }
     for field in data.draw(st.lists(st.sampled_from(_HF_FIELDS), max_size=3, unique=True)):
         config[field] = data.draw(_VALUES)
-    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight", "model.norm.weight"]
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+    ]
     peak = _peak()
     _load_outcome(_checkpoint(tmp_path / "ckpt", config, data.draw(_header(names))))
     assert _peak() - peak < GROWTH
@@ -208,8 +245,19 @@ def _replace(data: Any, path: tuple[Any, ...], value: Any) -> None:
 
 
 def _manifest_values(sentinel: Path) -> st.SearchStrategy[Any]:
-    outside = [str(sentinel / "tokenizer.json"), "../secret/tokenizer.json", "../../secret/weights.bin", "onnx/../../secret/config.json", "/etc/passwd", ""]
-    return st.one_of(_VALUES, st.sampled_from(outside), st.sampled_from([-1, 10**12, float("nan"), "onnx/decode.onnx", "onnx/prefill.onnx"]))
+    outside = [
+        str(sentinel / "tokenizer.json"),
+        "../secret/tokenizer.json",
+        "../../secret/weights.bin",
+        "onnx/../../secret/config.json",
+        "/etc/passwd",
+        "",
+    ]
+    return st.one_of(
+        _VALUES,
+        st.sampled_from(outside),
+        st.sampled_from([-1, 10**12, float("nan"), "onnx/decode.onnx", "onnx/prefill.onnx"]),
+    )
 
 
 def _one_line_or_success(result: Any) -> None:
@@ -219,10 +267,15 @@ def _one_line_or_success(result: Any) -> None:
     if result.exit_code != 0:
         lines = result.stderr.strip().splitlines()
         listing = not lines and " differences from manifest.json:" in result.stdout.splitlines()[0]
-        assert result.exit_code == 1 and (listing or (len(lines) == 1 and lines[0].startswith("error: "))), (result.stdout, result.stderr)
+        assert result.exit_code == 1 and (listing or (len(lines) == 1 and lines[0].startswith("error: "))), (
+            result.stdout,
+            result.stderr,
+        )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
 def test_manifests(pristine: Path, tmp_path: Path, data: st.DataObject) -> None:
     sentinel = _sentinel(tmp_path)
@@ -240,7 +293,11 @@ def test_manifests(pristine: Path, tmp_path: Path, data: st.DataObject) -> None:
     (directory / "manifest.json").write_text(json.dumps(manifest))
     peak = _peak()
     with _watching(sentinel) as opened, _deadline(3 * SECONDS):
-        for args in (["verify", str(directory)], ["generate", str(directory), "--ids", "1,2", "--max-new-tokens", "2"], ["triton", str(directory), "--name", "fuzz"]):
+        for args in (
+            ["verify", str(directory)],
+            ["generate", str(directory), "--ids", "1,2", "--max-new-tokens", "2"],
+            ["triton", str(directory), "--name", "fuzz"],
+        ):
             _one_line_or_success(CliRunner().invoke(main, args))
     assert opened == [] and _digest(sentinel) == before
     assert _peak() - peak < GROWTH
@@ -258,8 +315,18 @@ def test_manifests(pristine: Path, tmp_path: Path, data: st.DataObject) -> None:
 # check measures quality again; its threshold is the export's --quality-gate, a choice any user makes,
 # and it judges the quantization, never the proof).
 DESCRIPTIVE = {
-    "tools", "config", "family", "checkpoint.reference", "checkpoint.resolved", "model.bos_token_id", "model.eos_token_id",
-    "model.pad_token_id", "model.decoder_start_token_id", "model.encoder_dim", "export.ple.trained_rows", "weights.tensors",
+    "tools",
+    "config",
+    "family",
+    "checkpoint.reference",
+    "checkpoint.resolved",
+    "model.bos_token_id",
+    "model.eos_token_id",
+    "model.pad_token_id",
+    "model.decoder_start_token_id",
+    "model.encoder_dim",
+    "export.ple.trained_rows",
+    "weights.tensors",
     "parity.quality",
 }
 
@@ -311,7 +378,13 @@ def test_every_manifest_field_mutated_ends_in_one_line(pristine: Path, tmp_path:
                 _replace(manifest, path, value)
                 manifest["files"] = hash_tree(directory, exclude=("manifest.json",))
                 (directory / "manifest.json").write_text(json.dumps(manifest))
-                results = [CliRunner().invoke(main, args) for args in (["verify", str(directory)], ["generate", str(directory), "--ids", "1,2", "--max-new-tokens", "2"])]
+                results = [
+                    CliRunner().invoke(main, args)
+                    for args in (
+                        ["verify", str(directory)],
+                        ["generate", str(directory), "--ids", "1,2", "--max-new-tokens", "2"],
+                    )
+                ]
                 for result in results:
                     try:
                         _one_line_or_success(result)
@@ -347,7 +420,9 @@ def _sweep(original: dict[str, Any], attempt: Any) -> tuple[int, int, list[str]]
             _replace(data, path, value)
             try:
                 refused += bool(attempt(data))
-            except Exception as exc:  # an assertion, a deadline, or an exception that is not a KilnError: each a finding
+            except (
+                Exception
+            ) as exc:  # an assertion, a deadline, or an exception that is not a KilnError: each a finding
                 first = str(exc).splitlines()[0][:300] if str(exc) else ""
                 broken.append(f"{'.'.join(map(str, path))} = {value!r}: {type(exc).__name__}: {first}")
             cases += 1
@@ -392,7 +467,9 @@ def test_every_config_field_mutated_ends_in_one_line(tmp_path: Path) -> None:
 
 def test_every_hf_config_field_mutated_ends_in_one_line(tmp_path: Path) -> None:
     """The same for a Hugging Face config.json as transformers saves it (every field it writes)."""
-    pytest.importorskip("transformers", reason="Hugging Face checkpoints load through transformers (pip install 'kiln[hf]')")
+    pytest.importorskip(
+        "transformers", reason="Hugging Face checkpoints load through transformers (pip install 'kiln[hf]')"
+    )
     from kiln_testing import save_base
 
     valid = save_base("llama", tmp_path / "valid")
@@ -407,7 +484,9 @@ def test_every_hf_config_field_mutated_ends_in_one_line(tmp_path: Path) -> None:
 def test_every_shard_index_field_mutated_ends_in_one_line(tmp_path: Path) -> None:
     """``model.safetensors.index.json`` of a sharded Hugging Face checkpoint (its total size, every
     tensor's shard), each field mutated: loads or is one KilnError."""
-    pytest.importorskip("transformers", reason="Hugging Face checkpoints load through transformers (pip install 'kiln[hf]')")
+    pytest.importorskip(
+        "transformers", reason="Hugging Face checkpoints load through transformers (pip install 'kiln[hf]')"
+    )
     from kiln.plugins.hf import tiny_model
 
     ckpt = tmp_path / "ckpt"
@@ -468,7 +547,16 @@ def test_every_adapter_config_field_mutated_ends_in_one_line(slots: tuple[Path, 
     adapter = Path(shutil.copytree(peft_dir, tmp_path / "peft"))
     original = json.loads((adapter / "adapter_config.json").read_text())
     before = hash_tree(exported)
-    args = ["adapter", str(adapter), "--export", str(exported), "--no-check", "--out", str(tmp_path / "a.onnx_adapter"), "--force"]
+    args = [
+        "adapter",
+        str(adapter),
+        "--export",
+        str(exported),
+        "--no-check",
+        "--out",
+        str(tmp_path / "a.onnx_adapter"),
+        "--force",
+    ]
 
     def attempt(config: dict[str, Any]) -> bool:
         (adapter / "adapter_config.json").write_text(json.dumps(config))

@@ -24,25 +24,47 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.pipeline import export
+from kiln_testing import tiny_config, write_checkpoint
 
 # each command, with the export it works on ("EXPORT": a fresh copy; "NEW": a directory it creates)
 COMMANDS: dict[str, list[str]] = {
     "export": ["export", "--model", "CKPT", "--out", "NEW", "--max-batch", "1", "--parity-tokens", "2"],
-    "export --force": ["export", "--model", "CKPT", "--out", "EXPORT", "--force", "--max-batch", "1", "--parity-tokens", "2"],
+    "export --force": [
+        "export",
+        "--model",
+        "CKPT",
+        "--out",
+        "EXPORT",
+        "--force",
+        "--max-batch",
+        "1",
+        "--parity-tokens",
+        "2",
+    ],
     "check": ["check", "EXPORT"],
     "verify": ["verify", "EXPORT"],
     "generate": ["generate", "EXPORT", "--ids", "1,2", "--max-new-tokens", "8"],
     "triton": ["triton", "EXPORT", "--name", "fuzz"],
     "bench": ["bench", "EXPORT", "--runs", "3", "--prefill-seq", "8", "--past", "8"],
     "build": ["build", "EXPORT"],
-    "adapter": ["adapter", "ADAPTER", "--export", "SLOTS", "--out", "NEWFILE"],  # a PEFT adapter for an export with LoRA slots
+    "adapter": [
+        "adapter",
+        "ADAPTER",
+        "--export",
+        "SLOTS",
+        "--out",
+        "NEWFILE",
+    ],  # a PEFT adapter for an export with LoRA slots
 }
 EXAMPLES = 2  # per command: 18 runs in CI; explore more with --hypothesis-profile explore
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +97,18 @@ def _args(name: str, names: dict[str, Path]) -> list[str]:
 
 
 def _digest(folder: Path) -> dict[str, str]:
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _run(args: list[str], delay: float, signum: int, cwd: Path) -> subprocess.CompletedProcess[str]:
     """``kiln ARGS`` with ``signum`` delivered ``delay`` seconds after it starts (if still running)."""
-    process = subprocess.Popen([sys.executable, "-m", "kiln.cli", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kiln.cli", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     time.sleep(delay)
     if process.poll() is None:
         process.send_signal(signum)
@@ -94,7 +122,10 @@ def _assert_an_outcome_kiln_promises(name: str, result: subprocess.CompletedProc
     if result.returncode == 128 + signum:
         assert lines and lines[-1].startswith(f"interrupted ({signal.Signals(signum).name})"), (name, result.stderr)
     elif result.returncode == 1:
-        assert name == "build" and lines[-1].startswith("error: engine: TensorRT is not installed"), (name, result.stderr)
+        assert name == "build" and lines[-1].startswith("error: engine: TensorRT is not installed"), (
+            name,
+            result.stderr,
+        )
     else:
         assert result.returncode == 0, (name, result.returncode, result.stderr)
 
@@ -115,13 +146,20 @@ def test_a_signal_at_any_moment_ends_in_a_promised_outcome(
     assert _digest(ckpt) == before
     for directory in (copy, fresh):
         if directory.exists():
-            verified = subprocess.run([sys.executable, "-m", "kiln.cli", "verify", str(directory)], capture_output=True, text=True, timeout=120)
+            verified = subprocess.run(
+                [sys.executable, "-m", "kiln.cli", "verify", str(directory)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert verified.returncode == 0, (name, delay, signum, verified.stdout, verified.stderr)
 
 
 @SETTINGS
 @given(delay=st.floats(0.2, 8.0), signum=st.sampled_from([signal.SIGINT, signal.SIGTERM]))
-def test_a_signal_at_any_moment_of_kiln_adapter(slots: tuple[Path, Path, bytes], tmp_path_factory: pytest.TempPathFactory, delay: float, signum: int) -> None:
+def test_a_signal_at_any_moment_of_kiln_adapter(
+    slots: tuple[Path, Path, bytes], tmp_path_factory: pytest.TempPathFactory, delay: float, signum: int
+) -> None:
     """``kiln adapter`` (its conversion, then its check): the PEFT adapter and the export it reads
     byte-identical, its --out whole (the bytes an uninterrupted run writes) or absent, and nothing
     else beside it (no ``.NAME.<hex>.kiln-tmp`` temporary: newfile.py)."""
@@ -132,6 +170,10 @@ def test_a_signal_at_any_moment_of_kiln_adapter(slots: tuple[Path, Path, bytes],
     result = _run(_args("adapter", {"ADAPTER": adapter, "SLOTS": exported, "NEWFILE": out}), delay, signum, work)
     _assert_an_outcome_kiln_promises("adapter", result, signum)
     assert (_digest(adapter), _digest(exported)) == before, (delay, signum)
-    assert sorted(p.name for p in work.iterdir()) == ([out.name] if out.exists() else []), (delay, signum, result.stderr)
+    assert sorted(p.name for p in work.iterdir()) == ([out.name] if out.exists() else []), (
+        delay,
+        signum,
+        result.stderr,
+    )
     assert not out.exists() or out.read_bytes() == written, (delay, signum, result.returncode)
     assert out.exists() or result.returncode != 0, (delay, signum, "exit 0 without its file")

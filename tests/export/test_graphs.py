@@ -7,14 +7,14 @@ from pathlib import Path
 
 import onnx
 import pytest
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.errors import ExportError
 from kiln.exporter.check import check_dir
-from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
+from kiln.exporter.contract.io import DECODER_KINDS, graph_io
 from kiln.exporter.options import ExportOptions, LogitsMode, PLEExtendMode, PLETables
 from kiln.exporter.pipeline import export
 from kiln.plugins.native import spec_of
+from kiln_testing import tiny_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,13 @@ def test_graph_io_follows_the_contract(exported: Path) -> None:
 
 def test_one_weights_file_shared_by_all_graphs(exported: Path) -> None:
     onnx_dir = exported / "onnx"
-    assert sorted(p.name for p in onnx_dir.iterdir()) == ["decode.onnx", "genai_config.json", "model.onnx", "prefill.onnx", "weights.bin"]
+    assert sorted(p.name for p in onnx_dir.iterdir()) == [
+        "decode.onnx",
+        "genai_config.json",
+        "model.onnx",
+        "prefill.onnx",
+        "weights.bin",
+    ]
     spans: dict[str, set[tuple[str, str]]] = {}
     for kind in DECODER_KINDS:
         model = onnx.load(onnx_dir / f"{kind.value}.onnx", load_external_data=False)
@@ -93,12 +99,22 @@ def test_manifest_hashes_and_limits(exported: Path) -> None:
     assert manifest["limits"] == {"max_batch": 4, "max_context": 48}
     assert manifest["kv_cache"]["layout"] == "BNSH"
     assert set(manifest["files"]) == {
-        "onnx/decode.onnx", "onnx/genai_config.json", "onnx/model.onnx", "onnx/prefill.onnx", "onnx/weights.bin",
-        "reports/parity.json", "reports/parity.md", "reports/parity.png",
+        "onnx/decode.onnx",
+        "onnx/genai_config.json",
+        "onnx/model.onnx",
+        "onnx/prefill.onnx",
+        "onnx/weights.bin",
+        "reports/parity.json",
+        "reports/parity.md",
+        "reports/parity.png",
     }
     for rel, digest in manifest["files"].items():
         assert sha256_file(exported / rel) == digest
-    assert manifest["graphs"]["decode"]["inputs"][3] == {"name": "past_key_values.0.key", "dtype": "float32", "shape": ["batch", 2, "past_seq", 8]}
+    assert manifest["graphs"]["decode"]["inputs"][3] == {
+        "name": "past_key_values.0.key",
+        "dtype": "float32",
+        "shape": ["batch", 2, "past_seq", 8],
+    }
 
 
 def test_check_passes_and_refuses_changed_checkpoint(exported: Path) -> None:
@@ -135,7 +151,9 @@ def test_ple_tables_as_inputs(tmp_path: Path) -> None:
 
 def test_context_longer_than_ple_table(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(max_context=80))
-    with pytest.raises(ExportError, match=r"--max-context 80 is longer than the PLE table \(48 rows\).*pass --ple-extend 80"):
+    with pytest.raises(
+        ExportError, match=r"--max-context 80 is longer than the PLE table \(48 rows\).*pass --ple-extend 80"
+    ):
         export(ckpt, tmp_path / "out", ExportOptions(max_context=80))
     assert not (tmp_path / "out").exists()
     with pytest.raises(ExportError, match="--max-context 96 exceeds the model's max_context 80"):
@@ -145,7 +163,9 @@ def test_context_longer_than_ple_table(tmp_path: Path) -> None:
         result = export(ckpt, out, ExportOptions(max_context=80, ple_extend=80, ple_extend_mode=mode, parity_tokens=70))
         assert result.parity.passed
         assert result.manifest.limits.max_context == 80
-        assert max(g.steps + max(g.prompt_lengths) for g in result.parity.generation) == 80  # positions past 48 exercised
+        assert (
+            max(g.steps + max(g.prompt_lengths) for g in result.parity.generation) == 80
+        )  # positions past 48 exercised
         model = onnx.load(out / "onnx" / "model.onnx", load_external_data=False)
         assert [80, 32] in [list(i.dims) for i in model.graph.initializer]
         assert check_dir(out).passed
@@ -190,7 +210,10 @@ def test_verify_lists_every_difference(exported: Path, tmp_path: Path) -> None:
     ]
     checked = CliRunner().invoke(main, ["check", str(copy)])
     assert checked.exit_code == 1
-    assert "files differ from manifest.json: missing: reports/parity.png; changed (sha256 differs): onnx/weights.bin" in checked.stderr
+    assert (
+        "files differ from manifest.json: missing: reports/parity.png; changed (sha256 differs): onnx/weights.bin"
+        in checked.stderr
+    )
 
 
 def test_check_trt_backend_without_engines(exported: Path) -> None:
@@ -211,7 +234,9 @@ def test_bench_runs_and_reports_every_row(exported: Path, tmp_path: Path) -> Non
 
     from kiln.cli import main
 
-    result = CliRunner().invoke(main, ["bench", str(exported), "--runs", "3", "--prefill-seq", "16", "--past", "8", "--no-roofline", "--json"])
+    result = CliRunner().invoke(
+        main, ["bench", str(exported), "--runs", "3", "--prefill-seq", "16", "--past", "8", "--no-roofline", "--json"]
+    )
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["prefill_seq"] == 16 and data["decode_past"] == 8

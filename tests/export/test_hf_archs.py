@@ -18,9 +18,12 @@ import numpy as np
 import onnx
 import pytest
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])"
+)
 
 import torch
+
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions, Precision
@@ -94,7 +97,11 @@ ORT_INT8 = {
     "granitemoe-swa-window", "helium", "hy-v3", "hyperclovax", "jais2", "kolibri1-window", "laguna-window",
     "mellum-window", "minicpm5-moe", "modernbert-decoder-window", "nanochat", "solar-open", "vaultgemma-window",
 }  # fmt: skip
-FIRST = {arch: next(case for case, (a, _) in TINY.items() if a == arch) for arch in ARCHS if any(a == arch for a, _ in TINY.values())}
+FIRST = {
+    arch: next(case for case, (a, _) in TINY.items() if a == arch)
+    for arch in ARCHS
+    if any(a == arch for a, _ in TINY.values())
+}
 
 
 def _save(case: str, directory: Path) -> Path:
@@ -103,7 +110,10 @@ def _save(case: str, directory: Path) -> Path:
     TopK may break otherwise than PyTorch's). A multimodal case saves its wrapper whole (vision
     tower and all)."""
     model = tiny_transformers(case, seed=1)
-    state, generator = {**dict(model.named_parameters()), **dict(model.named_buffers())}, torch.Generator().manual_seed(1)
+    state, generator = (
+        {**dict(model.named_parameters()), **dict(model.named_buffers())},
+        torch.Generator().manual_seed(1),
+    )
     with torch.no_grad():
         for name, tensor in state.items():
             if name.endswith(ZERO_AT_INIT) and not tensor.any():
@@ -116,7 +126,12 @@ def _generate(hf: torch.nn.Module, ids: np.ndarray, mask: np.ndarray, steps: int
     """transformers' own greedy generate(), its own cache, no end token."""
     with torch.no_grad():
         out = hf.generate(
-            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            max_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
         )
     return np.asarray(out[:, ids.shape[1] :].numpy())
 
@@ -135,7 +150,9 @@ def test_the_plugins_table_takes_what_this_file_exports() -> None:
     for spec in HF.specs():
         if spec.config["architecture"] in ARCHS:
             cells = support(spec).cells
-            assert cells["fp32"]["portable"].taken and cells["fp32"]["ort"].taken and cells["fp16"]["portable"].taken, spec.config
+            assert cells["fp32"]["portable"].taken and cells["fp32"]["ort"].taken and cells["fp16"]["portable"].taken, (
+                spec.config
+            )
 
 
 @pytest.mark.slow
@@ -149,42 +166,75 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     assert result.manifest.config["architecture"] == (text.texts[0] if text else arch)
     assert result.manifest.tools["transformers"] == transformers.__version__  # what the export ran with
     genai = tmp_path / "out" / "onnx" / "genai_config.json"
-    if ARCHS[arch].cache is not None:  # a cache of its own layout: GenAI cannot size it (serving.genai.genai_refusal), none is written
+    if (
+        ARCHS[arch].cache is not None
+    ):  # a cache of its own layout: GenAI cannot size it (serving.genai.genai_refusal), none is written
         assert not genai.exists()
     else:
         stated = json.loads(genai.read_text())["model"]["decoder"]
         own = transformers.AutoConfig.from_pretrained(ckpt).get_text_config()
-        assert (stated["num_attention_heads"], stated["hidden_size"], stated["num_hidden_layers"]) == (own.num_attention_heads, own.hidden_size, own.num_hidden_layers)
+        assert (stated["num_attention_heads"], stated["hidden_size"], stated["num_hidden_layers"]) == (
+            own.num_attention_heads,
+            own.hidden_size,
+            own.num_hidden_layers,
+        )
     assert result.manifest.targets is not None
     ort = {GraphKind(kind): entry for kind, entry in result.manifest.targets["ort"].graphs.items()}
     fused = {kind: entry.report("attention")["layers"] for kind, entry in ort.items() if kind is not GraphKind.UNIFIED}
     expected = [] if case in PORTABLE_ATTENTION else [0, 1]
     assert fused == {GraphKind.PREFILL: expected, GraphKind.DECODE: expected}, fused
-    assert PORTABLE_ATTENTION.get(case, "GQA") in ARCHS[arch].ort, ARCHS[arch].ort  # what docs/architectures.md and kiln plugins say
+    assert PORTABLE_ATTENTION.get(case, "GQA") in ARCHS[arch].ort, ARCHS[
+        arch
+    ].ort  # what docs/architectures.md and kiln plugins say
     for kind, entry in ort.items():
         # decode only: the prompt graphs keep the per-expert MatMuls (measured faster there) and say so
         layers = MOE_LAYERS.get(case, []) if kind is GraphKind.DECODE else []
-        why = MOE_NOT_FUSED[case] if case in MOE_NOT_FUSED else {} if kind is GraphKind.DECODE else dict.fromkeys(MOE_LAYERS.get(case, []), PROMPT_GRAPH)
+        why = (
+            MOE_NOT_FUSED[case]
+            if case in MOE_NOT_FUSED
+            else {}
+            if kind is GraphKind.DECODE
+            else dict.fromkeys(MOE_LAYERS.get(case, []), PROMPT_GRAPH)
+        )
         assert entry.report("moe").get("layers", []) == layers, (kind, entry.report("moe"))
-        assert entry.report("moe").get("not_fused", []) == [f"layer {i}: {w}" for i, w in sorted(why.items())], (kind, entry.report("moe"))
+        assert entry.report("moe").get("not_fused", []) == [f"layer {i}: {w}" for i, w in sorted(why.items())], (
+            kind,
+            entry.report("moe"),
+        )
         graph = onnx.load(tmp_path / "out" / entry.file, load_external_data=False)
         moe = [n for n in graph.graph.node if n.op_type == "MoE" and n.domain == "com.microsoft"]
         assert len(moe) == len(layers), (kind, len(moe))
-        sinks = [n.input[11] if len(n.input) > 11 else "" for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
-        assert all(bool(name) == (case in ATTENTION_SINKS) for name in sinks), (kind, sinks)  # GQA's head_sink: the family's own sinks
+        sinks = [
+            n.input[11] if len(n.input) > 11 else "" for n in graph.graph.node if n.op_type == "GroupQueryAttention"
+        ]
+        assert all(bool(name) == (case in ATTENTION_SINKS) for name in sinks), (
+            kind,
+            sinks,
+        )  # GQA's head_sink: the family's own sinks
     windows = {kind: entry.report("decode_mask").get("local_window_layers", []) for kind, entry in ort.items()}
-    assert windows == {GraphKind.PREFILL: [], GraphKind.DECODE: WINDOW_LAYERS.get(case, []), GraphKind.UNIFIED: []}, windows
+    assert windows == {GraphKind.PREFILL: [], GraphKind.DECODE: WINDOW_LAYERS.get(case, []), GraphKind.UNIFIED: []}, (
+        windows
+    )
     if case in WINDOW_LAYERS:
         assert ort[GraphKind.DECODE].report("decode_mask")["compact"]  # the window is GQA's now, the bias only padding
     decode = onnx.load(tmp_path / "out" / ort[GraphKind.DECODE].file, load_external_data=False)
-    local = {n.name: {a.name: a.i for a in n.attribute}.get("local_window_size", -1) for n in decode.graph.node if n.op_type == "GroupQueryAttention"}
-    assert local == {f"/layers.{i}.attn/ort/GroupQueryAttention": 4 if i in WINDOW_LAYERS.get(case, []) else -1 for i in expected}, local
+    local = {
+        n.name: {a.name: a.i for a in n.attribute}.get("local_window_size", -1)
+        for n in decode.graph.node
+        if n.op_type == "GroupQueryAttention"
+    }
+    assert local == {
+        f"/layers.{i}.attn/ort/GroupQueryAttention": 4 if i in WINDOW_LAYERS.get(case, []) else -1 for i in expected
+    }, local
     if MOE_LAYERS.get(case):
         assert "MoE" in ARCHS[arch].ort, ARCHS[arch].ort
     spec = load_model(ckpt).spec
     steps = min(STEPS, result.report.max_context - 9)
     onnx_dir = tmp_path / "out" / "onnx"
-    sets = {suffix: {k: onnx_dir / f"{k.value}{suffix}.onnx" for k in (GraphKind.PREFILL, GraphKind.DECODE)} for suffix in ("", ".ort")}
+    sets = {
+        suffix: {k: onnx_dir / f"{k.value}{suffix}.onnx" for k in (GraphKind.PREFILL, GraphKind.DECODE)}
+        for suffix in ("", ".ort")
+    }
     # a multimodal wrapper's own generate() on input_ids alone (no Auto class maps every wrapper)
     loader = getattr(transformers, arch) if text else transformers.AutoModelForCausalLM
     hf = loader.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
@@ -204,7 +254,10 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
         ort_int8 = ExportOptions(max_batch=4, parity_tokens=8, target="ort", target_flags={"ort_int8": True})
         int8 = export(ckpt, tmp_path / "out8", ort_int8)
         assert int8.parity.passed, int8.parity.failures()
-        assert int8.manifest.targets is not None and (int8.manifest.targets["ort"].record or {}).get("int8", {}).get("bits") == 8, int8.manifest.targets
+        assert (
+            int8.manifest.targets is not None
+            and (int8.manifest.targets["ort"].record or {}).get("int8", {}).get("bits") == 8
+        ), int8.manifest.targets
 
 
 @pytest.mark.parametrize(("alias", "case"), [("PhiMoEForCausalLM", "phimoe-window"), ("MPTForCausalLM", "mpt")])
@@ -234,20 +287,34 @@ def test_llama4_chunked_attention_at_int4_and_never_as_full_attention_on_the_onn
     model by name before any work (it would attend to every earlier key), and says so in one line."""
     from kiln.errors import ConfigError
     from kiln.exporter.precision.kinds.int4 import Int4, Int4Method
-
     from kiln.runtime.generate import Generator
 
     ckpt = _save("llama4-chunked", tmp_path / "ckpt")
     fp32 = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, target="ort"))
-    # its decode graph's mask and NoPE temperature read the past's length: no shared in-place buffer (it would read the capacity)
-    assert fp32.manifest.targets is not None and fp32.manifest.targets["ort"].kv_cache == "grown", fp32.manifest.targets["ort"].kv_cache
-    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    # its decode graph's mask and NoPE temperature read the past's length: no shared in-place buffer (it would read the
+    # capacity)
+    assert fp32.manifest.targets is not None and fp32.manifest.targets["ort"].kv_cache == "grown", (
+        fp32.manifest.targets["ort"].kv_cache
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     prompt = [5, 17, 3, 29, 11, 7, 9, 4, 8]
     want = _generate(hf, np.array([prompt]), np.ones((1, len(prompt)), dtype=np.int64), STEPS)[0].tolist()
     for target in (None, "ort"):  # kiln generate's own loop
-        assert list(Generator(tmp_path / "out", target=target).run(prompt, STEPS, stop_at_eos=False).tokens) == want, target
-    int4 = export(ckpt, tmp_path / "out4", ExportOptions(max_batch=4, parity_tokens=8, target="ort", precision=Precision.of(Int4(method=Int4Method.RTN))))
+        assert list(Generator(tmp_path / "out", target=target).run(prompt, STEPS, stop_at_eos=False).tokens) == want, (
+            target
+        )
+    int4 = export(
+        ckpt,
+        tmp_path / "out4",
+        ExportOptions(max_batch=4, parity_tokens=8, target="ort", precision=Precision.of(Int4(method=Int4Method.RTN))),
+    )
     assert int4.parity.passed, int4.parity.failures()
-    with pytest.raises(ConfigError, match=r"^.*--target onnx does not apply chunked attention \(this Llama4ForCausalLM model attends within chunks of 8 tokens") as refused:
+    with pytest.raises(
+        ConfigError,
+        match=r"^.*--target onnx does not apply chunked attention \(this Llama4ForCausalLM model attends within chunks "
+        r"of 8 tokens",
+    ) as refused:
         export(ckpt, tmp_path / "outx", ExportOptions(max_batch=4, parity_tokens=8, target="onnx"))
     assert "\n" not in str(refused.value) and not (tmp_path / "outx" / "onnx").exists(), str(refused.value)

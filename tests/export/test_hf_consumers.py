@@ -16,8 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
-og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a test dependency (pip install onnxruntime-genai)")
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')"
+)
+og = pytest.importorskip(
+    "onnxruntime_genai", reason="onnxruntime-genai is a test dependency (pip install onnxruntime-genai)"
+)
 
 import torch  # noqa: E402
 
@@ -36,19 +40,30 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny random Llama saved by transformers (config.json, generation_config.json, safetensors) and its export."""
     root = tmp_path_factory.mktemp("hf-consumers")
     tiny_model("LlamaForCausalLM", seed=1).module.model.save_pretrained(root / "ckpt", safe_serialization=True)
-    assert json.loads((root / "ckpt" / "generation_config.json").read_text())["eos_token_id"] == 2  # transformers wrote one
+    assert (
+        json.loads((root / "ckpt" / "generation_config.json").read_text())["eos_token_id"] == 2
+    )  # transformers wrote one
     export(root / "ckpt", root / "out", ExportOptions(max_batch=1, parity_tokens=8))
     return root / "ckpt", root / "out"
 
 
 def _hf_greedy(ckpt: Path, prompts: tuple[list[int], ...]) -> list[list[int]]:
     """transformers' own greedy generate() of each prompt, with no end token (every step compared)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            tokens = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS, do_sample=False, pad_token_id=0, eos_token_id=None)
+            tokens = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=STEPS,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
         out.append(tokens[0, len(prompt) :].tolist())
     return out
 

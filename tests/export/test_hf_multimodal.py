@@ -17,10 +17,13 @@ import numpy as np
 import onnx
 import pytest
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])"
+)
 
 import torch
 from jsonschema import Draft202012Validator
+
 from kiln.errors import CheckpointError
 from kiln.exporter.artifacts.manifest import TextDecoderInfo, read
 from kiln.exporter.check import check_dir
@@ -33,7 +36,10 @@ from kiln.plugins.hf.build import tiny_transformers
 from kiln.plugins.hf.tiny import TINY
 from kiln.runtime.generate import Generator
 
-CASES = {"gemma3-multimodal-window": "Gemma3ForCausalLM", "mistral3-multimodal": "MistralForCausalLM"}  # case -> its text decoder's class
+CASES = {
+    "gemma3-multimodal-window": "Gemma3ForCausalLM",
+    "mistral3-multimodal": "MistralForCausalLM",
+}  # case -> its text decoder's class
 # every wrapper whose text decoder kiln exports: also Llama 4's (its generation is proved in test_hf_archs.py;
 # --target onnx refuses its chunked layers, so it is not in CASES)
 TEXT_DECODERS = {**CASES, "llama4-multimodal-chunked": "Llama4ForCausalLM"}
@@ -49,8 +55,14 @@ def _export(case: str, tmp_path: Path, **options: object) -> tuple[torch.nn.Modu
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     tiny_transformers(case, seed=1).save_pretrained(ckpt, safe_serialization=True)
     notes = io.StringIO()
-    result = export(ckpt, out, ExportOptions(max_batch=4, parity_tokens=8, **options), LineProgress(notes, stages=False))  # type: ignore[arg-type]
-    wrapper = getattr(transformers, TINY[case][0]).from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    result = export(
+        ckpt, out, ExportOptions(max_batch=4, parity_tokens=8, **options), LineProgress(notes, stages=False)
+    )  # type: ignore[arg-type]
+    wrapper = (
+        getattr(transformers, TINY[case][0])
+        .from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
+        .eval()
+    )
     return wrapper, out, result, notes.getvalue()
 
 
@@ -58,7 +70,14 @@ def _wrapper_tokens(wrapper: torch.nn.Module, n: int = STEPS) -> list[int]:
     """The wrapper's own greedy generate() on input_ids alone (no pixel_values), its own cache."""
     with torch.no_grad():
         ids = torch.tensor([PROMPT])
-        out = wrapper.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)  # type: ignore[operator]
+        out = wrapper.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )  # type: ignore[operator]
     return [int(t) for t in out[0, len(PROMPT) :]]
 
 
@@ -72,14 +91,27 @@ def test_fp16_says_what_it_left_out_and_equals_the_wrappers_generate(case: str, 
     wrapper, out, result, notes = _export(case, tmp_path, precision=Precision.FP16)
     assert result.parity.passed, result.parity.failures()
     arch = TINY[case][0]
-    line = f"{arch} is multimodal: exporting its text decoder (model.language_model) only; not exported: {', '.join(LEFT_OUT)} (the graphs take token ids, no images)"
+    line = (
+        f"{arch} is multimodal: exporting its text decoder (model.language_model) only; not exported: "
+        f"{', '.join(LEFT_OUT)} (the graphs take token ids, no images)"
+    )
     assert notes.splitlines().count(line) == 1, notes
-    assert result.manifest.model.text_decoder_of == read(out).model.text_decoder_of == TextDecoderInfo(arch, "model.language_model", LEFT_OUT)
+    assert (
+        result.manifest.model.text_decoder_of
+        == read(out).model.text_decoder_of
+        == TextDecoderInfo(arch, "model.language_model", LEFT_OUT)
+    )
     assert result.manifest.config["architecture"] == CASES[case]
     data = json.loads((out / "manifest.json").read_text())
     assert not [e.message for e in Draft202012Validator(SCHEMA).iter_errors(data)]
-    assert data["model"]["text_decoder_of"] == {"architecture": arch, "prefix": "model.language_model", "not_exported": list(LEFT_OUT)}
-    assert not (out / "onnx" / "config.json").exists()  # the wrapper's config.json is no text decoder's (Optimum would load the wrapper)
+    assert data["model"]["text_decoder_of"] == {
+        "architecture": arch,
+        "prefix": "model.language_model",
+        "not_exported": list(LEFT_OUT),
+    }
+    assert not (
+        out / "onnx" / "config.json"
+    ).exists()  # the wrapper's config.json is no text decoder's (Optimum would load the wrapper)
     names = {t.name for t in onnx.load(out / "onnx" / "decode.onnx", load_external_data=False).graph.initializer}
     assert names and not [n for n in names if "vision" in n or "multi_modal" in n], sorted(names)[:5]
     assert _tokens(out) == _wrapper_tokens(wrapper.half())
@@ -102,7 +134,10 @@ def test_ort_int8_passes_parity_and_check(case: str, tmp_path: Path) -> None:
     check passes on the export; they generate on ONNX Runtime."""
     _, out, result, _ = _export(case, tmp_path, target="ort", target_flags={"ort_int8": True})
     assert result.parity.passed, result.parity.failures()
-    assert result.manifest.targets is not None and (result.manifest.targets["ort"].record or {}).get("int8", {}).get("bits") == 8, result.manifest.targets
+    assert (
+        result.manifest.targets is not None
+        and (result.manifest.targets["ort"].record or {}).get("int8", {}).get("bits") == 8
+    ), result.manifest.targets
     assert result.manifest.model.text_decoder_of is not None
     assert check_dir(out).passed
     assert len(_tokens(out, "ort")) == STEPS
@@ -122,7 +157,9 @@ def test_the_text_decoder_is_the_wrappers_own_modules() -> None:
             want = wrapper(input_ids=ids, attention_mask=mask, position_ids=positions).logits  # type: ignore[operator]
             got, _ = loaded.module(ids, mask, positions)
         np.testing.assert_allclose(got[mask.bool()].numpy(), want[mask.bool()].numpy(), atol=1e-5, err_msg=case)
-        assert (loaded.module.model.lm_head.weight is loaded.module.model.model.embed_tokens.weight) == wrapper.config.tie_word_embeddings, case
+        assert (
+            loaded.module.model.lm_head.weight is loaded.module.model.model.embed_tokens.weight
+        ) == wrapper.config.tie_word_embeddings, case
 
 
 def test_refused_by_name() -> None:
@@ -130,13 +167,15 @@ def test_refused_by_name() -> None:
     with pytest.raises(CheckpointError) as err:
         tiny_model("gemma3-multimodal-window", seed=0, final_logit_softcapping=30.0)
     assert str(err.value) == (
-        "checkpoint: Gemma3ForConditionalGeneration: text_config.final_logit_softcapping=30.0 is not supported: Gemma3ForConditionalGeneration's head does not"
+        "checkpoint: Gemma3ForConditionalGeneration: text_config.final_logit_softcapping=30.0 is not supported: "
+        "Gemma3ForConditionalGeneration's head does not"
         " soft-cap the logits, Gemma3ForCausalLM's does, so its text decoder would not compute as the checkpoint does"
     )
     with pytest.raises(CheckpointError) as err:
         tiny_model("gemma3-multimodal-window", seed=0, use_bidirectional_attention=True)
     assert str(err.value) == (
-        "checkpoint: Gemma3ForConditionalGeneration's text_config: Gemma3ForCausalLM: use_bidirectional_attention=True is not supported: non-causal attention is not a decoder"
+        "checkpoint: Gemma3ForConditionalGeneration's text_config: Gemma3ForCausalLM: "
+        "use_bidirectional_attention=True is not supported: non-causal attention is not a decoder"
     )
 
 
@@ -151,11 +190,14 @@ def test_a_text_decoder_no_test_proves_inside_the_wrapper_is_refused(tmp_path: P
     with pytest.raises(CheckpointError) as err:
         load_model(ckpt)
     assert str(err.value) == (
-        "checkpoint: Mistral3ForConditionalGeneration: text_config.model_type 'llama' (LlamaForCausalLM) is not supported: kiln exports this wrapper's text decoder as MistralForCausalLM"
+        "checkpoint: Mistral3ForConditionalGeneration: text_config.model_type 'llama' (LlamaForCausalLM) is not "
+        "supported: kiln exports this wrapper's text decoder as MistralForCausalLM"
     )
 
 
-@pytest.mark.parametrize("arch", ["Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "LlavaForConditionalGeneration"])
+@pytest.mark.parametrize(
+    "arch", ["Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "LlavaForConditionalGeneration"]
+)
 def test_other_multimodal_wrappers_stay_refused(arch: str, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": "x"}))
     with pytest.raises(CheckpointError) as err:

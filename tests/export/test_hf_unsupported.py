@@ -113,14 +113,18 @@ def test_every_transformers_architecture_is_exported_or_refused_in_one_line(tmp_
         code, err = _export(tmp_path, config)
         lines = err.strip().splitlines()
         assert code == 1 and len(lines) == 1 and "Traceback" not in err, f"{cls}: exit {code}: {err}"
-        assert lines[0].startswith("error: ") and f"unsupported Hugging Face architecture {cls!r}: " in lines[0], lines[0]
+        assert lines[0].startswith("error: ") and f"unsupported Hugging Face architecture {cls!r}: " in lines[0], lines[
+            0
+        ]
         assert "`kiln plugins` lists them all" in lines[0] and len(lines[0]) < 400 + len(str(tmp_path)), lines[0]
         seen[cls] = lines[0]
         if NOT_PROVED in lines[0]:
             not_proved.add(cls)
     assert len(seen) > 200 and not (tmp_path / "out").exists()
     assert unbuildable == {k: v for k, v in UNBUILDABLE.items() if k not in SUPPORTED}
-    assert not_proved == NOT_YET_PROVED - set(SUPPORTED), f"newly unproved: {sorted(not_proved - NOT_YET_PROVED)}; no longer: {sorted(NOT_YET_PROVED - not_proved)}"
+    assert not_proved == NOT_YET_PROVED - set(SUPPORTED), (
+        f"newly unproved: {sorted(not_proved - NOT_YET_PROVED)}; no longer: {sorted(NOT_YET_PROVED - not_proved)}"
+    )
     for cls, fragment in MECHANISMS.items():
         assert cls in SUPPORTED or f"kiln does not export {fragment}" in seen[cls], seen[cls]
 
@@ -131,40 +135,76 @@ def test_every_transformers_architecture_is_exported_or_refused_in_one_line(tmp_
         ({"kv_lora_rank": 512}, "multi-head latent attention outside DeepSeek-V2/V3 (kv_lora_rank)"),
         ({"layer_types": ["full_attention", "mamba"]}, "state-space (Mamba) layers (layer_types: mamba)"),
         ({"layers_block_type": ["attention", "retention"]}, "'retention' (layers_block_type: retention)"),
-        ({"text_config": {"attention_chunk_size": 8192}, "vision_config": {}}, "chunked attention outside Llama 4's text decoder (attention_chunk_size)"),
-        ({"text_config": {"model_type": "llama"}, "vision_config": {}}, "a multimodal wrapper (vision tower: vision_config)"),
+        (
+            {"text_config": {"attention_chunk_size": 8192}, "vision_config": {}},
+            "chunked attention outside Llama 4's text decoder (attention_chunk_size)",
+        ),
+        (
+            {"text_config": {"model_type": "llama"}, "vision_config": {}},
+            "a multimodal wrapper (vision tower: vision_config)",
+        ),
         ({"ssm_state_size": 128}, "state-space (Mamba) layers (ssm_state_size)"),
         ({"num_kv_shared_layers": 10}, "key/value caches shared across layers (num_kv_shared_layers)"),
         ({"per_layer_config": {"5": {"head_dim": 512}}}, "config attributes that vary by layer (per_layer_config)"),
-        ({"v_head_dim": 128, "head_dim": 192}, "values of another head size than the keys (v_head_dim 128, head_dim 192)"),
+        (
+            {"v_head_dim": 128, "head_dim": 192},
+            "values of another head size than the keys (v_head_dim 128, head_dim 192)",
+        ),
     ],
 )
 def test_an_unknown_architecture_is_refused_by_its_config_traits(config: dict[str, Any], why: str) -> None:
     line = refusal("NovelForCausalLM", {"architectures": ["NovelForCausalLM"], **config}, SUPPORTED, ["BART"])
-    assert line.startswith(f"unsupported Hugging Face architecture 'NovelForCausalLM': kiln does not export {why} yet ("), line
+    assert line.startswith(
+        f"unsupported Hugging Face architecture 'NovelForCausalLM': kiln does not export {why} yet ("
+    ), line
 
 
 def test_a_plain_unknown_decoder_is_refused_as_not_proved() -> None:
-    line = refusal("NovelForCausalLM", {"architectures": ["NovelForCausalLM"], "num_attention_heads": 8, "v_head_dim": 64, "head_dim": 64}, SUPPORTED)
-    assert line == f"unsupported Hugging Face architecture 'NovelForCausalLM': {NOT_PROVED} (`kiln plugins` lists them all)"
+    line = refusal(
+        "NovelForCausalLM",
+        {"architectures": ["NovelForCausalLM"], "num_attention_heads": 8, "v_head_dim": 64, "head_dim": 64},
+        SUPPORTED,
+    )
+    assert (
+        line
+        == f"unsupported Hugging Face architecture 'NovelForCausalLM': {NOT_PROVED} (`kiln plugins` lists them all)"
+    )
 
 
 def test_the_nearest_supported_architecture() -> None:
-    assert nearest("Gemma4ForCausalLM", {}, SUPPORTED) == "Gemma3ForCausalLM"  # the family's latest, not a near spelling
+    assert (
+        nearest("Gemma4ForCausalLM", {}, SUPPORTED) == "Gemma3ForCausalLM"
+    )  # the family's latest, not a near spelling
     assert nearest("Qwen3_5ForCausalLM", {}, SUPPORTED) == "Qwen3ForCausalLM"
-    assert nearest("LlavaForConditionalGeneration", {"text_config": {"model_type": "llama"}}, SUPPORTED) == "LlamaForCausalLM"
-    assert nearest("Llama4ForConditionalGeneration", {"text_config": {"model_type": "llama4_text"}}, SUPPORTED) == "Llama4ForCausalLM"
-    assert nearest("DeepseekV32ForCausalLM", {}, SUPPORTED) == "DeepseekV3ForCausalLM"  # DeepSeek-V3.2: MLA with a sparse indexer
+    assert (
+        nearest("LlavaForConditionalGeneration", {"text_config": {"model_type": "llama"}}, SUPPORTED)
+        == "LlamaForCausalLM"
+    )
+    assert (
+        nearest("Llama4ForConditionalGeneration", {"text_config": {"model_type": "llama4_text"}}, SUPPORTED)
+        == "Llama4ForCausalLM"
+    )
+    assert (
+        nearest("DeepseekV32ForCausalLM", {}, SUPPORTED) == "DeepseekV3ForCausalLM"
+    )  # DeepSeek-V3.2: MLA with a sparse indexer
     assert nearest("RwkvForCausalLM", {}, SUPPORTED) is None  # no kin, no near spelling
-    assert nearest("Olmo4ForCausalLM", {}, ["Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM"]) == "Olmo3ForCausalLM"
+    assert (
+        nearest("Olmo4ForCausalLM", {}, ["Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM"])
+        == "Olmo3ForCausalLM"
+    )
 
 
 def test_a_headless_class_and_a_config_without_architectures_are_refused_by_name(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["BertModel"], "model_type": "bert"}')
-    with pytest.raises(CheckpointError, match=r"'BertModel': kiln does not export a model without a text-generation head \(kiln exports \*ForCausalLM"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'BertModel': kiln does not export a model without a text-generation head \(kiln exports \*ForCausalLM",
+    ):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(CheckpointError, match=r"'llama': kiln does not export a config.json that names no architectures"):
+    with pytest.raises(
+        CheckpointError, match=r"'llama': kiln does not export a config.json that names no architectures"
+    ):
         load_model(tmp_path)
 
 
@@ -172,7 +212,16 @@ def test_per_layer_config_attributes_are_refused_by_name(tmp_path: Path) -> None
     """Gemma 4's heterogeneous config (``head_dim`` per layer) read as a supported class: its
     global ``head_dim`` raises AmbiguousGlobalPerLayerAttributeError in transformers; kiln refuses
     it by name before reading any size."""
-    config = transformers.Gemma4TextConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, per_layer_config={1: {"head_dim": 32}})
+    config = transformers.Gemma4TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        per_layer_config={1: {"head_dim": 32}},
+    )
     code, err = _export(tmp_path, {**config.to_dict(), "architectures": ["LlamaForCausalLM"]})
     assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert "LlamaForCausalLM: config attributes that vary by layer (per_layer_config: head_dim) are not supported yet" in err, err
+    assert (
+        "LlamaForCausalLM: config attributes that vary by layer (per_layer_config: head_dim) are not supported yet"
+        in err
+    ), err

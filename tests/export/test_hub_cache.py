@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kiln_testing import tiny_config, write_checkpoint
 
 pytest.importorskip("huggingface_hub", reason="repo ids are looked up with huggingface_hub (pip install -e .[hf])")
@@ -44,7 +45,17 @@ def _kiln(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
 
 def test_repo_id_from_the_cache(tmp_path: Path) -> None:
     cache = _cache(tmp_path, "kiln-tests/tiny-ple")
-    done = _kiln("export", "--model", "kiln-tests/tiny-ple", "--out", str(tmp_path / "out"), "--parity-tokens", "4", "--json", cache=cache)
+    done = _kiln(
+        "export",
+        "--model",
+        "kiln-tests/tiny-ple",
+        "--out",
+        str(tmp_path / "out"),
+        "--parity-tokens",
+        "4",
+        "--json",
+        cache=cache,
+    )
     assert done.returncode == 0, done.stderr
     manifest = json.loads(done.stdout)["manifest"]
     assert manifest["checkpoint"]["reference"] == "kiln-tests/tiny-ple"  # kiln check finds it the same way
@@ -59,7 +70,8 @@ def test_repo_id_not_in_the_cache(tmp_path: Path) -> None:
     assert len(lines) == 1 and "Traceback" not in done.stderr
     assert lines[0] == (
         f"error: checkpoint: kiln-tests/other: no such directory, and not in the Hugging Face cache (looked in "
-        f"{cache / 'models--kiln-tests--other'}; set HF_HUB_CACHE or HF_HOME to use another cache); kiln never downloads: "
+        f"{cache / 'models--kiln-tests--other'}; set HF_HUB_CACHE or HF_HOME to use another cache); kiln never "
+        "downloads: "
         "fetch it first (hf download kiln-tests/other) or pass a directory"
     )
     assert not (tmp_path / "out").exists()
@@ -78,7 +90,9 @@ def test_check_finds_the_snapshot_without_the_cache(tmp_path: Path) -> None:
     Hugging Face cache lacks the repo uses the snapshot, and says so in one line."""
     cache = _cache(tmp_path, "kiln-tests/tiny-ple")
     out = tmp_path / "out"
-    done = _kiln("export", "--model", "kiln-tests/tiny-ple", "--out", str(out), "--parity-tokens", "4", "--json", cache=cache)
+    done = _kiln(
+        "export", "--model", "kiln-tests/tiny-ple", "--out", str(out), "--parity-tokens", "4", "--json", cache=cache
+    )
     assert done.returncode == 0, done.stderr
     snapshot = cache / "models--kiln-tests--tiny-ple" / "snapshots" / COMMIT
     assert json.loads(done.stdout)["manifest"]["checkpoint"]["resolved"] == str(snapshot)
@@ -88,8 +102,10 @@ def test_check_finds_the_snapshot_without_the_cache(tmp_path: Path) -> None:
     assert checked.returncode == 0, checked.stderr
     assert checked.stderr.strip().splitlines()[0] == (
         f"checkpoint: kiln-tests/tiny-ple does not resolve here (no such directory, and not in the Hugging Face cache"
-        f" (looked in {empty / 'models--kiln-tests--tiny-ple'}; set HF_HUB_CACHE or HF_HOME to use another cache); kiln never downloads:"
-        f" fetch it first (hf download kiln-tests/tiny-ple) or pass a directory); using {snapshot}, where it resolved when the export ran"
+        f" (looked in {empty / 'models--kiln-tests--tiny-ple'}; set HF_HUB_CACHE or HF_HOME to use another "
+        "cache); kiln never downloads:"
+        f" fetch it first (hf download kiln-tests/tiny-ple) or pass a directory); using {snapshot}, where it "
+        "resolved when the export ran"
     )
     assert "parity passed" in checked.stdout
 
@@ -111,7 +127,8 @@ def test_cache_links_may_reach_anywhere_in_the_repo_folder_only(tmp_path: Path) 
         load_model(snapshot)
     repo = cache / "models--kiln-tests--tiny-ple"
     assert str(err.value) == (
-        f"checkpoint: {snapshot / 'tokenizer.json'} links to {secret}, outside {repo}: kiln reads nothing from outside the checkpoint;"
+        f"checkpoint: {snapshot / 'tokenizer.json'} links to {secret}, outside {repo}: kiln reads nothing from "
+        "outside the checkpoint;"
         f" copy the file in (rm {snapshot / 'tokenizer.json'} && cp {secret} {snapshot / 'tokenizer.json'})"
     )
 
@@ -119,8 +136,9 @@ def test_cache_links_may_reach_anywhere_in_the_repo_folder_only(tmp_path: Path) 
 def test_the_commands_kiln_names_exist_and_agree_with_the_readme() -> None:
     """The not-in-cache error's fetch command is the one today's huggingface_hub installs (``hf``;
     ``huggingface-cli`` is gone), and the install command of kiln's errors is the README's."""
-    import tomllib
     from importlib import metadata
+
+    import tomllib
 
     from kiln.plugins.hub_cache import HF_EXTRA
 

@@ -10,19 +10,19 @@ import onnx
 import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
-from kiln_testing import RecordedProgress, config_error, tiny_config, write_checkpoint
 
 from kiln.cli import main
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.check import check_dir
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.precision.kinds import Fp16, Int4
-from kiln.exporter.precision.kinds.int4 import Int4Method
-from kiln.exporter.plan import plan
 from kiln.exporter.pipeline import export
+from kiln.exporter.plan import plan
 from kiln.exporter.precision.int4 import check_int4
 from kiln.exporter.precision.int4_numbers import unpack_int4
+from kiln.exporter.precision.kinds import Fp16, Int4
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.runners.ort_runner import ort_session
+from kiln_testing import RecordedProgress, config_error, tiny_config, write_checkpoint
 
 KINDS = ("prefill", "decode", "model")
 
@@ -37,7 +37,11 @@ def _ids(path: Path, n: int = 6000, vocab: int = 101, seed: int = 0) -> Path:
 def int4_ort(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("int4")
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
-    export(ckpt, root / "out", ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN)), target="ort", parity_tokens=16))
+    export(
+        ckpt,
+        root / "out",
+        ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN)), target="ort", parity_tokens=16),
+    )
     return root / "out"
 
 
@@ -58,7 +62,10 @@ def test_portable_form_passes_checker_and_rules(int4_ort: Path) -> None:
         inits = _inits(model)
         weight, scale = inits[dq.input[0]], inits[dq.input[1]]
         assert len(dq.input) == 2  # no zero point
-        assert {a.name: a.i for a in dq.attribute} == {"axis": 0, "block_size": 64}  # K=64: the 128 asked does not divide it
+        assert {a.name: a.i for a in dq.attribute} == {
+            "axis": 0,
+            "block_size": 64,
+        }  # K=64: the 128 asked does not divide it
         assert weight.shape == (64, 32) and scale.shape == (1, 32) and scale.dtype == np.float32
         assert next(i for i in model.graph.initializer if i.name == dq.input[0]).data_type == onnx.TensorProto.INT4
         head = nodes["/lm_head/MatMul"]
@@ -101,10 +108,17 @@ def test_manifest_parity_and_check(int4_ort: Path) -> None:
     assert manifest["precision"] == "int4" and manifest["export"]["opset"] == 21
     quant = manifest["export"]["quantization"]
     assert (quant["method"], quant["block_size"], quant["calibration"]) == ("rtn", 128, None)
-    assert quant["layer_block_sizes"]["/layers.0.mlp.fc2/MatMul"] == 64 and quant["kept_float"]["rules"] == ["*.lm_head"]
+    assert quant["layer_block_sizes"]["/layers.0.mlp.fc2/MatMul"] == 64 and quant["kept_float"]["rules"] == [
+        "*.lm_head"
+    ]
     assert "/lm_head/MatMul" not in manifest["graphs"]["decode"]["passes"]["int4"]["nodes"]
     ort = manifest["targets"]["ort"]
-    assert ort["precision"] == "int4" and ort["record"]["int4"] == {"op": "MatMulNBits", "bits": 4, "block_size": 128, "accuracy_level": 4}
+    assert ort["precision"] == "int4" and ort["record"]["int4"] == {
+        "op": "MatMulNBits",
+        "bits": 4,
+        "block_size": 128,
+        "accuracy_level": 4,
+    }
     assert "/layers.0.attn.o_proj/MatMul" in ort["graphs"]["decode"]["passes"]["nbits_int4"]["nodes"]
     report = json.loads((int4_ort / "reports" / "parity.json").read_text())
     assert report["passed"] and report["tolerance"]["min_token_match"] == 0.7
@@ -120,10 +134,17 @@ def test_graphs_are_judged_against_their_own_int4_weights(int4_ort: Path) -> Non
     report = json.loads((int4_ort / "reports" / "parity.json").read_text())
     quantized = report["quantized"]
     assert report["agreement_gates"] is False and quantized["passed"]
-    assert quantized["tolerance"]["logits_rtol"] == 1e-4 and quantized["targets"]["ort"]["tolerance"]["min_token_match"] == 1.0
+    assert (
+        quantized["tolerance"]["logits_rtol"] == 1e-4
+        and quantized["targets"]["ort"]["tolerance"]["min_token_match"] == 1.0
+    )
     portable = [t for t in quantized["tensors"] if t["target"] is None]
-    assert {t["graph"] for t in portable} == set(KINDS) and all(t["error"] <= t["atol"] + t["rtol"] * t["scale"] for t in portable)
-    assert max(t["error"] / (t["atol"] + t["rtol"] * t["scale"]) for t in portable) < 0.1  # fp32 rounding, far inside the limit
+    assert {t["graph"] for t in portable} == set(KINDS) and all(
+        t["error"] <= t["atol"] + t["rtol"] * t["scale"] for t in portable
+    )
+    assert (
+        max(t["error"] / (t["atol"] + t["rtol"] * t["scale"]) for t in portable) < 0.1
+    )  # fp32 rounding, far inside the limit
     assert {g["target"] for g in quantized["generation"]} == {None, "ort"}
     assert all(g["token_match_rate"] == 1.0 for g in quantized["generation"] if g["target"] is None)
     # the ORT set's prepacked MatMulNBits quantize activations to int8, as a user's session does
@@ -133,13 +154,20 @@ def test_graphs_are_judged_against_their_own_int4_weights(int4_ort: Path) -> Non
     assert ort and all(g["token_match_rate"] >= 0.9 and g["first_divergence"] is None and g["passed"] for g in ort)
     assert json.loads((int4_ort / "manifest.json").read_text())["parity"]["agreement"] == "record"
     markdown = (int4_ort / "reports" / "parity.md").read_text()
-    assert "| portable vs int4 weights | int4 |" in markdown and "| ort vs checkpoint (agreement, recorded only) | int4 |" in markdown
+    assert (
+        "| portable vs int4 weights | int4 |" in markdown
+        and "| ort vs checkpoint (agreement, recorded only) | int4 |" in markdown
+    )
     assert "## Tensors against the int4 weights' model" in markdown
     checked = check_dir(int4_ort)
-    assert checked.quantized is not None and checked.quantized.passed and not checked.agreement_gates  # as the export recorded
+    assert (
+        checked.quantized is not None and checked.quantized.passed and not checked.agreement_gates
+    )  # as the export recorded
 
 
-def test_int4_numbers_other_than_the_graphs_fail_where_agreement_passes(int4_ort: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int4_numbers_other_than_the_graphs_fail_where_agreement_passes(
+    int4_ort: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One weight's scales 2% off (PyTorch computing other numbers than the graphs): far inside
     int4's agreement with the checkpoint's model, and refused against the quantized model."""
     import dataclasses
@@ -164,13 +192,19 @@ def test_agreement_can_be_recorded_only_for_quantized_exports(tiny_ckpt: Path, t
     with pytest.raises(ConfigError) as err:
         plan(ExportOptions(precision=Precision.FP16, parity_agreement="record"))
     assert str(err.value) == (
-        "config: --parity-agreement record only applies to --int8, --fp8 or --int4 exports, whose graphs are also checked against PyTorch on their own quantized numbers; "
+        "config: --parity-agreement record only applies to --int8, --fp8 or --int4 exports, whose graphs are "
+        "also checked against PyTorch on their own quantized numbers; "
         "a fp16 export's only proof is its agreement with the checkpoint's model"
     )
     plan(ExportOptions(precision=Precision.INT8, calib_data="synthetic", parity_agreement="gate"))  # accepted
     base = ["export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out")]
-    assert config_error(*base, "--parity-agreement", "record").startswith("--parity-agreement record only applies to --int8, --fp8 or --int4 exports")
-    assert "'maybe' is not one of 'gate', 'record'" in CliRunner().invoke(main, [*base, "--parity-agreement", "maybe"]).output
+    assert config_error(*base, "--parity-agreement", "record").startswith(
+        "--parity-agreement record only applies to --int8, --fp8 or --int4 exports"
+    )
+    assert (
+        "'maybe' is not one of 'gate', 'record'"
+        in CliRunner().invoke(main, [*base, "--parity-agreement", "maybe"]).output
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -188,7 +222,12 @@ def test_manifest_matches_the_schema(int4_ort: Path) -> None:
 
 def test_gptq_with_fp16(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    options = ExportOptions(precision=Precision.of(Int4(block=32), Fp16()), calib_data=str(_ids(tmp_path / "calib.npy")), calib_samples=16, parity_tokens=8)
+    options = ExportOptions(
+        precision=Precision.of(Int4(block=32), Fp16()),
+        calib_data=str(_ids(tmp_path / "calib.npy")),
+        calib_samples=16,
+        parity_tokens=8,
+    )
     progress = RecordedProgress()
     result = export(ckpt, tmp_path / "out", options, progress)
     assert result.parity.passed and result.manifest.precision == "int4+fp16"
@@ -228,7 +267,11 @@ def test_gptq_hf_layer_by_layer_leaves_the_reference_as_it_was(tmp_path: Path, m
 
     monkeypatch.setattr(pipeline, "check_parity", recording)
     options = ExportOptions(
-        precision=Precision.of(Int4(block=16)), calib_data=str(_ids(tmp_path / "calib.npy", vocab=128)), calib_samples=8, parity_tokens=8, parity_agreement="record"
+        precision=Precision.of(Int4(block=16)),
+        calib_data=str(_ids(tmp_path / "calib.npy", vocab=128)),
+        calib_samples=8,
+        parity_tokens=8,
+        parity_agreement="record",
     )
     progress = RecordedProgress()
     result = pipeline.export_loaded(loaded, tmp_path / "out", options, progress)
@@ -242,8 +285,22 @@ def test_gptq_refuses_a_cross_attention_decoder(tmp_path: Path) -> None:
     anything is written, not a traceback from the model; round to nearest is not refused by it."""
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(cross_attention=True))
     calib = str(_ids(tmp_path / "calib.npy"))
-    line = config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--int4", "--calib-data", calib, "--calib-samples", "2")
-    assert line == "--int4-method gptq is not supported for cross-attention decoders yet: its calibration runs prompts without encoder_hidden_states; use --int4-method rtn"
+    line = config_error(
+        "export",
+        "--model",
+        str(ckpt),
+        "--out",
+        str(tmp_path / "out"),
+        "--int4",
+        "--calib-data",
+        calib,
+        "--calib-samples",
+        "2",
+    )
+    assert (
+        line == "--int4-method gptq is not supported for cross-attention decoders yet: its calibration runs prompts "
+        "without encoder_hidden_states; use --int4-method rtn"
+    )
     assert not (tmp_path / "out").exists()
     from kiln.plugins import load_model
 
@@ -300,23 +357,35 @@ def _rule_error(edit: str) -> str:
 def test_rule_check_names_what_is_wrong() -> None:
     assert "needs opset 21, the graph has 19" in _rule_error("opset")
     assert "scales must be finite and > 0" in _rule_error("scale")
-    assert "expected axis 0, a block_size dividing K=64 and scale [K/B, N]; found axis 0, block_size 24, scale (4, 8)" in _rule_error("block")
+    assert (
+        "expected axis 0, a block_size dividing K=64 and scale [K/B, N]; found axis 0, block_size 24, scale (4, 8)"
+        in _rule_error("block")
+    )
     assert "the zero point must be absent or a constant of zeros" in _rule_error("zero")
 
 
 def test_bad_combinations_are_one_line(tiny_ckpt: Path, tmp_path: Path) -> None:
     base = ["export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out")]
     assert config_error(*base, "--int4") == (
-        "--int4-method gptq (the default) needs --calib-data: a text file, .jsonl (field 'text') or .npy/.npz token ids; or pass --int4-method rtn"
+        "--int4-method gptq (the default) needs --calib-data: a text file, .jsonl (field 'text') or .npy/.npz "
+        "token ids; or pass --int4-method rtn"
     )
-    assert config_error(*base, "--int4", "--int8", "--calib-data", "synthetic") == "--int8 and --int4 are different precisions of the same MatMuls; choose one"
+    assert (
+        config_error(*base, "--int4", "--int8", "--calib-data", "synthetic")
+        == "--int8 and --int4 are different precisions of the same MatMuls; choose one"
+    )
     assert config_error(*base, "--int4-method", "rtn") == "--int4-method and --int4-block only apply to --int4 exports"
     assert config_error(*base, "--int4", "--int4-method", "rtn", "--calib-data", "synthetic") == (
         "--calib-data only applies to --int8, --fp8 and --int4 (method gptq) exports"
     )
-    assert "--target ort rewrites fp32 graphs" in config_error(*base, "--int4", "--fp16", "--int4-method", "rtn", "--target", "ort")
+    assert "--target ort rewrites fp32 graphs" in config_error(
+        *base, "--int4", "--fp16", "--int4-method", "rtn", "--target", "ort"
+    )
     assert "choose one" in config_error(*base, "--int4", "--int4-method", "rtn", "--target", "ort", "--ort-int8")
-    assert config_error(*base, "--int4-float", "*.fc2") == "--int4-float and --int4-all-matmuls only apply to --int4 exports"
+    assert (
+        config_error(*base, "--int4-float", "*.fc2")
+        == "--int4-float and --int4-all-matmuls only apply to --int4 exports"
+    )
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match="--int4-block must be one of 16, 32, 64, 128, 256, found 100"):
         ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN, block=100)))

@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import pytest
-from kiln_testing import save_base, tiny_config, write_checkpoint
 
 from kiln.errors import ParityError
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.precision.kinds import Int4
-from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.parity.int4_proof import NUMBERS_FILE, QuantizerNumbers, check_graph_weights, write_numbers
 from kiln.exporter.pipeline import export
+from kiln.exporter.precision.kinds import Int4
+from kiln.exporter.precision.kinds.int4 import Int4Method
+from kiln_testing import save_base, tiny_config, write_checkpoint
 
 _RTN = ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN)), target="ort", parity_tokens=16)
 
@@ -30,7 +30,9 @@ def test_a_random_llama_is_proved_on_the_quantizer_numbers(tmp_path: Path) -> No
     export(save_base("llama", tmp_path / "ckpt"), out, _RTN)
     report = json.loads((out / "reports" / "parity.json").read_text())
     quantized = report["quantized"]
-    assert quantized["passed"] and {g["target"] for g in quantized["generation"]} == {None, "ort"}, quantized["generation"]
+    assert quantized["passed"] and {g["target"] for g in quantized["generation"]} == {None, "ort"}, quantized[
+        "generation"
+    ]
     assert all(g["token_match_rate"] == 1.0 for g in quantized["generation"] if g["target"] is None)
     assert all(g["passed"] and g["first_divergence"] is None for g in quantized["generation"])
     assert not any(p.name == NUMBERS_FILE for p in out.rglob("*")) and not (tmp_path / NUMBERS_FILE).exists()
@@ -43,7 +45,9 @@ def _one_block_off(module: str, edit: Callable[[np.ndarray], np.ndarray]) -> Cal
 
     lazy = int4._lazy
 
-    def written(name: str, dtype: ir.DataType, shape: tuple[int, ...], make: Callable[[], ir.TensorProtocol]) -> ir.Value:
+    def written(
+        name: str, dtype: ir.DataType, shape: tuple[int, ...], make: Callable[[], ir.TensorProtocol]
+    ) -> ir.Value:
         if name != f"int4/{module}.scale":
             return lazy(name, dtype, shape, make)
         return lazy(name, dtype, shape, lambda: ir.tensor(edit(np.array(make().numpy()))))
@@ -63,10 +67,20 @@ def test_one_block_scale_off_is_refused_by_name(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(int4, "_lazy", _one_block_off("layers.0.attn.o_proj", _scale_block_off))
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     with pytest.raises(ParityError) as err:
-        export(ckpt, tmp_path / "out", ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN, block=16)), parity_tokens=4))
+        export(
+            ckpt,
+            tmp_path / "out",
+            ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN, block=16)), parity_tokens=4),
+        )
     message = str(err.value)
-    assert "exported int4 weights differ from the quantizer's numbers: portable prefill.onnx: /layers.0.attn.o_proj/MatMul/weight/DequantizeLinear:" in message, message
-    assert "layers.0.attn.o_proj's int4 weight differs from the quantizer's numbers at block 1 (rows 16-31), column 3: scale " in message, message
+    assert (
+        "exported int4 weights differ from the quantizer's numbers: portable prefill.onnx: "
+        "/layers.0.attn.o_proj/MatMul/weight/DequantizeLinear:" in message
+    ), message
+    assert (
+        "layers.0.attn.o_proj's int4 weight differs from the quantizer's numbers at block 1 (rows 16-31), column "
+        "3: scale " in message
+    ), message
     assert "where the quantizer made " in message and not (tmp_path / "out").exists()
 
 
@@ -80,7 +94,13 @@ def test_the_proof_refuses_it_without_the_weight_check(tmp_path: Path, monkeypat
     monkeypatch.setattr(pipeline, "check_graph_weights", lambda numbers, sets: None)
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     with pytest.raises(ParityError) as err:
-        export(ckpt, tmp_path / "out", ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN)), parity_tokens=4, parity_agreement="record"))
+        export(
+            ckpt,
+            tmp_path / "out",
+            ExportOptions(
+                precision=Precision.of(Int4(method=Int4Method.RTN)), parity_tokens=4, parity_agreement="record"
+            ),
+        )
     assert "against the int4 weights' model: " in str(err.value), str(err.value)
 
 
@@ -101,33 +121,52 @@ def test_an_ort_code_off_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.
     with pytest.raises(ParityError) as err:
         export(ckpt, tmp_path / "out", _RTN)
     message = str(err.value)
-    assert "ort prefill.ort.onnx: /layers.0.attn.qkv_proj/ort/packed/MatMulNBits (part 1, columns 32-47): layers.0.attn.k_proj's int4 weight" in message, message
+    assert (
+        "ort prefill.ort.onnx: /layers.0.attn.qkv_proj/ort/packed/MatMulNBits (part 1, columns 32-47): "
+        "layers.0.attn.k_proj's int4 weight" in message
+    ), message
     assert "block 0 (rows 0-31), column 8: code " in message and "at row 5 where the quantizer made" in message, message
 
 
 def test_check_names_a_missing_weight_and_an_unknown_one(tmp_path: Path) -> None:
     """A graph set missing one of the quantizer's weights, and one holding a weight the quantizer never made."""
     codes = np.arange(-8, 8, dtype=np.int8).repeat(4).reshape(32, 2)
-    packed = ((codes.reshape(-1)[0::2].astype(np.int16) & 0xF) | ((codes.reshape(-1)[1::2].astype(np.int16) & 0xF) << 4)).astype(np.uint8)
+    packed = (
+        (codes.reshape(-1)[0::2].astype(np.int16) & 0xF) | ((codes.reshape(-1)[1::2].astype(np.int16) & 0xF) << 4)
+    ).astype(np.uint8)
     scale = np.array([[0.5, 0.25], [1.0, 2.0]], np.float32)
     numbers = write_numbers(tmp_path / NUMBERS_FILE, [("a", packed, scale, (32, 2)), ("b", packed, scale, (32, 2))])
     q, got = numbers.numbers("a")
     assert np.array_equal(q, codes) and np.array_equal(got, scale)
     graph = _dq_graph(codes, scale, "a")
     ir.save(graph, tmp_path / "g.onnx")
-    assert check_graph_weights(numbers, [("portable", [tmp_path / "g.onnx"])]) == "portable: holds no int4 weight for ['b'], which the quantizer made numbers for"
+    assert (
+        check_graph_weights(numbers, [("portable", [tmp_path / "g.onnx"])])
+        == "portable: holds no int4 weight for ['b'], which the quantizer made numbers for"
+    )
     other: QuantizerNumbers = write_numbers(tmp_path / "z.safetensors", [("z", packed, scale, (32, 2))])
     found = check_graph_weights(other, [("portable", [tmp_path / "g.onnx"])])
-    assert found == "portable g.onnx: /a/MatMul/weight/DequantizeLinear: an int4 weight of 'a', which the quantizer made no numbers for", found
+    assert (
+        found
+        == "portable g.onnx: /a/MatMul/weight/DequantizeLinear: an int4 weight of 'a', which the quantizer made no "
+        "numbers for"
+    ), found
     numbers.close()
     assert not (tmp_path / NUMBERS_FILE).exists()
 
 
 def _dq_graph(codes: np.ndarray, scale: np.ndarray, module: str) -> ir.Model:
-    q = ir.Value(name="q", type=ir.TensorType(ir.DataType.INT4), shape=ir.Shape([32, 2]), const_value=ir.tensor(codes, dtype=ir.DataType.INT4, name="q"))
+    q = ir.Value(
+        name="q",
+        type=ir.TensorType(ir.DataType.INT4),
+        shape=ir.Shape([32, 2]),
+        const_value=ir.tensor(codes, dtype=ir.DataType.INT4, name="q"),
+    )
     s = ir.Value(name="s", const_value=ir.tensor(scale, name="s"))
     x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 32]))
-    dq = ir.node("DequantizeLinear", [q, s], {"axis": 0, "block_size": 16}, name=f"/{module}/MatMul/weight/DequantizeLinear")
+    dq = ir.node(
+        "DequantizeLinear", [q, s], {"axis": 0, "block_size": 16}, name=f"/{module}/MatMul/weight/DequantizeLinear"
+    )
     mm = ir.node("MatMul", [x, dq.outputs[0]], name=f"/{module}/MatMul")
     mm.outputs[0].name = "y"
     graph = ir.Graph([x], [mm.outputs[0]], nodes=[dq, mm], initializers=[q, s], opset_imports={"": 21})

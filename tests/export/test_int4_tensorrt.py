@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
 
 from kiln.cli import main
 from kiln.errors import EngineError
 from kiln.exporter.engine import BuildOptions, build_command
 from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.pipeline import export
 from kiln.exporter.precision.kinds import Int4
 from kiln.exporter.precision.kinds.int4 import Int4Method
-from kiln.exporter.pipeline import export
+from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
 
 REASON = (
     "int4 DequantizeLinear block_size 32, outside TensorRT's int4 block sizes (64, 128): "

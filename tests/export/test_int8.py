@@ -13,17 +13,17 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.calibration import mse_threshold
 from kiln.cli import main
 from kiln.errors import CalibrationError, ConfigError
 from kiln.exporter.check import check_dir
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.precision.kinds import Int8
-from kiln.exporter.plan import plan
 from kiln.exporter.pipeline import export
+from kiln.exporter.plan import plan
 from kiln.exporter.precision.int8 import check_qdq
+from kiln.exporter.precision.kinds import Int8
+from kiln_testing import tiny_config, write_checkpoint
 
 
 def _ids(path: Path, n: int = 4000, vocab: int = 101, seed: int = 0) -> Path:
@@ -36,7 +36,11 @@ def _ids(path: Path, n: int = 4000, vocab: int = 101, seed: int = 0) -> Path:
 
 def _int8(tmp: Path, **changes: object) -> ExportOptions:
     fields: dict[str, object] = dict(
-        precision=Precision.INT8, calib_data=str(_ids(tmp / "calib.npy")), calib_samples=8, calib_cache=tmp / "cache", parity_tokens=16
+        precision=Precision.INT8,
+        calib_data=str(_ids(tmp / "calib.npy")),
+        calib_samples=8,
+        calib_cache=tmp / "cache",
+        parity_tokens=16,
     )
     fields.update(changes)
     return ExportOptions(**fields)  # type: ignore[arg-type]
@@ -68,10 +72,14 @@ def test_qdq_structure(int8_export: Path) -> None:
         act, weight = (producers[i] for i in q_proj.input)
         assert act.op_type == weight.op_type == "DequantizeLinear"
         assert inits[act.input[1]].shape == ()  # activation: per tensor
-        assert inits[weight.input[0]].dtype == np.int8 and inits[weight.input[1]].shape == (inits[weight.input[0]].shape[1],)
+        assert inits[weight.input[0]].dtype == np.int8 and inits[weight.input[1]].shape == (
+            inits[weight.input[0]].shape[1],
+        )
         assert next(a.i for a in weight.attribute if a.name == "axis") == 1
         for name in ("/lm_head/MatMul", "/layers.0.attn/MatMul", "/layers.0.attn/MatMul_1"):
-            assert all(producers.get(i) is None or producers[i].op_type != "DequantizeLinear" for i in nodes[name].input), name
+            assert all(
+                producers.get(i) is None or producers[i].op_type != "DequantizeLinear" for i in nodes[name].input
+            ), name
 
 
 def test_manifest_parity_and_check(int8_export: Path) -> None:
@@ -130,10 +138,14 @@ def test_cache_reused_and_invalidated(tmp_path: Path) -> None:
     again = export(ckpt, tmp_path / "b", _int8(tmp_path, parity_tokens=4), progress).manifest.export.calibration
     assert (first["cache"], again["cache"], again["key"]) == ("written", "reused", first["key"])
     assert not [d for d in progress.stages if d.startswith("calibrate")]  # cached ranges: nothing to calibrate
-    other = export(ckpt, tmp_path / "c", _int8(tmp_path, parity_tokens=4, calib_method="percentile")).manifest.export.calibration
+    other = export(
+        ckpt, tmp_path / "c", _int8(tmp_path, parity_tokens=4, calib_method="percentile")
+    ).manifest.export.calibration
     assert other["cache"] == "written" and other["key"] != first["key"]
     other_data = _ids(tmp_path / "other.npy", seed=1)
-    data = export(ckpt, tmp_path / "d", _int8(tmp_path, parity_tokens=4, calib_data=str(other_data))).manifest.export.calibration
+    data = export(
+        ckpt, tmp_path / "d", _int8(tmp_path, parity_tokens=4, calib_data=str(other_data))
+    ).manifest.export.calibration
     assert data["cache"] == "written" and data["key"] not in (first["key"], other["key"])
     assert len(list((tmp_path / "cache").glob("*.json"))) == 3
 
@@ -145,7 +157,14 @@ def test_int8_fp16_demo_with_other_methods(tmp_path: Path, method: str) -> None:
     from kiln.plugins import resolve_checkpoint
 
     text = resolve_checkpoint("demo") / "heldout.txt"
-    options = _int8(tmp_path, precision=Precision.INT8_FP16, calib_method=method, calib_data=str(text), calib_samples=32, parity_tokens=64)
+    options = _int8(
+        tmp_path,
+        precision=Precision.INT8_FP16,
+        calib_method=method,
+        calib_data=str(text),
+        calib_samples=32,
+        parity_tokens=64,
+    )
     result = export("demo", tmp_path / "out", options)
     assert result.parity.passed and result.manifest.precision == "int8+fp16"
     model = onnx.load(tmp_path / "out" / "onnx" / "decode.onnx")
@@ -156,7 +175,9 @@ def test_int8_fp16_demo_with_other_methods(tmp_path: Path, method: str) -> None:
 
 def test_all_matmuls(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    manifest = export(ckpt, tmp_path / "out", _int8(tmp_path, precision=Precision.of(Int8(all_matmuls=True)), parity_tokens=4)).manifest.to_json()
+    manifest = export(
+        ckpt, tmp_path / "out", _int8(tmp_path, precision=Precision.of(Int8(all_matmuls=True)), parity_tokens=4)
+    ).manifest.to_json()
     assert "/lm_head/MatMul" in manifest["graphs"]["decode"]["passes"]["int8"]["nodes"]
 
 
@@ -187,9 +208,13 @@ def test_bad_calibration_inputs(tmp_path: Path) -> None:
     np.save(tmp_path / "empty.npy", np.zeros(0, dtype=np.int64))
     assert "the calibration data is empty" in _error(*base, "--calib-data", str(tmp_path / "empty.npy"))
     np.save(tmp_path / "big.npy", np.array([1, 2, 500, 3]))
-    assert "1 token ids are outside the vocabulary [0, 101) (e.g. 500)" in _error(*base, "--calib-data", str(tmp_path / "big.npy"))
+    assert "1 token ids are outside the vocabulary [0, 101) (e.g. 500)" in _error(
+        *base, "--calib-data", str(tmp_path / "big.npy")
+    )
     (tmp_path / "text.txt").write_text("def f(x):\n    return x\n")
-    assert "text calibration data needs the checkpoint's tokenizer.json" in _error(*base, "--calib-data", str(tmp_path / "text.txt"))
+    assert "text calibration data needs the checkpoint's tokenizer.json" in _error(
+        *base, "--calib-data", str(tmp_path / "text.txt")
+    )
     assert "calibration data file not found" in _error(*base, "--calib-data", str(tmp_path / "nope.txt"))
     bad = CliRunner().invoke(main, [*base, "--calib-data", "synthetic", "--calib-method", "kl"])
     assert bad.exit_code == 2 and "'kl' is not one of 'max', 'percentile', 'entropy', 'mse'" in bad.stderr
@@ -206,7 +231,10 @@ def test_tokenizer_that_does_not_match(tmp_path: Path) -> None:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tok.train_from_iterator(["def f(x): return x * 2\n" * 50], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        ["def f(x): return x * 2\n" * 50],
+        trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     tok.save(str(ckpt / "tokenizer.json"))
     (tmp_path / "text.txt").write_text("def f(x):\n    return x\n" * 20)

@@ -12,7 +12,19 @@ import pytest
 
 
 def _start(ckpt: Path, out: Path) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "kiln.cli", "export", "--model", str(ckpt), "--out", str(out), "--json", "--parity-tokens", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.cli",
+        "export",
+        "--model",
+        str(ckpt),
+        "--out",
+        str(out),
+        "--json",
+        "--parity-tokens",
+        "4",
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -36,7 +48,9 @@ def test_signal_mid_export_leaves_nothing(tiny_ckpt: Path, tmp_path: Path, sig: 
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig
     assert "Traceback" not in stderr
-    assert stderr.strip().splitlines()[-1] == f"interrupted ({sig.name}): nothing was written"  # the same line for both signals
+    assert (
+        stderr.strip().splitlines()[-1] == f"interrupted ({sig.name}): nothing was written"
+    )  # the same line for both signals
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary directory, no lock file
 
@@ -45,14 +59,19 @@ def test_concurrent_exports_one_wins(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     first = _start(tiny_ckpt, out)
     _wait_for_staging(tmp_path, "out", first)
-    first.send_signal(signal.SIGSTOP)  # held mid-export while the second runs: a fast first export (a cached trace) ended before the second looked
+    first.send_signal(
+        signal.SIGSTOP
+    )  # held mid-export while the second runs: a fast first export (a cached trace) ended before the second looked
     try:
         second = _start(tiny_ckpt, out)
         _, err2 = second.communicate(timeout=120)
     finally:
         first.send_signal(signal.SIGCONT)
     assert second.returncode == 1
-    assert err2.strip().splitlines() == [f"error: artifacts: {out}: another kiln process is writing this directory (pid {first.pid}, lock {tmp_path / '.out.lock'}); wait for it or choose another --out"]
+    assert err2.strip().splitlines() == [
+        f"error: artifacts: {out}: another kiln process is writing this directory (pid {first.pid}, lock "
+        f"{tmp_path / '.out.lock'}); wait for it or choose another --out"
+    ]
     _, err1 = first.communicate(timeout=300)
     assert first.returncode == 0, err1
     assert (out / "manifest.json").is_file() and (out / "onnx" / "weights.bin").is_file()

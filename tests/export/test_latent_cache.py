@@ -15,19 +15,22 @@ from pathlib import Path
 
 import pytest
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])"
+)
 
 import torch
 from click.testing import CliRunner
 from jsonschema import Draft202012Validator
+
 from kiln.cli import main
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.artifacts.structure import structure_problems
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.precision.kinds.int4 import Int4, Int4Method
 from kiln.exporter.pipeline import export
+from kiln.exporter.precision.kinds.int4 import Int4, Int4Method
 from kiln.exporter.serving.genai import genai_config
 from kiln.exporter.support import refusal
 from kiln.plugins.base import DecoderSpec
@@ -64,11 +67,20 @@ def test_the_graphs_and_the_manifest_carry_the_latent_and_the_rope_key(v3: tuple
     ]
     for kind in (GraphKind.DECODE, GraphKind.UNIFIED):
         inputs = {t.name: list(t.shape) for t in manifest.graph(kind).inputs}
-        assert inputs["past_key_values.1.key"] == ["batch", 1, "past_seq", RANK] and inputs["past_key_values.1.value"] == ["batch", 1, "past_seq", ROPE], inputs
+        assert inputs["past_key_values.1.key"] == ["batch", 1, "past_seq", RANK] and inputs[
+            "past_key_values.1.value"
+        ] == ["batch", 1, "past_seq", ROPE], inputs
     outputs = {t.name: list(t.shape) for t in manifest.graph(GraphKind.PREFILL).outputs}
-    assert outputs["present.0.key"] == ["batch", 1, "seq", RANK] and outputs["present.0.value"] == ["batch", 1, "seq", ROPE], outputs
+    assert outputs["present.0.key"] == ["batch", 1, "seq", RANK] and outputs["present.0.value"] == [
+        "batch",
+        1,
+        "seq",
+        ROPE,
+    ], outputs
     raw = json.loads((v3[1] / "manifest.json").read_text())
-    validator = Draft202012Validator(json.loads(resources.files("kiln.exporter.artifacts").joinpath("manifest.schema.json").read_text()))
+    validator = Draft202012Validator(
+        json.loads(resources.files("kiln.exporter.artifacts").joinpath("manifest.schema.json").read_text())
+    )
     assert [e.message for e in validator.iter_errors(raw)] == []
     raw["kv_cache"]["tensors"][0]["span"] = "forever"  # the schema can refuse one
     assert [e.message for e in validator.iter_errors(raw)] != []
@@ -83,21 +95,38 @@ def test_kiln_verify_checks_the_layout_against_the_graphs(v3: tuple[Path, Path],
     manifest = manifest_mod.read(v3[1])
     assert structure_problems(v3[1], manifest) == []
     tensors = manifest.kv_cache.tensors or ()
-    wrong = dataclasses.replace(manifest, kv_cache=dataclasses.replace(manifest.kv_cache, tensors=(dataclasses.replace(tensors[0], width=16), *tensors[1:])))
+    wrong = dataclasses.replace(
+        manifest,
+        kv_cache=dataclasses.replace(
+            manifest.kv_cache, tensors=(dataclasses.replace(tensors[0], width=16), *tensors[1:])
+        ),
+    )
     problems = structure_problems(v3[1], wrong)
-    assert any("kv_cache.tensors gives present.0.key 1 heads of 16, but graph onnx/prefill.onnx has 1 of 32" in p for p in problems), problems
+    assert any(
+        "kv_cache.tensors gives present.0.key 1 heads of 16, but graph onnx/prefill.onnx has 1 of 32" in p
+        for p in problems
+    ), problems
     missing = dataclasses.replace(manifest, kv_cache=dataclasses.replace(manifest.kv_cache, tensors=tensors[:-1]))
-    assert any("has present.1.value, which kv_cache.tensors does not list" in p for p in structure_problems(v3[1], missing))
+    assert any(
+        "has present.1.value, which kv_cache.tensors does not list" in p for p in structure_problems(v3[1], missing)
+    )
 
 
 def test_kiln_generate_equals_transformers_generate(v3: tuple[Path, Path]) -> None:
     ckpt, out = v3
     prompt = [5, 17, 33, 9, 101, 64, 3, 88, 12]
-    result = CliRunner().invoke(main, ["generate", str(out), "--ids", ",".join(map(str, prompt)), "--max-new-tokens", "16", "--ignore-eos", "--json"])
+    result = CliRunner().invoke(
+        main,
+        ["generate", str(out), "--ids", ",".join(map(str, prompt)), "--max-new-tokens", "16", "--ignore-eos", "--json"],
+    )
     assert result.exit_code == 0, result.output
-    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
-        want = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt) :]
+        want = hf.generate(
+            input_ids=torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None
+        )[0, len(prompt) :]
     assert json.loads(result.stdout)["tokens"] == want.tolist()
 
 
@@ -115,24 +144,41 @@ def _spec(case: str) -> DecoderSpec:
 def test_the_onnx_target_refuses_the_latent_cache_by_name() -> None:
     spec = _spec("deepseek-v3")
     why = refusal(spec, {"target": "onnx"})
-    assert why is not None and "--target onnx is not supported for a latent cache (multi-head latent attention)" in why, why
+    assert (
+        why is not None and "--target onnx is not supported for a latent cache (multi-head latent attention)" in why
+    ), why
     assert refusal(spec, {"target": "ort"}) is None and refusal(spec, {}) is None
 
 
 def test_the_latent_cache_is_smaller_per_token_than_multi_head_keys_and_values() -> None:
-    """What a token costs in the cache: the latent and the rope key, against keys and values of every head at the same sizes."""
+    """What a token costs in the cache: the latent and the rope key, against keys and values of
+    every head at the same sizes."""
     spec = _spec("deepseek-v3")
     heads, key_width = 4, 16 + ROPE  # the tiny model's heads and qk_nope_head_dim + qk_rope_head_dim
     assert spec.cache_layout.per_token() == 2 * (RANK + ROPE)
-    assert dataclasses.replace(spec, cache=None, n_kv_heads=heads, head_dim=key_width).cache_layout.per_token() == 2 * 2 * heads * key_width
+    assert (
+        dataclasses.replace(spec, cache=None, n_kv_heads=heads, head_dim=key_width).cache_layout.per_token()
+        == 2 * 2 * heads * key_width
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("case", "method"), [("deepseek-v2", Int4Method.RTN), ("deepseek-v3", Int4Method.RTN), ("deepseek-v3", Int4Method.GPTQ)])
+@pytest.mark.parametrize(
+    ("case", "method"),
+    [("deepseek-v2", Int4Method.RTN), ("deepseek-v3", Int4Method.RTN), ("deepseek-v3", Int4Method.GPTQ)],
+)
 def test_int4_passes_its_parity(case: str, method: Int4Method, tmp_path: Path) -> None:
-    """int4 (RTN, and GPTQ on synthetic calibration tokens) meets its own parity: tensors and teacher-forced tokens, batch 1 and a left-padded batch."""
+    """int4 (RTN, and GPTQ on synthetic calibration tokens) meets its own parity: tensors and
+    teacher-forced tokens, batch 1 and a left-padded batch."""
     ckpt = _save(case, tmp_path / "ckpt")
     calib = {"calib_data": "synthetic"} if method is Int4Method.GPTQ else {}
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.of(Int4(method=method)), **calib))
+    result = export(
+        ckpt,
+        tmp_path / "out",
+        ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.of(Int4(method=method)), **calib),
+    )
     assert result.parity.passed, result.parity.failures()
-    assert result.manifest.kv_cache.kind == "latent" and result.manifest.kv_cache.tensors == manifest_mod.read(tmp_path / "out").kv_cache.tensors
+    assert (
+        result.manifest.kv_cache.kind == "latent"
+        and result.manifest.kv_cache.tensors == manifest_mod.read(tmp_path / "out").kv_cache.tensors
+    )

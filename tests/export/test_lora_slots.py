@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])"
+)
 peft = pytest.importorskip("peft", reason="LoRA adapters need peft (pip install -e .[hf])")
 
 import onnx  # noqa: E402
@@ -29,9 +31,9 @@ from click.testing import CliRunner  # noqa: E402
 from jsonschema import Draft202012Validator  # noqa: E402
 
 from kiln.cli import main  # noqa: E402
+from kiln.exporter.artifacts.manifest import read  # noqa: E402
 from kiln.exporter.contract.io import GraphKind  # noqa: E402
 from kiln.exporter.lora.adapter_file import read_adapter_file  # noqa: E402
-from kiln.exporter.artifacts.manifest import read  # noqa: E402
 from kiln.exporter.options import ExportOptions, Precision  # noqa: E402
 from kiln.exporter.parity import greedy, make_prompts  # noqa: E402
 from kiln.exporter.pipeline import export  # noqa: E402
@@ -51,7 +53,9 @@ def slots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths = {
         "ckpt": ckpt,
         "wide": make_adapter(ckpt, root / "wide", ALL, seed=2),
-        "narrow": make_adapter(ckpt, root / "narrow", ["q_proj", "v_proj"], seed=3, r=2, lora_alpha=4, use_rslora=True, scale=0.3),
+        "narrow": make_adapter(
+            ckpt, root / "narrow", ["q_proj", "v_proj"], seed=3, r=2, lora_alpha=4, use_rslora=True, scale=0.3
+        ),
         "out": root / "out",
     }
     result = export(ckpt, paths["out"], ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8))
@@ -60,7 +64,9 @@ def slots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         run = CliRunner().invoke(main, ["adapter", str(paths[name]), "--export", str(paths["out"]), "--json"])
         assert run.exit_code == 0, run.output
         summary = json.loads(run.output[run.output.index("{") :])
-        assert summary["parity"]["passed"] and summary["file"] == str(paths[name].with_name(f"{name}.onnx_adapter").absolute())
+        assert summary["parity"]["passed"] and summary["file"] == str(
+            paths[name].with_name(f"{name}.onnx_adapter").absolute()
+        )
         paths[f"{name}_file"] = Path(summary["file"])
     return paths
 
@@ -69,12 +75,25 @@ def test_every_linear_but_the_head_has_a_slot(slots: dict[str, Path]) -> None:
     manifest = read(slots["out"])
     lora = manifest.lora
     assert lora is not None and (lora.max_rank, lora.dtype) == (8, "float32")
-    assert [s.module for s in lora.slots] == [f"model.layers.{i}.{p}.{m}" for i in range(2) for p, m in [*(("self_attn", m) for m in ALL[:4]), *(("mlp", m) for m in ALL[4:])]]
+    assert [s.module for s in lora.slots] == [
+        f"model.layers.{i}.{p}.{m}"
+        for i in range(2)
+        for p, m in [*(("self_attn", m) for m in ALL[:4]), *(("mlp", m) for m in ALL[4:])]
+    ]
     q = lora.slots[0]
-    assert (q.in_features, q.out_features, q.a, q.b, q.rank_dim) == (64, 64, "model.layers.0.self_attn.q_proj.lora_A", "model.layers.0.self_attn.q_proj.lora_B", "model.layers.0.self_attn.q_proj.rank")
+    assert (q.in_features, q.out_features, q.a, q.b, q.rank_dim) == (
+        64,
+        64,
+        "model.layers.0.self_attn.q_proj.lora_A",
+        "model.layers.0.self_attn.q_proj.lora_B",
+        "model.layers.0.self_attn.q_proj.rank",
+    )
     assert (lora.slots[1].out_features, lora.slots[6].in_features) == (32, 128)  # k_proj of 2 KV heads; down_proj
     schema = json.loads(resources.files("kiln.exporter.artifacts").joinpath("manifest.schema.json").read_text())
-    assert not [e.message for e in Draft202012Validator(schema).iter_errors(json.loads((slots["out"] / "manifest.json").read_text()))]
+    assert not [
+        e.message
+        for e in Draft202012Validator(schema).iter_errors(json.loads((slots["out"] / "manifest.json").read_text()))
+    ]
     for kind in GraphKind.PREFILL, GraphKind.DECODE, GraphKind.UNIFIED:
         graph = onnx.load(str(slots["out"] / manifest.graph(kind).file), load_external_data=False)
         inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
@@ -106,7 +125,12 @@ def _assert_tokens(out: Path, ckpt: Path, adapter: Path | None, file: Path | Non
 
 def test_each_adapter_generates_peft_s_tokens(slots: dict[str, Path]) -> None:
     """Each adapter's PEFT tokens; nothing fed: the base model's; all three differ."""
-    seen = [_assert_tokens(slots["out"], slots["ckpt"], slots[name] if name else None, slots[f"{name}_file"] if name else None) for name in ("wide", "narrow", None)]
+    seen = [
+        _assert_tokens(
+            slots["out"], slots["ckpt"], slots[name] if name else None, slots[f"{name}_file"] if name else None
+        )
+        for name in ("wide", "narrow", None)
+    ]
     assert seen[0] != seen[2] and seen[1] != seen[2] and seen[0] != seen[1]  # each adapter changes the tokens
 
 
@@ -129,16 +153,36 @@ def test_architectures_swap_adapters(case: str, tmp_path: Path) -> None:
     adapter = make_adapter(ckpt, tmp_path / "adapter", targets, seed=2)
     options = ExportOptions(max_batch=4, parity_tokens=8, lora_slots=4, precision=Precision.parse(precision))
     assert export(ckpt, tmp_path / "out", options).parity.passed
-    run = CliRunner().invoke(main, ["adapter", str(adapter), "--export", str(tmp_path / "out"), "--out", str(tmp_path / "a.onnx_adapter")])
+    run = CliRunner().invoke(
+        main, ["adapter", str(adapter), "--export", str(tmp_path / "out"), "--out", str(tmp_path / "a.onnx_adapter")]
+    )
     assert run.exit_code == 0 and "parity passed" in run.output, run.output
     dtype = read(tmp_path / "out").lora.dtype  # type: ignore[union-attr]
     assert dtype == ("float16" if precision == "fp16" else "float32")
-    if precision == "fp16":  # fp16 graphs: kiln adapter's parity (fp16 tolerances) is the proof; greedy ties may flip against fp32 PEFT
+    if (
+        precision == "fp16"
+    ):  # fp16 graphs: kiln adapter's parity (fp16 tolerances) is the proof; greedy ties may flip against fp32 PEFT
         return
-    other = make_adapter(ckpt, tmp_path / "other", targets[-2:], seed=5, r=2, scale=0.3)  # a second adapter on fewer modules (the MLP), another rank
-    run = CliRunner().invoke(main, ["adapter", str(other), "--export", str(tmp_path / "out"), "--out", str(tmp_path / "b.onnx_adapter"), "--no-check"])
+    other = make_adapter(
+        ckpt, tmp_path / "other", targets[-2:], seed=5, r=2, scale=0.3
+    )  # a second adapter on fewer modules (the MLP), another rank
+    run = CliRunner().invoke(
+        main,
+        [
+            "adapter",
+            str(other),
+            "--export",
+            str(tmp_path / "out"),
+            "--out",
+            str(tmp_path / "b.onnx_adapter"),
+            "--no-check",
+        ],
+    )
     assert run.exit_code == 0 and "parity" not in run.output, run.output
-    seen = [_assert_tokens(tmp_path / "out", ckpt, a, f) for a, f in ((adapter, tmp_path / "a.onnx_adapter"), (other, tmp_path / "b.onnx_adapter"), (None, None))]
+    seen = [
+        _assert_tokens(tmp_path / "out", ckpt, a, f)
+        for a, f in ((adapter, tmp_path / "a.onnx_adapter"), (other, tmp_path / "b.onnx_adapter"), (None, None))
+    ]
     assert seen[0] != seen[2] and seen[1] != seen[2] and seen[0] != seen[1]
 
 
@@ -192,26 +236,77 @@ def test_kiln_check_adapter_and_a_changed_slot_fails(slots: dict[str, Path], tmp
 def test_refusals(slots: dict[str, Path], tmp_path: Path) -> None:
     ckpt, out = slots["ckpt"], str(slots["out"])
     head = make_adapter(ckpt, tmp_path / "head", ["q_proj", "lm_head"], seed=4)
-    assert config_error("adapter", str(head), "--export", out) == f"--adapter {head}: the export has no LoRA slot for lm_head (slots: every Linear but the output head, or those --lora-targets names); merge this adapter with kiln export --adapter"
+    assert (
+        config_error("adapter", str(head), "--export", out)
+        == f"--adapter {head}: the export has no LoRA slot for lm_head (slots: every Linear but the output head, or "
+        "those --lora-targets names); merge this adapter with kiln export --adapter"
+    )
     big = make_adapter(ckpt, tmp_path / "big", ["q_proj"], seed=4, r=16)
-    assert config_error("adapter", str(big), "--export", out) == f"--adapter {big}: its rank 16 exceeds the export's --lora-slots 8; export again with --lora-slots 16 or more"
-    assert config_error("adapter", str(slots["wide"]), "--export", out) == f"{slots['wide_file']}: already exists; pass --force to replace it"
+    assert (
+        config_error("adapter", str(big), "--export", out)
+        == f"--adapter {big}: its rank 16 exceeds the export's --lora-slots 8; export again with --lora-slots 16 or "
+        "more"
+    )
+    assert (
+        config_error("adapter", str(slots["wide"]), "--export", out)
+        == f"{slots['wide_file']}: already exists; pass --force to replace it"
+    )
     dora = make_adapter(ckpt, tmp_path / "dora", ["q_proj"], seed=4, use_dora=True)
-    assert config_error("adapter", str(dora), "--export", out).startswith(f"--adapter {dora}: use_dora=True is not supported")
+    assert config_error("adapter", str(dora), "--export", out).startswith(
+        f"--adapter {dora}: use_dora=True is not supported"
+    )
     assert not list(tmp_path.glob("*.onnx_adapter")) and not list(tmp_path.glob(".*kiln-tmp"))
     bogus = tmp_path / "bogus.onnx_adapter"
     bogus.write_bytes(b"not an adapter")
     run = CliRunner().invoke(main, ["generate", out, "--ids", "5,6", "--adapter", str(bogus)])
     assert run.exit_code == 1 and f"--adapter {bogus}: not an ONNX Runtime adapter file" in run.output, run.output
-    assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-slots", "4", "--int8", "--calib-data", "synthetic") == (
-        "--lora-slots with int8: slots are built on float and int4 (weight-only) bases only; int8 and fp8 quantize the activations the adapters would read"
+    assert config_error(
+        "export",
+        "--model",
+        str(ckpt),
+        "--out",
+        str(tmp_path / "x"),
+        "--lora-slots",
+        "4",
+        "--int8",
+        "--calib-data",
+        "synthetic",
+    ) == (
+        "--lora-slots with int8: slots are built on float and int4 (weight-only) bases only; int8 and fp8 "
+        "quantize the activations the adapters would read"
     )
-    assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-slots", "4", "--adapter", str(slots["wide"])).startswith("--lora-slots with --adapter: either merge")
-    assert config_error("export", "--model", "demo", "--out", str(tmp_path / "x"), "--lora-slots", "4").startswith("--lora-slots: kiln writes LoRA slots on Hugging Face decoder checkpoints only")
-    assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-slots", "4", "--lora-targets", "q_proj,qproj") == (
-        "--lora-targets: qproj names no Linear of the model that can take a slot; it has down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"
+    assert config_error(
+        "export",
+        "--model",
+        str(ckpt),
+        "--out",
+        str(tmp_path / "x"),
+        "--lora-slots",
+        "4",
+        "--adapter",
+        str(slots["wide"]),
+    ).startswith("--lora-slots with --adapter: either merge")
+    assert config_error("export", "--model", "demo", "--out", str(tmp_path / "x"), "--lora-slots", "4").startswith(
+        "--lora-slots: kiln writes LoRA slots on Hugging Face decoder checkpoints only"
     )
-    assert config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-targets", "q_proj") == "--lora-targets only applies with --lora-slots RANK"
+    assert config_error(
+        "export",
+        "--model",
+        str(ckpt),
+        "--out",
+        str(tmp_path / "x"),
+        "--lora-slots",
+        "4",
+        "--lora-targets",
+        "q_proj,qproj",
+    ) == (
+        "--lora-targets: qproj names no Linear of the model that can take a slot; it has down_proj, gate_proj, "
+        "k_proj, o_proj, q_proj, up_proj, v_proj"
+    )
+    assert (
+        config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-targets", "q_proj")
+        == "--lora-targets only applies with --lora-slots RANK"
+    )
     assert not (tmp_path / "x").exists()
 
 
@@ -222,14 +317,24 @@ def test_adapter_out_never_replaces_what_it_reads_or_a_user_file(slots: dict[str
     ckpt, out, adapter = slots["ckpt"], slots["out"], slots["narrow"]
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
-    inside = {out / "onnx" / "weights.bin": out, out / "new.onnx_adapter": out, adapter / "adapter_model.safetensors": adapter, ckpt / "model.safetensors": ckpt}
+    inside = {
+        out / "onnx" / "weights.bin": out,
+        out / "new.onnx_adapter": out,
+        adapter / "adapter_model.safetensors": adapter,
+        ckpt / "model.safetensors": ckpt,
+    }
     for path, source in inside.items():
         before = path.read_bytes() if path.exists() else None
-        message = config_error("adapter", str(adapter), "--export", str(out), "--no-check", "--out", str(path), "--force")
+        message = config_error(
+            "adapter", str(adapter), "--export", str(out), "--no-check", "--out", str(path), "--force"
+        )
         assert message == f"{path}: inside {source}, which this command reads; --out names a file outside it"
         assert (path.read_bytes() if path.exists() else None) == before
-    assert config_error("adapter", str(adapter), "--export", str(out), "--no-check", "--out", str(notes), "--force") == (
-        f"{notes}: --force replaces only an ONNX Runtime adapter file (*.onnx_adapter) kiln wrote, and this is another file; nothing was replaced"
+    assert config_error(
+        "adapter", str(adapter), "--export", str(out), "--no-check", "--out", str(notes), "--force"
+    ) == (
+        f"{notes}: --force replaces only an ONNX Runtime adapter file (*.onnx_adapter) kiln wrote, and this is "
+        "another file; nothing was replaced"
     )
     assert notes.read_text() == "mine"
 
@@ -245,26 +350,50 @@ def test_adapter_never_writes_through_a_planted_temporary_name(slots: dict[str, 
     (target / ".q.onnx_adapter.partial").symlink_to(victim)
     (target / ".r.onnx_adapter.partial").write_text("also the user's")
     for name in ("q", "r"):
-        run = CliRunner().invoke(main, ["adapter", str(slots["narrow"]), "--export", str(slots["out"]), "--no-check", "--out", str(target / f"{name}.onnx_adapter")])
+        run = CliRunner().invoke(
+            main,
+            [
+                "adapter",
+                str(slots["narrow"]),
+                "--export",
+                str(slots["out"]),
+                "--no-check",
+                "--out",
+                str(target / f"{name}.onnx_adapter"),
+            ],
+        )
         assert run.exit_code == 0, run.output
         written = target / f"{name}.onnx_adapter"
         assert written.is_file() and not written.is_symlink()
-        got, expected = (read_adapter_file(path, read(slots["out"]).lora, "test") for path in (written, slots["narrow_file"]))
+        got, expected = (
+            read_adapter_file(path, read(slots["out"]).lora, "test") for path in (written, slots["narrow_file"])
+        )
         assert set(got) == set(expected) and all(np.array_equal(got[n], expected[n]) for n in expected)
     assert victim.read_text() == "the user's" and (target / ".q.onnx_adapter.partial").is_symlink()
     assert (target / ".r.onnx_adapter.partial").read_text() == "also the user's"
-    assert sorted(p.name for p in target.iterdir()) == [".q.onnx_adapter.partial", ".r.onnx_adapter.partial", "q.onnx_adapter", "r.onnx_adapter"]
+    assert sorted(p.name for p in target.iterdir()) == [
+        ".q.onnx_adapter.partial",
+        ".r.onnx_adapter.partial",
+        "q.onnx_adapter",
+        "r.onnx_adapter",
+    ]
 
 
 def test_lora_targets_slot_those_modules_only(slots: dict[str, Path], tmp_path: Path) -> None:
     """--lora-targets q_proj,v_proj: slots on those only; the narrow adapter (q_proj, v_proj)
     converts and generates PEFT's tokens, the wide one is refused by its first unslotted module."""
     out = tmp_path / "qv"
-    assert export(slots["ckpt"], out, ExportOptions(max_batch=4, parity_tokens=4, lora_slots=4, lora_targets=("q_proj", "v_proj"))).parity.passed
+    assert export(
+        slots["ckpt"], out, ExportOptions(max_batch=4, parity_tokens=4, lora_slots=4, lora_targets=("q_proj", "v_proj"))
+    ).parity.passed
     written = read(out).lora.slots  # type: ignore[union-attr]
     assert [s.module.rsplit(".", 2)[-1] for s in written] == ["q_proj", "v_proj"] * 2
-    assert config_error("adapter", str(slots["wide"]), "--export", str(out), "--no-check").startswith(f"--adapter {slots['wide']}: the export has no LoRA slot for model.layers.0.mlp.down_proj")
-    run = CliRunner().invoke(main, ["adapter", str(slots["narrow"]), "--export", str(out), "--out", str(tmp_path / "n.onnx_adapter")])
+    assert config_error("adapter", str(slots["wide"]), "--export", str(out), "--no-check").startswith(
+        f"--adapter {slots['wide']}: the export has no LoRA slot for model.layers.0.mlp.down_proj"
+    )
+    run = CliRunner().invoke(
+        main, ["adapter", str(slots["narrow"]), "--export", str(out), "--out", str(tmp_path / "n.onnx_adapter")]
+    )
     assert run.exit_code == 0, run.output
     _assert_tokens(out, slots["ckpt"], slots["narrow"], tmp_path / "n.onnx_adapter")
 
@@ -276,23 +405,50 @@ def test_an_export_without_slots_is_refused(tmp_path: Path) -> None:
     adapter = make_adapter(ckpt, tmp_path / "adapter", ["q_proj"], seed=2)
     export(ckpt, tmp_path / "plain", ExportOptions(max_batch=2, parity_tokens=4))
     assert read_manifest(tmp_path / "plain").lora is None
-    assert config_error("adapter", str(adapter), "--export", str(tmp_path / "plain")).startswith(f"--adapter {adapter}: {tmp_path / 'plain'} has no LoRA slots")
-    assert config_error("check", str(tmp_path / "plain"), "--adapter", str(adapter)).startswith(f"--adapter {adapter}: {tmp_path / 'plain'} has no LoRA slots")
+    assert config_error("adapter", str(adapter), "--export", str(tmp_path / "plain")).startswith(
+        f"--adapter {adapter}: {tmp_path / 'plain'} has no LoRA slots"
+    )
+    assert config_error("check", str(tmp_path / "plain"), "--adapter", str(adapter)).startswith(
+        f"--adapter {adapter}: {tmp_path / 'plain'} has no LoRA slots"
+    )
 
 
 def test_bench_times_an_adapter_beside_rank_0(slots: dict[str, Path], tmp_path: Path) -> None:
     """kiln bench --adapter: the export's rank-0 row and the same graphs with the adapter bound
     (what the adapter's slots cost); timings are not asserted, only that both rows ran."""
     out, file = str(slots["out"]), str(slots["wide_file"])
-    run = CliRunner().invoke(main, ["bench", out, "--adapter", file, "--runs", "3", "--no-torch", "--no-roofline", "--past", "8", "--prefill-seq", "8", "--json"])
+    run = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            out,
+            "--adapter",
+            file,
+            "--runs",
+            "3",
+            "--no-torch",
+            "--no-roofline",
+            "--past",
+            "8",
+            "--prefill-seq",
+            "8",
+            "--json",
+        ],
+    )
     assert run.exit_code == 0, run.output
     result = json.loads(run.output[run.output.index("{") :])
     labels = ["kiln fp32 (out)", "kiln fp32 (out) + wide.onnx_adapter"]
-    assert [d["label"] for d in result["directories"]] == labels and all(result["median_ms"][k][lab] > 0 for k in ("prefill", "decode") for lab in labels)
+    assert [d["label"] for d in result["directories"]] == labels and all(
+        result["median_ms"][k][lab] > 0 for k in ("prefill", "decode") for lab in labels
+    )
     plain = tmp_path / "plain"
     export(slots["ckpt"], plain, ExportOptions(max_batch=2, parity_tokens=4))
     run = CliRunner().invoke(main, ["bench", str(plain), "--adapter", file, "--runs", "3", "--no-torch"])
-    assert run.exit_code == 1 and f"--adapter {file}: no directory given is a kiln export with LoRA slots (kiln export --lora-slots RANK)" in run.output, run.output
+    assert (
+        run.exit_code == 1
+        and f"--adapter {file}: no directory given is a kiln export with LoRA slots (kiln export --lora-slots RANK)"
+        in run.output
+    ), run.output
 
 
 @pytest.mark.slow
@@ -302,24 +458,32 @@ def test_an_int4_base_with_float_adapters(slots: dict[str, Path], tmp_path: Path
     the --target ort graphs' MatMulNBits at theirs);
     here the tokens are compared independently: kiln generate with the adapter equals PEFT's
     generate() over the dequantized int4 base, and without one the int4 base alone."""
+    from kiln.exporter.parity.quantized import read_int4_weights, use_int4_weights
     from kiln.exporter.precision.kinds import Int4
     from kiln.exporter.precision.kinds.int4 import Int4Method
-    from kiln.exporter.parity.quantized import read_int4_weights, use_int4_weights
     from kiln.plugins.hf.decoder import HFDecoder
 
     ckpt, out = slots["ckpt"], tmp_path / "out"
     int4 = Precision.of(Int4(method=Int4Method.RTN, block=16))
-    options = ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8, precision=int4, parity_agreement="record", target="ort")  # MatMulNBits there
+    options = ExportOptions(
+        max_batch=4, parity_tokens=8, lora_slots=8, precision=int4, parity_agreement="record", target="ort"
+    )  # MatMulNBits there
     assert export(ckpt, out, options).parity.passed
-    run = CliRunner().invoke(main, ["adapter", str(slots["wide"]), "--export", str(out), "--out", str(tmp_path / "a.onnx_adapter")])
-    assert run.exit_code == 0 and "portable vs int4 weights" in run.output and "ort vs int4 weights" in run.output, run.output
+    run = CliRunner().invoke(
+        main, ["adapter", str(slots["wide"]), "--export", str(out), "--out", str(tmp_path / "a.onnx_adapter")]
+    )
+    assert run.exit_code == 0 and "portable vs int4 weights" in run.output and "ort vs int4 weights" in run.output, (
+        run.output
+    )
     graphs = [out / read(out).graph(k).file for k in (GraphKind.PREFILL,)]
     (prompt,) = make_prompts(load_model(ckpt).spec, [9], seed=1)
     seen = []
     for adapter, file in ((slots["wide"], tmp_path / "a.onnx_adapter"), (None, None)):
         model = peft_of(ckpt, adapter)
         inner = model.base_model.model if adapter is not None else model  # the transformers model PEFT injected into
-        assert use_int4_weights(HFDecoder(inner), read_int4_weights(graphs))  # PEFT's LoRA layers keep calling their base_layer
+        assert use_int4_weights(
+            HFDecoder(inner), read_int4_weights(graphs)
+        )  # PEFT's LoRA layers keep calling their base_layer
         want = hf_greedy(model, [prompt], STEPS)[0].tolist()
         assert list(Generator(out, adapter=file).run(prompt, STEPS, stop_at_eos=False).tokens) == want
         seen.append(want)
@@ -340,7 +504,10 @@ def test_non_finite_adapter_tensors_are_refused(slots: dict[str, Path], tmp_path
     write_adapter_file(poisoned, nan_file)
     run = CliRunner().invoke(main, ["generate", out, "--ids", "5,6", "--adapter", str(nan_file)])
     assert run.exit_code == 1 and not run.stdout and "Traceback" not in run.stderr
-    assert run.stderr.strip() == f"error: generate: config: --adapter {nan_file}: {_slot_module(slots, name)}: holds NaN or infinite values"
+    assert (
+        run.stderr.strip()
+        == f"error: generate: config: --adapter {nan_file}: {_slot_module(slots, name)}: holds NaN or infinite values"
+    )
     huge = tmp_path / "huge"
     shutil.copytree(slots["narrow"], huge)
     from safetensors.torch import load_file, save_file
@@ -351,7 +518,9 @@ def test_non_finite_adapter_tensors_are_refused(slots: dict[str, Path], tmp_path
     save_file(weights, str(huge / "adapter_model.safetensors"))
     target = tmp_path / "huge.onnx_adapter"
     message = config_error("adapter", str(huge), "--export", out, "--no-check", "--out", str(target))
-    assert message.endswith("'s tensors, scaled by weight x scaling, overflow the export's float32 slots") and message.startswith(f"--adapter {huge}: model.layers.")
+    assert message.endswith(
+        "'s tensors, scaled by weight x scaling, overflow the export's float32 slots"
+    ) and message.startswith(f"--adapter {huge}: model.layers.")
     assert not target.exists()
 
 

@@ -22,7 +22,9 @@ from typing import Any
 
 import pytest
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])")
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])"
+)
 peft = pytest.importorskip("peft", reason="LoRA adapters need peft (pip install -e .[hf])")
 
 import onnx  # noqa: E402
@@ -49,7 +51,9 @@ def _exported(case: str, root: Path, **options: Any) -> dict[str, Path]:
     graphs among them)."""
     ckpt = save_base(case, root / "ckpt")
     paths = {"ckpt": ckpt, "adapter": make_adapter(ckpt, root / "adapter", ALL, seed=2), "out": root / "out"}
-    result = export(ckpt, paths["out"], ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8, target="ort", **options))
+    result = export(
+        ckpt, paths["out"], ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8, target="ort", **options)
+    )
     assert result.parity.passed, result.parity.failures()
     run = CliRunner().invoke(main, ["adapter", str(paths["adapter"]), "--export", str(paths["out"]), "--json"])
     assert run.exit_code == 0, run.output
@@ -57,8 +61,14 @@ def _exported(case: str, root: Path, **options: Any) -> dict[str, Path]:
     parity = summary["parity"]
     assert parity["passed"]
     ort_runs = {g["path"] for g in parity["generation"] if g.get("target") == "ort"}
-    assert ort_runs == {"ort:prefill+decode", "ort:model"}, parity["generation"]  # the adapter proved on the ORT graphs too
-    assert {t["graph"] for t in parity["tensors"] if t.get("target") == "ort"} == {"prefill.ort", "decode.ort", "model.ort"}
+    assert ort_runs == {"ort:prefill+decode", "ort:model"}, parity[
+        "generation"
+    ]  # the adapter proved on the ORT graphs too
+    assert {t["graph"] for t in parity["tensors"] if t.get("target") == "ort"} == {
+        "prefill.ort",
+        "decode.ort",
+        "model.ort",
+    }
     paths["file"] = Path(summary["file"])
     return paths
 
@@ -69,7 +79,10 @@ def _graph(out: Path, file: str) -> onnx.ModelProto:
 
 def _slots(graph: onnx.ModelProto) -> tuple[dict[str, Any], dict[str, list[int]]]:
     """The slot inputs (name -> (dtype, dims)) and their initializers' dims."""
-    inputs = {i.name: (i.type.tensor_type.elem_type, [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]) for i in graph.graph.input}
+    inputs = {
+        i.name: (i.type.tensor_type.elem_type, [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim])
+        for i in graph.graph.input
+    }
     defaults = {t.name: list(t.dims) for t in graph.graph.initializer if t.name.endswith((".lora_A", ".lora_B"))}
     return {k: v for k, v in inputs.items() if k.endswith((".lora_A", ".lora_B"))}, defaults
 
@@ -87,7 +100,9 @@ def _assert_ort_slots(out: Path) -> dict[GraphKind, onnx.ModelProto]:
         for node in graphs[kind].graph.node:
             for name in set(node.input) & set(portable[0]):
                 readers.setdefault(name, set()).add(node.op_type)
-        assert readers == {name: {"MatMul"} for name in portable[0]}, kind  # each read, by MatMuls only: none baked into a packed or int8 weight
+        assert readers == {name: {"MatMul"} for name in portable[0]}, (
+            kind
+        )  # each read, by MatMuls only: none baked into a packed or int8 weight
     assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 0
     return graphs
 
@@ -120,12 +135,19 @@ def test_ort_graphs_keep_the_slots_and_their_fusions(llama: dict[str, Path]) -> 
     passes = {kind: ort.graphs[kind.value].passes for kind in KINDS}
     for kind in GraphKind.PREFILL, GraphKind.DECODE:
         assert len(_ops(graphs[kind], "GroupQueryAttention")) == 2 and passes[kind]["attention"] == {"layers": [0, 1]}
-        assert "not_fused" not in passes[kind], passes[kind]  # q/k/v packed, decode's rotary in GQA: every fusion as without slots
+        assert "not_fused" not in passes[kind], passes[
+            kind
+        ]  # q/k/v packed, decode's rotary in GQA: every fusion as without slots
         concats = [n for n in _ops(graphs[kind], "Concat") if "qkv_proj/ort/packed/lora/" in n.name]
-        assert len(concats) == 2 and all(len(n.input) == 3 for n in concats)  # the q/k/v deltas carried into each packed QKV
+        assert len(concats) == 2 and all(
+            len(n.input) == 3 for n in concats
+        )  # the q/k/v deltas carried into each packed QKV
     decode_gqa = _ops(graphs[GraphKind.DECODE], "GroupQueryAttention")
     assert all(any(a.name == "do_rotary" and a.i == 1 for a in n.attribute) for n in decode_gqa)
-    assert len(_ops(graphs[GraphKind.DECODE], "RotaryEmbedding")) == 0 and len(_ops(graphs[GraphKind.PREFILL], "RotaryEmbedding")) == 4
+    assert (
+        len(_ops(graphs[GraphKind.DECODE], "RotaryEmbedding")) == 0
+        and len(_ops(graphs[GraphKind.PREFILL], "RotaryEmbedding")) == 4
+    )
     assert len(_ops(graphs[GraphKind.UNIFIED], "SkipSimplifiedLayerNormalization")) == 4
 
 
@@ -147,7 +169,9 @@ def test_qwen2_biased_projections(tmp_path: Path) -> None:
     graphs = _assert_ort_slots(paths["out"])
     passes = read(paths["out"]).targets["ort"].graphs["prefill"].passes  # type: ignore[index]
     assert len(_ops(graphs[GraphKind.PREFILL], "GroupQueryAttention")) == len(passes["attention"]["layers"]) > 0
-    assert passes["not_fused"]["qkv_pack"] and all("q/k/v are not three MatMuls (q by Add, k by Add, v by Add)" in why for why in passes["not_fused"]["qkv_pack"])
+    assert passes["not_fused"]["qkv_pack"] and all(
+        "q/k/v are not three MatMuls (q by Add, k by Add, v by Add)" in why for why in passes["not_fused"]["qkv_pack"]
+    )
     _assert_tokens(paths)
 
 
@@ -161,18 +185,25 @@ def test_ort_int8_keeps_the_slots_float(tmp_path: Path) -> None:
     paths = _exported("llama", tmp_path, target_flags={"ort_int8": True})
     decode = _assert_ort_slots(paths["out"])[GraphKind.DECODE]
     made = {out: node.op_type for node in decode.graph.node for out in node.output}
-    assert len(_ops(decode, "MatMulNBits")) == 2 * 4 + 1 and len(_ops(decode, "MatMul")) == 2 * 2 * len(ALL)  # the slots' two MatMuls each
+    assert len(_ops(decode, "MatMulNBits")) == 2 * 4 + 1 and len(_ops(decode, "MatMul")) == 2 * 2 * len(
+        ALL
+    )  # the slots' two MatMuls each
     lora = [n for n in _ops(decode, "Add") if "/lora/" in n.name]
-    assert sorted(made[n.input[0]] for n in lora) == ["MatMulNBits"] * 6 + ["Split"] * 4  # packed q/k/v, o, down; gate and up
+    assert (
+        sorted(made[n.input[0]] for n in lora) == ["MatMulNBits"] * 6 + ["Split"] * 4
+    )  # packed q/k/v, o, down; gate and up
     spec = load_model(paths["ckpt"]).spec
     (prompt,) = make_prompts(spec, [9], seed=1)
-    runs = [Generator(paths["out"], target="ort", adapter=file).run(prompt, STEPS, stop_at_eos=False).tokens for file in (paths["file"], None)]
+    runs = [
+        Generator(paths["out"], target="ort", adapter=file).run(prompt, STEPS, stop_at_eos=False).tokens
+        for file in (paths["file"], None)
+    ]
     assert runs[0] != runs[1]
 
 
 def test_refusals(llama: dict[str, Path], tmp_path: Path) -> None:
     ckpt = str(llama["ckpt"])
-    assert config_error("export", "--model", ckpt, "--out", str(tmp_path / "x"), "--lora-slots", "4", "--target", "onnx") == (
-        "--lora-slots with --target onnx: slots are built on the portable graphs and --target ort only"
-    )
+    assert config_error(
+        "export", "--model", ckpt, "--out", str(tmp_path / "x"), "--lora-slots", "4", "--target", "onnx"
+    ) == ("--lora-slots with --target onnx: slots are built on the portable graphs and --target ort only")
     assert not (tmp_path / "x").exists()

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import onnx
 import pytest
-from kiln_testing import config_error, save_base
 
 from kiln.errors import ConfigError
 from kiln.exporter.artifacts import manifest as manifest_mod
@@ -21,6 +20,7 @@ from kiln.exporter.artifacts.verify import verify_dir
 from kiln.exporter.options import LORA_TRITON_REASON, ExportOptions
 from kiln.exporter.pipeline import export
 from kiln.exporter.serving.triton import TRITON_DIR, triton_models
+from kiln_testing import config_error, save_base
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,9 @@ def test_export_with_triton_is_refused_with_the_reason(tmp_path: Path) -> None:
         ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8, triton="m")
     assert str(refused.value) == f"config: --lora-slots with --triton: {LORA_TRITON_REASON}"
     ckpt = save_base("llama", tmp_path / "ckpt")
-    line = config_error("export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-slots", "8", "--triton", "m")
+    line = config_error(
+        "export", "--model", str(ckpt), "--out", str(tmp_path / "x"), "--lora-slots", "8", "--triton", "m"
+    )
     assert line == f"--lora-slots with --triton: {LORA_TRITON_REASON}"
     assert not (tmp_path / "x").exists()
 
@@ -62,4 +64,3 @@ def test_kiln_triton_refuses_a_slotted_export(slotted: Path) -> None:
     assert verify_dir(slotted).ok  # nothing written, nothing recorded
     with pytest.raises(ConfigError, match="was exported with --lora-slots"):
         triton_models(slotted, manifest_mod.read(slotted), "m")
-

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 from jsonschema import Draft202012Validator
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.exporter.options import ExportOptions, LogitsMode, PLETables, Precision
 from kiln.exporter.pipeline import export
 from kiln.exporter.serving import write_triton_repo
+from kiln_testing import tiny_config, write_checkpoint
 
 Manifest = dict[str, Any]
 
@@ -44,7 +44,9 @@ def demo_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_fp16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("schema16")
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
-    options = ExportOptions(precision=Precision.FP16, logits=LogitsMode.LAST, ple_tables=PLETables.INPUT, parity_tokens=4)
+    options = ExportOptions(
+        precision=Precision.FP16, logits=LogitsMode.LAST, ple_tables=PLETables.INPUT, parity_tokens=4
+    )
     export(ckpt, root / "out", options)
     return root / "out"
 
@@ -75,7 +77,9 @@ def test_fp16_logits_last_ple_input_manifest_is_valid(validator: Draft202012Vali
     assert _errors(validator, manifest) == []
 
 
-def test_manifest_with_triton_files_and_engines_is_valid(validator: Draft202012Validator, demo_fp32: Path, tmp_path: Path) -> None:
+def test_manifest_with_triton_files_and_engines_is_valid(
+    validator: Draft202012Validator, demo_fp32: Path, tmp_path: Path
+) -> None:
     directory = tmp_path / "export"
     shutil.copytree(demo_fp32, directory)
     write_triton_repo(directory, "demo")
@@ -120,13 +124,28 @@ BROKEN_FP32: dict[str, tuple[Callable[[Manifest], None], str]] = {
     "manifest version": (_set(("manifest_version",), 1), "2 was expected"),
     "short sha256": (_set(("files", "onnx/model.onnx"), "abc123"), "does not match '^[0-9a-f]{64}$'"),
     "upper-case sha256": (_set(("files", "onnx/weights.bin"), "A" * 64), "does not match '^[0-9a-f]{64}$'"),
-    "unknown precision": (_set(("precision",), "int2"), "'int2' is not one of ['fp32', 'fp16', 'int8', 'int8+fp16', 'int4', 'int4+fp16', 'fp8']"),
+    "unknown precision": (
+        _set(("precision",), "int2"),
+        "'int2' is not one of ['fp32', 'fp16', 'int8', 'int8+fp16', 'int4', 'int4+fp16', 'fp8']",
+    ),
     "unknown dtype": (_set(("graphs", "model", "inputs", 3, "dtype"), "float"), "'float' is not one of"),
-    "unknown dim name": (_set(("graphs", "model", "inputs", 3, "shape", 2), "past"), "'past' is not valid under any of the given schemas"),
-    "negative dim": (_set(("graphs", "model", "outputs", 0, "shape", 2), -1), "-1 is not valid under any of the given schemas"),
-    "inputs out of order": (_set(("graphs", "prefill", "inputs", 0, "name"), "attention_mask"), "'input_ids' was expected"),
+    "unknown dim name": (
+        _set(("graphs", "model", "inputs", 3, "shape", 2), "past"),
+        "'past' is not valid under any of the given schemas",
+    ),
+    "negative dim": (
+        _set(("graphs", "model", "outputs", 0, "shape", 2), -1),
+        "-1 is not valid under any of the given schemas",
+    ),
+    "inputs out of order": (
+        _set(("graphs", "prefill", "inputs", 0, "name"), "attention_mask"),
+        "'input_ids' was expected",
+    ),
     "unknown tensor name": (_set(("graphs", "decode", "outputs", 1, "name"), "present_0_key"), "does not match"),
-    "fp16 nodes in fp32": (_set(("graphs", "model", "passes"), {"fp16": {"fp32_nodes": ["/embed/Gather"], "fp32_ple_tables": []}}), "should not be valid under"),
+    "fp16 nodes in fp32": (
+        _set(("graphs", "model", "passes"), {"fp16": {"fp32_nodes": ["/embed/Gather"], "fp32_ple_tables": []}}),
+        "should not be valid under",
+    ),
     "fp16 kv in fp32": (_set(("kv_cache", "dtype"), "float16"), "'float32' was expected"),
     "escaping path": (_set(("files", "../outside"), "0" * 64), "does not match"),
     "kv layout": (_set(("kv_cache", "layout"), "BSNH"), "'BNSH' was expected"),
@@ -149,13 +168,18 @@ def test_broken_fp32_manifest_is_rejected(validator: Draft202012Validator, demo_
     ("change", "message"),
     [
         (_set(("graphs", "decode", "passes", "fp16", "fp32_nodes"), _DELETE), "'fp32_nodes' is a required property"),
-        (_set(("graphs", "prefill", "passes", "fp16", "fp32_ple_tables"), _DELETE), "'fp32_ple_tables' is a required property"),
+        (
+            _set(("graphs", "prefill", "passes", "fp16", "fp32_ple_tables"), _DELETE),
+            "'fp32_ple_tables' is a required property",
+        ),
         (_set(("kv_cache", "dtype"), "float32"), "'float16' was expected"),
         (_set(("export", "ple", "tables"), "weights"), "is not valid under any of the given schemas"),
     ],
     ids=["no fp32_nodes", "no fp32_ple_tables", "fp32 kv", "ple tables mode"],
 )
-def test_broken_fp16_manifest_is_rejected(validator: Draft202012Validator, tiny_fp16: Path, change: Callable[[Manifest], None], message: str) -> None:
+def test_broken_fp16_manifest_is_rejected(
+    validator: Draft202012Validator, tiny_fp16: Path, change: Callable[[Manifest], None], message: str
+) -> None:
     manifest = copy.deepcopy(_manifest(tiny_fp16))
     change(manifest)
     errors = _errors(validator, manifest)

@@ -6,16 +6,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.pipeline import export
+from kiln_testing import tiny_config, write_checkpoint
 
 MATRIX: dict[str, dict[str, Any]] = {
     "default-swiglu-rmsnorm-pre-rope-gqa-tied": {},
-    "gelu-layernorm-learned-bias-untied": dict(mlp="gelu", norm="layernorm", position="learned", bias=True, tie_embeddings=False),
-    "post-layernorm-rope-ple-before-attention": dict(norm_position="post", norm="layernorm", ple={"placement": "before_attention"}),
-    "post-rmsnorm-nopos-ple-after-mlp-bounded": dict(norm_position="post", position="none", ple={"placement": "after_mlp", "bounded": True}),
+    "gelu-layernorm-learned-bias-untied": dict(
+        mlp="gelu", norm="layernorm", position="learned", bias=True, tie_embeddings=False
+    ),
+    "post-layernorm-rope-ple-before-attention": dict(
+        norm_position="post", norm="layernorm", ple={"placement": "before_attention"}
+    ),
+    "post-rmsnorm-nopos-ple-after-mlp-bounded": dict(
+        norm_position="post", position="none", ple={"placement": "after_mlp", "bounded": True}
+    ),
     "projected-ple-mha-gelu": dict(n_kv_heads=4, mlp="gelu", ple={"projection": True}),
     "bounded-projected-mqa": dict(n_kv_heads=1, ple={"bounded": True, "projection": True}),
     "no-ple-learned-layernorm": dict(ple={"enabled": False}, position="learned", norm="layernorm"),

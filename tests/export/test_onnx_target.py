@@ -21,10 +21,10 @@ from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import DECODER_KINDS, GraphKind
 from kiln.exporter.contract.static_cache import static_io
 from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.pipeline import ExportResult, export
+from kiln.exporter.plan import plan
 from kiln.exporter.precision.kinds import Fp16, Int4, Int8
 from kiln.exporter.precision.kinds.int4 import Int4Method
-from kiln.exporter.plan import plan
-from kiln.exporter.pipeline import ExportResult, export
 from kiln.runtime.generate import Generator
 
 PARITY_TOKENS = 12
@@ -41,13 +41,17 @@ def _assert_checked(result: ExportResult, precision: str = "fp32") -> None:
     assert parity.targets["onnx"].precision == precision and parity.targets["onnx"].passed
     assert parity.targets["onnx"].backend == "onnxruntime (static cache)"
     assert {"prefill.onnx", "decode.onnx", "model.onnx"} <= {t.graph for t in parity.tensors}
-    own = {"fp32": {(1e-5, 1e-4)}, "fp16": {(5e-2, 5e-3), (2e-2, 5e-3)}}[precision]  # the precision's own tolerances (logits, KV)
+    own = {"fp32": {(1e-5, 1e-4)}, "fp16": {(5e-2, 5e-3), (2e-2, 5e-3)}}[
+        precision
+    ]  # the precision's own tolerances (logits, KV)
     assert {(t.atol, t.rtol) for t in parity.tensors if t.graph.endswith(".onnx")} == own
     runs = {(g.path, g.batch) for g in parity.generation}
     assert {("onnx:prefill+decode", 1), ("onnx:prefill+decode", 3), ("onnx:model", 1), ("onnx:model", 3)} <= runs
 
 
-def _assert_graphs(out: Path, n_layers: int, n_norms: int | None, max_context: int, precision: str = "fp32", decomposed: int = 0) -> dict:
+def _assert_graphs(
+    out: Path, n_layers: int, n_norms: int | None, max_context: int, precision: str = "fp32", decomposed: int = 0
+) -> dict:
     """The target's graphs as the manifest records them: checked, opset 24, every layer's cache in
     place, ``decomposed`` of them (soft-capped: Gemma 2) read with MatMul/Softmax, the rest with
     ``Attention``."""
@@ -55,8 +59,20 @@ def _assert_graphs(out: Path, n_layers: int, n_norms: int | None, max_context: i
     schema = json.loads((Path(__file__).parents[2] / "exporter" / "artifacts" / "manifest.schema.json").read_text())
     assert not [e.message for e in Draft202012Validator(schema).iter_errors(manifest)]
     entry = manifest["targets"]["onnx"]
-    assert (entry["precision"], entry["kv_cache"], entry["weights"]["file"]) == (precision, "static", "onnx/weights.std.bin")
-    kv_dtype = {"fp32": "float32", "fp16": "float16", "int4": "float32", "int4+fp16": "float16", "int8": "float32", "int8+fp16": "float16", "fp8": "float16"}[precision]
+    assert (entry["precision"], entry["kv_cache"], entry["weights"]["file"]) == (
+        precision,
+        "static",
+        "onnx/weights.std.bin",
+    )
+    kv_dtype = {
+        "fp32": "float32",
+        "fp16": "float16",
+        "int4": "float32",
+        "int4+fp16": "float16",
+        "int8": "float32",
+        "int8+fp16": "float16",
+        "fp8": "float16",
+    }[precision]
     for kind in DECODER_KINDS:
         graph = entry["graphs"][kind.value]
         path = out / graph["file"]
@@ -67,15 +83,23 @@ def _assert_graphs(out: Path, n_layers: int, n_norms: int | None, max_context: i
         ops = _ops(path)
         assert ops["Attention"] == n_layers - decomposed and ops["TensorScatter"] == 2 * n_layers, ops
         portable = _ops(out / manifest["graphs"][kind.value]["file"])
-        assert ops["Softmax"] == portable["Softmax"] - n_layers + decomposed and not {op for op in ops if op in ("GroupQueryAttention", "SimplifiedLayerNormalization")}, ops
+        assert ops["Softmax"] == portable["Softmax"] - n_layers + decomposed and not {
+            op for op in ops if op in ("GroupQueryAttention", "SimplifiedLayerNormalization")
+        }, ops
         if n_norms is not None:
             assert ops["RMSNormalization"] == n_norms and ops["ReduceMean"] == 0, ops
         # the recorded contract is the static one, and the graph's own
         io = static_io(_spec(manifest), kind, max_context=max_context, kv_dtype=kv_dtype)
-        assert graph["inputs"] == [t.to_dict() for t in io.inputs] and graph["outputs"] == [t.to_dict() for t in io.outputs]
+        assert graph["inputs"] == [t.to_dict() for t in io.inputs] and graph["outputs"] == [
+            t.to_dict() for t in io.outputs
+        ]
         assert [t["name"] for t in graph["inputs"]] == io.input_names == [i.name for i in model.graph.input]
         assert [t["name"] for t in graph["outputs"]] == io.output_names == [o.name for o in model.graph.output]
-        caches = [t for t in graph["inputs"] + graph["outputs"] if "key_values" in t["name"] or t["name"].startswith("present.")]
+        caches = [
+            t
+            for t in graph["inputs"] + graph["outputs"]
+            if "key_values" in t["name"] or t["name"].startswith("present.")
+        ]
         assert caches and all(t["shape"][2] == max_context for t in caches)
         # every present is a TensorScatter's output, and every cache input is read by TensorScatter only
         producers = {o: n.op_type for n in model.graph.node for o in n.output}
@@ -151,11 +175,16 @@ def _in_place_greedy(out: Path, prompts: list[list[int]], steps: int) -> np.ndar
 
     from kiln.exporter.contract.steps import left_pad
 
-    prefill, decode = (ort.InferenceSession(str(out / "onnx" / f"{k}.std.onnx"), providers=["CPUExecutionProvider"]) for k in ("prefill", "decode"))
+    prefill, decode = (
+        ort.InferenceSession(str(out / "onnx" / f"{k}.std.onnx"), providers=["CPUExecutionProvider"])
+        for k in ("prefill", "decode")
+    )
     ids, mask, pos = left_pad(prompts, 0)
     pasts = [i for i in decode.get_inputs() if i.name.startswith("past_key_values.")]
     dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-    buffers = {p.name: ort.OrtValue.ortvalue_from_numpy(np.zeros((len(prompts), *p.shape[1:]), dtypes[p.type])) for p in pasts}
+    buffers = {
+        p.name: ort.OrtValue.ortvalue_from_numpy(np.zeros((len(prompts), *p.shape[1:]), dtypes[p.type])) for p in pasts
+    }
     tokens = []
     feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
     for step in range(steps):
@@ -172,7 +201,12 @@ def _in_place_greedy(out: Path, prompts: list[list[int]], steps: int) -> np.ndar
         written = mask.shape[1]
         mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
         pos = pos[:, -1:] + 1
-        feeds = {"input_ids": tokens[-1][:, None].astype(np.int64), "attention_mask": mask, "position_ids": pos, "write_indices": np.full(len(prompts), written, np.int64)}
+        feeds = {
+            "input_ids": tokens[-1][:, None].astype(np.int64),
+            "attention_mask": mask,
+            "position_ids": pos,
+            "write_indices": np.full(len(prompts), written, np.int64),
+        }
     return np.stack(tokens, axis=1)
 
 
@@ -201,7 +235,12 @@ def _decode_step(out: Path, *, one_buffer: bool) -> tuple[list[int], list[int]]:
     pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     binding = session.io_binding()
     binding.bind_output("logits", "cpu")
-    feeds = {"input_ids": np.array([[5]]), "attention_mask": np.ones((1, 4), np.int64), "position_ids": np.array([[3]]), "write_indices": np.array([3])}
+    feeds = {
+        "input_ids": np.array([[5]]),
+        "attention_mask": np.ones((1, 4), np.int64),
+        "position_ids": np.array([[3]]),
+        "write_indices": np.array([3]),
+    }
     for name, value in feeds.items():
         binding.bind_cpu_input(name, value)
     buffers = []
@@ -236,23 +275,37 @@ def test_native_fp16(tmp_path: Path) -> None:
 
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     out = tmp_path / "out"
-    result = export(ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=Precision.FP16, parity_tokens=PARITY_TOKENS))
+    result = export(
+        ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=Precision.FP16, parity_tokens=PARITY_TOKENS)
+    )
     _assert_checked(result, "fp16")
-    manifest = _assert_graphs(out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision="fp16")  # every RMSNorm island fused
+    manifest = _assert_graphs(
+        out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision="fp16"
+    )  # every RMSNorm island fused
     assert manifest["targets"]["onnx"]["graphs"]["decode"]["inputs"][4]["dtype"] == "float16"
     passes = manifest["targets"]["onnx"]["graphs"]["decode"]["passes"]
-    assert passes["rms_norm_fp16"] == {"fused": 7} and passes["rms_norm"] == {"fused": 0} and "rms_norm" not in passes.get("not_fused", {})
-    for kind in DECODER_KINDS:  # each norm reads fp32 casts of the fp16 stream and weight (fp32 statistics by type), its output cast to fp16
+    assert (
+        passes["rms_norm_fp16"] == {"fused": 7}
+        and passes["rms_norm"] == {"fused": 0}
+        and "rms_norm" not in passes.get("not_fused", {})
+    )
+    for kind in (
+        DECODER_KINDS
+    ):  # each norm reads fp32 casts of the fp16 stream and weight (fp32 statistics by type), its output cast to fp16
         graph = onnx.load(str(out / "onnx" / f"{kind.value}.std.onnx"), load_external_data=False).graph
         producers = {o: n for n in graph.node for o in n.output}
         readers = {i: n for n in graph.node for i in n.input}
         norms = [n for n in graph.node if n.op_type == "RMSNormalization"]
         ones = {i.name: i.data_type for i in graph.initializer if i.name.startswith("ort/ones")}
         scales = Counter("ones" if n.input[1] in ones else producers[n.input[1]].op_type for n in norms)
-        assert scales == {"Cast": 5, "ones": 2} and set(ones.values()) == {onnx.TensorProto.FLOAT}  # each PLE norm's scale is fp32 ones
+        assert scales == {"Cast": 5, "ones": 2} and set(ones.values()) == {
+            onnx.TensorProto.FLOAT
+        }  # each PLE norm's scale is fp32 ones
         assert {(producers[n.input[0]].op_type, readers[n.output[0]].op_type) for n in norms} == {("Cast", "Cast")}
         assert {next(a.i for a in n.attribute if a.name == "stash_type") for n in norms} == {1}
-        assert {next(a.i for a in producers[i].attribute if a.name == "to") for n in norms for i in n.input if i not in ones} == {onnx.TensorProto.FLOAT}
+        assert {
+            next(a.i for a in producers[i].attribute if a.name == "to") for n in norms for i in n.input if i not in ones
+        } == {onnx.TensorProto.FLOAT}
         assert not {n.op_type for n in graph.node} & {"ReduceMean", "Pow", "Sqrt", "Reciprocal"}
     prompt = [11, 42, 7, 3, 99, 15]
     static = Generator(out, target="onnx").run(prompt, 16, stop_at_eos=False)
@@ -269,18 +322,27 @@ def test_native_int4(fp16: bool, tmp_path: Path) -> None:
     out = tmp_path / "out"
     rtn = Int4(method=Int4Method.RTN)
     precision = Precision.of(rtn, Fp16()) if fp16 else Precision.of(rtn)
-    result = export(ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=precision, parity_tokens=PARITY_TOKENS))
+    result = export(
+        ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=precision, parity_tokens=PARITY_TOKENS)
+    )
     assert result.parity.passed, result.parity.failures()
     assert result.parity.targets["onnx"].precision == precision.value
-    _assert_graphs(out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision=precision.value)  # every norm fused, the fp16 ones too
+    _assert_graphs(
+        out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision=precision.value
+    )  # every norm fused, the fp16 ones too
     for kind in DECODER_KINDS:
         portable, static = _ops(out / "onnx" / f"{kind.value}.onnx"), _ops(out / "onnx" / f"{kind.value}.std.onnx")
         assert static["DequantizeLinear"] == portable["DequantizeLinear"] > 0  # every int4 weight kept
     prompt = [11, 42, 7, 3, 99, 15]
-    assert Generator(out, target="onnx").run(prompt, 16, stop_at_eos=False).tokens == Generator(out).run(prompt, 16, stop_at_eos=False).tokens
+    assert (
+        Generator(out, target="onnx").run(prompt, 16, stop_at_eos=False).tokens
+        == Generator(out).run(prompt, 16, stop_at_eos=False).tokens
+    )
 
 
-def test_a_static_graph_not_matching_its_recorded_contract_is_caught(native: tuple[Path, ExportResult], tmp_path: Path) -> None:
+def test_a_static_graph_not_matching_its_recorded_contract_is_caught(
+    native: tuple[Path, ExportResult], tmp_path: Path
+) -> None:
     """verify reads the target graphs' own recorded inputs (not the portable contract's): a
     manifest claiming another capacity, or a graph swapped for the portable one, is reported."""
     import shutil
@@ -291,11 +353,15 @@ def test_a_static_graph_not_matching_its_recorded_contract_is_caught(native: tup
     manifest["targets"]["onnx"]["graphs"]["decode"]["inputs"][4]["shape"][2] = 99
     (out / "manifest.json").write_text(json.dumps(manifest))
     problems = verify_dir(out).structure
-    assert len(problems) == 1 and problems[0].startswith("graph onnx/decode.std.onnx: its inputs are not the ones the manifest records"), problems
+    assert len(problems) == 1 and problems[0].startswith(
+        "graph onnx/decode.std.onnx: its inputs are not the ones the manifest records"
+    ), problems
     manifest["targets"]["onnx"]["graphs"]["decode"]["inputs"][4]["shape"][2] = native[1].manifest.limits.max_context
     (out / "manifest.json").write_text(json.dumps(manifest))
     assert not verify_dir(out).structure
-    shutil.copy(out / "onnx" / "decode.onnx", out / "onnx" / "decode.std.onnx")  # the portable graph under the static one's name
+    shutil.copy(
+        out / "onnx" / "decode.onnx", out / "onnx" / "decode.std.onnx"
+    )  # the portable graph under the static one's name
     problems = [p for p in verify_dir(out).structure if "decode.std.onnx" in p]
     assert any("its inputs are not the ones the manifest records" in p for p in problems), problems
 
@@ -308,7 +374,14 @@ def _calibrated_export(tmp_path: Path, out: Path, precision: Precision) -> Expor
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     rng = np.random.default_rng(0)
     np.save(tmp_path / "calib.npy", (np.cumsum(rng.integers(1, 4, size=4000)) % 101).astype(np.int64))
-    options = ExportOptions(max_batch=4, target="onnx", precision=precision, calib_data=str(tmp_path / "calib.npy"), calib_samples=8, parity_tokens=PARITY_TOKENS)
+    options = ExportOptions(
+        max_batch=4,
+        target="onnx",
+        precision=precision,
+        calib_data=str(tmp_path / "calib.npy"),
+        calib_samples=8,
+        parity_tokens=PARITY_TOKENS,
+    )
     result = export(ckpt, out, options)
     assert result.parity.passed, result.parity.failures()
     assert result.parity.targets["onnx"].precision == precision.value
@@ -326,13 +399,23 @@ def test_native_fp8(tmp_path: Path) -> None:
     precision = Precision.FP8
     out = tmp_path / "out"
     result = _calibrated_export(tmp_path, out, precision)
-    _assert_graphs(out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision=precision.value)  # every norm fused, the fp16 ones too
+    _assert_graphs(
+        out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision=precision.value
+    )  # every norm fused, the fp16 ones too
     for kind in DECODER_KINDS:
         portable, static = _ops(out / "onnx" / f"{kind.value}.onnx"), _ops(out / "onnx" / f"{kind.value}.std.onnx")
-        assert (static["QuantizeLinear"], static["DequantizeLinear"]) == (portable["QuantizeLinear"], portable["DequantizeLinear"]) and portable["QuantizeLinear"] > 0
-        assert check_qdq(ir.load(out / "onnx" / f"{kind.value}.std.onnx")) == static["DequantizeLinear"]  # TensorRT's fp8 rules, on the rewritten graph
+        assert (static["QuantizeLinear"], static["DequantizeLinear"]) == (
+            portable["QuantizeLinear"],
+            portable["DequantizeLinear"],
+        ) and portable["QuantizeLinear"] > 0
+        assert (
+            check_qdq(ir.load(out / "onnx" / f"{kind.value}.std.onnx")) == static["DequantizeLinear"]
+        )  # TensorRT's fp8 rules, on the rewritten graph
     prompt = [11, 42, 7, 3, 99, 15]
-    assert Generator(out, target="onnx").run(prompt, 16, stop_at_eos=False).tokens == Generator(out).run(prompt, 16, stop_at_eos=False).tokens
+    assert (
+        Generator(out, target="onnx").run(prompt, 16, stop_at_eos=False).tokens
+        == Generator(out).run(prompt, 16, stop_at_eos=False).tokens
+    )
 
 
 class _AsWritten:
@@ -347,7 +430,12 @@ class _AsWritten:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.log_severity_level = 3
-        self._sessions = {kind: ort.InferenceSession(str(out / "onnx" / f"{kind.value}.onnx"), options, providers=["CPUExecutionProvider"]) for kind in (GraphKind.PREFILL, GraphKind.DECODE)}
+        self._sessions = {
+            kind: ort.InferenceSession(
+                str(out / "onnx" / f"{kind.value}.onnx"), options, providers=["CPUExecutionProvider"]
+            )
+            for kind in (GraphKind.PREFILL, GraphKind.DECODE)
+        }
 
     def graphs(self) -> tuple[GraphKind, ...]:
         return tuple(self._sessions)
@@ -369,24 +457,33 @@ def test_native_int8(precision: Precision, tmp_path: Path) -> None:
     uint8 activations; measured 0.38 off their own prefill logits here, and other greedy tokens),
     so the reference loop turns its graph optimizations off; with --fp16 the default portable
     loop is that reference too, and its tokens are asserted as well."""
-    import onnxruntime as ort
     import onnx_ir as ir
+    import onnxruntime as ort
 
     from kiln.exporter.parity import greedy
     from kiln.exporter.precision.qdq_rules import check_qdq
 
     out = tmp_path / "out"
     result = _calibrated_export(tmp_path, out, precision)
-    assert {(t.atol, t.rtol) for t in result.parity.tensors if t.graph.endswith(".onnx")} == {(1.5, 0.05), (1.0, 0.05)}  # int8's own tolerances
-    _assert_graphs(out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision=precision.value)
+    assert {(t.atol, t.rtol) for t in result.parity.tensors if t.graph.endswith(".onnx")} == {
+        (1.5, 0.05),
+        (1.0, 0.05),
+    }  # int8's own tolerances
+    _assert_graphs(
+        out, n_layers=2, n_norms=7, max_context=result.manifest.limits.max_context, precision=precision.value
+    )
     for kind in DECODER_KINDS:
         portable, path = out / "onnx" / f"{kind.value}.onnx", out / "onnx" / f"{kind.value}.std.onnx"
         counts = _ops(portable), _ops(path)
-        assert [(c["QuantizeLinear"], c["DequantizeLinear"]) for c in counts] == [(22, 36)] * 2  # 14 weights, 22 activations (q/k/v and gate/fc1 share one)
+        assert [(c["QuantizeLinear"], c["DequantizeLinear"]) for c in counts] == [
+            (22, 36)
+        ] * 2  # 14 weights, 22 activations (q/k/v and gate/fc1 share one)
         graph = onnx.load(str(path), load_external_data=False).graph
         qdq = [n for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
         assert all(len(n.input) == 2 for n in qdq)
-        assert {(a.name, a.i) for n in qdq if n.op_type == "QuantizeLinear" for a in n.attribute} == {("output_dtype", onnx.TensorProto.INT8)}
+        assert {(a.name, a.i) for n in qdq if n.op_type == "QuantizeLinear" for a in n.attribute} == {
+            ("output_dtype", onnx.TensorProto.INT8)
+        }
         assert check_qdq(ir.load(path)) == 36
         ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])  # a default session loads it
     spec = result.report.spec
@@ -395,7 +492,9 @@ def test_native_int8(precision: Precision, tmp_path: Path) -> None:
     as_written = _AsWritten(out)
     in_place = list(Generator(out, target="onnx").run(prompt, 16, stop_at_eos=False).tokens)
     assert in_place == greedy(as_written, spec, [prompt], 16, kv_dtype=kv)[0][0].tolist()
-    np.testing.assert_array_equal(_in_place_greedy(out, prompts, 16), greedy(as_written, spec, prompts, 16, kv_dtype=kv)[0])
+    np.testing.assert_array_equal(
+        _in_place_greedy(out, prompts, 16), greedy(as_written, spec, prompts, 16, kv_dtype=kv)[0]
+    )
     if precision.float16:
         assert in_place == list(Generator(out).run(prompt, 16, stop_at_eos=False).tokens)
 
@@ -407,10 +506,15 @@ def test_int8_all_matmuls_refused_by_name() -> None:
     with pytest.raises(ConfigError) as err:
         plan(ExportOptions(target="onnx", precision=Precision.of(Int8(all_matmuls=True)), calib_data="synthetic"))
     assert str(err.value) == (
-        "config: --target onnx does not take --int8-all-matmuls: it writes each layer's attention as one ONNX Attention, whose score MatMuls are float; "
+        "config: --target onnx does not take --int8-all-matmuls: it writes each layer's attention as one ONNX "
+        "Attention, whose score MatMuls are float; "
         "drop --int8-all-matmuls, or export without --target onnx"
     )
-    plan(ExportOptions(target="onnx", precision=Precision.of(Int8(float_rules=("*.fc2",)), Fp16()), calib_data="synthetic"))  # --int8-float is taken
+    plan(
+        ExportOptions(
+            target="onnx", precision=Precision.of(Int8(float_rules=("*.fc2",)), Fp16()), calib_data="synthetic"
+        )
+    )  # --int8-float is taken
 
 
 # the windowed cases (window 4, shorter than their parity runs) prove the static mask's window;
@@ -419,7 +523,14 @@ HF_CASES = [
     "llama", "qwen3", "gpt2", "phi3-partial", "smollm3", "mistral-window", "mixtral-window", "qwen2-window",
     "starcoder2-window", "qwen3-moe", "gemma", "gemma2-window", "gemma3-window",
 ]  # fmt: skip
-WINDOWS = {"mistral-window": {"0": 4, "1": 4}, "mixtral-window": {"0": 4, "1": 4}, "starcoder2-window": {"0": 4, "1": 4}, "qwen2-window": {"1": 4}, "gemma2-window": {"0": 4}, "gemma3-window": {"0": 4}}
+WINDOWS = {
+    "mistral-window": {"0": 4, "1": 4},
+    "mixtral-window": {"0": 4, "1": 4},
+    "starcoder2-window": {"0": 4, "1": 4},
+    "qwen2-window": {"1": 4},
+    "gemma2-window": {"0": 4},
+    "gemma3-window": {"0": 4},
+}
 # issue 23's cases for fp16 and int4: one of each attention form (GQA, qk-norm, soft-capping, partial
 # rotary, windows, Conv1D, MoE, NoPE layers)
 ISSUE_CASES = ["llama", "qwen3", "gemma2-window", "phi3-partial", "mistral-window", "gpt2", "mixtral-window", "smollm3"]
@@ -451,7 +562,14 @@ def _transformers_tokens(model, prompt: list[int], n: int) -> list[int]:
 
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+        want = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
     return want[0, len(prompt) :].tolist()
 
 
@@ -462,12 +580,22 @@ def test_hf_generation_equals_transformers_generate(case: str, tmp_path: Path) -
     model, out, result = _hf_export(case, tmp_path)
     _assert_checked(result)
     n_layers = result.report.spec.n_layers
-    manifest = _assert_graphs(out, n_layers=n_layers, n_norms=None, max_context=result.manifest.limits.max_context, decomposed=_decomposed(result))
+    manifest = _assert_graphs(
+        out,
+        n_layers=n_layers,
+        n_norms=None,
+        max_context=result.manifest.limits.max_context,
+        decomposed=_decomposed(result),
+    )
     attention = manifest["targets"]["onnx"]["graphs"]["decode"]["passes"]["attention"]
     assert attention.get("windows", {}) == WINDOWS.get(case, {})
     if _decomposed(result):
-        assert attention["decomposed"]["layers"] == list(range(n_layers)) and "softcap" in attention["decomposed"]["why"]
-    assert list(Generator(out, target="onnx").run(PROMPT, 16, stop_at_eos=False).tokens) == _transformers_tokens(model, PROMPT, 16)
+        assert (
+            attention["decomposed"]["layers"] == list(range(n_layers)) and "softcap" in attention["decomposed"]["why"]
+        )
+    assert list(Generator(out, target="onnx").run(PROMPT, 16, stop_at_eos=False).tokens) == _transformers_tokens(
+        model, PROMPT, 16
+    )
 
 
 @pytest.mark.parametrize("case", ISSUE_CASES)
@@ -476,7 +604,14 @@ def test_hf_fp16_generation_equals_transformers_generate(case: str, tmp_path: Pa
     fp16 loop's and transformers' generate() of the model in fp16."""
     model, out, result = _hf_export(case, tmp_path, precision=Precision.FP16)
     _assert_checked(result, "fp16")
-    _assert_graphs(out, n_layers=result.report.spec.n_layers, n_norms=None, max_context=result.manifest.limits.max_context, precision="fp16", decomposed=_decomposed(result))
+    _assert_graphs(
+        out,
+        n_layers=result.report.spec.n_layers,
+        n_norms=None,
+        max_context=result.manifest.limits.max_context,
+        precision="fp16",
+        decomposed=_decomposed(result),
+    )
     static = list(Generator(out, target="onnx").run(PROMPT, 16, stop_at_eos=False).tokens)
     assert static == list(Generator(out).run(PROMPT, 16, stop_at_eos=False).tokens)
     assert static == _transformers_tokens(model.half(), PROMPT, 16)
@@ -529,12 +664,24 @@ def test_hf_int4_generation_equals_transformers_generate(case: str, tmp_path: Pa
     tokens of the transformers model holding the same int4 numbers."""
     from kiln.exporter.precision.kinds.int4 import Int4Method
 
-    model, out, result = _hf_export(case, tmp_path, precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)))
+    model, out, result = _hf_export(
+        case, tmp_path, precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK))
+    )
     assert result.parity.passed, result.parity.failures()
-    _assert_graphs(out, n_layers=result.report.spec.n_layers, n_norms=None, max_context=result.manifest.limits.max_context, precision="int4")
+    _assert_graphs(
+        out,
+        n_layers=result.report.spec.n_layers,
+        n_norms=None,
+        max_context=result.manifest.limits.max_context,
+        precision="int4",
+    )
     written = _rtn_int4(model, INT4_BLOCK)
     for kind in DECODER_KINDS:
-        assert _ops(out / "onnx" / f"{kind.value}.std.onnx")["DequantizeLinear"] == _ops(out / "onnx" / f"{kind.value}.onnx")["DequantizeLinear"] == written
+        assert (
+            _ops(out / "onnx" / f"{kind.value}.std.onnx")["DequantizeLinear"]
+            == _ops(out / "onnx" / f"{kind.value}.onnx")["DequantizeLinear"]
+            == written
+        )
     static = list(Generator(out, target="onnx").run(PROMPT, 16, stop_at_eos=False).tokens)
     assert static == list(Generator(out).run(PROMPT, 16, stop_at_eos=False).tokens)
     _assert_greedy_up_to_ties(model, PROMPT, static)
@@ -546,7 +693,12 @@ def test_hf_int4_near_tie_model_agrees_by_its_ties(tmp_path: Path) -> None:
     those near-ties count as agreement (issue 40: the agreement floor refused this correct graph)."""
     from kiln.exporter.precision.kinds.int4 import Int4Method
 
-    _, out, result = _hf_export("gemma2-window", tmp_path, precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)), parity_agreement="gate")
+    _, out, result = _hf_export(
+        "gemma2-window",
+        tmp_path,
+        precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)),
+        parity_agreement="gate",
+    )
     assert result.parity.passed and result.parity.agreed and result.manifest.parity.agreement == "gate"
     assert sum(g.ties for s in result.parity.sets() for g in s.generation) > 0  # the flips it has are near-ties
     assert (out / "manifest.json").is_file()
@@ -559,11 +711,16 @@ def test_hf_int4_near_tie_model_exports_with_agreement_recorded(tmp_path: Path) 
     generate transformers' own generate() tokens of the model holding the same int4 numbers.
     (``kiln generate`` lets ONNX Runtime quantize the activations of DQ -> MatMul to int8, its
     default: at this model's near-ties its tokens differ, so they are compared loop to loop only.)"""
-    from kiln.exporter.precision.kinds.int4 import Int4Method
     from kiln.exporter.parity import greedy
+    from kiln.exporter.precision.kinds.int4 import Int4Method
     from kiln.exporter.runners import OrtRunner
 
-    model, out, result = _hf_export("gemma2-window", tmp_path, precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)), parity_agreement="record")
+    model, out, result = _hf_export(
+        "gemma2-window",
+        tmp_path,
+        precision=Precision.of(Int4(method=Int4Method.RTN, block=INT4_BLOCK)),
+        parity_agreement="record",
+    )
     quantized = result.parity.quantized
     assert result.parity.passed and quantized is not None and quantized.passed
     assert quantized.tolerance.logits_rtol == 1e-4 and set(quantized.targets) == {"onnx"}
@@ -589,25 +746,47 @@ def test_windows_read_from_the_config_or_refused() -> None:
     assert layer_windows(spec(architecture="MistralForCausalLM", sliding_window=16)) == {0: 16, 1: 16, 2: 16}
     assert layer_windows(spec(architecture="Qwen2ForCausalLM", sliding_window=16, use_sliding_window=False)) == {}
     kinds = ["full_attention", "sliding_attention", "sliding_attention"]
-    assert layer_windows(spec(architecture="Qwen2ForCausalLM", sliding_window=16, use_sliding_window=True, layer_types=kinds)) == {1: 16, 2: 16}
+    assert layer_windows(
+        spec(architecture="Qwen2ForCausalLM", sliding_window=16, use_sliding_window=True, layer_types=kinds)
+    ) == {1: 16, 2: 16}
     with pytest.raises(ConfigError) as err:
         layer_windows(spec(architecture="Phi3ForCausalLM", sliding_window=2047))
     assert str(err.value) == (
-        "config: --target onnx applies sliding windows only for MistralForCausalLM, MixtralForCausalLM, Starcoder2ForCausalLM, Qwen2ForCausalLM, Gemma2ForCausalLM, "
-        "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, each proved by a test; this Phi3ForCausalLM model has a 2047-token window: export it without --target onnx"
+        "config: --target onnx applies sliding windows only for MistralForCausalLM, MixtralForCausalLM, "
+        "Starcoder2ForCausalLM, Qwen2ForCausalLM, Gemma2ForCausalLM, "
+        "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, each proved by a test; this Phi3ForCausalLM model "
+        "has a 2047-token window: export it without --target onnx"
     )
-    with pytest.raises(ConfigError, match=r"config.layer_types \['full_attention', 'chunked_attention'\] is not one of"):
-        layer_windows(spec(architecture="Gemma3ForCausalLM", sliding_window=4, layer_types=["full_attention", "chunked_attention"]))
-    # Llama 4's chunked layers: refused (the static masks would attend to every earlier key); without one, nothing to refuse
+    with pytest.raises(
+        ConfigError, match=r"config.layer_types \['full_attention', 'chunked_attention'\] is not one of"
+    ):
+        layer_windows(
+            spec(
+                architecture="Gemma3ForCausalLM", sliding_window=4, layer_types=["full_attention", "chunked_attention"]
+            )
+        )
+    # Llama 4's chunked layers: refused (the static masks would attend to every earlier key); without one, nothing to
+    # refuse
     chunked = ["chunked_attention", "chunked_attention", "full_attention"]
     with pytest.raises(ConfigError) as err:
         layer_windows(spec(architecture="Llama4ForCausalLM", attention_chunk_size=8192, layer_types=chunked))
     assert str(err.value) == (
-        "config: --target onnx does not apply chunked attention (this Llama4ForCausalLM model attends within chunks of 8192 tokens:"
+        "config: --target onnx does not apply chunked attention (this Llama4ForCausalLM model attends within "
+        "chunks of 8192 tokens:"
         " attention_chunk_size); export it without --target onnx"
     )
-    assert layer_windows(spec(architecture="Llama4ForCausalLM", attention_chunk_size=8192, layer_types=["full_attention"] * 3)) == {}
-    assert layer_windows(spec(architecture="Llama4ForCausalLM", attention_chunk_size=None, layer_types=["full_attention"] * 3)) == {}
+    assert (
+        layer_windows(
+            spec(architecture="Llama4ForCausalLM", attention_chunk_size=8192, layer_types=["full_attention"] * 3)
+        )
+        == {}
+    )
+    assert (
+        layer_windows(
+            spec(architecture="Llama4ForCausalLM", attention_chunk_size=None, layer_types=["full_attention"] * 3)
+        )
+        == {}
+    )
 
 
 def test_the_plugins_table_takes_what_these_tests_export() -> None:
@@ -639,7 +818,9 @@ def test_static_contract() -> None:
     assert decode.output_names == ["logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value"]
 
 
-def test_engine_profiles_and_trtexec_of_the_static_graphs(native: tuple[Path, ExportResult], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_profiles_and_trtexec_of_the_static_graphs(
+    native: tuple[Path, ExportResult], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """kiln build's profiles of the real std graphs: every input the graph file declares, its fixed
     dims fixed (each cache's max_context slots), batch ranged; without TensorRT trtexec.sh holds both
     graph sets and the export stays verifiable (no engine is built here: no TensorRT, no GPU)."""
@@ -656,7 +837,10 @@ def test_engine_profiles_and_trtexec_of_the_static_graphs(native: tuple[Path, Ex
     limits = manifest.limits
     for profile in engine_profiles(manifest, BuildOptions(), GraphSet.ONNX):
         graph = onnx.load(str(directory / profile.onnx), load_external_data=False).graph
-        dims = {v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim] for v in graph.input}
+        dims = {
+            v.name: [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim]
+            for v in graph.input
+        }
         assert [s.name for s in profile.inputs] == list(dims)
         for spec in profile.inputs:
             assert len(spec.min) == len(dims[spec.name])
@@ -673,5 +857,8 @@ def test_engine_profiles_and_trtexec_of_the_static_graphs(native: tuple[Path, Ex
     script = (directory / "engines" / "trtexec.sh").read_text()
     kv = manifest.targets["onnx"].graphs["decode"].inputs[4]
     assert kv.name == "past_key_values.0.key" and f"--maxShapes=input_ids:{limits.max_batch}x1," in script
-    assert f"past_key_values.0.key:{limits.max_batch}x{kv.shape[1]}x{limits.max_context}x{kv.shape[3]}" in script and "--onnx=onnx/decode.std.onnx" in script
+    assert (
+        f"past_key_values.0.key:{limits.max_batch}x{kv.shape[1]}x{limits.max_context}x{kv.shape[3]}" in script
+        and "--onnx=onnx/decode.std.onnx" in script
+    )
     assert verify_dir(directory).ok, verify_dir(directory).problems()

@@ -14,17 +14,17 @@ import onnx
 import pytest
 from click.testing import CliRunner
 from jsonschema import Draft202012Validator
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.cli import main
 from kiln.errors import ConfigError
+from kiln.exporter.artifacts.verify import verify_dir
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import DECODER_KINDS, GraphKind
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.plan import plan
 from kiln.exporter.pipeline import ExportResult, export
+from kiln.exporter.plan import plan
 from kiln.exporter.targets.ort.nbits import pack_int8_blocks
-from kiln.exporter.artifacts.verify import verify_dir
+from kiln_testing import tiny_config, write_checkpoint
 
 PARITY_TOKENS = 12
 
@@ -57,7 +57,9 @@ def _norms(ops: Counter[str]) -> int:
 
 def _gqa_attr(path: Path, name: str, default: int) -> list[int]:
     nodes = onnx.load(str(path), load_external_data=False).graph.node
-    return [next((a.i for a in n.attribute if a.name == name), default) for n in nodes if n.op_type == "GroupQueryAttention"]
+    return [
+        next((a.i for a in n.attribute if a.name == name), default) for n in nodes if n.op_type == "GroupQueryAttention"
+    ]
 
 
 def _assert_rewritten(out: Path, n_layers: int, n_norms: int, rotary_in_gqa: bool = False) -> None:
@@ -120,7 +122,10 @@ def test_native_ort_target_fp32(tiny_ckpt: Path, tmp_path: Path) -> None:
     manifest = _assert_manifest(out, "fp32")
     assert manifest["targets"]["ort"]["graphs"]["decode"]["passes"]["attention"]["layers"] == [0, 1]
     # decode: the family's mask subgraph was proven to be padding-only and replaced (the decode graph's only)
-    assert [manifest["targets"]["ort"]["graphs"][k]["passes"].get("decode_mask", {}).get("compact", False) for k in ("prefill", "decode", "model")] == [False, True, False]
+    assert [
+        manifest["targets"]["ort"]["graphs"][k]["passes"].get("decode_mask", {}).get("compact", False)
+        for k in ("prefill", "decode", "model")
+    ] == [False, True, False]
     assert manifest["precision"] == "fp32" and manifest["graphs"]["decode"]["file"] == "onnx/decode.onnx"
 
     # kiln check re-runs parity on both sets of graphs
@@ -165,7 +170,9 @@ def _assert_decode_writes_in_place(out: Path) -> None:
     for name, buffer in buffers.items():
         array = buffer.numpy()
         np.testing.assert_array_equal(array[:, :, :past_len], past[name])  # the past is untouched
-        np.testing.assert_allclose(array[:, :, past_len], want[name.replace("past_key_values.", "present.")][:, :, past_len], atol=1e-6)
+        np.testing.assert_allclose(
+            array[:, :, past_len], want[name.replace("past_key_values.", "present.")][:, :, past_len], atol=1e-6
+        )
         assert not array[:, :, past_len + 1 :].any()  # nothing written beyond the new row
 
     shared, concat = Generator(out, target="ort"), Generator(out)
@@ -202,7 +209,9 @@ def test_hf_llama_ort_target_fp32(tmp_path: Path) -> None:
     assert _ops(out / "onnx" / "decode.ort.onnx")["GatherND"] == 0  # transformers' mask subgraph is gone
 
 
-@pytest.mark.parametrize(("arch", "int8"), [("Qwen2ForCausalLM", False), ("MistralForCausalLM", False), ("GPT2LMHeadModel", True)])
+@pytest.mark.parametrize(
+    ("arch", "int8"), [("Qwen2ForCausalLM", False), ("MistralForCausalLM", False), ("GPT2LMHeadModel", True)]
+)
 def test_other_hf_families(arch: str, int8: bool, tmp_path: Path) -> None:
     """q/k/v biases (Qwen2: not packed), a sliding-window mask (Mistral: the family's own mask is
     GQA's bias), MHA with learned positions, no rotary and 2-D Gemm projections (GPT-2)."""
@@ -216,30 +225,60 @@ def test_other_hf_families(arch: str, int8: bool, tmp_path: Path) -> None:
     result = export(ckpt, out, options)
     _assert_ort_checked(result, "int8" if int8 else "fp32")
     graphs = _assert_manifest(out, "int8" if int8 else "fp32")["targets"]["ort"]["graphs"]
-    assert graphs["prefill"]["passes"]["attention"]["layers"] == graphs["decode"]["passes"]["attention"]["layers"] == [0, 1]
+    assert (
+        graphs["prefill"]["passes"]["attention"]["layers"]
+        == graphs["decode"]["passes"]["attention"]["layers"]
+        == [0, 1]
+    )
     if int8:  # GPT-2's projections are Gemms: 2 layers x (c_attn, c_proj, c_fc, mlp c_proj) + the head
-        assert len(graphs["decode"]["passes"]["nbits_int8"]["nodes"]) == 9 and _ops(out / "onnx" / "decode.ort.onnx")["Gemm"] == 0
+        assert (
+            len(graphs["decode"]["passes"]["nbits_int8"]["nodes"]) == 9
+            and _ops(out / "onnx" / "decode.ort.onnx")["Gemm"] == 0
+        )
 
 
 def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    args = ["export", "--model", str(tiny_ckpt), "--out", str(out), "--max-batch", "4", "--parity-tokens", str(PARITY_TOKENS)]
+    args = [
+        "export",
+        "--model",
+        str(tiny_ckpt),
+        "--out",
+        str(out),
+        "--max-batch",
+        "4",
+        "--parity-tokens",
+        str(PARITY_TOKENS),
+    ]
     cli = CliRunner().invoke(main, [*args, "--target", "ort", "--ort-int8"])
     assert cli.exit_code == 0, cli.output
     last = cli.stdout.strip().splitlines()[-1]
     written = json.loads((out / "manifest.json").read_text())
     sizes = [(w["file"], w["bytes"]) for w in (written["weights"], written["targets"]["ort"]["weights"])]
-    assert sizes[0][0] == "onnx/weights.bin" and sizes[1][0] != sizes[0][0] and all(size == (out / f).stat().st_size for f, size in sizes)
+    assert (
+        sizes[0][0] == "onnx/weights.bin"
+        and sizes[1][0] != sizes[0][0]
+        and all(size == (out / f).stat().st_size for f, size in sizes)
+    )
     files = " + ".join(f"{f} {size / 1e3:.3g} KB" for f, size in sizes)  # a tiny model's: kilobytes
-    assert last.startswith(f"wrote {out}: 3 fp32 graphs + 3 ONNX Runtime-target int8 graphs (onnx/*.ort.onnx), 2 weights files ({files})")
+    assert last.startswith(
+        f"wrote {out}: 3 fp32 graphs + 3 ONNX Runtime-target int8 graphs (onnx/*.ort.onnx), 2 weights files ({files})"
+    )
     assert "; parity passed: portable (fp32): logits error " in last and "; ort (int8): logits error " in last
-    assert "tokens 100% equal over " in last and len(last.replace(str(out), "OUT")) < 700  # it ran to 900-1,400 characters; the quality clause adds about 100
+    assert (
+        "tokens 100% equal over " in last and len(last.replace(str(out), "OUT")) < 700
+    )  # it ran to 900-1,400 characters; the quality clause adds about 100
     assert last.endswith(f"; report {out / 'reports' / 'parity.md'}")
     parity = json.loads((out / "reports" / "parity.json").read_text())
     assert parity["passed"] and parity["targets"]["ort"]["precision"] == "int8"
-    for target, name, rule in ((None, "portable (fp32)", (1e-5, 1e-4)), ("ort", "ort (int8)", (1.5, 0.05))):  # the line's figures are the report's
+    for target, name, rule in (
+        (None, "portable (fp32)", (1e-5, 1e-4)),
+        ("ort", "ort (int8)", (1.5, 0.05)),
+    ):  # the line's figures are the report's
         logits = [t for t in parity["tensors"] if t["target"] == target and t["output"] == "logits"]
-        worst = max(logits, key=lambda t: t["error"] / (t["atol"] + t["rtol"] * t["scale"]))  # the row closest to its limit
+        worst = max(
+            logits, key=lambda t: t["error"] / (t["atol"] + t["rtol"] * t["scale"])
+        )  # the row closest to its limit
         assert (worst["atol"], worst["rtol"]) == rule
         limit = worst["atol"] + worst["rtol"] * worst["scale"]
         assert f"{name}: logits error {worst['error']:.3g} (limit {limit:.3g})" in last
@@ -260,7 +299,22 @@ def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> Non
     assert manifest["targets"]["ort"]["weights"]["bytes"] < (out / "onnx" / "weights.bin").stat().st_size
 
     # kiln bench times the ORT-target graphs beside the portable ones of the same directory
-    bench = CliRunner().invoke(main, ["bench", str(out), "--runs", "3", "--prefill-seq", "8", "--past", "8", "--no-torch", "--no-roofline", "--json"])
+    bench = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            str(out),
+            "--runs",
+            "3",
+            "--prefill-seq",
+            "8",
+            "--past",
+            "8",
+            "--no-torch",
+            "--no-roofline",
+            "--json",
+        ],
+    )
     assert bench.exit_code == 0, bench.output
     report = json.loads(bench.output)
     assert set(report["median_ms"]["decode"]) == {"kiln fp32 (out)", "kiln ort int8 (out)"}
@@ -273,7 +327,9 @@ def test_native_ort_int8_through_the_cli(tiny_ckpt: Path, tmp_path: Path) -> Non
     v1 = tmp_path / "v1"
     shutil.copytree(out, v1)
     (v1 / "manifest.json").write_text(json.dumps(downgrade(json.loads((v1 / "manifest.json").read_text()))))
-    run = CliRunner().invoke(main, ["generate", str(v1), "--target", "ort", "--ids", "1,2", "--max-new-tokens", "3", "--json"])
+    run = CliRunner().invoke(
+        main, ["generate", str(v1), "--target", "ort", "--ids", "1,2", "--max-new-tokens", "3", "--json"]
+    )
     assert run.exit_code == 0 and json.loads(run.stdout)["kv_cache"] == "shared-buffer", run.output
 
 
@@ -291,8 +347,14 @@ def test_int8_blocks_round_trip() -> None:
     ("options", "message"),
     [
         (dict(target_flags={"ort_int8": True}), "--ort-int8 only applies to --target ort"),
-        (dict(target="ort", precision=Precision.FP16), "--target ort rewrites fp32 graphs and cannot be combined with --fp16/--int8/--fp8 (found fp16)"),
-        (dict(target="ort", precision=Precision.INT8, calib_data="synthetic"), "(found int8); for int8 on ONNX Runtime use --target ort --ort-int8"),
+        (
+            dict(target="ort", precision=Precision.FP16),
+            "--target ort rewrites fp32 graphs and cannot be combined with --fp16/--int8/--fp8 (found fp16)",
+        ),
+        (
+            dict(target="ort", precision=Precision.INT8, calib_data="synthetic"),
+            "(found int8); for int8 on ONNX Runtime use --target ort --ort-int8",
+        ),
     ],
 )
 def test_bad_combinations_refused(options: dict, message: str) -> None:
@@ -302,7 +364,9 @@ def test_bad_combinations_refused(options: dict, message: str) -> None:
 
 
 def test_cli_refuses_ort_int8_without_target(tiny_ckpt: Path, tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out"), "--ort-int8"])
+    result = CliRunner().invoke(
+        main, ["export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out"), "--ort-int8"]
+    )
     assert result.exit_code == 1
     assert "error: config: --ort-int8 only applies to --target ort" in result.output
     assert not (tmp_path / "out").exists()
@@ -334,7 +398,9 @@ def test_rotary_tables_are_the_graphs_own(tiny_portable: Path) -> None:
     angles = np.arange(48)[:, None] * 500.0 ** (-np.arange(0, 16, 2) / 16)[None, :]
     np.testing.assert_allclose(tables[0], np.cos(angles), atol=1e-5)
     np.testing.assert_allclose(tables[1], np.sin(angles), atol=1e-5)
-    assert not np.allclose(tables[0], np.cos(np.arange(48)[:, None] * 10000.0 ** (-np.arange(0, 16, 2) / 16)[None, :]), atol=1e-3)
+    assert not np.allclose(
+        tables[0], np.cos(np.arange(48)[:, None] * 10000.0 ** (-np.arange(0, 16, 2) / 16)[None, :]), atol=1e-3
+    )
 
 
 def test_layers_without_tables_keep_their_rotary(tiny_portable: Path) -> None:
@@ -350,8 +416,14 @@ def test_layers_without_tables_keep_their_rotary(tiny_portable: Path) -> None:
     assert fuse_attention(model, n_kv_heads=2, head_dim=16, tables=lambda cos, sin: None, decode=True) == [0, 1]
     RemoveUnusedNodesPass()(model)
     ops = Counter(n.op_type for n in model.graph)
-    assert ops["Softmax"] == 0 and ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 0 and ops["Neg"] == 4, ops
-    assert all(not any(a.name == "do_rotary" for a in n.attributes.values()) for n in model.graph if n.op_type == "GroupQueryAttention")
+    assert (
+        ops["Softmax"] == 0 and ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 0 and ops["Neg"] == 4
+    ), ops
+    assert all(
+        not any(a.name == "do_rotary" for a in n.attributes.values())
+        for n in model.graph
+        if n.op_type == "GroupQueryAttention"
+    )
 
 
 def _gqa_graph(window: int | None) -> onnx.ModelProto:
@@ -374,7 +446,16 @@ def _gqa_graph(window: int | None) -> onnx.ModelProto:
             h.make_node("Less", ["keys", "first"], ["old"]),
             h.make_node("Where", ["old", "fill", "pad4"], ["bias"]),
         ]
-    nodes.append(h.make_node("GroupQueryAttention", ["q", "", "", "", "", "", "", "", "", "", "bias"], ["out", "pk", "pv"], domain="com.microsoft", num_heads=1, kv_num_heads=1))
+    nodes.append(
+        h.make_node(
+            "GroupQueryAttention",
+            ["q", "", "", "", "", "", "", "", "", "", "bias"],
+            ["out", "pk", "pv"],
+            domain="com.microsoft",
+            num_heads=1,
+            kv_num_heads=1,
+        )
+    )
     inits = [
         h.make_tensor("zero", TensorProto.FLOAT, [], [0.0]),
         h.make_tensor("fill", TensorProto.FLOAT, [], [-3.0e38]),
@@ -386,15 +467,22 @@ def _gqa_graph(window: int | None) -> onnx.ModelProto:
     graph = h.make_graph(
         nodes,
         "decode",
-        [h.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total_seq"]), h.make_tensor_value_info("q", TensorProto.FLOAT, ["batch", 1, 16])],
+        [
+            h.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total_seq"]),
+            h.make_tensor_value_info("q", TensorProto.FLOAT, ["batch", 1, 16]),
+        ],
         [h.make_tensor_value_info("out", TensorProto.FLOAT, None)],
         inits,
     )
     return h.make_model(graph, opset_imports=[h.make_opsetid("", 19), h.make_opsetid("com.microsoft", 1)])
 
 
-@pytest.mark.parametrize(("window", "max_context", "local"), [(None, 64, None), (8, 64, 8), (100, 64, None), (40, 64, 40)])
-def test_decode_mask_compacted_when_proven_equal(window: int | None, max_context: int, local: int | None, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("window", "max_context", "local"), [(None, 64, None), (8, 64, 8), (100, 64, None), (40, 64, 40)]
+)
+def test_decode_mask_compacted_when_proven_equal(
+    window: int | None, max_context: int, local: int | None, tmp_path: Path
+) -> None:
     """The padding-only bias replaces the family's mask when the probes prove it equal; a
     sliding window shorter than the context (and so seen by the probes) becomes GQA's
     local_window_size, one longer is no window at all."""
@@ -405,7 +493,9 @@ def test_decode_mask_compacted_when_proven_equal(window: int | None, max_context
     model = ir.from_proto(_gqa_graph(window))
     got = compact_decode_bias(model, tmp_path, max_context)
     assert got.compact
-    assert got.local_windows == (((-1, local),) if local is not None else ())  # the test graph's GQA has no layer in its name
+    assert got.local_windows == (
+        ((-1, local),) if local is not None else ()
+    )  # the test graph's GQA has no layer in its name
     gqa = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
     assert gqa.inputs[10].producer().name == "/ort/decode_mask/Unsqueeze"  # type: ignore[union-attr]
     assert gqa.attributes.get_int("local_window_size", -1) == (local if local is not None else -1)

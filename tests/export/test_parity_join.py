@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.exporter.artifacts.manifest import Manifest, graph_options
 from kiln.exporter.contract.io import GraphKind
@@ -28,6 +27,7 @@ from kiln.exporter.pipeline import export
 from kiln.exporter.runners import OrtRunner, Runner
 from kiln.exporter.runners.base import Feeds
 from kiln.plugins import load_model
+from kiln_testing import tiny_config, write_checkpoint
 
 STEPS = 6
 
@@ -35,7 +35,9 @@ STEPS = 6
 class _Watched:
     """An ONNX Runtime runner that records (graph, batch) of each call and may change outputs."""
 
-    def __init__(self, inner: Runner, calls: list[tuple[str, int]], change: Callable[[int, Feeds], None] | None) -> None:
+    def __init__(
+        self, inner: Runner, calls: list[tuple[str, int]], change: Callable[[int, Feeds], None] | None
+    ) -> None:
         self.name, self._inner, self._calls, self._change = inner.name, inner, calls, change
 
     def graphs(self) -> tuple[GraphKind, ...]:
@@ -57,9 +59,14 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _parity(root: Path, calls: list[tuple[str, int]], change: Callable[[int, Feeds], None] | None = None, max_batch: int = 8) -> ParityResult:
+def _parity(
+    root: Path, calls: list[tuple[str, int]], change: Callable[[int, Feeds], None] | None = None, max_batch: int = 8
+) -> ParityResult:
     options = graph_options(Manifest.from_json(json.loads((root / "out" / "manifest.json").read_text())))
-    paths = {kind: root / "out" / "onnx" / f"{'model' if kind is GraphKind.UNIFIED else kind.value}.onnx" for kind in (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.UNIFIED)}
+    paths = {
+        kind: root / "out" / "onnx" / f"{'model' if kind is GraphKind.UNIFIED else kind.value}.onnx"
+        for kind in (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.UNIFIED)
+    }
 
     @contextlib.contextmanager
     def opened() -> Iterator[Runner]:
@@ -69,7 +76,9 @@ def _parity(root: Path, calls: list[tuple[str, int]], change: Callable[[int, Fee
     loaded = load_model(root / "ckpt")
     assert options.max_context is not None
     settings = ParitySettings(options.max_context, max_batch, STEPS, options.last_logits_only)
-    return check_parity(prepare_reference(loaded, options), loaded.spec, [Candidate(opened, tuple(paths), "fp32", FP32)], settings)
+    return check_parity(
+        prepare_reference(loaded, options), loaded.spec, [Candidate(opened, tuple(paths), "fp32", FP32)], settings
+    )
 
 
 def test_the_batches_run_joined_and_batch_one_is_checked_by_tensors(exported: Path) -> None:
@@ -77,7 +86,9 @@ def test_the_batches_run_joined_and_batch_one_is_checked_by_tensors(exported: Pa
     result = _parity(exported, calls)
     assert result.passed, result.failures()
     graphs = ["prefill", "decode", "model"]
-    assert calls[:6] == [(g, 2) for g in graphs] + [(g, 1) for g in graphs]  # tensors: each graph's batch-2 feeds, then their unpadded row
+    assert calls[:6] == [(g, 2) for g in graphs] + [
+        (g, 1) for g in graphs
+    ]  # tensors: each graph's batch-2 feeds, then their unpadded row
     # one greedy run through prefill + decode, all four rows; model.onnx fed the prompt, then those tokens in one call
     assert calls[6:] == [("prefill", 4)] + [("decode", 4)] * (STEPS - 1) + [("model", 4)] * 2
     assert [g.label for g in result.generation] == [
@@ -87,7 +98,9 @@ def test_the_batches_run_joined_and_batch_one_is_checked_by_tensors(exported: Pa
         "model, batch 3",
     ]
     assert [g.prompt_lengths for g in result.generation] == [(12,), (12,), (12, 8, 5), (12, 8, 5)]
-    assert {(t.graph, t.batch) for t in result.tensors} == {(g, b) for g in ("prefill", "decode", "model") for b in (1, 2)}
+    assert {(t.graph, t.batch) for t in result.tensors} == {
+        (g, b) for g in ("prefill", "decode", "model") for b in (1, 2)
+    }
 
 
 def test_a_graph_wrong_only_at_batch_one_is_refused(exported: Path) -> None:
@@ -116,4 +129,7 @@ def test_no_call_exceeds_a_max_batch_of_one(exported: Path) -> None:
     result = _parity(exported, calls, max_batch=1)
     assert result.passed, result.failures()
     assert {batch for _, batch in calls} == {1} and {t.batch for t in result.tensors} == {1}
-    assert [g.label for g in result.generation][2:] == ["prefill+decode, batch 1, 8 (padded to 12)", "model, batch 1, 8 (padded to 12)"]
+    assert [g.label for g in result.generation][2:] == [
+        "prefill+decode, batch 1, 8 (padded to 12)",
+        "model, batch 1, 8 (padded to 12)",
+    ]

@@ -32,10 +32,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')"
+)
 
 import torch
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.exporter.artifacts.manifest import Manifest, graph_options
 from kiln.exporter.contract.io import GraphKind
@@ -50,11 +51,14 @@ from kiln.exporter.runners import OrtRunner
 from kiln.plugins import load_model
 from kiln.plugins.hf import tiny_model
 from kiln.plugins.native.model import PLEDecoder
+from kiln_testing import tiny_config, write_checkpoint
 
 pytestmark = pytest.mark.slow
 STEPS = 16
 OPTIONS = dict(max_batch=4, parity_tokens=STEPS)
-LLAMA_LIKE = dict(ple={"enabled": False}, rope_theta=500.0, norm_eps=1e-6, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+LLAMA_LIKE = dict(
+    ple={"enabled": False}, rope_theta=500.0, norm_eps=1e-6, bos_token_id=0, eos_token_id=2, pad_token_id=1
+)
 LARGE = dict(vocab_size=300, d_model=64, n_layers=3, d_ff=128, max_context=64, tie_embeddings=False)
 HF = {  # case: (tiny case, every weight multiplied by, config overrides, --max-context)
     "bart-x8": ("bart", 8.0, dict(vocab_size=300, d_model=96, encoder_layers=2, decoder_layers=3, init_std=0.02), None),
@@ -63,7 +67,8 @@ HF = {  # case: (tiny case, every weight multiplied by, config overrides, --max-
 # what makes each case what it claims: its logits reach this scale, and the old absolute 1e-4 refused it
 SCALE = {"native": (2.0, False), "native-large": (20.0, False), "bart-x8": (30.0, True), "t5-gated-x8": (1000.0, True)}
 FAILURE = re.compile(
-    r"^(prefill|decode|model):(logits|present\.\d+\.(key|value)) max abs \S+ \(tolerance 1e-05 \+ 0\.0001 x max\|row\| = \S+ at max\|row\| \S+\), "
+    r"^(prefill|decode|model):(logits|present\.\d+\.(key|value)) max abs \S+ \(tolerance 1e-05 \+ 0\.0001 x "
+    r"max\|row\| = \S+ at max\|row\| \S+\), "
     r"cosine \d\.\d{6} \(at least 0\.999999\)$"
 )
 
@@ -83,7 +88,9 @@ def _large(model: PLEDecoder) -> None:
 def _save(case: str, directory: Path) -> Path:
     if case.startswith("native"):
         large = case == "native-large"
-        return write_checkpoint(directory, tiny_config(**LLAMA_LIKE, **(LARGE if large else {})), seed=0, edit=_large if large else None)
+        return write_checkpoint(
+            directory, tiny_config(**LLAMA_LIKE, **(LARGE if large else {})), seed=0, edit=_large if large else None
+        )
     name, factor, overrides, _ = HF[case]
     model = tiny_model(name, seed=1, **overrides).module.model
     with torch.no_grad():
@@ -120,7 +127,11 @@ def test_parity_passes_at_the_models_scale(exported: Exported) -> None:
     assert (max(t.max_abs for t in logits) > 1e-4) is refused_before
     assert all(t.atol == 1e-5 and t.rtol == 1e-4 and t.error <= t.limit for t in parity.tensors)
     assert all(g.first_divergence is None for g in parity.generation)
-    assert re.match(r"parity passed: logits error \S+ \(limit \S+\), KV error \S+ \(limit \S+\), tokens 100% equal over \d+ steps(; quality .+)?$", verdict(parity))
+    assert re.match(
+        r"parity passed: logits error \S+ \(limit \S+\), KV error \S+ \(limit \S+\), tokens 100% equal over \d+ "
+        r"steps(; quality .+)?$",
+        verdict(parity),
+    )
     if exported.case == "native-large":  # hidden states in the hundreds to thousands
         assert _hidden_max(exported.ckpt) >= 500.0
 
@@ -128,7 +139,10 @@ def test_parity_passes_at_the_models_scale(exported: Exported) -> None:
 def _hidden_max(ckpt: Path) -> float:
     model = load_model(ckpt).module
     found: list[float] = []
-    hooks = [layer.register_forward_hook(lambda _m, _i, out: found.append(float(out[0].abs().max()))) for layer in model.layers]
+    hooks = [
+        layer.register_forward_hook(lambda _m, _i, out: found.append(float(out[0].abs().max())))
+        for layer in model.layers
+    ]
     ids = torch.arange(3, 23)[None]
     with torch.no_grad():
         model(ids, torch.ones_like(ids), torch.arange(20)[None])
@@ -157,7 +171,9 @@ def _transformers_tokens(exported: Exported, prompts: list[list[int]], tmp_path:
         hf_dir, arch = _converter().native_to_hf(exported.ckpt, tmp_path / "hf"), "AutoModelForCausalLM"
         ids, mask, _ = left_pad(prompts, 1)
     hf = getattr(transformers, arch).from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    ignore: dict[str, Any] = dict(forced_eos_token_id=None, forced_bos_token_id=None, bad_words_ids=None) if seq2seq else {}
+    ignore: dict[str, Any] = (
+        dict(forced_eos_token_id=None, forced_bos_token_id=None, bad_words_ids=None) if seq2seq else {}
+    )
     with torch.no_grad():
         out = hf.generate(
             input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=STEPS,
@@ -168,13 +184,19 @@ def _transformers_tokens(exported: Exported, prompts: list[list[int]], tmp_path:
 
 def test_greedy_tokens_equal_transformers_generate(exported: Exported, tmp_path: Path) -> None:
     spec = load_model(exported.ckpt).spec
-    kinds = (GraphKind.ENCODER, GraphKind.PREFILL, GraphKind.DECODE) if spec.has_encoder else (GraphKind.PREFILL, GraphKind.DECODE)
+    kinds = (
+        (GraphKind.ENCODER, GraphKind.PREFILL, GraphKind.DECODE)
+        if spec.has_encoder
+        else (GraphKind.PREFILL, GraphKind.DECODE)
+    )
     graphs = {k: exported.out / "onnx" / f"{k.value}.onnx" for k in kinds}
     for lengths in ([9], [9, 5, 3]):  # batch 1, and a padded batch
         prompts = make_prompts(spec, lengths, seed=len(lengths))
         with OrtRunner(graphs) as runner:
             got, _ = greedy(runner, spec, prompts, STEPS)
-        np.testing.assert_array_equal(got, _transformers_tokens(exported, prompts, tmp_path), err_msg=f"{exported.case} {lengths}")
+        np.testing.assert_array_equal(
+            got, _transformers_tokens(exported, prompts, tmp_path), err_msg=f"{exported.case} {lengths}"
+        )
 
 
 def parity_of(exported: Exported, graphs: Path, max_batch: int = 4) -> ParityResult:
@@ -185,7 +207,12 @@ def parity_of(exported: Exported, graphs: Path, max_batch: int = 4) -> ParityRes
     paths = {GraphKind(kind): graphs / Path(entry.file).name for kind, entry in manifest.graphs.items()}
     assert options.max_context is not None
     settings = ParitySettings(options.max_context, max_batch, STEPS, options.last_logits_only)
-    return check_parity(prepare_reference(loaded, options), loaded.spec, [Candidate(OrtRunner.opener(paths), tuple(paths), "fp32", FP32)], settings)
+    return check_parity(
+        prepare_reference(loaded, options),
+        loaded.spec,
+        [Candidate(OrtRunner.opener(paths), tuple(paths), "fp32", FP32)],
+        settings,
+    )
 
 
 def flip_one_weight(graphs: Path) -> str:
@@ -193,7 +220,9 @@ def flip_one_weight(graphs: Path) -> str:
     weights file every graph reads."""
     model = onnx.load(graphs / "decode.onnx", load_external_data=False)
     pattern = re.compile(r"(v_proj|SelfAttention\.v)/MatMul:1$")
-    tensor = next(t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL and pattern.search(t.name))
+    tensor = next(
+        t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL and pattern.search(t.name)
+    )
     where = {e.key: e.value for e in tensor.external_data}
     offset, count = int(where["offset"]), int(where["length"]) // 4
     with open(graphs / where["location"], "r+b") as f:
@@ -213,7 +242,9 @@ def attend_to_first_position(graphs: Path) -> None:
         graph = model.graph
         for node in graph.node:
             node.input[:] = ["mask_spoiled" if x == "attention_mask" else x for x in node.input]
-        graph.initializer.extend(helper.make_tensor(n, TensorProto.INT64, [1], [v]) for n, v in (("s_0", 0), ("s_1", 1), ("s_end", 2**62)))
+        graph.initializer.extend(
+            helper.make_tensor(n, TensorProto.INT64, [1], [v]) for n, v in (("s_0", 0), ("s_1", 1), ("s_end", 2**62))
+        )
         spoil = [
             helper.make_node("Slice", ["attention_mask", "s_0", "s_1", "s_1"], ["mask_first"]),
             helper.make_node("Max", ["mask_first", "s_1"], ["mask_first_real"]),
@@ -237,7 +268,9 @@ def _refused(result: ParityResult) -> None:
 def test_a_flipped_weight_is_refused(exported: Exported, tmp_path: Path) -> None:
     graphs = tmp_path / "onnx"
     shutil.copytree(exported.out / "onnx", graphs)
-    assert re.search(r"(layers\.0\.(self_)?attn\.v_proj|block\.0\.layer\.0\.SelfAttention\.v)/MatMul:1$", flip_one_weight(graphs))
+    assert re.search(
+        r"(layers\.0\.(self_)?attn\.v_proj|block\.0\.layer\.0\.SelfAttention\.v)/MatMul:1$", flip_one_weight(graphs)
+    )
     _refused(parity_of(exported, graphs))
 
 
@@ -254,12 +287,25 @@ def test_padding_is_tested_at_batch_one(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(**LLAMA_LIKE), seed=0)
     result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=1, parity_tokens=STEPS))
     assert result.parity.passed, result.parity.failures()
-    labels = ["prefill+decode, batch 1", "model, batch 1", "prefill+decode, batch 1, 8 (padded to 12)", "model, batch 1, 8 (padded to 12)"]
+    labels = [
+        "prefill+decode, batch 1",
+        "model, batch 1",
+        "prefill+decode, batch 1, 8 (padded to 12)",
+        "model, batch 1, 8 (padded to 12)",
+    ]
     assert [g.label for g in result.parity.generation] == labels
-    assert "| prefill+decode | 1 | 8 (padded to 12) | 16 | 1.0000 | 1 | - | 0 | " in (tmp_path / "out" / "reports" / "parity.md").read_text()
+    assert (
+        "| prefill+decode | 1 | 8 (padded to 12) | 16 | 1.0000 | 1 | - | 0 | "
+        in (tmp_path / "out" / "reports" / "parity.md").read_text()
+    )
     graphs = tmp_path / "spoiled"
     shutil.copytree(tmp_path / "out" / "onnx", graphs)
     attend_to_first_position(graphs)
-    spoiled = {g.label: max(g.per_step_max_abs) for g in parity_of(Exported("native", ckpt, tmp_path / "out", result), graphs, max_batch=1).generation}
-    assert spoiled[labels[0]] <= 1e-4 and spoiled[labels[1]] <= 1e-4, spoiled  # no padding: nothing to attend to wrongly
+    spoiled = {
+        g.label: max(g.per_step_max_abs)
+        for g in parity_of(Exported("native", ckpt, tmp_path / "out", result), graphs, max_batch=1).generation
+    }
+    assert spoiled[labels[0]] <= 1e-4 and spoiled[labels[1]] <= 1e-4, (
+        spoiled
+    )  # no padding: nothing to attend to wrongly
     assert spoiled[labels[2]] >= 1e-2 and spoiled[labels[3]] >= 1e-2, spoiled

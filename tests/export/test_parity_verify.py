@@ -18,21 +18,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
 
 from kiln.exporter.artifacts.manifest import Manifest, graph_options
+from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.load import prepare_reference
-from kiln.exporter.check import check_dir
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.precision.kinds import Int4
-from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity, driver, scoring
 from kiln.exporter.parity.tolerances import FP32
 from kiln.exporter.pipeline import export
+from kiln.exporter.precision.kinds import Int4
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.runners import OrtRunner, Runner, TorchRunner
 from kiln.exporter.runners.base import Feeds
 from kiln.plugins import load_model
+from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
 
 STEPS = 6
 LENGTH = 12  # parity_plan's longest prompt at the tiny model's context
@@ -83,7 +83,10 @@ def _parity(
     reload: bool = False,
 ) -> ParityResult:
     options = graph_options(Manifest.from_json(json.loads((root / "out" / "manifest.json").read_text())))
-    paths = {kind: root / "out" / "onnx" / f"{'model' if kind is GraphKind.UNIFIED else kind.value}.onnx" for kind in (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.UNIFIED)}
+    paths = {
+        kind: root / "out" / "onnx" / f"{'model' if kind is GraphKind.UNIFIED else kind.value}.onnx"
+        for kind in (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.UNIFIED)
+    }
 
     @contextlib.contextmanager
     def opened() -> Iterator[Runner]:
@@ -100,22 +103,31 @@ def _parity(
     settings = ParitySettings(options.max_context, 8, STEPS, options.last_logits_only)
     hooks = {"release_reference": lambda: events.append("release"), "reload_reference": reloaded} if reload else {}
     candidates = [Candidate(opened, tuple(paths), "fp32", FP32)]
-    return check_parity(prepare_reference(loaded, options), loaded.spec, candidates, settings, progress=progress, **hooks)  # type: ignore[arg-type]
+    return check_parity(
+        prepare_reference(loaded, options), loaded.spec, candidates, settings, progress=progress, **hooks
+    )  # type: ignore[arg-type]
 
 
-def test_pytorch_scores_every_row_in_one_forward(exported: Path, torch_calls: list[tuple[str, tuple[int, ...]]]) -> None:
+def test_pytorch_scores_every_row_in_one_forward(
+    exported: Path, torch_calls: list[tuple[str, tuple[int, ...]]]
+) -> None:
     """Both paths' rows (the same four sequences: model.onnx is fed prefill + decode's tokens) are
     scored once, in one prefill forward of the prompt and every generated token but the last."""
     result = _parity(exported, [])
     assert result.passed, result.failures()
-    # each graph's tensor feeds at batch 2 and 1 (decode's and model's past: PyTorch's prefill of other tokens, recorded once)
+    # each graph's tensor feeds at batch 2 and 1 (decode's and model's past: PyTorch's prefill of other tokens, recorded
+    # once)
     tensors = [("prefill", (2, 7)), ("prefill", (1, 7)), ("prefill", (2, 9)), ("decode", (2, 1)), ("decode", (1, 1))]
     tensors += [("prefill", (2, 6)), ("model", (2, 4)), ("model", (1, 4))]
     assert torch_calls == [*tensors, ("prefill", (4, LENGTH + STEPS - 1))], torch_calls
-    assert [g.steps for g in result.generation] == [STEPS] * 4 and all(g.token_match_rate == 1.0 for g in result.generation)
+    assert [g.steps for g in result.generation] == [STEPS] * 4 and all(
+        g.token_match_rate == 1.0 for g in result.generation
+    )
 
 
-def test_chunked_scoring_gives_the_same_verdict(exported: Path, torch_calls: list[tuple[str, tuple[int, ...]]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunked_scoring_gives_the_same_verdict(
+    exported: Path, torch_calls: list[tuple[str, tuple[int, ...]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A logits budget of 8 positions: each row alone, in chunks of 8 positions (prefill, then the
     unified contract with the cache); every step's figures as one forward's, to float rounding."""
     whole = _parity(exported, [])
@@ -126,33 +138,49 @@ def test_chunked_scoring_gives_the_same_verdict(exported: Path, torch_calls: lis
     assert torch_calls[8:] == [("prefill", (1, 8)), ("model", (1, 8)), ("model", (1, 1))] * 4, torch_calls[8:]
     assert chunked.passed, chunked.failures()
     for a, b in zip(whole.generation, chunked.generation, strict=True):
-        assert a.per_step_match == b.per_step_match and np.allclose(a.per_step_max_abs, b.per_step_max_abs, atol=1e-5), (a, b)
+        assert a.per_step_match == b.per_step_match and np.allclose(
+            a.per_step_max_abs, b.per_step_max_abs, atol=1e-5
+        ), (a, b)
 
 
 def _negated_decode(kind: GraphKind, feeds: Feeds, out: Feeds) -> None:
-    if kind is GraphKind.DECODE and len(feeds["input_ids"]) == 4:  # the generation run only: tensor checks run batch 2 and 1
+    if (
+        kind is GraphKind.DECODE and len(feeds["input_ids"]) == 4
+    ):  # the generation run only: tensor checks run batch 2 and 1
         out["logits"] = -out["logits"]  # the argmin chosen: never the reference's argmax
 
 
 def _shifted_chunk(kind: GraphKind, feeds: Feeds, out: Feeds) -> None:
-    if kind is GraphKind.UNIFIED and feeds["input_ids"].shape == (4, STEPS - 1):  # model.onnx's chunk of generated tokens only
+    if kind is GraphKind.UNIFIED and feeds["input_ids"].shape == (
+        4,
+        STEPS - 1,
+    ):  # model.onnx's chunk of generated tokens only
         out["logits"] = np.roll(out["logits"], 1, axis=-1)
 
 
 @pytest.mark.parametrize(("change", "failing"), [(_negated_decode, "prefill+decode"), (_shifted_chunk, "model")])
-def test_a_wrong_graph_path_is_refused_by_name(exported: Path, change: Callable[[GraphKind, Feeds, Feeds], None], failing: str) -> None:
+def test_a_wrong_graph_path_is_refused_by_name(
+    exported: Path, change: Callable[[GraphKind, Feeds, Feeds], None], failing: str
+) -> None:
     """A decode graph that picks wrong tokens diverges at step 1 (model.onnx, fed those tokens,
     still agrees with PyTorch at each of their prefixes); a model.onnx wrong only on the generated
     tokens' chunk diverges at step 1 too, prefill + decode passing."""
     result = _parity(exported, [], change)
     failures = result.failures()
     assert not result.passed and len(failures) == 2 and all(t.passed for t in result.tensors), failures
-    assert all(line.startswith(f"generation via {failing}, batch ") and "first divergence at step " in line for line in failures), failures
-    assert [(g.path, g.first_divergence is None) for g in result.generation if g.path != failing] == [(g.path, True) for g in result.generation if g.path != failing]
+    assert all(
+        line.startswith(f"generation via {failing}, batch ") and "first divergence at step " in line
+        for line in failures
+    ), failures
+    assert [(g.path, g.first_divergence is None) for g in result.generation if g.path != failing] == [
+        (g.path, True) for g in result.generation if g.path != failing
+    ]
 
 
 @pytest.mark.parametrize("kept", [True, False])
-def test_the_model_is_freed_while_the_graphs_run_unless_both_fit(exported: Path, kept: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_model_is_freed_while_the_graphs_run_unless_both_fit(
+    exported: Path, kept: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Kept (both fit): the graphs run beside it, and it is freed once it has scored. Not kept: it
     is freed before the graphs' session opens and loaded again after it closed, to score."""
     monkeypatch.setattr(driver, "keeps_model", lambda module, weight_bytes: kept)
@@ -166,19 +194,33 @@ def test_the_model_is_freed_while_the_graphs_run_unless_both_fit(exported: Path,
 
 
 @pytest.mark.parametrize("int4", [False, True])
-def test_an_export_and_its_check_load_the_model_again_when_it_does_not_fit(tmp_path: Path, int4: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_export_and_its_check_load_the_model_again_when_it_does_not_fit(
+    tmp_path: Path, int4: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``kiln export`` and ``kiln check`` with the memory rule saying no: the model is loaded again
     from the checkpoint to score, and (int4, ``--target ort``) that same module is then made the
     quantized model, against which every graph set is judged as when it is kept."""
     monkeypatch.setattr(driver, "keeps_model", lambda module, weight_bytes: False)
-    precision = {"precision": Precision.of(Int4(method=Int4Method.RTN)), "target": "ort", "parity_agreement": "record"} if int4 else {}
+    precision = (
+        {"precision": Precision.of(Int4(method=Int4Method.RTN)), "target": "ort", "parity_agreement": "record"}
+        if int4
+        else {}
+    )
     progress = RecordedProgress()
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(), seed=3)
     options = ExportOptions(parity_tokens=STEPS, **precision)  # type: ignore[arg-type]
     result = export(ckpt, tmp_path / "out", options, progress)
     assert result.parity.passed, result.parity.failures()
     assert "parity: PyTorch scores the graphs' tokens (model loaded again)" in progress.stages, progress.stages
-    assert (result.parity.quantized is not None and result.parity.quantized.passed and "ort" in result.parity.quantized.targets) == int4
+    assert (
+        result.parity.quantized is not None
+        and result.parity.quantized.passed
+        and "ort" in result.parity.quantized.targets
+    ) == int4
     checked = check_dir(tmp_path / "out", progress=progress)
-    assert checked.passed and len(checked.generation) == len(result.parity.generation) == (8 if int4 else 4), checked.failures()
-    assert progress.stages["parity: PyTorch scores the graphs' tokens (model loaded again)"][0] == 2, progress.stages  # the export's, then the check's
+    assert checked.passed and len(checked.generation) == len(result.parity.generation) == (8 if int4 else 4), (
+        checked.failures()
+    )
+    assert progress.stages["parity: PyTorch scores the graphs' tokens (model loaded again)"][0] == 2, (
+        progress.stages
+    )  # the export's, then the check's

@@ -13,20 +13,19 @@ from typing import Any, ClassVar
 
 import onnx_ir as ir
 import pytest
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.errors import ConfigError
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.precision.kinds import Fp16
-from kiln.exporter.plan import plan
-from kiln.plugins.base import DecoderSpec
 from kiln.exporter.pipeline import export
-from kiln.exporter.precision.kinds import registry
-from kiln.exporter.precision.kinds.base import Asked, Flag, GraphReports, PrecisionKind, Prepared, Role
+from kiln.exporter.plan import plan
 from kiln.exporter.precision.context import PrecisionContext
+from kiln.exporter.precision.kinds import Fp16, registry
+from kiln.exporter.precision.kinds.base import Asked, Flag, GraphReports, PrecisionKind, Prepared, Role
 from kiln.exporter.tolerance import Tolerance
+from kiln.plugins.base import DecoderSpec
+from kiln_testing import tiny_config, write_checkpoint
 
 TOY_TOLERANCE = Tolerance(logits_atol=2e-5, logits_rtol=2e-4, kv_atol=2e-5, kv_rtol=2e-4, min_cosine=0.99999)
 
@@ -41,7 +40,9 @@ class Toy(PrecisionKind):
     role: ClassVar[Role] = Role.MATMULS
     machinery: ClassVar[str] = __name__
     help: ClassVar[str] = "Toy MatMuls."
-    flags: ClassVar[tuple[tuple[Flag, ...], ...]] = ((Flag("--toy-strict", "strict", is_flag=True, help="Be strict."),),)
+    flags: ClassVar[tuple[tuple[Flag, ...], ...]] = (
+        (Flag("--toy-strict", "strict", is_flag=True, help="Be strict."),),
+    )
     tolerance: ClassVar[Tolerance] = TOY_TOLERANCE
     bytes_per_weight: ClassVar[float] = 4.0
 
@@ -87,14 +88,30 @@ def toy_registered() -> Iterator[None]:
 
 
 def test_a_new_kind_is_its_file_and_one_registration(toy_registered: None, tmp_path: Path) -> None:
-    flags = {k.name: False for k in registry.kinds()} | {"toy": True, "fp16": False, "toy_strict": True, "keep_fp32": (), "auto_keep_fp32": False}
-    flags |= {"int8_float": (), "int8_all_matmuls": False, "fp8_float": (), "int4_block": "128", "int4_method": "gptq", "int4_float": (), "int4_all_matmuls": False}
+    flags = {k.name: False for k in registry.kinds()} | {
+        "toy": True,
+        "fp16": False,
+        "toy_strict": True,
+        "keep_fp32": (),
+        "auto_keep_fp32": False,
+    }
+    flags |= {
+        "int8_float": (),
+        "int8_all_matmuls": False,
+        "fp8_float": (),
+        "int4_block": "128",
+        "int4_method": "gptq",
+        "int4_float": (),
+        "int4_all_matmuls": False,
+    }
     assert Precision.from_flags(flags) is Precision.of(Toy(strict=True)) and Precision.parse("toy").value == "toy"
     assert Precision.parse("toy+fp16") is Precision.of(Fp16(), Toy())
     with pytest.raises(ConfigError, match="^config: --toy-strict needs --max-batch 4 or less$"):
         plan(ExportOptions(precision=Precision.of(Toy(strict=True))))
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    result = export(ckpt, tmp_path / "out", ExportOptions(precision=Precision.of(Toy(strict=True)), max_batch=4, parity_tokens=8))
+    result = export(
+        ckpt, tmp_path / "out", ExportOptions(precision=Precision.of(Toy(strict=True)), max_batch=4, parity_tokens=8)
+    )
     assert result.parity.passed and result.parity.precision == "toy" and result.parity.tolerance == TOY_TOLERANCE
     manifest = result.manifest.to_json()
     assert manifest["precision"] == "toy" and manifest["kv_cache"]["dtype"] == "float32"

@@ -10,13 +10,21 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kiln_testing import write_checkpoint
 
 from kiln.errors import KilnError
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.pipeline import export
 from kiln.plugins import load_model
-from kiln.plugins.native.config import MLPKind, NativeConfig, NormKind, NormPosition, PLEConfig, PLEPlacement, PositionKind
+from kiln.plugins.native.config import (
+    MLPKind,
+    NativeConfig,
+    NormKind,
+    NormPosition,
+    PLEConfig,
+    PLEPlacement,
+    PositionKind,
+)
+from kiln_testing import write_checkpoint
 
 
 @st.composite
@@ -60,15 +68,47 @@ def test_random_valid_configs_export_with_parity(cfg: NativeConfig, seed: int) -
 
 
 _BAD_VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-5, max_value=0), st.floats(allow_nan=True), st.text(max_size=4), st.lists(st.integers(), max_size=2)
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-5, max_value=0),
+    st.floats(allow_nan=True),
+    st.text(max_size=4),
+    st.lists(st.integers(), max_size=2),
 )
-_FIELDS = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "mlp", "norm", "norm_eps", "norm_position", "position", "rope_theta", "tie_embeddings", "bias", "max_context", "ple", "eos_token_id"]
+_FIELDS = [
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "d_ff",
+    "mlp",
+    "norm",
+    "norm_eps",
+    "norm_position",
+    "position",
+    "rope_theta",
+    "tie_embeddings",
+    "bias",
+    "max_context",
+    "ple",
+    "eos_token_id",
+]
 
 
 @settings(max_examples=60, deadline=None)
 @given(changes=st.dictionaries(st.sampled_from(_FIELDS), _BAD_VALUES, min_size=1, max_size=3))
 def test_random_invalid_configs_fail_with_kiln_error(changes: dict[str, Any]) -> None:
-    cfg = NativeConfig(vocab_size=30, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=8, max_context=16, ple=PLEConfig(max_positions=16))
+    cfg = NativeConfig(
+        vocab_size=30,
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=8,
+        max_context=16,
+        ple=PLEConfig(max_positions=16),
+    )
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", cfg)
         raw = {**json.loads((ckpt / "config.json").read_text()), **changes}

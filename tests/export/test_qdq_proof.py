@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import pytest
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.errors import ParityError
 from kiln.exporter.options import ExportOptions, Precision
@@ -21,6 +20,7 @@ from kiln.exporter.parity.qdq_numbers import NUMBERS_FILE, QdqModule, QdqNumbers
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision import int8
 from kiln.exporter.precision.qdq_scales import int8_scale
+from kiln_testing import tiny_config, write_checkpoint
 
 _MATMUL = "/layers.0.attn.k_proj/MatMul"
 _FC2 = "/layers.0.mlp.fc2/MatMul"
@@ -47,7 +47,9 @@ def _after_quantizing(edit: Callable[[ir.Model], None]) -> Callable[..., tuple[i
     """``precision.int8.quantize_int8`` with ``edit`` applied to the graph ONNX Runtime's quantizer wrote."""
     quantize = int8.quantize_int8
 
-    def edited(model: ir.Model, ranges: dict[str, tuple[float, float]], policy: int8.KeepFloat) -> tuple[ir.Model, list[str]]:
+    def edited(
+        model: ir.Model, ranges: dict[str, tuple[float, float]], policy: int8.KeepFloat
+    ) -> tuple[ir.Model, list[str]]:
         quantized, targets = quantize(model, ranges, policy)
         edit(quantized)
         return quantized, targets
@@ -72,7 +74,9 @@ def _input_scale_off(model: ir.Model) -> None:
     dq = _node(model, _FC2).inputs[0].producer()  # type: ignore[union-attr]
     scale = dq.inputs[1]  # type: ignore[union-attr]
     assert scale is not None and scale.const_value is not None
-    scale.const_value = ir.tensor(np.asarray(scale.const_value.numpy() * np.float32(1.1), dtype=np.float32), name=scale.name)
+    scale.const_value = ir.tensor(
+        np.asarray(scale.const_value.numpy() * np.float32(1.1), dtype=np.float32), name=scale.name
+    )
 
 
 def test_a_qdq_pair_dropped_from_one_matmul_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,12 +84,19 @@ def test_a_qdq_pair_dropped_from_one_matmul_is_refused_by_name(tmp_path: Path, m
     with pytest.raises(ParityError) as err:
         export(write_checkpoint(tmp_path / "ckpt", tiny_config()), tmp_path / "out", _options(Precision.INT8))
     message = str(err.value)
-    assert message.startswith(f"parity: {tmp_path / 'out'}: exported Q/DQ differ from the calibration's numbers: portable prefill.onnx: {_MATMUL}: "), message
-    assert message.endswith("its input has no QuantizeLinear -> DequantizeLinear pair, which the calibration made a scale for"), message
+    assert message.startswith(
+        f"parity: {tmp_path / 'out'}: exported Q/DQ differ from the calibration's numbers: portable "
+        f"prefill.onnx: {_MATMUL}: "
+    ), message
+    assert message.endswith(
+        "its input has no QuantizeLinear -> DequantizeLinear pair, which the calibration made a scale for"
+    ), message
     assert not (tmp_path / "out").exists()
 
 
-def test_an_activation_scale_off_by_10_percent_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_activation_scale_off_by_10_percent_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(int8, "quantize_int8", _after_quantizing(_input_scale_off))
     with pytest.raises(ParityError) as err:
         export(write_checkpoint(tmp_path / "ckpt", tiny_config()), tmp_path / "out", _options(Precision.INT8))
@@ -111,4 +122,9 @@ def test_numbers_round_trip_through_the_spill_file(tmp_path: Path) -> None:
     again = read_qdq_numbers(tmp_path / NUMBERS_FILE)
     assert again.form == "fp8" and again.float16 and numbers.graphs["prefill"]["a"].node == "/a/MatMul"
     got = again.graphs["prefill"]["a"]
-    assert got.input.shape == () and got.output is None and got.weight.dtype == np.float16 and got.weight.tolist() == [0.25, 2.0]
+    assert (
+        got.input.shape == ()
+        and got.output is None
+        and got.weight.dtype == np.float16
+        and got.weight.tolist() == [0.25, 2.0]
+    )

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.cli import main
 from kiln.exporter.artifacts.manifest import read
 from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.pipeline import export
 from kiln.exporter.precision.kinds import Int4
 from kiln.exporter.precision.kinds.int4 import Int4Method
-from kiln.exporter.pipeline import export
 from kiln.exporter.quality_gate import QualityError
 from kiln.plugins import resolve_checkpoint
+from kiln_testing import tiny_config, write_checkpoint
 
 RTN = Precision.of(Int4(method=Int4Method.RTN))
 
@@ -29,9 +29,13 @@ RTN = Precision.of(Int4(method=Int4Method.RTN))
 @pytest.fixture(scope="module")
 def demo_int4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("quality") / "int4"
-    result = CliRunner().invoke(main, ["export", "--model", "demo", "--out", str(out), "--int4", "--int4-method", "rtn"])
+    result = CliRunner().invoke(
+        main, ["export", "--model", "demo", "--out", str(out), "--int4", "--int4-method", "rtn"]
+    )
     assert result.exit_code == 0, result.output
-    assert "quality (gating: top-1 agreement at least 0.85): top-1 agreement 0." in result.output  # the export's last line
+    assert (
+        "quality (gating: top-1 agreement at least 0.85): top-1 agreement 0." in result.output
+    )  # the export's last line
     return out
 
 
@@ -39,9 +43,15 @@ def test_quality_on_real_text_is_reported(demo_int4: Path) -> None:
     data = json.loads((demo_int4 / "reports" / "parity.json").read_text())["quality"]
     assert data["source"] == "demo/checkpoint/heldout.txt (its last tokens)" and data["real"] and data["tokens"] == 2048
     assert 0.85 <= data["agreement"] < 1 and data["kl"] > 0 and data["threshold"] == 0.85 and data["passed"]
-    assert data["perplexity_checkpoint"] > 1 and data["perplexity_graphs"] > data["perplexity_checkpoint"]  # int4 costs the text something
+    assert (
+        data["perplexity_checkpoint"] > 1 and data["perplexity_graphs"] > data["perplexity_checkpoint"]
+    )  # int4 costs the text something
     quality = read(demo_int4).parity.quality
-    assert quality is not None and quality.agreement == data["agreement"] and quality.judged == "gating: top-1 agreement at least 0.85"
+    assert (
+        quality is not None
+        and quality.agreement == data["agreement"]
+        and quality.judged == "gating: top-1 agreement at least 0.85"
+    )
     text = (demo_int4 / "reports" / "parity.md").read_text()
     assert "# Quality: what the quantization costs" in text and "# Proof: each graph computes its model" in text
     assert f"| demo/checkpoint/heldout.txt (its last tokens) | yes | 2048 | {data['agreement']:.4f} | 0.85 |" in text
@@ -60,17 +70,29 @@ def test_an_impossible_gate_refuses_the_quantization_and_keeps_the_reports(tmp_p
     with pytest.raises(QualityError) as refused:
         export(resolve_checkpoint("demo"), out, ExportOptions(precision=RTN, quality_gate="0.999"))
     message = str(refused.value)
-    assert message.startswith(f"quality: {out}: the int4 quantization fell short (its graphs compute the quantized model: parity passed): top-1 agreement 0.")
-    assert "is below 0.999. Ways out: --int4-method gptq (with --calib-data)" in message and "--int4-block, --fp16; or --quality-gate lower or off" in message
+    assert message.startswith(
+        f"quality: {out}: the int4 quantization fell short (its graphs compute the quantized model: parity "
+        "passed): top-1 agreement 0."
+    )
+    assert (
+        "is below 0.999. Ways out: --int4-method gptq (with --calib-data)" in message
+        and "--int4-block, --fp16; or --quality-gate lower or off" in message
+    )
     kept = Path(message.rsplit("Reports kept in ", 1)[1])
     assert kept.parent.name.startswith("int4.refused-") and kept.parent.parent == tmp_path
-    assert json.loads((kept / "parity.json").read_text())["quality"]["passed"] is False and (kept / "parity.png").is_file()
+    assert (
+        json.loads((kept / "parity.json").read_text())["quality"]["passed"] is False and (kept / "parity.png").is_file()
+    )
     assert not out.exists()
 
 
 def test_random_tokens_record_quality_and_never_judge(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    result = export(ckpt, tmp_path / "out", ExportOptions(precision=RTN, parity_tokens=2, parity_agreement="record", quality_gate="1"))
+    result = export(
+        ckpt,
+        tmp_path / "out",
+        ExportOptions(precision=RTN, parity_tokens=2, parity_agreement="record", quality_gate="1"),
+    )
     quality = result.parity.quality
     assert quality is not None and not quality.real and quality.threshold is None and quality.passed
     assert quality.source == "random tokens (no real text)" and quality.judged == "recorded: no real text"
@@ -80,7 +102,22 @@ def test_random_tokens_record_quality_and_never_judge(tmp_path: Path) -> None:
 
 
 def _refusal(tmp_path: Path, data: Path) -> str:
-    result = CliRunner().invoke(main, ["export", "--model", "demo", "--out", str(tmp_path / "out"), "--int4", "--int4-method", "rtn", "--eval-data", str(data), "--json"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "export",
+            "--model",
+            "demo",
+            "--out",
+            str(tmp_path / "out"),
+            "--int4",
+            "--int4-method",
+            "rtn",
+            "--eval-data",
+            str(data),
+            "--json",
+        ],
+    )
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "out").exists()
@@ -88,7 +125,10 @@ def _refusal(tmp_path: Path, data: Path) -> str:
 
 
 def test_bad_eval_data_is_refused_in_one_line(tmp_path: Path) -> None:
-    assert _refusal(tmp_path, tmp_path / "nope.txt") == f"error: config: --eval-data {tmp_path / 'nope.txt'}: file not found"
+    assert (
+        _refusal(tmp_path, tmp_path / "nope.txt")
+        == f"error: config: --eval-data {tmp_path / 'nope.txt'}: file not found"
+    )
     (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 4)
     assert "blob.bin: not UTF-8 text (a binary file?)" in _refusal(tmp_path, tmp_path / "blob.bin")
     (tmp_path / "nul.txt").write_bytes(b"abc\x00def")

@@ -102,22 +102,50 @@ def fenced_kiln_lines(text: str) -> list[str]:
 
 
 def test_the_rule_reads_the_readme_and_the_docs() -> None:
-    assert sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")) == sorted(DOCS), "a page of docs/ is missing from DOCS"
+    assert sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")) == sorted(DOCS), (
+        "a page of docs/ is missing from DOCS"
+    )
     readme = (ROOT / "README.md").read_text()
     documentation = readme[readme.index("## Documentation") :]
-    assert [d for d in re.findall(r"\]\((docs/[\w.-]+\.md)\)", documentation) if d in DOCS] == list(DOCS), "DOCS is the README's Documentation order"
-    assert not [(name, line) for name in FILES for line in fenced_kiln_lines((ROOT / name).read_text())], "a kiln example in a fenced block"
+    assert [d for d in re.findall(r"\]\((docs/[\w.-]+\.md)\)", documentation) if d in DOCS] == list(DOCS), (
+        "DOCS is the README's Documentation order"
+    )
+    assert not [(name, line) for name in FILES for line in fenced_kiln_lines((ROOT / name).read_text())], (
+        "a kiln example in a fenced block"
+    )
     commands = all_commands()
-    assert commands[0] == ("README.md", "kiln export --model demo --out build/demo".split(), True)  # Set up's, after its install
-    assert all(not run for _, words, run in commands if any(w.startswith("path/to/") for w in words)), "a path/to/ example must be marked # needs:"
+    assert commands[0] == (
+        "README.md",
+        "kiln export --model demo --out build/demo".split(),
+        True,
+    )  # Set up's, after its install
+    assert all(not run for _, words, run in commands if any(w.startswith("path/to/") for w in words)), (
+        "a path/to/ example must be marked # needs:"
+    )
     assert sum(run for *_, run in commands) >= 20 and sum(not run for *_, run in commands) >= 5
-    assert {name for name, _, run in commands if run} >= {"README.md", "docs/commands.md", "docs/precisions.md", "docs/ort-target.md"}
+    assert {name for name, _, run in commands if run} >= {
+        "README.md",
+        "docs/commands.md",
+        "docs/precisions.md",
+        "docs/ort-target.md",
+    }
     assert not any("#" in w for _, words, _ in commands for w in words)  # comments are not arguments
     continued = [words for _, words, _ in commands if words[:3] == ["kiln", "bench", "build/llama"]]
-    assert continued and continued[0][-4:] == ["--sweep", "64,256,1024,4096", "--out", "bench.json"]  # a backslash line, joined
+    assert continued and continued[0][-4:] == [
+        "--sweep",
+        "64,256,1024,4096",
+        "--out",
+        "bench.json",
+    ]  # a backslash line, joined
     stop = [words for _, words, _ in commands if "--stop" in words]
-    assert stop and stop[0][stop[0].index("--stop") + 1] == "\\n\\n"  # as the shell passes it: kiln reads \n as a newline
-    exports = [words[words.index("--out") + 1] for _, words, run in commands if run and words[1] == "export" and "--force" not in words]
+    assert (
+        stop and stop[0][stop[0].index("--stop") + 1] == "\\n\\n"
+    )  # as the shell passes it: kiln reads \n as a newline
+    exports = [
+        words[words.index("--out") + 1]
+        for _, words, run in commands
+        if run and words[1] == "export" and "--force" not in words
+    ]
     assert len(exports) == len(set(exports)), "an export is written once: later examples reuse it"
 
 
@@ -139,11 +167,24 @@ def test_every_example_runs_in_order(tmp_path: Path) -> None:
             continue
         args = words[1:]
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "kiln.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        print(f"{time.perf_counter() - start:6.1f} s  {name}: {shlex.join(words)}")  # shown with -s, or when a later command fails
+        done = subprocess.run(
+            [sys.executable, "-m", "kiln.cli", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        print(
+            f"{time.perf_counter() - start:6.1f} s  {name}: {shlex.join(words)}"
+        )  # shown with -s, or when a later command fails
         where = f"{name}: {shlex.join(words)}\n--- exit {done.returncode}; stderr:\n{done.stderr[-3000:]}"
         if args[0] == "build" and missing_trt:
             lines = done.stderr.strip().splitlines()
-            assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: engine: TensorRT is not installed"), where
+            assert (
+                done.returncode == 1
+                and len(lines) == 1
+                and lines[0].startswith("error: engine: TensorRT is not installed")
+            ), where
         else:
             assert done.returncode == 0, where

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 from jsonschema import Draft202012Validator
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')")
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face families need transformers (pip install 'kiln[hf]')"
+)
 
 import onnx
 import onnxruntime as ort
@@ -29,12 +31,12 @@ from kiln.cli import main
 from kiln.errors import CheckpointError, ConfigError
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.precision.kinds import Fp16, Int4
-from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.contract.steps import right_pad
+from kiln.exporter.options import ExportOptions, Precision
 from kiln.exporter.parity import greedy, make_prompts
 from kiln.exporter.pipeline import export
+from kiln.exporter.precision.kinds import Fp16, Int4
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.runners import OrtRunner
 from kiln.plugins import load_model
 from kiln.plugins.hf import SUPPORTED, tiny_model
@@ -81,7 +83,11 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     spec = load_model(ckpt).spec
     onnx_dir = tmp_path / "out" / "onnx"
     graphs = {k: onnx_dir / f"{k.value}.onnx" for k in (GraphKind.ENCODER, GraphKind.PREFILL, GraphKind.DECODE)}
-    hf = getattr(transformers, SEQ2SEQ_TINY[case][0]).from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    hf = (
+        getattr(transformers, SEQ2SEQ_TINY[case][0])
+        .from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
+        .eval()
+    )
     alone = {}
     for lengths in ([9], [9, 5, 3]):  # batch 1, and a (right-)padded batch of encoder inputs
         prompts = make_prompts(spec, lengths, seed=len(lengths))
@@ -108,19 +114,45 @@ def test_encoder_and_decoder_io(bart_export: Path) -> None:
         return ort.InferenceSession(str(bart_export / "onnx" / f"{kind}.onnx"), providers=["CPUExecutionProvider"])
 
     encoder, prefill, decode = session("encoder"), session("prefill"), session("decode")
-    assert [(i.name, i.shape) for i in encoder.get_inputs()] == [("input_ids", ["batch", "encoder_seq"]), ("attention_mask", ["batch", "encoder_seq"])]
-    assert [(o.name, o.shape) for o in encoder.get_outputs()] == [("encoder_hidden_states", ["batch", "encoder_seq", 64])]
-    assert [i.name for i in prefill.get_inputs()] == ["input_ids", "attention_mask", "position_ids", "encoder_attention_mask", "encoder_hidden_states"]
-    assert [o.name for o in prefill.get_outputs()][1:5] == ["present.0.key", "present.0.value", "present.0.cross_key", "present.0.cross_value"]
+    assert [(i.name, i.shape) for i in encoder.get_inputs()] == [
+        ("input_ids", ["batch", "encoder_seq"]),
+        ("attention_mask", ["batch", "encoder_seq"]),
+    ]
+    assert [(o.name, o.shape) for o in encoder.get_outputs()] == [
+        ("encoder_hidden_states", ["batch", "encoder_seq", 64])
+    ]
+    assert [i.name for i in prefill.get_inputs()] == [
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "encoder_attention_mask",
+        "encoder_hidden_states",
+    ]
+    assert [o.name for o in prefill.get_outputs()][1:5] == [
+        "present.0.key",
+        "present.0.value",
+        "present.0.cross_key",
+        "present.0.cross_value",
+    ]
     names = [i.name for i in decode.get_inputs()]
-    assert names[3:8] == ["encoder_attention_mask", "past_key_values.0.key", "past_key_values.0.value", "past_key_values.0.cross_key", "past_key_values.0.cross_value"]
+    assert names[3:8] == [
+        "encoder_attention_mask",
+        "past_key_values.0.key",
+        "past_key_values.0.value",
+        "past_key_values.0.cross_key",
+        "past_key_values.0.cross_value",
+    ]
     assert not any("cross" in o.name for o in decode.get_outputs())  # the cross cache never grows
     manifest = json.loads((bart_export / "manifest.json").read_text())
     assert set(manifest["graphs"]) == {"prefill", "decode", "model", "encoder"}
     module = load_model(bart_export.parent / "ckpt").module
     stored = {t.data_ptr(): t.numel() * 4 for t in (*module.parameters(), *module.buffers())}  # tied tensors once
-    assert manifest["weights"]["bytes"] <= sum(stored.values())  # every weight once: the encoder gathers the head's table too
-    graphs = {k: onnx.load(bart_export / "onnx" / f"{k}.onnx", load_external_data=False).graph for k in ("encoder", "decode")}
+    assert manifest["weights"]["bytes"] <= sum(
+        stored.values()
+    )  # every weight once: the encoder gathers the head's table too
+    graphs = {
+        k: onnx.load(bart_export / "onnx" / f"{k}.onnx", load_external_data=False).graph for k in ("encoder", "decode")
+    }
     (lookup,) = [n for n in graphs["encoder"].node if n.op_type == "Gather" and "embed_tokens" in n.name]
     head = [n for n in graphs["decode"].node if n.op_type == "MatMul" and "lm_head" in n.name][0]
     assert [a.i for a in lookup.attribute if a.name == "axis"] == [1]  # the columns of the head's [d, V] table
@@ -142,13 +174,22 @@ def test_the_manifest_schema_ties_the_encoder_graph_to_has_encoder(bart_export: 
 
 def test_the_encoder_mask_masks_the_padding(bart_export: Path) -> None:
     """A padded encoder position changes nothing when masked, and changes the logits when not."""
-    sessions = {k: ort.InferenceSession(str(bart_export / "onnx" / f"{k}.onnx"), providers=["CPUExecutionProvider"]) for k in ("encoder", "prefill")}
+    sessions = {
+        k: ort.InferenceSession(str(bart_export / "onnx" / f"{k}.onnx"), providers=["CPUExecutionProvider"])
+        for k in ("encoder", "prefill")
+    }
 
     def logits(ids: list[int], mask: list[int]) -> np.ndarray:
         i, m = np.array([ids], dtype=np.int64), np.array([mask], dtype=np.int64)
         (states,) = sessions["encoder"].run(["encoder_hidden_states"], {"input_ids": i, "attention_mask": m})
         start = np.array([[2]], dtype=np.int64)
-        feeds = {"input_ids": start, "attention_mask": np.ones_like(start), "position_ids": np.zeros_like(start), "encoder_attention_mask": m, "encoder_hidden_states": states}
+        feeds = {
+            "input_ids": start,
+            "attention_mask": np.ones_like(start),
+            "position_ids": np.zeros_like(start),
+            "encoder_attention_mask": m,
+            "encoder_hidden_states": states,
+        }
         return np.asarray(sessions["prefill"].run(["logits"], feeds)[0])
 
     real = logits([5, 6, 7, 8], [1, 1, 1, 1])
@@ -159,21 +200,29 @@ def test_the_encoder_mask_masks_the_padding(bart_export: Path) -> None:
 def test_check_generate_and_bench_run_it(bart_export: Path) -> None:
     assert check_dir(bart_export).passed
     runner = CliRunner()
-    result = runner.invoke(main, ["generate", str(bart_export), "--ids", "5,6,7,8,9", "--max-new-tokens", "6", "--json"])
+    result = runner.invoke(
+        main, ["generate", str(bart_export), "--ids", "5,6,7,8,9", "--max-new-tokens", "6", "--json"]
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output[result.output.index("{") :])
     assert summary["prompt_ids"] == [5, 6, 7, 8, 9] and len(summary["tokens"]) == 6
-    hf = transformers.BartForConditionalGeneration.from_pretrained(bart_export.parent / "ckpt", dtype=torch.float32, attn_implementation="eager").eval()
+    hf = transformers.BartForConditionalGeneration.from_pretrained(
+        bart_export.parent / "ckpt", dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     ids = np.array([[5, 6, 7, 8, 9]], dtype=np.int64)
     assert summary["tokens"] == _generate(hf, ids, np.ones_like(ids), 6)[0].tolist()
-    result = runner.invoke(main, ["bench", str(bart_export), "--prefill-seq", "8", "--past", "8", "--runs", "3", "--no-roofline", "--json"])
+    result = runner.invoke(
+        main, ["bench", str(bart_export), "--prefill-seq", "8", "--past", "8", "--runs", "3", "--no-roofline", "--json"]
+    )
     assert result.exit_code == 0, result.output
     timed = json.loads(result.output)["median_ms"]
     assert set(timed["decode"]) == {"pytorch eager", "kiln fp32 (out)"} and all(v > 0 for v in timed["decode"].values())
 
 
 def test_too_long_an_input_is_refused(bart_export: Path) -> None:
-    result = CliRunner().invoke(main, ["generate", str(bart_export), "--ids", ",".join(["5"] * 65), "--max-new-tokens", "4"])
+    result = CliRunner().invoke(
+        main, ["generate", str(bart_export), "--ids", ",".join(["5"] * 65), "--max-new-tokens", "4"]
+    )
     assert result.exit_code != 0
     assert "the encoder's input (65 tokens) or the 4 new tokens exceed the export's context limit 64" in result.output
 
@@ -181,7 +230,13 @@ def test_too_long_an_input_is_refused(bart_export: Path) -> None:
 # a moderate init for fp16: at the fp32 cases' larger init (chosen so that the tiny models generate
 # more than one token; logits in the tens to hundreds) fp16's own rounding flips greedy tokens
 # (T5 at initializer_factor 8: a first divergence at step 6), which its parity rightly refuses
-FP16_INIT = {"bart": {"init_std": 0.1}, "mbart": {"init_std": 0.1}, "marian": {"init_std": 0.1}, "t5": {"initializer_factor": 1.0}, "t5-gated": {"initializer_factor": 1.0}}
+FP16_INIT = {
+    "bart": {"init_std": 0.1},
+    "mbart": {"init_std": 0.1},
+    "marian": {"init_std": 0.1},
+    "t5": {"initializer_factor": 1.0},
+    "t5-gated": {"initializer_factor": 1.0},
+}
 
 
 def test_every_case_has_an_fp16_init() -> None:
@@ -193,7 +248,11 @@ def test_every_case_has_an_fp16_init() -> None:
 def test_fp16(case: str, tmp_path: Path) -> None:
     """fp16 graphs of every architecture pass their own parity (what the table's "fp16" says)."""
     ckpt = _save(case, tmp_path / "ckpt", **FP16_INIT[case])
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16, max_context=CONTEXT.get(case)))
+    result = export(
+        ckpt,
+        tmp_path / "out",
+        ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16, max_context=CONTEXT.get(case)),
+    )
     assert result.parity.passed, result.parity.failures()
     assert result.manifest.precision == "fp16"
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
@@ -201,18 +260,28 @@ def test_fp16(case: str, tmp_path: Path) -> None:
 
 
 def _validator() -> Draft202012Validator:
-    return Draft202012Validator(json.loads(resources.files("kiln.exporter.artifacts").joinpath("manifest.schema.json").read_text()))
+    return Draft202012Validator(
+        json.loads(resources.files("kiln.exporter.artifacts").joinpath("manifest.schema.json").read_text())
+    )
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN))), "int4 exports are not supported for encoder-decoders yet"),
+        (
+            ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN))),
+            "int4 exports are not supported for encoder-decoders yet",
+        ),
         (ExportOptions(target="ort"), "--target ort is not supported for cross-attention decoders yet"),
-        (ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True))), "--auto-keep-fp32 is not supported for encoder-decoders yet"),
+        (
+            ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True))),
+            "--auto-keep-fp32 is not supported for encoder-decoders yet",
+        ),
     ],
 )
-def test_what_is_not_done_yet_is_refused(options: ExportOptions, message: str, bart_export: Path, tmp_path: Path) -> None:
+def test_what_is_not_done_yet_is_refused(
+    options: ExportOptions, message: str, bart_export: Path, tmp_path: Path
+) -> None:
     with pytest.raises(ConfigError, match=message):
         export(bart_export.parent / "ckpt", tmp_path / "out", options)
     assert not (tmp_path / "out").exists()

@@ -17,20 +17,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is a test dependency (pip install onnxruntime-genai)")
+og = pytest.importorskip(
+    "onnxruntime_genai", reason="onnxruntime-genai is a test dependency (pip install onnxruntime-genai)"
+)
 
 from tokenizers import Tokenizer  # noqa: E402
 
 from kiln.errors import ArtifactError  # noqa: E402
+from kiln.exporter.artifacts.manifest import Manifest  # noqa: E402
 from kiln.exporter.options import ExportOptions, Precision  # noqa: E402
+from kiln.exporter.parity import greedy, make_prompts  # noqa: E402
+from kiln.exporter.pipeline import export  # noqa: E402
+from kiln.exporter.precision import TOLERANCES  # noqa: E402
 from kiln.exporter.precision.kinds import Int4
 from kiln.exporter.precision.kinds.int4 import Int4Method
-from kiln.exporter.parity import greedy, make_prompts  # noqa: E402
-from kiln.exporter.precision import TOLERANCES  # noqa: E402
-from kiln.exporter.pipeline import export  # noqa: E402
 from kiln.exporter.runners import TorchRunner  # noqa: E402
 from kiln.exporter.serving import write_genai_config  # noqa: E402
-from kiln.exporter.artifacts.manifest import Manifest  # noqa: E402
 from kiln.exporter.serving.genai import genai_config  # noqa: E402
 from kiln.plugins import LoadedModel, load_model  # noqa: E402
 
@@ -111,7 +113,11 @@ def test_config_is_the_manifest(fp32_dir: Path) -> None:
     assert config["search"]["do_sample"] is False and config["search"]["past_present_share_buffer"] is False
     tok_config = json.loads((fp32_dir / "onnx" / "tokenizer_config.json").read_text())
     assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast"
-    assert (tok_config["bos_token"], tok_config["eos_token"], tok_config["pad_token"]) == ("<|endoftext|>", "<|endoftext|>", "<|pad|>")
+    assert (tok_config["bos_token"], tok_config["eos_token"], tok_config["pad_token"]) == (
+        "<|endoftext|>",
+        "<|endoftext|>",
+        "<|pad|>",
+    )
     og.Config(str(fp32_dir / "onnx"))  # GenAI's own parser accepts every key
 
 
@@ -196,7 +202,9 @@ def test_fp16_agrees_up_to_near_ties(fp16_dir: Path, demo: tuple[LoadedModel, To
         for step, (want, have) in enumerate(zip(expected, got, strict=False)):
             if want != have:
                 gap = float(ref_logits[step, 0, want] - ref_logits[step, 0, have])
-                assert gap <= tolerance, f"prompt {prompt}: step {step} chose {have} over {want}, {gap:.3g} below PyTorch's top logit"
+                assert gap <= tolerance, (
+                    f"prompt {prompt}: step {step} chose {have} over {want}, {gap:.3g} below PyTorch's top logit"
+                )
                 break
             compared += 1
         else:
@@ -233,21 +241,40 @@ def test_missing_graph_or_names_are_one_clear_error(fp32_dir: Path, tmp_path: Pa
     with pytest.raises(ArtifactError, match=r"model\.onnx does not exist"):
         write_genai_config(tmp_path, Manifest.from_json(manifest))
     broken = json.loads(json.dumps(manifest))
-    broken["graphs"]["model"]["inputs"] = [t for t in broken["graphs"]["model"]["inputs"] if t["name"] != "past_key_values.2.value"]
-    with pytest.raises(ArtifactError, match=r"lacks \['past_key_values\.2\.value'\] that ONNX Runtime GenAI binds by name"):
+    broken["graphs"]["model"]["inputs"] = [
+        t for t in broken["graphs"]["model"]["inputs"] if t["name"] != "past_key_values.2.value"
+    ]
+    with pytest.raises(
+        ArtifactError, match=r"lacks \['past_key_values\.2\.value'\] that ONNX Runtime GenAI binds by name"
+    ):
         genai_config(Manifest.from_json(broken))
 
 
 def _manifest_of(loaded: LoadedModel) -> Manifest:
     """The manifest an export of ``loaded`` would write, as far as genai_config reads it (no export)."""
-    from kiln_testing import typed_manifest
-
     from kiln.exporter.contract.io import GraphKind, graph_io
+    from kiln_testing import typed_manifest
 
     spec = loaded.spec
     io = graph_io(spec, GraphKind.UNIFIED)
-    model = {k: getattr(spec, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "encoder_dim")}
-    graph = {"file": "onnx/model.onnx", "inputs": [t.to_dict() for t in io.inputs], "outputs": [t.to_dict() for t in io.outputs]}
+    model = {
+        k: getattr(spec, k)
+        for k in (
+            "n_layers",
+            "n_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "encoder_dim",
+        )
+    }
+    graph = {
+        "file": "onnx/model.onnx",
+        "inputs": [t.to_dict() for t in io.inputs],
+        "outputs": [t.to_dict() for t in io.outputs],
+    }
     return typed_manifest({"family": spec.family, "config": spec.config, "model": model, "graphs": {"model": graph}})
 
 

@@ -19,27 +19,27 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
+
 from kiln_testing import tiny_config, write_checkpoint
 
 model_config_pb2 = pytest.importorskip(
     "tritonclient.grpc.model_config_pb2", reason='tritonclient is a test dependency (pip install "tritonclient[grpc]")'
 )
-from google.protobuf import text_format  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
+from google.protobuf import text_format  # noqa: E402
 
 from kiln.cli import main  # noqa: E402
-
 from kiln.errors import ArtifactError  # noqa: E402
 from kiln.exporter.artifacts import manifest as manifest_mod  # noqa: E402
 from kiln.exporter.artifacts.hashing import hash_tree  # noqa: E402
+from kiln.exporter.artifacts.manifest import Manifest  # noqa: E402
+from kiln.exporter.artifacts.verify import verify_dir  # noqa: E402
 from kiln.exporter.options import ExportOptions, LogitsMode, Precision  # noqa: E402
 from kiln.exporter.parity import greedy, left_pad, make_prompts  # noqa: E402
 from kiln.exporter.pipeline import export  # noqa: E402
 from kiln.exporter.runners import TorchRunner  # noqa: E402
-from kiln.exporter.artifacts.manifest import Manifest  # noqa: E402
 from kiln.exporter.serving import write_triton_repo  # noqa: E402
 from kiln.exporter.serving.triton import triton_models  # noqa: E402
-from kiln.exporter.artifacts.verify import verify_dir  # noqa: E402
 from kiln.plugins import load_model  # noqa: E402
 
 ONNX_TO_TRITON = {
@@ -62,7 +62,11 @@ def fp16_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny test model (faster to export than the demo): fp16, --logits last, --max-batch 4."""
     root = tmp_path_factory.mktemp("triton16")
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
-    export(ckpt, root / "out", ExportOptions(precision=Precision.FP16, logits=LogitsMode.LAST, max_batch=4, parity_tokens=4))
+    export(
+        ckpt,
+        root / "out",
+        ExportOptions(precision=Precision.FP16, logits=LogitsMode.LAST, max_batch=4, parity_tokens=4),
+    )
     return root / "out"
 
 
@@ -85,7 +89,10 @@ def _graph_io(path: Path) -> tuple[dict[str, tuple[str, list[int | str]]], dict[
 
     def io(values: Any) -> dict[str, tuple[str, list[int | str]]]:
         return {
-            v.name: (ONNX_TO_TRITON[v.type.tensor_type.elem_type], [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
+            v.name: (
+                ONNX_TO_TRITON[v.type.tensor_type.elem_type],
+                [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
+            )
             for v in values
         }
 
@@ -110,7 +117,9 @@ def _check_against_graph(config: Any, graph_path: Path) -> None:
         assert (_dtype(tensor.data_type), list(tensor.dims)) == (dtype, _debatched(dims)), tensor.name
         seen_outputs.add(tensor.name)
     for state in config.sequence_batching.state:
-        assert state.output_name == state.input_name.replace("past_key_values.", "present.", 1)  # same layer, key to key
+        assert state.output_name == state.input_name.replace(
+            "past_key_values.", "present.", 1
+        )  # same layer, key to key
         in_dtype, in_dims = inputs[state.input_name]
         out_dtype, out_dims = outputs[state.output_name]
         assert _dtype(state.data_type) == in_dtype == out_dtype
@@ -189,14 +198,24 @@ def test_onnxruntime_model_fp32(fp32_export: Path, tmp_path: Path) -> None:
     files = json.loads((directory / "manifest.json").read_text())["files"]
     assert {"triton/README.md", "triton/demo/config.pbtxt", "triton/demo/1/model.onnx/weights.bin"} <= set(files)
     readme = (repo / "README.md").read_text()
-    for name in ["input_ids", "attention_mask", "position_ids", "logits", "past_key_values.3.value", "present.3.value", "sequence_start"]:
+    for name in [
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "logits",
+        "past_key_values.3.value",
+        "present.3.value",
+        "sequence_start",
+    ]:
         assert f"`{name}" in readme, name
     assert "unverified" in readme.lower()
 
 
 def _graphs(directory: Path) -> list[Path]:
     manifest = manifest_mod.read(directory)
-    files = [g.file for g in manifest.graphs.values()] + [g.file for t in (manifest.targets or {}).values() for g in t.graphs.values()]
+    files = [g.file for g in manifest.graphs.values()] + [
+        g.file for t in (manifest.targets or {}).values() for g in t.graphs.values()
+    ]
     return [directory / f for f in files] + sorted((directory / "triton").glob("*/1/model.onnx/model.onnx"))
 
 
@@ -209,7 +228,13 @@ def test_onnx_loads_every_graph_after_triton(fp32_export: Path, tmp_path: Path) 
         assert len(graphs) == 4, stage  # prefill, decode, model and the repository's model.onnx
         for graph in graphs:
             proto = onnx.load(str(graph), load_external_data=True)
-            assert sum(init.data_location == onnx.TensorProto.DEFAULT and len(init.raw_data) > 0 for init in proto.graph.initializer) > 0, graph
+            assert (
+                sum(
+                    init.data_location == onnx.TensorProto.DEFAULT and len(init.raw_data) > 0
+                    for init in proto.graph.initializer
+                )
+                > 0
+            ), graph
         weights = {p: os.stat(p).st_nlink for p in directory.rglob("weights.bin")}
         assert len(weights) == 2 and set(weights.values()) == {1}, (stage, weights)
         write_triton_repo(directory, "demo")
@@ -227,7 +252,8 @@ def test_triton_replaces_only_a_repository_kiln_wrote(fp32_export: Path, tmp_pat
     with pytest.raises(ArtifactError) as err:
         write_triton_repo(directory, "other")
     assert str(err.value) == (
-        f"artifacts: {directory / 'triton'}: kiln triton replaces only a triton/ folder kiln wrote, and manifest.json does not list"
+        f"artifacts: {directory / 'triton'}: kiln triton replaces only a triton/ folder kiln wrote, and "
+        "manifest.json does not list"
         " triton/notes.txt, triton/sub/model.txt; nothing was deleted: move or remove it yourself"
     )
     assert sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")) == before
@@ -272,7 +298,11 @@ def test_tensorrt_models_from_placeholder_engines(fp16_export: Path, tmp_path: P
         assert (config.name, config.platform, config.max_batch_size) == (f"demo_{kind}", "tensorrt_plan", 4)
         assert config.WhichOneof("scheduling_choice") == "dynamic_batching"
         (group,) = config.instance_group
-        assert (model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind), group.count, list(group.profile)) == ("KIND_GPU", 1, ["0"])
+        assert (model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind), group.count, list(group.profile)) == (
+            "KIND_GPU",
+            1,
+            ["0"],
+        )
         graph = manifest["graphs"][kind]
         assert [t.name for t in config.input] == [t["name"] for t in graph["inputs"]]
         assert [t.name for t in config.output] == [t["name"] for t in graph["outputs"]]
@@ -312,7 +342,10 @@ def test_inputs_without_batch_dim_are_refused(fp32_export: Path, tmp_path: Path)
     directory = _copy(fp32_export, tmp_path)
     manifest = json.loads((directory / "manifest.json").read_text())
     manifest["graphs"]["model"]["inputs"].append({"name": "ple.0.scale", "dtype": "float32", "shape": [256, 128]})
-    with pytest.raises(ArtifactError, match=r"ple\.0\.scale has shape \[256, 128\] without a leading 'batch' dim.*--ple-tables constant"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"ple\.0\.scale has shape \[256, 128\] without a leading 'batch' dim.*--ple-tables constant",
+    ):
         triton_models(directory, Manifest.from_json(manifest), "demo")
 
 
@@ -326,7 +359,9 @@ def test_bad_directories_are_one_clear_error(fp32_export: Path, tmp_path: Path) 
     manifest = json.loads((future / "manifest.json").read_text())
     manifest["manifest_version"] = 3
     manifest_mod.write(future, Manifest.from_json(manifest))
-    with pytest.raises(ArtifactError, match=r"manifest_version 3 is not supported \(this kiln reads versions 1 and 2\)"):
+    with pytest.raises(
+        ArtifactError, match=r"manifest_version 3 is not supported \(this kiln reads versions 1 and 2\)"
+    ):
         write_triton_repo(future, "demo")
 
     tampered = _copy(fp32_export, tmp_path / "tampered")
@@ -334,7 +369,10 @@ def test_bad_directories_are_one_clear_error(fp32_export: Path, tmp_path: Path) 
         f.seek(100)
         f.write(b"\x00\x01\x02\x03")
     before, repo = (tampered / "manifest.json").read_text(), hash_tree(tampered / "triton")
-    with pytest.raises(ArtifactError, match=r"files differ from manifest\.json: changed \(sha256 differs\): onnx/weights\.bin; run kiln verify"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"files differ from manifest\.json: changed \(sha256 differs\): onnx/weights\.bin; run kiln verify",
+    ):
         write_triton_repo(tampered, "other")
     assert hash_tree(tampered / "triton") == repo and (tampered / "manifest.json").read_text() == before
 
@@ -348,8 +386,16 @@ def test_kiln_triton_says_what_it_replaced_and_why_the_layout(fp32_export: Path,
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0] == f"wrote {directory / 'triton'}: 4 files, replacing the earlier repository's demo"
-    assert lines[-2] == "(other/1/model.onnx/ is a folder: Triton's ONNX Runtime backend loads a graph with external weights from a directory holding both)"
+    assert (
+        lines[-2]
+        == "(other/1/model.onnx/ is a folder: Triton's ONNX Runtime backend loads a graph with external weights "
+        "from a directory holding both)"
+    )
     weights = (directory / "onnx" / "weights.bin").stat().st_size  # one model: one copy of the weights
-    assert lines[-1] == f"(its weights are a copy of the export's: {weights / 1e6:.3g} MB more on disk, unless the filesystem shares their blocks: btrfs, XFS)"
+    assert (
+        lines[-1]
+        == f"(its weights are a copy of the export's: {weights / 1e6:.3g} MB more on disk, unless the filesystem "
+        "shares their blocks: btrfs, XFS)"
+    )
     again = CliRunner().invoke(main, ["triton", str(directory), "--name", "other", "--json"])
     assert json.loads(again.stdout)["replaced_models"] == []  # the same name: nothing else was there

@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln import interrupts
 from kiln.cli import main
 from kiln.exporter.artifacts.verify import verify_dir
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.pipeline import export
+from kiln_testing import tiny_config, write_checkpoint
 
 SIGNALS = [signal.SIGINT, signal.SIGTERM]
 BEFORE = "interrupted ({}): nothing was written"
@@ -85,15 +85,19 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 def _at_point(args: list[str], patch: str, sig: signal.Signals) -> subprocess.CompletedProcess[str]:
     """The CLI as ``kiln`` runs it (signals held from before its imports), with ``patch`` (Python
     that may use ``kill()``: this process sends itself ``sig``) run first."""
-    script = textwrap.dedent(
-        f"""
+    script = (
+        textwrap.dedent(
+            f"""
         import os, signal, sys
         from kiln import interrupts
         interrupts.hold()
         def kill():
             os.kill(os.getpid(), {int(sig)})
         """
-    ) + textwrap.dedent(patch) + f"\nfrom kiln.cli import main\nsys.argv = ['kiln', *{args!r}]\nmain()\n"
+        )
+        + textwrap.dedent(patch)
+        + f"\nfrom kiln.cli import main\nsys.argv = ['kiln', *{args!r}]\nmain()\n"
+    )
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
 
 
@@ -157,7 +161,7 @@ def test_a_signal_inside_an_import_is_raised_when_the_import_ends(export_dir: Pa
         f"open({str(tmp_path / 'done')!r}, 'w').close()\n"
     )
     patch = f"""
-        sys.path.insert(0, {str(tmp_path / 'mod')!r})
+        sys.path.insert(0, {str(tmp_path / "mod")!r})
         from kiln.exporter.serving import triton
         real = triton.triton_models
         def models(*args):
@@ -242,7 +246,9 @@ def test_a_sigkilled_triton_leaves_what_the_next_one_removes(export_dir: Path) -
     assert not [p for p in export_dir.iterdir() if p.name.startswith(".")] and verify_dir(export_dir).ok
 
 
-@pytest.mark.parametrize(("sig", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["SIGINT-all", "SIGTERM"])
+@pytest.mark.parametrize(
+    ("sig", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["SIGINT-all", "SIGTERM"]
+)
 def test_bench_ended_while_its_worker_loads(export_dir: Path, tmp_path: Path, sig: signal.Signals, group: bool) -> None:
     """SIGINT to the whole process group (a terminal's Ctrl-C), SIGTERM to the bench alone (kill
     PID): the worker neither outlives the bench nor prints (it read its feeds after the bench had

@@ -89,7 +89,10 @@ def test_tokenizer_not_hashed(export_dir: Path) -> None:
     shutil.copyfile(export_dir / "onnx" / "tokenizer.json", export_dir / "other.json")
     _edit_manifest(export_dir, _set_tokenizer("other.json"), rehash=False)
     problems = _verify_problems(export_dir)
-    assert "unexpected: other.json" in problems and "unlisted: tokenizer names other.json, which manifest.files does not list (nor hash)" in problems
+    assert (
+        "unexpected: other.json" in problems
+        and "unlisted: tokenizer names other.json, which manifest.files does not list (nor hash)" in problems
+    )
 
 
 def _relocate_external_data(directory: Path, graph: str, location: str) -> None:
@@ -108,7 +111,11 @@ def test_external_data_outside_the_graph_folder(export_dir: Path, location: str)
     problems = _verify_problems(export_dir)
     assert len(problems) == 1 and problems[0].startswith("graph onnx/decode.onnx: tensor ")
     assert problems[0].endswith(f"reads external data from {location!r}, not from a file beside the graph")
-    for command in (("generate", str(export_dir), "--ids", "1,2", "--max-new-tokens", "2"), ("bench", str(export_dir), "--runs", "3", "--no-torch"), ("check", str(export_dir))):
+    for command in (
+        ("generate", str(export_dir), "--ids", "1,2", "--max-new-tokens", "2"),
+        ("bench", str(export_dir), "--runs", "3", "--no-torch"),
+        ("check", str(export_dir)),
+    ):
         assert "files differ from manifest.json: graph onnx/decode.onnx: tensor" in _refused(*command)
 
 
@@ -130,7 +137,10 @@ def test_external_data_past_the_end_of_the_file(export_dir: Path) -> None:
     onnx.save(model, str(export_dir / "onnx" / "model.onnx"))
     _edit_manifest(export_dir, lambda data: None)
     (problem,) = _verify_problems(export_dir)
-    assert problem.startswith(f"graph onnx/model.onnx: tensor {tensor.name} reads bytes 1000000000000..") and "of weights.bin, which has" in problem
+    assert (
+        problem.startswith(f"graph onnx/model.onnx: tensor {tensor.name} reads bytes 1000000000000..")
+        and "of weights.bin, which has" in problem
+    )
 
 
 def test_a_linked_weights_file(export_dir: Path) -> None:
@@ -153,10 +163,17 @@ def test_a_swapped_graph(export_dir: Path) -> None:
     inputs, outputs = _verify_problems(export_dir)
     assert inputs == (
         "graph onnx/decode.onnx: its inputs are not the ones the manifest records"
-        " (#0: the graph has ('input_ids', 'int64', ('batch', 'seq')), the manifest ('input_ids', 'int64', ('batch', 1)))"
+        " (#0: the graph has ('input_ids', 'int64', ('batch', 'seq')), the manifest ('input_ids', 'int64', "
+        "('batch', 1)))"
     )
-    assert outputs.startswith("graph onnx/decode.onnx: its outputs are not the ones the manifest records (#0: the graph has ('logits', 'float32', ('batch', 'seq', 1024))")
-    for command in (("bench", str(export_dir), "--runs", "3", "--no-torch"), ("triton", str(export_dir), "--name", "demo")):
+    assert outputs.startswith(
+        "graph onnx/decode.onnx: its outputs are not the ones the manifest records (#0: the graph has ('logits', "
+        "'float32', ('batch', 'seq', 1024))"
+    )
+    for command in (
+        ("bench", str(export_dir), "--runs", "3", "--no-torch"),
+        ("triton", str(export_dir), "--name", "demo"),
+    ):
         assert "graph onnx/decode.onnx: its inputs are not the ones the manifest records" in _refused(*command)
 
 
@@ -181,7 +198,10 @@ def _set(section: str, key: str, value: Any) -> Callable[[dict[str, Any]], None]
 def test_numbers_no_export_has(export_dir: Path, section: str, key: str, value: int, message: str) -> None:
     _edit_manifest(export_dir, _set(section, key, value))
     line = _refused("verify", str(export_dir))
-    assert line == f"error: artifacts: {export_dir / 'manifest.json'}: {message}; the manifest is damaged or was edited: re-export"
+    assert (
+        line == f"error: artifacts: {export_dir / 'manifest.json'}: {message}; the manifest is damaged or was edited: "
+        "re-export"
+    )
     assert _refused("generate", str(export_dir), "--ids", "1", "--max-new-tokens", "2") == line
 
 
@@ -247,7 +267,10 @@ def _refused_by_verify(directory: Path, problem: str, command: str) -> None:
     """``kiln verify`` lists exactly ``problem``; ``command`` (generate, check) is one line naming it."""
     assert _verify_problems(directory) == [problem]
     line = _refused(command, str(directory), *(_IDS if command == "generate" else ()))
-    assert line == f"error: artifacts: {directory}: files differ from manifest.json: {problem}; run kiln verify {directory}"
+    assert (
+        line
+        == f"error: artifacts: {directory}: files differ from manifest.json: {problem}; run kiln verify {directory}"
+    )
 
 
 def _noise(path: Path, scale: float = 0.02) -> None:
@@ -312,7 +335,8 @@ def test_a_claimed_precision_does_not_loosen_check(
         ),
         (
             "tokenizer", "onnx/genai_config.json",
-            "tokenizer is 'onnx/genai_config.json', not a tokenizer.json (a JSON object with its model and added_tokens)",
+            "tokenizer is 'onnx/genai_config.json', not a tokenizer.json (a JSON object with its model and "
+                "added_tokens)",
         ),
         ("export.logits", "bogus", f"export.logits is 'bogus', {_PORTABLE} 'all' ({_LOGITS})"),
         ("export.logits", "last", f"export.logits is 'last', {_PORTABLE} 'all' ({_LOGITS})"),
@@ -344,12 +368,15 @@ def test_a_target_entry_copied_under_another_target(std_dir: Path) -> None:
     """``targets.ort`` copied from ``targets.onnx``: the ort runner would be handed static-cache graphs."""
     _edit_manifest(std_dir, lambda data: data["targets"].__setitem__("ort", data["targets"]["onnx"]))
     problem = (
-        "targets.ort.kv_cache is 'static', but --target ort writes only 'shared' or 'grown' caches, and the --target ort"
+        "targets.ort.kv_cache is 'static', but --target ort writes only 'shared' or 'grown' caches, and the "
+        "--target ort"
         " graphs (onnx/prefill.std.onnx, onnx/decode.std.onnx, onnx/model.std.onnx) say 'static':"
         " they are another target's graphs"
     )
     _refused_by_verify(std_dir, problem, "check")
-    assert _refused("generate", str(std_dir), "--target", "ort", *_IDS).endswith(f"{problem}; run kiln verify {std_dir}")
+    assert _refused("generate", str(std_dir), "--target", "ort", *_IDS).endswith(
+        f"{problem}; run kiln verify {std_dir}"
+    )
 
 
 def test_a_longer_context_than_the_static_cache(std_dir: Path) -> None:
@@ -414,26 +441,41 @@ def test_a_static_cache_past_the_machine_is_refused_before_the_trace(
     (ckpt / "model.safetensors").write_bytes(b"not read")
     out = tmp_path / "out"
     args = ("export", "--model", str(ckpt), "--out", str(out), "--max-context", "1000000", "--target", "onnx")
-    monkeypatch.setattr(static_cache, "machine_memory", lambda: 24 * 2**30)  # the issue's machine: the buffers at --max-batch fit
-    assert _refused(*args) == (  # parity's peak does not: 17x the buffers of its 4 rows (exporter/contract/static_cache.py)
-        "error: export: --max-context 1000000: the export's parity runs the static KV cache of --target onnx at 4 rows of"
-        " 2 layers x 2 (key, value) x 2 KV heads x 1000000 slots x 8 x 4 bytes (float32) = 256000000 bytes each, and needs"
-        " about 17x those buffers (ONNX Runtime's copies of them and its attention over every slot, measured) = 17408000000"
-        " bytes (16.2 GiB), more than half this machine's memory (12884901888 bytes, 12.0 GiB); pass --max-context 740171 or less"
+    monkeypatch.setattr(
+        static_cache, "machine_memory", lambda: 24 * 2**30
+    )  # the issue's machine: the buffers at --max-batch fit
+    assert _refused(
+        *args
+    ) == (  # parity's peak does not: 17x the buffers of its 4 rows (exporter/contract/static_cache.py)
+        "error: export: --max-context 1000000: the export's parity runs the static KV cache of --target onnx at "
+        "4 rows of"
+        " 2 layers x 2 (key, value) x 2 KV heads x 1000000 slots x 8 x 4 bytes (float32) = 256000000 bytes each, "
+        "and needs"
+        " about 17x those buffers (ONNX Runtime's copies of them and its attention over every slot, measured) = "
+        "17408000000"
+        " bytes (16.2 GiB), more than half this machine's memory (12884901888 bytes, 12.0 GiB); pass "
+        "--max-context 740171 or less"
     )
     monkeypatch.setattr(static_cache, "machine_memory", lambda: 2**31)
     assert _refused(*args, "--max-batch", "1").endswith(  # parity's rows are those it runs: 1 at --max-batch 1
-        " at 1 row of 2 layers x 2 (key, value) x 2 KV heads x 1000000 slots x 8 x 4 bytes (float32) = 256000000 bytes each, and needs"
-        " about 17x those buffers (ONNX Runtime's copies of them and its attention over every slot, measured) = 4352000000"
-        " bytes (4.1 GiB), more than half this machine's memory (1073741824 bytes, 1.0 GiB); pass --max-context 246723 or less"
+        " at 1 row of 2 layers x 2 (key, value) x 2 KV heads x 1000000 slots x 8 x 4 bytes (float32) = 256000000 "
+        "bytes each, and needs"
+        " about 17x those buffers (ONNX Runtime's copies of them and its attention over every slot, measured) = "
+        "4352000000"
+        " bytes (4.1 GiB), more than half this machine's memory (1073741824 bytes, 1.0 GiB); pass --max-context "
+        "246723 or less"
     )
     assert _refused(*args, "--max-batch", "64") == (  # the buffers a runtime serving 64 rows allocates
-        "error: export: --max-context 1000000: the static KV cache of --target onnx takes 64 rows (--max-batch) x 2 layers x 2"
-        " (key, value) x 2 KV heads x 1000000 slots x 8 x 4 bytes (float32) = 16384000000 bytes (15.3 GiB), more than half this"
+        "error: export: --max-context 1000000: the static KV cache of --target onnx takes 64 rows (--max-batch) "
+        "x 2 layers x 2"
+        " (key, value) x 2 KV heads x 1000000 slots x 8 x 4 bytes (float32) = 16384000000 bytes (15.3 GiB), more "
+        "than half this"
         " machine's memory (1073741824 bytes, 1.0 GiB); pass --max-context 61680 or less, or a smaller --max-batch"
     )
     assert not out.exists() and list(tmp_path.iterdir()) == [ckpt]
-    assert "not a readable safetensors file" in _refused(*args[:-3], "61680", "--target", "onnx", "--max-batch", "64")  # fits both: on to the weights
+    assert "not a readable safetensors file" in _refused(
+        *args[:-3], "61680", "--target", "onnx", "--max-batch", "64"
+    )  # fits both: on to the weights
     # the portable graphs have nothing static to size: the same export goes on to read the weights
     line = _refused("export", "--model", str(ckpt), "--out", str(out), "--max-context", "1000000")
     assert line.startswith("error: checkpoint: ") and "not a readable safetensors file" in line

@@ -14,16 +14,15 @@ from typing import Any
 
 import onnx_ir as ir
 import pytest
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln import cli_options
 from kiln.errors import ConfigError
+from kiln.exporter import support
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.passes.weights import WeightsWriter
 from kiln.exporter.pipeline import export
-from kiln.exporter import support
 from kiln.exporter.plan import plan
 from kiln.exporter.runners import OrtRunner
 from kiln.exporter.runners.base import Feeds, Runner
@@ -31,6 +30,7 @@ from kiln.exporter.targets import TARGETS, names, targets
 from kiln.exporter.targets.base import TargetGiven, TargetGraphs
 from kiln.plugins.base import DecoderSpec
 from kiln.registry import Flag
+from kiln_testing import tiny_config, write_checkpoint
 
 STRICT = Flag("--toy-strict", "toy_strict", is_flag=True, help="With --target toy: at most 4 layers.")
 Opened = contextlib.AbstractContextManager[Runner]  # what a runner opener opens

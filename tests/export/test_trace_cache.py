@@ -8,13 +8,13 @@ from pathlib import Path
 
 import onnx_ir as ir
 import pytest
-from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
 
 from kiln.errors import ExportError
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.passes.bind import BindWeights, WeightSource
 from kiln.exporter.pipeline import export
 from kiln.exporter.trace.cache import UNBOUND
+from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
 
 OPTIONS = ExportOptions(parity_tokens=4)
 
@@ -34,13 +34,17 @@ def test_a_cached_trace_gives_the_same_graphs(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
     export(ckpt, tmp_path / "first", OPTIONS)
     entries = _entries(tmp_path / "cache")
-    names = sorted(p.name for p in (tmp_path / "cache" / "trace").iterdir())  # hidden names too: a temporary is .NAME.<hex>.kiln-tmp (newfile.py)
+    names = sorted(
+        p.name for p in (tmp_path / "cache" / "trace").iterdir()
+    )  # hidden names too: a temporary is .NAME.<hex>.kiln-tmp (newfile.py)
     assert len(entries) == 1 and names == [entries[0].name], f"the trace folder holds more than its entry: {names}"
     written = entries[0].stat().st_mtime_ns
     progress = RecordedProgress()
     result = export(ckpt, tmp_path / "second", OPTIONS, progress)
     assert result.parity.passed and progress.stages["trace"] == [3, 3]  # the phases counted as done
-    assert _entries(tmp_path / "cache") == entries and entries[0].stat().st_mtime_ns == written  # read, not written again
+    assert (
+        _entries(tmp_path / "cache") == entries and entries[0].stat().st_mtime_ns == written
+    )  # read, not written again
     assert _graphs(tmp_path / "fresh") == _graphs(tmp_path / "first") == _graphs(tmp_path / "second")
 
 
@@ -52,7 +56,10 @@ def test_what_the_trace_reads_changes_the_key(tmp_path: Path, monkeypatch: pytes
     other = write_checkpoint(tmp_path / "eps", tiny_config(norm_eps=1e-2))
     export(base, tmp_path / "a", OPTIONS)
     assert export(other, tmp_path / "b", OPTIONS).parity.passed
-    assert len(_entries(tmp_path / "cache")) == 2 and _graphs(tmp_path / "a")["decode.onnx"] != _graphs(tmp_path / "b")["decode.onnx"]
+    assert (
+        len(_entries(tmp_path / "cache")) == 2
+        and _graphs(tmp_path / "a")["decode.onnx"] != _graphs(tmp_path / "b")["decode.onnx"]
+    )
     export(base, tmp_path / "c", ExportOptions(parity_tokens=4, max_batch=4))
     assert len(_entries(tmp_path / "cache")) == 3
 
@@ -71,7 +78,19 @@ def test_a_hugging_face_export_in_another_process_reads_the_entry(tmp_path: Path
     ckpt = save_base("llama", tmp_path / "ckpt")
     env = {**os.environ, "KILN_CACHE": str(tmp_path / "cache")}
     for seed, out in (("1", "a"), ("2", "b")):
-        command = [sys.executable, "-m", "kiln.cli", "export", "--model", str(ckpt), "--out", str(tmp_path / out), "--parity-tokens", "4", "--json"]
+        command = [
+            sys.executable,
+            "-m",
+            "kiln.cli",
+            "export",
+            "--model",
+            str(ckpt),
+            "--out",
+            str(tmp_path / out),
+            "--parity-tokens",
+            "4",
+            "--json",
+        ]
         done = subprocess.run(command, env={**env, "PYTHONHASHSEED": seed}, capture_output=True, text=True, check=False)
         assert done.returncode == 0, done.stderr
         if out == "a":
@@ -99,9 +118,13 @@ def test_a_placeholder_the_model_cannot_bind_is_refused() -> None:
     x = ir.val("x", ir.DataType.FLOAT, ir.Shape([2]))
     add = ir.node("Add", [x, w])
     add.outputs[0].name = "y"
-    model = ir.Model(ir.Graph([x], [add.outputs[0]], nodes=[add], initializers=[w], opset_imports={"": 19}), ir_version=10)
+    model = ir.Model(
+        ir.Graph([x], [add.outputs[0]], nodes=[add], initializers=[w], opset_imports={"": 19}), ir_version=10
+    )
     bind = BindWeights(WeightSource(torch.nn.Linear(2, 2)))
     bind.call(model)
     with pytest.raises(ExportError) as err:
         bind.ensures(model)
-    assert str(err.value).endswith("the traced graph reads ['model.missing.weight'], which the model has no tensor of that name for")
+    assert str(err.value).endswith(
+        "the traced graph reads ['model.missing.weight'], which the model has no tensor of that name for"
+    )

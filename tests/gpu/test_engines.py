@@ -16,29 +16,29 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kiln.exporter.artifacts.manifest import Manifest
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.errors import EngineError
-from kiln.exporter.parity.driver import parity_plan
+from kiln.exporter.artifacts.manifest import Manifest
+from kiln.exporter.artifacts.verify import verify_dir
+from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.engine import BuildOptions, TrtRunner, build_command
 from kiln.exporter.engine.build import build_engine, load_tensorrt
 from kiln.exporter.engine.device import current_runtime
+from kiln.exporter.engine.gpus import min_compute_capability
 from kiln.exporter.engine.profiles import EngineProfile, InputShape, engine_profiles
 from kiln.exporter.engine.records import RuntimeInfo, check_engine_compat
-from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.engine.gpus import min_compute_capability
-from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.precision.kinds import Int4
-from kiln.exporter.precision.kinds.int4 import Int4Method
-from kiln.exporter.precision.kinds.base import Needs
-from kiln.exporter.parity import generation_parity, make_prompts, tensor_parity
-from kiln.exporter.precision import TOLERANCES
-from kiln.exporter.pipeline import export
 from kiln.exporter.load import prepare_reference
+from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.parity import generation_parity, make_prompts, tensor_parity
+from kiln.exporter.parity.driver import parity_plan
+from kiln.exporter.pipeline import export
+from kiln.exporter.precision import TOLERANCES
+from kiln.exporter.precision.kinds import Int4
+from kiln.exporter.precision.kinds.base import Needs
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.runners import TorchRunner
-from kiln.exporter.artifacts.verify import verify_dir
 from kiln.plugins import load_model
+from kiln_testing import tiny_config, write_checkpoint
 
 
 def _unavailable() -> str | None:
@@ -69,16 +69,23 @@ def _export_options(precision: str) -> ExportOptions:
         pytest.skip(f"kiln writes no {precision} graphs")
     value = Precision.parse(precision)
     variant: dict[str, Any] = {"precision": value}
-    if value.needs(Needs.RANGES):  # the tiny model has no tokenizer and no text: random tokens (ranges are poor, parity is loose)
+    if value.needs(
+        Needs.RANGES
+    ):  # the tiny model has no tokenizer and no text: random tokens (ranges are poor, parity is loose)
         variant["calib_data"] = "synthetic"
     if "int4" in value:  # GPTQ's numbers are tested on the CPU; the engine sees int4 either way
-        variant["precision"] = Precision.of(*(Int4(method=Int4Method.RTN) if k.name == "int4" else k for k in value.kinds))
+        variant["precision"] = Precision.of(
+            *(Int4(method=Int4Method.RTN) if k.name == "int4" else k for k in value.kinds)
+        )
     need = min_compute_capability(precision)
     if need is not None:
         runtime = current_runtime(load_tensorrt())
         major, minor = (int(p) for p in runtime.compute_capability.split("."))
         if (major, minor) < need[:2]:
-            pytest.skip(f"{precision} engines need compute capability {need[0]}.{need[1]}; this {runtime.gpu} is {runtime.compute_capability}")
+            pytest.skip(
+                f"{precision} engines need compute capability {need[0]}.{need[1]}; this {runtime.gpu} is "
+                f"{runtime.compute_capability}"
+            )
     return ExportOptions(parity_tokens=TOKENS, max_batch=MAX_BATCH, **variant)
 
 
@@ -133,7 +140,9 @@ def test_tensor_and_generation_parity(built: dict[str, Any]) -> None:
             prompts = make_prompts(spec, lengths, seed)
             # the engines generate; PyTorch scores their tokens (its prefill returning every position's logits)
             scorer = TorchRunner(reference, spec.n_layers)
-            result = generation_parity(scorer, trt_runner, spec, prompts, steps, tolerance, unified=False, kv_dtype=kv_dtype)
+            result = generation_parity(
+                scorer, trt_runner, spec, prompts, steps, tolerance, unified=False, kv_dtype=kv_dtype
+            )
             assert result.passed, result
 
 
@@ -145,16 +154,20 @@ def test_runner_outside_with_block(built: dict[str, Any]) -> None:
 
 def test_parser_error_names_the_node(tmp_path: Path) -> None:
     import onnx
-    from onnx import TensorProto, helper
-
     import tensorrt as trt
+    from onnx import TensorProto, helper
 
     node = helper.make_node("NoSuchOp", ["x"], ["y"], name="mystery_node")
     graph = helper.make_graph(
-        [node], "bad", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])]
+        [node],
+        "bad",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
     )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), tmp_path / "bad.onnx")
-    profile = EngineProfile(GraphKind.PREFILL, "bad.onnx", "engines/bad.plan", (InputShape("x", "float32", (1, 4), (1, 4), (1, 4)),))
+    profile = EngineProfile(
+        GraphKind.PREFILL, "bad.onnx", "engines/bad.plan", (InputShape("x", "float32", (1, 4), (1, 4), (1, 4)),)
+    )
     here: RuntimeInfo = current_runtime(trt)
     with pytest.raises(EngineError) as info:
         build_engine(tmp_path, profile, BuildOptions(), here)
@@ -163,7 +176,8 @@ def test_parser_error_names_the_node(tmp_path: Path) -> None:
     assert "\n" not in message
 
 
-# --- engines of the --target onnx graphs (TensorRT 10.15+: Attention, RotaryEmbedding, RMSNormalization, TensorScatter in place)
+# --- engines of the --target onnx graphs (TensorRT 10.15+: Attention, RotaryEmbedding, RMSNormalization, TensorScatter
+# in place)
 
 
 @pytest.fixture(scope="module", params=["fp32", "fp16"])
@@ -173,7 +187,10 @@ def built_std(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
     trt = load_tensorrt()
     if compat.trt_version(trt)[:2] < ONNX_MIN_VERSION:
-        pytest.skip(f"the --target onnx engines need TensorRT 10.15 or newer; this is {trt.__version__} (kiln build --graphs auto builds the portable ones here)")
+        pytest.skip(
+            f"the --target onnx engines need TensorRT 10.15 or newer; this is {trt.__version__} (kiln build "
+            "--graphs auto builds the portable ones here)"
+        )
     options = dataclasses.replace(_export_options(request.param), target="onnx")
     root = tmp_path_factory.mktemp(f"std-engines-{request.param}")
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
@@ -190,13 +207,26 @@ def test_std_engines_are_recorded_and_write_in_place(built_std: dict[str, Any]) 
 
     directory: Path = built_std["dir"]
     record = json.loads((directory / "engines" / "engines.json").read_text())
-    assert record["graphs"]["set"] == "onnx" and json.loads((directory / "manifest.json").read_text())["engines"]["graphs"] == "onnx"
+    assert (
+        record["graphs"]["set"] == "onnx"
+        and json.loads((directory / "manifest.json").read_text())["engines"]["graphs"] == "onnx"
+    )
     for kind in ("prefill", "decode"):
         entry = record["engines"][kind]
-        assert (entry["file"], entry["onnx"], entry["graphs"]) == (f"engines/{kind}.std.plan", f"onnx/{kind}.std.onnx", "onnx")
-        engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine((directory / entry["file"]).read_bytes())
-        aliases = check_in_place(trt, engine, entry["file"])  # every present.* aliases its past_key_values.* (IKVCacheUpdateLayer)
-        assert set(aliases) == {n for n in (engine.get_tensor_name(i) for i in range(engine.num_io_tensors)) if n.startswith("present.")}
+        assert (entry["file"], entry["onnx"], entry["graphs"]) == (
+            f"engines/{kind}.std.plan",
+            f"onnx/{kind}.std.onnx",
+            "onnx",
+        )
+        engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(
+            (directory / entry["file"]).read_bytes()
+        )
+        aliases = check_in_place(
+            trt, engine, entry["file"]
+        )  # every present.* aliases its past_key_values.* (IKVCacheUpdateLayer)
+        assert set(aliases) == {
+            n for n in (engine.get_tensor_name(i) for i in range(engine.num_io_tensors)) if n.startswith("present.")
+        }
         shapes = engine.get_tensor_profile_shape("past_key_values.0.key", 0)
         assert len({tuple(s)[1:] for s in shapes}) == 1  # the cache's dims but batch are fixed: static max_context
     assert not (directory / "engines" / "prefill.plan").exists() and verify_dir(directory).ok

@@ -14,8 +14,15 @@ from kiln.exporter.options import Adapter, ExportOptions
 def test_the_weight_follows_the_last_colon_when_it_is_a_number() -> None:
     given = ("a", "a:0.5", "b:-2", "c:d", "dir:1:0.25", "odd:1:1", "x:", ":3", r"C:\adapters\one")
     assert _adapters(None, None, given) == (  # type: ignore[arg-type]  # click's context and parameter are unused
-        (Path("a"), 1.0), (Path("a"), 0.5), (Path("b"), -2.0), (Path("c:d"), 1.0), (Path("dir:1"), 0.25), (Path("odd:1"), 1.0),
-        (Path("x:"), 1.0), (Path(":3"), 1.0), (Path(r"C:\adapters\one"), 1.0),
+        (Path("a"), 1.0),
+        (Path("a"), 0.5),
+        (Path("b"), -2.0),
+        (Path("c:d"), 1.0),
+        (Path("dir:1"), 0.25),
+        (Path("odd:1"), 1.0),
+        (Path("x:"), 1.0),
+        (Path(":3"), 1.0),
+        (Path(r"C:\adapters\one"), 1.0),
     )
 
 

@@ -4,11 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from kiln_testing import typed_manifest
-
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.artifacts.staging import listing, require_replaceable, staged_output
+from kiln_testing import typed_manifest
 
 
 def _litter(parent: Path, name: str) -> list[str]:
@@ -73,12 +72,17 @@ def test_force_refuses_a_directory_kiln_did_not_write(tmp_path: Path) -> None:
         with staged_output(out, force=True):
             raise AssertionError("the block must not run")
     assert str(err.value) == (
-        f"artifacts: {out}: --force replaces only an empty directory or an earlier kiln export, and this holds notes.txt, sub/"
+        f"artifacts: {out}: --force replaces only an empty directory or an earlier kiln export, and this holds "
+        "notes.txt, sub/"
         " with no manifest.json; nothing was deleted: move or remove it yourself"
     )
     assert _tree(out) == before and _litter(tmp_path, "out") == []
     (out / "manifest.json").write_text('{"manifest_version": 99}')  # not one kiln wrote (or this kiln reads)
-    with pytest.raises(ArtifactError, match=r"this holds manifest.json, notes.txt, sub/ with a manifest.json this kiln does not accept; nothing was deleted"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"this holds manifest.json, notes.txt, sub/ with a manifest.json this kiln does not accept; nothing was "
+        r"deleted",
+    ):
         with staged_output(out, force=True):
             pass
     assert (out / "sub" / "data.bin").read_bytes() == b"\x00\x01"
@@ -90,7 +94,9 @@ def test_force_lists_a_long_directory_briefly(tmp_path: Path) -> None:
     for i in range(8):
         (out / f"f{i}.txt").write_text("x")
     assert listing(out) == "f0.txt, f1.txt, f2.txt, f3.txt, f4.txt (and 3 more)"
-    with pytest.raises(ArtifactError, match=r"this holds f0.txt, f1.txt, f2.txt, f3.txt, f4.txt \(and 3 more\) with no manifest.json"):
+    with pytest.raises(
+        ArtifactError, match=r"this holds f0.txt, f1.txt, f2.txt, f3.txt, f4.txt \(and 3 more\) with no manifest.json"
+    ):
         require_replaceable(out, force=True)
 
 

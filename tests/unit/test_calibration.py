@@ -18,8 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 from tokenizers import Tokenizer
 
 import kiln
-from kiln.calibration import Calibration
 from kiln import newfile
+from kiln.calibration import Calibration
 from kiln.calibration.cache import TRT_CACHE_VERSION, cache_key, read_cache, trt_calibration_cache, write_cache
 from kiln.calibration.data import CHUNK, SYNTHETIC, CalibrationData, load_calibration_data
 from kiln.calibration.methods import CalibMethod, collect_ranges, mse_threshold
@@ -40,7 +40,9 @@ def ids_of(text: str) -> list[int]:
     return list(Tokenizer.from_file(str(TOKENIZER)).encode(text).ids)
 
 
-def load(source: str | Path, *, samples: int = 4, window: int = 8, vocab: int = VOCAB, tokenizer: Path | None = TOKENIZER) -> CalibrationData:
+def load(
+    source: str | Path, *, samples: int = 4, window: int = 8, vocab: int = VOCAB, tokenizer: Path | None = TOKENIZER
+) -> CalibrationData:
     return load_calibration_data(str(source), tokenizer=tokenizer, vocab_size=vocab, samples=samples, window=window)
 
 
@@ -63,9 +65,14 @@ def test_text_file(tmp_path: Path) -> None:
 def test_window_and_sample_counts(tmp_path: Path) -> None:
     path = tmp_path / "ids.npy"
     np.save(path, np.arange(10, dtype=np.int64))
-    assert [w.tolist() for w in load(path, samples=5, window=4).windows] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 10 // 4 windows, the rest dropped
+    assert [w.tolist() for w in load(path, samples=5, window=4).windows] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]  # 10 // 4 windows, the rest dropped
     assert [w.tolist() for w in load(path, samples=1, window=4).windows] == [[0, 1, 2, 3]]
-    assert [w.tolist() for w in load(path, samples=3, window=128).windows] == [list(range(10))]  # shorter data: one window of it all
+    assert [w.tolist() for w in load(path, samples=3, window=128).windows] == [
+        list(range(10))
+    ]  # shorter data: one window of it all
     np.save(path, np.array([7, 9], dtype=np.int32))
     assert [w.tolist() for w in load(path).windows] == [[7, 9]]
     # the digest is of the ids used, so it changes with the windows taken
@@ -75,27 +82,43 @@ def test_window_and_sample_counts(tmp_path: Path) -> None:
 def test_text_needs_a_tokenizer_of_the_model(tmp_path: Path) -> None:
     path = tmp_path / "calib.txt"
     path.write_text(TEXT)
-    with pytest.raises(CalibrationError, match=exact(
-        f"calibration: {path}: text calibration data needs the checkpoint's tokenizer.json, and the checkpoint has none; pass token ids as .npy/.npz"
-    )):
+    with pytest.raises(
+        CalibrationError,
+        match=exact(
+            f"calibration: {path}: text calibration data needs the checkpoint's tokenizer.json, and the "
+            "checkpoint has none; pass token ids as .npy/.npz"
+        ),
+    ):
         load(path, tokenizer=None)
-    with pytest.raises(CalibrationError, match=exact(
-        f"calibration: {TOKENIZER}: the tokenizer has 1024 tokens but the model's vocabulary has 101: it does not belong to this checkpoint"
-    )):
+    with pytest.raises(
+        CalibrationError,
+        match=exact(
+            f"calibration: {TOKENIZER}: the tokenizer has 1024 tokens but the model's vocabulary has 101: it "
+            "does not belong to this checkpoint"
+        ),
+    ):
         load(path, vocab=101)
 
 
 def test_text_that_is_not_utf8(tmp_path: Path) -> None:
     path = tmp_path / "calib.txt"
     path.write_bytes(b"\xff\xfe\x00abc\x80")
-    with pytest.raises(CalibrationError, match=exact(f"calibration: {path}: not UTF-8 text; use .txt, .jsonl (field 'text'), .npy or .npz")):
+    with pytest.raises(
+        CalibrationError,
+        match=exact(f"calibration: {path}: not UTF-8 text; use .txt, .jsonl (field 'text'), .npy or .npz"),
+    ):
         load(path)
 
 
 def test_jsonl(tmp_path: Path) -> None:
     path = tmp_path / "calib.jsonl"
     records = ["def f(x):", "    return x * 2", "print(f(3))"]
-    path.write_text("\n".join([json.dumps({"text": records[0], "id": 1}), "", "  ", *(json.dumps({"text": r}) for r in records[1:])]) + "\n")
+    path.write_text(
+        "\n".join(
+            [json.dumps({"text": records[0], "id": 1}), "", "  ", *(json.dumps({"text": r}) for r in records[1:])]
+        )
+        + "\n"
+    )
     data = load(path, samples=100, window=4)
     ids = ids_of("\n".join(records))  # records joined by newlines, blank lines skipped
     n = len(ids) // 4
@@ -146,7 +169,10 @@ def test_jsonl_is_read_only_as_far_as_the_samples_need(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("lines", "message"),
     [
-        (['{"text": "a"}', '{"text": "b"}', "{not json"], "{path}:3: not a JSON line (Expecting property name enclosed in double quotes)"),
+        (
+            ['{"text": "a"}', '{"text": "b"}', "{not json"],
+            "{path}:3: not a JSON line (Expecting property name enclosed in double quotes)",
+        ),
         (['{"text": "a"}', '{"body": "b"}'], "{path}:2: each line needs a string field 'text'"),
         (['{"text": 3}'], "{path}:1: each line needs a string field 'text'"),
         (["", '["text", "a"]'], "{path}:2: each line needs a string field 'text'"),
@@ -175,16 +201,22 @@ def test_npy_and_npz_token_ids(tmp_path: Path) -> None:
 def test_npy_float_ids_refused(tmp_path: Path, dtype: type) -> None:
     path = tmp_path / "ids.npy"
     np.save(path, np.arange(10).astype(dtype))
-    with pytest.raises(CalibrationError, match=exact(f"calibration: {path}: token ids must be integers, found dtype {np.dtype(dtype)}")):
+    with pytest.raises(
+        CalibrationError, match=exact(f"calibration: {path}: token ids must be integers, found dtype {np.dtype(dtype)}")
+    ):
         load(path)
 
 
 def test_npy_out_of_vocabulary_refused(tmp_path: Path) -> None:
     path = tmp_path / "ids.npy"
     np.save(path, np.array([5, 101, 3, 200, -1, 7], dtype=np.int64))
-    with pytest.raises(CalibrationError, match=exact(
-        f"calibration: {path}: 3 token ids are outside the vocabulary [0, 101) (e.g. 101); is this data tokenized for another model?"
-    )):
+    with pytest.raises(
+        CalibrationError,
+        match=exact(
+            f"calibration: {path}: 3 token ids are outside the vocabulary [0, 101) (e.g. 101); is this data "
+            "tokenized for another model?"
+        ),
+    ):
         load(path, vocab=101)
 
 
@@ -215,19 +247,26 @@ def test_empty_and_one_token_data(tmp_path: Path) -> None:
         load(text)
     one = tmp_path / "one.npy"
     np.save(one, np.array([4], dtype=np.int64))
-    with pytest.raises(CalibrationError, match=exact(f"calibration: {one}: the calibration data has 1 token; at least 2 are needed")):
+    with pytest.raises(
+        CalibrationError, match=exact(f"calibration: {one}: the calibration data has 1 token; at least 2 are needed")
+    ):
         load(one)
 
 
 def test_empty_npz(tmp_path: Path) -> None:
     path = tmp_path / "empty.npz"
     np.savez(path)
-    with pytest.raises(CalibrationError, match=exact(f"calibration: {path}: the .npz file holds no array; the calibration data is empty")):
+    with pytest.raises(
+        CalibrationError,
+        match=exact(f"calibration: {path}: the .npz file holds no array; the calibration data is empty"),
+    ):
         load(path)
 
 
 def test_synthetic_warns_and_is_reproducible() -> None:
-    with pytest.warns(UserWarning, match=re.escape("calibrating on SYNTHETIC random tokens: activation ranges will be poor")):
+    with pytest.warns(
+        UserWarning, match=re.escape("calibrating on SYNTHETIC random tokens: activation ranges will be poor")
+    ):
         data = load_calibration_data(SYNTHETIC, tokenizer=None, vocab_size=101, samples=3, window=16)
     assert data.source == "synthetic" and len(data.windows) == 3
     assert all(w.shape == (16,) and w.dtype == np.int64 and 0 <= w.min() and w.max() < 101 for w in data.windows)
@@ -248,8 +287,17 @@ def test_cache_key_depends_on_everything_it_names() -> None:
     base = cache_key("w" * 64, "d" * 64, {"method": "max", "samples": 4})
     assert re.fullmatch(r"[0-9a-f]{64}", base)
     assert cache_key("w" * 64, "d" * 64, {"samples": 4, "method": "max"}) == base  # key order does not matter
-    assert len({base, cache_key("v" * 64, "d" * 64, {"method": "max", "samples": 4}), cache_key("w" * 64, "e" * 64, {"method": "max", "samples": 4}),
-                cache_key("w" * 64, "d" * 64, {"method": "max", "samples": 5})}) == 4
+    assert (
+        len(
+            {
+                base,
+                cache_key("v" * 64, "d" * 64, {"method": "max", "samples": 4}),
+                cache_key("w" * 64, "e" * 64, {"method": "max", "samples": 4}),
+                cache_key("w" * 64, "d" * 64, {"method": "max", "samples": 5}),
+            }
+        )
+        == 4
+    )
 
 
 def test_write_then_read_cache(tmp_path: Path) -> None:
@@ -259,9 +307,15 @@ def test_write_then_read_cache(tmp_path: Path) -> None:
     assert path == directory / f"{key}.json"
     assert sorted(p.name for p in directory.iterdir()) == [f"{key}.json"]  # no temporary file left
     stored = json.loads(path.read_text())
-    assert stored == {"key": key, "settings": {"method": "max"}, "ranges": {g: {t: list(r) for t, r in v.items()} for g, v in RANGES.items()}}
+    assert stored == {
+        "key": key,
+        "settings": {"method": "max"},
+        "ranges": {g: {t: list(r) for t, r in v.items()} for g, v in RANGES.items()},
+    }
     back = read_cache(directory, key)
-    assert back == RANGES and all(isinstance(r, tuple) and all(isinstance(v, float) for v in r) for g in back.values() for r in g.values())
+    assert back == RANGES and all(
+        isinstance(r, tuple) and all(isinstance(v, float) for v in r) for g in back.values() for r in g.values()
+    )
 
 
 def test_read_cache_of_missing_corrupt_or_other_files(tmp_path: Path) -> None:
@@ -277,7 +331,9 @@ def test_read_cache_of_missing_corrupt_or_other_files(tmp_path: Path) -> None:
     assert read_cache(tmp_path, key) is None
 
 
-@pytest.mark.parametrize("ranges", [None, {"prefill": {"x": [1.0]}}, []], ids=["no ranges", "short range", "ranges a list"])
+@pytest.mark.parametrize(
+    "ranges", [None, {"prefill": {"x": [1.0]}}, []], ids=["no ranges", "short range", "ranges a list"]
+)
 def test_read_cache_of_a_damaged_file_with_the_right_key(tmp_path: Path, ranges: object) -> None:
     key = cache_key("w", "d", {})
     data: dict[str, object] = {"key": key, "settings": {}}
@@ -321,15 +377,38 @@ def test_calibration_prepare_and_finish_use_the_cache(tmp_path: Path) -> None:
     spec = spec_of(tiny_config())
     ids = tmp_path / "ids.npy"
     np.save(ids, np.arange(300, dtype=np.int64) % 101)
-    kwargs = dict(spec=spec, tokenizer=None, weights_sha256="a" * 64, samples=2, method="max", percentile=99.9, context=48, graph_settings={"opset": 19}, cache_dir=tmp_path / "cache")
+    kwargs = dict(
+        spec=spec,
+        tokenizer=None,
+        weights_sha256="a" * 64,
+        samples=2,
+        method="max",
+        percentile=99.9,
+        context=48,
+        graph_settings={"opset": 19},
+        cache_dir=tmp_path / "cache",
+    )
     first = Calibration.prepare(str(ids), **kwargs)
     assert not first.cache_hit and first.ranges == {}
-    assert first.settings == {"method": "max", "percentile": None, "samples": 2, "window": 48, "decode_steps": 4, "opset": 19}
+    assert first.settings == {
+        "method": "max",
+        "percentile": None,
+        "samples": 2,
+        "window": 48,
+        "decode_steps": 4,
+        "opset": 19,
+    }
     assert [len(w) for w in first.data.windows] == [48, 48]
     first.ranges = {g: dict(r) for g, r in RANGES.items()}
     out = tmp_path / "out"
     info = first.finish(out)
-    assert info == {"source": str(ids), "data_sha256": first.data.sha256, "key": first.key, "cache": "written", "settings": first.settings}
+    assert info == {
+        "source": str(ids),
+        "data_sha256": first.data.sha256,
+        "key": first.key,
+        "cache": "written",
+        "settings": first.settings,
+    }
     assert sorted(p.name for p in out.iterdir()) == ["decode.trt-calibration.cache", "prefill.trt-calibration.cache"]
     assert (out / "decode.trt-calibration.cache").read_text() == trt_calibration_cache(RANGES["decode"])
     second = Calibration.prepare(str(ids), **kwargs)
@@ -382,7 +461,9 @@ def tiny_matmul_graph() -> ir.Model:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])],
         [numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")],
     )
-    return ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=10))
+    return ir.serde.deserialize_model(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=10)
+    )
 
 
 def laplace_feeds() -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
@@ -397,9 +478,15 @@ def laplace_feeds() -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
 def test_collect_ranges_max() -> None:
     feeds, values = laplace_feeds()
     ranges = collect_ranges(tiny_matmul_graph(), [[f] for f in feeds], CalibMethod.MAX, 99.99)
-    assert ranges == {"x": (-60.0, 60.0), "y": (-60.0, 60.0)}  # the max |activation| over both samples (merged across calls), symmetric (the outlier is negative)
+    assert ranges == {
+        "x": (-60.0, 60.0),
+        "y": (-60.0, 60.0),
+    }  # the max |activation| over both samples (merged across calls), symmetric (the outlier is negative)
     positive = [{"x": np.abs(f["x"]) + 1.0} for f in feeds]
-    assert collect_ranges(tiny_matmul_graph(), [positive], CalibMethod.MAX, 99.99)["x"] == (-61.0, 61.0)  # symmetric even when all > 0
+    assert collect_ranges(tiny_matmul_graph(), [positive], CalibMethod.MAX, 99.99)["x"] == (
+        -61.0,
+        61.0,
+    )  # symmetric even when all > 0
 
 
 @pytest.mark.parametrize("percentile", [99.0, 99.9])

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from kiln_testing import edit_config, tiny_config, write_checkpoint
 from safetensors.torch import load_file, save_file
 
 from kiln.errors import CheckpointError, ConfigError
 from kiln.plugins import load_model
 from kiln.plugins.native.build import random_model
+from kiln_testing import edit_config, tiny_config, write_checkpoint
 
 
 def test_loads_and_matches_weights(tiny_ckpt: Path) -> None:
@@ -45,7 +45,8 @@ def test_shape_mismatch_is_named_from_the_header(tiny_ckpt: Path) -> None:
     with pytest.raises(CheckpointError) as err:
         load_model(tiny_ckpt)
     assert str(err.value) == (
-        f"checkpoint: {tiny_ckpt / 'model.safetensors'}: weights do not match the config: layers.1.mlp.fc2.weight has shape [32, 65], the config needs [32, 64]"
+        f"checkpoint: {tiny_ckpt / 'model.safetensors'}: weights do not match the config: "
+        "layers.1.mlp.fc2.weight has shape [32, 65], the config needs [32, 64]"
     )
 
 
@@ -78,20 +79,30 @@ def test_truncated_safetensors(tiny_ckpt: Path) -> None:
 
 def test_config_contradicting_weights(tiny_ckpt: Path) -> None:
     edit_config(tiny_ckpt, d_ff=96)
-    with pytest.raises(CheckpointError, match=r"layers.0.mlp.fc1.weight has shape \[64, 32\], the config needs \[96, 32\]"):
+    with pytest.raises(
+        CheckpointError, match=r"layers.0.mlp.fc1.weight has shape \[64, 32\], the config needs \[96, 32\]"
+    ):
         load_model(tiny_ckpt)
 
 
 @pytest.mark.parametrize(
     ("changes", "problem"),
     [
-        ({"d_model": 10**7}, "embed.weight has shape [101, 32], the config needs [vocab_size, d_model] = [101, 10000000]"),
-        ({"vocab_size": 10**9}, "embed.weight has shape [101, 32], the config needs [vocab_size, d_model] = [1000000000, 32]"),
+        (
+            {"d_model": 10**7},
+            "embed.weight has shape [101, 32], the config needs [vocab_size, d_model] = [101, 10000000]",
+        ),
+        (
+            {"vocab_size": 10**9},
+            "embed.weight has shape [101, 32], the config needs [vocab_size, d_model] = [1000000000, 32]",
+        ),
         ({"n_layers": 10**6}, "config.json says n_layers=1000000, the weights hold 2 layers (layers.0 to layers.1)"),
     ],
     ids=["d_model", "vocab_size", "n_layers"],
 )
-def test_absurd_sizes_are_refused_from_the_header_at_once(tiny_ckpt: Path, changes: dict[str, int], problem: str) -> None:
+def test_absurd_sizes_are_refused_from_the_header_at_once(
+    tiny_ckpt: Path, changes: dict[str, int], problem: str
+) -> None:
     """The weights' header against the config before any module is built: no allocation of the
     config's sizes (these took 8-86 s to end in an allocator traceback)."""
     load_model(tiny_ckpt)  # imports done
@@ -100,7 +111,9 @@ def test_absurd_sizes_are_refused_from_the_header_at_once(tiny_ckpt: Path, chang
     with pytest.raises(CheckpointError) as err:
         load_model(tiny_ckpt)
     assert time.perf_counter() - start < 0.5
-    assert str(err.value) == f"checkpoint: {tiny_ckpt / 'model.safetensors'}: weights do not match the config: {problem}"
+    assert (
+        str(err.value) == f"checkpoint: {tiny_ckpt / 'model.safetensors'}: weights do not match the config: {problem}"
+    )
 
 
 def test_every_other_size_is_compared_on_a_meta_template(tiny_ckpt: Path) -> None:
@@ -110,9 +123,12 @@ def test_every_other_size_is_compared_on_a_meta_template(tiny_ckpt: Path) -> Non
     with pytest.raises(CheckpointError) as err:
         load_model(tiny_ckpt)
     assert str(err.value) == (
-        f"checkpoint: {tiny_ckpt / 'model.safetensors'}: weights do not match the config: layers.0.mlp.fc1.weight has shape [64, 32], the config needs"
-        " [10000000, 32]; layers.0.mlp.fc2.weight has shape [32, 64], the config needs [32, 10000000]; layers.0.mlp.gate.weight has shape [64, 32],"
-        " the config needs [10000000, 32]; layers.1.mlp.fc1.weight has shape [64, 32], the config needs [10000000, 32]; layers.1.mlp.fc2.weight has shape"
+        f"checkpoint: {tiny_ckpt / 'model.safetensors'}: weights do not match the config: "
+        "layers.0.mlp.fc1.weight has shape [64, 32], the config needs"
+        " [10000000, 32]; layers.0.mlp.fc2.weight has shape [32, 64], the config needs [32, 10000000]; "
+        "layers.0.mlp.gate.weight has shape [64, 32],"
+        " the config needs [10000000, 32]; layers.1.mlp.fc1.weight has shape [64, 32], the config needs "
+        "[10000000, 32]; layers.1.mlp.fc2.weight has shape"
         " [32, 64], the config needs [32, 10000000]; and 1 more"
     )
 
@@ -122,7 +138,8 @@ def test_a_dimension_past_32_bits_is_a_config_error(tiny_ckpt: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_model(tiny_ckpt)
     assert str(err.value) == (
-        f"config: {tiny_ckpt / 'config.json'}: d_model must be at most 2**31 - 1 (TensorRT's and ONNX Runtime GenAI's dimensions are 32-bit),"
+        f"config: {tiny_ckpt / 'config.json'}: d_model must be at most 2**31 - 1 (TensorRT's and ONNX Runtime "
+        "GenAI's dimensions are 32-bit),"
         " found an integer of about 401 digits"
     )
 
@@ -145,7 +162,9 @@ def test_missing_weights_and_paths(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="config.json not found"):
         load_model(tmp_path)
     tiny_config().save(tmp_path / "config.json")
-    with pytest.raises(CheckpointError, match="no weights file; expected one of model.safetensors, model.pt, pytorch_model.bin"):
+    with pytest.raises(
+        CheckpointError, match="no weights file; expected one of model.safetensors, model.pt, pytorch_model.bin"
+    ):
         load_model(tmp_path)
 
 
@@ -172,9 +191,13 @@ def test_pickle_with_code_is_refused_and_never_runs(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as err:
         load_model(tmp_path)
     message = str(err.value)
-    assert message.startswith(f"checkpoint: {tmp_path / 'model.pt'}: refused to load: this pickle would build objects other than tensors,")
+    assert message.startswith(
+        f"checkpoint: {tmp_path / 'model.pt'}: refused to load: this pickle would build objects other than tensors,"
+    )
     assert "unpickling anything but tensors can run code from the file, which kiln never does" in message
-    assert "\n" not in message and "Weights only load failed" not in message  # kiln's words, not torch's cut mid-sentence
+    assert (
+        "\n" not in message and "Weights only load failed" not in message
+    )  # kiln's words, not torch's cut mid-sentence
     assert not marker.exists()
 
 
@@ -233,7 +256,8 @@ def test_a_link_out_of_the_checkpoint_is_refused(tiny_ckpt: Path, tmp_path: Path
     with pytest.raises(CheckpointError) as err:
         load_model(tiny_ckpt)
     assert str(err.value) == (
-        f"checkpoint: {source} links to {outside / name}, outside {tiny_ckpt}: kiln reads nothing from outside the checkpoint;"
+        f"checkpoint: {source} links to {outside / name}, outside {tiny_ckpt}: kiln reads nothing from outside "
+        "the checkpoint;"
         f" copy the file in (rm {source} && cp {outside / name} {source})"
     )
 
@@ -245,7 +269,10 @@ def test_links_inside_the_checkpoint_are_followed(tiny_ckpt: Path) -> None:
     assert load_model(tiny_ckpt).spec.n_layers == 2
 
 
-@pytest.mark.parametrize(("text", "reason"), [("not json", "expected ident at line 1 column 2"), ('{"hello": 1}', "expected `,` or `}` at line 1 column 9")])
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [("not json", "expected ident at line 1 column 2"), ('{"hello": 1}', "expected `,` or `}` at line 1 column 9")],
+)
 def test_a_tokenizer_that_is_none_is_refused_at_load(tiny_ckpt: Path, text: str, reason: str) -> None:
     """A malformed or wrong-schema tokenizer.json is named when the checkpoint loads (it was
     found only after trace and parity, under a temporary path, or shipped and broke kiln generate)."""
@@ -254,6 +281,7 @@ def test_a_tokenizer_that_is_none_is_refused_at_load(tiny_ckpt: Path, text: str,
     with pytest.raises(CheckpointError) as err:
         load_model(tiny_ckpt)
     assert str(err.value) == (
-        f"checkpoint: {tiny_ckpt / 'tokenizer.json'}: not a tokenizer the tokenizers library loads ({reason}); replace it with the model's own"
+        f"checkpoint: {tiny_ckpt / 'tokenizer.json'}: not a tokenizer the tokenizers library loads ({reason}); "
+        "replace it with the model's own"
         " tokenizer.json, or remove it to export without one"
     )

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from kiln_testing import edit_config
 
 from kiln.cli import main
+from kiln_testing import edit_config
 
 
 def _run(*args: str) -> tuple[int, str, str]:
@@ -33,7 +33,14 @@ def test_unknown_architecture(tmp_path: Path) -> None:
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"architectures": ["BertModel"]}')
     code, _, err = _run("export", "--model", str(ckpt), "--out", str(tmp_path / "out"), "--json")
-    _assert_one_line_error(code, err, str(ckpt), "unsupported Hugging Face architecture 'BertModel': kiln does not export a model without a text-generation head", "`kiln plugins` lists them all")
+    _assert_one_line_error(
+        code,
+        err,
+        str(ckpt),
+        "unsupported Hugging Face architecture 'BertModel': kiln does not export a model without a "
+        "text-generation head",
+        "`kiln plugins` lists them all",
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -53,9 +60,17 @@ def test_plugins_lists_the_families(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "hf" in out and "LlamaForCausalLM" in out and "GPT2LMHeadModel" in out
     # the Hugging Face family's table: an architecture per row, what --target ort fuses under it (80 columns)
     lines = out.splitlines()
-    rows = {m.group(1): i for i, line in enumerate(lines) if (m := re.fullmatch(r"      class: (\w+(ForCausalLM|LMHeadModel))", line))}  # not a class a note names
-    assert len(rows) == 79 + 1 + 2 and lines[rows["Qwen3ForCausalLM"] + 1] == "      --target ort: GQA"  # + Llama 4, DeepSeek-V2 and -V3 (issue 43)
-    assert lines[rows["DeepseekV3ForCausalLM"] + 1].startswith("      --target ort: portable attention (multi-head latent attention")
+    rows = {
+        m.group(1): i
+        for i, line in enumerate(lines)
+        if (m := re.fullmatch(r"      class: (\w+(ForCausalLM|LMHeadModel))", line))
+    }  # not a class a note names
+    assert (
+        len(rows) == 79 + 1 + 2 and lines[rows["Qwen3ForCausalLM"] + 1] == "      --target ort: GQA"
+    )  # + Llama 4, DeepSeek-V2 and -V3 (issue 43)
+    assert lines[rows["DeepseekV3ForCausalLM"] + 1].startswith(
+        "      --target ort: portable attention (multi-head latent attention"
+    )
     assert lines[rows["GptOssForCausalLM"] + 1].startswith("      --target ort: GQA (attention sinks as head_sink)")
 
 
@@ -103,7 +118,10 @@ def test_force_refuses_an_unrelated_directory(tiny_ckpt: Path, tmp_path: Path) -
     (out / "sub" / "data.txt").write_text("also mine")
     code, _, err = _run("export", "--model", str(tiny_ckpt), "--out", str(out), "--force")
     _assert_one_line_error(
-        code, err, f"error: artifacts: {out}: --force replaces only an empty directory or an earlier kiln export, and this holds notes.txt, sub/",
+        code,
+        err,
+        f"error: artifacts: {out}: --force replaces only an empty directory or an earlier kiln export, and this "
+        "holds notes.txt, sub/",
         "nothing was deleted",
     )
     assert (out / "notes.txt").read_text() == "mine" and (out / "sub" / "data.txt").read_text() == "also mine"
@@ -112,7 +130,10 @@ def test_force_refuses_an_unrelated_directory(tiny_ckpt: Path, tmp_path: Path) -
 
 @pytest.mark.parametrize(
     ("option", "value", "message"),
-    [("--max-batch", "0", "0 is not in the range 1<=x<=65536"), ("--logits", "first", "'first' is not one of 'all', 'last'")],
+    [
+        ("--max-batch", "0", "0 is not in the range 1<=x<=65536"),
+        ("--logits", "first", "'first' is not one of 'all', 'last'"),
+    ],
 )
 def test_option_validation(tmp_path: Path, option: str, value: str, message: str) -> None:
     code, _, err = _run("export", "--model", "demo", "--out", str(tmp_path / "o"), option, value)
@@ -158,7 +179,9 @@ def test_plugins_says_when_hf_is_unavailable(monkeypatch: pytest.MonkeyPatch) ->
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a)
+    )
     monkeypatch.setenv("COLUMNS", "200")  # the family's line and this one unwrapped
     code, out, _ = _run("plugins")
     assert code == 0
@@ -176,5 +199,11 @@ def test_sizes_read_as_a_person_reads_them() -> None:
     from kiln.inputs import size_text as _size
 
     assert [_size(n) for n in (0, 999, 1000, 812_345, 12_345_678, 1_900_000_000, 16_060_000_000)] == [
-        "0 B", "999 B", "1 KB", "812 KB", "12.3 MB", "1.9 GB", "16.1 GB"
+        "0 B",
+        "999 B",
+        "1 KB",
+        "812 KB",
+        "12.3 MB",
+        "1.9 GB",
+        "16.1 GB",
     ]

@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kiln_testing import heavy_imports
+
 
 @pytest.mark.parametrize(
     ("args", "code"),
@@ -22,7 +24,17 @@ from kiln_testing import heavy_imports
         (("export", "--model", "CKPT", "--out", "NOT_EMPTY"), 1),  # an output directory kiln refuses to replace
         (("verify", "NO_EXPORT"), 1),
     ],
-    ids=["help", "plugins", "plugins-json", "export-help", "check-help", "flag-error", "missing-model", "refused-out", "verify-missing"],
+    ids=[
+        "help",
+        "plugins",
+        "plugins-json",
+        "export-help",
+        "check-help",
+        "flag-error",
+        "missing-model",
+        "refused-out",
+        "verify-missing",
+    ],
 )
 def test_fast_paths_import_nothing_heavy(args: tuple[str, ...], code: int, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
@@ -42,6 +54,17 @@ def test_cli_makes_pytorch_threads_passive_unless_set() -> None:
 
     probe = "import os; import kiln.cli; print(os.environ['OMP_WAIT_POLICY'])"
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.strip() == "PASSIVE"
-    mine = subprocess.run([sys.executable, "-c", probe], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True, text=True, check=True)
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        == "PASSIVE"
+    )
+    mine = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert mine.stdout.strip() == "ACTIVE"

@@ -1,5 +1,7 @@
 """The package's shape (issue 22): no import cycle between folders or between modules, no
-function over 60 lines, no module over 400 (tests, benchmarks and docs aside); no target folder
+function over 45 statements, no module over 250 (tests, benchmarks and docs aside; counted as the
+lines a statement starts on, which ruff's layout does not change: on the tree before ruff formatted it
+the longest were 41 and 245, as strict as its 60 and 400 physical lines were); no target folder
 (``exporter/targets/<name>/``) imports another target's folder, even for annotations (issue 42:
 what targets share lives in ``exporter/patterns/``).
 
@@ -40,7 +42,16 @@ def _modules() -> dict[str, Path]:
 def _imports(path: Path, modules: dict[str, Path], typing: bool = False) -> Iterator[str]:
     """The kiln modules ``path`` imports (``typing``: those under ``if TYPE_CHECKING:`` too)."""
     tree = ast.parse(path.read_text())
-    typing_only = set() if typing else {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    typing_only = (
+        set()
+        if typing
+        else {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+    )
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
@@ -53,7 +64,10 @@ def _imports(path: Path, modules: dict[str, Path], typing: bool = False) -> Iter
 
 def _graph(typing: bool = False) -> tuple[dict[str, set[str]], dict[str, Path]]:
     modules = _modules()
-    return {name: {m for m in _imports(path, modules, typing) if m in modules and m != name} for name, path in modules.items()}, modules
+    return {
+        name: {m for m in _imports(path, modules, typing) if m in modules and m != name}
+        for name, path in modules.items()
+    }, modules
 
 
 def _folder(name: str, modules: dict[str, Path]) -> str:
@@ -124,16 +138,30 @@ def test_no_folder_imports_itself_round_about() -> None:
     assert _cycles(folders) == []
 
 
+def _statements(node: ast.AST) -> int:
+    """The lines a statement of ``node`` starts on (its own ``def`` line aside): its length however
+    the formatter lays out a long call or a literal table."""
+    return len({n.lineno for n in ast.walk(node) if isinstance(n, ast.stmt)} - {getattr(node, "lineno", 0)})
+
+
 def test_functions_and_modules_stay_short() -> None:
     long_functions, long_modules = [], []
     for name, path in _modules().items():
-        text = path.read_text()
-        if len(text.splitlines()) > 400:
-            long_modules.append(f"{name}: {len(text.splitlines())} lines")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None and node.end_lineno - node.lineno + 1 > 60:
-                long_functions.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+        tree = ast.parse(path.read_text())
+        if _statements(tree) > 250:
+            long_modules.append(f"{name}: {_statements(tree)} statements")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _statements(node) > 45:
+                long_functions.append(f"{name}.{node.name}: {_statements(node)} statements")
     assert long_functions == [] and long_modules == []
+
+
+def test_the_length_rule_counts_statements_not_layout() -> None:
+    """A call laid out over many lines is one statement; 46 statements are too many."""
+    laid_out = "def f():\n    g(\n" + "        1,\n" * 80 + "    )\n"
+    assert _statements(ast.parse(laid_out).body[0]) == 1
+    long = "def f():\n" + "    x = 1\n" * 46
+    assert _statements(ast.parse(long).body[0]) == 46
 
 
 TARGETS = "kiln.exporter.targets"
@@ -156,7 +184,7 @@ def _target_of(module: str) -> str | None:
 
 
 def _crossings(sources: dict[str, str]) -> list[str]:
-    """"module:line imports other" for every import, in a target's folder, of another target's."""
+    """ "module:line imports other" for every import, in a target's folder, of another target's."""
     found = []
     for name, source in sorted(sources.items()):
         own = _target_of(name)
@@ -202,7 +230,9 @@ def test_the_shared_patterns_import_no_target() -> None:
         for line, imported in _every_kiln_import(path.read_text())
         if imported.startswith(TARGETS)
     ]
-    assert reaching == [], "exporter/patterns/ is shared by the targets and imports none of them:\n" + "\n".join(reaching)
+    assert reaching == [], "exporter/patterns/ is shared by the targets and imports none of them:\n" + "\n".join(
+        reaching
+    )
 
 
 # Issue 42: a target or a precision kind is asked what it is (a declared attribute, a method:
@@ -274,7 +304,7 @@ def test_no_target_or_kind_is_tested_by_name_outside_its_folder() -> None:
     kind_classes = {k.__name__ for k in kinds() if k.name in kind_names}
     assert target_names >= {"ort", "onnx"} and kind_classes >= {"Fp16", "Int8", "Fp8", "Int4"}
     found = []
-    for name, path in sorted(_modules().items()):
+    for path in sorted(_modules().values()):
         where = path.relative_to(ROOT).as_posix()
         if where in NAME_ALLOWED:
             continue

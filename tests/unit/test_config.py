@@ -4,10 +4,10 @@ import json
 from pathlib import Path
 
 import pytest
-from kiln_testing import TINY, tiny_config
 
 from kiln.errors import ConfigError
 from kiln.plugins.native.config import NativeConfig, NormKind, PLEPlacement
+from kiln_testing import TINY, tiny_config
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -30,7 +30,10 @@ def test_round_trip(tmp_path: Path) -> None:
         ({"norm": "batchnorm"}, "norm must be one of layernorm, rmsnorm, found 'batchnorm'"),
         ({"position": "alibi"}, "position must be one of none, learned, rope, found 'alibi'"),
         ({"norm_eps": 0}, "norm_eps must be a float in (0, 1), found 0.0"),
-        ({"ple": {"placement": "middle"}}, "ple.placement must be one of before_attention, residual, after_mlp, found 'middle'"),
+        (
+            {"ple": {"placement": "middle"}},
+            "ple.placement must be one of before_attention, residual, after_mlp, found 'middle'",
+        ),
         ({"ple": {"max_positions": -1}}, "ple.max_positions must be a positive integer, found -1"),
         ({"ple": {"colour": 1}}, "unknown ple keys ['colour']"),
         ({"eos_token_id": 500}, "eos_token_id must be a token id in [0, 101), found 500"),

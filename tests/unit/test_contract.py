@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.exporter.parity.driver import parity_plan
 from kiln.exporter.contract.io import GraphKind, carried_cache, graph_io
 from kiln.exporter.contract.steps import right_pad
 from kiln.exporter.parity import left_pad
+from kiln.exporter.parity.driver import parity_plan
 from kiln.plugins.native import spec_of
 from kiln_testing import tiny_config
 
@@ -17,7 +17,12 @@ def test_graph_io_names_and_dims() -> None:
     assert prefill.output_names == ["logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value"]
     assert prefill.outputs[1].dims == ("batch", 2, "seq", 8)
     decode = graph_io(spec, GraphKind.DECODE)
-    assert decode.input_names[3:] == ["past_key_values.0.key", "past_key_values.0.value", "past_key_values.1.key", "past_key_values.1.value"]
+    assert decode.input_names[3:] == [
+        "past_key_values.0.key",
+        "past_key_values.0.value",
+        "past_key_values.1.key",
+        "past_key_values.1.value",
+    ]
     assert decode.inputs[0].dims == ("batch", 1)
     assert decode.inputs[1].dims == ("batch", "total_seq")
     assert decode.inputs[3].dims == ("batch", 2, "past_seq", 8)
@@ -38,11 +43,21 @@ def test_cross_attention_graph_io() -> None:
     prefill = graph_io(spec, GraphKind.PREFILL, kv_dtype="float16")
     assert prefill.input_names == ["input_ids", "attention_mask", "position_ids", "encoder_hidden_states"]
     assert prefill.inputs[3].dims == ("batch", "encoder_seq", 32) and prefill.inputs[3].dtype == "float16"
-    assert prefill.output_names[1:5] == ["present.0.key", "present.0.value", "present.0.cross_key", "present.0.cross_value"]
+    assert prefill.output_names[1:5] == [
+        "present.0.key",
+        "present.0.value",
+        "present.0.cross_key",
+        "present.0.cross_value",
+    ]
     assert prefill.outputs[3].dims == ("batch", 2, "encoder_seq", 8)
     for kind in (GraphKind.DECODE, GraphKind.UNIFIED):
         io = graph_io(spec, kind)
-        assert io.input_names[3:7] == ["past_key_values.0.key", "past_key_values.0.value", "past_key_values.0.cross_key", "past_key_values.0.cross_value"]
+        assert io.input_names[3:7] == [
+            "past_key_values.0.key",
+            "past_key_values.0.value",
+            "past_key_values.0.cross_key",
+            "past_key_values.0.cross_value",
+        ]
         assert io.inputs[4].dims == ("batch", 2, "past_seq", 8) and io.inputs[5].dims == ("batch", 2, "encoder_seq", 8)
         assert io.output_names == ["logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value"]
     assert carried_cache(spec)[:4] == [

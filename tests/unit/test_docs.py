@@ -27,11 +27,15 @@ def test_the_architecture_table_is_what_kiln_plugins_prints() -> None:
     script = _script()
     entry = script.plugins_entry()
     table = entry["table"]
-    assert table[0] == ["architecture", "fp32", "fp16", "int8", "fp8", "int4", "class", "--target ort", "notes"] and len(table) > 30
+    assert (
+        table[0] == ["architecture", "fp32", "fp16", "int8", "fp8", "int4", "class", "--target ort", "notes"]
+        and len(table) > 30
+    )
     text = script.DOC.read_text()
     assert "| Llama | `pox` | `p-x` | `pOx` | `p-x` | `pox` | `LlamaForCausalLM` | GQA |" in text
     assert script.rewritten(text, script.section(entry)) == text, (
-        "docs/architectures.md's architecture table differs from `kiln plugins`; regenerate it: python docs/architectures.py"
+        "docs/architectures.md's architecture table differs from `kiln plugins`; regenerate it: python "
+        "docs/architectures.py"
     )
 
 
@@ -40,9 +44,16 @@ def test_the_table_renders_every_row_between_the_markers() -> None:
     table = [["a", "class", "c"], ["x", "Cls", "p|q"]]
     assert script.markdown_table(table) == "| a | class | c |\n|---|---|---|\n| x | `Cls` | p\\|q |"
     assert script.markdown_table(table, ("a", "c")) == "| a | class | c |\n|---|---|---|\n| `x` | Cls | `p\\|q` |"
-    entry = {"table": [["a", "fp32", "class"], ["x", "pox", "Cls"]], "support": [{"fp32": {}}], "legend": ["p portable"]}
+    entry = {
+        "table": [["a", "fp32", "class"], ["x", "pox", "Cls"]],
+        "support": [{"fp32": {}}],
+        "legend": ["p portable"],
+    }
     assert script.section(entry) == "| a | fp32 | class |\n|---|---|---|\n| x | `pox` | `Cls` |\n\n- p portable"
-    assert script.rewritten(f"head\n{script.BEGIN}\nold\n{script.END}\ntail\n", "T") == f"head\n{script.BEGIN}\nT\n{script.END}\ntail\n"
+    assert (
+        script.rewritten(f"head\n{script.BEGIN}\nold\n{script.END}\ntail\n", "T")
+        == f"head\n{script.BEGIN}\nT\n{script.END}\ntail\n"
+    )
 
 
 def _anchors(page: Path) -> set[str]:
@@ -131,7 +142,7 @@ def _placeholder(value: str) -> bool:
 
 
 def cli_mismatches(page: str, text: str) -> list[str]:
-    """"page:line: why" for each command, option or choice a page names that the CLI lacks."""
+    """ "page:line: why" for each command, option or choice a page names that the CLI lacks."""
     wrong = []
     for number, words in kiln_commands(text):
         resolved = _resolve(words)
@@ -139,7 +150,9 @@ def cli_mismatches(page: str, text: str) -> list[str]:
             wrong.append(f"{page}:{number}: {resolved}")
             continue
         command, rest = resolved
-        params = {name: p for p in command.get_params(click.Context(command)) for name in (*p.opts, *p.secondary_opts)}  # + --help
+        params = {
+            name: p for p in command.get_params(click.Context(command)) for name in (*p.opts, *p.secondary_opts)
+        }  # + --help
         for i, word in enumerate(rest):
             name = word.split("=", 1)[0]
             if not name.startswith("--"):
@@ -154,7 +167,9 @@ def cli_mismatches(page: str, text: str) -> list[str]:
             flag = isinstance(param, click.Option) and param.is_flag
             if choices is None or flag or value is None or _placeholder(value) or value.strip("\"'`") in choices:
                 continue
-            wrong.append(f"{page}:{number}: `{' '.join(words)}`: {name} takes {', '.join(map(str, choices))}, not {value}")
+            wrong.append(
+                f"{page}:{number}: `{' '.join(words)}`: {name} takes {', '.join(map(str, choices))}, not {value}"
+            )
     return wrong
 
 

@@ -15,14 +15,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kiln_testing import placeholder_export, tiny_config, with_std_target
 
 import kiln.exporter.engine.build as build_mod
 from kiln.errors import ArtifactError, EngineError
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.artifacts.hashing import sha256_file
-from kiln.exporter.engine import BuildOptions, TrtRunner, build_command
-from kiln.exporter.engine import compat
+from kiln.exporter.artifacts.verify import verify_dir
+from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
+from kiln.exporter.engine import BuildOptions, TrtRunner, build_command, compat
 from kiln.exporter.engine.build import format_parser_error, load_tensorrt, parser_errors
 from kiln.exporter.engine.options import HardwareCompat
 from kiln.exporter.engine.records import (
@@ -33,9 +33,8 @@ from kiln.exporter.engine.records import (
     read_records,
     write_records,
 )
-from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
-from kiln.exporter.artifacts.verify import verify_dir
 from kiln.plugins.native import spec_of
+from kiln_testing import placeholder_export, tiny_config, with_std_target
 
 
 def trt10(**extra: Any) -> Any:
@@ -45,7 +44,9 @@ def trt10(**extra: Any) -> Any:
         "Builder": object,
         "NetworkDefinitionCreationFlag": SimpleNamespace(EXPLICIT_BATCH=40, STRONGLY_TYPED=7),
         "BuilderFlag": SimpleNamespace(FP16="FP16", INT8="INT8", REFIT="REFIT", TF32="TF32", VERSION_COMPATIBLE="VC"),
-        "HardwareCompatibilityLevel": SimpleNamespace(NONE="none", AMPERE_PLUS="ampere", SAME_COMPUTE_CAPABILITY="same"),
+        "HardwareCompatibilityLevel": SimpleNamespace(
+            NONE="none", AMPERE_PLUS="ampere", SAME_COMPUTE_CAPABILITY="same"
+        ),
     }
     return SimpleNamespace(**{**names, **extra})
 
@@ -57,7 +58,9 @@ def trt11(**extra: Any) -> Any:
         "Builder": object,
         "NetworkDefinitionCreationFlag": SimpleNamespace(STRONGLY_TYPED=3, PREFER_AOT_PYTHON_PLUGINS=5),
         "BuilderFlag": SimpleNamespace(REFIT="REFIT", TF32="TF32", VERSION_COMPATIBLE="VC"),
-        "HardwareCompatibilityLevel": SimpleNamespace(NONE="none", AMPERE_PLUS="ampere", SAME_COMPUTE_CAPABILITY="same"),
+        "HardwareCompatibilityLevel": SimpleNamespace(
+            NONE="none", AMPERE_PLUS="ampere", SAME_COMPUTE_CAPABILITY="same"
+        ),
         "EngineStat": SimpleNamespace(TOTAL_WEIGHTS_SIZE="total", STRIPPED_WEIGHTS_SIZE="stripped"),
     }
     return SimpleNamespace(**{**names, **extra})
@@ -90,7 +93,15 @@ def test_versions_before_10_12_are_refused(version: str) -> None:
         compat.require_supported(only_version(version))
 
 
-@pytest.mark.parametrize(("version", "parsed"), [("10.12.0.36", (10, 12, 0, 36)), ("11.1.0.106", (11, 1, 0, 106)), ("10.13.0.35.post1", (10, 13, 0, 35)), ("11.0.0rc1", (11, 0, 0))])
+@pytest.mark.parametrize(
+    ("version", "parsed"),
+    [
+        ("10.12.0.36", (10, 12, 0, 36)),
+        ("11.1.0.106", (11, 1, 0, 106)),
+        ("10.13.0.35.post1", (10, 13, 0, 35)),
+        ("11.0.0rc1", (11, 0, 0)),
+    ],
+)
 def test_supported_versions(version: str, parsed: tuple[int, ...]) -> None:
     assert compat.require_supported(only_version(version)) == parsed
 
@@ -188,9 +199,13 @@ def parser_error(name: str | None, op: str | None, node: int, desc: str) -> Any:
 
 def test_parser_error_names_the_node() -> None:
     error = parser_error("/layers.0/attn/MatMul", "MatMul", 12, "Invalid matrix multiplication dimensions")
-    assert format_parser_error(error) == "node '/layers.0/attn/MatMul' (MatMul): Invalid matrix multiplication dimensions"
+    assert (
+        format_parser_error(error) == "node '/layers.0/attn/MatMul' (MatMul): Invalid matrix multiplication dimensions"
+    )
     assert format_parser_error(parser_error(None, None, 3, "bad")) == "node #3: bad"
-    assert format_parser_error(parser_error("", "", -1, "model has no opset import")) == "graph: model has no opset import"
+    assert (
+        format_parser_error(parser_error("", "", -1, "model has no opset import")) == "graph: model has no opset import"
+    )
 
 
 def test_every_parser_error_is_reported() -> None:
@@ -237,8 +252,10 @@ def test_other_tensorrt_version_is_refused() -> None:
     with pytest.raises(EngineError) as info:
         check_engine_compat(record(), runtime(tensorrt="10.16.1.11"))
     assert str(info.value) == (
-        "engine: engines/decode.plan was built by TensorRT 10.13.0.35 and needs exactly that version, found TensorRT 10.16.1.11; "
-        "pip install tensorrt==10.13.0.35, or rebuild it here with kiln build (--version-compatible makes engines that run on later versions)"
+        "engine: engines/decode.plan was built by TensorRT 10.13.0.35 and needs exactly that version, found "
+        "TensorRT 10.16.1.11; "
+        "pip install tensorrt==10.13.0.35, or rebuild it here with kiln build (--version-compatible makes "
+        "engines that run on later versions)"
     )
 
 
@@ -246,8 +263,10 @@ def test_other_compute_capability_is_refused() -> None:
     with pytest.raises(EngineError) as info:
         check_engine_compat(record(), runtime(cc="8.0", gpu="NVIDIA A100"))
     assert str(info.value) == (
-        "engine: engines/decode.plan was built for compute capability 9.0 (NVIDIA H200) and needs a GPU of that compute capability, "
-        "found 8.0 (NVIDIA A100); rebuild it here with kiln build, or build with --hardware-compat ampere+ for any GPU of compute capability 8.0 or newer"
+        "engine: engines/decode.plan was built for compute capability 9.0 (NVIDIA H200) and needs a GPU of that "
+        "compute capability, "
+        "found 8.0 (NVIDIA A100); rebuild it here with kiln build, or build with --hardware-compat ampere+ for "
+        "any GPU of compute capability 8.0 or newer"
     )
     assert compat_problems(record(hardware_compat="same-cc"), runtime(cc="9.0", gpu="NVIDIA H100")) == []
     assert len(compat_problems(record(hardware_compat="same-cc"), runtime(cc="8.9"))) == 1
@@ -264,7 +283,10 @@ def test_ampere_plus(cc: str, ok: bool) -> None:
     problems = compat_problems(record(hardware_compat="ampere+"), runtime(cc=cc, gpu="some GPU"))
     assert (problems == []) is ok
     if not ok:
-        assert problems == [f"engines/decode.plan was built with --hardware-compat ampere+ and needs compute capability 8.0 or newer, found {cc} (some GPU)"]
+        assert problems == [
+            "engines/decode.plan was built with --hardware-compat ampere+ and needs compute capability 8.0 or "
+            f"newer, found {cc} (some GPU)"
+        ]
 
 
 @pytest.mark.parametrize(
@@ -289,17 +311,26 @@ def test_version_compatible_engines(built: str, here: str, ok: bool) -> None:
 def test_version_compatible_refusal_message() -> None:
     problems = compat_problems(record(version_compatible=True, tensorrt="10.16.1.11"), runtime(tensorrt="10.13.0.35"))
     assert problems == [
-        "engines/decode.plan is a version-compatible engine built by TensorRT 10.16.1.11: it needs TensorRT 10.16.1.11 or a later 10.x "
+        "engines/decode.plan is a version-compatible engine built by TensorRT 10.16.1.11: it needs TensorRT "
+        "10.16.1.11 or a later 10.x "
         "or any 11.x, found TensorRT 10.13.0.35; rebuild it here with kiln build"
     ]
 
 
 def test_records_round_trip(tmp_path: Path) -> None:
-    built = EngineRecord(**{**{k: v for k, v in record().items() if k in EngineRecord.__dataclass_fields__}, "built_with": H200, "profiles": ({},)})
+    built = EngineRecord(
+        **{
+            **{k: v for k, v in record().items() if k in EngineRecord.__dataclass_fields__},
+            "built_with": H200,
+            "profiles": ({},),
+        }
+    )
     path = write_records(tmp_path, {"decode": built}, {"workspace": 1}, "engines/trtexec.sh")
     assert path == tmp_path / "engines" / "engines.json"
     data = read_records(tmp_path)
-    assert data["engines"]["decode"]["compute_capability"] == "9.0" and data["engines"]["decode"]["strongly_typed"] is True
+    assert (
+        data["engines"]["decode"]["compute_capability"] == "9.0" and data["engines"]["decode"]["strongly_typed"] is True
+    )
     assert RuntimeInfo.from_dict(data["engines"]["decode"]) == H200
     check_engine_compat(data["engines"]["decode"], H200)
     path.write_text("{}")
@@ -402,10 +433,18 @@ def fake_tensorrt(manifest: dict[str, Any], version: str = "11.1.0.106") -> Any:
 
         def deserialize_cuda_engine(self, data: bytes) -> Any:
             plan = json.loads(data)
-            return SimpleNamespace(device_memory_size_v2=1024, get_tensor_profile_shape=lambda name, i: plan["profile"][name])
+            return SimpleNamespace(
+                device_memory_size_v2=1024, get_tensor_profile_shape=lambda name, i: plan["profile"][name]
+            )
 
     return trt11(
-        __version__=version, Builder=Builder, OnnxParser=Parser, Runtime=Runtime, ILogger=Logger, Dims=list, MemoryPoolType=SimpleNamespace(WORKSPACE="WORKSPACE")
+        __version__=version,
+        Builder=Builder,
+        OnnxParser=Parser,
+        Runtime=Runtime,
+        ILogger=Logger,
+        Dims=list,
+        MemoryPoolType=SimpleNamespace(WORKSPACE="WORKSPACE"),
     )
 
 
@@ -413,7 +452,11 @@ def fake_export(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Any]
     """A verifiable export directory with placeholder graphs, and the stand-in TensorRT installed."""
     spec = spec_of(tiny_config())
     graphs = {
-        k.value: {"file": f"onnx/{k.value}.onnx", "inputs": [t.to_dict() for t in graph_io(spec, k).inputs], "outputs": [t.to_dict() for t in graph_io(spec, k).outputs]}
+        k.value: {
+            "file": f"onnx/{k.value}.onnx",
+            "inputs": [t.to_dict() for t in graph_io(spec, k).inputs],
+            "outputs": [t.to_dict() for t in graph_io(spec, k).outputs],
+        }
         for k in DECODER_KINDS
     }
     m: dict[str, Any] = {"manifest_version": 2, "limits": {"max_batch": 8, "max_context": 48}, "graphs": graphs}
@@ -431,13 +474,21 @@ def test_build_flow_records_everything(tmp_path: Path, monkeypatch: pytest.Monke
     decode = summary["engines"]["decode"]
     assert decode["sha256"] == sha256_file(directory / "engines" / "decode.plan")
     assert decode["tensorrt"] == "11.1.0.106" and decode["compute_capability"] == "9.0" and decode["refittable"] is True
-    assert decode["profiles"][0]["past_key_values.0.key"] == {"dtype": "float32", "min": [1, 2, 1, 8], "opt": [2, 2, 23, 8], "max": [8, 2, 47, 8]}
+    assert decode["profiles"][0]["past_key_values.0.key"] == {
+        "dtype": "float32",
+        "min": [1, 2, 1, 8],
+        "opt": [2, 2, 23, 8],
+        "max": [8, 2, 47, 8],
+    }
     assert decode["device_memory_bytes"] == 1024 and decode["weights_bytes"] is None
     plan = json.loads((directory / "engines" / "decode.plan").read_text())
     assert plan["flags"] == ["REFIT"] and plan["profile"]["attention_mask"] == [[1, 2], [2, 24], [8, 48]]
     assert read_records(directory)["engines"] == summary["engines"]
     written = manifest_mod.read(directory).to_json()
-    assert written["engines"]["tensorrt"] == "11.1.0.106" and written["engines"]["files"]["prefill"] == "engines/prefill.plan"
+    assert (
+        written["engines"]["tensorrt"] == "11.1.0.106"
+        and written["engines"]["files"]["prefill"] == "engines/prefill.plan"
+    )
     assert verify_dir(directory).ok, verify_dir(directory).problems()
 
     build_command(directory, BuildOptions())  # a rebuild reuses the timing cache and stays verifiable
@@ -449,7 +500,9 @@ def test_build_flow_records_everything(tmp_path: Path, monkeypatch: pytest.Monke
         TrtRunner.from_directory(directory)
 
 
-def test_failed_build_is_one_error_and_the_directory_stays_verifiable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_build_is_one_error_and_the_directory_stays_verifiable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     directory, trt = fake_export(tmp_path, monkeypatch)
     build_command(directory, BuildOptions())
     assert "engines" in manifest_mod.read(directory).to_json()
@@ -467,7 +520,11 @@ def test_failed_build_is_one_error_and_the_directory_stays_verifiable(tmp_path: 
     monkeypatch.setattr(trt.Builder, "build_serialized_network", fail)
     with pytest.raises(EngineError) as info:
         build_command(directory, BuildOptions())
-    assert str(info.value) == f"engine: {directory / 'onnx' / 'prefill.onnx'}: TensorRT could not build the prefill engine: [builder] out of memory"
+    assert (
+        str(info.value)
+        == f"engine: {directory / 'onnx' / 'prefill.onnx'}: TensorRT could not build the prefill engine: [builder] "
+        "out of memory"
+    )
     assert not (directory / "engines" / "engines.json").exists()  # no record of plans that may be stale
     assert "engines" not in manifest_mod.read(directory).to_json()
     assert verify_dir(directory).ok, verify_dir(directory).problems()
@@ -482,25 +539,37 @@ def test_parser_failure_names_every_node(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(EngineError) as info:
         build_command(directory, BuildOptions())
     text = str(info.value)
-    assert text.startswith(f"engine: {directory / 'onnx' / 'prefill.onnx'}: TensorRT's ONNX parser failed: node '/layers.0/Foo' (Foo): No importer")
+    assert text.startswith(
+        f"engine: {directory / 'onnx' / 'prefill.onnx'}: TensorRT's ONNX parser failed: node '/layers.0/Foo' "
+        "(Foo): No importer"
+    )
     assert "node '/layers.4/Foo' (Foo)" in text and "/layers.5/" not in text and text.endswith("(and 2 more)")
 
 
 # --- engines of the --target onnx graphs (static cache), over the stand-in TensorRT --------------
 
 
-def fake_std_export(root: Path, monkeypatch: pytest.MonkeyPatch, version: str = "11.1.0.106", aliased: bool = True) -> tuple[Path, Any]:
+def fake_std_export(
+    root: Path, monkeypatch: pytest.MonkeyPatch, version: str = "11.1.0.106", aliased: bool = True
+) -> tuple[Path, Any]:
     """``fake_export`` with ``targets.onnx`` too; the stand-in's engines name their I/O and say
     which output aliases which input, as ``ICudaEngine.get_aliased_input_tensor`` does (10.15+):
     each ``present.*`` its ``past_key_values.*`` when ``aliased``, none otherwise."""
     spec = spec_of(tiny_config())
     graphs = {
-        k.value: {"file": f"onnx/{k.value}.onnx", "inputs": [t.to_dict() for t in graph_io(spec, k).inputs], "outputs": [t.to_dict() for t in graph_io(spec, k).outputs]}
+        k.value: {
+            "file": f"onnx/{k.value}.onnx",
+            "inputs": [t.to_dict() for t in graph_io(spec, k).inputs],
+            "outputs": [t.to_dict() for t in graph_io(spec, k).outputs],
+        }
         for k in DECODER_KINDS
     }
     m = with_std_target({"manifest_version": 2, "limits": {"max_batch": 8, "max_context": 48}, "graphs": graphs})
     directory = placeholder_export(root / "export", m)
-    by_stem = {**graphs, **{f"{k}.std": g for k, g in m["targets"]["onnx"]["graphs"].items()}}  # the stand-in parser reads graphs by file stem
+    by_stem = {
+        **graphs,
+        **{f"{k}.std": g for k, g in m["targets"]["onnx"]["graphs"].items()},
+    }  # the stand-in parser reads graphs by file stem
     trt = fake_tensorrt({"graphs": by_stem}, version)
     trt.TensorIOMode = SimpleNamespace(INPUT="in", OUTPUT="out")
     plain = trt.Runtime.deserialize_cuda_engine
@@ -508,12 +577,17 @@ def fake_std_export(root: Path, monkeypatch: pytest.MonkeyPatch, version: str = 
     def deserialize(self: Any, data: bytes) -> Any:
         engine = plain(self, data)
         inputs = list(json.loads(data)["profile"])
-        outputs = ["logits", *(n.replace("past_key_values.", "present.") for n in inputs if n.startswith("past_key_values."))]
+        outputs = [
+            "logits",
+            *(n.replace("past_key_values.", "present.") for n in inputs if n.startswith("past_key_values.")),
+        ]
         names = [*inputs, *outputs]
         engine.num_io_tensors = len(names)
         engine.get_tensor_name = names.__getitem__
         engine.get_tensor_mode = lambda name: "out" if name in outputs else "in"
-        engine.get_aliased_input_tensor = lambda name: name.replace("present.", "past_key_values.") if aliased and name.startswith("present.") else None
+        engine.get_aliased_input_tensor = lambda name: (
+            name.replace("present.", "past_key_values.") if aliased and name.startswith("present.") else None
+        )
         return engine
 
     monkeypatch.setattr(trt.Runtime, "deserialize_cuda_engine", deserialize)
@@ -533,15 +607,30 @@ def test_std_build_flow_records_the_graph_set(tmp_path: Path, monkeypatch: pytes
     reason = "the export has --target onnx graphs and TensorRT 11.1.0.106 parses them (10.15+)"
     assert summary["graphs"] == {"set": "onnx", "reason": reason}
     decode = summary["engines"]["decode"]
-    assert (decode["file"], decode["onnx"], decode["graphs"]) == ("engines/decode.std.plan", "onnx/decode.std.onnx", "onnx")
-    assert decode["profiles"][0]["past_key_values.1.value"] == {"dtype": "float32", "min": [1, 2, 48, 8], "opt": [2, 2, 48, 8], "max": [8, 2, 48, 8]}
+    assert (decode["file"], decode["onnx"], decode["graphs"]) == (
+        "engines/decode.std.plan",
+        "onnx/decode.std.onnx",
+        "onnx",
+    )
+    assert decode["profiles"][0]["past_key_values.1.value"] == {
+        "dtype": "float32",
+        "min": [1, 2, 48, 8],
+        "opt": [2, 2, 48, 8],
+        "max": [8, 2, 48, 8],
+    }
     assert decode["profiles"][0]["write_indices"] == {"dtype": "int64", "min": [1], "opt": [2], "max": [8]}
     plan = json.loads((directory / "engines" / "decode.std.plan").read_text())
     assert plan["profile"]["past_key_values.0.key"] == [[1, 2, 48, 8], [2, 2, 48, 8], [8, 2, 48, 8]]
-    assert not (directory / "engines" / "decode.plan").exists() and not (directory / "engines" / "prefill.plan").exists()  # one set in engines/
+    assert (
+        not (directory / "engines" / "decode.plan").exists() and not (directory / "engines" / "prefill.plan").exists()
+    )  # one set in engines/
     assert read_records(directory)["graphs"] == {"set": "onnx", "reason": reason}
     written = manifest_mod.read(directory).to_json()["engines"]
-    assert (written["graphs"], written["graphs_reason"], written["files"]["prefill"]) == ("onnx", reason, "engines/prefill.std.plan")
+    assert (written["graphs"], written["graphs_reason"], written["files"]["prefill"]) == (
+        "onnx",
+        reason,
+        "engines/prefill.std.plan",
+    )
     from jsonschema import Draft202012Validator
 
     schema = json.loads((Path(__file__).parents[2] / "exporter" / "artifacts" / "manifest.schema.json").read_text())
@@ -551,16 +640,24 @@ def test_std_build_flow_records_the_graph_set(tmp_path: Path, monkeypatch: pytes
     assert verify_dir(directory).ok, verify_dir(directory).problems()
     runner = open_engines(directory)
     assert isinstance(runner, StaticTrtRunner) and runner.graphs() == (GraphKind.PREFILL, GraphKind.DECODE)
-    with pytest.raises(ArtifactError, match=r"its engines were built from the onnx graphs \(engines.json\), not the portable ones"):
+    with pytest.raises(
+        ArtifactError, match=r"its engines were built from the onnx graphs \(engines.json\), not the portable ones"
+    ):
         TrtRunner.from_directory(directory)
     summary = build_command(directory, BuildOptions(graphs=GraphSet.PORTABLE))
-    assert summary["graphs"] == {"set": "portable", "reason": "--graphs portable"} and isinstance(open_engines(directory), TrtRunner)
+    assert summary["graphs"] == {"set": "portable", "reason": "--graphs portable"} and isinstance(
+        open_engines(directory), TrtRunner
+    )
     assert not (directory / "engines" / "decode.std.plan").exists() and verify_dir(directory).ok
 
 
 def test_std_engine_not_written_in_place_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     directory, _ = fake_std_export(tmp_path, monkeypatch, aliased=False)
-    with pytest.raises(EngineError, match=r"prefill.std.plan: the cache is not written in place: present.0.key -> None, .*TensorRT's parser did not lower TensorScatter to IKVCacheUpdateLayer"):
+    with pytest.raises(
+        EngineError,
+        match=r"prefill.std.plan: the cache is not written in place: present.0.key -> None, .*TensorRT's parser did "
+        r"not lower TensorScatter to IKVCacheUpdateLayer",
+    ):
         build_command(directory, BuildOptions())
     assert not (directory / "engines" / "engines.json").exists() and verify_dir(directory).ok
 
@@ -572,12 +669,18 @@ def test_std_graphs_on_tensorrt_10_14(tmp_path: Path, monkeypatch: pytest.Monkey
     directory, trt = fake_std_export(tmp_path, monkeypatch, version="10.14.1.48")
     monkeypatch.setattr(compat, "network_flags", lambda trt: 0)  # the stand-in builds 11.x networks only
     summary = build_command(directory, BuildOptions())
-    assert summary["graphs"]["set"] == "portable" and summary["graphs"]["reason"].startswith("TensorRT 10.14.1.48 is older than 10.15")
+    assert summary["graphs"]["set"] == "portable" and summary["graphs"]["reason"].startswith(
+        "TensorRT 10.14.1.48 is older than 10.15"
+    )
     assert summary["engines"]["decode"]["file"] == "engines/decode.plan"
     with pytest.raises(EngineError) as info:
         build_command(directory, BuildOptions(graphs=GraphSet.ONNX))
     text = str(info.value)
-    assert "\n" not in text and text.startswith("engine: --graphs onnx needs TensorRT 10.15 or newer") and "found TensorRT 10.14.1.48" in text
+    assert (
+        "\n" not in text
+        and text.startswith("engine: --graphs onnx needs TensorRT 10.15 or newer")
+        and "found TensorRT 10.14.1.48" in text
+    )
     assert "(wrote " in text and verify_dir(directory).ok
 
 
@@ -661,7 +764,11 @@ def test_static_runner_binds_each_present_at_its_past(tmp_path: Path, monkeypatc
 
         def execute_async_v3(self, stream: int) -> bool:
             batch, seq = self.shapes["input_ids"]
-            writes = cuda.memory[self.addresses["write_indices"]].array if "write_indices" in self.addresses and "write_indices" in self.shapes else np.zeros(batch, np.int64)
+            writes = (
+                cuda.memory[self.addresses["write_indices"]].array
+                if "write_indices" in self.addresses and "write_indices" in self.shapes
+                else np.zeros(batch, np.int64)
+            )
             for name in (n for n in self.addresses if n.startswith("present.")):
                 if self.addresses[name] != self.addresses[name.replace("present.", "past_key_values.")]:
                     return False  # TensorRT: "If different addresses are assigned, TensorRT reports an API error"
@@ -673,8 +780,12 @@ def test_static_runner_binds_each_present_at_its_past(tmp_path: Path, monkeypatc
 
     def deserialize(self: Any, data: bytes) -> Any:
         engine = plain(self, data)
-        engine.get_tensor_dtype = lambda name: "int64" if name in ("input_ids", "attention_mask", "position_ids", "write_indices") else "float32"
-        engine.get_tensor_shape = lambda name: (-1, 2, 48, 8) if "key_values" in name or name.startswith("present.") else (-1, -1)
+        engine.get_tensor_dtype = lambda name: (
+            "int64" if name in ("input_ids", "attention_mask", "position_ids", "write_indices") else "float32"
+        )
+        engine.get_tensor_shape = lambda name: (
+            (-1, 2, 48, 8) if "key_values" in name or name.startswith("present.") else (-1, -1)
+        )
         engine.create_execution_context = lambda: Context(engine)
         return engine
 
@@ -682,16 +793,25 @@ def test_static_runner_binds_each_present_at_its_past(tmp_path: Path, monkeypatc
     runner = open_engines(directory)
     assert isinstance(runner, StaticTrtRunner)
     past = np.full((2, 2, 3, 8), 0.5, np.float32)
-    feeds = {"input_ids": np.zeros((2, 1), np.int64), "attention_mask": np.ones((2, 4), np.int64), "position_ids": np.full((2, 1), 3, np.int64)}
+    feeds = {
+        "input_ids": np.zeros((2, 1), np.int64),
+        "attention_mask": np.ones((2, 4), np.int64),
+        "position_ids": np.full((2, 1), 3, np.int64),
+    }
     feeds |= {f"past_key_values.{i}.{kv}": past for i in range(2) for kv in ("key", "value")}
     with runner:
         out = runner.run(GraphKind.DECODE, feeds)
-        prefill = runner.run(GraphKind.PREFILL, {k: np.zeros((1, 5), np.int64) for k in ("input_ids", "attention_mask", "position_ids")})
+        prefill = runner.run(
+            GraphKind.PREFILL, {k: np.zeros((1, 5), np.int64) for k in ("input_ids", "attention_mask", "position_ids")}
+        )
     assert out["logits"].shape == (2, 1, 32) and (out["logits"] == 7.0).all()
     for i in range(2):
         present = out[f"present.{i}.key"]
         assert present.shape == (2, 2, 4, 8) and (present[:, :, :3] == 0.5).all() and (present[:, :, 3] == 4.0).all()
-    assert prefill["present.1.value"].shape == (1, 2, 5, 8) and (prefill["present.1.value"][0, :, :, 0] == np.arange(1.0, 6.0)).all()
+    assert (
+        prefill["present.1.value"].shape == (1, 2, 5, 8)
+        and (prefill["present.1.value"][0, :, :, 0] == np.arange(1.0, 6.0)).all()
+    )
     assert not cuda.memory  # every buffer freed on exit
     with pytest.raises(EngineError, match="inside a with block"):
         runner.run(GraphKind.DECODE, feeds)
@@ -705,7 +825,13 @@ def test_cli_build_says_which_graphs_and_why(tmp_path: Path, monkeypatch: pytest
     directory, _ = fake_std_export(tmp_path, monkeypatch)
     result = CliRunner().invoke(main, ["build", str(directory)])
     assert result.exit_code == 0, result.output
-    assert result.stdout.startswith(f"wrote engines/prefill.std.plan, engines/decode.std.plan in {directory} from the onnx graphs "
-                                    "(the export has --target onnx graphs and TensorRT 11.1.0.106 parses them (10.15+); TensorRT 11.1.0.106, Fake GPU")
+    assert result.stdout.startswith(
+        f"wrote engines/prefill.std.plan, engines/decode.std.plan in {directory} from the onnx graphs "
+        "(the export has --target onnx graphs and TensorRT 11.1.0.106 parses them (10.15+); TensorRT 11.1.0.106, "
+        "Fake GPU"
+    )
     result = CliRunner().invoke(main, ["build", str(directory), "--graphs", "portable", "--json"])
-    assert result.exit_code == 0 and json.loads(result.stdout)["graphs"] == {"set": "portable", "reason": "--graphs portable"}
+    assert result.exit_code == 0 and json.loads(result.stdout)["graphs"] == {
+        "set": "portable",
+        "reason": "--graphs portable",
+    }

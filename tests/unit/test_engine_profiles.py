@@ -6,29 +6,37 @@ import itertools
 from typing import Any
 
 import pytest
-from kiln_testing import tiny_config, typed_manifest, with_std_target
 
 from kiln.errors import ArtifactError, ConfigError
-from kiln.exporter.engine.options import GIB, MIB, BuildOptions, GraphSet, HardwareCompat, parse_size
-from kiln.exporter.engine.profiles import ENGINE_GRAPHS, dim_ranges, engine_profile, engine_profiles
 from kiln.exporter.artifacts.manifest import Limits
 from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
+from kiln.exporter.engine.options import GIB, MIB, BuildOptions, GraphSet, HardwareCompat, parse_size
+from kiln.exporter.engine.profiles import ENGINE_GRAPHS, dim_ranges, engine_profile, engine_profiles
 from kiln.plugins.native import spec_of
+from kiln_testing import tiny_config, typed_manifest, with_std_target
 
 TABLES = ((48, 32), (48, 32))  # (rows, d_model) of each PLE sub-layer's tables for --ple-tables input
 
 
-def manifest(max_batch: int = 8, max_context: int = 48, last: bool = False, tables: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
+def manifest(
+    max_batch: int = 8, max_context: int = 48, last: bool = False, tables: tuple[tuple[int, int], ...] = ()
+) -> dict[str, Any]:
     """The parts of manifest.json the engine stage reads, built as manifest.build builds them."""
     spec = spec_of(tiny_config())
     graphs = {}
     for kind in DECODER_KINDS:
         io = graph_io(spec, kind, last_logits_only=last, ple_tables=tables)
-        graphs[kind.value] = {"file": f"onnx/{kind.value}.onnx", "inputs": [t.to_dict() for t in io.inputs], "outputs": [t.to_dict() for t in io.outputs]}
+        graphs[kind.value] = {
+            "file": f"onnx/{kind.value}.onnx",
+            "inputs": [t.to_dict() for t in io.inputs],
+            "outputs": [t.to_dict() for t in io.outputs],
+        }
     return {"manifest_version": 2, "limits": {"max_batch": max_batch, "max_context": max_context}, "graphs": graphs}
 
 
-def shapes(m: dict[str, Any], kind: GraphKind, options: BuildOptions | None = None) -> dict[str, tuple[tuple[int, ...], ...]]:
+def shapes(
+    m: dict[str, Any], kind: GraphKind, options: BuildOptions | None = None
+) -> dict[str, tuple[tuple[int, ...], ...]]:
     profile = engine_profile(typed_manifest(m), kind, options or BuildOptions())
     return {s.name: (s.min, s.opt, s.max) for s in profile.inputs}
 
@@ -84,7 +92,15 @@ def test_ple_tables_as_inputs_get_their_fixed_shape() -> None:
         got = shapes(m, kind)
         for name in ("ple.0.scale", "ple.0.shift", "ple.1.scale", "ple.1.shift"):
             assert got[name] == ((48, 32),) * 3
-    assert list(shapes(m, GraphKind.PREFILL)) == ["input_ids", "attention_mask", "position_ids", "ple.0.scale", "ple.0.shift", "ple.1.scale", "ple.1.shift"]
+    assert list(shapes(m, GraphKind.PREFILL)) == [
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "ple.0.scale",
+        "ple.0.shift",
+        "ple.1.scale",
+        "ple.1.shift",
+    ]
 
 
 def test_logits_last_changes_no_input() -> None:
@@ -96,14 +112,23 @@ def test_logits_last_changes_no_input() -> None:
     ("max_batch", "max_context", "last", "tables", "opt_batch", "opt_context"),
     list(itertools.product([1, 8], [2, 48], [False, True], [(), TABLES], [None, 1], [None, 2])),
 )
-def test_every_export_option(max_batch: int, max_context: int, last: bool, tables: tuple[tuple[int, int], ...], opt_batch: int | None, opt_context: int | None) -> None:
+def test_every_export_option(
+    max_batch: int,
+    max_context: int,
+    last: bool,
+    tables: tuple[tuple[int, int], ...],
+    opt_batch: int | None,
+    opt_context: int | None,
+) -> None:
     """Every manifest input is in its profile, min <= opt <= max, and the dims obey the contract."""
     m = manifest(max_batch, max_context, last, tables)
     options = BuildOptions(opt_batch=opt_batch, opt_context=opt_context)
     for profile in engine_profiles(typed_manifest(m), options):
         specs = m["graphs"][profile.kind.value]["inputs"]
         assert [s.name for s in profile.inputs] == [s["name"] for s in specs]
-        assert profile.onnx == f"onnx/{profile.kind.value}.onnx" and profile.engine == f"engines/{profile.kind.value}.plan"
+        assert (
+            profile.onnx == f"onnx/{profile.kind.value}.onnx" and profile.engine == f"engines/{profile.kind.value}.plan"
+        )
         for shape, spec in zip(profile.inputs, specs, strict=True):
             assert shape.dtype == spec["dtype"]
             assert all(lo <= mid <= hi for lo, mid, hi in zip(shape.min, shape.opt, shape.max, strict=True))
@@ -132,7 +157,11 @@ def test_unknown_dim_and_bad_manifest_are_refused() -> None:
     with pytest.raises(ArtifactError, match=r"input input_ids has dim 'beam'; expected an int or one of"):
         engine_profile(typed_manifest(m), GraphKind.DECODE, BuildOptions())
     with pytest.raises(ArtifactError, match="no graphs.prefill"):
-        engine_profile(typed_manifest({"limits": {"max_batch": 1, "max_context": 8}, "graphs": {}}), GraphKind.PREFILL, BuildOptions())
+        engine_profile(
+            typed_manifest({"limits": {"max_batch": 1, "max_context": 8}, "graphs": {}}),
+            GraphKind.PREFILL,
+            BuildOptions(),
+        )
     with pytest.raises(ArtifactError, match=r"limits.max_context must be an integer of at least 2"):
         engine_profile(typed_manifest(manifest(max_context=1)), GraphKind.PREFILL, BuildOptions())
     with pytest.raises(ArtifactError, match="only prefill and decode"):
@@ -150,10 +179,15 @@ def test_build_options_validation() -> None:
         BuildOptions(opt_batch=0)
     with pytest.raises(ConfigError, match="--opt-context must be at least 1, found 0"):
         BuildOptions(opt_context=0)
-    assert HardwareCompat("ampere+") is HardwareCompat.AMPERE_PLUS and HardwareCompat("same-cc") is HardwareCompat.SAME_CC
+    assert (
+        HardwareCompat("ampere+") is HardwareCompat.AMPERE_PLUS and HardwareCompat("same-cc") is HardwareCompat.SAME_CC
+    )
 
 
-@pytest.mark.parametrize(("text", "nbytes"), [("4G", 4 * GIB), ("512M", 512 * MIB), ("1.5G", 1536 * MIB), ("2048", 2048), ("8GiB", 8 * GIB), ("64k", 64 * 1024)])
+@pytest.mark.parametrize(
+    ("text", "nbytes"),
+    [("4G", 4 * GIB), ("512M", 512 * MIB), ("1.5G", 1536 * MIB), ("2048", 2048), ("8GiB", 8 * GIB), ("64k", 64 * 1024)],
+)
 def test_parse_size(text: str, nbytes: int) -> None:
     assert parse_size(text) == nbytes
 
@@ -171,7 +205,9 @@ def std_manifest(max_batch: int = 8, max_context: int = 48) -> dict[str, Any]:
     return with_std_target(manifest(max_batch, max_context))
 
 
-def std_shapes(m: dict[str, Any], kind: GraphKind, options: BuildOptions | None = None) -> dict[str, tuple[tuple[int, ...], ...]]:
+def std_shapes(
+    m: dict[str, Any], kind: GraphKind, options: BuildOptions | None = None
+) -> dict[str, tuple[tuple[int, ...], ...]]:
     profile = engine_profile(typed_manifest(m), kind, options or BuildOptions(), GraphSet.ONNX)
     assert (profile.onnx, profile.engine) == (f"onnx/{kind.value}.std.onnx", f"engines/{kind.value}.std.plan")
     return {s.name: (s.min, s.opt, s.max) for s in profile.inputs}
@@ -206,15 +242,29 @@ def test_std_cache_dims_are_static(max_batch: int, max_context: int) -> None:
 
 
 def test_std_profiles_need_the_target_and_the_contract() -> None:
-    with pytest.raises(ArtifactError, match=r"no targets.onnx.graphs.prefill with its inputs; re-export with --target onnx"):
+    with pytest.raises(
+        ArtifactError, match=r"no targets.onnx.graphs.prefill with its inputs; re-export with --target onnx"
+    ):
         engine_profile(typed_manifest(manifest()), GraphKind.PREFILL, BuildOptions(), GraphSet.ONNX)
     m = std_manifest()
-    m["targets"]["onnx"]["graphs"]["decode"]["inputs"][5]["shape"] = ["batch", 2, "total_seq", 8]  # a grown cache: not this contract
-    with pytest.raises(ArtifactError, match=r"cache input past_key_values.0.value is \['batch', 2, 'total_seq', 8\], expected \[batch, n_kv_heads, 48, head_dim\]"):
+    m["targets"]["onnx"]["graphs"]["decode"]["inputs"][5]["shape"] = [
+        "batch",
+        2,
+        "total_seq",
+        8,
+    ]  # a grown cache: not this contract
+    with pytest.raises(
+        ArtifactError,
+        match=r"cache input past_key_values.0.value is \['batch', 2, 'total_seq', 8\], expected \[batch, n_kv_heads, "
+        r"48, head_dim\]",
+    ):
         engine_profile(typed_manifest(m), GraphKind.DECODE, BuildOptions(), GraphSet.ONNX)
     with pytest.raises(ValueError, match="not auto"):
         engine_profile(typed_manifest(m), GraphKind.DECODE, BuildOptions(), GraphSet.AUTO)
-    assert [p.engine for p in engine_profiles(typed_manifest(m), BuildOptions())] == ["engines/prefill.plan", "engines/decode.plan"]  # the default: portable
+    assert [p.engine for p in engine_profiles(typed_manifest(m), BuildOptions())] == [
+        "engines/prefill.plan",
+        "engines/decode.plan",
+    ]  # the default: portable
 
 
 def test_graphs_option() -> None:

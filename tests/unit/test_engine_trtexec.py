@@ -12,18 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kiln_testing import placeholder_export, tiny_config, typed_manifest, with_std_target
 
 from kiln.errors import ArtifactError, ConfigError, EngineError
 from kiln.exporter.artifacts import manifest as manifest_mod
+from kiln.exporter.artifacts.verify import verify_dir
+from kiln.exporter.contract.io import DECODER_KINDS, graph_io
 from kiln.exporter.engine import BuildOptions, HardwareCompat, build_command
 from kiln.exporter.engine.build import load_tensorrt
 from kiln.exporter.engine.options import MIB, GraphSet
 from kiln.exporter.engine.profiles import engine_profiles
 from kiln.exporter.engine.trtexec import render_script, trtexec_args, trtexec_command, write_script
-from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
-from kiln.exporter.artifacts.verify import verify_dir
 from kiln.plugins.native import spec_of
+from kiln_testing import placeholder_export, tiny_config, typed_manifest, with_std_target
 
 
 def manifest(max_batch: int = 8, max_context: int = 48, tables: tuple[tuple[int, int], ...] = ()) -> dict[str, Any]:
@@ -31,8 +31,17 @@ def manifest(max_batch: int = 8, max_context: int = 48, tables: tuple[tuple[int,
     graphs = {}
     for kind in DECODER_KINDS:
         io = graph_io(spec, kind, ple_tables=tables)
-        graphs[kind.value] = {"file": f"onnx/{kind.value}.onnx", "inputs": [t.to_dict() for t in io.inputs], "outputs": [t.to_dict() for t in io.outputs]}
-    return {"manifest_version": 2, "precision": "fp32", "limits": {"max_batch": max_batch, "max_context": max_context}, "graphs": graphs}
+        graphs[kind.value] = {
+            "file": f"onnx/{kind.value}.onnx",
+            "inputs": [t.to_dict() for t in io.inputs],
+            "outputs": [t.to_dict() for t in io.outputs],
+        }
+    return {
+        "manifest_version": 2,
+        "precision": "fp32",
+        "limits": {"max_batch": max_batch, "max_context": max_context},
+        "graphs": graphs,
+    }
 
 
 def export_dir(root: Path, m: dict[str, Any] | None = None) -> Path:
@@ -70,7 +79,11 @@ def test_default_commands_exactly() -> None:
 def test_options_become_flags() -> None:
     prefill, _ = engine_profiles(typed_manifest(manifest()), BuildOptions())
     options = BuildOptions(
-        workspace=512 * MIB, opt_level=5, hardware_compat=HardwareCompat.AMPERE_PLUS, version_compatible=True, refittable=True
+        workspace=512 * MIB,
+        opt_level=5,
+        hardware_compat=HardwareCompat.AMPERE_PLUS,
+        version_compatible=True,
+        refittable=True,
     )
     assert trtexec_args(prefill, options)[5:] == [
         "--timingCacheFile=engines/timing.cache",
@@ -83,7 +96,9 @@ def test_options_become_flags() -> None:
         "--refit",
         "--skipInference",
     ]
-    same_cc = trtexec_args(prefill, BuildOptions(hardware_compat=HardwareCompat.SAME_CC, workspace=3 * 1024 * 1024 + 1024))
+    same_cc = trtexec_args(
+        prefill, BuildOptions(hardware_compat=HardwareCompat.SAME_CC, workspace=3 * 1024 * 1024 + 1024)
+    )
     assert "--hardwareCompatibilityLevel=sameComputeCapability" in same_cc
     assert "--memPoolSize=workspace:3073K" in same_cc
 
@@ -115,7 +130,9 @@ def test_script_text() -> None:
     assert any("no-op" in line for line in lines)
     commands = [line for line in text.replace(" \\\n  ", " ").splitlines() if line.startswith("trtexec")]
     assert commands == [PREFILL, DECODE]
-    assert not [word for line in lines[1:] for word in line.split() if word.lstrip("-=").startswith("/") or "=/" in word]  # no absolute paths
+    assert not [
+        word for line in lines[1:] for word in line.split() if word.lstrip("-=").startswith("/") or "=/" in word
+    ]  # no absolute paths
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
@@ -127,13 +144,24 @@ def test_low_bit_scripts_are_the_same_commands_with_a_gpu_note() -> None:
     profiles = engine_profiles(typed_manifest(manifest()), BuildOptions())
     plain = render_script(profiles, BuildOptions())
     for precision, note in (
-        ("fp8", "# fp8 graphs build on GPUs of compute capability 8.9 or later: Ada (L4, L40S, RTX 40) or Hopper (H100, H200) or later."),
-        ("int4+fp16", "# int4+fp16 graphs build on GPUs of compute capability 8.0 or later: Ampere (A100, A10, RTX 30) or later."),
+        (
+            "fp8",
+            "# fp8 graphs build on GPUs of compute capability 8.9 or later: Ada (L4, L40S, RTX 40) or Hopper "
+            "(H100, H200) or later.",
+        ),
+        (
+            "int4+fp16",
+            "# int4+fp16 graphs build on GPUs of compute capability 8.0 or later: Ampere (A100, A10, RTX 30) or later.",
+        ),
     ):
         text = render_script(profiles, BuildOptions(), precision=precision)
         assert note in text.splitlines() and text.replace(note + "\n", "") == plain
         assert not any(flag in text for flag in ("--fp8", "--int8", "--int4", "--fp16", "--best"))
-    with pytest.raises(EngineError, match=r"fp8 engines need a GPU of compute capability 8.9 or later .*; this NVIDIA A100 is 8.0: export --fp16 or --int8 for it"):
+    with pytest.raises(
+        EngineError,
+        match=r"fp8 engines need a GPU of compute capability 8.9 or later .*; this NVIDIA A100 is 8.0: export --fp16 "
+        r"or --int8 for it",
+    ):
         require_gpu_for("fp8", "8.0", "NVIDIA A100")
     require_gpu_for("fp8", "9.0", "NVIDIA H100")
     require_gpu_for("int4", "8.6", "NVIDIA A10")
@@ -167,7 +195,7 @@ def test_script_runs_from_the_export_directory(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TRTEXEC_LOG": str(log)}
     subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, check=True)
     calls = log.read_text().splitlines()
-    assert calls == [f"{directory} {PREFILL[len('trtexec '):]}", f"{directory} {DECODE[len('trtexec '):]}"]
+    assert calls == [f"{directory} {PREFILL[len('trtexec ') :]}", f"{directory} {DECODE[len('trtexec ') :]}"]
 
 
 def _one_line_engine_error(exc: EngineError, *fragments: str) -> None:
@@ -187,7 +215,11 @@ def test_a_timing_cache_among_the_exports_files_is_refused(tmp_path: Path, monke
     before = weights.read_bytes()
     with pytest.raises(ConfigError) as refused:
         build_command(directory, BuildOptions(timing_cache=weights))
-    assert str(refused.value) == f"config: --timing-cache {weights}: inside the export but outside engines/, which is all kiln build writes; name a file in engines/ or outside the export"
+    assert (
+        str(refused.value)
+        == f"config: --timing-cache {weights}: inside the export but outside engines/, which is all kiln build "
+        "writes; name a file in engines/ or outside the export"
+    )
     assert weights.read_bytes() == before and not (directory / "engines").exists()
     with pytest.raises(EngineError, match="TensorRT is not installed") as inside:
         build_command(directory, BuildOptions(timing_cache=directory / "engines" / "tc.bin"))
@@ -195,7 +227,9 @@ def test_a_timing_cache_among_the_exports_files_is_refused(tmp_path: Path, monke
     assert "timing cache" not in str(inside.value)  # the script uses the file named: nothing to say
 
 
-def test_a_timing_cache_outside_the_export_is_said_to_be_replaced_in_the_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_timing_cache_outside_the_export_is_said_to_be_replaced_in_the_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """kiln build --timing-cache tc.bin wrote a script that uses engines/timing.cache instead, saying
     nothing (issue 39, item 7): the one line now says so and why."""
     monkeypatch.setitem(sys.modules, "tensorrt", None)
@@ -203,17 +237,26 @@ def test_a_timing_cache_outside_the_export_is_said_to_be_replaced_in_the_script(
     with pytest.raises(EngineError) as info:
         build_command(directory, BuildOptions(timing_cache=Path("tc.bin")))
     assert str(info.value).endswith(
-        f"(wrote {directory / 'engines' / 'trtexec.sh'}; the script keeps its timing cache in engines/timing.cache, as --timing-cache tc.bin is outside the export it runs from)"
+        f"(wrote {directory / 'engines' / 'trtexec.sh'}; the script keeps its timing cache in "
+        "engines/timing.cache, as --timing-cache tc.bin is outside the export it runs from)"
     )
     assert "--timingCacheFile=engines/timing.cache" in (directory / "engines" / "trtexec.sh").read_text()
 
 
-def test_without_tensorrt_the_script_is_written_and_one_line_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_tensorrt_the_script_is_written_and_one_line_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt -> ImportError
     directory = export_dir(tmp_path)
     with pytest.raises(EngineError) as info:
         build_command(directory, BuildOptions())
-    _one_line_engine_error(info.value, "pip install tensorrt", "NVIDIA GPU", "bash engines/trtexec.sh", str(directory / "engines" / "trtexec.sh"))
+    _one_line_engine_error(
+        info.value,
+        "pip install tensorrt",
+        "NVIDIA GPU",
+        "bash engines/trtexec.sh",
+        str(directory / "engines" / "trtexec.sh"),
+    )
     script = directory / "engines" / "trtexec.sh"
     assert script.is_file() and os.stat(script).st_mode & stat.S_IXUSR
     assert not (directory / "engines" / "prefill.plan").exists()
@@ -237,7 +280,10 @@ def test_type_stubs_alone_are_not_tensorrt(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_importing_the_package_does_not_import_tensorrt() -> None:
-    code = "import sys, kiln.exporter.engine, kiln.exporter.engine.runner, kiln.exporter.engine.build; assert 'tensorrt' not in sys.modules, 'imported'"
+    code = (
+        "import sys, kiln.exporter.engine, kiln.exporter.engine.runner, kiln.exporter.engine.build; assert "
+        "'tensorrt' not in sys.modules, 'imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -255,9 +301,14 @@ def test_build_json_without_tensorrt_is_json_too(tmp_path: Path, monkeypatch: py
     assert result.exit_code == 1
     error = result.stderr.strip()
     assert "\n" not in error and error.startswith("error: engine: TensorRT is not installed")
-    assert json.loads(result.stdout) == {"directory": str(directory), "built": False, "error": error[len("error: "):]}
-    result = CliRunner().invoke(main, ["build", str(tmp_path / "missing"), "--json"])  # failing before any TensorRT step
-    assert result.exit_code == 1 and json.loads(result.stdout)["error"] == f"artifacts: {tmp_path / 'missing'}: not a directory"
+    assert json.loads(result.stdout) == {"directory": str(directory), "built": False, "error": error[len("error: ") :]}
+    result = CliRunner().invoke(
+        main, ["build", str(tmp_path / "missing"), "--json"]
+    )  # failing before any TensorRT step
+    assert (
+        result.exit_code == 1
+        and json.loads(result.stdout)["error"] == f"artifacts: {tmp_path / 'missing'}: not a directory"
+    )
 
 
 def test_build_writes_only_into_an_engines_folder_kiln_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -272,7 +323,8 @@ def test_build_writes_only_into_an_engines_folder_kiln_wrote(tmp_path: Path, mon
     with pytest.raises(ArtifactError) as info:
         build_command(directory, BuildOptions())
     assert str(info.value) == (
-        f"artifacts: {directory / 'engines'}: kiln build writes only its own files in engines/, and manifest.json does not list"
+        f"artifacts: {directory / 'engines'}: kiln build writes only its own files in engines/, and "
+        "manifest.json does not list"
         " engines/notes.txt, engines/sub/my.plan; nothing was deleted: move or remove it yourself"
     )
     assert sorted(p.name for p in (directory / "engines").iterdir()) == ["notes.txt", "sub"]
@@ -325,14 +377,23 @@ def test_std_script_holds_both_sets_and_a_switch() -> None:
     lines = text.splitlines()
     assert 'graphs="${KILN_GRAPHS:-auto}"' in lines and "if [[ $graphs == onnx ]]; then" in lines and lines[-1] == "fi"
     assert "  banner=$(trtexec --help 2>&1 || true)" in lines
-    assert any("auto) if (( version >= 101500 )); then graphs=onnx; else graphs=portable; fi ;;" in line for line in lines)
+    assert any(
+        "auto) if (( version >= 101500 )); then graphs=onnx; else graphs=portable; fi ;;" in line for line in lines
+    )
     flat = text.replace(" \\\n    ", " ").splitlines()
     commands = [line.strip() for line in flat if line.strip().startswith("trtexec --onnx")]
-    assert commands == [STD_PREFILL, STD_DECODE, PREFILL, DECODE]  # the std set under `then`, the portable one under `else`
+    assert commands == [
+        STD_PREFILL,
+        STD_DECODE,
+        PREFILL,
+        DECODE,
+    ]  # the std set under `then`, the portable one under `else`
     assert 'graphs="${KILN_GRAPHS:-portable}"' in _both(BuildOptions(graphs=GraphSet.PORTABLE)).splitlines()
     assert 'graphs="${KILN_GRAPHS:-onnx}"' in _both(BuildOptions(graphs=GraphSet.ONNX)).splitlines()
     portable_only = render_script(engine_profiles(typed_manifest(manifest()), BuildOptions()), BuildOptions())
-    assert "KILN_GRAPHS" not in portable_only and "std" not in portable_only  # an export without the target: today's script
+    assert (
+        "KILN_GRAPHS" not in portable_only and "std" not in portable_only
+    )  # an export without the target: today's script
 
 
 def _fake_trtexec(root: Path, version: int | None) -> dict[str, str]:
@@ -340,9 +401,16 @@ def _fake_trtexec(root: Path, version: int | None) -> dict[str, str]:
     for ``--help`` and logs every other call."""
     bin_dir = root / "bin"
     bin_dir.mkdir(exist_ok=True)
-    banner = f"&&&& RUNNING TensorRT.trtexec [TensorRT v{version}] [b29] # trtexec --help" if version is not None else "trtexec of no known version"
+    banner = (
+        f"&&&& RUNNING TensorRT.trtexec [TensorRT v{version}] [b29] # trtexec --help"
+        if version is not None
+        else "trtexec of no known version"
+    )
     fake = bin_dir / "trtexec"
-    fake.write_text(f'#!/usr/bin/env bash\nif [[ $1 == --help ]]; then echo "{banner}"; echo "=== Model Options ==="; exit 0; fi\necho "$*" >> "$TRTEXEC_LOG"\n')
+    fake.write_text(
+        f'#!/usr/bin/env bash\nif [[ $1 == --help ]]; then echo "{banner}"; echo "=== Model Options ==="; exit '
+        '0; fi\necho "$*" >> "$TRTEXEC_LOG"\n'
+    )
     fake.chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TRTEXEC_LOG": str(root / "calls.log")}
 
@@ -350,31 +418,48 @@ def _fake_trtexec(root: Path, version: int | None) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("version", "graphs", "built"),
     [
-        (101501, None, "std"), (110100, None, "std"), (101400, None, "portable"), (None, None, "portable"),
-        (101400, "portable", "portable"), (110100, "portable", "portable"), (None, "onnx", "std"), (101600, "onnx", "std"),
+        (101501, None, "std"),
+        (110100, None, "std"),
+        (101400, None, "portable"),
+        (None, None, "portable"),
+        (101400, "portable", "portable"),
+        (110100, "portable", "portable"),
+        (None, "onnx", "std"),
+        (101600, "onnx", "std"),
     ],
 )
-def test_std_script_picks_by_trtexec_version(tmp_path: Path, version: int | None, graphs: str | None, built: str) -> None:
+def test_std_script_picks_by_trtexec_version(
+    tmp_path: Path, version: int | None, graphs: str | None, built: str
+) -> None:
     directory = export_dir(tmp_path, with_std_target(manifest()))
     m = manifest_mod.read(directory)
-    script = write_script(directory, engine_profiles(m, BuildOptions()), BuildOptions(), engine_profiles(m, BuildOptions(), GraphSet.ONNX))
+    script = write_script(
+        directory, engine_profiles(m, BuildOptions()), BuildOptions(), engine_profiles(m, BuildOptions(), GraphSet.ONNX)
+    )
     env = _fake_trtexec(tmp_path, version)
     if graphs is not None:
         env["KILN_GRAPHS"] = graphs
     done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, check=True, capture_output=True, text=True)
     calls = (tmp_path / "calls.log").read_text().splitlines()
     expected = [STD_PREFILL, STD_DECODE] if built == "std" else [PREFILL, DECODE]
-    assert calls == [c[len("trtexec "):] for c in expected]
+    assert calls == [c[len("trtexec ") :] for c in expected]
     chosen = "onnx" if built == "std" else "portable"
-    seen = f"trtexec TensorRT v{version}" if version is not None and graphs != "portable" else "trtexec's version not read"  # portable by name: not asked
+    seen = (
+        f"trtexec TensorRT v{version}" if version is not None and graphs != "portable" else "trtexec's version not read"
+    )  # portable by name: not asked
     assert f"trtexec.sh: building the {chosen} graphs (KILN_GRAPHS={graphs or 'auto'}, {seen})" in done.stderr
 
 
 def test_std_script_refuses_onnx_on_an_older_trtexec(tmp_path: Path) -> None:
     directory = export_dir(tmp_path, with_std_target(manifest()))
     m = manifest_mod.read(directory)
-    script = write_script(directory, engine_profiles(m, BuildOptions()), BuildOptions(), engine_profiles(m, BuildOptions(), GraphSet.ONNX))
-    for graphs, version, code, message in (("onnx", 101400, 1, "KILN_GRAPHS=onnx needs TensorRT 10.15 or newer, trtexec is TensorRT v101400"), ("std", 110100, 2, "KILN_GRAPHS must be auto, portable or onnx, found std")):
+    script = write_script(
+        directory, engine_profiles(m, BuildOptions()), BuildOptions(), engine_profiles(m, BuildOptions(), GraphSet.ONNX)
+    )
+    for graphs, version, code, message in (
+        ("onnx", 101400, 1, "KILN_GRAPHS=onnx needs TensorRT 10.15 or newer, trtexec is TensorRT v101400"),
+        ("std", 110100, 2, "KILN_GRAPHS must be auto, portable or onnx, found std"),
+    ):
         env = {**_fake_trtexec(tmp_path, version), "KILN_GRAPHS": graphs}
         done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
         assert done.returncode == code and message in done.stderr
@@ -388,13 +473,18 @@ def test_std_export_without_tensorrt_writes_both_sets(tmp_path: Path, monkeypatc
         build_command(directory, BuildOptions())
     text = str(info.value)
     assert "\n" not in text and text.startswith("engine: TensorRT is not installed")
-    assert text.endswith(f"(wrote {directory / 'engines' / 'trtexec.sh'} (it builds the --target onnx graphs where trtexec is TensorRT 10.15+, else the portable ones))")
+    assert text.endswith(
+        f"(wrote {directory / 'engines' / 'trtexec.sh'} (it builds the --target onnx graphs where trtexec is "
+        "TensorRT 10.15+, else the portable ones))"
+    )
     script = (directory / "engines" / "trtexec.sh").read_text()
     assert "--onnx=onnx/decode.std.onnx" in script and "--onnx=onnx/decode.onnx" in script
     assert verify_dir(directory).ok, verify_dir(directory).problems()
 
 
-def test_graphs_onnx_without_the_target_is_refused_before_anything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_graphs_onnx_without_the_target_is_refused_before_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     directory = export_dir(tmp_path)
     with pytest.raises(ConfigError, match=r"--graphs onnx builds the --target onnx graphs .* and this export has none"):

@@ -37,7 +37,10 @@ OTHER = {
 
 def _skipped(path: Path) -> bool:
     parts = path.relative_to(ROOT).parts
-    return any(p.startswith(".") or p in {"build", "__pycache__", "venv", "site-packages"} or p.endswith(".egg-info") for p in parts)
+    return any(
+        p.startswith(".") or p in {"build", "__pycache__", "venv", "site-packages"} or p.endswith(".egg-info")
+        for p in parts
+    )
 
 
 def _files() -> list[Path]:
@@ -67,7 +70,10 @@ def references(source: str) -> Iterator[tuple[int, str]]:
 
 
 def test_the_finder_reads_comments_and_docstrings_only() -> None:
-    source = '"""See docs/a.md and research/b/FINDINGS.md."""\nx = "code/c.py"  # and d.json\n\ndef f():\n    """``e/f.md``; writes --out g.json and manifest.json"""\n'
+    source = (
+        '"""See docs/a.md and research/b/FINDINGS.md."""\nx = "code/c.py"  # and d.json\n\ndef f():\n    '
+        '"""``e/f.md``; writes --out g.json and manifest.json"""\n'
+    )
     assert list(references(source)) == [(2, "d.json"), (1, "docs/a.md"), (1, "research/b/FINDINGS.md"), (5, "e/f.md")]
 
 
@@ -86,6 +92,7 @@ def test_every_file_a_comment_or_docstring_names_is_in_the_repository() -> None:
     ]  # fmt: skip
     assert not missing, (
         "a comment or docstring names a file that is not in the repository: point it at the file that holds the fact,"
-        " or state the fact inline (an export's or another project's file: see ARTIFACTS and OTHER here)\n" + "\n".join(missing)
+        " or state the fact inline (an export's or another project's file: see ARTIFACTS and OTHER here)\n"
+        + "\n".join(missing)
     )
     assert len(files) > 100 and "docs/precisions.md" in known

@@ -10,20 +10,20 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
-from kiln_testing import RecordedProgress, tiny_config
 from torch import nn
 
 from kiln.calibration.hessians import live_hessians, quantize_layerwise
 from kiln.calibration.layers import capture, decoder_layers, hidden_of, layer_feeds
 from kiln.errors import CalibrationError, ExportError
-from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.passes.bind import ModuleWeight, Transform, WeightSource
 from kiln.exporter.passes.transposes import TRANSPOSE
 from kiln.exporter.precision.gptq import gptq
 from kiln.exporter.precision.int4 import Int4Quantizer, module_layout
 from kiln.exporter.precision.int4_numbers import dequantize, pack_int4, rtn
+from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.plugins.native.build import random_model
 from kiln.plugins.native.model import PLEDecoder, causal_padding_mask
+from kiln_testing import RecordedProgress, tiny_config
 
 SUBS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate", "mlp.fc1", "mlp.fc2")
 NAMES = [f"model.layers.{i}.{s}.weight" for i in range(2) for s in SUBS]
@@ -36,7 +36,9 @@ def _windows(n: int, length: int = 24, vocab: int = 101) -> list[np.ndarray]:
     return [rng.integers(0, vocab, size=length) for _ in range(n)]
 
 
-def _sequential(model: PLEDecoder, windows: list[np.ndarray], quantized_inputs: bool = True) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _sequential(
+    model: PLEDecoder, windows: list[np.ndarray], quantized_inputs: bool = True
+) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """The reference: every window at once through a copy of the model, layer after layer; each
     layer's Linear inputs in float64, H = 2/n X^T X, GPTQ, and (``quantized_inputs``) the layer's
     weights replaced by their dequantized numbers before it computes the next layer's input."""
@@ -49,7 +51,12 @@ def _sequential(model: PLEDecoder, windows: list[np.ndarray], quantized_inputs: 
         x = model.embed(ids)
         for i, layer in enumerate(model.layers):
             inputs: dict[str, torch.Tensor] = {}
-            hooks = [layer.get_submodule(s).register_forward_pre_hook(lambda m, a, s=s, inputs=inputs: inputs.__setitem__(s, a[0].reshape(-1, a[0].shape[-1]).double())) for s in SUBS]
+            hooks = [
+                layer.get_submodule(s).register_forward_pre_hook(
+                    lambda m, a, s=s, inputs=inputs: inputs.__setitem__(s, a[0].reshape(-1, a[0].shape[-1]).double())
+                )
+                for s in SUBS
+            ]
             layer(x, allowed, pos, None, None)
             for hook in hooks:
                 hook.remove()
@@ -90,11 +97,15 @@ def streamed() -> tuple[PLEDecoder, dict[str, torch.Tensor], _Recorder, Recorded
     model = random_model(tiny_config(), 0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     recorder, progress = _Recorder(model), RecordedProgress()
-    quantize_layerwise(model, "layers.{}", 2, _windows(20), NAMES, (), recorder, progress)  # 20 windows: batches of 16 and 4
+    quantize_layerwise(
+        model, "layers.{}", 2, _windows(20), NAMES, (), recorder, progress
+    )  # 20 windows: batches of 16 and 4
     return model, before, recorder, progress
 
 
-def test_numbers_equal_a_sequential_reference(streamed: tuple[PLEDecoder, dict[str, torch.Tensor], _Recorder, RecordedProgress]) -> None:
+def test_numbers_equal_a_sequential_reference(
+    streamed: tuple[PLEDecoder, dict[str, torch.Tensor], _Recorder, RecordedProgress],
+) -> None:
     """Each weight's Hessian (float32 sums, in batches) within 1e-6 of the float64 reference's,
     and its GPTQ numbers equal; layer 1's Hessians are those of the quantized layer 0's outputs
     (the float layer's differ by percents: the comparison can tell them apart)."""
@@ -112,7 +123,9 @@ def test_numbers_equal_a_sequential_reference(streamed: tuple[PLEDecoder, dict[s
             assert np.abs(h - float_inputs[name][2]).max() > 1e-2 * np.abs(h_ref).max(), name
 
 
-def test_one_layer_of_hessians_at_a_time(streamed: tuple[PLEDecoder, dict[str, torch.Tensor], _Recorder, RecordedProgress]) -> None:
+def test_one_layer_of_hessians_at_a_time(
+    streamed: tuple[PLEDecoder, dict[str, torch.Tensor], _Recorder, RecordedProgress],
+) -> None:
     """Layer by layer, in order; a layer's 4 Hessians (q/k/v share one, gate/fc1 one) exist when its
     first weight is quantized, never more, none afterwards; the shared ones are one array."""
     _, _, recorder, _ = streamed
@@ -128,7 +141,9 @@ def test_one_layer_of_hessians_at_a_time(streamed: tuple[PLEDecoder, dict[str, t
         assert len({address["attn.q_proj"], address["attn.o_proj"], address["mlp.gate"], address["mlp.fc2"]}) == 4
 
 
-def test_reference_module_left_as_it_was(streamed: tuple[PLEDecoder, dict[str, torch.Tensor], _Recorder, RecordedProgress]) -> None:
+def test_reference_module_left_as_it_was(
+    streamed: tuple[PLEDecoder, dict[str, torch.Tensor], _Recorder, RecordedProgress],
+) -> None:
     model, before, _, _ = streamed
     after = model.state_dict()
     assert sorted(after) == sorted(before) and all(torch.equal(before[k], after[k]) for k in before)
@@ -197,7 +212,11 @@ def test_capture_replays_each_layer_with_its_own_call(case: str) -> None:
 def test_a_model_that_skips_a_layer_is_refused() -> None:
     model = random_model(tiny_config(n_layers=3), 0)
     layers = [model.layers[0], model.layers[2]]  # the model calls a layer between them that is not in the list
-    with pytest.raises(CalibrationError, match="GPTQ: the model changes the hidden state between decoder layers 0 and 1; it cannot be quantized layer by layer"):
+    with pytest.raises(
+        CalibrationError,
+        match="GPTQ: the model changes the hidden state between decoder layers 0 and 1; it cannot be quantized layer "
+        "by layer",
+    ):
         capture(model, layers, layer_feeds(_windows(2)))
 
 
@@ -205,7 +224,9 @@ def _weight(model: nn.Module, name: str) -> ModuleWeight:
     return ModuleWeight(WeightSource(model), name, ir.DataType.FLOAT, (TRANSPOSE,))
 
 
-def test_quantizer_runs_gptq_once_for_every_weight_wanted_then_only_for_new_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quantizer_runs_gptq_once_for_every_weight_wanted_then_only_for_new_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``numbers`` starts one layer-by-layer run with every weight the graphs registered; a weight
     wanted later gets its own run, told which weights are done (their numbers are applied). The
     weights handed one Hessian (q/k) share its factorisation."""
@@ -251,7 +272,10 @@ def test_module_layout_undoes_transposes_only() -> None:
     weight = _weight(model, name)
     values = weight.numpy()
     assert np.array_equal(module_layout(weight, values), model.layers[0].attn.o_proj.weight.detach().numpy())
-    with pytest.raises(ExportError, match=r"GPTQ: the graph weight model.layers.0.attn.o_proj.weight is the module tensor through 'odd'"):
+    with pytest.raises(
+        ExportError,
+        match=r"GPTQ: the graph weight model.layers.0.attn.o_proj.weight is the module tensor through 'odd'",
+    ):
         module_layout(weight.then(Transform("odd", lambda w: w)), values)
 
 
@@ -292,4 +316,6 @@ def test_gptq_equals_the_textbook_algorithm() -> None:
     np.testing.assert_allclose(scale, scale_ref, rtol=1e-6)
     rtn_error = weight - dequantize(*rtn(weight, 64, F32))
     gptq_error = weight - dequantize(q, scale)
-    assert np.einsum("kn,kj,jn->", gptq_error, hessian, gptq_error) < 0.8 * np.einsum("kn,kj,jn->", rtn_error, hessian, rtn_error)
+    assert np.einsum("kn,kj,jn->", gptq_error, hessian, gptq_error) < 0.8 * np.einsum(
+        "kn,kj,jn->", rtn_error, hessian, rtn_error
+    )

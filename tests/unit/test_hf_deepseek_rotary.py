@@ -11,16 +11,29 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="DeepSeek-V2's rotary is transformers' code")
 
 import torch
-from kiln.plugins.hf.deepseek_rotary import deepseek_rewrites_for, real_apply_rotary_bhsd, real_deepseek_rotary
-from kiln.plugins.hf.real_rotary import real_freqs
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
 
-_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}  # attention_scaling != 1
+from kiln.plugins.hf.deepseek_rotary import deepseek_rewrites_for, real_apply_rotary_bhsd, real_deepseek_rotary
+from kiln.plugins.hf.real_rotary import real_freqs
+
+_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 10000.0,
+}  # attention_scaling != 1
 _DEFAULT = {"rope_type": "default", "rope_theta": 10000.0}
 
 
 def _rotary(rope: dict[str, Any]) -> Any:
-    config = transformers.DeepseekV2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, qk_rope_head_dim=8, head_dim=8, rope_parameters=rope)
+    config = transformers.DeepseekV2Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        qk_rope_head_dim=8,
+        head_dim=8,
+        rope_parameters=rope,
+    )
     return v2.DeepseekV2RotaryEmbedding(config)
 
 
@@ -28,7 +41,9 @@ def _rotary(rope: dict[str, Any]) -> Any:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_real_rotation_equals_the_complex_one(rope: dict[str, Any], dtype: torch.dtype) -> None:
     rotary, generator = _rotary(rope), torch.Generator().manual_seed(0)
-    q, k = (torch.randn(2, heads, 40, 8, generator=generator).to(dtype) for heads in (4, 1))  # the queries' heads, the one shared rope key
+    q, k = (
+        torch.randn(2, heads, 40, 8, generator=generator).to(dtype) for heads in (4, 1)
+    )  # the queries' heads, the one shared rope key
     positions = torch.stack([torch.arange(40), torch.arange(40) + 100])  # two rows, past yarn's original context
     want_q, want_k = v2.apply_rotary_emb(q, k, rotary(q, positions))
     freqs = real_freqs(rotary, q, positions)
@@ -57,5 +72,7 @@ def test_the_patch_is_in_place_inside_only_and_only_when_exporting() -> None:
         assert v2.DeepseekV2RotaryEmbedding.forward is real_freqs and v2.apply_rotary_emb is real_apply_rotary_bhsd
         raise RuntimeError("inside")
     assert (v2.DeepseekV2RotaryEmbedding.forward, v2.apply_rotary_emb) == (forward, apply)
-    with deepseek_rewrites_for(torch.nn.Sequential(_rotary(_DEFAULT)))():  # eager, not exporting: transformers' own code
+    with deepseek_rewrites_for(
+        torch.nn.Sequential(_rotary(_DEFAULT))
+    )():  # eager, not exporting: transformers' own code
         assert v2.apply_rotary_emb is apply

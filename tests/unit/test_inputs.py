@@ -13,7 +13,6 @@ from types import FrameType
 
 import numpy as np
 import pytest
-from kiln_testing import exact
 
 from kiln import inputs
 from kiln.calibration.cache import read_cache
@@ -21,6 +20,7 @@ from kiln.calibration.data import load_calibration_data
 from kiln.errors import ArtifactError, CalibrationError, ConfigError
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.inputs import check_input, describe, open_input, read_input, size_text
+from kiln_testing import exact
 
 NOT_REGULAR = "not a regular file; kiln reads only regular files"
 NOT_FOLLOWED = "which kiln does not follow here; put the file itself there"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
-from kiln_testing import exact
 
 from kiln.errors import ExportError
 from kiln.exporter.precision.int4 import Int4Quantizer, QuantizeInt4, check_int4
@@ -15,6 +14,7 @@ from kiln.exporter.precision.int4_numbers import dequantize, rtn
 from kiln.exporter.precision.int8 import Int8Policy
 from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.runners.ort_runner import ort_session
+from kiln_testing import exact
 
 FLOAT = ir.DataType.FLOAT
 K, N = 32, 8
@@ -47,8 +47,14 @@ def test_a_plain_gemm_becomes_an_int4_matmul_and_add() -> None:
         ("MatMul", "/h.0/attn/c_attn/MatMul"),
         ("Add", "/h.0/attn/c_attn/Add"),
     ]
-    assert p.record is not None and p.record.nodes == ("/h.0/attn/c_attn/MatMul",) and p.record.blocks == {"/h.0/attn/c_attn/MatMul": 16}
-    assert [v.name for v in model.graph.outputs] == ["y"] and "w" not in model.graph.initializers  # the float weight is not written
+    assert (
+        p.record is not None
+        and p.record.nodes == ("/h.0/attn/c_attn/MatMul",)
+        and p.record.blocks == {"/h.0/attn/c_attn/MatMul": 16}
+    )
+    assert [v.name for v in model.graph.outputs] == [
+        "y"
+    ] and "w" not in model.graph.initializers  # the float weight is not written
     assert check_int4(model) == 1
     x = RNG.standard_normal((4, K)).astype(np.float32)
     session = ort_session(ir.serde.serialize_model(model).SerializeToString(), weight_only_dq=True)
@@ -66,7 +72,8 @@ def test_a_plain_gemm_becomes_an_int4_matmul_and_add() -> None:
 def test_a_graph_with_nothing_to_quantize_is_refused(attributes: dict[str, object], keep: tuple[str, ...]) -> None:
     model = gemm_model("/lm_head", **attributes)
     message = (
-        "export: --int4 found no MatMul or plain Gemm weight to quantize in this graph (a constant 2-D float weight outside the kept-float rules): "
+        "export: --int4 found no MatMul or plain Gemm weight to quantize in this graph (a constant 2-D float "
+        "weight outside the kept-float rules): "
         "its export would be int4 in name only"
     )
     with pytest.raises(ExportError, match=exact(message)):

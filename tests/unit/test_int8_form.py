@@ -29,7 +29,9 @@ def reproducer(opset: int = 24, zero: np.ndarray | None = None, zero_type: int =
     zero = np.array(0, dtype=np.int8) if zero is None else zero
     inits = [
         numpy_helper.from_array(np.array(0.05, dtype=np.float32), "scale"),
-        helper.make_tensor("zero", zero_type, [], [zero.item()]) if zero_type != TensorProto.INT8 else numpy_helper.from_array(zero, "zero"),
+        helper.make_tensor("zero", zero_type, [], [zero.item()])
+        if zero_type != TensorProto.INT8
+        else numpy_helper.from_array(zero, "zero"),
         numpy_helper.from_array(np.array([1, 2, 2, 4], dtype=np.int64), "shape"),
     ]
     nodes = [
@@ -37,15 +39,29 @@ def reproducer(opset: int = 24, zero: np.ndarray | None = None, zero_type: int =
         helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["dq"], name="/proj/DequantizeLinear"),
         helper.make_node("Reshape", ["dq", "shape"], ["y"], name="/attn/Reshape"),
     ]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 2, 4])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=11 if opset >= 24 else 10)
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 2, 4])],
+        inits,
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=11 if opset >= 24 else 10
+    )
 
 
-def session(model: onnx.ModelProto, disabled: tuple[str, ...] = (), level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL) -> ort.InferenceSession:
+def session(
+    model: onnx.ModelProto,
+    disabled: tuple[str, ...] = (),
+    level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.graph_optimization_level = level
     options.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"], disabled_optimizers=list(disabled))
+    return ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"], disabled_optimizers=list(disabled)
+    )
 
 
 def rewritten(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -72,19 +88,30 @@ def test_onnx_runtime_cannot_load_an_explicit_int8_zero_point_before_a_reshape(o
 
 def test_the_form_without_zero_points_loads_and_computes_the_same() -> None:
     model = reproducer()
-    want = session(model, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, {"x": X})[0]  # the graph as written
-    np.testing.assert_array_equal(want.reshape(-1), np.clip(np.rint(X / np.float32(0.05)), -128, 127).reshape(-1) * np.float32(0.05))
+    want = session(model, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, {"x": X})[
+        0
+    ]  # the graph as written
+    np.testing.assert_array_equal(
+        want.reshape(-1), np.clip(np.rint(X / np.float32(0.05)), -128, 127).reshape(-1) * np.float32(0.05)
+    )
     form, count = rewritten(model)
     assert count == 2
     quantize, dequantize = (n for n in form.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear"))
     assert list(quantize.input) == ["x", "scale"] and list(dequantize.input) == ["q", "scale"]
-    assert [(a.name, a.i) for a in quantize.attribute] == [("output_dtype", TensorProto.INT8)] and not dequantize.attribute
+    assert [(a.name, a.i) for a in quantize.attribute] == [
+        ("output_dtype", TensorProto.INT8)
+    ] and not dequantize.attribute
     assert "zero" not in {i.name for i in form.graph.initializer}
     onnx.checker.check_model(form, full_check=True)
-    inferred = {v.name: v.type.tensor_type.elem_type for v in onnx.shape_inference.infer_shapes(form, strict_mode=True).graph.value_info}
+    inferred = {
+        v.name: v.type.tensor_type.elem_type
+        for v in onnx.shape_inference.infer_shapes(form, strict_mode=True).graph.value_info
+    }
     assert inferred["q"] == TensorProto.INT8  # not ONNX's uint8 default
     assert check_qdq(form) == 1
-    np.testing.assert_array_equal(session(form).run(None, {"x": X})[0], want)  # a default session loads it: the same numbers
+    np.testing.assert_array_equal(
+        session(form).run(None, {"x": X})[0], want
+    )  # a default session loads it: the same numbers
 
 
 def test_only_int8_zero_points_of_zeros_are_rewritten() -> None:
@@ -92,10 +119,16 @@ def test_only_int8_zero_points_of_zeros_are_rewritten() -> None:
     assert int8_type_attribute_form(model_ir) == 0  # left for check_qdq to refuse
     with pytest.raises(ExportError, match="the zero point must be an int8 constant of zeros"):
         check_qdq(model_ir)
-    fp8 = ir.serde.deserialize_model(reproducer(zero=np.array(0.0, dtype=np.float32), zero_type=TensorProto.FLOAT8E4M3FN))
-    assert int8_type_attribute_form(fp8) == 0 and all(len(n.inputs) == 3 for n in fp8.graph if n.op_type.endswith("QuantizeLinear"))
+    fp8 = ir.serde.deserialize_model(
+        reproducer(zero=np.array(0.0, dtype=np.float32), zero_type=TensorProto.FLOAT8E4M3FN)
+    )
+    assert int8_type_attribute_form(fp8) == 0 and all(
+        len(n.inputs) == 3 for n in fp8.graph if n.op_type.endswith("QuantizeLinear")
+    )
 
 
 def test_opset_below_21_is_refused() -> None:
-    with pytest.raises(ExportError, match=re.escape("export: int8 Q/DQ with output_dtype need opset 21 or later, found 19")):
+    with pytest.raises(
+        ExportError, match=re.escape("export: int8 Q/DQ with output_dtype need opset 21 or later, found 19")
+    ):
         int8_type_attribute_form(ir.serde.deserialize_model(reproducer(19)))

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.cli import main
 from kiln.exporter.contract.limits import MAX_BATCH, MAX_CONTEXT, MAX_LORA_RANK, MIN_CONTEXT
+from kiln_testing import tiny_config, write_checkpoint
 
 
 def _schema() -> dict:
@@ -34,8 +34,16 @@ def test_the_schema_holds_the_same_bounds() -> None:
     ("option", "value", "message"),
     [
         ("--max-batch", "100000", "Invalid value for '--max-batch': 100000 is not in the range 1<=x<=65536."),
-        ("--max-context", "16777217", "Invalid value for '--max-context': 16777217 is not in the range 2<=x<=16777216."),
-        ("--lora-slots", "9223372036854775808", "Invalid value for '--lora-slots': 9223372036854775808 is not in the range 1<=x<=65536."),
+        (
+            "--max-context",
+            "16777217",
+            "Invalid value for '--max-context': 16777217 is not in the range 2<=x<=16777216.",
+        ),
+        (
+            "--lora-slots",
+            "9223372036854775808",
+            "Invalid value for '--lora-slots': 9223372036854775808 is not in the range 1<=x<=65536.",
+        ),
     ],
 )
 def test_the_command_line_refuses_what_the_schema_would(option: str, value: str, message: str, tmp_path: Path) -> None:
@@ -56,10 +64,16 @@ def _error(*args: str) -> str:
     ("limit", "message"),
     [
         (1, "error: export: the model's max_context 1 is outside what an export can declare (2 to 16777216)"),
-        (2147483647, "error: export: the model's max_context 2147483647 is outside what an export can declare (2 to 16777216); pass --max-context N"),
+        (
+            2147483647,
+            "error: export: the model's max_context 2147483647 is outside what an export can declare (2 to "
+            "16777216); pass --max-context N",
+        ),
     ],
 )
-def test_a_config_s_context_outside_the_bounds_is_refused_before_the_export(limit: int, message: str, tmp_path: Path) -> None:
+def test_a_config_s_context_outside_the_bounds_is_refused_before_the_export(
+    limit: int, message: str, tmp_path: Path
+) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     config = json.loads((ckpt / "config.json").read_text())
     config["max_context"] = limit
@@ -78,5 +92,8 @@ def test_a_negative_token_id_is_refused_before_the_export(tmp_path: Path) -> Non
     tiny_model("LlamaForCausalLM", seed=0).module.model.save_pretrained(ckpt, safe_serialization=True)
     config = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps(config | {"eos_token_id": -5}))
-    assert _error("export", "--model", str(ckpt), "--out", str(tmp_path / "out")) == "error: checkpoint: eos_token_id must be a token id (0 or more), found -5"
+    assert (
+        _error("export", "--model", str(ckpt), "--out", str(tmp_path / "out"))
+        == "error: checkpoint: eos_token_id must be a token id (0 or more), found -5"
+    )
     assert not (tmp_path / "out").exists()

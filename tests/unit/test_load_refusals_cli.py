@@ -11,14 +11,16 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from kiln_testing import edit_config
 
 from kiln.cli import main
+from kiln_testing import edit_config
 
 
 def _refused(ckpt: Path, out: Path, *flags: str) -> str:
     """The one line ``kiln export --json`` says on stderr (asserted to be one line, exit code 1)."""
-    result = CliRunner().invoke(main, ["export", "--model", str(ckpt), "--out", str(out), "--json", *flags])  # --json: no progress rows
+    result = CliRunner().invoke(
+        main, ["export", "--model", str(ckpt), "--out", str(out), "--json", *flags]
+    )  # --json: no progress rows
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -36,7 +38,8 @@ def test_sizes_the_weights_do_not_have(tiny_ckpt: Path, tmp_path: Path) -> None:
     edit_config(tiny_ckpt, d_model=10**7)
     line = _refused(tiny_ckpt, tmp_path / "out")
     assert line == (
-        f"error: checkpoint: {tiny_ckpt / 'model.safetensors'}: weights do not match the config: embed.weight has shape [101, 32],"
+        f"error: checkpoint: {tiny_ckpt / 'model.safetensors'}: weights do not match the config: embed.weight "
+        "has shape [101, 32],"
         " the config needs [vocab_size, d_model] = [101, 10000000]"
     )
 
@@ -44,15 +47,21 @@ def test_sizes_the_weights_do_not_have(tiny_ckpt: Path, tmp_path: Path) -> None:
 def test_a_tokenizer_that_is_none(tiny_ckpt: Path, tmp_path: Path) -> None:
     (tiny_ckpt / "tokenizer.json").write_text('{"hello": 1}')
     line = _refused(tiny_ckpt, tmp_path / "out")
-    assert line.startswith(f"error: checkpoint: {tiny_ckpt / 'tokenizer.json'}: not a tokenizer the tokenizers library loads (")
+    assert line.startswith(
+        f"error: checkpoint: {tiny_ckpt / 'tokenizer.json'}: not a tokenizer the tokenizers library loads ("
+    )
 
 
 def test_a_link_out_of_the_checkpoint(tiny_ckpt: Path, tmp_path: Path) -> None:
     secret = tmp_path / "secret.json"
-    secret.write_text(json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}))
+    secret.write_text(
+        json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}})
+    )
     (tiny_ckpt / "tokenizer.json").symlink_to(secret)
     line = _refused(tiny_ckpt, tmp_path / "out")
-    assert line.startswith(f"error: checkpoint: {tiny_ckpt / 'tokenizer.json'} links to {secret}, outside {tiny_ckpt}: ")
+    assert line.startswith(
+        f"error: checkpoint: {tiny_ckpt / 'tokenizer.json'} links to {secret}, outside {tiny_ckpt}: "
+    )
 
 
 def test_a_context_past_the_configs_limit_before_the_weights(tiny_ckpt: Path, tmp_path: Path) -> None:
@@ -70,7 +79,10 @@ def test_impossible_hugging_face_sizes(tmp_path: Path) -> None:
     edit_config(ckpt, num_hidden_layers=-2)
     _garble(ckpt)
     line = _refused(ckpt, tmp_path / "out")
-    assert line == "error: checkpoint: LlamaForCausalLM: num_hidden_layers must be a positive integer, found -2 in config.json"
+    assert (
+        line
+        == "error: checkpoint: LlamaForCausalLM: num_hidden_layers must be a positive integer, found -2 in config.json"
+    )
 
 
 def test_an_output_another_export_holds_before_the_weights(tiny_ckpt: Path, tmp_path: Path) -> None:
@@ -87,6 +99,10 @@ def test_an_output_another_export_holds_before_the_weights(tiny_ckpt: Path, tmp_
             f"error: artifacts: {out}: another kiln process is writing this directory (pid {os.getpid()},"
             f" lock {tmp_path / '.out.lock'}); wait for it or choose another --out"
         )
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"] and not any(out.iterdir())  # the holder's (empty) output; the probe made nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"] and not any(
+        out.iterdir()
+    )  # the holder's (empty) output; the probe made nothing
     out.rmdir()
-    assert "not a readable safetensors file" in _refused(tiny_ckpt, out)  # released: the same export goes on to the weights
+    assert "not a readable safetensors file" in _refused(
+        tiny_ckpt, out
+    )  # released: the same export goes on to the weights

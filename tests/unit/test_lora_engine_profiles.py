@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from kiln_testing import placeholder_export, tiny_config, typed_manifest, with_std_target
 from onnx import TensorProto, helper
 
 from kiln.errors import ArtifactError
@@ -23,6 +22,7 @@ from kiln.exporter.engine.profiles import engine_profile, engine_profiles, lora_
 from kiln.exporter.engine.runner import TrtRunner, lora_default_feeds
 from kiln.exporter.engine.trtexec import render_script, trtexec_args
 from kiln.plugins.native import spec_of
+from kiln_testing import placeholder_export, tiny_config, typed_manifest, with_std_target
 
 Q, DOWN = LoraSlot.of("model.layers.0.self_attn.q_proj", 64, 64), LoraSlot.of("model.layers.0.mlp.down_proj", 128, 64)
 SLOTS = LoraSlots(8, "float32", (Q, DOWN))
@@ -33,19 +33,42 @@ def manifest(lora: LoraSlots | None = SLOTS, dtype: str = "float32") -> dict[str
     graphs = {}
     for kind in DECODER_KINDS:
         io = graph_io(spec, kind)
-        graphs[kind.value] = {"file": f"onnx/{kind.value}.onnx", "inputs": [t.to_dict() for t in io.inputs], "outputs": [t.to_dict() for t in io.outputs]}
-    m: dict[str, Any] = {"manifest_version": 2, "precision": "fp32", "limits": {"max_batch": 8, "max_context": 48}, "graphs": graphs}
+        graphs[kind.value] = {
+            "file": f"onnx/{kind.value}.onnx",
+            "inputs": [t.to_dict() for t in io.inputs],
+            "outputs": [t.to_dict() for t in io.outputs],
+        }
+    m: dict[str, Any] = {
+        "manifest_version": 2,
+        "precision": "fp32",
+        "limits": {"max_batch": 8, "max_context": 48},
+        "graphs": graphs,
+    }
     if lora is not None:
         m["lora"] = {
             "max_rank": lora.max_rank,
             "dtype": dtype,
-            "slots": [{"module": s.module, "in_features": s.in_features, "out_features": s.out_features, "a": s.a, "b": s.b, "rank_dim": s.rank_dim} for s in lora.slots],
+            "slots": [
+                {
+                    "module": s.module,
+                    "in_features": s.in_features,
+                    "out_features": s.out_features,
+                    "a": s.a,
+                    "b": s.b,
+                    "rank_dim": s.rank_dim,
+                }
+                for s in lora.slots
+            ],
         }
     return m
 
 
-def shapes(m: dict[str, Any], kind: GraphKind, graphs: GraphSet = GraphSet.PORTABLE) -> dict[str, tuple[tuple[int, ...], ...]]:
-    return {s.name: (s.min, s.opt, s.max) for s in engine_profile(typed_manifest(m), kind, BuildOptions(), graphs).inputs}
+def shapes(
+    m: dict[str, Any], kind: GraphKind, graphs: GraphSet = GraphSet.PORTABLE
+) -> dict[str, tuple[tuple[int, ...], ...]]:
+    return {
+        s.name: (s.min, s.opt, s.max) for s in engine_profile(typed_manifest(m), kind, BuildOptions(), graphs).inputs
+    }
 
 
 SLOT_SHAPES = {
@@ -59,7 +82,13 @@ SLOT_SHAPES = {
 @pytest.mark.parametrize("kind", [GraphKind.PREFILL, GraphKind.DECODE])
 def test_every_slot_input_is_ranged_from_rank_0_to_max_rank(kind: GraphKind) -> None:
     plain, slotted = shapes(manifest(None), kind), shapes(manifest(), kind)
-    assert list(slotted) == [*plain, Q.a, Q.b, DOWN.a, DOWN.b]  # the contract's inputs first, unchanged, then the slots in the manifest's order
+    assert list(slotted) == [
+        *plain,
+        Q.a,
+        Q.b,
+        DOWN.a,
+        DOWN.b,
+    ]  # the contract's inputs first, unchanged, then the slots in the manifest's order
     assert {k: v for k, v in slotted.items() if k in plain} == plain
     assert {k: v for k, v in slotted.items() if k not in plain} == SLOT_SHAPES
     profile = engine_profile(typed_manifest(manifest()), kind, BuildOptions())
@@ -102,7 +131,9 @@ def test_trtexec_lines_carry_the_slot_shapes() -> None:
     assert [a for a in args if "Shapes=" not in a] == [a for a in plain_args if "Shapes=" not in a]
     script = render_script((prefill, decode), BuildOptions())
     assert "trtexec reads the file as it is" in script and "Build slotted engines with kiln build." in script
-    assert "LoRA slots" not in render_script(engine_profiles(typed_manifest(manifest(None)), BuildOptions()), BuildOptions())
+    assert "LoRA slots" not in render_script(
+        engine_profiles(typed_manifest(manifest(None)), BuildOptions()), BuildOptions()
+    )
 
 
 def _slotted_graph(path: Path, initializer: bool = True) -> None:
@@ -114,7 +145,10 @@ def _slotted_graph(path: Path, initializer: bool = True) -> None:
     w = onnx.numpy_helper.from_array(np.eye(4, dtype=np.float32), "W")
     inits = [w]
     if initializer:
-        inits += [onnx.numpy_helper.from_array(np.zeros((4, 0), np.float32), "s.lora_A"), onnx.numpy_helper.from_array(np.zeros((0, 4), np.float32), "s.lora_B")]
+        inits += [
+            onnx.numpy_helper.from_array(np.zeros((4, 0), np.float32), "s.lora_A"),
+            onnx.numpy_helper.from_array(np.zeros((0, 4), np.float32), "s.lora_B"),
+        ]
     nodes = [
         helper.make_node("MatMul", ["x", "W"], ["xw"]),
         helper.make_node("MatMul", ["x", "s.lora_A"], ["xa"]),
@@ -153,7 +187,9 @@ class _Parser:
         return True
 
 
-def test_the_build_parses_slotted_graphs_without_their_initializers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_build_parses_slotted_graphs_without_their_initializers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _slotted_graph(tmp_path / "g.onnx")
     monkeypatch.setattr(build_mod.compat, "network_flags", lambda trt: 0)
     trt = types.SimpleNamespace(OnnxParser=_Parser)
@@ -170,7 +206,10 @@ def test_the_build_parses_slotted_graphs_without_their_initializers(tmp_path: Pa
 def test_runner_binds_rank_0_slots_unless_fed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     defaults = lora_default_feeds(SLOTS)
     assert {k: (v.shape, v.dtype) for k, v in defaults.items()} == {
-        Q.a: ((64, 0), np.float32), Q.b: ((0, 64), np.float32), DOWN.a: ((128, 0), np.float32), DOWN.b: ((0, 64), np.float32)
+        Q.a: ((64, 0), np.float32),
+        Q.b: ((0, 64), np.float32),
+        DOWN.a: ((128, 0), np.float32),
+        DOWN.b: ((0, 64), np.float32),
     }
     assert lora_default_feeds(None) == {}
     assert lora_default_feeds(LoraSlots(4, "float16", (Q,)))[Q.a].dtype == np.float16

@@ -46,16 +46,24 @@ def exact(message: str) -> str:
     return "^" + re.escape(message) + "$"
 
 
-def manifest_for(options: ExportOptions, *, max_context: int = 48, trained_rows: int | None = TRAINED_ROWS, **extra: Any) -> Manifest:
+def manifest_for(
+    options: ExportOptions, *, max_context: int = 48, trained_rows: int | None = TRAINED_ROWS, **extra: Any
+) -> Manifest:
     """The manifest an export with ``options`` writes (as ``artifacts.build`` fills it)."""
     precision = options.precision
     tables = ((options.ple_extend or TRAINED_ROWS, 32),) * 2 if options.ple_tables is PLETables.INPUT else ()
     graphs = {
         kind.value: GraphEntry.of(
             f"onnx/{kind.value}.onnx",
-            graph_io(SPEC, kind, last_logits_only=options.last_logits_only, kv_dtype=precision.kv_dtype, ple_tables=tables),
+            graph_io(
+                SPEC, kind, last_logits_only=options.last_logits_only, kv_dtype=precision.kv_dtype, ple_tables=tables
+            ),
             {
-                **({"fp16": {"fp32_nodes": ["/layers.0.attn/Softmax"], "fp32_ple_tables": []}} if "fp16" in precision else {}),
+                **(
+                    {"fp16": {"fp32_nodes": ["/layers.0.attn/Softmax"], "fp32_ple_tables": []}}
+                    if "fp16" in precision
+                    else {}
+                ),
                 **({"int8": {"nodes": ["/layers.0.mlp.fc1/MatMul"]}} if "int8" in precision else {}),
             },
         )
@@ -70,7 +78,12 @@ def manifest_for(options: ExportOptions, *, max_context: int = 48, trained_rows:
         precision=precision.value,
         kv_cache=KvCacheInfo("BNSH", ("batch", "n_kv_heads", "seq", "head_dim"), precision.kv_dtype),
         limits=Limits(options.max_batch, options.max_context or max_context),
-        export=export_settings(options, trained_rows=trained_rows, keep_fp32=("Softmax", "/layers.0.mlp/") if "fp16" in precision else (), calibration=None),
+        export=export_settings(
+            options,
+            trained_rows=trained_rows,
+            keep_fp32=("Softmax", "/layers.0.mlp/") if "fp16" in precision else (),
+            calibration=None,
+        ),
         graphs=graphs,
         weights=WeightsInfo("onnx/weights.bin", 12, 34567),
         tokenizer="onnx/tokenizer.json",
@@ -100,7 +113,9 @@ OPTIONS = [
     ExportOptions(max_context=96, ple_extend=96, ple_extend_mode=PLEExtendMode.INTERPOLATE),
     ExportOptions(max_context=64, ple_extend=64, ple_extend_mode=PLEExtendMode.CLAMP, ple_tables=PLETables.INPUT),
     ExportOptions(max_context=48, ple_tables=PLETables.INPUT, opset=23),
-    ExportOptions(max_context=48, opset=18, logits=LogitsMode.LAST, precision=Precision.of(Fp16(keep_fp32=("/layers.0.mlp/",)))),
+    ExportOptions(
+        max_context=48, opset=18, logits=LogitsMode.LAST, precision=Precision.of(Fp16(keep_fp32=("/layers.0.mlp/",)))
+    ),
     ExportOptions(max_context=48, precision=Precision.INT8_FP16, calib_data="synthetic", opset=21),
 ]
 
@@ -111,8 +126,12 @@ def test_options_manifest_options_round_trip(options: ExportOptions) -> None:
     back = through_json(manifest)
     assert back == manifest
     assert graph_fields(graph_options(back)) == graph_fields(options)
-    assert graph_options(back).precision is Precision.FP32  # the graphs carry their precision: not an option of the re-run
-    assert manifest_module.precision_of(back) is Precision.parse(options.precision.value)  # the name; a kind's options are recorded apart (export.keep_fp32...)
+    assert (
+        graph_options(back).precision is Precision.FP32
+    )  # the graphs carry their precision: not an option of the re-run
+    assert manifest_module.precision_of(back) is Precision.parse(
+        options.precision.value
+    )  # the name; a kind's options are recorded apart (export.keep_fp32...)
 
 
 def test_round_trip_resolves_the_default_context() -> None:
@@ -124,18 +143,42 @@ def test_round_trip_resolves_the_default_context() -> None:
 
 def test_ple_extend_mode_only_with_an_extension() -> None:
     """Without --ple-extend the mode shaped nothing: the manifest records none and reads back the default."""
-    settings = export_settings(ExportOptions(ple_extend_mode=PLEExtendMode.INTERPOLATE), trained_rows=48, keep_fp32=(), calibration=None)
+    settings = export_settings(
+        ExportOptions(ple_extend_mode=PLEExtendMode.INTERPOLATE), trained_rows=48, keep_fp32=(), calibration=None
+    )
     assert settings.ple == PleInfo(folded=True, trained_rows=48, rows=48, extend_mode=None, tables="constant")
-    assert graph_options(through_json(manifest_for(ExportOptions(max_context=48, ple_extend_mode=PLEExtendMode.INTERPOLATE)))).ple_extend_mode is PLEExtendMode.CLAMP
-    extended = export_settings(ExportOptions(ple_extend=96, ple_extend_mode=PLEExtendMode.INTERPOLATE, ple_tables=PLETables.INPUT), trained_rows=48, keep_fp32=(), calibration=None)
+    assert (
+        graph_options(
+            through_json(manifest_for(ExportOptions(max_context=48, ple_extend_mode=PLEExtendMode.INTERPOLATE)))
+        ).ple_extend_mode
+        is PLEExtendMode.CLAMP
+    )
+    extended = export_settings(
+        ExportOptions(ple_extend=96, ple_extend_mode=PLEExtendMode.INTERPOLATE, ple_tables=PLETables.INPUT),
+        trained_rows=48,
+        keep_fp32=(),
+        calibration=None,
+    )
     assert extended.ple == PleInfo(True, 48, 96, "interpolate", "input")
-    assert export_settings(ExportOptions(), trained_rows=None, keep_fp32=(), calibration=None).ple is None  # a family without PLE
-    assert graph_fields(graph_options(through_json(manifest_for(ExportOptions(max_context=48), trained_rows=None)))) == graph_fields(ExportOptions(max_context=48))
+    assert (
+        export_settings(ExportOptions(), trained_rows=None, keep_fp32=(), calibration=None).ple is None
+    )  # a family without PLE
+    assert graph_fields(
+        graph_options(through_json(manifest_for(ExportOptions(max_context=48), trained_rows=None)))
+    ) == graph_fields(ExportOptions(max_context=48))
 
 
 def test_keep_fp32_recorded_only_for_fp16() -> None:
     rules = ("Softmax",)
-    assert export_settings(ExportOptions(precision=Precision.of(Fp16(keep_fp32=rules))), trained_rows=None, keep_fp32=rules, calibration=None).keep_fp32 == rules
+    assert (
+        export_settings(
+            ExportOptions(precision=Precision.of(Fp16(keep_fp32=rules))),
+            trained_rows=None,
+            keep_fp32=rules,
+            calibration=None,
+        ).keep_fp32
+        == rules
+    )
     assert export_settings(ExportOptions(), trained_rows=None, keep_fp32=rules, calibration=None).keep_fp32 == ()
 
 
@@ -150,14 +193,24 @@ def test_to_json_omits_the_keys_only_some_exports_have() -> None:
         assert graph.keys() == {"file", "inputs", "outputs"}
     # keys every manifest has stay, even when null
     assert data["model"]["pad_token_id"] is None and data["export"]["calibration"] is None
-    assert "tokenizer" in data and data["export"]["ple"] == {"folded": True, "trained_rows": 48, "rows": 48, "extend_mode": None, "tables": "constant"}
+    assert "tokenizer" in data and data["export"]["ple"] == {
+        "folded": True,
+        "trained_rows": 48,
+        "rows": 48,
+        "extend_mode": None,
+        "tables": "constant",
+    }
     assert data["graphs"]["decode"]["inputs"][0] == {"name": "input_ids", "dtype": "int64", "shape": ["batch", 1]}
     assert list(data) == [f.name for f in dataclasses.fields(Manifest) if f.name not in ("targets", "engines", "lora")]
     json.dumps(data)  # plain JSON: lists, not tuples or records
 
 
 def test_to_json_writes_the_optional_keys_when_set() -> None:
-    passes = {"attention": {"layers": [0, 1]}, "pack": {"matmuls": ["/layers.0.attn/ort/packed/MatMul"]}, "nbits_int8": {"nodes": ["/layers.0.mlp.fc1/MatMulNBits"]}}
+    passes = {
+        "attention": {"layers": [0, 1]},
+        "pack": {"matmuls": ["/layers.0.attn/ort/packed/MatMul"]},
+        "nbits_int8": {"nodes": ["/layers.0.mlp.fc1/MatMulNBits"]},
+    }
     ort = TargetEntry(
         "int8",
         "shared",
@@ -165,8 +218,14 @@ def test_to_json_writes_the_optional_keys_when_set() -> None:
         TargetWeights("onnx/weights.ort.bin", 100),
         {"int8": {"op": "MatMulNBits", "bits": 8}},
     )
-    engines = EnginesEntry("engines/record.json", "10.13.0", None, "NVIDIA H200", "9.0", {"engines/decode.plan": "2" * 64})
-    manifest = manifest_for(ExportOptions(max_context=48, precision=Precision.INT8_FP16, calib_data="synthetic"), targets={"ort": ort}, engines=engines)
+    engines = EnginesEntry(
+        "engines/record.json", "10.13.0", None, "NVIDIA H200", "9.0", {"engines/decode.plan": "2" * 64}
+    )
+    manifest = manifest_for(
+        ExportOptions(max_context=48, precision=Precision.INT8_FP16, calib_data="synthetic"),
+        targets={"ort": ort},
+        engines=engines,
+    )
     data = manifest.to_json()
     assert data["targets"]["ort"]["graphs"]["decode"]["passes"]["attention"]["layers"] == [0, 1]
     assert data["engines"]["cuda"] is None and data["engines"]["gpu"] == "NVIDIA H200"
@@ -174,11 +233,24 @@ def test_to_json_writes_the_optional_keys_when_set() -> None:
     assert data["graphs"]["prefill"]["passes"]["int8"]["nodes"] == ["/layers.0.mlp.fc1/MatMul"]
     assert "fp8" not in data["graphs"]["prefill"]["passes"]
     back = through_json(manifest)
-    assert back == manifest and back.targets is not None and back.targets["ort"].graphs["decode"].report("pack")["matmuls"] == ["/layers.0.attn/ort/packed/MatMul"]
+    assert (
+        back == manifest
+        and back.targets is not None
+        and back.targets["ort"].graphs["decode"].report("pack")["matmuls"] == ["/layers.0.attn/ort/packed/MatMul"]
+    )
 
 
 def test_typed_manifest_helper_round_trips() -> None:
-    manifest = typed_manifest({"graphs": {"decode": {"file": "onnx/decode.onnx", "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", 1]}]}}})
+    manifest = typed_manifest(
+        {
+            "graphs": {
+                "decode": {
+                    "file": "onnx/decode.onnx",
+                    "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", 1]}],
+                }
+            }
+        }
+    )
     assert manifest.graph(GraphKind.DECODE).input_names == ["input_ids"]
     assert through_json(manifest) == manifest
 
@@ -236,7 +308,11 @@ def test_from_json_optional_keys_may_be_missing() -> None:
         ("limits.max_context", 48.0, "manifest.json.limits.max_context: expected int, found 48.0"),
         ("graphs", [], "manifest.json.graphs: expected an object, found list"),
         ("graphs.decode.inputs", {}, "manifest.json.graphs.decode.inputs: expected a list, found dict"),
-        ("graphs.decode.inputs[1].shape[0]", None, "manifest.json.graphs.decode.inputs[1].shape[0]: expected str, found None"),
+        (
+            "graphs.decode.inputs[1].shape[0]",
+            None,
+            "manifest.json.graphs.decode.inputs[1].shape[0]: expected str, found None",
+        ),
         ("tokenizer", 5, "manifest.json.tokenizer: expected str, found 5"),
         ("export.ple", "constant", "manifest.json.export.ple: expected an object, found str"),
         ("engines", [1], "manifest.json.engines: expected an object, found list"),
@@ -269,9 +345,13 @@ def test_write_and_read(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     data["manifest_version"] = 3
     path.write_text(json.dumps(data))
-    with pytest.raises(ArtifactError, match=exact(
-        f"artifacts: {path}: manifest_version 3 is not supported (this kiln reads versions 1 and 2); re-export with this kiln"
-    )):
+    with pytest.raises(
+        ArtifactError,
+        match=exact(
+            f"artifacts: {path}: manifest_version 3 is not supported (this kiln reads versions 1 and 2); "
+            "re-export with this kiln"
+        ),
+    ):
         manifest_module.read(tmp_path)
     data["manifest_version"] = 2
     del data["weights"]["bytes"]
@@ -281,7 +361,10 @@ def test_write_and_read(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match=exact(f"artifacts: {tmp_path / 'nope'}: not a directory")):
         manifest_module.read(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ArtifactError, match=exact(f"artifacts: {tmp_path / 'empty'}: no manifest.json; is this a kiln export directory?")):
+    with pytest.raises(
+        ArtifactError,
+        match=exact(f"artifacts: {tmp_path / 'empty'}: no manifest.json; is this a kiln export directory?"),
+    ):
         manifest_module.read(tmp_path / "empty")
 
 

@@ -51,15 +51,21 @@ def test_the_ort_target_gains_its_contract_and_record() -> None:
     assert int8["kv_cache"] == "shared"  # every layer's decode attention fused: GQA writes the cache in place
     assert int8["record"] == {"int8": {"op": "MatMulNBits", "bits": 8, "block_size": 128, "accuracy_level": 4}}
     assert int8["graphs"]["decode"]["passes"]["attention"]["layers"] == [0, 1, 2, 3]
-    assert "attention" not in int8["graphs"]["model"]["passes"] and "decode_mask" not in int8["graphs"]["model"]["passes"]  # v1's placeholders
-    assert len(int8["graphs"]["decode"]["passes"]["nbits_int8"]["nodes"]) == len(_v1("ort8")["targets"]["ort"]["graphs"]["decode"]["int8_nodes"])
+    assert (
+        "attention" not in int8["graphs"]["model"]["passes"] and "decode_mask" not in int8["graphs"]["model"]["passes"]
+    )  # v1's placeholders
+    assert len(int8["graphs"]["decode"]["passes"]["nbits_int8"]["nodes"]) == len(
+        _v1("ort8")["targets"]["ort"]["graphs"]["decode"]["int8_nodes"]
+    )
     int4 = upgrade_v1(_v1("ort4"), "fixture")["targets"]["ort"]
     assert int4["record"] == {"int4": {"op": "MatMulNBits", "bits": 4, "block_size": 128, "accuracy_level": 4}}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_an_upgraded_manifest_matches_the_schema(case: str) -> None:
-    jsonschema = pytest.importorskip("jsonschema", reason="the manifest's JSON Schema is checked with jsonschema (a test dependency)")
+    jsonschema = pytest.importorskip(
+        "jsonschema", reason="the manifest's JSON Schema is checked with jsonschema (a test dependency)"
+    )
     schema = json.loads((Path(manifest_mod.__file__).parent / "manifest.schema.json").read_text())
     errors = [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(upgrade_v1(_v1(case), "fixture"))]
     assert errors == []

@@ -10,9 +10,9 @@ from types import ModuleType
 
 import pytest
 import torch
-from kiln_testing import tiny_config, write_checkpoint
 
 from kiln.plugins import load_model
+from kiln_testing import tiny_config, write_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,12 +28,24 @@ def _benchmark(name: str) -> ModuleType:
 
 
 _converter = _benchmark("native_to_hf")
-hf_config, max_logit_difference, native_to_hf = _converter.hf_config, _converter.max_logit_difference, _converter.native_to_hf
+hf_config, max_logit_difference, native_to_hf = (
+    _converter.hf_config,
+    _converter.max_logit_difference,
+    _converter.native_to_hf,
+)
 
 
 def llama_like(**overrides: object) -> object:
     # GQA (4 query heads over 2 KV heads), SwiGLU, RMSNorm, RoPE, tied head, no PLE
-    return tiny_config(ple={"enabled": False}, rope_theta=500.0, norm_eps=1e-6, bos_token_id=0, eos_token_id=2, pad_token_id=1, **overrides)
+    return tiny_config(
+        ple={"enabled": False},
+        rope_theta=500.0,
+        norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=1,
+        **overrides,
+    )
 
 
 def _tokenizer(path: Path) -> None:
@@ -41,7 +53,10 @@ def _tokenizer(path: Path) -> None:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>", "<|eos|>"]))
+    tok.train_from_iterator(
+        ["def f(x):\n    return x + 1\n"] * 20,
+        trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>", "<|eos|>"]),
+    )
     tok.save(str(path))
 
 
@@ -52,11 +67,19 @@ def test_logits_equal_and_tokenizer_named(tmp_path: Path) -> None:
     ids = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(0))
     assert max_logit_difference(ckpt, out, ids) < 1e-5
     config = transformers.AutoConfig.from_pretrained(out)
-    assert (config.num_key_value_heads, config.head_dim, config.rms_norm_eps, config.tie_word_embeddings) == (2, 8, 1e-6, True)
+    assert (config.num_key_value_heads, config.head_dim, config.rms_norm_eps, config.tie_word_embeddings) == (
+        2,
+        8,
+        1e-6,
+        True,
+    )
     assert config.rope_parameters["rope_theta"] == 500.0
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|endoftext|>", "<|eos|>", "<|pad|>")
-    assert tok("def f").input_ids == transformers.PreTrainedTokenizerFast(tokenizer_file=str(ckpt / "tokenizer.json"))("def f").input_ids
+    assert (
+        tok("def f").input_ids
+        == transformers.PreTrainedTokenizerFast(tokenizer_file=str(ckpt / "tokenizer.json"))("def f").input_ids
+    )
 
 
 def test_comparison_sees_a_wrong_mapping(tmp_path: Path) -> None:
@@ -80,7 +103,9 @@ def test_comparison_sees_a_wrong_mapping(tmp_path: Path) -> None:
 def test_decode_with_cache_matches(tmp_path: Path) -> None:
     """Prefill then one cached step: the rotary position of the new token and the GQA cache agree."""
     ckpt = write_checkpoint(tmp_path / "native", llama_like(), seed=5)
-    hf = transformers.LlamaForCausalLM.from_pretrained(native_to_hf(ckpt, tmp_path / "hf"), attn_implementation="eager").eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        native_to_hf(ckpt, tmp_path / "hf"), attn_implementation="eager"
+    ).eval()
     native = load_model(ckpt).module
     ids = torch.arange(3, 23)[None]
     with torch.no_grad():
@@ -93,7 +118,12 @@ def test_decode_with_cache_matches(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("overrides", "named"),
-    [({"ple": {"enabled": True}}, "PLE"), ({"norm": "layernorm"}, "norm layernorm"), ({"mlp": "gelu"}, "mlp gelu"), ({"position": "learned"}, "position learned")],
+    [
+        ({"ple": {"enabled": True}}, "PLE"),
+        ({"norm": "layernorm"}, "norm layernorm"),
+        ({"mlp": "gelu"}, "mlp gelu"),
+        ({"position": "learned"}, "position learned"),
+    ],
 )
 def test_non_llama_configs_refused(overrides: dict[str, object], named: str) -> None:
     from kiln.plugins.native.config import NativeConfig

@@ -80,5 +80,10 @@ def test_the_mode_is_open_s_less_the_umask(tmp_path: Path) -> None:
 
 def test_only_its_own_temporary_names_are_recognised() -> None:
     assert target_of_temporary(".decode.plan.0123456789ab.kiln-tmp") == "decode.plan"
-    for name in (".decode.plan.tmp", "decode.plan.0123456789ab.kiln-tmp", ".decode.plan.0123456789.kiln-tmp", ".x.partial"):
+    for name in (
+        ".decode.plan.tmp",
+        "decode.plan.0123456789ab.kiln-tmp",
+        ".decode.plan.0123456789.kiln-tmp",
+        ".x.partial",
+    ):
         assert target_of_temporary(name) is None

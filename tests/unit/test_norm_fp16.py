@@ -37,10 +37,25 @@ def norm_graph(*, weighted: bool, swap: bool = False) -> ir.Model:
         helper.make_node("Mul", [normalized, "w"] if weighted else [normalized, "s"], ["h"], name=f"{n}Mul_1"),
         helper.make_node("Relu", ["h"], ["y"], name="/head/Relu"),
     ]
-    inits = [("two", np.array(2.0, np.float32)), ("axes", np.array([-1], np.int64)), ("eps", np.array(EPS, np.float32)), ("w", WEIGHT)]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [B, S, D])] + ([] if weighted else [helper.make_tensor_value_info("s", TensorProto.FLOAT, [B, S, D])])
-    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [B, S, D])], [numpy_helper.from_array(a, k) for k, a in inits if weighted or k != "w"])
-    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)], ir_version=11), strict_mode=True)
+    inits = [
+        ("two", np.array(2.0, np.float32)),
+        ("axes", np.array([-1], np.int64)),
+        ("eps", np.array(EPS, np.float32)),
+        ("w", WEIGHT),
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [B, S, D])] + (
+        [] if weighted else [helper.make_tensor_value_info("s", TensorProto.FLOAT, [B, S, D])]
+    )
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [B, S, D])],
+        [numpy_helper.from_array(a, k) for k, a in inits if weighted or k != "w"],
+    )
+    proto = onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)], ir_version=11), strict_mode=True
+    )
     return ir.serde.deserialize_model(proto)
 
 
@@ -48,7 +63,9 @@ def run(model: ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
     options = ort.SessionOptions()
     options.log_severity_level = 3
     proto = ir.serde.serialize_model(model)
-    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )[0]
 
 
 def _cast_of(value: ir.Value | None, to: ir.DataType) -> ir.Value | None:
@@ -86,8 +103,14 @@ def test_fp16_island_becomes_rms_normalization(swap: bool, magnitude: float) -> 
     norm = _the_norm(model)
     assert norm.name == "/layers.0.norm/RMSNormalization"
     x_up, w_up = (_cast_of(v, ir.DataType.FLOAT) for v in norm.inputs)
-    assert x_up is model.graph.inputs[0] and w_up is model.graph.initializers["w"] and w_up.dtype == ir.DataType.FLOAT16  # the weight stays fp16 in the file
-    assert (norm.attributes.get_int("stash_type"), norm.attributes.get_int("axis"), norm.attributes.get_float("epsilon")) == (1, -1, pytest.approx(EPS))
+    assert (
+        x_up is model.graph.inputs[0] and w_up is model.graph.initializers["w"] and w_up.dtype == ir.DataType.FLOAT16
+    )  # the weight stays fp16 in the file
+    assert (
+        norm.attributes.get_int("stash_type"),
+        norm.attributes.get_int("axis"),
+        norm.attributes.get_float("epsilon"),
+    ) == (1, -1, pytest.approx(EPS))
     onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
     fused = run(model, {"x": x})
     want = exact(x, WEIGHT.astype(np.float16).astype(np.float64))
@@ -100,7 +123,10 @@ def test_fp16_island_becomes_rms_normalization(swap: bool, magnitude: float) -> 
 def test_fp16_island_without_weight_gets_fp16_ones_and_keeps_its_mul() -> None:
     model, _ = convert_to_fp16(norm_graph(weighted=False), Fp16Policy())
     rng = np.random.default_rng(3)
-    feeds = {"x": rng.standard_normal((B, S, D)).astype(np.float16), "s": rng.standard_normal((B, S, D)).astype(np.float16)}
+    feeds = {
+        "x": rng.standard_normal((B, S, D)).astype(np.float16),
+        "s": rng.standard_normal((B, S, D)).astype(np.float16),
+    }
     island = run(model, feeds)
     assert fuse_fp16_rms_norm(model) == 1
     RemoveUnusedNodesPass()(model)
@@ -110,7 +136,13 @@ def test_fp16_island_without_weight_gets_fp16_ones_and_keeps_its_mul() -> None:
     ones = norm.inputs[1]
     assert ones is not None and ones.name == f"ort/ones_{D}" and ones.const_value is not None
     np.testing.assert_array_equal(ones.const_value.numpy(), np.ones(D, np.float32))
-    assert sorted(n.op_type for n in model.graph) == ["Cast", "Cast", "Mul", "RMSNormalization", "Relu"]  # the table's Mul kept
+    assert sorted(n.op_type for n in model.graph) == [
+        "Cast",
+        "Cast",
+        "Mul",
+        "RMSNormalization",
+        "Relu",
+    ]  # the table's Mul kept
     onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
     np.testing.assert_allclose(run(model, feeds).astype(np.float32), island.astype(np.float32), atol=8e-3, rtol=4e-3)
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from kiln_testing import typed_manifest
 
 from kiln.cli import main
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.artifacts.staging import require_replaceable, staged_output
 from kiln.plugins import resolve_checkpoint
+from kiln_testing import typed_manifest
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -48,7 +48,11 @@ def test_force_never_deletes_the_checkpoint_it_reads(tmp_path: Path) -> None:
     _listed_manifest(ckpt, {name: "0" * 64 for name in os.listdir(ckpt)})  # even a manifest listing every file
     before = _tree(ckpt)
     line = _one_line(["export", "--model", str(ckpt), "--out", str(ckpt), "--force"])
-    assert line == f"error: artifacts: {ckpt}: this is where the input {ckpt} lives, and kiln never replaces a directory it reads from; choose another --out"
+    assert (
+        line
+        == f"error: artifacts: {ckpt}: this is where the input {ckpt} lives, and kiln never replaces a directory it "
+        "reads from; choose another --out"
+    )
     assert _tree(ckpt) == before
     parent = _one_line(["export", "--model", str(ckpt), "--out", str(tmp_path), "--force"])  # a folder that holds it
     assert f"this is where the input {ckpt} lives" in parent and _tree(ckpt) == before
@@ -59,7 +63,9 @@ def test_force_never_deletes_the_calibration_data(tmp_path: Path) -> None:
     out.mkdir()
     (out / "calib.txt").write_text("def f():\n    return 1\n" * 50)
     _listed_manifest(out, {"calib.txt": "0" * 64})
-    line = _one_line(["export", "--model", "demo", "--out", str(out), "--force", "--int8", "--calib-data", str(out / "calib.txt")])
+    line = _one_line(
+        ["export", "--model", "demo", "--out", str(out), "--force", "--int8", "--calib-data", str(out / "calib.txt")]
+    )
     assert f"this is where the input {out / 'calib.txt'} lives" in line and (out / "calib.txt").is_file()
 
 
@@ -76,7 +82,8 @@ def test_force_refuses_files_the_manifest_does_not_list(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError) as err:
         require_replaceable(out, force=True)
     assert str(err.value) == (
-        f"artifacts: {out}: --force replaces only an earlier kiln export whose manifest.json lists every file in it, and it does not list"
+        f"artifacts: {out}: --force replaces only an earlier kiln export whose manifest.json lists every file in "
+        "it, and it does not list"
         " mystuff/keep.txt, notes.txt; nothing was deleted: move or remove it yourself"
     )
     line = _one_line(["export", "--model", "demo", "--out", str(out), "--force"])
@@ -113,7 +120,12 @@ def test_force_says_what_the_new_output_does_not_write_again(tmp_path: Path) -> 
     """kiln triton's repository and kiln build's script went with an export replaced by --force, without
     a word (issue 39, item 7): one line names them (a folder the new output lacks, else the file)."""
     out = tmp_path / "out"
-    files = {"onnx/model.onnx": "graph", "engines/trtexec.sh": "#!", "engines/timing.cache": "c", "triton/demo/config.pbtxt": "x"}
+    files = {
+        "onnx/model.onnx": "graph",
+        "engines/trtexec.sh": "#!",
+        "engines/timing.cache": "c",
+        "triton/demo/config.pbtxt": "x",
+    }
     for name, text in files.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
@@ -166,7 +178,9 @@ def test_a_killed_export_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
     notes: list[str] = []
     with staged_output(out, force=False, note=notes.append) as tmp:
         (tmp / "a.txt").write_text("x")
-    assert notes == [f"removed {tmp_path / litter[1]}: the unfinished output of an earlier kiln process (pid {pid}) that was killed"]
+    assert notes == [
+        f"removed {tmp_path / litter[1]}: the unfinished output of an earlier kiln process (pid {pid}) that was killed"
+    ]
     assert _litter(out) == [] and _tree(out) == {"a.txt": b"x"}
 
 
@@ -178,24 +192,35 @@ def test_a_directory_set_aside_by_a_killed_commit_is_put_back(tmp_path: Path) ->
     (aside / "out" / "kept.txt").write_text("previous export")
     (tmp_path / ".out.lock").write_text("999999999\n.out.old-abc123\n")  # what the killed process recorded making
     notes: list[str] = []
-    with pytest.raises(ArtifactError, match="output directory exists and is not empty"):  # the restored one is there again
+    with pytest.raises(
+        ArtifactError, match="output directory exists and is not empty"
+    ):  # the restored one is there again
         with staged_output(out, force=False, note=notes.append):
             pass
-    assert notes == [f"restored {out} from .out.old-abc123: an earlier kiln process (pid 999999999) was killed while replacing it"]
+    assert notes == [
+        f"restored {out} from .out.old-abc123: an earlier kiln process (pid 999999999) was killed while replacing it"
+    ]
     assert _tree(out) == {"kept.txt": b"previous export"} and _litter(out) == []
 
 
 def test_out_under_a_regular_file(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     line = _one_line(["export", "--model", "demo", "--out", str(tmp_path / "file" / "out")])
-    assert line == f"error: artifacts: {tmp_path / 'file' / 'out'}: cannot write here: {tmp_path / 'file'} is a file, not a directory; choose another --out"
+    assert (
+        line
+        == f"error: artifacts: {tmp_path / 'file' / 'out'}: cannot write here: {tmp_path / 'file'} is a file, not a "
+        "directory; choose another --out"
+    )
     assert (tmp_path / "file").read_text() == "x"
 
 
 def test_out_name_too_long(tmp_path: Path) -> None:
     out = tmp_path / ("n" * 300)
     line = _one_line(["export", "--model", "demo", "--out", str(out)])
-    assert "cannot write here: a name in this path is longer than the file system allows" in line and "choose a shorter --out" in line
+    assert (
+        "cannot write here: a name in this path is longer than the file system allows" in line
+        and "choose a shorter --out" in line
+    )
 
 
 def test_read_only_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,14 +233,21 @@ def test_read_only_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         return real(path, flags, mode)
 
     monkeypatch.setattr(os, "open", read_only)
-    with pytest.raises(ArtifactError, match=r"cannot write here: the file system is read-only \(.*\.out\.lock\); choose an --out on a writable one"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"cannot write here: the file system is read-only \(.*\.out\.lock\); choose an --out on a writable one",
+    ):
         with staged_output(tmp_path / "out", force=False):
             pass
 
 
 def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    with pytest.raises(ArtifactError, match=r"cannot write here: no space left on the device holding .*; free some space or choose another --out; nothing was written"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"cannot write here: no space left on the device holding .*; free some space or choose another --out; "
+        r"nothing was written",
+    ):
         with staged_output(out, force=False) as tmp:
             (tmp / "part.bin").write_bytes(b"x")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "part.bin"))
@@ -225,7 +257,9 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
 def test_second_writer_names_the_first(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with staged_output(out, force=False):
-        with pytest.raises(ArtifactError, match=rf"another kiln process is writing this directory \(pid {os.getpid()}, lock "):
+        with pytest.raises(
+            ArtifactError, match=rf"another kiln process is writing this directory \(pid {os.getpid()}, lock "
+        ):
             with staged_output(out, force=False):
                 pass
 
@@ -245,8 +279,13 @@ def test_a_disk_too_small_is_refused_before_the_trace(tmp_path: Path, monkeypatc
 
     from kiln.exporter.artifacts import staging
 
-    monkeypatch.setattr(staging.shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
+    monkeypatch.setattr(
+        staging.shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000)
+    )
     out = tmp_path / "out"
     line = _one_line(["export", "--model", "demo", "--out", str(out), "--fp16", "--json"])
-    assert line == f"error: artifacts: {out}: the export needs at least 2.2 MB for its weights, and 0.0 MB are free on {tmp_path}; free some space or choose another --out"
+    assert (
+        line == f"error: artifacts: {out}: the export needs at least 2.2 MB for its weights, and 0.0 MB are free on "
+        f"{tmp_path}; free some space or choose another --out"
+    )
     assert not out.exists() and _litter(out) == []

@@ -48,7 +48,8 @@ def test_a_parity_run_out_of_memory_is_one_line(tmp_path: Path) -> None:
         with pytest.raises(MemoryLimitError) as err:
             runner.run(GraphKind.DECODE, {"input_ids": np.array([HUGE], dtype=np.int64)})
     assert str(err.value) == (
-        f"memory: {graph}: a run at batch 1: ONNX Runtime could not allocate a buffer of {4 * HUGE} bytes (262144.0 GiB):"
+        f"memory: {graph}: a run at batch 1: ONNX Runtime could not allocate a buffer of {4 * HUGE} bytes "
+        "(262144.0 GiB):"
         f" out of memory (this machine has 16.0 GiB); {WAY_OUT}"
     )
 
@@ -62,7 +63,9 @@ def _failure(graph: Path, feed: np.ndarray) -> Exception:
     raise AssertionError("the run did not fail")
 
 
-def test_any_other_run_out_of_memory_is_one_line_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_any_other_run_out_of_memory_is_one_line_from_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     exc = _failure(_huge_graph(tmp_path / "model.onnx"), np.array([HUGE], dtype=np.int64))
     assert type(exc).__module__.startswith("onnxruntime") and "BFCArena" in str(exc), exc
     with pytest.raises(SystemExit) as code:
@@ -76,7 +79,9 @@ def test_any_other_run_out_of_memory_is_one_line_from_the_cli(tmp_path: Path, ca
 
 
 def test_another_onnx_runtime_failure_is_not_taken_for_memory(tmp_path: Path) -> None:
-    exc = _failure(_huge_graph(tmp_path / "model.onnx"), np.array([[1]], dtype=np.int64))  # a rank the graph does not take
+    exc = _failure(
+        _huge_graph(tmp_path / "model.onnx"), np.array([[1]], dtype=np.int64)
+    )  # a rank the graph does not take
     assert type(exc).__module__.startswith("onnxruntime") and not allocation_failure(exc), exc
     with pytest.raises(type(exc)):
         cli._exit_for(exc)  # a bug's traceback, as before

@@ -36,7 +36,11 @@ def _qdq_matmul(path: Path, weight: np.ndarray, x_scale: float, w_scale: np.ndar
         helper.make_node("MatMul", ["x_dq", "w_dq"], ["logits"], name="/MatMul"),
     ]
     graph = helper.make_graph(
-        nodes, "qdq", [helper.make_tensor_value_info("input_ids_f", TensorProto.FLOAT, [4, K])], [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [4, N])], inits
+        nodes,
+        "qdq",
+        [helper.make_tensor_value_info("input_ids_f", TensorProto.FLOAT, [4, K])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [4, N])],
+        inits,
     )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=10), path)
 

@@ -30,7 +30,13 @@ B, S, D = 2, 5, 16
 EPS = 1e-6
 
 
-def make(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto], inits: list[tuple[str, np.ndarray]], opset: int = 19) -> ir.Model:
+def make(
+    nodes: list[onnx.NodeProto],
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+    inits: list[tuple[str, np.ndarray]],
+    opset: int = 19,
+) -> ir.Model:
     """An onnx-ir model from helper-made parts, every value typed by ONNX's shape inference."""
     tensors = [numpy_helper.from_array(array, name) for name, array in inits]
     graph = helper.make_graph(nodes, "g", inputs, outputs, tensors)
@@ -73,13 +79,29 @@ def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], atol: 
 # ---------------------------------------------------------------- RMSNorm
 
 
-def rms_nodes(x: str, out: str, prefix: str, *, weight: str | None, swap: bool = False, axis: int = -1, exponent: str = "two", keepdims: int = 1) -> list[onnx.NodeProto]:
+def rms_nodes(
+    x: str,
+    out: str,
+    prefix: str,
+    *,
+    weight: str | None,
+    swap: bool = False,
+    axis: int = -1,
+    exponent: str = "two",
+    keepdims: int = 1,
+) -> list[onnx.NodeProto]:
     """RMSNorm as the tracer writes it: x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2), -1) + eps)) [* w]."""
     normalized = f"{prefix}.normalized" if weight else out
     mul_in = [f"{prefix}.recip", x] if swap else [x, f"{prefix}.recip"]
     nodes = [
         helper.make_node("Pow", [x, exponent], [f"{prefix}.pow"], name=f"/{prefix}/Pow"),
-        helper.make_node("ReduceMean", [f"{prefix}.pow", f"axes{axis}"], [f"{prefix}.mean"], keepdims=keepdims, name=f"/{prefix}/ReduceMean"),
+        helper.make_node(
+            "ReduceMean",
+            [f"{prefix}.pow", f"axes{axis}"],
+            [f"{prefix}.mean"],
+            keepdims=keepdims,
+            name=f"/{prefix}/ReduceMean",
+        ),
         helper.make_node("Add", [f"{prefix}.mean", "eps"], [f"{prefix}.add"], name=f"/{prefix}/Add"),
         helper.make_node("Sqrt", [f"{prefix}.add"], [f"{prefix}.sqrt"], name=f"/{prefix}/Sqrt"),
         helper.make_node("Reciprocal", [f"{prefix}.sqrt"], [f"{prefix}.recip"], name=f"/{prefix}/Reciprocal"),
@@ -149,7 +171,13 @@ def test_fuse_rms_norm_reads_eps_from_a_constant_node_and_axes_attribute() -> No
         helper.make_node("Relu", ["h"], ["y"], name="/Relu"),
     ]
     w = np.linspace(0.5, 1.5, D, dtype=np.float32)
-    model = make(nodes, [info("x", [B, S, D])], [info("y", [B, S, D])], [("two", np.array(2.0, dtype=np.float32)), ("w", w)], opset=17)
+    model = make(
+        nodes,
+        [info("x", [B, S, D])],
+        [info("y", [B, S, D])],
+        [("two", np.array(2.0, dtype=np.float32)), ("w", w)],
+        opset=17,
+    )
     feeds = norm_feeds("x")
     before = run(model, feeds, optimize=False)
     assert fuse_rms_norm(model) == 1
@@ -236,7 +264,12 @@ def test_fuse_skip_rms_norm(dims: list[int | str]) -> None:
     before = run(model, feeds, optimize=False)
     want = np.tanh(rms_reference(feeds["a"] + feeds["b"], norm_constants()[-1][1]))
     np.testing.assert_allclose(before["t"], want, rtol=1e-5, atol=1e-5)
-    passes = [GraphRewrite(fuse_rms_norm), GraphRewrite(fuse_skip_rms_norm), RemoveUnusedNodesPass(), TopologicalSortPass()]
+    passes = [
+        GraphRewrite(fuse_rms_norm),
+        GraphRewrite(fuse_skip_rms_norm),
+        RemoveUnusedNodesPass(),
+        TopologicalSortPass(),
+    ]
     run_passes(model, passes, graph="decode")
     assert passes[0].result == 1 and passes[1].result == 1
     assert ops(model) == ["SkipSimplifiedLayerNormalization", "Tanh", "Add"]
@@ -279,7 +312,10 @@ def projection_graph(*, output_one: bool = False, nameless: bool = False) -> tup
     """q/k/v projections of x, and gate/up projections of another activation m."""
     rng = np.random.default_rng(5)
     k = 8
-    weights = {n: rng.standard_normal((k, width)).astype(np.float32) for n, width in (("wq", 8), ("wk", 4), ("wv", 4), ("wg", 6), ("wu", 6))}
+    weights = {
+        n: rng.standard_normal((k, width)).astype(np.float32)
+        for n, width in (("wq", 8), ("wk", 4), ("wv", 4), ("wg", 6), ("wu", 6))
+    }
     names = {
         "wq": "/layers.0.attn.q_proj/MatMul",
         "wk": "/layers.0.attn.k_proj/MatMul",
@@ -328,7 +364,10 @@ def test_pack_shared_input_matmuls() -> None:
         "ort/layers.0.mlp.packed.split",
         "ort/layers.0.mlp.packed.weight",
     ]
-    np.testing.assert_array_equal(inits["ort/layers.0.attn.packed.weight"].const_value.numpy(), np.concatenate([weights["wq"], weights["wk"], weights["wv"]], axis=1))
+    np.testing.assert_array_equal(
+        inits["ort/layers.0.attn.packed.weight"].const_value.numpy(),
+        np.concatenate([weights["wq"], weights["wk"], weights["wv"]], axis=1),
+    )
     np.testing.assert_array_equal(inits["ort/layers.0.attn.packed.split"].const_value.numpy(), [8, 4, 4])
     np.testing.assert_array_equal(inits["ort/layers.0.mlp.packed.split"].const_value.numpy(), [6, 6])
     split = model.graph.node("/layers.0.attn/ort/packed/Split")
@@ -343,8 +382,13 @@ def test_pack_groups_without_module_names_get_distinct_prefixes() -> None:
     assert pack_shared_input_matmuls(model) == ["/graph/ort/packed/MatMul", "/graph.1/ort/packed/MatMul"]
     finish(model)
     inits = model.graph.initializers
-    np.testing.assert_array_equal(inits["ort/graph.packed.weight"].const_value.numpy(), np.concatenate([weights["wq"], weights["wk"], weights["wv"]], axis=1))
-    np.testing.assert_array_equal(inits["ort/graph.1.packed.weight"].const_value.numpy(), np.concatenate([weights["wg"], weights["wu"]], axis=1))
+    np.testing.assert_array_equal(
+        inits["ort/graph.packed.weight"].const_value.numpy(),
+        np.concatenate([weights["wq"], weights["wk"], weights["wv"]], axis=1),
+    )
+    np.testing.assert_array_equal(
+        inits["ort/graph.1.packed.weight"].const_value.numpy(), np.concatenate([weights["wg"], weights["wu"]], axis=1)
+    )
     assert_close(run(model, feeds, optimize=False), before)
 
 
@@ -369,7 +413,10 @@ def test_no_packing_of_a_lone_or_non_constant_matmul() -> None:
     ]
     model = make(
         nodes,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2, 4]), helper.make_tensor_value_info("v", TensorProto.FLOAT16, [4, 3])],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2, 4]),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT16, [4, 3]),
+        ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 3])],
         [("w", rng.standard_normal((4, 3)).astype(np.float16)), ("h", rng.standard_normal((4, 3)).astype(np.float16))],
     )
@@ -482,7 +529,9 @@ def test_quantize_matmul_nbits(gemm: bool, block_size: int) -> None:
     blocks = -(-k // block_size)
     padded = np.zeros((*x.shape[:-1], blocks * block_size))
     padded[..., :k] = np.abs(x)
-    x_half_step = (padded.reshape(*x.shape[:-1], blocks, block_size).max(-1) / 127.0 / 2.0).repeat(block_size, -1)[..., :k]
+    x_half_step = (padded.reshape(*x.shape[:-1], blocks, block_size).max(-1) / 127.0 / 2.0).repeat(block_size, -1)[
+        ..., :k
+    ]
     w_scale = np.repeat(scales.reshape(n, blocks), block_size, axis=1)[:, :k].T  # [K, N], per weight
     rounding = np.finfo(np.float32).eps * 128.0 * (np.abs(x) @ w_scale) + 1e-6
     bound = x_half_step @ np.abs(deq.astype(np.float64)) + rounding
@@ -520,7 +569,9 @@ def test_quantize_matmul_nbits_names_are_shared_between_graphs() -> None:
     names = sorted(n for n in a.graph.initializers if n.startswith("ort_int8/"))
     assert names == ["ort_int8/fc.weight.q", "ort_int8/fc.weight.scales"]
     for name in names:
-        np.testing.assert_array_equal(a.graph.initializers[name].const_value.numpy(), b.graph.initializers[name].const_value.numpy())
+        np.testing.assert_array_equal(
+            a.graph.initializers[name].const_value.numpy(), b.graph.initializers[name].const_value.numpy()
+        )
 
 
 def test_quantize_matmul_nbits_leaves_other_matmuls() -> None:
@@ -534,7 +585,10 @@ def test_quantize_matmul_nbits_leaves_other_matmuls() -> None:
         nodes,
         [info("x", [2, 3, 4]), info("x2", [3, 4]), info("x2t", [4, 3])],
         [info("a", [2, 3, 5]), info("b", [3, 5]), info("c", [3, 5])],
-        [("w3", rng.standard_normal((2, 4, 5)).astype(np.float32)), ("w2", rng.standard_normal((4, 5)).astype(np.float32))],
+        [
+            ("w3", rng.standard_normal((2, 4, 5)).astype(np.float32)),
+            ("w2", rng.standard_normal((4, 5)).astype(np.float32)),
+        ],
     )
     assert quantize_matmul_nbits(model) == []
     assert ops(model) == ["MatMul", "Gemm", "Gemm"] and "com.microsoft" not in model.opset_imports
@@ -551,11 +605,20 @@ def int4_graph(*, also_read: bool = False, scale_dtype: type = np.float32) -> tu
     dequantized weight is also summed (read by something other than a MatMul)."""
     weight = np.random.default_rng(5).standard_normal((K4, N4)).astype(np.float32)
     q, scale = rtn(weight, BLOCK4, np.dtype(scale_dtype))
-    w = ir.val("weights/fc.weight.int4", ir.DataType.INT4, [K4, N4], const_value=ir.PackedTensor(pack_int4(q), ir.DataType.INT4, shape=ir.Shape([K4, N4])))
+    w = ir.val(
+        "weights/fc.weight.int4",
+        ir.DataType.INT4,
+        [K4, N4],
+        const_value=ir.PackedTensor(pack_int4(q), ir.DataType.INT4, shape=ir.Shape([K4, N4])),
+    )
     s = ir.val("weights/fc.weight.scale", const_value=ir.tensor(scale, name="weights/fc.weight.scale"))
     x, xt = ir.val("x", ir.DataType.FLOAT, [B, S, K4]), ir.val("xt", ir.DataType.FLOAT, [B, K4, S])
     dq = ir.node("DequantizeLinear", [w, s], {"axis": 0, "block_size": BLOCK4}, name="/fc/weight/DequantizeLinear")
-    dq.outputs[0].name, dq.outputs[0].dtype, dq.outputs[0].shape = "weights/fc.weight", ir.DataType.FLOAT, ir.Shape([K4, N4])
+    dq.outputs[0].name, dq.outputs[0].dtype, dq.outputs[0].shape = (
+        "weights/fc.weight",
+        ir.DataType.FLOAT,
+        ir.Shape([K4, N4]),
+    )
     fc = ir.node("MatMul", [x, dq.outputs[0]], name="/fc/MatMul")
     gram = ir.node("MatMul", [x, xt], name="/attn/MatMul")
     outputs = []
@@ -597,7 +660,10 @@ def test_unfold_int4_weights_leaves_a_weight_read_as_float() -> None:
 
 def test_unfold_int4_weights_refuses_fp16_scales() -> None:
     model, _, _ = int4_graph(scale_dtype=np.float16)
-    message = "export: /fc/weight/DequantizeLinear: the ONNX Runtime target's int4 weights need fp32 scales (an fp32 graph), found FLOAT16"
+    message = (
+        "export: /fc/weight/DequantizeLinear: the ONNX Runtime target's int4 weights need fp32 scales (an fp32 "
+        "graph), found FLOAT16"
+    )
     with pytest.raises(ExportError, match="^" + re.escape(message) + "$"):
         unfold_int4_weights(model)
 
@@ -625,7 +691,9 @@ def test_int4_matmul_nbits_computes_the_dq_matmul_form() -> None:
     assert packed.shape == (N4, K4 // BLOCK4, BLOCK4 // 2) and packed.dtype == np.uint8
     np.testing.assert_array_equal(unpack_nbits(packed), q)  # the same int4 numbers
     np.testing.assert_array_equal(scales, scale.T.reshape(-1))  # and scales, column by column
-    fused.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", 0)  # float activations: ONNX Runtime reads that layout as the DQ form
+    fused.attributes["accuracy_level"] = ir.AttrInt64(
+        "accuracy_level", 0
+    )  # float activations: ONNX Runtime reads that layout as the DQ form
     exact = run(model, feeds)
     np.testing.assert_allclose(exact["logits"], before["logits"], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(exact["gram"], before["gram"])
@@ -644,5 +712,8 @@ def test_int4_matmul_nbits_refuses_an_int4_weight_read_as_float() -> None:
     weight = model.graph.node("/fc/MatMul").inputs[1]
     assert weight is not None
     model.graph.append(ir.node("Identity", [weight], name="/float/Identity"))
-    with pytest.raises(ExportError, match=re.escape("int4 weights ['ort_int4/fc.weight'] are still read as float after the MatMulNBits rewrite")):
+    with pytest.raises(
+        ExportError,
+        match=re.escape("int4 weights ['ort_int4/fc.weight'] are still read as float after the MatMulNBits rewrite"),
+    ):
         int4_matmul_nbits(model)

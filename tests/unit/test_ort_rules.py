@@ -47,9 +47,15 @@ class Layer:
     def heads(self, which: str, heads: int, norm: bool) -> str:
         w = self.const(f"w{which}", (0.3 * self.rng.standard_normal((N * 8, heads * self.hd))).astype(np.float32))
         lin = self.op("MatMul", ["x", w], f"{which}_lin")
-        view = self.op("Reshape", [lin, self.const(f"{which}_shape", np.array([0, 0, heads, self.hd], np.int64))], f"{which}_view")
+        view = self.op(
+            "Reshape", [lin, self.const(f"{which}_shape", np.array([0, 0, heads, self.hd], np.int64))], f"{which}_view"
+        )
         if norm:  # a per-head op between the projection and the heads (a q/k norm's weight)
-            view = self.op("Mul", [view, self.const(f"{which}_norm", np.linspace(0.5, 1.5, self.hd, dtype=np.float32))], f"{which}_normed")
+            view = self.op(
+                "Mul",
+                [view, self.const(f"{which}_norm", np.linspace(0.5, 1.5, self.hd, dtype=np.float32))],
+                f"{which}_normed",
+            )
         return self.op("Transpose", [view], f"{which}_heads", perm=[0, 2, 1, 3])
 
     def cos_sin(self, width: int) -> tuple[str, str]:
@@ -59,22 +65,39 @@ class Layer:
         freqs = self.op("Mul", [pos, inv], "freqs")
         emb = self.op("Concat", [freqs, freqs], "emb", axis=-1)
         ax1 = self.const("ax1", np.array([1], np.int64))
-        return self.op("Unsqueeze", [self.op("Cos", [emb], "cos0"), ax1], "cos"), self.op("Unsqueeze", [self.op("Sin", [emb], "sin0"), ax1], "sin")
+        return self.op("Unsqueeze", [self.op("Cos", [emb], "cos0"), ax1], "cos"), self.op(
+            "Unsqueeze", [self.op("Sin", [emb], "sin0"), ax1], "sin"
+        )
 
     def rotate(self, x: str, cos: str, sin: str, width: int, halves: str, tag: str, other: str | None = None) -> str:
         """x*cos + rotate_half(x)*sin; ``other``: take the halves from another tensor (a near miss)."""
         src = other or x
         if halves == "split":
             first, second = f"{tag}_x1", f"{tag}_x2"
-            self.nodes.append(helper.make_node("Split", [src], [first, second], axis=3, num_outputs=2, name=f"/layers.0.attn/Split_{tag}"))
+            self.nodes.append(
+                helper.make_node(
+                    "Split", [src], [first, second], axis=3, num_outputs=2, name=f"/layers.0.attn/Split_{tag}"
+                )
+            )
         else:
             bounds = {"a": (0, width // 2), "b": (width // 2, 2**62)}
             first, second = (
-                self.op("Slice", [src, self.const(f"{tag}{k}0", np.array([lo], np.int64)), self.const(f"{tag}{k}1", np.array([hi], np.int64)), "axis3"], f"{tag}_x{k}")
+                self.op(
+                    "Slice",
+                    [
+                        src,
+                        self.const(f"{tag}{k}0", np.array([lo], np.int64)),
+                        self.const(f"{tag}{k}1", np.array([hi], np.int64)),
+                        "axis3",
+                    ],
+                    f"{tag}_x{k}",
+                )
                 for k, (lo, hi) in bounds.items()
             )
         half = self.op("Concat", [self.op("Neg", [second], f"{tag}_neg"), first], f"{tag}_half", axis=-1)
-        return self.op("Add", [self.op("Mul", [x, cos], f"{tag}_xc"), self.op("Mul", [half, sin], f"{tag}_hs")], f"{tag}_rot")
+        return self.op(
+            "Add", [self.op("Mul", [x, cos], f"{tag}_xc"), self.op("Mul", [half, sin], f"{tag}_hs")], f"{tag}_rot"
+        )
 
     def rename(self, value: str, name: str) -> str:
         """Prefill: the new keys/values themselves are the presents (graph outputs)."""
@@ -85,12 +108,29 @@ class Layer:
 
     def repeat(self, present: str, which: str) -> str:
         up = self.op("Unsqueeze", [present, self.const("ax2b", np.array([2], np.int64))], f"{which}_up")
-        wide = self.op("Expand", [up, self.const("expand", np.array([B, KV, N // KV, self.total, self.hd], np.int64))], f"{which}_wide")
-        return self.op("Reshape", [wide, self.const("rep_shape", np.array([B, N, self.total, self.hd], np.int64))], f"{which}_rep")
+        wide = self.op(
+            "Expand",
+            [up, self.const("expand", np.array([B, KV, N // KV, self.total, self.hd], np.int64))],
+            f"{which}_wide",
+        )
+        return self.op(
+            "Reshape", [wide, self.const("rep_shape", np.array([B, N, self.total, self.hd], np.int64))], f"{which}_rep"
+        )
 
 
-def build(*, hd: int = 8, past: int = 0, rotary: str = "full", halves: str = "split", qk_norm: bool = False, mask: str = "where", scale: str = "mul",
-          softcap: tuple[float, float] | None = None, probs_read_twice: bool = False, halves_from_other: bool = False) -> ir.Model:
+def build(
+    *,
+    hd: int = 8,
+    past: int = 0,
+    rotary: str = "full",
+    halves: str = "split",
+    qk_norm: bool = False,
+    mask: str = "where",
+    scale: str = "mul",
+    softcap: tuple[float, float] | None = None,
+    probs_read_twice: bool = False,
+    halves_from_other: bool = False,
+) -> ir.Model:
     seq = 1 if past else S
     g = Layer(hd, past, seq)
     g.const("axis3", np.array([3], np.int64))
@@ -107,24 +147,47 @@ def build(*, hd: int = 8, past: int = 0, rotary: str = "full", halves: str = "sp
                 ends = [g.const(f"{x}_e{i}", np.array([e], np.int64)) for i, e in enumerate((0, width, 2**62))]
                 part = g.op("Slice", [x, ends[0], ends[1], "axis3"], f"{x}_part")
                 rest = g.op("Slice", [x, ends[1], ends[2], "axis3"], f"{x}_rest")
-                rotated.append(g.op("Concat", [g.rotate(part, cos, sin, width, halves, f"{x}p"), rest], f"{x}_prot", axis=-1))
+                rotated.append(
+                    g.op("Concat", [g.rotate(part, cos, sin, width, halves, f"{x}p"), rest], f"{x}_prot", axis=-1)
+                )
         q, k = rotated
-    present_k = g.op("Concat", ["past_key_values.0.key", k], "present.0.key", axis=2) if past else g.rename(k, "present.0.key")
-    present_v = g.op("Concat", ["past_key_values.0.value", v], "present.0.value", axis=2) if past else g.rename(v, "present.0.value")
+    present_k = (
+        g.op("Concat", ["past_key_values.0.key", k], "present.0.key", axis=2) if past else g.rename(k, "present.0.key")
+    )
+    present_v = (
+        g.op("Concat", ["past_key_values.0.value", v], "present.0.value", axis=2)
+        if past
+        else g.rename(v, "present.0.value")
+    )
     kt = g.op("Transpose", [g.repeat(present_k, "k")], "kt", perm=[0, 1, 3, 2])
     scores = g.op("MatMul", [q, kt], "qk")
     c = 1.0 / np.sqrt(hd)
-    scores = g.op("Mul", [scores, g.const("scale", np.array(c, np.float32))], "scaled") if scale == "mul" else g.op("Div", [scores, g.const("scale", np.array(1 / c, np.float32))], "scaled")
+    scores = (
+        g.op("Mul", [scores, g.const("scale", np.array(c, np.float32))], "scaled")
+        if scale == "mul"
+        else g.op("Div", [scores, g.const("scale", np.array(1 / c, np.float32))], "scaled")
+    )
     if softcap is not None:
-        t = g.op("Tanh", [g.op("Div", [scores, g.const("cap_div", np.array(softcap[0], np.float32))], "cap_in")], "tanh")
+        t = g.op(
+            "Tanh", [g.op("Div", [scores, g.const("cap_div", np.array(softcap[0], np.float32))], "cap_in")], "tanh"
+        )
         scores = g.op("Mul", [t, g.const("cap", np.array(softcap[1], np.float32))], "capped")
-    keys = g.op("Cast", [g.op("Unsqueeze", ["attention_mask", g.const("ax12", np.array([1, 2], np.int64))], "mask4")], "keys", to=TensorProto.BOOL)
+    keys = g.op(
+        "Cast",
+        [g.op("Unsqueeze", ["attention_mask", g.const("ax12", np.array([1, 2], np.int64))], "mask4")],
+        "keys",
+        to=TensorProto.BOOL,
+    )
     causal = g.const("causal", np.tril(np.ones((seq, g.total), bool), k=past))
     allowed = g.op("And", [keys, causal], "allowed")
     if mask == "where":
         masked = g.op("Where", [allowed, scores, g.const("fill", np.array(MIN, np.float32))], "masked")
     else:
-        bias = g.op("Where", [allowed, g.const("zero", np.array(0.0, np.float32)), g.const("fill", np.array(MIN, np.float32))], "bias")
+        bias = g.op(
+            "Where",
+            [allowed, g.const("zero", np.array(0.0, np.float32)), g.const("fill", np.array(MIN, np.float32))],
+            "bias",
+        )
         masked = g.op("Add", [scores, bias], "masked")
     probs = g.op("Softmax", [masked], "probs", axis=-1)
     heads = g.op("Transpose", [g.op("MatMul", [probs, g.repeat(present_v, "v")], "pv")], "pv_bsnh", perm=[0, 2, 1, 3])
@@ -135,13 +198,24 @@ def build(*, hd: int = 8, past: int = 0, rotary: str = "full", halves: str = "sp
 
 def _model(g: Layer, extra: list[str]) -> ir.Model:
     info = helper.make_tensor_value_info
-    inputs = [info("x", F32, [B, g.seq, N * 8]), info("attention_mask", TensorProto.INT64, [B, g.total]), info("position_ids", TensorProto.INT64, [B, g.seq])]
+    inputs = [
+        info("x", F32, [B, g.seq, N * 8]),
+        info("attention_mask", TensorProto.INT64, [B, g.total]),
+        info("position_ids", TensorProto.INT64, [B, g.seq]),
+    ]
     if g.past:
         inputs += [info(f"past_key_values.0.{kv}", F32, [B, KV, g.past, g.hd]) for kv in ("key", "value")]
-    outputs = [info("y", F32, [B, g.seq, N * 8]), *(info(f"present.0.{kv}", F32, [B, KV, g.total, g.hd]) for kv in ("key", "value"))]
+    outputs = [
+        info("y", F32, [B, g.seq, N * 8]),
+        *(info(f"present.0.{kv}", F32, [B, KV, g.total, g.hd]) for kv in ("key", "value")),
+    ]
     outputs += [info(name, F32, None) for name in extra]
-    graph = helper.make_graph(g.nodes, "layer", inputs, outputs, [numpy_helper.from_array(a, n) for n, a in g.inits.items()])
-    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=10), strict_mode=True)
+    graph = helper.make_graph(
+        g.nodes, "layer", inputs, outputs, [numpy_helper.from_array(a, n) for n, a in g.inits.items()]
+    )
+    proto = onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=10), strict_mode=True
+    )
     return ir.serde.deserialize_model(proto)
 
 
@@ -158,11 +232,15 @@ def feeds(model: ir.Model) -> dict[str, np.ndarray]:
 def run(model: ir.Model, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        ir.serde.serialize_model(model).SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, inputs), strict=True))
 
 
-def fuse(model: ir.Model, tmp_path: Path, *, hd: int = 8, decode: bool = False, tables: bool = True) -> tuple[list[int], dict[str, tuple[str, ...]], Counter[str]]:
+def fuse(
+    model: ir.Model, tmp_path: Path, *, hd: int = 8, decode: bool = False, tables: bool = True
+) -> tuple[list[int], dict[str, tuple[str, ...]], Counter[str]]:
     """fuse_attention as the target runs it, then dead nodes out and the graph sorted."""
     log = NotFused()
     found = graph_tables(model, tmp_path, 16, hd) if tables else (lambda cos, sin: None)
@@ -215,7 +293,10 @@ def test_decode_rotary_inside_gqa(tmp_path: Path) -> None:
     inputs = feeds(model)
     before = run(model, inputs)
     layers, why, ops = fuse(model, tmp_path, hd=16, decode=True)
-    assert layers == [0] and why == {} and ops["RotaryEmbedding"] == 0 and ops["Split"] == 0 and ops["MatMul"] == 2, (why, ops)
+    assert layers == [0] and why == {} and ops["RotaryEmbedding"] == 0 and ops["Split"] == 0 and ops["MatMul"] == 2, (
+        why,
+        ops,
+    )
     gqa = next(n for n in model.graph if n.op_type == "GroupQueryAttention")
     assert gqa.attributes.get_int("do_rotary", 0) == 1 and gqa.inputs[1] is None and gqa.inputs[9] is not None
     assert_same(before, run(model, inputs))
@@ -223,14 +304,19 @@ def test_decode_rotary_inside_gqa(tmp_path: Path) -> None:
 
 def test_gqa_rotary_refused_for_head_dim_8(tmp_path: Path) -> None:
     _, why, ops = fuse(build(past=P), tmp_path, decode=True)
-    assert why == {"gqa_rotary": ("layer 0: head_dim 8 is not a multiple of 16 (GroupQueryAttention's own rotary needs it)",)}
+    assert why == {
+        "gqa_rotary": ("layer 0: head_dim 8 is not a multiple of 16 (GroupQueryAttention's own rotary needs it)",)
+    }
     assert ops["RotaryEmbedding"] == 2
 
 
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [
-        ({"softcap": (30.0, 50.0)}, "tanh(scores / 30.0) * 50.0: the soft cap divides by another constant than it multiplies by"),
+        (
+            {"softcap": (30.0, 50.0)},
+            "tanh(scores / 30.0) * 50.0: the soft cap divides by another constant than it multiplies by",
+        ),
         ({"probs_read_twice": True}, "the attention probabilities are read by more than the value MatMul"),
     ],
     ids=["soft cap mismatch", "probabilities read twice"],
@@ -248,12 +334,23 @@ def test_attention_near_miss_says_why(kwargs: dict[str, object], reason: str, tm
 @pytest.mark.parametrize(
     ("kwargs", "tables", "reason"),
     [
-        ({}, False, "its cos/sin tables cannot be evaluated per position (they read more than position_ids, or a row depends on the call's other positions)"),
-        ({"halves_from_other": True}, True, "not a rotate-half rotary (rotate_half's halves are not taken from the rotated tensor)"),
+        (
+            {},
+            False,
+            "its cos/sin tables cannot be evaluated per position (they read more than position_ids, or a row "
+            "depends on the call's other positions)",
+        ),
+        (
+            {"halves_from_other": True},
+            True,
+            "not a rotate-half rotary (rotate_half's halves are not taken from the rotated tensor)",
+        ),
     ],
     ids=["tables not per position", "halves of another tensor"],
 )
-def test_rotary_near_miss_keeps_the_rotary_and_says_why(kwargs: dict[str, object], tables: bool, reason: str, tmp_path: Path) -> None:
+def test_rotary_near_miss_keeps_the_rotary_and_says_why(
+    kwargs: dict[str, object], tables: bool, reason: str, tmp_path: Path
+) -> None:
     """GQA still fuses, reading the rotated q (and k) flattened; the rotary stays in the graph."""
     model = build(**kwargs)  # type: ignore[arg-type]
     inputs = feeds(model)

@@ -62,11 +62,15 @@ def _opened(graphs: dict[GraphKind, tuple[Path, np.ndarray]], monkeypatch: pytes
     return opened
 
 
-def test_small_graphs_keep_their_sessions_open(graphs: dict[GraphKind, tuple[Path, np.ndarray]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_graphs_keep_their_sessions_open(
+    graphs: dict[GraphKind, tuple[Path, np.ndarray]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert _opened(graphs, monkeypatch) == [graphs[GraphKind.PREFILL][0], graphs[GraphKind.DECODE][0]]
 
 
-def test_large_graphs_open_one_session_at_a_time(graphs: dict[GraphKind, tuple[Path, np.ndarray]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_graphs_open_one_session_at_a_time(
+    graphs: dict[GraphKind, tuple[Path, np.ndarray]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     one = graphs[GraphKind.PREFILL][0]
     weight_bytes = one.stat().st_size + (one.parent / "prefill.bin").stat().st_size
     assert weight_bytes > K * K * 4  # the external file is counted
@@ -76,7 +80,9 @@ def test_large_graphs_open_one_session_at_a_time(graphs: dict[GraphKind, tuple[P
 
 
 @pytest.mark.parametrize("location", ["../outside.bin", "missing.bin", "sub/prefill.bin", "link.bin"])
-def test_a_weights_location_not_beside_the_graph_is_refused_by_name(graphs: dict[GraphKind, tuple[Path, np.ndarray]], location: str) -> None:
+def test_a_weights_location_not_beside_the_graph_is_refused_by_name(
+    graphs: dict[GraphKind, tuple[Path, np.ndarray]], location: str
+) -> None:
     """A graph naming weights outside its directory, in a subdirectory, in no file, or in a link
     beside it (to a file outside) is refused in one line before any session opens (its size is
     never read from outside the directory)."""
@@ -91,4 +97,8 @@ def test_a_weights_location_not_beside_the_graph_is_refused_by_name(graphs: dict
     x = np.zeros((1, K), np.float32)
     with OrtRunner({GraphKind.PREFILL: path}) as runner, pytest.raises(ArtifactError) as refused:
         runner.run(GraphKind.PREFILL, {"x": x})
-    assert str(refused.value) == f"artifacts: prefill.onnx: tensor w reads external data from {location!r}, which is not a file beside the graph"
+    assert (
+        str(refused.value)
+        == f"artifacts: prefill.onnx: tensor w reads external data from {location!r}, which is not a file beside "
+        "the graph"
+    )

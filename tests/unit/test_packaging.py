@@ -16,8 +16,9 @@ NOT_KILN = ("tests", "benchmarks", "docs", "build", "dist")
 
 def _checkout_files() -> list[Path]:
     """The files a clean clone would have (tracked, and new ones git does not ignore)."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                            text=True, check=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     return [Path(line) for line in listed.stdout.splitlines() if (ROOT / line).is_file()]
 
 
@@ -40,13 +41,17 @@ def test_the_wheel_holds_every_module_and_its_data(tmp_path: Path) -> None:
     source = _clean_copy(tmp_path / "src")
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(tmp_path / "dist"), str(source)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert built.returncode == 0, built.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("kiln-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {name for name in names if name.endswith(".py")} == _repository_modules()
-    assert {"kiln/exporter/precision/kinds/__init__.py", "kiln/exporter/targets/onnx/__init__.py",
-            "kiln/exporter/lora/__init__.py"} <= names
+    assert {
+        "kiln/exporter/precision/kinds/__init__.py",
+        "kiln/exporter/targets/onnx/__init__.py",
+        "kiln/exporter/lora/__init__.py",
+    } <= names
     assert "kiln/demo/checkpoint/model.safetensors" in names
     assert "kiln/exporter/artifacts/manifest.schema.json" in names

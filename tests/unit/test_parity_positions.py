@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.parity.tensors import real_positions, tensor_feeds, tensor_parity
 from kiln.exporter.precision import TOLERANCES
@@ -60,7 +61,10 @@ def test_a_difference_at_padding_positions_passes() -> None:
     assert _checks(spoil) == {"logits": True, "present.0.key": True, "present.0.value": True}
 
 
-@pytest.mark.parametrize(("output", "index"), [("logits", (0, 3)), ("logits", (1, 0)), ("present.0.key", (0, 0, 3)), ("present.0.value", (1, 0, 0))])
+@pytest.mark.parametrize(
+    ("output", "index"),
+    [("logits", (0, 3)), ("logits", (1, 0)), ("present.0.key", (0, 0, 3)), ("present.0.value", (1, 0, 0))],
+)
 def test_a_difference_at_a_real_position_fails(output: str, index: tuple[int, ...]) -> None:
     def spoil(out: Feeds) -> None:
         out[output][index] += 1e-3  # over 3x the fp32 limit (1e-5 + 1e-4 x the row's max |value|, under 3 here)

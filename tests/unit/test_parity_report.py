@@ -6,32 +6,59 @@ extras as tables; parity.json only extended."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from pathlib import Path
 
 import pytest
+
 from kiln.exporter.parity import GenerationCheck, ParityResult, TensorCheck
-from kiln.exporter.precision import TOLERANCES
 from kiln.exporter.parity.plot import figure, limit_labels, plot_lines, run_rules
 from kiln.exporter.parity.report import markdown, summary_table, verdict, write_parity_reports
+from kiln.exporter.precision import TOLERANCES
 
 Run = tuple[str, int, tuple[float, ...]]
 
 
-def _result(precision: str, logits: float, steps: list[Run], match: float = 1.0, padded: tuple[int, int] | None = None) -> ParityResult:
+def _result(
+    precision: str, logits: float, steps: list[Run], match: float = 1.0, padded: tuple[int, int] | None = None
+) -> ParityResult:
     """Checks at a scale of 10 (every row's max |reference|); a logits error of ``logits``."""
     tol = TOLERANCES[precision]
     result = ParityResult("onnxruntime", precision, tol)
     ok = logits <= tol.logits.limit(10.0)
     result.tensors = [
-        TensorCheck("decode", "logits", logits * 1.5, 0.01, 0.9999999, 1.0, tol.logits_atol, tol.logits_rtol, logits, 10.0, ok),
-        TensorCheck("decode", "present.0.key", logits / 10, 0.01, 0.9999999, None, tol.kv_atol, tol.kv_rtol, logits / 10, 10.0, True),
+        TensorCheck(
+            "decode", "logits", logits * 1.5, 0.01, 0.9999999, 1.0, tol.logits_atol, tol.logits_rtol, logits, 10.0, ok
+        ),
+        TensorCheck(
+            "decode",
+            "present.0.key",
+            logits / 10,
+            0.01,
+            0.9999999,
+            None,
+            tol.kv_atol,
+            tol.kv_rtol,
+            logits / 10,
+            10.0,
+            True,
+        ),
     ]
     lengths = (padded[0],) if padded else None
     result.generation = [
         GenerationCheck(
-            path, batch, lengths or (5,) * batch, padded[1] if padded else 5, len(errors), match, None, 0, errors, (10.0,) * len(errors), (match,) * len(errors), True
+            path,
+            batch,
+            lengths or (5,) * batch,
+            padded[1] if padded else 5,
+            len(errors),
+            match,
+            None,
+            0,
+            errors,
+            (10.0,) * len(errors),
+            (match,) * len(errors),
+            True,
         )
         for path, batch, errors in steps
     ]
@@ -39,12 +66,24 @@ def _result(precision: str, logits: float, steps: list[Run], match: float = 1.0,
 
 
 def _two_sets() -> ParityResult:
-    portable = _result("fp32", 2e-5, [("prefill+decode", 1, (1e-5, 3e-5)), ("model", 1, (1e-5, 3e-5)), ("prefill+decode", 3, (2e-5, 0.0))])
-    ort = _result("int8", 0.2, [("prefill+decode", 1, (0.1, 0.3)), ("model", 1, (0.10002, 0.30001)), ("model", 3, (0.5, 0.4))], match=0.95)
+    portable = _result(
+        "fp32",
+        2e-5,
+        [("prefill+decode", 1, (1e-5, 3e-5)), ("model", 1, (1e-5, 3e-5)), ("prefill+decode", 3, (2e-5, 0.0))],
+    )
+    ort = _result(
+        "int8",
+        0.2,
+        [("prefill+decode", 1, (0.1, 0.3)), ("model", 1, (0.10002, 0.30001)), ("model", 3, (0.5, 0.4))],
+        match=0.95,
+    )
     return portable.merge("ort", ort)
 
 
-EXTRAS = {"ple_folding": [{"name": "layers.0.ple", "positions": 256, "max_abs_error": 9.5367431640625e-07}], "kept_fp32": {"decode": {"nodes": ["a"], "tables": []}}}
+EXTRAS = {
+    "ple_folding": [{"name": "layers.0.ple", "positions": 256, "max_abs_error": 9.5367431640625e-07}],
+    "kept_fp32": {"decode": {"nodes": ["a"], "tables": []}},
+}
 
 
 def test_every_set_has_its_own_tolerances_in_the_tables() -> None:
@@ -52,19 +91,31 @@ def test_every_set_has_its_own_tolerances_in_the_tables() -> None:
     assert text.startswith("# Parity: onnxruntime vs PyTorch (portable fp32, ort int8): PASSED\n")
     assert "by |a - b| <= atol + rtol * max|b| of each row; and by cosine." in text
     assert summary_table(_two_sets())[2:] == [
-        "| portable | fp32 | 2e-05 | 1e-05 + 0.0001 x 10 = 0.00101 | 2e-06 | 1e-05 + 0.0001 x 10 = 0.00101 | 0.999999 | 100.00% | 100% | yes |",
+        "| portable | fp32 | 2e-05 | 1e-05 + 0.0001 x 10 = 0.00101 | 2e-06 | 1e-05 + 0.0001 x 10 = 0.00101 | "
+        "0.999999 | 100.00% | 100% | yes |",
         "| ort | int8 | 0.2 | 1.5 + 0.05 x 10 = 2 | 0.02 | 1 + 0.05 x 10 = 1.5 | 0.99 | 95.00% | 90% | yes |",
     ]
-    assert "| decode | 2 | logits | 3e-05 | 2e-05 | 1e-05 + 0.0001 x 10 = 0.00101 | 0.01 | 0.99999990 | 0.999999 | 1.0000 | yes |" in text
-    assert "| decode.ort | 2 | logits | 0.3 | 0.2 | 1.5 + 0.05 x 10 = 2 | 0.01 | 0.99999990 | 0.99 | 1.0000 | yes |" in text
+    assert (
+        "| decode | 2 | logits | 3e-05 | 2e-05 | 1e-05 + 0.0001 x 10 = 0.00101 | 0.01 | 0.99999990 | 0.999999 | "
+        "1.0000 | yes |" in text
+    )
+    assert (
+        "| decode.ort | 2 | logits | 0.3 | 0.2 | 1.5 + 0.05 x 10 = 2 | 0.01 | 0.99999990 | 0.99 | 1.0000 | yes |"
+        in text
+    )
     assert "| model | 1 | 5 | 2 | 1.0000 | 1 | - | 0 | 3e-05 | 10 | yes |" in text
     assert "| ort:model | 3 | 5, 5, 5 | 2 | 0.9500 | 0.9 | - | 0 | 0.5 | 10 | yes |" in text
 
 
 def test_a_failed_row_says_by_how_much() -> None:
     failed = _result("fp32", 0.002, [("model", 1, (1e-5,))])
-    assert summary_table(failed)[2].startswith("| portable | fp32 | 0.002 | 1e-05 + 0.0001 x 10 = 0.00101 | ") and summary_table(failed)[2].endswith(" | NO |")
-    assert failed.failures() == ["decode:logits max abs 0.002 (tolerance 1e-05 + 0.0001 x max|row| = 0.00101 at max|row| 10), cosine 1.000000 (at least 0.999999)"]
+    assert summary_table(failed)[2].startswith(
+        "| portable | fp32 | 0.002 | 1e-05 + 0.0001 x 10 = 0.00101 | "
+    ) and summary_table(failed)[2].endswith(" | NO |")
+    assert failed.failures() == [
+        "decode:logits max abs 0.002 (tolerance 1e-05 + 0.0001 x max|row| = 0.00101 at max|row| 10), cosine "
+        "1.000000 (at least 0.999999)"
+    ]
 
 
 def test_a_set_passed_below_its_token_floor_says_the_ties() -> None:
@@ -86,8 +137,12 @@ def test_a_padded_batch_of_one_says_so() -> None:
 def test_extras_and_targets_are_tables_not_json() -> None:
     text = markdown(_two_sets(), EXTRAS)
     section = text.split("## ple_folding\n\n", 1)[1].split("\n\n", 1)[0]
-    assert section.splitlines() == ["| name | positions | max_abs_error |", "|---|---|---|", "| layers.0.ple | 256 | 9.54e-07 |"]
-    assert "## targets" not in text and "\"precision\"" not in text  # the graph sets table says it
+    assert section.splitlines() == [
+        "| name | positions | max_abs_error |",
+        "|---|---|---|",
+        "| layers.0.ple | 256 | 9.54e-07 |",
+    ]
+    assert "## targets" not in text and '"precision"' not in text  # the graph sets table says it
     assert text.count("```") == 2  # only kept_fp32 (nested lists per graph) stays JSON
 
 
@@ -100,15 +155,21 @@ def test_plot_lines_keep_near_ones_apart() -> None:
         ("ort:model, batch 1", "ort", True),  # within 0.1% of the line above: its own line, its own marker and dashes
         ("ort:model, batch 3", "ort", True),
     ]
-    assert lines[0].error == pytest.approx((1e-5, 3e-5)) and lines[1].error == pytest.approx((2e-5, 1e-12))  # a zero at 1e-12
-    assert lines[0].limit == pytest.approx((1e-5 + 1e-4 * 10,) * 2) and lines[2].limit == pytest.approx((1.5 + 0.05 * 10,) * 2)  # atol + rtol x the step's max |logit|
+    assert lines[0].error == pytest.approx((1e-5, 3e-5)) and lines[1].error == pytest.approx(
+        (2e-5, 1e-12)
+    )  # a zero at 1e-12
+    assert lines[0].limit == pytest.approx((1e-5 + 1e-4 * 10,) * 2) and lines[2].limit == pytest.approx(
+        (1.5 + 0.05 * 10,) * 2
+    )  # atol + rtol x the step's max |logit|
     assert lines[2].match == (0.95, 0.95) and lines[2].run_match == pytest.approx((0.95, 0.95))
     assert limit_labels(_two_sets()) == {
         "portable": "limit 1e-05 + 0.0001 x step's max|logit| (portable fp32)",
         "ort": "limit 1.5 + 0.05 x step's max|logit| (ort int8)",
     }
     same = _result("int8", 0.2, [("model", 1, (0.1,))]).merge("ort", _result("int8", 0.2, [("model", 1, (0.2,))]))
-    assert run_rules(same) == [("whole run: token match at least 90%, ties excepted (portable int8, ort int8)", 0.9)]  # one per distinct floor
+    assert run_rules(same) == [
+        ("whole run: token match at least 90%, ties excepted (portable int8, ort int8)", 0.9)
+    ]  # one per distinct floor
 
 
 def test_the_plot_has_two_panels_and_its_legend_clear_of_them() -> None:
@@ -120,10 +181,19 @@ def test_the_plot_has_two_panels_and_its_legend_clear_of_them() -> None:
     runs, limits = error.get_lines()[0::2], error.get_lines()[1::2]  # each run, then its limit
     assert [line.get_marker() for line in runs] == ["o", "o", "x", "x", "x"]
     assert [line.get_linestyle() for line in runs] == ["-", "-", "-", "--", "--"]
-    assert [line.get_linestyle() for line in limits] == [":"] * 5 and [line.get_color() for line in limits] == [line.get_color() for line in runs]
-    assert list(limits[0].get_ydata()) == pytest.approx([1e-5 + 1e-4 * 10] * 2) and list(limits[2].get_ydata()) == pytest.approx([1.5 + 0.05 * 10] * 2)
-    (floor,) = [line for line in tokens.get_lines() if line.get_label().startswith("whole run: token match at least 90%")]
-    assert list(floor.get_xdata()) == [0.9, 1.0] and list(floor.get_ydata()) == [90, 90]  # at the run's end, not across the steps
+    assert [line.get_linestyle() for line in limits] == [":"] * 5 and [line.get_color() for line in limits] == [
+        line.get_color() for line in runs
+    ]
+    assert list(limits[0].get_ydata()) == pytest.approx([1e-5 + 1e-4 * 10] * 2) and list(
+        limits[2].get_ydata()
+    ) == pytest.approx([1.5 + 0.05 * 10] * 2)
+    (floor,) = [
+        line for line in tokens.get_lines() if line.get_label().startswith("whole run: token match at least 90%")
+    ]
+    assert list(floor.get_xdata()) == [0.9, 1.0] and list(floor.get_ydata()) == [
+        90,
+        90,
+    ]  # at the run's end, not across the steps
     (legend,) = fig.legends
     box = legend.get_window_extent(renderer)
     for ax in (error, tokens):  # the axes with their labels and ticks
@@ -135,21 +205,44 @@ def test_the_plot_has_two_panels_and_its_legend_clear_of_them() -> None:
 
 def test_verdict_names_each_set_against_its_tolerance() -> None:
     assert verdict(_two_sets()) == (
-        "parity passed: portable (fp32): logits error 2e-05 (limit 0.00101), KV error 2e-06 (limit 0.00101), tokens 100% equal over 6 steps; "
+        "parity passed: portable (fp32): logits error 2e-05 (limit 0.00101), KV error 2e-06 (limit 0.00101), "
+        "tokens 100% equal over 6 steps; "
         "ort (int8): logits error 0.2 (limit 2), KV error 0.02 (limit 1.5), tokens 95% equal over 6 steps"
     )
     single = _result("fp32", 2e-3, [("model", 1, (1e-5,))])
-    assert verdict(single) == "parity FAILED: logits error 0.002 (limit 0.00101), KV error 0.0002 (limit 0.00101), tokens 100% equal over 1 steps"
+    assert (
+        verdict(single)
+        == "parity FAILED: logits error 0.002 (limit 0.00101), KV error 0.0002 (limit 0.00101), tokens 100% equal "
+        "over 1 steps"
+    )
 
 
 def test_json_is_extended_only(tmp_path: Path) -> None:
     paths = write_parity_reports(_two_sets(), tmp_path, EXTRAS)
     data = json.loads(paths[0].read_text())
-    assert list(data) == ["backend", "precision", "passed", "rule", "tolerance", "tensors", "generation", "targets", "ple_folding", "kept_fp32"]
+    assert list(data) == [
+        "backend",
+        "precision",
+        "passed",
+        "rule",
+        "tolerance",
+        "tensors",
+        "generation",
+        "targets",
+        "ple_folding",
+        "kept_fp32",
+    ]
     assert data["rule"] == "|a - b| <= atol + rtol * max|b| of each row"
     assert [t["target"] for t in data["tensors"]] == [None, None, "ort", "ort"]
     assert data["targets"]["ort"]["tolerance"]["logits_atol"] == 1.5 and data["tensors"][2]["graph"] == "decode.ort"
-    assert data["tolerance"] == {"logits_atol": 1e-5, "logits_rtol": 1e-4, "kv_atol": 1e-5, "kv_rtol": 1e-4, "min_cosine": 0.999999, "min_token_match": 1.0}
+    assert data["tolerance"] == {
+        "logits_atol": 1e-5,
+        "logits_rtol": 1e-4,
+        "kv_atol": 1e-5,
+        "kv_rtol": 1e-4,
+        "min_cosine": 0.999999,
+        "min_token_match": 1.0,
+    }
     assert {k: data["tensors"][0][k] for k in ("max_abs", "atol", "rtol", "error", "scale")} == pytest.approx(
         {"max_abs": 3e-5, "atol": 1e-5, "rtol": 1e-4, "error": 2e-5, "scale": 10.0}
     )

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.parity import generation_parity
-from kiln.exporter.precision import TOLERANCES
 from kiln.exporter.parity.tensors import tensor_parity
+from kiln.exporter.precision import TOLERANCES
 from kiln.exporter.runners.base import Feeds
 from kiln.plugins.base import DecoderSpec
 
@@ -30,7 +31,11 @@ class _Outputs:
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
         batch, seq = feeds["input_ids"].shape
         logits = np.broadcast_to(self._rows[None, :seq], (batch, seq, SPEC.vocab_size)).copy()
-        out = {"logits": logits, "present.0.key": np.ones((batch, 1, seq, 4), np.float32), "present.0.value": np.ones((batch, 1, seq, 4), np.float32)}
+        out = {
+            "logits": logits,
+            "present.0.key": np.ones((batch, 1, seq, 4), np.float32),
+            "present.0.value": np.ones((batch, 1, seq, 4), np.float32),
+        }
         if self._edit is not None:
             self._edit(out)
         return out
@@ -39,7 +44,10 @@ class _Outputs:
 def _rows(scales: list[float]) -> np.ndarray:
     """Logits rows of 7 positions: row i's values reach ``scales[i % len]``, its element 0 near zero."""
     rng = np.random.default_rng(0)
-    rows = rng.uniform(0.5, 1.0, size=(7, SPEC.vocab_size)) * np.array([scales[i % len(scales)] for i in range(7)])[:, None]
+    rows = (
+        rng.uniform(0.5, 1.0, size=(7, SPEC.vocab_size))
+        * np.array([scales[i % len(scales)] for i in range(7)])[:, None]
+    )
     rows[:, 0] = 1e-3
     rows[:, 1] = np.array([scales[i % len(scales)] for i in range(7)])  # the row's max |b|
     return rows.astype(np.float32)
@@ -92,7 +100,11 @@ def test_precisions_are_ordered() -> None:
         for tight, loose in zip(order, order[1:], strict=False):
             a, b = getattr(TOLERANCES[tight], bound), getattr(TOLERANCES[loose], bound)
             assert a.atol < b.atol and a.rtol < b.rtol, (bound, tight, loose)
-    assert TOLERANCES["fp8"] == TOLERANCES["int8"] and TOLERANCES["int8+fp16"] == TOLERANCES["int8"] and TOLERANCES["int4+fp16"] == TOLERANCES["int4"]
+    assert (
+        TOLERANCES["fp8"] == TOLERANCES["int8"]
+        and TOLERANCES["int8+fp16"] == TOLERANCES["int8"]
+        and TOLERANCES["int4+fp16"] == TOLERANCES["int4"]
+    )
 
 
 class _Steps:
@@ -111,7 +123,11 @@ class _Steps:
         batch, seq = feeds["input_ids"].shape
         logits = np.zeros((batch, seq, SPEC.vocab_size), np.float32)
         logits[..., 3], logits[..., 4] = 40.0, 40.0 + self._margin
-        return {"logits": logits, "present.0.key": np.zeros((batch, 1, seq, 4), np.float32), "present.0.value": np.zeros((batch, 1, seq, 4), np.float32)}
+        return {
+            "logits": logits,
+            "present.0.key": np.zeros((batch, 1, seq, 4), np.float32),
+            "present.0.value": np.zeros((batch, 1, seq, 4), np.float32),
+        }
 
 
 @pytest.mark.parametrize(("margin", "tie"), [(1.9 * (1e-5 + 1e-4 * 40), True), (2.1 * (1e-5 + 1e-4 * 40), False)])

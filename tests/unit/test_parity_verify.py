@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from kiln.exporter.parity.generation import judge
 from kiln.exporter.parity.memory import keeps_model, module_bytes
 from kiln.exporter.precision import TOLERANCES
@@ -31,7 +32,9 @@ def test_the_reference_argmax_at_every_step_passes() -> None:
     ref = _logits(4)
     check = judge(PROMPTS, ref, ref + 1e-6, FP32, False, None)
     assert check.passed and check.token_match_rate == 1.0 and check.first_divergence is None and check.ties == 0, check
-    assert check.per_step_match == (1.0,) * 4 and check.per_step_scale == (3.0,) * 4 and max(check.per_step_max_abs) < 2e-6
+    assert (
+        check.per_step_match == (1.0,) * 4 and check.per_step_scale == (3.0,) * 4 and max(check.per_step_max_abs) < 2e-6
+    )
 
 
 @pytest.mark.parametrize(("margin", "tie"), [(1e-4, True), (0.5, False)])
@@ -58,9 +61,13 @@ def test_a_floor_below_one_counts_near_ties_as_agreement() -> None:
     cand[1, 0, 3] = 9.0  # int8's wide limit makes this mismatch a tie
     check = judge(PROMPTS, ref, cand, TOLERANCES["int8"], False, None)
     assert check.token_match_rate == 0.75 and check.ties == 1 and check.first_divergence is None and check.passed, check
-    ref[1, 0, 3] = -5.0  # the reference's margin, 8, now beyond twice the limit (2 x 1.65): a divergence, 3 of 4 under the floor
+    ref[
+        1, 0, 3
+    ] = -5.0  # the reference's margin, 8, now beyond twice the limit (2 x 1.65): a divergence, 3 of 4 under the floor
     check = judge(PROMPTS, ref, cand, TOLERANCES["int8"], False, None)
-    assert check.token_match_rate == 0.75 and check.ties == 0 and check.first_divergence == 1 and not check.passed, check
+    assert check.token_match_rate == 0.75 and check.ties == 0 and check.first_divergence == 1 and not check.passed, (
+        check
+    )
 
 
 def test_the_model_is_kept_only_when_it_and_the_graphs_fit_half_the_memory() -> None:

@@ -80,7 +80,9 @@ def traced_like(kind: GraphKind, *, seed: int = 0) -> ir.Model:
     outputs = [logits]
     for i in range(SPEC.n_layers):
         for j, part in enumerate(("key", "value")):
-            table = init(inits, f"kv.{i}.{part}", rng.standard_normal((SPEC.vocab_size, n_kv * head)).astype(np.float32))
+            table = init(
+                inits, f"kv.{i}.{part}", rng.standard_normal((SPEC.vocab_size, n_kv * head)).astype(np.float32)
+            )
             gather = ir.node("Gather", [table, ids])
             reshape = ir.node("Reshape", [gather.outputs[0], shape])
             transpose = ir.node("Transpose", [reshape.outputs[0]], {"perm": [0, 2, 1, 3]})
@@ -108,7 +110,9 @@ def feeds_for(kind: GraphKind, batch: int = 2, seq: int = 3, past: int = 4) -> d
     if kind is not GraphKind.PREFILL:
         for i in range(SPEC.n_layers):
             for part in ("key", "value"):
-                feeds[f"past_key_values.{i}.{part}"] = rng.standard_normal((batch, SPEC.n_kv_heads, past, SPEC.head_dim)).astype(np.float32)
+                feeds[f"past_key_values.{i}.{part}"] = rng.standard_normal(
+                    (batch, SPEC.n_kv_heads, past, SPEC.head_dim)
+                ).astype(np.float32)
     return feeds
 
 
@@ -147,7 +151,10 @@ def test_contract_names_the_dims_and_keeps_the_outputs(kind: GraphKind) -> None:
 def test_contract_with_last_logits_and_ple_table_inputs() -> None:
     model = traced_like(GraphKind.PREFILL)
     io = graph_io(SPEC, GraphKind.PREFILL, last_logits_only=True)
-    with pytest.raises(ExportError, match=re.escape("prefill graph output logits has shape [s0,s1,101], the contract needs ['batch', 1, 101]")):
+    with pytest.raises(
+        ExportError,
+        match=re.escape("prefill graph output logits has shape [s0,s1,101], the contract needs ['batch', 1, 101]"),
+    ):
         ApplyContract(io, GraphKind.PREFILL)(model)
     # a graph that writes [s0, 1, vocab] passes and keeps the static 1
     model = traced_like(GraphKind.PREFILL)
@@ -156,10 +163,13 @@ def test_contract_with_last_logits_and_ple_table_inputs() -> None:
     assert dims(model.graph.outputs[0]) == ["batch", 1, 101]
     # ple table inputs must be there, with their static shapes
     tables = graph_io(SPEC, GraphKind.PREFILL, ple_tables=((48, 32),))
-    with pytest.raises(ExportError, match=exact(
-        "export: prefill graph inputs are ['input_ids', 'attention_mask', 'position_ids'], "
-        "the contract needs ['input_ids', 'attention_mask', 'position_ids', 'ple.0.scale', 'ple.0.shift']"
-    )):
+    with pytest.raises(
+        ExportError,
+        match=exact(
+            "export: prefill graph inputs are ['input_ids', 'attention_mask', 'position_ids'], "
+            "the contract needs ['input_ids', 'attention_mask', 'position_ids', 'ple.0.scale', 'ple.0.shift']"
+        ),
+    ):
         ApplyContract(tables, GraphKind.PREFILL)(traced_like(GraphKind.PREFILL))
 
 
@@ -189,18 +199,41 @@ def _broken(kind: GraphKind, how: str) -> ir.Model:
 
 OUT = "['logits', 'present.0.key', 'present.0.value', 'present.1.key', 'present.1.value']"
 BROKEN = [
-    (GraphKind.PREFILL, "input name", "prefill graph inputs are ['ids', 'attention_mask', 'position_ids'], the contract needs ['input_ids', 'attention_mask', 'position_ids']"),
+    (
+        GraphKind.PREFILL,
+        "input name",
+        "prefill graph inputs are ['ids', 'attention_mask', 'position_ids'], the contract needs ['input_ids', "
+        "'attention_mask', 'position_ids']",
+    ),
     (GraphKind.PREFILL, "input dtype", "prefill graph input attention_mask is INT32, the contract needs int64"),
     (GraphKind.PREFILL, "output dtype", "prefill graph output present.0.value is FLOAT16, the contract needs float32"),
-    (GraphKind.PREFILL, "static dim", "prefill graph output present.0.key has shape [s0,3,s1,8], the contract needs ['batch', 2, 'seq', 8]"),
-    (GraphKind.PREFILL, "rank", "prefill graph input position_ids has shape [s0,s1,1], the contract needs ['batch', 'seq']"),
-    (GraphKind.PREFILL, "no shape", "prefill graph output logits has shape None, the contract needs ['batch', 'seq', 101]"),
+    (
+        GraphKind.PREFILL,
+        "static dim",
+        "prefill graph output present.0.key has shape [s0,3,s1,8], the contract needs ['batch', 2, 'seq', 8]",
+    ),
+    (
+        GraphKind.PREFILL,
+        "rank",
+        "prefill graph input position_ids has shape [s0,s1,1], the contract needs ['batch', 'seq']",
+    ),
+    (
+        GraphKind.PREFILL,
+        "no shape",
+        "prefill graph output logits has shape None, the contract needs ['batch', 'seq', 101]",
+    ),
     (
         GraphKind.PREFILL,
         "output order",
-        f"prefill graph outputs are ['logits', 'present.0.value', 'present.0.key', 'present.1.key', 'present.1.value'], the contract needs {OUT}",
+        "prefill graph outputs are ['logits', 'present.0.value', 'present.0.key', 'present.1.key', "
+        f"'present.1.value'], the contract needs {OUT}",
     ),
-    (GraphKind.UNIFIED, "missing output", f"model graph outputs are ['logits', 'present.0.key', 'present.0.value', 'present.1.key'], the contract needs {OUT}"),
+    (
+        GraphKind.UNIFIED,
+        "missing output",
+        "model graph outputs are ['logits', 'present.0.key', 'present.0.value', 'present.1.key'], the contract "
+        f"needs {OUT}",
+    ),
     (GraphKind.DECODE, "decode seq", "decode graph input input_ids has shape [s0,s1], the contract needs ['batch', 1]"),
 ]
 
@@ -210,7 +243,9 @@ def test_a_graph_that_breaks_the_contract(kind: GraphKind, how: str, message: st
     io = graph_io(SPEC, kind)
     with pytest.raises(ExportError, match=exact(f"export: {message}")):
         ApplyContract(io, kind)(_broken(kind, how))
-    with pytest.raises(ExportError, match=exact(f"export: pass ApplyContract on the {kind.value} graph: {message}")) as info:
+    with pytest.raises(
+        ExportError, match=exact(f"export: pass ApplyContract on the {kind.value} graph: {message}")
+    ) as info:
         run_passes(_broken(kind, how), [NameNodes(), ApplyContract(io, kind), NameNodes()], graph=kind.value)
     assert isinstance(info.value.__cause__, ExportError)
 
@@ -218,7 +253,10 @@ def test_a_graph_that_breaks_the_contract(kind: GraphKind, how: str, message: st
 def test_contract_is_checked_at_the_graphs_precision() -> None:
     """An fp32 graph against the fp16 contract (KV float16) fails on the first cache tensor."""
     io16 = graph_io(SPEC, GraphKind.DECODE, kv_dtype="float16")
-    with pytest.raises(ExportError, match=exact("export: decode graph input past_key_values.0.key is FLOAT, the contract needs float16")):
+    with pytest.raises(
+        ExportError,
+        match=exact("export: decode graph input past_key_values.0.key is FLOAT, the contract needs float16"),
+    ):
         ApplyContract(io16, GraphKind.DECODE)(traced_like(GraphKind.DECODE))
 
 
@@ -303,11 +341,19 @@ def _scoped(op: str, inputs: list[ir.Value], scopes: str | None, **attrs: Any) -
 
 def test_name_nodes() -> None:
     x = ir.val("x", FLOAT, [2, 4], metadata_props={"pkg.torch.onnx.x": "1"})
-    w = ir.val("w", const_value=ir.tensor(np.arange(16, dtype=np.float32).reshape(4, 4) / 10, name="w"), metadata_props={"k": "v"})
+    w = ir.val(
+        "w",
+        const_value=ir.tensor(np.arange(16, dtype=np.float32).reshape(4, 4) / 10, name="w"),
+        metadata_props={"k": "v"},
+    )
     attn = "['', 'model', 'model.layers.0', 'model.layers.0.attn', 'matmul']"
     mm1 = _scoped("MatMul", [x, w], attn)
     mm2 = _scoped("MatMul", [mm1.outputs[0], w], attn.replace("'matmul'", "'matmul_1'"))
-    relu = _scoped("Relu", [mm2.outputs[0]], "['', 'model', 'model.layers.0', 'model.layers.0.mlp', 'model.layers.0.mlp.fc1', 'relu']")
+    relu = _scoped(
+        "Relu",
+        [mm2.outputs[0]],
+        "['', 'model', 'model.layers.0', 'model.layers.0.mlp', 'model.layers.0.mlp.fc1', 'relu']",
+    )
     root = _scoped("Neg", [relu.outputs[0]], "['', 'model', 'neg']")  # only the wrapper: no module
     bad = _scoped("Abs", [root.outputs[0]], "not a [list")
     bare = _scoped("Sigmoid", [bad.outputs[0]], None)
@@ -315,7 +361,9 @@ def test_name_nodes() -> None:
     nodes = [mm1, mm2, relu, root, bad, bare, bare2]
     out = bare2.outputs[0]
     out.name, out.shape = "y", ir.Shape([2, 4])
-    graph = ir.Graph([x], [out], nodes=nodes, initializers=[w], opset_imports={"": OPSET}, name="g", metadata_props={"g": "1"})
+    graph = ir.Graph(
+        [x], [out], nodes=nodes, initializers=[w], opset_imports={"": OPSET}, name="g", metadata_props={"g": "1"}
+    )
     model = ir.Model(graph, ir_version=10, metadata_props={"m": "1"})
     feeds = {"x": np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)}
     before = run(model, feeds)
@@ -391,7 +439,10 @@ def ple_graph(tables: list[tuple[np.ndarray, np.ndarray]], decoy: np.ndarray | N
 
 def _tables(n: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(seed)
-    return [(rng.standard_normal((ROWS, D)).astype(np.float32), rng.standard_normal((ROWS, D)).astype(np.float32)) for _ in range(n)]
+    return [
+        (rng.standard_normal((ROWS, D)).astype(np.float32), rng.standard_normal((ROWS, D)).astype(np.float32))
+        for _ in range(n)
+    ]
 
 
 def _torch(tables: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -400,7 +451,10 @@ def _torch(tables: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[torch.Tens
 
 def _ple_feeds() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(3)
-    return {"x": rng.standard_normal((2, 5, D)).astype(np.float32), "position_ids": rng.integers(0, ROWS, (2, 5)).astype(np.int64)}
+    return {
+        "x": rng.standard_normal((2, 5, D)).astype(np.float32),
+        "position_ids": rng.integers(0, ROWS, (2, 5)).astype(np.int64),
+    }
 
 
 def test_ple_tables_become_inputs() -> None:
@@ -412,11 +466,20 @@ def test_ple_tables_become_inputs() -> None:
     pass_ = PleTablesToInputs(_torch(tables))
     assert pass_(model).modified
     graph = model.graph
-    assert [v.name for v in graph.inputs] == ["x", "position_ids", "ple.0.scale", "ple.0.shift", "ple.1.scale", "ple.1.shift"]
+    assert [v.name for v in graph.inputs] == [
+        "x",
+        "position_ids",
+        "ple.0.scale",
+        "ple.0.shift",
+        "ple.1.scale",
+        "ple.1.shift",
+    ]
     assert sorted(graph.initializers) == ["decoy"]  # the same-shape tensor of other content stays
     for value in graph.inputs[2:]:
         assert value.const_value is None and value.dtype == FLOAT and list(value.shape) == [ROWS, D]
-    tables_feeds = {f"ple.{i}.{part}": t for i, pair in enumerate(tables) for part, t in zip(("scale", "shift"), pair, strict=True)}
+    tables_feeds = {
+        f"ple.{i}.{part}": t for i, pair in enumerate(tables) for part, t in zip(("scale", "shift"), pair, strict=True)
+    }
     after = run(model, {**feeds, **tables_feeds})["y"]
     np.testing.assert_array_equal(after, before)
     # other tables fed in change the output: they really are read from the inputs now

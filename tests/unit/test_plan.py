@@ -22,14 +22,21 @@ PLAIN = DecoderSpec(family="toy", n_layers=2, n_kv_heads=2, head_dim=8, vocab_si
 
 
 def test_every_reason_of_the_options_is_one_error_in_the_loops_order() -> None:
-    options = ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True)), ple_tables=PLETables.INPUT, target="onnx", lora_slots=4, parity_agreement="record")
+    options = ExportOptions(
+        precision=Precision.of(Fp16(auto_keep_fp32=True)),
+        ple_tables=PLETables.INPUT,
+        target="onnx",
+        lora_slots=4,
+        parity_agreement="record",
+    )
     with pytest.raises(ConfigError) as err:
         plan(options)
     assert str(err.value).removeprefix("config: ").split(SEPARATOR) == [
         "--auto-keep-fp32 cannot be combined with --ple-tables input",  # the kind
         "--target onnx takes the PLE tables as constants; drop --ple-tables input",  # the target
         "--lora-slots with --target onnx: slots are built on the portable graphs and --target ort only",  # LoRA
-        "--parity-agreement record only applies to --int8, --fp8 or --int4 exports, whose graphs are also checked against PyTorch on their own quantized numbers; "
+        "--parity-agreement record only applies to --int8, --fp8 or --int4 exports, whose graphs are also "
+        "checked against PyTorch on their own quantized numbers; "
         "a fp16 export's only proof is its agreement with the checkpoint's model",  # parity
     ]
 
@@ -38,11 +45,14 @@ def test_the_model_is_asked_only_once_the_options_are_taken() -> None:
     refused = ExportOptions(target="ort", precision=Precision.FP16, triton="m")
     with pytest.raises(ConfigError) as err:
         plan(refused, CROSS)
-    assert "cross-attention" not in str(err.value) and str(err.value).startswith("config: --target ort rewrites fp32 graphs")
+    assert "cross-attention" not in str(err.value) and str(err.value).startswith(
+        "config: --target ort rewrites fp32 graphs"
+    )
     with pytest.raises(ConfigError) as err:
         plan(ExportOptions(target="ort", triton="m"), CROSS)
     assert str(err.value).removeprefix("config: ").split(SEPARATOR) == [
-        "--target ort is not supported for cross-attention decoders yet: its attention rewrite knows causal self-attention only",
+        "--target ort is not supported for cross-attention decoders yet: its attention rewrite knows causal "
+        "self-attention only",
         "triton: cross-attention decoders are not supported yet (the ensemble would need encoder_hidden_states"
         " and a cross cache that is written once); serve prefill.onnx and decode.onnx from your own host",
     ]
@@ -56,9 +66,17 @@ def test_a_taken_export_is_planned_with_the_targets_it_writes() -> None:
 
 
 def test_options_refuse_only_what_is_wrong_on_its_own() -> None:
-    taken = ExportOptions(target="onnx", precision=Precision.of(Int8(all_matmuls=True)))  # a kind and a target judge it: the plan
-    assert reasons(taken)[0] == "--int8 needs --calib-data: a text file, .jsonl (field 'text'), .npy/.npz token ids, or 'synthetic'"
-    with pytest.raises(ConfigError, match=r"^config: --max-batch must be at least 1, found 0 \| --opset must be between 18 and 23, found 99$"):
+    taken = ExportOptions(
+        target="onnx", precision=Precision.of(Int8(all_matmuls=True))
+    )  # a kind and a target judge it: the plan
+    assert (
+        reasons(taken)[0]
+        == "--int8 needs --calib-data: a text file, .jsonl (field 'text'), .npy/.npz token ids, or 'synthetic'"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^config: --max-batch must be at least 1, found 0 \| --opset must be between 18 and 23, found 99$",
+    ):
         ExportOptions(max_batch=0, opset=99)
     with pytest.raises(ConfigError, match=r"^config: --target 'tpu' is not a target; choose portable, ort, onnx$"):
         plan(ExportOptions(target="tpu"))
@@ -66,6 +84,8 @@ def test_options_refuse_only_what_is_wrong_on_its_own() -> None:
 
 def test_options_import_no_target_and_no_kind_but_the_precision_type() -> None:
     tree = ast.parse((ROOT / "exporter" / "options.py").read_text())
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("kiln.")}
+    imported = {
+        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("kiln.")
+    }
     assert not {m for m in imported if m.startswith("kiln.exporter.targets")}
     assert {m for m in imported if m.startswith("kiln.exporter.precision")} == {"kiln.exporter.precision.kinds.plan"}

@@ -4,21 +4,23 @@ import itertools
 
 import pytest
 import torch
-from kiln_testing import tiny_config
 
-from kiln.exporter.options import PLEExtendMode
 from kiln.exporter.fold import check_folding
-from kiln.plugins.native.ple import NATIVE_PLE, FoldedPLE, extend_ple, fold_ple, ple_sublayers
+from kiln.exporter.options import PLEExtendMode
 from kiln.plugins.native.build import random_model
 from kiln.plugins.native.config import NormKind, NormPosition, PLEPlacement
 from kiln.plugins.native.model import PLESubLayer
+from kiln.plugins.native.ple import NATIVE_PLE, FoldedPLE, extend_ple, fold_ple, ple_sublayers
+from kiln_testing import tiny_config
 
 
 @pytest.mark.parametrize(
     ("norm", "position", "bounded", "projection"),
     list(itertools.product(NormKind, NormPosition, (False, True), (False, True))),
 )
-def test_folded_equals_unfolded_at_every_position(norm: NormKind, position: NormPosition, bounded: bool, projection: bool) -> None:
+def test_folded_equals_unfolded_at_every_position(
+    norm: NormKind, position: NormPosition, bounded: bool, projection: bool
+) -> None:
     cfg = tiny_config(norm=norm, norm_position=position, ple={"bounded": bounded, "projection": projection})
     model = random_model(cfg, 3)
     folded = fold_ple(model)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from kiln_testing import tiny_config
 
 import kiln.plugins as registry
 from kiln.cli import main
 from kiln.errors import CheckpointError
+from kiln_testing import tiny_config
 
-FAMILY_MODULE = '''
+FAMILY_MODULE = """
 import json
 from kiln.plugins.base import LoadedModel
 from kiln.plugins.native import NATIVE, spec_of
@@ -41,7 +41,7 @@ class ToyFamily:
 
 
 FAMILY = ToyFamily()
-'''
+"""
 
 
 @pytest.fixture
@@ -50,8 +50,12 @@ def toy_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     site = tmp_path / "site"
     (site / "kiln_toy_family-0.1.dist-info").mkdir(parents=True)
     (site / "kiln_toy_family.py").write_text(FAMILY_MODULE)
-    (site / "kiln_toy_family-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: kiln-toy-family\nVersion: 0.1\n")
-    (site / "kiln_toy_family-0.1.dist-info" / "entry_points.txt").write_text("[kiln.plugins]\ntoy = kiln_toy_family:FAMILY\n")
+    (site / "kiln_toy_family-0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: kiln-toy-family\nVersion: 0.1\n"
+    )
+    (site / "kiln_toy_family-0.1.dist-info" / "entry_points.txt").write_text(
+        "[kiln.plugins]\ntoy = kiln_toy_family:FAMILY\n"
+    )
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(registry, "FAMILIES", registry.FAMILIES.fresh())  # entry points read anew, dropped after
     yield site
@@ -70,7 +74,9 @@ def test_entry_point_family_is_found_and_loads(toy_package: Path, tmp_path: Path
 
 
 def test_entry_point_that_is_not_a_family(toy_package: Path) -> None:
-    (toy_package / "kiln_toy_family-0.1.dist-info" / "entry_points.txt").write_text("[kiln.plugins]\nbad = json:dumps\n")
+    (toy_package / "kiln_toy_family-0.1.dist-info" / "entry_points.txt").write_text(
+        "[kiln.plugins]\nbad = json:dumps\n"
+    )
     from kiln.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"entry point 'bad' \(json:dumps\) does not provide a kiln ModelFamily"):
@@ -83,7 +89,9 @@ def test_a_third_party_family_claims_before_the_built_in_ones(toy_package: Path,
     assert [f.name for f in registry.claim_order()] == ["toy", "native", "hf"]
     ckpt = tmp_path / "toy-hf-style"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps({**tiny_config().to_dict(), "architecture": "toy-decoder", "architectures": ["ToyForCausalLM"]}))
+    (ckpt / "config.json").write_text(
+        json.dumps({**tiny_config().to_dict(), "architecture": "toy-decoder", "architectures": ["ToyForCausalLM"]})
+    )
     loaded = registry.load_model(ckpt)
     assert type(loaded.module).__name__ == "PLEDecoder"  # not hf's "unsupported Hugging Face architecture"
     (ckpt / "config.json").write_text(json.dumps({"architectures": ["ToyForCausalLM"]}))

@@ -16,9 +16,16 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from kiln.errors import ConfigError, ExportError
-from kiln.exporter.precision.fp16 import FP16_MAX, ConvertFp16, _drop_cast_round_trips, convert_to_fp16
-from kiln.exporter.precision.int8 import DEFAULT_INT8_FLOAT, MIN_INT8_OPSET, Int8Policy, check_qdq, int8_targets, quantize_int8
 from kiln.exporter.passes.names import module_of
+from kiln.exporter.precision.fp16 import FP16_MAX, ConvertFp16, _drop_cast_round_trips, convert_to_fp16
+from kiln.exporter.precision.int8 import (
+    DEFAULT_INT8_FLOAT,
+    MIN_INT8_OPSET,
+    Int8Policy,
+    check_qdq,
+    int8_targets,
+    quantize_int8,
+)
 from kiln.exporter.precision.policy import DEFAULT_KEEP_FP32, Fp16Policy, resolve_kept_nodes, rule_matches
 
 F32, F16, I8 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT8
@@ -28,7 +35,14 @@ def exact(message: str) -> str:
     return "^" + re.escape(message) + "$"
 
 
-def make(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto], inits: Sequence[tuple[str, np.ndarray]] = (), opset: int = 19, infer: bool = True) -> onnx.ModelProto:
+def make(
+    nodes: list[onnx.NodeProto],
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+    inits: Sequence[tuple[str, np.ndarray]] = (),
+    opset: int = 19,
+    infer: bool = True,
+) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "decode", inputs, outputs, [numpy_helper.from_array(a, n) for n, a in inits])
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
     return onnx.shape_inference.infer_shapes(proto, strict_mode=True) if infer else proto
@@ -80,7 +94,15 @@ def rms_graph(eps_as_node: bool = False) -> onnx.ModelProto:
     """x -> fc1 (MatMul) -> RMSNorm (module layers.0.norm) -> the same module's * weight ->
     Softmax (layers.0.attn) -> Add in the head -> logits. Exported names, as NameNodes writes them."""
     n = "/layers.0.norm/"
-    eps_node = [helper.make_node("Constant", [], ["eps"], name=f"{n}Constant", value=numpy_helper.from_array(np.array(1e-6, dtype=np.float32)))]
+    eps_node = [
+        helper.make_node(
+            "Constant",
+            [],
+            ["eps"],
+            name=f"{n}Constant",
+            value=numpy_helper.from_array(np.array(1e-6, dtype=np.float32)),
+        )
+    ]
     nodes = [
         helper.make_node("MatMul", ["x", "w_fc1"], ["h"], name="/layers.0.mlp.fc1/MatMul"),
         helper.make_node("Pow", ["h", "two"], ["p"], name=f"{n}Pow"),
@@ -91,7 +113,9 @@ def rms_graph(eps_as_node: bool = False) -> onnx.ModelProto:
         helper.make_node("Mul", ["h", "r"], ["nh"], name=f"{n}Mul"),  # reads h (fp16 work): not kept
         helper.make_node("Mul", ["nh", "gamma"], ["g"], name=f"{n}Mul_1"),
         helper.make_node("Softmax", ["g"], ["sm"], axis=-1, name="/layers.0.attn/Softmax"),
-        helper.make_node("Add", ["sm", "r"], ["sr"], name="/head/Add"),  # fed by kept nodes only, another module: not kept
+        helper.make_node(
+            "Add", ["sm", "r"], ["sr"], name="/head/Add"
+        ),  # fed by kept nodes only, another module: not kept
         helper.make_node("MatMul", ["sr", "w_head"], ["logits"], name="/lm_head/MatMul"),
     ]
     if eps_as_node:
@@ -110,7 +134,14 @@ def rms_graph(eps_as_node: bool = False) -> onnx.ModelProto:
     return make(nodes, inputs, [helper.make_tensor_value_info("logits", F32, [2, 3, 5])], inits)
 
 
-NORM_KEPT = ["/layers.0.norm/Pow", "/layers.0.norm/ReduceMean", "/layers.0.norm/Add", "/layers.0.norm/Sqrt", "/layers.0.norm/Reciprocal", "/layers.0.attn/Softmax"]
+NORM_KEPT = [
+    "/layers.0.norm/Pow",
+    "/layers.0.norm/ReduceMean",
+    "/layers.0.norm/Add",
+    "/layers.0.norm/Sqrt",
+    "/layers.0.norm/Reciprocal",
+    "/layers.0.attn/Softmax",
+]
 
 
 def test_resolve_kept_nodes_default_policy_and_propagation() -> None:
@@ -126,9 +157,18 @@ def test_resolve_kept_nodes_extra_rules() -> None:
     policy = Fp16Policy().widened(("/lm_head/MatMul", "*.fc1", "Softmax"))
     assert policy.keep == (*DEFAULT_KEEP_FP32, "/lm_head/MatMul", "*.fc1")  # no duplicate rule
     kept = resolve_kept_nodes(graph, policy)
-    assert kept == ["/layers.0.mlp.fc1/MatMul", *NORM_KEPT[:5], "/layers.0.norm/Mul", "/layers.0.norm/Mul_1", "/layers.0.attn/Softmax", "/lm_head/MatMul"]
+    assert kept == [
+        "/layers.0.mlp.fc1/MatMul",
+        *NORM_KEPT[:5],
+        "/layers.0.norm/Mul",
+        "/layers.0.norm/Mul_1",
+        "/layers.0.attn/Softmax",
+        "/lm_head/MatMul",
+    ]
     # with fc1 kept, the norm's Mul (fed by fc1 and the Reciprocal) propagates, and so does Mul_1
-    assert resolve_kept_nodes(graph, Fp16Policy(("/layers.0.norm/",))) == [n for n in kept if n.startswith("/layers.0.norm/")]
+    assert resolve_kept_nodes(graph, Fp16Policy(("/layers.0.norm/",))) == [
+        n for n in kept if n.startswith("/layers.0.norm/")
+    ]
 
 
 def test_propagation_never_crosses_a_module() -> None:
@@ -140,7 +180,10 @@ def test_propagation_never_crosses_a_module() -> None:
 @pytest.mark.parametrize("rule", ["/layers.0.attn/Matmul", "/layers.9.mlp/"])
 def test_a_rule_that_names_nothing(rule: str) -> None:
     graph = ir.serde.deserialize_model(rms_graph()).graph
-    message = f"config: --keep-fp32 {rule}: no node of the decode graph has that name (node names look like /layers.0.attn/Softmax)"
+    message = (
+        f"config: --keep-fp32 {rule}: no node of the decode graph has that name (node names look like "
+        "/layers.0.attn/Softmax)"
+    )
     with pytest.raises(ConfigError, match=exact(message)):
         resolve_kept_nodes(graph, Fp16Policy().widened((rule,)))
 
@@ -164,7 +207,9 @@ def casts(model: ir.Model) -> list[tuple[str, int]]:
     for node in model.graph:
         if node.op_type == "Cast":
             source = node.inputs[0].producer() if node.inputs[0] is not None else None
-            out.append((source.name if source is not None else (node.inputs[0].name or ""), node.attributes.get_int("to")))
+            out.append(
+                (source.name if source is not None else (node.inputs[0].name or ""), node.attributes.get_int("to"))
+            )
     return out
 
 
@@ -178,9 +223,17 @@ def test_convert_to_fp16_keeps_the_islands_in_fp32() -> None:
     by_name = {n.name: n for n in graph}
     for name in NORM_KEPT:  # kept nodes compute in fp32: fp32 in (but the int64 axes), fp32 out
         node = by_name[name]
-        assert all(v.dtype == ir.DataType.FLOAT for v in node.inputs if v is not None and v.dtype != ir.DataType.INT64), name
+        assert all(
+            v.dtype == ir.DataType.FLOAT for v in node.inputs if v is not None and v.dtype != ir.DataType.INT64
+        ), name
         assert node.outputs[0].dtype == ir.DataType.FLOAT, name
-    for name in ("/layers.0.mlp.fc1/MatMul", "/layers.0.norm/Mul", "/layers.0.norm/Mul_1", "/head/Add", "/lm_head/MatMul"):
+    for name in (
+        "/layers.0.mlp.fc1/MatMul",
+        "/layers.0.norm/Mul",
+        "/layers.0.norm/Mul_1",
+        "/head/Add",
+        "/lm_head/MatMul",
+    ):
         assert by_name[name].outputs[0].dtype == ir.DataType.FLOAT16, name
     assert graph.initializers["w_fc1"].const_value.dtype == ir.DataType.FLOAT16
     assert [v.dtype for v in graph.inputs] == [ir.DataType.FLOAT16] and graph.outputs[0].name == "logits"
@@ -259,17 +312,26 @@ def test_wide_tables_stay_fp32() -> None:
         helper.make_node("Gather", ["table", "position_ids"], ["t"], name="/layers.0.ple/Gather"),
         helper.make_node("Mul", ["x", "t"], ["logits"], name="/layers.0.ple/Mul"),
     ]
-    inputs = [helper.make_tensor_value_info("x", F32, [2, 3, 4]), helper.make_tensor_value_info("position_ids", TensorProto.INT64, [2, 3])]
+    inputs = [
+        helper.make_tensor_value_info("x", F32, [2, 3, 4]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, [2, 3]),
+    ]
     proto = make(nodes, inputs, [helper.make_tensor_value_info("logits", F32, [2, 3, 4])], [("table", table)])
     pass_ = ConvertFp16(Fp16Policy())
     result = pass_(ir.serde.deserialize_model(proto))
-    assert pass_.result is not None and pass_.result.fp32_tables == ("/layers.0.ple/Gather",) and pass_.result.kept_fp32 == ()
+    assert (
+        pass_.result is not None
+        and pass_.result.fp32_tables == ("/layers.0.ple/Gather",)
+        and pass_.result.kept_fp32 == ()
+    )
     converted = result.model
     assert converted.graph.initializers["table"].const_value.dtype == ir.DataType.FLOAT
     pos = np.array([[0, 2, 5], [2, 2, 1]], dtype=np.int64)
     x = np.full((2, 3, 4), 0.5, dtype=np.float32)
     with np.errstate(over="ignore"):  # x * 1e5 overflows in the fp16 Mul
-        got = ReferenceEvaluator(ir.serde.serialize_model(converted)).run(None, {"x": x.astype(np.float16), "position_ids": pos})[0]
+        got = ReferenceEvaluator(ir.serde.serialize_model(converted)).run(
+            None, {"x": x.astype(np.float16), "position_ids": pos}
+        )[0]
     want = x * table[pos]
     fits = np.abs(table[pos]) < FP16_MAX  # the table is not clamped to fp16's range; its rows that fit are exact
     assert not fits.all()
@@ -306,7 +368,11 @@ def test_int8_targets_default_policy() -> None:
     ]
     assert Int8Policy().keep_float == DEFAULT_INT8_FLOAT
     assert int8_targets(graph, Int8Policy()) == quantized
-    assert int8_targets(graph, Int8Policy((*DEFAULT_INT8_FLOAT, "/layers.0.mlp.fc1/", "*.c_attn"))) == [quantized[0], quantized[1], quantized[4]]
+    assert int8_targets(graph, Int8Policy((*DEFAULT_INT8_FLOAT, "/layers.0.mlp.fc1/", "*.c_attn"))) == [
+        quantized[0],
+        quantized[1],
+        quantized[4],
+    ]
     assert int8_targets(graph, Int8Policy(())) == names  # --int8-all-matmuls
 
 
@@ -335,7 +401,9 @@ def qdq_graph(
     nodes = [
         helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero"], ["x_q"], name="/fc/x/QuantizeLinear"),
         helper.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zero"], ["x_dq"], name="/fc/x/DequantizeLinear"),
-        helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zero"], ["w"], axis=w_axis, name="/fc/w/DequantizeLinear"),
+        helper.make_node(
+            "DequantizeLinear", ["w_q", "w_scale", "w_zero"], ["w"], axis=w_axis, name="/fc/w/DequantizeLinear"
+        ),
         helper.make_node("MatMul", ["x_dq", "w"], ["y"], name="/fc/MatMul"),
     ]
     inputs = [helper.make_tensor_value_info("x", F32, [2, 4])]
@@ -343,7 +411,9 @@ def qdq_graph(
     if scale_input:
         inputs.append(helper.make_tensor_value_info("x_scale", F32, []))
     elif scale_node:
-        nodes.insert(0, helper.make_node("Constant", [], ["x_scale"], value=numpy_helper.from_array(scale), name="/fc/Constant"))
+        nodes.insert(
+            0, helper.make_node("Constant", [], ["x_scale"], value=numpy_helper.from_array(scale), name="/fc/Constant")
+        )
     else:
         inits.append(("x_scale", scale))
     return make(nodes, inputs, [helper.make_tensor_value_info("y", F32, [2, 3])], inits, opset=opset, infer=False)
@@ -356,7 +426,9 @@ def test_check_qdq_accepts_the_valid_form(scale_node: bool) -> None:
     x = np.array([[0.1, -0.2, 0.33, 1.0], [2.0, -6.35, 0.0, 0.07]], dtype=np.float32)
     got = run(proto, {"x": x})[0]
     x_dq = np.clip(np.rint(x / 0.05), -128, 127) * np.float32(0.05)
-    w = np.array([[1, -2, 3], [-4, 5, -6], [7, -8, 9], [-10, 11, -127]], dtype=np.float32) * np.array([0.01, 0.02, 0.03], dtype=np.float32)
+    w = np.array([[1, -2, 3], [-4, 5, -6], [7, -8, 9], [-10, 11, -127]], dtype=np.float32) * np.array(
+        [0.01, 0.02, 0.03], dtype=np.float32
+    )
     np.testing.assert_allclose(got, x_dq @ w, rtol=1e-6, atol=1e-6)  # the graph is real and means what it says
     check_qdq(qdq_graph(w_axis=-1))  # axis -1 is the output axis of [K, N] too
     check_qdq(qdq_graph(act_scale=np.array([0.05], dtype=np.float32)))  # a 1-element scale is per tensor
@@ -367,19 +439,46 @@ def test_check_qdq_accepts_the_valid_form(scale_node: bool) -> None:
     [
         ({"opset": 18}, "Q/DQ graph has opset 18; int8 needs 19 or later"),
         ({"scale_input": True}, "/fc/x/QuantizeLinear: the scale is not a constant"),
-        ({"act_scale": np.array(0.0, dtype=np.float32)}, "/fc/x/QuantizeLinear: scales must be finite and > 0, found min 0.0"),
-        ({"w_scale": np.array([0.01, -0.5, 0.03], dtype=np.float32)}, "/fc/w/DequantizeLinear: scales must be finite and > 0, found min -0.5"),
-        ({"act_scale": np.array(np.inf, dtype=np.float32)}, "/fc/x/QuantizeLinear: scales must be finite and > 0, found min inf"),
-        ({"act_zero": np.array(3, dtype=np.int8)}, "/fc/x/QuantizeLinear: the zero point must be an int8 constant of zeros"),
-        ({"act_zero": np.array(0, dtype=np.uint8)}, "/fc/x/QuantizeLinear: the zero point must be an int8 constant of zeros"),
-        ({"w_zero": np.array([0, 1, 0], dtype=np.int8)}, "/fc/w/DequantizeLinear: the zero point must be an int8 constant of zeros"),
-        ({"act_scale": np.full(4, 0.05, dtype=np.float32)}, "/fc/x/QuantizeLinear: activations must be quantized per tensor, found a scale of 4"),
+        (
+            {"act_scale": np.array(0.0, dtype=np.float32)},
+            "/fc/x/QuantizeLinear: scales must be finite and > 0, found min 0.0",
+        ),
+        (
+            {"w_scale": np.array([0.01, -0.5, 0.03], dtype=np.float32)},
+            "/fc/w/DequantizeLinear: scales must be finite and > 0, found min -0.5",
+        ),
+        (
+            {"act_scale": np.array(np.inf, dtype=np.float32)},
+            "/fc/x/QuantizeLinear: scales must be finite and > 0, found min inf",
+        ),
+        (
+            {"act_zero": np.array(3, dtype=np.int8)},
+            "/fc/x/QuantizeLinear: the zero point must be an int8 constant of zeros",
+        ),
+        (
+            {"act_zero": np.array(0, dtype=np.uint8)},
+            "/fc/x/QuantizeLinear: the zero point must be an int8 constant of zeros",
+        ),
+        (
+            {"w_zero": np.array([0, 1, 0], dtype=np.int8)},
+            "/fc/w/DequantizeLinear: the zero point must be an int8 constant of zeros",
+        ),
+        (
+            {"act_scale": np.full(4, 0.05, dtype=np.float32)},
+            "/fc/x/QuantizeLinear: activations must be quantized per tensor, found a scale of 4",
+        ),
         (
             {"w_scale": np.full(4, 0.01, dtype=np.float32), "w_zero": np.zeros(4, dtype=np.int8), "w_axis": 0},
             "/fc/w/DequantizeLinear: a per-channel weight scale must run along the output channels (axis 1 of [K, N])",
         ),
-        ({"w_axis": 0}, "/fc/w/DequantizeLinear: a per-channel weight scale must run along the output channels (axis 1 of [K, N])"),
-        ({"act_scale": np.full((1, 1), 0.05, dtype=np.float32)}, "/fc/x/QuantizeLinear: scale must be a scalar or 1-D, found shape (1, 1)"),
+        (
+            {"w_axis": 0},
+            "/fc/w/DequantizeLinear: a per-channel weight scale must run along the output channels (axis 1 of [K, N])",
+        ),
+        (
+            {"act_scale": np.full((1, 1), 0.05, dtype=np.float32)},
+            "/fc/x/QuantizeLinear: scale must be a scalar or 1-D, found shape (1, 1)",
+        ),
     ],
     ids=[
         "opset 18",
@@ -414,21 +513,41 @@ def test_check_qdq_missing_zero_point_must_still_be_int8_and_a_3d_weight_is_not_
     proto = _without_zero_points(qdq_graph(opset=21), output_dtype=I8)
     check_qdq(proto)  # an absent zero point is zero; output_dtype says int8 (opset 21+)
     x = np.array([[0.1, -0.2, 0.33, 1.0], [2.0, -6.35, 0.0, 0.07]], dtype=np.float32)
-    np.testing.assert_allclose(run(proto, {"x": x})[0], run(qdq_graph(opset=21), {"x": x})[0], rtol=1e-6)  # the numbers of the explicit zero points
-    message = "export: /fc/x/QuantizeLinear: a QuantizeLinear without a zero point must set output_dtype to int8 (without either it writes uint8)"
+    np.testing.assert_allclose(
+        run(proto, {"x": x})[0], run(qdq_graph(opset=21), {"x": x})[0], rtol=1e-6
+    )  # the numbers of the explicit zero points
+    message = (
+        "export: /fc/x/QuantizeLinear: a QuantizeLinear without a zero point must set output_dtype to int8 (without "
+        "either it writes uint8)"
+    )
     with pytest.raises(ExportError, match=exact(message)):
         check_qdq(_without_zero_points(qdq_graph()))  # uint8, by ONNX's default
     with pytest.raises(ExportError, match=exact(message)):
         check_qdq(_without_zero_points(qdq_graph(opset=21), output_dtype=TensorProto.UINT8))
     unsigned = qdq_graph()
-    next(t for t in unsigned.graph.initializer if t.name == "w_q").CopyFrom(numpy_helper.from_array(np.ones((4, 3), dtype=np.uint8), "w_q"))
+    next(t for t in unsigned.graph.initializer if t.name == "w_q").CopyFrom(
+        numpy_helper.from_array(np.ones((4, 3), dtype=np.uint8), "w_q")
+    )
     del next(n for n in unsigned.graph.node if n.name == "/fc/w/DequantizeLinear").input[2:]
-    with pytest.raises(ExportError, match=exact("export: /fc/w/DequantizeLinear: a DequantizeLinear without a zero point must read int8, found uint8")):
+    with pytest.raises(
+        ExportError,
+        match=exact(
+            "export: /fc/w/DequantizeLinear: a DequantizeLinear without a zero point must read int8, found uint8"
+        ),
+    ):
         check_qdq(unsigned)
     proto = qdq_graph()
     w = next(t for t in proto.graph.initializer if t.name == "w_q")
-    w.CopyFrom(numpy_helper.from_array(np.ones((4, 3, 1), dtype=np.int8), "w_q"))  # axis 1 holds the 3 scales: only its rank is wrong
-    with pytest.raises(ExportError, match=exact("export: /fc/w/DequantizeLinear: a per-channel weight scale must run along the output channels (axis 1 of [K, N])")):
+    w.CopyFrom(
+        numpy_helper.from_array(np.ones((4, 3, 1), dtype=np.int8), "w_q")
+    )  # axis 1 holds the 3 scales: only its rank is wrong
+    with pytest.raises(
+        ExportError,
+        match=exact(
+            "export: /fc/w/DequantizeLinear: a per-channel weight scale must run along the output channels (axis "
+            "1 of [K, N])"
+        ),
+    ):
         check_qdq(proto)
 
 
@@ -439,8 +558,17 @@ def float_mlp(opset: int = 19) -> onnx.ModelProto:
         helper.make_node("Relu", ["h"], ["r"], name="/layers.0.mlp/Relu"),
         helper.make_node("MatMul", ["r", "w2"], ["logits"], name="/lm_head/MatMul"),
     ]
-    inits = [("w1", rng.standard_normal((8, 16)).astype(np.float32)), ("w2", rng.standard_normal((16, 4)).astype(np.float32))]
-    return make(nodes, [helper.make_tensor_value_info("x", F32, [3, 8])], [helper.make_tensor_value_info("logits", F32, [3, 4])], inits, opset=opset)
+    inits = [
+        ("w1", rng.standard_normal((8, 16)).astype(np.float32)),
+        ("w2", rng.standard_normal((16, 4)).astype(np.float32)),
+    ]
+    return make(
+        nodes,
+        [helper.make_tensor_value_info("x", F32, [3, 8])],
+        [helper.make_tensor_value_info("logits", F32, [3, 4])],
+        inits,
+        opset=opset,
+    )
 
 
 def test_quantize_int8_writes_what_check_qdq_accepts() -> None:
@@ -448,16 +576,24 @@ def test_quantize_int8_writes_what_check_qdq_accepts() -> None:
     x = np.random.default_rng(7).standard_normal((3, 8)).astype(np.float32)
     want = run(proto, {"x": x})[0]
     h = x @ numpy_helper.to_array(proto.graph.initializer[0])
-    ranges = {name: (-float(np.abs(v).max()), float(np.abs(v).max())) for name, v in (("x", x), ("h", h), ("r", np.maximum(h, 0)), ("logits", want))}
+    ranges = {
+        name: (-float(np.abs(v).max()), float(np.abs(v).max()))
+        for name, v in (("x", x), ("h", h), ("r", np.maximum(h, 0)), ("logits", want))
+    }
     quantized, targets = quantize_int8(ir.serde.deserialize_model(proto), ranges, Int8Policy())
     assert targets == ["/layers.0.mlp.fc1/MatMul"]  # the LM head stays float
     out = ir.serde.serialize_model(quantized)
     check_qdq(out)
     producers = {o: n for n in out.graph.node for o in n.output}
     by_name = {n.name: n for n in out.graph.node}
-    assert [producers[i].op_type for i in by_name["/layers.0.mlp.fc1/MatMul"].input] == ["DequantizeLinear", "DequantizeLinear"]
+    assert [producers[i].op_type for i in by_name["/layers.0.mlp.fc1/MatMul"].input] == [
+        "DequantizeLinear",
+        "DequantizeLinear",
+    ]
     weight_dq = producers[by_name["/layers.0.mlp.fc1/MatMul"].input[1]]
-    assert len(numpy_helper.to_array(next(t for t in out.graph.initializer if t.name == weight_dq.input[1]))) == 16  # per output channel
+    assert (
+        len(numpy_helper.to_array(next(t for t in out.graph.initializer if t.name == weight_dq.input[1]))) == 16
+    )  # per output channel
     assert list(by_name["/lm_head/MatMul"].input) == ["r", "w2"]  # the LM head stays float
     assert next(t for t in out.graph.initializer if t.name == "w2").data_type == F32
     got = run(out, {"x": x})[0]

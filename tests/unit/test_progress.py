@@ -32,7 +32,9 @@ def test_a_long_stage_reports_its_count_and_eta() -> None:
             for _ in range(4):
                 stage.advance()
     lines = stream.getvalue().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["  GPTQ"] * 4 + ["outer"]  # nested stages indented; the 4th is the stage's end
+    assert [line.split(":")[0] for line in lines] == ["  GPTQ"] * 4 + [
+        "outer"
+    ]  # nested stages indented; the 4th is the stage's end
     assert re.fullmatch(r"  GPTQ: windows: 1/4, \d+ s, eta 0:00:\d\d \(run 0:00:\d\d\)", lines[0])
     assert lines[3].startswith("  GPTQ: windows: 4/4 in ")
 

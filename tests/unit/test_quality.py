@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.parity import ParityResult
 from kiln.exporter.parity.plot import figure
@@ -49,14 +50,22 @@ def test_figures_of_known_logits() -> None:
     same = graph_quality(_Table(table), spec, text, reference, 0.9)
     assert same.agreement == 1 and same.kl == pytest.approx(0, abs=1e-6) and same.passed
     assert same.perplexity_checkpoint == pytest.approx(same.perplexity_graphs)
-    assert same.perplexity_checkpoint == pytest.approx(math.exp(-(2 * math.log(0.5) + math.log(0.5 / (spec.vocab_size - 1))) / 3), rel=1e-5)
+    assert same.perplexity_checkpoint == pytest.approx(
+        math.exp(-(2 * math.log(0.5) + math.log(0.5 / (spec.vocab_size - 1))) / 3), rel=1e-5
+    )
     flat = graph_quality(_Table(np.zeros_like(table)), spec, text, reference, 0.9)  # uniform: argmax 0 everywhere
-    assert flat.agreement == 0 and flat.kl > 0 and not flat.passed  # its argmax (0, the first of equals) is never the reference's
+    assert (
+        flat.agreement == 0 and flat.kl > 0 and not flat.passed
+    )  # its argmax (0, the first of equals) is never the reference's
     assert flat.perplexity_graphs == pytest.approx(spec.vocab_size, rel=1e-5)
 
 
 def test_gate_per_precision_and_budget() -> None:
-    assert threshold_for("int4+fp16", "auto") == 0.85 and threshold_for("fp8", "auto") == 0.9 and threshold_for("int8", "0.5") == 0.5
+    assert (
+        threshold_for("int4+fp16", "auto") == 0.85
+        and threshold_for("fp8", "auto") == 0.9
+        and threshold_for("int8", "0.5") == 0.5
+    )
     assert threshold_for("fp16", "auto") is None and threshold_for("int4", "off") is None
     assert budget(4096, 512) == (2048, 256) and budget(128_256, 8192) == (523, 256) and budget(100, 8) == (2048, 8)
     text = chunked(list(range(9)), "t", 100, 4)

@@ -45,7 +45,11 @@ def test_modules_compute_with_the_int4_numbers_and_free_their_own() -> None:
     weights = [_weight("proj", 32, 48, 0), _weight("conv", 48, 32, 1), _weight("head", 32, 10, 2)]
     assert use_int4_weights(model, iter(weights)) == ["proj", "conv", "head"]
     x = torch.randn(3, 32)
-    for module, weight, bias in ((model.proj, weights[0], model.proj.bias), (model.conv, weights[1], model.conv.bias), (model.head, weights[2], None)):
+    for module, weight, bias in (
+        (model.proj, weights[0], model.proj.bias),
+        (model.conv, weights[1], model.conv.bias),
+        (model.head, weights[2], None),
+    ):
         inputs = x if module is not model.conv else torch.randn(3, 48)
         want = inputs.numpy() @ dequantize(weight.q, weight.scale) + (bias.detach().numpy() if bias is not None else 0)
         np.testing.assert_allclose(module(inputs).detach().numpy(), want, rtol=1e-5, atol=1e-5)
@@ -56,8 +60,14 @@ def test_modules_compute_with_the_int4_numbers_and_free_their_own() -> None:
 @pytest.mark.parametrize(
     ("weight", "message"),
     [
-        (_weight("missing", 32, 48, 0), "parity: /missing/weight/DequantizeLinear belongs to missing, which the model has no module of"),
-        (_weight("embed", 16, 32, 0), "cannot be mapped onto embed (Embedding, weight (10, 32)): only an nn.Linear's or a Conv1D's weight can be"),
+        (
+            _weight("missing", 32, 48, 0),
+            "parity: /missing/weight/DequantizeLinear belongs to missing, which the model has no module of",
+        ),
+        (
+            _weight("embed", 16, 32, 0),
+            "cannot be mapped onto embed (Embedding, weight (10, 32)): only an nn.Linear's or a Conv1D's weight can be",
+        ),
         (_weight("proj", 48, 32, 0), "int4 weight [K=48, N=32] cannot be mapped onto proj (Linear, weight (48, 32))"),
     ],
 )

@@ -18,7 +18,7 @@ import kiln.exporter.targets as targets_registry
 from kiln.errors import ConfigError
 from kiln.registry import Registry
 
-PACKAGE = '''
+PACKAGE = """
 import dataclasses
 from typing import ClassVar
 
@@ -64,7 +64,7 @@ class Wide(PrecisionKind):
     tolerance: ClassVar[Tolerance] = Tolerance(
         logits_atol=1e-6, logits_rtol=1e-6, kv_atol=1e-6, kv_rtol=1e-6, min_cosine=0.999999
     )
-'''
+"""
 
 
 @pytest.fixture

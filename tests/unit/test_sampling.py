@@ -69,6 +69,7 @@ def test_repetition_penalty_on_a_hand_made_row() -> None:
     sampler = Sampler(SamplingOptions(repetition_penalty=2.5), prompt=(3,))
     assert [int(sampler.choose(step, row[None, :])[0]) for step in range(2)] == [0, 3]
 
+
 def test_distributions_by_hand() -> None:
     logits = np.log(np.array([0.5, 0.3, 0.2]))
     np.testing.assert_allclose(logits_to_probs(logits), [0.5, 0.3, 0.2])
@@ -93,14 +94,24 @@ def test_draws_follow_the_distribution() -> None:
     [
         ({"temperature": -0.5}, "--temperature must be at least 0 (0 is greedy), found -0.5"),
         ({"temperature": float("nan")}, "--temperature must be at least 0 (0 is greedy), found nan"),
-        ({"temperature": float("inf")}, "--temperature inf would draw every token alike (uniformly, whatever the model says); give a finite temperature"),
+        (
+            {"temperature": float("inf")},
+            "--temperature inf would draw every token alike (uniformly, whatever the model says); give a finite "
+            "temperature",
+        ),
         ({"temperature": 1.0, "seed": -1}, "--seed must be at least 0, found -1"),
-        ({"temperature": 1.0, "repetition_penalty": float("inf")}, "--repetition-penalty must be above 0 (1 changes nothing), found inf"),
+        (
+            {"temperature": 1.0, "repetition_penalty": float("inf")},
+            "--repetition-penalty must be above 0 (1 changes nothing), found inf",
+        ),
         ({"temperature": 1.0, "top_k": -1}, "--top-k must be at least 0 (0 keeps every token), found -1"),
         ({"temperature": 1.0, "top_p": 0.0}, "--top-p must be in (0, 1] (1 keeps every token), found 0.0"),
         ({"temperature": 1.0, "top_p": 1.5}, "--top-p must be in (0, 1] (1 keeps every token), found 1.5"),
         ({"repetition_penalty": 0.0}, "--repetition-penalty must be above 0 (1 changes nothing), found 0.0"),
-        ({"top_k": 5}, "--top-k and --top-p shape sampling: give --temperature above 0 too (0, the default, is greedy)"),
+        (
+            {"top_k": 5},
+            "--top-k and --top-p shape sampling: give --temperature above 0 too (0, the default, is greedy)",
+        ),
     ],
 )
 def test_bad_values_are_one_line_errors(fields: dict[str, float], message: str) -> None:

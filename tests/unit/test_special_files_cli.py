@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kiln_testing import placeholder_export, tiny_config, typed_manifest, write_checkpoint
 
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.contract.io import DECODER_KINDS, graph_io
 from kiln.plugins.native import spec_of
+from kiln_testing import placeholder_export, tiny_config, typed_manifest, write_checkpoint
 
 NOT_REGULAR = "not a regular file; kiln reads only regular files"
 NOT_FOLLOWED = "which kiln does not follow here; put the file itself there"
@@ -89,7 +89,9 @@ def _export(directory: Path, lora: bool = False) -> Path:
         for graph in written["graphs"].values():
             graph["inputs"] = [*graph["inputs"], *extra]
     placeholder_export(directory, written)
-    m.update({key: written[key] for key in ("files", "weights", "checkpoint")})  # what placeholder_export made true of the files
+    m.update(
+        {key: written[key] for key in ("files", "weights", "checkpoint")}
+    )  # what placeholder_export made true of the files
     manifest_mod.write(directory, typed_manifest(m))
     return directory
 
@@ -179,7 +181,8 @@ def test_a_cache_ref_that_leads_out_of_the_cache(tmp_path: Path) -> None:
     repo, env = _hub(tmp_path, "../../../elsewhere")
     line = _refused(tmp_path, "export", "--model", "org/name", "--out", str(tmp_path / "out"), env=env)
     assert line == (
-        f"error: checkpoint: org/name: the Hugging Face cache's {repo / 'refs' / 'main'} leads to {elsewhere.resolve()},"
+        f"error: checkpoint: org/name: the Hugging Face cache's {repo / 'refs' / 'main'} leads to "
+        f"{elsewhere.resolve()},"
         f" not a snapshot in {(repo / 'snapshots').resolve()}; kiln reads a cached repo only from its snapshots:"
         " fetch it again (hf download org/name) or pass a directory"
     )

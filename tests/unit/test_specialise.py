@@ -16,7 +16,8 @@ from kiln.exporter.passes import ApplyContract, run_passes
 from kiln.exporter.passes.fold import FoldConstants
 from kiln.exporter.passes.specialise import LastLogits, SpecialiseDecode, SpecialisePrefill, specialise
 from kiln.plugins.native import spec_of
-from kiln_testing import tiny_config, exact, run_graph as run
+from kiln_testing import exact, tiny_config
+from kiln_testing import run_graph as run
 
 SPEC = spec_of(tiny_config())  # vocab 101, 2 layers, 2 kv heads of 8
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
@@ -40,7 +41,9 @@ class Builder:
     def table(self, name: str, shape: tuple[int, ...]) -> ir.Value:
         return self.const(name, self.rng.standard_normal(shape).astype(np.float32))
 
-    def op(self, op: str, inputs: list[ir.Value], attributes: dict[str, object] | None = None, name: str | None = None) -> ir.Value:
+    def op(
+        self, op: str, inputs: list[ir.Value], attributes: dict[str, object] | None = None, name: str | None = None
+    ) -> ir.Value:
         node = ir.node(op, inputs, attributes, name=name or f"/{op}_{len(self.nodes)}")
         self.nodes.append(node)
         return node.outputs[0]
@@ -62,7 +65,11 @@ def unified(*, head: bool = True, reads_past: bool = False, heads: int | str = S
     kv, hd = SPEC.n_kv_heads, SPEC.head_dim
     ids, pos = ir.val("input_ids", INT64, ["batch", "seq"]), ir.val("position_ids", INT64, ["batch", "seq"])
     mask = ir.val("attention_mask", INT64, ["batch", TOTAL])
-    pasts = [ir.val(f"past_key_values.{i}.{p}", FLOAT, ["batch", heads, "past_seq", hd]) for i in range(SPEC.n_layers) for p in ("key", "value")]
+    pasts = [
+        ir.val(f"past_key_values.{i}.{p}", FLOAT, ["batch", heads, "past_seq", hd])
+        for i in range(SPEC.n_layers)
+        for p in ("key", "value")
+    ]
     past_len = b.op("Shape", [pasts[0]], {"start": 2, "end": 3}, name="/past_len/Shape")
     full = b.op("Shape", [pasts[1]], name="/past_shape/Shape")
     past_len2 = b.op("Gather", [full, b.const("two", np.array([2], np.int64))])
@@ -73,16 +80,35 @@ def unified(*, head: bool = True, reads_past: bool = False, heads: int | str = S
     if reads_past:
         hidden = b.op("Add", [hidden, b.op("ReduceSum", [pasts[0]], {"keepdims": 0}, name="/reads_past/ReduceSum")])
     if head:
-        logits = b.op("Mul", [b.op("MatMul", [hidden, b.table("head", (D, SPEC.vocab_size))], name="/lm_head/MatMul"), b.const("half", np.array(0.5, np.float32))])
+        logits = b.op(
+            "Mul",
+            [
+                b.op("MatMul", [hidden, b.table("head", (D, SPEC.vocab_size))], name="/lm_head/MatMul"),
+                b.const("half", np.array(0.5, np.float32)),
+            ],
+        )
     else:
         logits = b.op("Mul", [b.op("Gather", [b.table("rows", (SPEC.vocab_size, SPEC.vocab_size)), ids]), gate])
     outputs = [typed(logits, "logits", ["batch", "seq", SPEC.vocab_size])]
     shape = b.const("kv_shape", np.array([0, 0, kv, hd], np.int64))
     for past in pasts:
-        new = b.op("Transpose", [b.op("Reshape", [b.op("Gather", [b.table(f"kv.{past.name}", (SPEC.vocab_size, kv * hd)), ids]), shape])], {"perm": [0, 2, 1, 3]})
+        new = b.op(
+            "Transpose",
+            [b.op("Reshape", [b.op("Gather", [b.table(f"kv.{past.name}", (SPEC.vocab_size, kv * hd)), ids]), shape])],
+            {"perm": [0, 2, 1, 3]},
+        )
         present = b.op("Concat", [past, new], {"axis": 2})
-        outputs.append(typed(present, (past.name or "").replace("past_key_values", "present"), ["batch", heads, TOTAL, hd]))
-    graph = ir.Graph([ids, mask, pos, *pasts], outputs, nodes=b.nodes, initializers=b.inits, opset_imports={"": 19}, name="main_graph")
+        outputs.append(
+            typed(present, (past.name or "").replace("past_key_values", "present"), ["batch", heads, TOTAL, hd])
+        )
+    graph = ir.Graph(
+        [ids, mask, pos, *pasts],
+        outputs,
+        nodes=b.nodes,
+        initializers=b.inits,
+        opset_imports={"": 19},
+        name="main_graph",
+    )
     return ir.Model(graph, ir_version=10)
 
 
@@ -97,7 +123,11 @@ def feeds(*, batch: int = 2, seq: int = 3, past: int = 0, pasts: bool = True) ->
     }
     if pasts:
         shape = (batch, SPEC.n_kv_heads, past, SPEC.head_dim)
-        out |= {f"past_key_values.{i}.{p}": rng.standard_normal(shape).astype(np.float32) for i in range(SPEC.n_layers) for p in ("key", "value")}
+        out |= {
+            f"past_key_values.{i}.{p}": rng.standard_normal(shape).astype(np.float32)
+            for i in range(SPEC.n_layers)
+            for p in ("key", "value")
+        }
     return out
 
 
@@ -128,14 +158,25 @@ def test_prefill_has_no_past_and_computes_the_unified_graph_with_an_empty_past()
     passes = contract(GraphKind.PREFILL)
     assert [type(p) for p in passes] == [SpecialisePrefill, ApplyContract]
     run_passes(model, passes[:1], graph="prefill")
-    assert dims(model, "attention_mask") == ["batch", "seq"] and dims(model, "present.1.value") == ["batch", 2, "seq", 8]
+    assert dims(model, "attention_mask") == ["batch", "seq"] and dims(model, "present.1.value") == [
+        "batch",
+        2,
+        "seq",
+        8,
+    ]
     run_passes(model, passes[1:], graph="prefill")
     io = graph_io(SPEC, GraphKind.PREFILL)
-    assert [v.name for v in model.graph.inputs] == [s.name for s in io.inputs] == ["input_ids", "attention_mask", "position_ids"]
+    assert (
+        [v.name for v in model.graph.inputs]
+        == [s.name for s in io.inputs]
+        == ["input_ids", "attention_mask", "position_ids"]
+    )
     assert [v.name for v in model.graph.outputs] == [s.name for s in io.outputs]
     assert [list(v.shape or []) for v in model.graph.outputs][1] == ["batch", SPEC.n_kv_heads, "seq", SPEC.head_dim]
     made = [v.producer() for v in model.graph.outputs[1:]]
-    assert [n.op_type if n is not None else None for n in made] == ["Transpose"] * 4  # each present is its new part: the empty past dropped
+    assert [n.op_type if n is not None else None for n in made] == [
+        "Transpose"
+    ] * 4  # each present is its new part: the empty past dropped
     assert_same(run(model, feeds(past=0, pasts=False)), want)
 
 
@@ -145,7 +186,12 @@ def test_decode_fixes_seq_at_one_and_computes_the_unified_graph() -> None:
     passes = contract(GraphKind.DECODE)
     assert [type(p) for p in passes] == [SpecialiseDecode, ApplyContract]
     run_passes(model, passes[:1], graph="decode")
-    assert dims(model, "attention_mask") == ["batch", "past_seq + 1"] and dims(model, "present.1.value") == ["batch", 2, "past_seq + 1", 8]
+    assert dims(model, "attention_mask") == ["batch", "past_seq + 1"] and dims(model, "present.1.value") == [
+        "batch",
+        2,
+        "past_seq + 1",
+        8,
+    ]
     run_passes(model, passes[1:], graph="decode")
     io = graph_io(SPEC, GraphKind.DECODE)
     assert [v.name for v in model.graph.inputs] == [s.name for s in io.inputs]
@@ -174,13 +220,19 @@ def test_prefill_with_last_logits_computes_the_head_on_the_last_position_only() 
 
 
 def test_last_logits_without_a_head_matmul_is_refused() -> None:
-    message = "export: pass LastLogits on the prefill graph: --logits last: no LM head MatMul found behind the logits through position-wise ops"
+    message = (
+        "export: pass LastLogits on the prefill graph: --logits last: no LM head MatMul found behind the logits "
+        "through position-wise ops"
+    )
     with pytest.raises(ExportError, match=exact(message)):
         run_passes(unified(head=False), contract(GraphKind.PREFILL, last=True), graph="prefill")
 
 
 def test_prefill_refuses_a_graph_that_still_reads_the_past() -> None:
-    message = "the past is empty at prefill but /reads_past/ReduceSum still reads past_key_values.0.key; this model cannot be specialised"
+    message = (
+        "the past is empty at prefill but /reads_past/ReduceSum still reads past_key_values.0.key; this model cannot "
+        "be specialised"
+    )
     with pytest.raises(ExportError, match=exact(f"export: pass SpecialisePrefill on the prefill graph: {message}")):
         run_passes(unified(reads_past=True), contract(GraphKind.PREFILL), graph="prefill")
 

@@ -27,7 +27,11 @@ def test_only_what_the_lock_file_names_is_cleaned_up(tmp_path: Path, name: str) 
     """A user's ``.r.old-mybackup/`` and ``.r.tmp-keep.txt`` beside ``--out`` stay, unreported;
     so does ``.run1.tmp-x``, which the glob ``.run[1].tmp-*`` matched (another export's staging)."""
     out = tmp_path / name
-    kept = {f".{name}.old-mybackup/notes.txt": b"mine", f".{name}.tmp-keep.txt": b"mine too", ".run1.tmp-live/half.bin": b"x"}
+    kept = {
+        f".{name}.old-mybackup/notes.txt": b"mine",
+        f".{name}.tmp-keep.txt": b"mine too",
+        ".run1.tmp-live/half.bin": b"x",
+    }
     for rel, data in kept.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(data)
@@ -38,7 +42,9 @@ def test_only_what_the_lock_file_names_is_cleaned_up(tmp_path: Path, name: str) 
     notes: list[str] = []
     with staged_output(out, force=False, note=notes.append) as tmp:
         (tmp / "a.txt").write_text("new")
-    assert notes == [f"removed {killed}: the unfinished output of an earlier kiln process (pid 999999999) that was killed"]
+    assert notes == [
+        f"removed {killed}: the unfinished output of an earlier kiln process (pid 999999999) that was killed"
+    ]
     assert not killed.exists() and _tree(out) == {"a.txt": b"new"}
     assert {rel: (tmp_path / rel).read_bytes() for rel in kept} == kept
 
@@ -51,9 +57,12 @@ def test_a_directory_put_at_out_while_the_export_ran_is_not_replaced(tmp_path: P
             out.mkdir()
             (out / "user.txt").write_text("precious")
     kept = [p for p in tmp_path.iterdir() if p.name != "out"]
-    assert len(kept) == 1 and kept[0].name.startswith("out.new-") and _tree(kept[0]) == {"a.txt": b"new"}  # the finished work, under a name no kiln removes
+    assert (
+        len(kept) == 1 and kept[0].name.startswith("out.new-") and _tree(kept[0]) == {"a.txt": b"new"}
+    )  # the finished work, under a name no kiln removes
     assert str(refused.value) == (
-        f"artifacts: {out}: --force replaces only an empty directory or an earlier kiln export, and this holds user.txt with no manifest.json;"
+        f"artifacts: {out}: --force replaces only an empty directory or an earlier kiln export, and this holds "
+        "user.txt with no manifest.json;"
         f" nothing was deleted: move or remove it yourself; what this run made is kept in {kept[0]}"
     )
     assert _tree(out) == {"user.txt": b"precious"}
@@ -70,7 +79,9 @@ def cli_signals() -> Iterator[None]:
         signal.signal(sig, handler)
 
 
-def test_a_signal_during_the_final_renames_lands_after_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_signals: None) -> None:
+def test_a_signal_during_the_final_renames_lands_after_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_signals: None
+) -> None:
     """SIGINT between moving the old export aside and renaming the new one in: both renames
     complete (the target was found missing, or the old one gone while the CLI said nothing was
     written); the signal is recorded for whoever looks next."""
@@ -95,7 +106,9 @@ def test_a_signal_during_the_final_renames_lands_after_them(tmp_path: Path, monk
         interrupts.raise_if_interrupted()
 
 
-def test_a_signal_during_the_check_before_the_renames_replaces_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_signals: None) -> None:
+def test_a_signal_during_the_check_before_the_renames_replaces_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_signals: None
+) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
@@ -115,7 +128,9 @@ def test_a_signal_during_the_check_before_the_renames_replaces_nothing(tmp_path:
     assert _tree(out) == {"old.txt": b"old"} and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_the_lock_file_stays_while_a_directory_it_names_is_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_lock_file_stays_while_a_directory_it_names_is_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A leftover the next process could not remove (here: rmtree made to fail) stays named in
     the lock file, for the one after it; the lock file goes only with the last of them."""
     out = tmp_path / "out"
@@ -126,10 +141,17 @@ def test_the_lock_file_stays_while_a_directory_it_names_is_there(tmp_path: Path,
     with pytest.raises(ArtifactError):
         with staged_output(out, force=False, note=lambda line: None):
             raise ArtifactError("stopped")
-    named = (tmp_path / ".out.lock").read_text().splitlines()[1:]  # the stuck one, then this run's own staging (not removed either)
+    named = (
+        (tmp_path / ".out.lock").read_text().splitlines()[1:]
+    )  # the stuck one, then this run's own staging (not removed either)
     assert stuck.is_dir() and named[0] == ".out.tmp-stuck000" and len(named) == 2 and (tmp_path / named[1]).is_dir()
     monkeypatch.undo()
     notes: list[str] = []
     with staged_output(out, force=False, note=notes.append):
         pass
-    assert not stuck.exists() and not (tmp_path / named[1]).exists() and not (tmp_path / ".out.lock").exists() and len(notes) == 2
+    assert (
+        not stuck.exists()
+        and not (tmp_path / named[1]).exists()
+        and not (tmp_path / ".out.lock").exists()
+        and len(notes) == 2
+    )

@@ -64,27 +64,59 @@ def traced(source: WeightSource, layers: int, *, two_values: bool = False) -> ir
     g = Graph(source)
     ids, pos = ir.val("input_ids", INT64, ["batch", "seq"]), ir.val("position_ids", INT64, ["batch", "seq"])
     pasts = [ir.val(f"past_key_values.{i}.key", FLOAT, ["batch", "past_seq", D]) for i in range(layers)]
-    p = g.op("Unsqueeze", [g.op("Cast", [pos], "/rotary/Cast", {"to": FLOAT}), g.const("last", np.array([-1], np.int64))], "/rotary/Unsqueeze")
+    p = g.op(
+        "Unsqueeze",
+        [g.op("Cast", [pos], "/rotary/Cast", {"to": FLOAT}), g.const("last", np.array([-1], np.int64))],
+        "/rotary/Unsqueeze",
+    )
     h = g.op("Gather", [g.weight("model.emb.weight"), ids], "/emb/Gather")
     presents, m_before = [], None
     for i in range(layers):
         w = g.op("Transpose", [g.weight(f"model.layers.{i}.weight")], f"/layers.{i}/Transpose", {"perm": [1, 0]})
         shape = g.op("Shape", [h], f"/Shape_{i}")  # outside every layer: the same in every layer, shared
-        m = g.op("Reshape", [g.op("Mul", [g.op("MatMul", [h, w], f"/layers.{i}/MatMul"), p], f"/layers.{i}/Mul"), shape], f"/layers.{i}/Reshape")
-        t = g.op("Tanh", [m if not (two_values and i == 1 and m_before is not None) else g.op("Add", [m, m_before], "/layers.1/Add_1")], f"/layers.{i}/Tanh")
+        m = g.op(
+            "Reshape",
+            [g.op("Mul", [g.op("MatMul", [h, w], f"/layers.{i}/MatMul"), p], f"/layers.{i}/Mul"), shape],
+            f"/layers.{i}/Reshape",
+        )
+        t = g.op(
+            "Tanh",
+            [
+                m
+                if not (two_values and i == 1 and m_before is not None)
+                else g.op("Add", [m, m_before], "/layers.1/Add_1")
+            ],
+            f"/layers.{i}/Tanh",
+        )
         h, m_before = g.op("Add", [h, t], f"/layers.{i}/Add"), m
-        old = g.op("Mul", [pasts[i], g.const("half", np.array(0.5, np.float32))], f"/cache.{i}/Mul")  # outside every layer, reading one layer's cache only
+        old = g.op(
+            "Mul", [pasts[i], g.const("half", np.array(0.5, np.float32))], f"/cache.{i}/Mul"
+        )  # outside every layer, reading one layer's cache only
         presents.append(g.op("Concat", [old, m], f"/layers.{i}/Concat", {"axis": 1}))
-    logits = g.op("MatMul", [h, g.op("Transpose", [g.weight("model.head.weight")], "/head/Transpose", {"perm": [1, 0]})], "/head/MatMul")
+    logits = g.op(
+        "MatMul",
+        [h, g.op("Transpose", [g.weight("model.head.weight")], "/head/Transpose", {"perm": [1, 0]})],
+        "/head/MatMul",
+    )
     for value, name in [(logits, "logits"), *((v, f"present.{i}.key") for i, v in enumerate(presents))]:
         value.name, value.dtype = name, FLOAT
-    graph = ir.Graph([ids, pos, *pasts], [logits, *presents], nodes=g.nodes, initializers=list(g.inits.values()), opset_imports={"": 19}, name="main_graph")
+    graph = ir.Graph(
+        [ids, pos, *pasts],
+        [logits, *presents],
+        nodes=g.nodes,
+        initializers=list(g.inits.values()),
+        opset_imports={"": 19},
+        name="main_graph",
+    )
     return ir.Model(graph, ir_version=10)
 
 
 def feeds(layers: int = LAYERS) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(4)
-    out = {"input_ids": rng.integers(0, V, (2, 3)).astype(np.int64), "position_ids": np.tile(np.arange(5, 8, dtype=np.int64), (2, 1))}
+    out = {
+        "input_ids": rng.integers(0, V, (2, 3)).astype(np.int64),
+        "position_ids": np.tile(np.arange(5, 8, dtype=np.int64), (2, 1)),
+    }
     return out | {f"past_key_values.{i}.key": rng.standard_normal((2, 5, D)).astype(np.float32) for i in range(layers)}
 
 
@@ -97,13 +129,21 @@ def test_stamped_layers_compute_what_the_whole_graph_computes() -> None:
     model = traced(source, 2)
     assert StampLayers(PLAN)(model).modified
     graph = model.graph
-    assert [v.name for v in graph.inputs] == ["input_ids", "position_ids", *(f"past_key_values.{i}.key" for i in range(LAYERS))]
+    assert [v.name for v in graph.inputs] == [
+        "input_ids",
+        "position_ids",
+        *(f"past_key_values.{i}.key" for i in range(LAYERS)),
+    ]
     assert [v.name for v in graph.outputs] == ["logits", *(f"present.{i}.key" for i in range(LAYERS))]
     for i in (2, 3):
         tensor = graph.initializers[f"model.layers.{i}.weight"].const_value
-        assert isinstance(tensor, ModuleWeight) and tensor.module_name == f"model.layers.{i}.weight"  # its own weight, still lazy
+        assert (
+            isinstance(tensor, ModuleWeight) and tensor.module_name == f"model.layers.{i}.weight"
+        )  # its own weight, still lazy
         assert graph.node(f"/layers.{i}/Transpose").inputs[0] is graph.initializers[f"model.layers.{i}.weight"]
-        assert graph.node(f"/cache.1/Mul.layer{i}").inputs[0] is graph.inputs[2 + i]  # the cache update went with its layer
+        assert (
+            graph.node(f"/cache.1/Mul.layer{i}").inputs[0] is graph.inputs[2 + i]
+        )  # the cache update went with its layer
     assert len([n for n in graph if n.name == "/rotary/Unsqueeze"]) == 1  # what every layer reads is shared
     got = run(model, feeds())
     assert list(got) == list(want)
@@ -116,7 +156,9 @@ def test_a_template_whose_layers_exchange_two_values_is_refused() -> None:
     message = "layer 1 of the template reads 2 and hands on 1 values; stamping needs one hidden state each"
     with pytest.raises(ExportError, match="^" + re.escape(f"export: {message}") + "$"):
         StampLayers(PLAN).check(model)
-    with pytest.raises(ExportError, match="^" + re.escape(f"export: pass StampLayers on the model graph: {message}") + "$"):
+    with pytest.raises(
+        ExportError, match="^" + re.escape(f"export: pass StampLayers on the model graph: {message}") + "$"
+    ):
         run_passes(model, [StampLayers(PLAN)], graph="model")
 
 
@@ -136,7 +178,9 @@ def test_a_whole_model_is_not_stamped() -> None:
         (("a", "b", "c"), 3, (0, 1, 2)),  # no two alike: traced whole
     ],
 )
-def test_stamp_plan_of_takes_the_shortest_template(signatures: tuple[str, ...], traced_layers: int, templates: tuple[int, ...]) -> None:
+def test_stamp_plan_of_takes_the_shortest_template(
+    signatures: tuple[str, ...], traced_layers: int, templates: tuple[int, ...]
+) -> None:
     plan = StampPlan.of(LayerPlan("layers.{}", signatures, lambda n: nn.Module()))
     assert (plan.prefix, plan.traced, plan.templates) == ("layers.{}", traced_layers, templates)
     assert plan.stamps == (traced_layers < len(signatures))

@@ -25,7 +25,10 @@ def saved(directory: Path) -> onnx.ModelProto:
         helper.make_node("Add", ["x", "neg"], ["y"]),
         helper.make_node("FastGelu", ["x"], ["z"], domain="com.microsoft"),
     ]
-    inputs = [helper.make_tensor_value_info("position_ids", TensorProto.INT64, [2, 4]), helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])]
+    inputs = [
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, [2, 4]),
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+    ]
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 4]) for n in ("cos", "y", "z")]
     w = numpy_helper.from_array(np.linspace(0.1, 0.4, 4, dtype=np.float32), "w")
     external_data_helper.set_external_data(w, "weights.bin", offset=0, length=16)
@@ -55,10 +58,18 @@ def test_cut_subgraph_computes_the_outputs_alone(tmp_path: Path) -> None:
     whole = run(proto, FEEDS, tmp_path)
     cut = cut_subgraph(proto, ["cos", "y"], tmp_path, name="piece")
     assert cut is not None and cut.graph.name == "piece"
-    assert [n.op_type for n in cut.graph.node] == ["Cast", "Mul", "Cos", "Neg", "Add"]  # in the graph's order, FastGelu left out
+    assert [n.op_type for n in cut.graph.node] == [
+        "Cast",
+        "Mul",
+        "Cos",
+        "Neg",
+        "Add",
+    ]  # in the graph's order, FastGelu left out
     assert sorted(v.name for v in cut.graph.input) == ["position_ids", "x"]
     (w,) = cut.graph.initializer
-    assert not external_data_helper.uses_external_data(w) and numpy_helper.to_array(w).tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert not external_data_helper.uses_external_data(w) and numpy_helper.to_array(w).tolist() == pytest.approx(
+        [0.1, 0.2, 0.3, 0.4]
+    )
     assert [o.domain for o in cut.opset_import] == [""]
     got = run(cut, FEEDS)  # no file: its constants are inside it
     for name in ("cos", "y"):
@@ -78,7 +89,10 @@ def test_cut_subgraph_computes_the_outputs_alone(tmp_path: Path) -> None:
 def test_cut_subgraph_refuses(outputs: list[str], limits: dict[str, object], tmp_path: Path) -> None:
     proto = saved(tmp_path)
     assert cut_subgraph(proto, outputs, tmp_path, name="piece", **limits) is None  # type: ignore[arg-type]
-    assert cut_subgraph(proto, ["cos"], tmp_path, name="piece", allowed_inputs={"position_ids"}, max_external_bytes=16) is not None
+    assert (
+        cut_subgraph(proto, ["cos"], tmp_path, name="piece", allowed_inputs={"position_ids"}, max_external_bytes=16)
+        is not None
+    )
 
 
 def test_cut_subgraph_keeps_an_fp16_output_fp16(tmp_path: Path) -> None:
@@ -87,9 +101,14 @@ def test_cut_subgraph_keeps_an_fp16_output_fp16(tmp_path: Path) -> None:
     nodes = [helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16), helper.make_node("Neg", ["h"], ["y"])]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2])]
-    graph = helper.make_graph(nodes, "g", inputs, outputs, value_info=[helper.make_tensor_value_info("h", TensorProto.FLOAT16, [2])])
+    graph = helper.make_graph(
+        nodes, "g", inputs, outputs, value_info=[helper.make_tensor_value_info("h", TensorProto.FLOAT16, [2])]
+    )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=10)
     cut = cut_subgraph(proto, ["h", "y"], tmp_path, name="piece")
-    assert cut is not None and [o.type.tensor_type.elem_type for o in cut.graph.output] == [TensorProto.FLOAT16, TensorProto.FLOAT16]
+    assert cut is not None and [o.type.tensor_type.elem_type for o in cut.graph.output] == [
+        TensorProto.FLOAT16,
+        TensorProto.FLOAT16,
+    ]
     got = run(cut, {"x": np.array([1.5, -2.0], np.float32)})
     assert got["y"].dtype == np.float16 and got["y"].tolist() == [-1.5, 2.0]

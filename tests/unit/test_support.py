@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from kiln_testing import config_error, tiny_config, write_checkpoint
 
 from kiln.cli import main
 from kiln.errors import ConfigError
@@ -19,6 +18,7 @@ from kiln.exporter.support import ALTERNATIVES, Cell, precisions, support, targe
 from kiln.listing import MIN_WIDTH, entry, fit
 from kiln.plugins import families
 from kiln.plugins.base import DecoderSpec
+from kiln_testing import config_error, tiny_config, write_checkpoint
 
 # fp32, fp16, int8, fp8, int4: --target ort takes fp32 and int4 (and --ort-int8)
 TAKES_ALL = ["pox", "p-x", "pOx", "p-x", "pox"]
@@ -26,15 +26,34 @@ UNPROVED_WINDOW = ["poX", "p-X", "pOX", "p-X", "poX"]  # --target onnx refuses a
 ENCODER_DECODER = ["p--", "p--", "---", "---", "---"]  # fp32 and fp16, the portable graphs only
 MARKS = {
     **dict.fromkeys(["Qwen3", "Phi-3", "SmolLM3", "Qwen3-MoE", "gpt-oss"], UNPROVED_WINDOW),
-    **dict.fromkeys(["Qwen2-MoE", "PhiMoE", "OLMo 3", "Cohere2", "Exaone 4", "Ministral", "Ministral 3"], UNPROVED_WINDOW),
     **dict.fromkeys(
-        ["AFMoE", "Cohere Compass", "Cohere2-MoE", "CWM", "dots.llm1", "Ergo", "EXAONE-MoE", "Flint", "Granite-SWA", "GraniteMoe-SWA", "Kolibri 1"],
+        ["Qwen2-MoE", "PhiMoE", "OLMo 3", "Cohere2", "Exaone 4", "Ministral", "Ministral 3"], UNPROVED_WINDOW
+    ),
+    **dict.fromkeys(
+        [
+            "AFMoE",
+            "Cohere Compass",
+            "Cohere2-MoE",
+            "CWM",
+            "dots.llm1",
+            "Ergo",
+            "EXAONE-MoE",
+            "Flint",
+            "Granite-SWA",
+            "GraniteMoe-SWA",
+            "Kolibri 1",
+        ],
         UNPROVED_WINDOW,
     ),
     **dict.fromkeys(["Laguna", "Mellum", "ModernBERT", "VaultGemma"], UNPROVED_WINDOW),
-    **dict.fromkeys(["Llama 4 (text)", "Llama 4 VLM"], UNPROVED_WINDOW),  # --target onnx refuses chunked attention (the same marks)
-    **dict.fromkeys(["DeepSeek-V2", "DeepSeek-V3"], ["po-", "p--", "pO-", "p--", "po-"]),  # --target onnx refuses a latent cache
-    # the table asks by the wrapper's name: Gemma 3's is proved windowed (test_hf_multimodal), Mistral 3's tiny case has no window
+    **dict.fromkeys(
+        ["Llama 4 (text)", "Llama 4 VLM"], UNPROVED_WINDOW
+    ),  # --target onnx refuses chunked attention (the same marks)
+    **dict.fromkeys(
+        ["DeepSeek-V2", "DeepSeek-V3"], ["po-", "p--", "pO-", "p--", "po-"]
+    ),  # --target onnx refuses a latent cache
+    # the table asks by the wrapper's name: Gemma 3's is proved windowed (test_hf_multimodal), Mistral 3's tiny case has
+    # no window
     "Mistral 3 VLM": UNPROVED_WINDOW,
     **dict.fromkeys(["BART", "mBART", "Marian", "T5"], ENCODER_DECODER),
     "PLE decoder": TAKES_ALL,
@@ -109,7 +128,7 @@ def test_a_cross_attention_decoder_is_refused_by_kiln_export_as_the_table_says(t
     """Through the CLI, on a checkpoint: each refused cell of the cross-attention row is refused
     with its message before anything is exported (--fp8 among them: it failed in calibration)."""
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(cross_attention=True))
-    (_, spec), = [(n, s) for n, s in _rows() if n == "cross-attention"]
+    ((_, spec),) = [(n, s) for n, s in _rows() if n == "cross-attention"]
     refused = [(p, t, c) for p, row in support(spec).cells.items() for t, c in row.items() if not c.taken]
     assert len(refused) == 12  # 2 targets at fp32, fp16 and int4 (RTN), 3 at int8 and fp8
     for precision, target, cell in refused:
@@ -130,7 +149,9 @@ def test_the_structures_are_those_the_configs_give() -> None:
     listed = {spec.config["architecture"]: spec for spec in HF.specs()}
     for arch, make in [*TINY.values(), *SEQ2SEQ_TINY.values()]:
         config = make(transformers)
-        real = read_seq2seq_spec(config, arch, "hf") if arch in SEQ2SEQ else read_any_spec(config, arch, "hf")  # a wrapper's: its text decoder's
+        real = (
+            read_seq2seq_spec(config, arch, "hf") if arch in SEQ2SEQ else read_any_spec(config, arch, "hf")
+        )  # a wrapper's: its text decoder's
         spec = listed[arch]
         assert (real.encoder_dim is None, real.has_encoder) == (spec.encoder_dim is None, spec.has_encoder), arch
         assert ("sliding_window" in real.config) == ("sliding_window" in spec.config), arch
@@ -138,7 +159,9 @@ def test_the_structures_are_those_the_configs_give() -> None:
         mine, theirs = support(spec).cells, support(real).cells
         for precision, row in mine.items():
             for target, cell in row.items():
-                if cell.condition is None or not any(feature in cell.condition for feature in ("sliding window", "chunked attention")):
+                if cell.condition is None or not any(
+                    feature in cell.condition for feature in ("sliding window", "chunked attention")
+                ):
                     assert theirs[precision][target] == cell, (arch, precision, target)
 
 
@@ -152,15 +175,23 @@ def test_no_line_is_wider_than_the_terminal() -> None:
 def test_at_80_columns_the_marks_stay_on_the_row_and_the_rest_goes_under_it() -> None:
     lines = _plugins(columns=80).splitlines()
     llama = lines.index("  Llama             pox   p-x   pOx   p-x  pox")  # as wide as GraniteMoeShared
-    assert lines[llama - 1] == "  architecture      fp32  fp16  int8  fp8  int4"  # Mistral3ForConditionalGeneration's class does not fit beside
+    assert (
+        lines[llama - 1] == "  architecture      fp32  fp16  int8  fp8  int4"
+    )  # Mistral3ForConditionalGeneration's class does not fit beside
     assert lines[llama + 1 : llama + 5] == [
         "      class: LlamaForCausalLM",
         "      --target ort: GQA",
         "      notes: rope linear, yarn, llama3, longrope; tied and untied; bias;",
         "        head_dim != hidden/heads",
     ]
-    qwen3, bart = lines.index("  Qwen3             poX   p-X   pOX   p-X  poX"), lines.index("  BART              p--   p--   ---   ---  ---")
-    assert (lines[qwen3 + 1], lines[bart + 1]) == ("      class: Qwen3ForCausalLM", "      class: BartForConditionalGeneration")
+    qwen3, bart = (
+        lines.index("  Qwen3             poX   p-X   pOX   p-X  poX"),
+        lines.index("  BART              p--   p--   ---   ---  ---"),
+    )
+    assert (lines[qwen3 + 1], lines[bart + 1]) == (
+        "      class: Qwen3ForCausalLM",
+        "      class: BartForConditionalGeneration",
+    )
     assert "  cross-attention  p--   p--   ---   ---  P--" in lines
     assert "  P in int4: only with --int4-method rtn (GPTQ is refused)" in lines
     window = "  X: not with a sliding window: only the windows a test proves are applied"
@@ -190,7 +221,9 @@ def test_json_keeps_everything() -> None:
     found = {f["name"]: f for f in json.loads(_plugins("--json"))}
     hf = found["hf"]
     assert hf["table"][0] == ["architecture", "fp32", "fp16", "int8", "fp8", "int4", "class", "--target ort", "notes"]
-    assert len(hf["table"]) == len(hf["support"]) + 1 == 86 + 2 + 2  # + Llama 4 and its wrapper, DeepSeek-V2 and -V3 (issue 43)
+    assert (
+        len(hf["table"]) == len(hf["support"]) + 1 == 86 + 2 + 2
+    )  # + Llama 4 and its wrapper, DeepSeek-V2 and -V3 (issue 43)
     bart = hf["support"][hf["table"].index(next(r for r in hf["table"] if r[0] == "BART")) - 1]
     assert bart["int8"]["portable"]["taken"] is False
     why = "int8 exports are not supported for encoder-decoders yet: calibration and GPTQ"
@@ -227,7 +260,7 @@ def test_an_encoder_decoder_and_a_window_are_refused_by_kiln_export_as_the_table
 
     bart = tmp_path / "bart"
     tiny_model("bart", seed=1).module.model.save_pretrained(bart, safe_serialization=True)
-    (_, spec), = [(n, s) for n, s in _rows() if n == "BART"]
+    ((_, spec),) = [(n, s) for n, s in _rows() if n == "BART"]
     refused = [(p, t, c) for p, row in support(spec).cells.items() for t, c in row.items() if not c.taken]
     assert len(refused) == 13  # all but fp32 and fp16's portable graphs
     for precision, target, cell in refused:
@@ -235,7 +268,7 @@ def test_an_encoder_decoder_and_a_window_are_refused_by_kiln_export_as_the_table
         assert (cell.refusal or "").startswith(line), (precision, target, line)
     phi3 = tmp_path / "phi3"
     tiny_model("phi3-partial", seed=1, sliding_window=4).module.model.save_pretrained(phi3, safe_serialization=True)
-    (_, spec), = [(n, s) for n, s in _rows() if n == "Phi-3"]
+    ((_, spec),) = [(n, s) for n, s in _rows() if n == "Phi-3"]
     cell = support(spec).cells["fp32"]["onnx"]
     assert cell.taken and cell.condition == "not with a sliding window: only the windows a test proves are applied"
     assert cell.refusal == _kiln_export(phi3, tmp_path / "out", "fp32", "onnx")  # the probe's window is 4 tokens too

@@ -27,7 +27,9 @@ class Tiny(nn.Module):
         return self.head(torch.tanh(self.proj(self.embed(ids)) + self.shift))
 
 
-@pytest.mark.parametrize(("budget", "kept"), [(None, torch.float32), (0, torch.bfloat16)], ids=["converted once", "lent per call"])
+@pytest.mark.parametrize(
+    ("budget", "kept"), [(None, torch.float32), (0, torch.bfloat16)], ids=["converted once", "lent per call"]
+)
 def test_a_bf16_module_computes_its_fp32_copy_exactly(budget: int | None, kept: torch.dtype) -> None:
     low = Tiny().to(torch.bfloat16)
     want = copy.deepcopy(low).float()

@@ -42,7 +42,17 @@ def test_a_failed_trace_names_the_model_and_the_cause() -> None:
     spec = DecoderSpec(family="native", n_layers=1, n_kv_heads=1, head_dim=4, vocab_size=16, max_context=32)
     io = graph_io(spec, GraphKind.UNIFIED, last_logits_only=False)
     with pytest.raises(ExportError) as err:
-        trace_graph(_DataDependent(), GraphKind.UNIFIED, io, n_layers=1, vocab=16, opset=18, last_logits_only=False, max_batch=2, max_context=32)
+        trace_graph(
+            _DataDependent(),
+            GraphKind.UNIFIED,
+            io,
+            n_layers=1,
+            vocab=16,
+            opset=18,
+            last_logits_only=False,
+            max_batch=2,
+            max_context=32,
+        )
     message = str(err.value)
     assert len(message.splitlines()) == 1 and "\x1b" not in message, message
     assert "tracing the model graph of _DataDependent failed: GuardOnDataDependentSymNode: " in message, message

@@ -4,11 +4,9 @@ before and after: ``BindWeights`` (``passes.bind``), ``FoldWeightTransposes``
 
 from __future__ import annotations
 
-
 import numpy as np
 import onnx_ir as ir
 import pytest
-from kiln_testing import exact, run_graph as run
 import torch
 from torch import nn
 
@@ -17,6 +15,8 @@ from kiln.exporter.passes import run_passes
 from kiln.exporter.passes.bind import BindWeights, ModuleWeight, WeightSource
 from kiln.exporter.passes.fold import FoldConstants
 from kiln.exporter.passes.transposes import TRANSPOSE, TRANSPOSED, FoldWeightTransposes
+from kiln_testing import exact
+from kiln_testing import run_graph as run
 
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
 OPSET = 19
@@ -74,7 +74,10 @@ def traced_affine(shapes: dict[str, list[int]] | None = None) -> ir.Model:
     """y = (x @ W^T + b + offset) * 2 as the exporter traces it from a meta-device module: its
     initializers hold meta tensors named after the module's (and one real constant, ``two``)."""
     want = {"model.fc.weight": [3, 4], "model.fc.bias": [3], "model.offset": [3], **(shapes or {})}
-    metas = {name: ir.val(name, FLOAT, dims, const_value=ir.Tensor(torch.empty(dims, device="meta"), dtype=FLOAT, name=name)) for name, dims in want.items()}
+    metas = {
+        name: ir.val(name, FLOAT, dims, const_value=ir.Tensor(torch.empty(dims, device="meta"), dtype=FLOAT, name=name))
+        for name, dims in want.items()
+    }
     two = const("two", np.array([2.0], dtype=np.float32))
     x = ir.val("x", FLOAT, [2, 4])
     t = ir.node("Transpose", [metas["model.fc.weight"]], {"perm": [1, 0]})
@@ -168,7 +171,11 @@ def test_transpose_of_a_weight_becomes_a_transposed_lazy_weight(reads: list[str]
     stored = model.graph.node("/fc/MatMul").inputs[1]
     assert stored is not None and stored.name == f"{TRANSPOSED}model.fc.weight"
     tensor = stored.const_value
-    assert isinstance(tensor, ModuleWeight) and tensor.module_name == "model.fc.weight" and tensor.transforms == (TRANSPOSE,)
+    assert (
+        isinstance(tensor, ModuleWeight)
+        and tensor.module_name == "model.fc.weight"
+        and tensor.transforms == (TRANSPOSE,)
+    )
     assert list(tensor.shape) == [4, 3] and tensor.key == "model.fc.weight|FLOAT|T"
     np.testing.assert_array_equal(tensor.numpy(), module.fc.weight.detach().numpy().T)
     np.testing.assert_array_equal(run(model, feeds)["y"], before["y"])
@@ -218,7 +225,10 @@ def test_a_tied_table_is_stored_once_for_every_graph() -> None:
     graph = decoder.graph
     read = [v for v in graph.initializers.values() if v.uses() and isinstance(v.const_value, ModuleWeight)]
     assert [v.name for v in read] == [f"{TRANSPOSED}model.emb.weight"]  # one [d, V] table for the head and the lookup
-    assert sorted((u.node.op_type, u.node.attributes.get_int("axis", 0)) for u in read[0].uses()) == [("Gather", 1), ("MatMul", 0)]
+    assert sorted((u.node.op_type, u.node.attributes.get_int("axis", 0)) for u in read[0].uses()) == [
+        ("Gather", 1),
+        ("MatMul", 0),
+    ]
     assert graph.node("/emb/Gather/Transpose").attributes.get_ints("perm") == (1, 2, 0)
     np.testing.assert_array_equal(run(decoder, feeds)["logits"], before["logits"])
     # another graph gathering from the same parameter (under its other name) gathers the stored columns
@@ -226,7 +236,9 @@ def test_a_tied_table_is_stored_once_for_every_graph() -> None:
     alone = tied_graph(source, "model.head.weight", head=False)
     want = run(encoder, feeds)["hidden"]
     assert FoldWeightTransposes(transposed)(encoder).modified
-    assert [v.name for v in encoder.graph.initializers.values() if v.uses() and isinstance(v.const_value, ModuleWeight)] == [f"{TRANSPOSED}model.head.weight"]
+    assert [
+        v.name for v in encoder.graph.initializers.values() if v.uses() and isinstance(v.const_value, ModuleWeight)
+    ] == [f"{TRANSPOSED}model.head.weight"]
     np.testing.assert_array_equal(run(encoder, feeds)["hidden"], want)
     assert not FoldWeightTransposes()(alone).modified  # without the shared set: a plain row gather
     assert [(n.op_type, n.attributes.get_int("axis", 0)) for n in alone.graph] == [("Gather", 0), ("Mul", 0)]
@@ -251,7 +263,11 @@ def fold_graph(source: WeightSource) -> tuple[ir.Model, dict[str, ir.Node]]:
     x = ir.val("x", FLOAT, [2, 6])
     w = weight(source, "model.fc.weight")  # [6, 4]
     inits = [w, const("ok", np.ones(8192, np.float32)), const("big", np.ones(8193, np.float32))]
-    inits += [const("s", np.ones(1, np.float32)), const("fits", np.array([512, 512], np.int64)), const("over", np.array([513, 512], np.int64))]
+    inits += [
+        const("s", np.ones(1, np.float32)),
+        const("fits", np.array([512, 512], np.int64)),
+        const("over", np.array([513, 512], np.int64)),
+    ]
     by_name = {v.name: v for v in inits}
     specs: list[tuple[str, str, list[str], dict[str, object]]] = [
         ("one", "Constant", [], {"value": ir.tensor(np.ones(4, np.float32))}),
@@ -293,7 +309,19 @@ def test_fold_constants_folds_around_the_weights(reads: list[str]) -> None:
     left = {n.name for n in model.graph}
     # folded: the constants' arithmetic, the static shape (and the Reshape it made a no-op), a sum
     # of 8192 elements and an Expand to 512 x 512; removed: the dead Relu
-    assert left == {"neg_w", "mm", "plus_two", "sum_big", "sums", "with_sums", "y", "expand_over", "sum_fits", "sum_over", "z"}
+    assert left == {
+        "neg_w",
+        "mm",
+        "plus_two",
+        "sum_big",
+        "sums",
+        "with_sums",
+        "y",
+        "expand_over",
+        "sum_fits",
+        "sum_over",
+        "z",
+    }
     assert isinstance(nodes["neg_w"].inputs[0] and nodes["neg_w"].inputs[0].const_value, ModuleWeight)
     three = nodes["y"].inputs[1]
     assert three is not None and three.is_initializer()  # a Constant node lifted to an initializer

@@ -28,7 +28,9 @@ def arrays(seed: int, *names: str) -> dict[str, np.ndarray]:
     return {n: (rng.standard_normal((K, K)) / np.sqrt(K)).astype(np.float32) for n in names}
 
 
-def chain(weights: list[tuple[str, np.ndarray, str]], small: dict[str, np.ndarray] | None = None, name: str = "g") -> ir.Model:
+def chain(
+    weights: list[tuple[str, np.ndarray, str]], small: dict[str, np.ndarray] | None = None, name: str = "g"
+) -> ir.Model:
     """y = x @ W1 @ W2 ... (+ each small tensor): ``weights`` lists (initializer name, array, node name)."""
     x = ir.val("x", FLOAT, [2, K])
     inits: dict[str, ir.Value] = {}
@@ -59,7 +61,9 @@ def run_memory(model: ir.Model, x: np.ndarray) -> np.ndarray:
 
 
 def external(model: ir.Model) -> dict[str, ir.ExternalTensor]:
-    return {n: v.const_value for n, v in model.graph.initializers.items() if isinstance(v.const_value, ir.ExternalTensor)}
+    return {
+        n: v.const_value for n, v in model.graph.initializers.items() if isinstance(v.const_value, ir.ExternalTensor)
+    }
 
 
 def stored_bytes(path: Path, tensor: ir.ExternalTensor) -> bytes:
@@ -74,11 +78,18 @@ def two_graphs() -> tuple[ir.Model, ir.Model, dict[str, np.ndarray]]:
     w = arrays(0, "w_big", "val_3", "b_only")
     small = {"small": np.linspace(-1, 1, K, dtype=np.float32)}  # 68 bytes: stays inline
     a = chain(
-        [("w_big", w["w_big"], "/layers.0.attn/MatMul"), ("val_3", w["val_3"], "/layers.0.mlp.fc1/MatMul"), ("w_copy", w["w_big"].copy(), "/layers.0.mlp.fc2/MatMul")],
+        [
+            ("w_big", w["w_big"], "/layers.0.attn/MatMul"),
+            ("val_3", w["val_3"], "/layers.0.mlp.fc1/MatMul"),
+            ("w_copy", w["w_big"].copy(), "/layers.0.mlp.fc2/MatMul"),
+        ],
         small,
         name="prefill",
     )
-    b = chain([("other_name", w["w_big"].copy(), "/layers.0.attn/MatMul"), ("b_only", w["b_only"], "/head/MatMul")], name="decode")
+    b = chain(
+        [("other_name", w["w_big"].copy(), "/layers.0.attn/MatMul"), ("b_only", w["b_only"], "/head/MatMul")],
+        name="decode",
+    )
     return a, b, w
 
 
@@ -100,7 +111,9 @@ def test_rename_shares_weights_between_graphs(tmp_path: Path) -> None:
     assert sorted(ext_a) == ["weights/layers.0.mlp.fc1/MatMul:1", "weights/w_big"]
     assert sorted(ext_b) == ["weights/b_only", "weights/w_big"]
     assert sorted(a.graph.initializers) == ["small", "weights/layers.0.mlp.fc1/MatMul:1", "weights/w_big"]
-    assert a.graph.initializers["small"].const_value is not None and not isinstance(a.graph.initializers["small"].const_value, ir.ExternalTensor)
+    assert a.graph.initializers["small"].const_value is not None and not isinstance(
+        a.graph.initializers["small"].const_value, ir.ExternalTensor
+    )
     # the in-graph duplicate (w_copy) merged into the first: both MatMuls read one initializer
     weight = a.graph.initializers["weights/w_big"]
     assert sorted(n.name for n, _ in weight.uses()) == ["/layers.0.attn/MatMul", "/layers.0.mlp.fc2/MatMul"]
@@ -108,7 +121,11 @@ def test_rename_shares_weights_between_graphs(tmp_path: Path) -> None:
     for ext in [*ext_a.values(), *ext_b.values()]:
         assert ext.location == WEIGHTS_FILE and ext.offset % 64 == 0 and ext.length == K * K * 4
         offsets.setdefault(ext.name, set()).add(ext.offset)
-    assert {k: len(v) for k, v in offsets.items()} == {"weights/w_big": 1, "weights/layers.0.mlp.fc1/MatMul:1": 1, "weights/b_only": 1}
+    assert {k: len(v) for k, v in offsets.items()} == {
+        "weights/w_big": 1,
+        "weights/layers.0.mlp.fc1/MatMul:1": 1,
+        "weights/b_only": 1,
+    }
     assert ext_a["weights/w_big"].offset == ext_b["weights/w_big"].offset == 0
     assert sorted(o for s in offsets.values() for o in s) == [0, 1216, 2432]
     assert stored_bytes(path, ext_a["weights/w_big"]) == w["w_big"].tobytes()
@@ -184,7 +201,9 @@ def test_keep_names_shares_content_and_refuses_a_name_with_other_content(tmp_pat
         writer.externalize(b)
         bad = chain([("v", w["w"], "/a/MatMul")], name="model")
         message = "tensor v differs between graphs; cannot share weights.ort.bin"
-        with pytest.raises(ExportError, match=exact(f"export: pass ExternalizeWeights on the model (ORT target) graph: {message}")):
+        with pytest.raises(
+            ExportError, match=exact(f"export: pass ExternalizeWeights on the model (ORT target) graph: {message}")
+        ):
             run_passes(bad, [ExternalizeWeights(writer)], graph="model (ORT target)")
         with pytest.raises(ExportError, match=exact(f"export: {message}")):
             writer.externalize(chain([("v", w["w"], "/a/MatMul")]))

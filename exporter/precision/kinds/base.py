@@ -38,10 +38,23 @@ from kiln.registry import Flag  # one CLI option of a kind besides --NAME, filli
 
 if TYPE_CHECKING:
     import onnx_ir as ir
+
     from kiln.exporter.contract.io import GraphKind
     from kiln.plugins.base import DecoderSpec, PLETables
 
-__all__ = ["Role", "Needs", "Flag", "Asked", "PrecisionKind", "Prepared", "GraphReports", "Ranges", "RangesKind", "encoder_reason", "ranges_reasons"]
+__all__ = [
+    "Role",
+    "Needs",
+    "Flag",
+    "Asked",
+    "PrecisionKind",
+    "Prepared",
+    "GraphReports",
+    "Ranges",
+    "RangesKind",
+    "encoder_reason",
+    "ranges_reasons",
+]
 
 GraphReports = Mapping["GraphKind", Mapping[str, Any]]  # per graph, what its passes report (``passes.reports``)
 Ranges = dict[str, tuple[float, float]]  # tensor -> calibrated (lo, hi)
@@ -116,13 +129,17 @@ class PrecisionKind(abc.ABC):
     role: ClassVar[Role]
     machinery: ClassVar[str]  # the module whose ``prepare(kind, context)`` prepares it (its passes live there)
     help: ClassVar[str]  # --NAME's help
-    flags: ClassVar[tuple[tuple[Flag, ...], ...]] = ()  # its options, in groups (given without --NAME, a group is refused in one line)
+    flags: ClassVar[
+        tuple[tuple[Flag, ...], ...]
+    ] = ()  # its options, in groups (given without --NAME, a group is refused in one line)
     tolerance: ClassVar[Tolerance]
     bytes_per_weight: ClassVar[float]  # the fewest bytes a weight takes in its graphs (the disk precheck)
     implies: ClassVar[tuple[str, ...]] = ()  # kinds it comes with (fp8: fp16), not named in the precision's name
     min_opset: ClassVar[int] = 0  # its graphs are written at this opset at least (int4: 21)
     min_compute_capability: ClassVar[tuple[int, int, str] | None] = None  # TensorRT builds it on these GPUs only
-    weight_only: ClassVar[bool] = False  # activations stay float: its graphs are also judged against PyTorch on its numbers
+    weight_only: ClassVar[bool] = (
+        False  # activations stay float: its graphs are also judged against PyTorch on its numbers
+    )
     full_check: ClassVar[bool] = False  # onnx.checker's full check on every graph it wrote
     calibration_use: ClassVar[str | None] = None  # how --calib-data's refusal names it ("--int4 (method gptq)")
     default_windows: ClassVar[int] = 32  # calibration windows when --calib-samples is not given
@@ -172,9 +189,12 @@ class RangesKind(PrecisionKind):
         found = ranges_reasons(self.flag(), options)
         if spec is not None and (encoder := encoder_reason(spec, options)) is not None:
             found.append(encoder)
-        elif spec is not None and spec.encoder_dim is not None:  # --fp8 was not refused here: its calibration failed with a traceback (no encoder_hidden_states)
+        elif (
+            spec is not None and spec.encoder_dim is not None
+        ):  # --fp8 was not refused here: its calibration failed with a traceback (no encoder_hidden_states)
             found.append(
-                f"{self.flag()} is not supported for cross-attention decoders yet: calibration needs encoder_hidden_states"
+                f"{self.flag()} is not supported for cross-attention decoders yet: calibration needs "
+                "encoder_hidden_states"
                 " samples, which kiln's calibration data formats do not carry; export --fp16 or fp32"
             )
         return found
@@ -184,7 +204,9 @@ def ranges_reasons(flag: str, options: Asked) -> list[str]:
     """What is wrong with the calibration options of a kind that reads activation ranges (``Needs.RANGES``)."""
     found = []
     if options.calib_data is None:
-        found.append(f"{flag} needs --calib-data: a text file, .jsonl (field 'text'), .npy/.npz token ids, or 'synthetic'")
+        found.append(
+            f"{flag} needs --calib-data: a text file, .jsonl (field 'text'), .npy/.npz token ids, or 'synthetic'"
+        )
     if options.opset < _MIN_RANGES_OPSET:
         found.append(f"{flag} needs --opset {_MIN_RANGES_OPSET} or later (fp16 Q/DQ scales), found {options.opset}")
     if options.calib_method not in _CALIB_METHODS:
@@ -199,6 +221,7 @@ def encoder_reason(spec: DecoderSpec, options: Asked) -> str | None:
     if not spec.has_encoder:
         return None
     return (
-        f"{options.precision.value} exports are not supported for encoder-decoders yet: calibration and GPTQ run decoder-only"
+        f"{options.precision.value} exports are not supported for encoder-decoders yet: calibration and GPTQ run "
+        "decoder-only"
         " prompts, with no encoder inputs; export --fp16 or fp32"
     )

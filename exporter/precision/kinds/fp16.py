@@ -26,20 +26,34 @@ class Fp16(PrecisionKind):
     name: ClassVar[str] = "fp16"
     role: ClassVar[Role] = Role.FLOAT
     machinery: ClassVar[str] = "kiln.exporter.precision.islands"
-    help: ClassVar[str] = "fp16 weights, activations and KV cache, with fp32 islands (norm statistics, softmax, rotary angles, logits)."
+    help: ClassVar[str] = (
+        "fp16 weights, activations and KV cache, with fp32 islands (norm statistics, softmax, rotary angles, logits)."
+    )
     flags: ClassVar[tuple[tuple[Flag, ...], ...]] = (
         (
             Flag(
-                "--keep-fp32", "keep_fp32", multiple=True, metavar="OP_TYPE|NODE_NAME",
-                help="Also keep these op types, node names (/layers.0.attn/MatMul) or modules (/layers.0.mlp.fc2/, *.fc2: the nodes of exactly that module) in fp32. Repeatable.",
+                "--keep-fp32",
+                "keep_fp32",
+                multiple=True,
+                metavar="OP_TYPE|NODE_NAME",
+                help="Also keep these op types, node names (/layers.0.attn/MatMul) or modules (/layers.0.mlp.fc2/, "
+                "*.fc2: the nodes of exactly that module) in fp32. Repeatable.",
             ),
-            Flag("--auto-keep-fp32", "auto_keep_fp32", is_flag=True, help="With --fp16: search (bisection on ONNX Runtime) for modules that must stay fp32 for parity, and keep them."),
+            Flag(
+                "--auto-keep-fp32",
+                "auto_keep_fp32",
+                is_flag=True,
+                help="With --fp16: search (bisection on ONNX Runtime) for modules that must stay fp32 for parity, and "
+                "keep them.",
+            ),
         ),
     )
     # fp16 weights, activations and KV (10-bit mantissa) against fp32 PyTorch: the former absolute
     # figures stay as atol, rtol is 5 fp16 ulps of the row's scale (the cache is itself rounded to
     # fp16: half an ulp, 4.9e-4 of it; measured rows reach 2e-3 of their scale)
-    tolerance: ClassVar[Tolerance] = Tolerance(logits_atol=5e-2, logits_rtol=5e-3, kv_atol=2e-2, kv_rtol=5e-3, min_cosine=0.9999)
+    tolerance: ClassVar[Tolerance] = Tolerance(
+        logits_atol=5e-2, logits_rtol=5e-3, kv_atol=2e-2, kv_rtol=5e-3, min_cosine=0.9999
+    )
     bytes_per_weight: ClassVar[float] = 2.0
     lora_slots: ClassVar[bool] = True
 
@@ -48,5 +62,8 @@ class Fp16(PrecisionKind):
         if self.auto_keep_fp32 and options.ple_tables is PLETables.INPUT:
             found.append("--auto-keep-fp32 cannot be combined with --ple-tables input")
         if spec is not None and spec.has_encoder and self.auto_keep_fp32:
-            found.append("--auto-keep-fp32 is not supported for encoder-decoders yet: its search runs the decoder's unified graph only, never the encoder; pass --keep-fp32 rules")
+            found.append(
+                "--auto-keep-fp32 is not supported for encoder-decoders yet: its search runs the decoder's "
+                "unified graph only, never the encoder; pass --keep-fp32 rules"
+            )
         return found

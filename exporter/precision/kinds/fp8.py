@@ -13,6 +13,7 @@ from kiln.exporter.tolerance import Tolerance
 
 __all__ = ["Fp8"]
 
+
 @dataclasses.dataclass(frozen=True)
 class Fp8(RangesKind):
     float_rules: tuple[str, ...] = ()  # MatMuls kept fp16 besides the LM head and attention scores
@@ -21,20 +22,29 @@ class Fp8(RangesKind):
     role: ClassVar[Role] = Role.MATMULS
     machinery: ClassVar[str] = "kiln.exporter.precision.fp8"
     help: ClassVar[str] = (
-        "fp8 E4M3 Q/DQ before MatMul inputs (weights per channel, activations per tensor from --calib-data), the rest fp16: for TensorRT on Ada/Hopper and later."
+        "fp8 E4M3 Q/DQ before MatMul inputs (weights per channel, activations per tensor from --calib-data), the "
+        "rest fp16: for TensorRT on Ada/Hopper and later."
     )
     flags: ClassVar[tuple[tuple[Flag, ...], ...]] = (
         (
             Flag(
-                "--fp8-float", "float_rules", multiple=True, metavar="RULE",
-                help="Also keep these nodes/modules/op types fp16 under --fp8 (rules as for --keep-fp32: /layers.0.mlp.fc2/, *.q_proj). Repeatable.",
+                "--fp8-float",
+                "float_rules",
+                multiple=True,
+                metavar="RULE",
+                help="Also keep these nodes/modules/op types fp16 under --fp8 (rules as for --keep-fp32: "
+                "/layers.0.mlp.fc2/, *.q_proj). Repeatable.",
             ),
         ),
     )
     tolerance: ClassVar[Tolerance] = EIGHT_BIT  # 3 mantissa bits: int8's agreement
     bytes_per_weight: ClassVar[float] = 1.0
     implies: ClassVar[tuple[str, ...]] = ("fp16",)  # fp8 graphs are fp16 around the fp8 MatMuls
-    min_compute_capability: ClassVar[tuple[int, int, str] | None] = (8, 9, "Ada (L4, L40S, RTX 40) or Hopper (H100, H200) or later")
+    min_compute_capability: ClassVar[tuple[int, int, str] | None] = (
+        8,
+        9,
+        "Ada (L4, L40S, RTX 40) or Hopper (H100, H200) or later",
+    )
     full_check: ClassVar[bool] = True
     calibration_use: ClassVar[str | None] = "--fp8"
     ways_out: ClassVar[str | None] = (

@@ -57,16 +57,26 @@ class Int4(PrecisionKind):
     role: ClassVar[Role] = Role.MATMULS
     machinery: ClassVar[str] = "kiln.exporter.precision.int4"
     help: ClassVar[str] = (
-        "Weight-only int4 MatMul weights (symmetric blocks along K: DequantizeLinear at opset 21; with --target ort also MatMulNBits, the same numbers); with --fp16 the rest is fp16."
+        "Weight-only int4 MatMul weights (symmetric blocks along K: DequantizeLinear at opset 21; with --target "
+        "ort also MatMulNBits, the same numbers); with --fp16 the rest is fp16."
     )
     flags: ClassVar[tuple[tuple[Flag, ...], ...]] = (
         (
             Flag(
-                "--int4-method", "method", choices=tuple(m.value for m in Int4Method), default=DEFAULT_INT4_METHOD.value, convert=Int4Method,
-                help="rtn = round to nearest (no data); gptq = GPTQ with a clip search on --calib-data (measured better).",
+                "--int4-method",
+                "method",
+                choices=tuple(m.value for m in Int4Method),
+                default=DEFAULT_INT4_METHOD.value,
+                convert=Int4Method,
+                help="rtn = round to nearest (no data); gptq = GPTQ with a clip search on --calib-data (measured "
+                "better).",
             ),
             Flag(
-                "--int4-block", "block", choices=tuple(map(str, INT4_BLOCKS)), default="128", convert=int,
+                "--int4-block",
+                "block",
+                choices=tuple(map(str, INT4_BLOCKS)),
+                default="128",
+                convert=int,
                 help=(
                     "int4 block size along K (a weight whose K it does not divide gets the largest smaller power of two"
                     " that does); TensorRT builds blocks of 64 and 128 only, other blocks are for ONNX Runtime only."
@@ -74,13 +84,27 @@ class Int4(PrecisionKind):
             ),
         ),
         (
-            Flag("--int4-float", "float_rules", multiple=True, metavar="RULE", help="Also keep these nodes/modules/op types in float under --int4 (rules as for --keep-fp32). Repeatable."),
-            Flag("--int4-all-matmuls", "all_matmuls", is_flag=True, help="Quantize the LM head to int4 too (kept in float by default)."),
+            Flag(
+                "--int4-float",
+                "float_rules",
+                multiple=True,
+                metavar="RULE",
+                help="Also keep these nodes/modules/op types in float under --int4 (rules as for --keep-fp32). "
+                "Repeatable.",
+            ),
+            Flag(
+                "--int4-all-matmuls",
+                "all_matmuls",
+                is_flag=True,
+                help="Quantize the LM head to int4 too (kept in float by default).",
+            ),
         ),
     )
     # 16 levels a block: judged by agreement again, looser than int8's; the graphs are also proved
     # at their float precision's tolerances against PyTorch on these numbers (``weight_only``)
-    tolerance: ClassVar[Tolerance] = Tolerance(logits_atol=3.0, logits_rtol=0.1, kv_atol=2.0, kv_rtol=0.1, min_cosine=0.97, min_token_match=0.7)
+    tolerance: ClassVar[Tolerance] = Tolerance(
+        logits_atol=3.0, logits_rtol=0.1, kv_atol=2.0, kv_rtol=0.1, min_cosine=0.97, min_token_match=0.7
+    )
     bytes_per_weight: ClassVar[float] = 0.5
     min_opset: ClassVar[int] = MIN_INT4_OPSET
     min_compute_capability: ClassVar[tuple[int, int, str] | None] = (8, 0, "Ampere (A100, A10, RTX 30) or later")
@@ -113,13 +137,15 @@ class Int4(PrecisionKind):
         found = []
         if self.gptq and options.calib_data is None:
             found.append(
-                "--int4-method gptq (the default) needs --calib-data: a text file, .jsonl (field 'text') or .npy/.npz token ids; or pass --int4-method rtn"
+                "--int4-method gptq (the default) needs --calib-data: a text file, .jsonl (field 'text') or "
+                ".npy/.npz token ids; or pass --int4-method rtn"
             )
         if spec is not None and (encoder := encoder_reason(spec, options)) is not None:
             found.append(encoder)
         elif spec is not None and self.gptq and spec.encoder_dim is not None:
             found.append(
-                "--int4-method gptq is not supported for cross-attention decoders yet: its calibration runs prompts without"
+                "--int4-method gptq is not supported for cross-attention decoders yet: its calibration runs "
+                "prompts without"
                 " encoder_hidden_states; use --int4-method rtn"
             )
         return found

@@ -14,7 +14,9 @@ __all__ = ["Int8", "EIGHT_BIT"]
 
 # an approximation by design, judged by agreement (cosine, tokens); the bound a guard against gross
 # breakage: the former absolute figures, plus 5% of the row's scale (fp8 shares them)
-EIGHT_BIT = Tolerance(logits_atol=1.5, logits_rtol=0.05, kv_atol=1.0, kv_rtol=0.05, min_cosine=0.99, min_token_match=0.9)
+EIGHT_BIT = Tolerance(
+    logits_atol=1.5, logits_rtol=0.05, kv_atol=1.0, kv_rtol=0.05, min_cosine=0.99, min_token_match=0.9
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,11 +27,25 @@ class Int8(RangesKind):
     name: ClassVar[str] = "int8"
     role: ClassVar[Role] = Role.MATMULS
     machinery: ClassVar[str] = "kiln.exporter.precision.int8"
-    help: ClassVar[str] = "int8 Q/DQ before MatMul/Gemm inputs (weights per channel, activations per tensor), calibrated on --calib-data; with --fp16 the rest is fp16."
+    help: ClassVar[str] = (
+        "int8 Q/DQ before MatMul/Gemm inputs (weights per channel, activations per tensor), calibrated on "
+        "--calib-data; with --fp16 the rest is fp16."
+    )
     flags: ClassVar[tuple[tuple[Flag, ...], ...]] = (
         (
-            Flag("--int8-float", "float_rules", multiple=True, metavar="RULE", help="Also keep these nodes/modules/op types in float (rules as for --keep-fp32). Repeatable."),
-            Flag("--int8-all-matmuls", "all_matmuls", is_flag=True, help="Quantize the LM head and attention-score MatMuls too (kept in float by default)."),
+            Flag(
+                "--int8-float",
+                "float_rules",
+                multiple=True,
+                metavar="RULE",
+                help="Also keep these nodes/modules/op types in float (rules as for --keep-fp32). Repeatable.",
+            ),
+            Flag(
+                "--int8-all-matmuls",
+                "all_matmuls",
+                is_flag=True,
+                help="Quantize the LM head and attention-score MatMuls too (kept in float by default).",
+            ),
         ),
     )
     tolerance: ClassVar[Tolerance] = EIGHT_BIT

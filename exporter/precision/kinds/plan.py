@@ -44,7 +44,9 @@ class Precision:
         for role in _ROLES:
             same = sorted((c for c in chosen if c.role is role), key=_registered_order)
             if len(same) > 1:
-                raise ConfigError(f"{' and '.join(c.flag() for c in same)} are different precisions of the same MatMuls; choose one")
+                raise ConfigError(
+                    f"{' and '.join(c.flag() for c in same)} are different precisions of the same MatMuls; choose one"
+                )
         present = {k.name for k in chosen}
         implied = tuple(kind(name)() for k in chosen for name in k.implies if name not in present)
         return _interned(tuple(sorted((*chosen, *implied), key=lambda k: _ROLES.index(k.role))))
@@ -72,7 +74,15 @@ class Precision:
         for each in kinds():
             values = {flag: flags.pop(flag.dest) for group in each.flags for flag in group}
             if each.name in chosen:
-                made.append(each(**{f.field: f.convert(v) if f.convert is not None and v is not None else v for f, v in values.items() if v is not None}))
+                made.append(
+                    each(
+                        **{
+                            f.field: f.convert(v) if f.convert is not None and v is not None else v
+                            for f, v in values.items()
+                            if v is not None
+                        }
+                    )
+                )
                 continue
             for group in each.flags:
                 if any(flag.given(values[flag]) for flag in group):
@@ -165,7 +175,6 @@ class Precision:
     def graph_opset(self, opset: int) -> int:
         """The opset the graphs are written at: ``opset``, raised to what a kind needs."""
         return max((opset, *(k.min_opset for k in self.kinds)))
-
 
 
 def _registered_order(chosen: PrecisionKind) -> int:

@@ -24,6 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.contract.static_cache import WRITE_INDICES, static_io
@@ -32,7 +34,6 @@ from kiln.exporter.patterns.attention import AttentionCore, find_attention
 from kiln.exporter.targets.onnx.decomposed import DECOMPOSED_WHY, decomposed_attention
 from kiln.exporter.targets.onnx.mask import static_masks
 from kiln.plugins.base import DecoderSpec
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 __all__ = ["StaticCache"]
 
@@ -44,7 +45,14 @@ class StaticCache(ir.passes.InPlacePass):
     report_name = "attention"
 
     def __init__(
-        self, spec: DecoderSpec, kind: GraphKind, max_context: int, *, windows: dict[int, int] | None = None, kv_dtype: str = "float32", last_logits_only: bool = False
+        self,
+        spec: DecoderSpec,
+        kind: GraphKind,
+        max_context: int,
+        *,
+        windows: dict[int, int] | None = None,
+        kv_dtype: str = "float32",
+        last_logits_only: bool = False,
     ) -> None:
         super().__init__()
         self.spec, self.kind, self.max_context = spec, kind, max_context
@@ -59,16 +67,32 @@ class StaticCache(ir.passes.InPlacePass):
             return None
         windows = {str(layer): window for layer, window in sorted(self.windows.items())}
         decomposed = {"decomposed": {"layers": list(self.decomposed), "why": DECOMPOSED_WHY}} if self.decomposed else {}
-        return {"layers": list(self.layers), "op": "Attention", "cache": "TensorScatter", **({"windows": windows} if windows else {}), **decomposed}
+        return {
+            "layers": list(self.layers),
+            "op": "Attention",
+            "cache": "TensorScatter",
+            **({"windows": windows} if windows else {}),
+            **decomposed,
+        }
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        cores = find_attention(model, self.spec.head_dim, softmax_island=True)  # fp16: the Attention op takes the fp32 softmax island in
+        cores = find_attention(
+            model, self.spec.head_dim, softmax_island=True
+        )  # fp16: the Attention op takes the fp32 softmax island in
         missing = sorted(set(range(self.spec.n_layers)) - {c.layer for c in cores})
         if missing:
-            raise ExportError(f"the attention of layer(s) {missing} is not the pattern --target onnx rewrites (attention core -> Attention); export without --target onnx")
+            raise ExportError(
+                f"the attention of layer(s) {missing} is not the pattern --target onnx rewrites (attention core "
+                "-> Attention); export without --target onnx"
+            )
         graph = model.graph
         writes = self._write_indices(graph)
-        masks = static_masks(graph, max_context=self.max_context, prefill=self.kind is GraphKind.PREFILL, windows={self.windows.get(c.layer) for c in cores})
+        masks = static_masks(
+            graph,
+            max_context=self.max_context,
+            prefill=self.kind is GraphKind.PREFILL,
+            windows={self.windows.get(c.layer) for c in cores},
+        )
         for core in cores:
             self._layer(graph, core, writes, masks[self.windows.get(core.layer)])
         RemoveUnusedNodesPass()(model)
@@ -81,7 +105,10 @@ class StaticCache(ir.passes.InPlacePass):
     def ensures(self, model: ir.Model) -> None:
         got = ([v.name for v in model.graph.inputs], [v.name for v in model.graph.outputs])
         if got != (self.io.input_names, self.io.output_names):
-            raise ExportError(f"the static-cache graph's inputs/outputs are {got}, not the contract's {(self.io.input_names, self.io.output_names)}")
+            raise ExportError(
+                f"the static-cache graph's inputs/outputs are {got}, not the contract's "
+                f"{(self.io.input_names, self.io.output_names)}"
+            )
 
     def _write_indices(self, graph: ir.Graph) -> ir.Value | None:
         if self.kind is GraphKind.PREFILL:
@@ -103,10 +130,15 @@ class StaticCache(ir.passes.InPlacePass):
     def _layer(self, graph: ir.Graph, core: AttentionCore, writes: ir.Value | None, mask: ir.Value) -> None:
         prefix = f"/static/layers.{core.layer}"
         caches = []
-        for past, new, present, which in ((core.past_key, core.k, core.present_key, "key"), (core.past_value, core.v, core.present_value, "value")):
+        for past, new, present, which in (
+            (core.past_key, core.k, core.present_key, "key"),
+            (core.past_value, core.v, core.present_value, "value"),
+        ):
             buffer = self._buffer(graph, past, f"past_key_values.{core.layer}.{which}", new)
             inputs = [buffer, new] + ([writes] if writes is not None else [])
-            scatter = _append(graph, "TensorScatter", inputs, {"axis": -2, "mode": "linear"}, f"{prefix}/{which}/TensorScatter")
+            scatter = _append(
+                graph, "TensorScatter", inputs, {"axis": -2, "mode": "linear"}, f"{prefix}/{which}/TensorScatter"
+            )
             scatter.type, scatter.shape = buffer.type, buffer.shape
             _take_output(graph, present, scatter)
             caches.append(scatter)
@@ -114,11 +146,27 @@ class StaticCache(ir.passes.InPlacePass):
         # max_context buffer (4.5x the portable prefill's time on the 33M Llama at seq 128, measured)
         keys = [core.k, core.v] if self.kind is GraphKind.PREFILL else caches
         if core.softcap is None:
-            attention = _append(graph, "Attention", [core.q, *keys, mask], {"scale": float(core.scale), "is_causal": 0}, f"{prefix}/Attention")
+            attention = _append(
+                graph,
+                "Attention",
+                [core.q, *keys, mask],
+                {"scale": float(core.scale), "is_causal": 0},
+                f"{prefix}/Attention",
+            )
             attention.type, attention.shape = core.q.type, core.q.shape
         else:
             heads = (core.n_heads, self.spec.n_kv_heads, self.spec.head_dim)
-            attention = decomposed_attention(graph, core.q, keys[0], keys[1], mask, scale=float(core.scale), softcap=core.softcap, heads=heads, prefix=f"{prefix}/decomposed")
+            attention = decomposed_attention(
+                graph,
+                core.q,
+                keys[0],
+                keys[1],
+                mask,
+                scale=float(core.scale),
+                softcap=core.softcap,
+                heads=heads,
+                prefix=f"{prefix}/decomposed",
+            )
         reshape = core.out.producer()
         transpose = reshape.inputs[0].producer() if reshape is not None and reshape.inputs[0] is not None else None
         assert transpose is not None, "the attention pattern ends in Reshape(Transpose(pv))"
@@ -129,12 +177,17 @@ class StaticCache(ir.passes.InPlacePass):
             if value.name and value.name.startswith("past_key_values."):
                 others = [u.node for u in value.uses() if u.node.op_type != "TensorScatter" and not _batch_only(u.node)]
                 if others:
-                    raise ExportError(f"{value.name} is read by {others[0].op_type} {others[0].name!r} besides its TensorScatter: the static cache would give it max_context slots")
+                    raise ExportError(
+                        f"{value.name} is read by {others[0].op_type} {others[0].name!r} besides its "
+                        "TensorScatter: the static cache would give it max_context slots"
+                    )
 
     def _order_inputs(self, graph: ir.Graph) -> None:
         by_name = {v.name or "": v for v in graph.inputs}
         if set(by_name) != set(self.io.input_names):
-            raise ExportError(f"the static-cache graph has inputs {sorted(by_name)}, the contract {self.io.input_names}")
+            raise ExportError(
+                f"the static-cache graph has inputs {sorted(by_name)}, the contract {self.io.input_names}"
+            )
         graph.inputs.clear()
         graph.inputs.extend(by_name[name] for name in self.io.input_names)
 
@@ -142,7 +195,9 @@ class StaticCache(ir.passes.InPlacePass):
 def _batch_only(node: ir.Node) -> bool:
     """A ``Shape`` reading the batch dim alone (the tracer takes the batch size from a past): the
     static buffer has the same batch."""
-    return node.op_type == "Shape" and node.attributes.get_int("start", 0) == 0 and node.attributes.get_int("end", 0) == 1
+    return (
+        node.op_type == "Shape" and node.attributes.get_int("start", 0) == 0 and node.attributes.get_int("end", 0) == 1
+    )
 
 
 def _append(graph: ir.Graph, op_type: str, inputs: list[Any], attributes: dict[str, Any], name: str) -> ir.Value:

@@ -21,15 +21,28 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.exporter.passes.ir_utils import constant
 
 __all__ = ["decomposed_attention", "DECOMPOSED_WHY"]
 
-DECOMPOSED_WHY = "soft-capped scores (cap * tanh(scores / cap)): TensorRT's parser refuses Attention's softcap, so these layers read the static cache with MatMul/Tanh/Softmax"
+DECOMPOSED_WHY = (
+    "soft-capped scores (cap * tanh(scores / cap)): TensorRT's parser refuses Attention's softcap, so these layers "
+    "read the static cache with MatMul/Tanh/Softmax"
+)
 
 
 def decomposed_attention(
-    graph: ir.Graph, q: ir.Value, keys: ir.Value, values: ir.Value, mask: ir.Value, *, scale: float, softcap: float | None, heads: tuple[int, int, int], prefix: str
+    graph: ir.Graph,
+    q: ir.Value,
+    keys: ir.Value,
+    values: ir.Value,
+    mask: ir.Value,
+    *,
+    scale: float,
+    softcap: float | None,
+    heads: tuple[int, int, int],
+    prefix: str,
 ) -> ir.Value:
     """``[B, H, S, hd]`` attention of ``q`` over ``keys``/``values`` ``[B, kv, T, hd]`` under the
     bool ``mask`` ``[B, 1, S, T]`` (module docstring); ``heads`` = (H, kv, hd). Nodes appended to

@@ -23,6 +23,8 @@ import functools
 from pathlib import Path
 
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass, TopologicalSortPass
+
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.contract.static_cache import static_io
 from kiln.exporter.passes import ExternalizeWeights, GraphRewrite, WeightsWriter, run_passes
@@ -39,7 +41,6 @@ from kiln.exporter.targets.onnx.norm_fp16 import fuse_fp16_rms_norm
 from kiln.exporter.targets.onnx.rotary import onnx_rotary
 from kiln.exporter.targets.onnx.windows import layer_windows
 from kiln.plugins.base import DecoderSpec
-from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass, TopologicalSortPass
 
 __all__ = ["OPSET", "ONNX_WEIGHTS_FILE", "onnx_graph_file", "onnx_passes", "write_onnx_target"]
 
@@ -81,16 +82,33 @@ def onnx_passes(
     precision_of = Precision.parse(precision)
     infer_shapes = precision_of.needs(Needs.RANGES)  # int8, fp8
     low_bit = any(k.role is Role.MATMULS for k in precision_of.kinds)  # int8, fp8, int4
-    rotary = functools.update_wrapper(functools.partial(onnx_rotary, base_dir=base_dir, max_context=max_context, head_dim=spec.head_dim, not_fused=log), onnx_rotary)
-    norm = functools.update_wrapper(functools.partial(fuse_rms_norm, not_fused=log, op_type="RMSNormalization"), fuse_rms_norm)
+    rotary = functools.update_wrapper(
+        functools.partial(
+            onnx_rotary, base_dir=base_dir, max_context=max_context, head_dim=spec.head_dim, not_fused=log
+        ),
+        onnx_rotary,
+    )
+    norm = functools.update_wrapper(
+        functools.partial(fuse_rms_norm, not_fused=log, op_type="RMSNormalization"), fuse_rms_norm
+    )
     return [
         GraphRewrite(to_opset, "opset", lambda opset: {"version": opset}),
         *([ShapeInferencePass()] if infer_shapes else []),
         GraphRewrite(rotary, "rotary", lambda layers: {"layers": list(layers)}),
-        StaticCache(spec, kind, max_context, windows=layer_windows(spec), kv_dtype=kv_dtype, last_logits_only=last_logits_only),
-        *([GraphRewrite(fuse_fp16_rms_norm, "rms_norm_fp16", lambda fused: {"fused": fused})] if precision_of.float16 else []),
+        StaticCache(
+            spec, kind, max_context, windows=layer_windows(spec), kv_dtype=kv_dtype, last_logits_only=last_logits_only
+        ),
+        *(
+            [GraphRewrite(fuse_fp16_rms_norm, "rms_norm_fp16", lambda fused: {"fused": fused})]
+            if precision_of.float16
+            else []
+        ),
         GraphRewrite(norm, "rms_norm", lambda fused: {"fused": fused}),
-        *([GraphRewrite(int8_type_attribute_form, "int8_form", lambda count: {"qdq": count})] if "int8" in precision_of else []),
+        *(
+            [GraphRewrite(int8_type_attribute_form, "int8_form", lambda count: {"qdq": count})]
+            if "int8" in precision_of
+            else []
+        ),
         *([CheckLowBit()] if low_bit else []),
         RemoveUnusedNodesPass(),
         TopologicalSortPass(),
@@ -99,7 +117,14 @@ def onnx_passes(
 
 
 def write_onnx_target(
-    onnx_dir: Path, graphs: dict[GraphKind, Path], spec: DecoderSpec, *, max_context: int, precision: str = "fp32", kv_dtype: str = "float32", last_logits_only: bool = False
+    onnx_dir: Path,
+    graphs: dict[GraphKind, Path],
+    spec: DecoderSpec,
+    *,
+    max_context: int,
+    precision: str = "fp32",
+    kv_dtype: str = "float32",
+    last_logits_only: bool = False,
 ) -> TargetGraphs:
     """Write ``<kind>.std.onnx`` beside each portable graph in ``onnx_dir`` (of ``precision``,
     its cache ``kv_dtype``: the portable graphs' own)."""
@@ -109,14 +134,27 @@ def write_onnx_target(
         for kind, path in graphs.items():
             log = NotFused()
             passes = onnx_passes(
-                kind, spec, onnx_dir, max_context, writer, kv_dtype=kv_dtype, last_logits_only=last_logits_only, log=log, precision=precision
+                kind,
+                spec,
+                onnx_dir,
+                max_context,
+                writer,
+                kv_dtype=kv_dtype,
+                last_logits_only=last_logits_only,
+                log=log,
+                precision=precision,
             )
             model = run_passes(ir.load(path), passes, graph=f"{kind.value} (onnx target)")
             paths[kind] = onnx_dir / onnx_graph_file(kind)
             ir.save(model, paths[kind])
             del model
             left = log.record()
-            reports[kind] = pass_reports(passes) | ({"not_fused": {fusion: list(why) for fusion, why in left.items()}} if left else {})
+            reports[kind] = pass_reports(passes) | (
+                {"not_fused": {fusion: list(why) for fusion, why in left.items()}} if left else {}
+            )
         weights = writer.close()
-    io = {kind: static_io(spec, kind, max_context=max_context, kv_dtype=kv_dtype, last_logits_only=last_logits_only) for kind in paths}
+    io = {
+        kind: static_io(spec, kind, max_context=max_context, kv_dtype=kv_dtype, last_logits_only=last_logits_only)
+        for kind in paths
+    }
     return TargetGraphs("onnx", precision, paths, weights, reports, CacheUpdate.STATIC, None, io)

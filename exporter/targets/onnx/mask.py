@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.exporter.contract.static_cache import WRITE_INDICES
 from kiln.exporter.passes.ir_utils import constant
 
@@ -33,7 +34,9 @@ def _op(graph: ir.Graph, op_type: str, *inputs: ir.Value, **attributes: Any) -> 
     return node.outputs[0]
 
 
-def static_masks(graph: ir.Graph, *, max_context: int, prefill: bool, windows: set[int | None]) -> dict[int | None, ir.Value]:
+def static_masks(
+    graph: ir.Graph, *, max_context: int, prefill: bool, windows: set[int | None]
+) -> dict[int | None, ir.Value]:
     """The bool ``[B, 1, S, max_context]`` mask (module docstring) of each window (None: none),
     their nodes appended to ``graph``; ``prefill``: ``[B, 1, S, S]``, over the prompt's own keys
     (slot j = key j: prefill writes at slot 0), what its Attention reads instead of the buffer."""
@@ -46,15 +49,28 @@ def static_masks(graph: ir.Graph, *, max_context: int, prefill: bool, windows: s
     zero, one = const("zero", np.array(0, np.int64)), const("one", np.array(1, np.int64))
     seq = _op(graph, "Squeeze", _op(graph, "Shape", ids, start=1, end=2), const("axis0", np.array([0], np.int64)))
     queries = _op(graph, "Range", zero, seq, one)  # [S]
-    if prefill:  # every row writes at slot 0, and its queries see its own S keys only: attention reads those, not the buffer
+    if (
+        prefill
+    ):  # every row writes at slot 0, and its queries see its own S keys only: attention reads those, not the buffer
         key_ok = _op(graph, "Cast", attention, to=ir.DataType.BOOL)  # [B, S]
         qslot = _op(graph, "Unsqueeze", queries, const("axis0", np.array([0], np.int64)))  # [1, S]
         slots = queries  # [S]
     else:
         total = _op(graph, "Shape", attention, start=1, end=2)  # [1]: total_seq
-        pads = _op(graph, "Concat", const("pad_begin", np.zeros(3, np.int64)), _op(graph, "Sub", const("max", np.array([max_context], np.int64)), total), axis=0)
+        pads = _op(
+            graph,
+            "Concat",
+            const("pad_begin", np.zeros(3, np.int64)),
+            _op(graph, "Sub", const("max", np.array([max_context], np.int64)), total),
+            axis=0,
+        )
         key_ok = _op(graph, "Cast", _op(graph, "Pad", attention, pads), to=ir.DataType.BOOL)  # [B, MAX]
-        qslot = _op(graph, "Add", _op(graph, "Unsqueeze", inputs[WRITE_INDICES], const("axis1", np.array([1], np.int64))), queries)  # [B, S]
+        qslot = _op(
+            graph,
+            "Add",
+            _op(graph, "Unsqueeze", inputs[WRITE_INDICES], const("axis1", np.array([1], np.int64))),
+            queries,
+        )  # [B, S]
         slots = const("slots", np.arange(max_context, dtype=np.int64))  # [MAX]
     qslot3 = _op(graph, "Unsqueeze", qslot, const("axis2", np.array([2], np.int64)))  # [B, S, 1]
     causal = _op(graph, "LessOrEqual", slots, qslot3)  # [B, S, MAX]
@@ -65,7 +81,14 @@ def static_masks(graph: ir.Graph, *, max_context: int, prefill: bool, windows: s
     for window in sorted(windows, key=lambda w: -1 if w is None else w):
         visible = seen
         if window is not None:  # slots j > qslot - window
-            recent = _op(graph, "Greater", slots, _op(graph, "Sub", qslot3, const(f"window_{window}", np.array(window, np.int64))))
+            recent = _op(
+                graph,
+                "Greater",
+                slots,
+                _op(graph, "Sub", qslot3, const(f"window_{window}", np.array(window, np.int64))),
+            )
             visible = _op(graph, "And", seen, recent)
-        masks[window] = _op(graph, "Unsqueeze", _op(graph, "Or", visible, own), const("axis1", np.array([1], np.int64)))  # [B, 1, S, MAX]
+        masks[window] = _op(
+            graph, "Unsqueeze", _op(graph, "Or", visible, own), const("axis1", np.array([1], np.int64))
+        )  # [B, 1, S, MAX]
     return masks

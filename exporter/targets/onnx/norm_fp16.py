@@ -23,10 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, pattern
+
 from kiln.exporter.passes.ir_utils import scalar_of
 from kiln.exporter.patterns.norm import RmsNorm, ones_weight
 from kiln.exporter.patterns.rules import apply_rules, fail, rule_of
-from onnxscript.rewriter import MatchResult, pattern
 
 __all__ = ["RmsNormFp16Island", "fuse_fp16_rms_norm"]
 
@@ -42,10 +43,19 @@ class RmsNormFp16Island(RmsNorm):
 
     def pattern(self, op: Any, x: Any, exponent: Any, eps: Any, weight: Any) -> Any:  # type: ignore[override]
         mean = op.ReduceMean(op.Pow(op.Cast(x, to=_FLOAT), exponent), _allow_other_inputs=True, _outputs=["mean"])
-        denominator = op.Cast(op.Reciprocal(op.Sqrt(pattern.OrValue([op.Add(mean, eps), op.Add(eps, mean)], tag_var="eps_second"))), to=_FLOAT16)
+        denominator = op.Cast(
+            op.Reciprocal(op.Sqrt(pattern.OrValue([op.Add(mean, eps), op.Add(eps, mean)], tag_var="eps_second"))),
+            to=_FLOAT16,
+        )
         if not self.weighted:
-            return op.Mul(denominator, x, _outputs=["normalized"]) if self.swapped else op.Mul(x, denominator, _outputs=["normalized"])
-        normalized = pattern.OrValue([op.Mul(x, denominator), op.Mul(denominator, x)], name="normalized", tag_var="x_second")
+            return (
+                op.Mul(denominator, x, _outputs=["normalized"])
+                if self.swapped
+                else op.Mul(x, denominator, _outputs=["normalized"])
+            )
+        normalized = pattern.OrValue(
+            [op.Mul(x, denominator), op.Mul(denominator, x)], name="normalized", tag_var="x_second"
+        )
         return op.Mul(weight, normalized) if self.swapped else op.Mul(normalized, weight)
 
     def check(self, op: Any, *args: Any, **bound: Any) -> MatchResult:
@@ -56,11 +66,17 @@ class RmsNormFp16Island(RmsNorm):
             return fail("the weight is not an fp16 constant")
         return super().check(op, *args, squared=x, **bound)  # what it squares is x, through the Cast
 
-    def rewrite(self, op: Any, x: ir.Value, eps: ir.Value, normalized: ir.Value, weight: ir.Value | None = None, **_: Any) -> ir.Value:
-        scale = op.Cast(weight, to=_FLOAT) if self.weighted and weight is not None else ones_weight(x, ir.DataType.FLOAT)
+    def rewrite(
+        self, op: Any, x: ir.Value, eps: ir.Value, normalized: ir.Value, weight: ir.Value | None = None, **_: Any
+    ) -> ir.Value:
+        scale = (
+            op.Cast(weight, to=_FLOAT) if self.weighted and weight is not None else ones_weight(x, ir.DataType.FLOAT)
+        )
         mul = normalized.producer()
         name = f"{((mul.name if mul is not None else None) or '').rsplit('/', 1)[0]}/RMSNormalization"
-        norm = op.RMSNormalization(op.Cast(x, to=_FLOAT), scale, axis=-1, epsilon=float(scalar_of(eps) or 0.0), stash_type=1, _name=name)
+        norm = op.RMSNormalization(
+            op.Cast(x, to=_FLOAT), scale, axis=-1, epsilon=float(scalar_of(eps) or 0.0), stash_type=1, _name=name
+        )
         return op.Cast(norm, to=_FLOAT16)  # type: ignore[no-any-return]
 
 

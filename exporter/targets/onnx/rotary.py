@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.exporter.passes.ir_utils import constant, producer, replace_value
 from kiln.exporter.patterns.attention import find_attention
 from kiln.exporter.patterns.rotary import find_rotary
@@ -39,7 +40,14 @@ def onnx_rotary(model: ir.Model, *, base_dir: Path, max_context: int, head_dim: 
     position_ids = next(v for v in model.graph.inputs if v.name == "position_ids")
     done, why = [], []
     for core in find_attention(model, head_dim, softmax_island=True):
-        reasons = [r for r in (_rewrite(model, _rotated(v), tables, position_ids, f"{core.layer}.{'qk'[i]}") for i, v in enumerate((core.q, core.k))) if r]
+        reasons = [
+            r
+            for r in (
+                _rewrite(model, _rotated(v), tables, position_ids, f"{core.layer}.{'qk'[i]}")
+                for i, v in enumerate((core.q, core.k))
+            )
+            if r
+        ]
         if reasons:
             why.append(f"layer {core.layer}: {reasons[0]}")
         else:
@@ -55,17 +63,27 @@ def _rewrite(model: ir.Model, value: ir.Value, tables: object, position_ids: ir.
         return found
     got = tables(found.cos, found.sin)  # type: ignore[operator]
     if got is None:
-        return "its cos/sin tables cannot be evaluated per position (they read more than position_ids, or a row depends on the call's other positions)"
+        return (
+            "its cos/sin tables cannot be evaluated per position (they read more than position_ids, or a row depends "
+            "on the call's other positions)"
+        )
     cos, sin = got
     dtype = found.x.dtype
     if dtype is None or dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
         return f"the heads are {dtype}, not float or float16"
     numpy_dtype = np.float16 if dtype == ir.DataType.FLOAT16 else np.float32
     graph = model.graph
-    key = hashlib.sha256(cos.tobytes() + sin.tobytes()).hexdigest()[:12]  # one pair of tables per distinct content, named alike in every export
-    caches = [constant(graph, f"static/rotary/{which}_{key}", table.astype(numpy_dtype)) for which, table in (("cos", cos), ("sin", sin))]
+    key = hashlib.sha256(cos.tobytes() + sin.tobytes()).hexdigest()[
+        :12
+    ]  # one pair of tables per distinct content, named alike in every export
+    caches = [
+        constant(graph, f"static/rotary/{which}_{key}", table.astype(numpy_dtype))
+        for which, table in (("cos", cos), ("sin", sin))
+    ]
     attributes = {"interleaved": 0, **({"rotary_embedding_dim": found.dim} if found.dim is not None else {})}
-    node = ir.node("RotaryEmbedding", [found.x, *caches, position_ids], attributes, name=f"/static/layers.{label}/RotaryEmbedding")
+    node = ir.node(
+        "RotaryEmbedding", [found.x, *caches, position_ids], attributes, name=f"/static/layers.{label}/RotaryEmbedding"
+    )
     graph.append(node)
     out = node.outputs[0]
     out.type, out.shape = value.type, value.shape

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.contract.static_cache import portable_outputs, static_feeds
 from kiln.exporter.runners.base import Feeds
@@ -32,7 +33,10 @@ def cache_inputs(graph: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
 
     model = onnx.load(str(graph), load_external_data=False)
     caches = {
-        v.name: (tuple(d.dim_value for d in v.type.tensor_type.shape.dim[1:]), np.dtype(tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)))
+        v.name: (
+            tuple(d.dim_value for d in v.type.tensor_type.shape.dim[1:]),
+            np.dtype(tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)),
+        )
         for v in model.graph.input
         if v.name.startswith("past_key_values.")
     }
@@ -46,7 +50,9 @@ class StaticCacheRunner(OrtRunner):
 
     name = "onnxruntime (static cache)"
 
-    def __init__(self, paths: dict[GraphKind, Path], threads: int | None = None, extra_feeds: Feeds | None = None) -> None:
+    def __init__(
+        self, paths: dict[GraphKind, Path], threads: int | None = None, extra_feeds: Feeds | None = None
+    ) -> None:
         super().__init__(paths, threads, extra_feeds)
         self._caches = cache_inputs(next(iter(paths.values())))  # every graph of the set declares the same buffers
 

@@ -26,7 +26,8 @@ __all__ = ["ALL_MATMULS", "ONNX", "OnnxTarget"]
 # score MatMuls stay float: each layer's attention becomes one ONNX Attention (measured with
 # --int8-all-matmuls: the attention pattern is not found behind their Q/DQ, and the export stops)
 ALL_MATMULS = (
-    "--target onnx does not take --int8-all-matmuls: it writes each layer's attention as one ONNX Attention, whose score MatMuls are float; "
+    "--target onnx does not take --int8-all-matmuls: it writes each layer's attention as one ONNX Attention, "
+    "whose score MatMuls are float; "
     "drop --int8-all-matmuls, or export without --target onnx"
 )
 
@@ -35,7 +36,8 @@ class OnnxTarget:
     name = "onnx"
     label = "ONNX-target"
     description = (
-        "also write graphs in ONNX's own ops for TensorRT 10.15+ (onnx/*.std.onnx: Attention, RotaryEmbedding, RMSNormalization, a static KV cache written in place "
+        "also write graphs in ONNX's own ops for TensorRT 10.15+ (onnx/*.std.onnx: Attention, RotaryEmbedding, "
+        "RMSNormalization, a static KV cache written in place "
         "by TensorScatter), parity-checked like the portable ones"
     )
     kv_caches: tuple[CacheUpdate, ...] = (CacheUpdate.STATIC,)
@@ -55,11 +57,16 @@ class OnnxTarget:
         if options.ple_tables.value == "input":
             found.append("--target onnx takes the PLE tables as constants; drop --ple-tables input")
         if spec is not None and spec.encoder_dim is not None:
-            found.append("--target onnx is not supported for cross-attention decoders: its static cache holds self-attention keys and values only")
+            found.append(
+                "--target onnx is not supported for cross-attention decoders: its static cache holds "
+                "self-attention keys and values only"
+            )
         elif spec is not None and spec.cache is not None:
             found.append(
-                f"--target onnx is not supported for a {spec.cache.kind} cache (multi-head latent attention): its static cache and Attention op hold"
-                " keys and values per KV head; the portable graphs (and --target ort, whose attention stays portable) export it"
+                f"--target onnx is not supported for a {spec.cache.kind} cache (multi-head latent attention): "
+                "its static cache and Attention op hold"
+                " keys and values per KV head; the portable graphs (and --target ort, whose attention stays "
+                "portable) export it"
             )
         elif spec is not None:
             from kiln.exporter.targets.onnx.windows import layer_windows
@@ -76,7 +83,13 @@ class OnnxTarget:
         with given.progress.stage("ONNX target graphs"):
             precision = given.options.precision
             return write_onnx_target(
-                given.onnx_dir, given.portable, given.spec, max_context=given.max_context, precision=precision.value, kv_dtype=precision.kv_dtype, last_logits_only=given.options.last_logits_only
+                given.onnx_dir,
+                given.portable,
+                given.spec,
+                max_context=given.max_context,
+                precision=precision.value,
+                kv_dtype=precision.kv_dtype,
+                last_logits_only=given.options.last_logits_only,
             )
 
     def quantized_precision(self, precision: str) -> str | None:
@@ -85,7 +98,9 @@ class OnnxTarget:
     def serves_genai(self, precision: str) -> bool:
         return False  # GenAI runs the portable unified graph
 
-    def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
+    def runner(
+        self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None
+    ) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
         from kiln.exporter.targets.onnx.runner import StaticCacheRunner
 
         return StaticCacheRunner.opener(paths, extra_feeds)

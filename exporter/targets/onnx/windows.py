@@ -21,8 +21,15 @@ from kiln.plugins.base import DecoderSpec
 
 __all__ = ["PROVED", "layer_windows"]
 
-PROVED = ("MistralForCausalLM", "MixtralForCausalLM", "Starcoder2ForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-          "Gemma3ForConditionalGeneration")  # Gemma 3's multimodal wrapper: its text decoder, windowed (tests/export/test_hf_multimodal.py)
+PROVED = (
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Starcoder2ForCausalLM",
+    "Qwen2ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+)  # Gemma 3's multimodal wrapper: its text decoder, windowed (tests/export/test_hf_multimodal.py)
 
 
 def layer_windows(spec: DecoderSpec) -> dict[int, int]:
@@ -43,7 +50,9 @@ def layer_windows(spec: DecoderSpec) -> dict[int, int]:
     if kinds is None:
         return dict.fromkeys(range(spec.n_layers), window)
     if len(kinds) != spec.n_layers or set(kinds) - {"sliding_attention", "full_attention"}:
-        raise ConfigError(f"--target onnx: config.layer_types {kinds} is not one of sliding_attention/full_attention per layer")
+        raise ConfigError(
+            f"--target onnx: config.layer_types {kinds} is not one of sliding_attention/full_attention per layer"
+        )
     return {layer: window for layer, kind in enumerate(kinds) if kind == "sliding_attention"}
 
 
@@ -53,6 +62,7 @@ def _refuse_chunks(spec: DecoderSpec) -> None:
     chunk, kinds = spec.config.get("attention_chunk_size"), spec.config.get("layer_types")
     if isinstance(chunk, int) and (kinds is None or "chunked_attention" in kinds):
         raise ConfigError(
-            f"--target onnx does not apply chunked attention (this {spec.config.get('architecture') or spec.family} model attends within"
+            "--target onnx does not apply chunked attention (this "
+            f"{spec.config.get('architecture') or spec.family} model attends within"
             f" chunks of {chunk} tokens: attention_chunk_size); export it without --target onnx"
         )

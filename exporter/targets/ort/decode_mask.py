@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_ir as ir
+
 from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, set_dtype
 from kiln.exporter.passes.subgraph import cut_subgraph, proto_for_cuts
 from kiln.exporter.runners.ort_runner import ort_session
@@ -56,7 +57,12 @@ def _feeds(inputs: list[onnx.ValueInfoProto], mask: np.ndarray) -> dict[str, np.
             feeds[value.name] = positions.astype(np.int64)
         elif value.name == "input_ids":
             feeds[value.name] = np.zeros((batch, 1), dtype=np.int64)
-        elif value.name.startswith("past_key_values.") and len(dims) == 4 and isinstance(dims[1], int) and isinstance(dims[3], int):
+        elif (
+            value.name.startswith("past_key_values.")
+            and len(dims) == 4
+            and isinstance(dims[1], int)
+            and isinstance(dims[3], int)
+        ):
             feeds[value.name] = np.zeros((batch, dims[1], total - 1, dims[3]), dtype=np.float32)
         else:
             return None
@@ -121,13 +127,18 @@ def _layers(nodes: list[ir.Node]) -> str:
     return f"layer {', '.join(map(str, found))}" if found else ", ".join(n.name or n.op_type for n in nodes)
 
 
-def _proven(model: ir.Model, gqa: list[ir.Node], base_dir: Path, max_context: int) -> dict[int, tuple[float, int | None]] | str:
+def _proven(
+    model: ir.Model, gqa: list[ir.Node], base_dir: Path, max_context: int
+) -> dict[int, tuple[float, int | None]] | str:
     """Each GQA bias (by value id) -> (fill, window) proven on the probes, or "layer i: why not"."""
     biases: dict[int, ir.Value] = {}
     for node in gqa:
         value = node.inputs[_BIAS_INPUT]
         if value is None or value.name is None or value.is_graph_input():
-            return f"{_layers([node])}: its bias is {'a graph input' if value is not None and value.is_graph_input() else 'missing'}"
+            return (
+                f"{_layers([node])}: its bias is "
+                f"{'a graph input' if value is not None and value.is_graph_input() else 'missing'}"
+            )
         if node.attributes.get_int("causal", 1) != 1:
             return f"{_layers([node])}: its GroupQueryAttention is not causal=1 (a prompt graph)"
         biases[id(value)] = value
@@ -136,8 +147,14 @@ def _proven(model: ir.Model, gqa: list[ir.Node], base_dir: Path, max_context: in
     for key, bias in biases.items():
         assert bias.name is not None
         readers = [n for n in gqa if n.inputs[_BIAS_INPUT] is bias]
-        sub = cut_subgraph(proto, [bias.name], base_dir, name="decode_mask", max_external_bytes=1 << 20)  # a mask reads no weights
-        got = _classify(ort_session(sub.SerializeToString()), list(sub.graph.input), max_context) if sub is not None else "its bias subgraph reads more than the graph's inputs and small constants"
+        sub = cut_subgraph(
+            proto, [bias.name], base_dir, name="decode_mask", max_external_bytes=1 << 20
+        )  # a mask reads no weights
+        got = (
+            _classify(ort_session(sub.SerializeToString()), list(sub.graph.input), max_context)
+            if sub is not None
+            else "its bias subgraph reads more than the graph's inputs and small constants"
+        )
         if isinstance(got, str):
             return f"{_layers(readers)}: {got}"
         found[key] = got
@@ -153,7 +170,9 @@ def compact_decode_bias(model: ir.Model, base_dir: Path, max_context: int) -> De
     CPU kernel lets a query see its last W keys, itself included, measured: transformers'
     ``sliding_window`` W); returns what it did (nothing unless every bias is proven)."""
     graph = model.graph
-    gqa = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == MS_DOMAIN and len(n.inputs) > _BIAS_INPUT]
+    gqa = [
+        n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == MS_DOMAIN and len(n.inputs) > _BIAS_INPUT
+    ]
     if not gqa:
         return DecodeMask(False)
     found = _proven(model, gqa, base_dir, max_context)
@@ -164,7 +183,11 @@ def compact_decode_bias(model: ir.Model, base_dir: Path, max_context: int) -> De
     cond = ir.node("Cast", [attention_mask], {"to": ir.DataType.BOOL}, name="/ort/decode_mask/Cast")
     where = ir.node(
         "Where",
-        [cond.outputs[0], constant(graph, "ort/zero_f32", np.array(0.0, dtype=np.float32)), constant(graph, "ort/decode_mask_fill", np.array(fill, dtype=np.float32))],
+        [
+            cond.outputs[0],
+            constant(graph, "ort/zero_f32", np.array(0.0, dtype=np.float32)),
+            constant(graph, "ort/decode_mask_fill", np.array(fill, dtype=np.float32)),
+        ],
         name="/ort/decode_mask/Where",
     )
     axes = constant(graph, "ort/decode_mask_axes", np.array([1, 2], dtype=np.int64))

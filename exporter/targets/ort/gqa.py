@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, use_ms_domain
 from kiln.exporter.patterns.attention import AttentionCore, AttentionCoreRule
 from kiln.exporter.patterns.heads import flatten_heads
@@ -62,7 +63,11 @@ class GroupQueryAttention(AttentionCoreRule):
     def rewrite(self, op: Any, **_: Any) -> ir.Value:
         core = self.core
         assert core is not None
-        attrs: dict[str, object] = {"num_heads": core.n_heads, "kv_num_heads": self.n_kv_heads, "scale": float(core.scale)}
+        attrs: dict[str, object] = {
+            "num_heads": core.n_heads,
+            "kv_num_heads": self.n_kv_heads,
+            "scale": float(core.scale),
+        }
         if core.softcap is not None:
             attrs["softcap"] = float(core.softcap)
         if not self.decode:
@@ -70,10 +75,24 @@ class GroupQueryAttention(AttentionCoreRule):
         q, k, v = (flatten_heads(op, heads) for heads in (core.q, core.k, core.v))
         seqlens_k, total = self.values.lengths()
         name = f"/layers.{core.layer}.attn/ort"
-        inputs = [q, k, v, core.past_key, core.past_value, seqlens_k, total, None, None, None, self.values.bias(core.bias)]
+        inputs = [
+            q,
+            k,
+            v,
+            core.past_key,
+            core.past_value,
+            seqlens_k,
+            total,
+            None,
+            None,
+            None,
+            self.values.bias(core.bias),
+        ]
         if core.sink is not None:
             inputs.append(_head_sink(op, core.sink, core.n_heads, name))
-        out, present_key, present_value = op.GroupQueryAttention(*inputs, **attrs, _domain=MS_DOMAIN, _outputs=3, _name=f"{name}/GroupQueryAttention")
+        out, present_key, present_value = op.GroupQueryAttention(
+            *inputs, **attrs, _domain=MS_DOMAIN, _outputs=3, _name=f"{name}/GroupQueryAttention"
+        )
         if core.out.shape is None or len(core.out.shape) != 3:
             # GQA's [B, S, H*hd] has the element order of the Reshape's input, so the same
             # Reshape gives what o_proj reads (GPT-2's 2-D Gemm input)
@@ -90,7 +109,9 @@ def _head_sink(op: Any, sinks: ir.Value, n_heads: int, name: str) -> ir.Value:
         return sinks
     graph = sinks.graph
     assert isinstance(graph, ir.Graph), "matched sinks belong to the graph"
-    flat: ir.Value = op.Reshape(sinks, constant(graph, "ort/head_sink_shape", np.array([n_heads], dtype=np.int64)), _name=f"{name}/head_sink")
+    flat: ir.Value = op.Reshape(
+        sinks, constant(graph, "ort/head_sink_shape", np.array([n_heads], dtype=np.int64)), _name=f"{name}/head_sink"
+    )
     flat.type, flat.shape = sinks.type, ir.Shape([n_heads])
     return flat
 
@@ -172,7 +193,15 @@ def _unreached(softmax: ir.Node) -> str:
     return f"the softmax is read by {readers}, not by a value MatMul -> Transpose -> Reshape (the core's end)"
 
 
-def fuse_attention(model: ir.Model, *, n_kv_heads: int, head_dim: int, tables: TableFn, decode: bool = False, not_fused: NotFused | None = None) -> list[int]:
+def fuse_attention(
+    model: ir.Model,
+    *,
+    n_kv_heads: int,
+    head_dim: int,
+    tables: TableFn,
+    decode: bool = False,
+    not_fused: NotFused | None = None,
+) -> list[int]:
     """Replace every matched attention core; returns the fused layers. Unmatched layers stay as
     they were (``not_fused`` gets "layer i: why", fusion ``attention``); a rotary whose tables
     cannot be evaluated per position stays in the graph, GQA reading q and k rotated (so does

@@ -14,11 +14,13 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.exporter.passes.ir_utils import constant
 from kiln.exporter.patterns.heads import Bias
 from kiln.exporter.patterns.rotary_tables import TableFn
 
 __all__ = ["GraphValues"]
+
 
 class GraphValues:
     """What the fused layers of one graph share (module docstring)."""
@@ -33,7 +35,14 @@ class GraphValues:
         self._cache_ids: dict[bytes, tuple[ir.Value, ir.Value]] = {}
         self.position_ids = next(v for v in graph.inputs if v.name == "position_ids")
 
-    def _node(self, op: str, inputs: list[ir.Value | None], attributes: Mapping[str, Any] | None = None, *, after: ir.Node | None = None) -> ir.Value:
+    def _node(
+        self,
+        op: str,
+        inputs: list[ir.Value | None],
+        attributes: Mapping[str, Any] | None = None,
+        *,
+        after: ir.Node | None = None,
+    ) -> ir.Value:
         node = ir.node(op, inputs, attributes, name=f"/ort/{op}_{self._count}")
         self._count += 1
         if after is not None:
@@ -48,14 +57,25 @@ class GraphValues:
             graph = self.graph
             mask = next(v for v in graph.inputs if v.name == "attention_mask")
             shape = self._node("Shape", [mask])
-            total = self._node("Gather", [shape, constant(graph, "ort/one_i64", np.array(1, dtype=np.int64))], {"axis": 0}, after=shape.producer())
+            total = self._node(
+                "Gather",
+                [shape, constant(graph, "ort/one_i64", np.array(1, dtype=np.int64))],
+                {"axis": 0},
+                after=shape.producer(),
+            )
             total = self._node("Cast", [total], {"to": ir.DataType.INT32}, after=total.producer())
             batch = self._node(
                 "Slice",
-                [shape, constant(graph, "ort/zero_1d", np.array([0], dtype=np.int64)), constant(graph, "ort/one_1d", np.array([1], dtype=np.int64))],
+                [
+                    shape,
+                    constant(graph, "ort/zero_1d", np.array([0], dtype=np.int64)),
+                    constant(graph, "ort/one_1d", np.array([1], dtype=np.int64)),
+                ],
                 after=total.producer(),
             )
-            last = self._node("Sub", [total, constant(graph, "ort/one_i32", np.array(1, dtype=np.int32))], after=batch.producer())
+            last = self._node(
+                "Sub", [total, constant(graph, "ort/one_i32", np.array(1, dtype=np.int32))], after=batch.producer()
+            )
             self._lengths = (self._node("Expand", [last, batch], after=last.producer()), total)
         return self._lengths
 

@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.contract.shared_buffer import reads_past_length
 from kiln.exporter.passes import (
@@ -49,6 +51,9 @@ from kiln.exporter.passes import (
     run_passes,
 )
 from kiln.exporter.passes.reports import Report, pass_reports
+from kiln.exporter.patterns.norm import fuse_rms_norm
+from kiln.exporter.patterns.rotary_tables import graph_tables
+from kiln.exporter.patterns.rules import NotFused
 from kiln.exporter.targets.base import TargetGraphs
 from kiln.exporter.targets.ort.decode_mask import DecodeMask, compact_decode_bias
 from kiln.exporter.targets.ort.gqa import fuse_attention
@@ -59,13 +64,9 @@ from kiln.exporter.targets.ort.nbits import (
     BLOCK_SIZE,
     quantize_matmul_nbits,
 )
-from kiln.exporter.patterns.norm import fuse_rms_norm
-from kiln.exporter.patterns.rotary_tables import graph_tables
-from kiln.exporter.patterns.rules import NotFused
 from kiln.exporter.targets.ort.pack import pack_shared_input_matmuls
 from kiln.exporter.targets.ort.skip_norm import fuse_skip_rms_norm
 from kiln.plugins.base import DecoderSpec
-from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 __all__ = ["INT8_FORMAT", "ORT_WEIGHTS_FILE", "ort_graph_file", "ort_passes", "write_ort_target"]
 
@@ -96,7 +97,9 @@ def _logging(fusion: Callable[..., Any], log: NotFused) -> Callable[[ir.Model], 
     return functools.update_wrapper(functools.partial(fusion, not_fused=log), fusion)
 
 
-def _attention(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, log: NotFused) -> list[GraphRewrite[Any]]:
+def _attention(
+    kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, log: NotFused
+) -> list[GraphRewrite[Any]]:
     """Prefill and decode: attention -> RotaryEmbedding + GroupQueryAttention, and decode's mask
     compacted (GQA's CPU kernel refuses batch > 1 with past and seq > 1: model.onnx keeps its own)."""
     if kind is GraphKind.UNIFIED:
@@ -104,9 +107,18 @@ def _attention(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: 
 
     def fuse(model: ir.Model) -> list[int]:
         tables = graph_tables(model, base_dir, max_context, spec.head_dim)
-        return fuse_attention(model, n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, tables=tables, decode=kind is GraphKind.DECODE, not_fused=log)
+        return fuse_attention(
+            model,
+            n_kv_heads=spec.n_kv_heads,
+            head_dim=spec.head_dim,
+            tables=tables,
+            decode=kind is GraphKind.DECODE,
+            not_fused=log,
+        )
 
-    attention: GraphRewrite[list[int]] = GraphRewrite(functools.update_wrapper(fuse, fuse_attention), "attention", _named("layers"))
+    attention: GraphRewrite[list[int]] = GraphRewrite(
+        functools.update_wrapper(fuse, fuse_attention), "attention", _named("layers")
+    )
     if kind is not GraphKind.DECODE:
         return [attention]
 
@@ -115,11 +127,22 @@ def _attention(kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: 
         log.add("decode_mask", found.not_fused)
         return found
 
-    return [attention, GraphRewrite(functools.update_wrapper(compact, compact_decode_bias), "decode_mask", _mask_report)]
+    return [
+        attention,
+        GraphRewrite(functools.update_wrapper(compact, compact_decode_bias), "decode_mask", _mask_report),
+    ]
 
 
 def ort_passes(
-    kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, writer: WeightsWriter, *, int8: bool, int4: bool, log: NotFused
+    kind: GraphKind,
+    spec: DecoderSpec,
+    base_dir: Path,
+    max_context: int,
+    writer: WeightsWriter,
+    *,
+    int8: bool,
+    int4: bool,
+    log: NotFused,
 ) -> list[ir.passes.PassBase]:
     """The ORT target's passes of one graph, in order; ``log`` collects why candidates did not fuse."""
     unused = RemoveUnusedNodesPass
@@ -154,11 +177,21 @@ def _past_lengths_unread(graph: ir.Graph) -> bool:
     chunks; a position counted from the cache's length, its NoPE layers' temperature) would read
     a shared buffer's capacity, not the tokens in it."""
     pasts = [v for v in graph.inputs if v.name is not None and v.name.startswith("past_key_values.")]
-    return not any(reads_past_length(use.node.op_type, {k: a.value for k, a in use.node.attributes.items()}) for value in pasts for use in value.uses())
+    return not any(
+        reads_past_length(use.node.op_type, {k: a.value for k, a in use.node.attributes.items()})
+        for value in pasts
+        for use in value.uses()
+    )
 
 
 def write_ort_target(
-    onnx_dir: Path, graphs: dict[GraphKind, Path], spec: DecoderSpec, *, max_context: int, int8: bool, int4_block: int | None = None
+    onnx_dir: Path,
+    graphs: dict[GraphKind, Path],
+    spec: DecoderSpec,
+    *,
+    max_context: int,
+    int8: bool,
+    int4_block: int | None = None,
 ) -> TargetGraphs:
     """Write ``<kind>.ort.onnx`` beside each portable graph in ``onnx_dir`` (``int4_block``: the
     portable graphs' int4 weights become MatMulNBits bits=4)."""
@@ -168,15 +201,23 @@ def write_ort_target(
     with WeightsWriter(onnx_dir / ORT_WEIGHTS_FILE, rename=False) as writer:
         for kind, path in graphs.items():
             log = NotFused()
-            passes = ort_passes(kind, spec, onnx_dir, max_context, writer, int8=int8, int4=int4_block is not None, log=log)
+            passes = ort_passes(
+                kind, spec, onnx_dir, max_context, writer, int8=int8, int4=int4_block is not None, log=log
+            )
             model = run_passes(ir.load(path), passes, graph=f"{kind.value} (ORT target)")
             paths[kind] = onnx_dir / ort_graph_file(kind)
             ir.save(model, paths[kind])
             in_place = in_place and (kind is not GraphKind.DECODE or _past_lengths_unread(model.graph))
             del model
             left = log.record()  # fusion -> "layer i: why" for each candidate left unfused
-            reports[kind] = pass_reports(passes) | ({"not_fused": {fusion: list(why) for fusion, why in left.items()}} if left else {})
+            reports[kind] = pass_reports(passes) | (
+                {"not_fused": {fusion: list(why) for fusion, why in left.items()}} if left else {}
+            )
         weights = writer.close()
     precision = "int8" if int8 else "int4" if int4_block is not None else "fp32"
-    record = {"int8": dict(INT8_FORMAT)} if int8 else {"int4": INT4_FORMAT(int4_block)} if int4_block is not None else None
-    return TargetGraphs("ort", precision, paths, weights, reports, _cache_update(reports, spec.n_layers, in_place), record)
+    record = (
+        {"int8": dict(INT8_FORMAT)} if int8 else {"int4": INT4_FORMAT(int4_block)} if int4_block is not None else None
+    )
+    return TargetGraphs(
+        "ort", precision, paths, weights, reports, _cache_update(reports, spec.n_layers, in_place), record
+    )

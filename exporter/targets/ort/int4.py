@@ -23,9 +23,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.errors import ExportError
-from kiln.exporter.precision.int4_numbers import dequantize, pack_nbits
 from kiln.exporter.passes.ir_utils import read_uncached, use_ms_domain
+from kiln.exporter.precision.int4_numbers import dequantize, pack_nbits
 from kiln.exporter.targets.ort.nbits import replace_with_nbits
 
 __all__ = ["BlockInt4", "register", "unfold_int4_weights", "int4_matmul_nbits", "ACCURACY_LEVEL", "INT4_FORMAT"]
@@ -45,7 +46,9 @@ class BlockInt4(ir.LazyTensor):
     """A float ``[K, N]`` weight that is ``q * scale`` (blocks of ``block`` along K)."""
 
     def __init__(self, name: str, q: Callable[[], np.ndarray], scale: np.ndarray, shape: tuple[int, int]) -> None:
-        super().__init__(lambda: ir.tensor(dequantize(self.q(), self.scale)), ir.DataType.FLOAT, ir.Shape(list(shape)), name=name)
+        super().__init__(
+            lambda: ir.tensor(dequantize(self.q(), self.scale)), ir.DataType.FLOAT, ir.Shape(list(shape)), name=name
+        )
         self.q, self.scale = q, np.asarray(scale, dtype=np.float32)
         self.block = shape[0] // self.scale.shape[0]
 
@@ -58,11 +61,15 @@ class BlockInt4(ir.LazyTensor):
             return np.concatenate([p.q() for p in parts], axis=1)
 
         k = parts[0].shape.numpy()[0]
-        return cls(name, q, np.concatenate([p.scale for p in parts], axis=1), (k, sum(p.shape.numpy()[1] for p in parts)))
+        return cls(
+            name, q, np.concatenate([p.scale for p in parts], axis=1), (k, sum(p.shape.numpy()[1] for p in parts))
+        )
 
 
 def register(graph: ir.Graph, tensor: ir.TensorProtocol) -> ir.Value:
-    value = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor.shape.numpy()), const_value=tensor)
+    value = ir.Value(
+        name=tensor.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor.shape.numpy()), const_value=tensor
+    )
     graph.register_initializer(value)
     return value
 
@@ -72,17 +79,30 @@ def _int4_weight(dq: ir.Node) -> BlockInt4 | None:
     if dq.op_type != "DequantizeLinear" or dq.domain != "" or len(dq.inputs) < 2:
         return None
     weight, scale = dq.inputs[0], dq.inputs[1]
-    if weight is None or scale is None or weight.dtype != ir.DataType.INT4 or weight.const_value is None or scale.const_value is None:
+    if (
+        weight is None
+        or scale is None
+        or weight.dtype != ir.DataType.INT4
+        or weight.const_value is None
+        or scale.const_value is None
+    ):
         return None
     if scale.dtype != ir.DataType.FLOAT:
-        raise ExportError(f"{dq.name}: the ONNX Runtime target's int4 weights need fp32 scales (an fp32 graph), found {scale.dtype}")
+        raise ExportError(
+            f"{dq.name}: the ONNX Runtime target's int4 weights need fp32 scales (an fp32 graph), found {scale.dtype}"
+        )
     tensor = weight.const_value
     k, n = tensor.shape.numpy()
 
     def q() -> np.ndarray:
         return read_uncached(tensor, np.dtype(np.int8))
 
-    return BlockInt4(f"ort_int4/{(dq.outputs[0].name or dq.name or 'weight').removeprefix('weights/')}", q, scale.const_value.numpy(), (k, n))
+    return BlockInt4(
+        f"ort_int4/{(dq.outputs[0].name or dq.name or 'weight').removeprefix('weights/')}",
+        q,
+        scale.const_value.numpy(),
+        (k, n),
+    )
 
 
 def unfold_int4_weights(model: ir.Model) -> list[str]:
@@ -115,7 +135,19 @@ def int4_matmul_nbits(model: ir.Model) -> list[str]:
         base = (tensor.name or node.name or "matmul").removeprefix("ort_int4/")
         packed = pack_nbits(tensor.q(), tensor.block)
         scales = np.ascontiguousarray(tensor.scale.T).reshape(-1)  # [N * K/B], column by column
-        replace_with_nbits(graph, node, node.inputs[0], f"ort_int4/{base}", packed, scales, k=k, n=n, bits=4, block=tensor.block, accuracy_level=ACCURACY_LEVEL)
+        replace_with_nbits(
+            graph,
+            node,
+            node.inputs[0],
+            f"ort_int4/{base}",
+            packed,
+            scales,
+            k=k,
+            n=n,
+            bits=4,
+            block=tensor.block,
+            accuracy_level=ACCURACY_LEVEL,
+        )
         replaced.append(node.name or "")
     if replaced:
         use_ms_domain(model)

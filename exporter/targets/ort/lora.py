@@ -13,6 +13,7 @@ still reads one packed value and, at decode, still rotates it itself (``gqa_rota
 from __future__ import annotations
 
 import onnx_ir as ir
+
 from kiln.exporter.passes.ir_utils import copy_type, producer
 
 __all__ = ["SlotDelta", "carry_deltas", "fixed_weight", "slot_delta"]

@@ -38,6 +38,7 @@ import re
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, scalar_of, skip_casts, use_ms_domain
 
 __all__ = ["PROMPT_GRAPH", "MoeBlock", "MoeRewrite", "find_moe", "fuse_moe"]
@@ -89,7 +90,12 @@ def _int(value: ir.Value | None) -> int | None:
 def _experts(concat: ir.Node) -> _Experts | None:
     """``Concat(MatMul(Slice(rows, ..), Gather(W, e, axis=0)) for e in 0..E-1, axis=0)`` -> its
     parts, W a 3-D float initializer (or ``Transpose(W, [0, 2, 1])`` of one)."""
-    if concat.op_type != "Concat" or concat.domain != "" or concat.attributes.get_int("axis", 0) != 0 or len(concat.inputs) < 2:
+    if (
+        concat.op_type != "Concat"
+        or concat.domain != ""
+        or concat.attributes.get_int("axis", 0) != 0
+        or len(concat.inputs) < 2
+    ):
         return None
     weight: ir.Value | None = None
     rows: ir.Value | None = None
@@ -113,7 +119,14 @@ def _experts(concat: ir.Node) -> _Experts | None:
     if transpose is not None and list(transpose.attributes.get_ints("perm", [])) == [0, 2, 1]:
         weight, transposed = transpose.inputs[0], False
     tensor = weight.const_value if weight is not None else None
-    if weight is None or rows is None or tensor is None or len(tensor.shape) != 3 or tensor.dtype != ir.DataType.FLOAT or tensor.shape[0] != len(concat.inputs):
+    if (
+        weight is None
+        or rows is None
+        or tensor is None
+        or len(tensor.shape) != 3
+        or tensor.dtype != ir.DataType.FLOAT
+        or tensor.shape[0] != len(concat.inputs)
+    ):
         return None
     return _Experts(concat, weight, transposed, rows)
 
@@ -130,9 +143,16 @@ def _one_use(value: ir.Value) -> ir.Node | None:
 def _silu_gated(up: ir.Value) -> ir.Value:
     """``Split(up, 2, axis=-1) -> silu(first) * second`` -> the product; else _NoMatch."""
     split = _one_use(up)
-    if split is None or split.op_type != "Split" or len(split.outputs) != 2 or split.attributes.get_int("axis", 0) not in (1, -1):
+    if (
+        split is None
+        or split.op_type != "Split"
+        or len(split.outputs) != 2
+        or split.attributes.get_int("axis", 0) not in (1, -1)
+    ):
         readers = ", ".join(sorted({n.op_type for n in _uses(up)})) or "nothing"
-        raise _NoMatch(f"the experts' first projection is not split in two halves (gate, up): its output is read by {readers}")
+        raise _NoMatch(
+            f"the experts' first projection is not split in two halves (gate, up): its output is read by {readers}"
+        )
     if len(split.inputs) > 1 and split.inputs[1] is not None:
         sizes = split.inputs[1].const_value
         if sizes is None or len(set(sizes.numpy().tolist())) != 1:
@@ -146,7 +166,13 @@ def _silu_gated(up: ir.Value) -> ir.Value:
         if sigmoid is None or sigmoid.inputs[0] is not gate:
             continue
         product = _one_use(node.outputs[0])
-        if product is not None and product.op_type == "Mul" and product.domain == "" and linear in product.inputs and node.outputs[0] in product.inputs:
+        if (
+            product is not None
+            and product.op_type == "Mul"
+            and product.domain == ""
+            and linear in product.inputs
+            and node.outputs[0] in product.inputs
+        ):
             return product.outputs[0]
     raise _NoMatch("the gate/up activation is not silu(gate) * up")
 
@@ -164,7 +190,12 @@ def _weighted_sum(down: ir.Value) -> tuple[ir.Value, ir.Value]:
             weights = node.inputs[1] if node.inputs[0] is value else node.inputs[0]
         elif node.op_type == "ReduceSum":
             axes = node.inputs[1].const_value if len(node.inputs) > 1 and node.inputs[1] is not None else None
-            if weights is None or axes is None or axes.numpy().reshape(-1).tolist() != [1] or node.attributes.get_int("keepdims", 1) != 0:
+            if (
+                weights is None
+                or axes is None
+                or axes.numpy().reshape(-1).tolist() != [1]
+                or node.attributes.get_int("keepdims", 1) != 0
+            ):
                 break
             return weights, node.outputs[0]
         elif node.op_type not in ("Transpose", "GatherND", "Gather", "Reshape", "Cast"):
@@ -199,7 +230,12 @@ def _router(weights: ir.Value) -> tuple[ir.Value, ir.Value, int, bool]:
         if topk is None or value is not topk.outputs[0]:
             continue
         k = _int(topk.inputs[1])
-        if k is None or topk.attributes.get_int("largest", 1) != 1 or topk.attributes.get_int("axis", -1) not in (-1, 1) or topk.inputs[0] is None:
+        if (
+            k is None
+            or topk.attributes.get_int("largest", 1) != 1
+            or topk.attributes.get_int("axis", -1) not in (-1, 1)
+            or topk.inputs[0] is None
+        ):
             raise _NoMatch("the routing TopK is not the k largest over the experts")
         softmax = producer(skip_casts(topk.inputs[0]), "Softmax")
         if softmax is None or softmax.attributes.get_int("axis", -1) not in (-1, 1) or softmax.inputs[0] is None:
@@ -237,7 +273,9 @@ def _block(up: _Experts, experts: dict[int, _Experts]) -> MoeBlock:
         raise _NoMatch("the gated activation does not feed a second per-expert projection")
     weights, out = _weighted_sum(down.concat.outputs[0])
     logits, tokens, k, normalize = _router(weights)
-    if not set(map(id, _back(tokens, ("Reshape",)))) & set(map(id, _back(up.rows, ("Reshape", "Transpose", "GatherND", "Gather")))):
+    if not set(map(id, _back(tokens, ("Reshape",)))) & set(
+        map(id, _back(up.rows, ("Reshape", "Transpose", "GatherND", "Gather")))
+    ):
         raise _NoMatch("the experts do not read the router's tokens")
     gate_up, down_w = up.weight.const_value, down.weight.const_value
     assert gate_up is not None and down_w is not None  # _experts checked them
@@ -307,7 +345,9 @@ def fuse_moe(model: ir.Model, *, prompts: bool = False) -> MoeRewrite:
     blocks, refused = find_moe(model)
     if prompts:
         kept = [f"layer {b.layer}: {PROMPT_GRAPH}" for b in blocks]
-        refused = sorted([*refused, *kept], key=lambda why: int(m.group(1)) if (m := re.match(r"layer (\d+):", why)) else -1)
+        refused = sorted(
+            [*refused, *kept], key=lambda why: int(m.group(1)) if (m := re.match(r"layer (\d+):", why)) else -1
+        )
         blocks = []
     nodes: list[ir.Node] = []
     for block in blocks:
@@ -316,12 +356,27 @@ def fuse_moe(model: ir.Model, *, prompts: bool = False) -> MoeRewrite:
         down = block.down.const_value
         assert gate_up is not None and down is not None
         up_array = gate_up.numpy()
-        fc1 = constant(graph, f"{prefix}.fc1.weight", _interleaved(up_array.transpose(0, 2, 1) if block.gate_up_transposed else up_array))
-        fc2 = constant(graph, f"{prefix}.fc2.weight", down.numpy().transpose(0, 2, 1)) if block.down_transposed else block.down
+        fc1 = constant(
+            graph,
+            f"{prefix}.fc1.weight",
+            _interleaved(up_array.transpose(0, 2, 1) if block.gate_up_transposed else up_array),
+        )
+        fc2 = (
+            constant(graph, f"{prefix}.fc2.weight", down.numpy().transpose(0, 2, 1))
+            if block.down_transposed
+            else block.down
+        )
         node = ir.node(
             "MoE",
             [block.tokens, block.logits, fc1, None, fc2],
-            {"k": block.k, "activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha": 1.0, "activation_beta": 0.0, "normalize_routing_weights": int(block.normalize)},
+            {
+                "k": block.k,
+                "activation_type": "swiglu",
+                "swiglu_fusion": 1,
+                "activation_alpha": 1.0,
+                "activation_beta": 0.0,
+                "normalize_routing_weights": int(block.normalize),
+            },
             domain=MS_DOMAIN,
             name=f"/layers.{block.layer}.mlp/ort/MoE",
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.exporter.passes.ir_utils import (
     MS_DOMAIN,
     constant,
@@ -93,7 +94,9 @@ def replace_with_nbits(
     return fused
 
 
-def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accuracy_level: int = ACCURACY_LEVEL) -> list[str]:
+def quantize_matmul_nbits(
+    model: ir.Model, block_size: int = BLOCK_SIZE, accuracy_level: int = ACCURACY_LEVEL
+) -> list[str]:
     """Replace every MatMul (and plain Gemm, its bias going to MatMulNBits' bias input) whose
     weight is a constant float32 matrix; returns the replaced nodes' names. The packed weights get names derived from
     the original ones, so the prefill, decode and unified graphs share them."""
@@ -106,7 +109,11 @@ def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accurac
             continue
         a, b = node.inputs[0], node.inputs[1]
         transposed = producer(b, "Transpose")  # a tied LM head reads the embedding through a Transpose
-        if transposed is not None and list(transposed.attributes.get_ints("perm", [1, 0])) == [1, 0] and transposed.inputs[0] is not None:
+        if (
+            transposed is not None
+            and list(transposed.attributes.get_ints("perm", [1, 0])) == [1, 0]
+            and transposed.inputs[0] is not None
+        ):
             b = transposed.inputs[0]
         tensor = fixed_weight(b)  # a LoRA slot's A and B stay float MatMuls, fed at run time
         if a is None or b is None or tensor is None or tensor.dtype != ir.DataType.FLOAT or len(tensor.shape) != 2:
@@ -116,7 +123,20 @@ def quantize_matmul_nbits(model: ir.Model, block_size: int = BLOCK_SIZE, accurac
         k, n = weight.shape
         packed, scales = pack_int8_blocks(weight, block_size)
         base = (b.name or node.name or "matmul").removeprefix("weights/")
-        replace_with_nbits(graph, node, a, f"ort_int8/{base}", packed, scales.reshape(-1), k=k, n=n, bits=8, block=block_size, accuracy_level=accuracy_level, bias=bias)
+        replace_with_nbits(
+            graph,
+            node,
+            a,
+            f"ort_int8/{base}",
+            packed,
+            scales.reshape(-1),
+            k=k,
+            n=n,
+            bits=8,
+            block=block_size,
+            accuracy_level=accuracy_level,
+            bias=bias,
+        )
         replaced.append(node.name or "")
     if replaced:
         use_ms_domain(model)

@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 import onnx_ir as ir
+
 from kiln.exporter.passes.ir_utils import constant, copy_type, set_dtype
 from kiln.exporter.passes.names import module_of
 from kiln.exporter.patterns.rules import NotFused
@@ -38,7 +39,9 @@ def packable_reason(nodes: list[ir.Node]) -> str | None:
         return "fewer than two MatMuls"
     if any(w is None for w in weights):
         return "a weight is not a constant float [K, N] matrix"
-    if nodes[0].inputs[0] is None or any(n.op_type != "MatMul" or n.domain != "" or n.inputs[0] is not nodes[0].inputs[0] for n in nodes):
+    if nodes[0].inputs[0] is None or any(
+        n.op_type != "MatMul" or n.domain != "" or n.inputs[0] is not nodes[0].inputs[0] for n in nodes
+    ):
         return "they do not all read one input"
     if len({w.shape[0] for w in weights if w is not None}) != 1:
         return "their weights differ in K"
@@ -59,14 +62,20 @@ def pack_matmuls(graph: ir.Graph, nodes: list[ir.Node], prefix: str) -> list[ir.
     weights = [w for w in map(_weight, nodes) if w is not None]
     assert len(weights) == len(nodes), "pack_matmuls needs packable() nodes"
     name = f"ort/{prefix}.packed.weight"
-    if all(isinstance(w, BlockInt4) for w in weights):  # int4 weights stay int4: their numbers side by side (blocks run along K)
-        packed = graph.initializers.get(name) or register(graph, BlockInt4.side_by_side(name, [w for w in weights if isinstance(w, BlockInt4)]))
+    if all(
+        isinstance(w, BlockInt4) for w in weights
+    ):  # int4 weights stay int4: their numbers side by side (blocks run along K)
+        packed = graph.initializers.get(name) or register(
+            graph, BlockInt4.side_by_side(name, [w for w in weights if isinstance(w, BlockInt4)])
+        )
     else:
         packed = constant(graph, name, np.concatenate([w.numpy() for w in weights], axis=1))
     sizes = constant(graph, f"ort/{prefix}.packed.split", np.array([w.shape[1] for w in weights], dtype=np.int64))
     matmul = ir.node("MatMul", [nodes[0].inputs[0], packed], name=f"/{prefix}/ort/packed/MatMul")
     set_dtype(matmul.outputs[0], ir.DataType.FLOAT)
-    split = ir.node("Split", [matmul.outputs[0], sizes], {"axis": -1}, num_outputs=len(nodes), name=f"/{prefix}/ort/packed/Split")
+    split = ir.node(
+        "Split", [matmul.outputs[0], sizes], {"axis": -1}, num_outputs=len(nodes), name=f"/{prefix}/ort/packed/Split"
+    )
     graph.insert_after(nodes[-1], [matmul, split])  # the caller sorts the graph once its passes are done
     for out, old in zip(split.outputs, nodes, strict=True):
         copy_type(out, old.outputs[0])

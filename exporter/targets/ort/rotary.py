@@ -14,12 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
+
 from kiln.exporter.passes.ir_utils import MS_DOMAIN
 from kiln.exporter.patterns.heads import flatten_heads
 from kiln.exporter.patterns.rotary import Rotary, RotaryFinder
 from kiln.exporter.patterns.rules import fail, where
 from kiln.exporter.targets.ort.graph_values import GraphValues
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
 __all__ = ["RotaryEmbeddingRule", "rotary_candidates", "rotary_label"]
 
@@ -39,7 +40,11 @@ class RotaryEmbeddingRule(RewriteRuleClassBase):
     def check(self, op: Any, *_: Any, **bound: Any) -> MatchResult:  # op: the MatchContext (the base class names it so)
         self._found = None
         rotated, shape, flat = bound["rotated"], bound["shape"], bound["flat"]
-        readers = [(u.node, u.idx) for u in flat.uses() if u.node.op_type == "GroupQueryAttention" and u.node.domain == MS_DOMAIN and u.idx in (0, 1)]
+        readers = [
+            (u.node, u.idx)
+            for u in flat.uses()
+            if u.node.op_type == "GroupQueryAttention" and u.node.domain == MS_DOMAIN and u.idx in (0, 1)
+        ]
         if shape.const_value is None or shape.const_value.numpy().tolist() != [0, 0, -1] or len(readers) != 1:
             return fail("not a flattened q or k read by GroupQueryAttention")
         found = self._finder.find(op.model, rotated)
@@ -47,7 +52,10 @@ class RotaryEmbeddingRule(RewriteRuleClassBase):
             return fail(found)
         caches = self.values.caches(found.cos, found.sin)
         if caches is None:
-            return fail("its cos/sin tables cannot be evaluated per position (they read more than position_ids, or a row depends on the call's other positions)")
+            return fail(
+                "its cos/sin tables cannot be evaluated per position (they read more than position_ids, or a row "
+                "depends on the call's other positions)"
+            )
         self._found = (found, caches, *readers[0])
         return MatchResult()
 
@@ -60,23 +68,32 @@ class RotaryEmbeddingRule(RewriteRuleClassBase):
             attrs["rotary_embedding_dim"] = rotary.dim
         name = f"{(gqa.name or '').rsplit('/ort/', 1)[0]}/ort/RotaryEmbedding_{'qk'[index]}"
         packed = flatten_heads(op, rotary.x)
-        value: ir.Value = op.RotaryEmbedding(packed, self.values.position_ids, *caches, **attrs, _domain=MS_DOMAIN, _name=name)
+        value: ir.Value = op.RotaryEmbedding(
+            packed, self.values.position_ids, *caches, **attrs, _domain=MS_DOMAIN, _name=name
+        )
         return value
 
 
 def _reader(flat: ir.Node) -> tuple[ir.Node, int] | None:
     """The GroupQueryAttention reading a flattened q (input 0) or k (input 1)."""
-    uses = [(u.node, u.idx) for u in flat.outputs[0].uses() if u.node.op_type == "GroupQueryAttention" and u.node.domain == MS_DOMAIN and u.idx in (0, 1)]
+    uses = [
+        (u.node, u.idx)
+        for u in flat.outputs[0].uses()
+        if u.node.op_type == "GroupQueryAttention" and u.node.domain == MS_DOMAIN and u.idx in (0, 1)
+    ]
     return uses[0] if len(uses) == 1 else None
 
 
 def rotary_label(flat: ir.Node) -> str:
-    """"layer i q" (or k) for a flattened q or k."""
+    """ "layer i q" (or k) for a flattened q or k."""
     reader = _reader(flat)
     return f"{where(reader[0])} {'qk'[reader[1]]}" if reader is not None else where(flat)
 
 
 def rotary_candidates(model: ir.Model) -> list[ir.Node]:
     """The flattened q and k GroupQueryAttention still reads (their rotary, if any, not fused)."""
-    return [n for n in model.graph if n.op_type == "Reshape" and (n.name or "").startswith("/ort/heads/") and _reader(n) is not None]
-
+    return [
+        n
+        for n in model.graph
+        if n.op_type == "Reshape" and (n.name or "").startswith("/ort/heads/") and _reader(n) is not None
+    ]

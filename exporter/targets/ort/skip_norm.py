@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
+
 from kiln.exporter.passes.ir_utils import MS_DOMAIN, producer, use_ms_domain
 from kiln.exporter.patterns.rules import NotFused, apply_rules, explain, fail, rule_of
-from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
 __all__ = ["SkipRmsNorm", "fuse_skip_rms_norm"]
 
@@ -37,7 +38,9 @@ class SkipRmsNorm(RewriteRuleClassBase):
             return fail("the residual Add's inputs differ in type")
         return MatchResult()
 
-    def rewrite(self, op: Any, a: ir.Value, b: ir.Value, gamma: ir.Value, normalized: ir.Value, **_: Any) -> tuple[ir.Value, ir.Value]:
+    def rewrite(
+        self, op: Any, a: ir.Value, b: ir.Value, gamma: ir.Value, normalized: ir.Value, **_: Any
+    ) -> tuple[ir.Value, ir.Value]:
         norm = normalized.producer()
         assert norm is not None
         y, _mean, _inv_std, total = op.SkipSimplifiedLayerNormalization(
@@ -60,6 +63,12 @@ def fuse_skip_rms_norm(model: ir.Model, *, not_fused: NotFused | None = None) ->
     if count:
         use_ms_domain(model)
     if not_fused is not None:
-        left = [n for n in model.graph if n.op_type == "SimplifiedLayerNormalization" and n.domain == "" and producer(n.inputs[0], "Add") is not None]
+        left = [
+            n
+            for n in model.graph
+            if n.op_type == "SimplifiedLayerNormalization"
+            and n.domain == ""
+            and producer(n.inputs[0], "Add") is not None
+        ]
         not_fused.add("skip_rms_norm", explain(model, rules, left, label=lambda n: n.name or n.op_type))
     return count

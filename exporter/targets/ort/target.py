@@ -36,7 +36,10 @@ INT8 = Flag(
 class OrtTarget:
     name = "ort"
     label = "ONNX Runtime-target"
-    description = "also write ONNX Runtime-target graphs (onnx/*.ort.onnx: GroupQueryAttention, RotaryEmbedding, SimplifiedLayerNormalization), parity-checked like the portable ones"
+    description = (
+        "also write ONNX Runtime-target graphs (onnx/*.ort.onnx: GroupQueryAttention, RotaryEmbedding, "
+        "SimplifiedLayerNormalization), parity-checked like the portable ones"
+    )
     # grown where a layer's attention did not fuse or another node reads a past (``graphs._cache_update``)
     kv_caches: tuple[CacheUpdate, ...] = (CacheUpdate.SHARED, CacheUpdate.GROWN)
     flags: tuple[Flag, ...] = (INT8,)
@@ -53,13 +56,19 @@ class OrtTarget:
             found.append("--ort-int8 only applies to --target ort (it quantizes the ONNX Runtime-target graphs)")
         if int8 and options.precision.weight_only:
             found.append("--ort-int8 and --int4 both quantize the ONNX Runtime-target weights; choose one")
-        if self.wanted(options) and (options.precision.float16 or options.precision.needs(Needs.RANGES)):  # fp32 and int4 only
+        if self.wanted(options) and (
+            options.precision.float16 or options.precision.needs(Needs.RANGES)
+        ):  # fp32 and int4 only
             found.append(
-                f"--target ort rewrites fp32 graphs and cannot be combined with --fp16/--int8/--fp8 (found {options.precision.value}); "
+                "--target ort rewrites fp32 graphs and cannot be combined with --fp16/--int8/--fp8 (found "
+                f"{options.precision.value}); "
                 "for int8 on ONNX Runtime use --target ort --ort-int8, for int4 --target ort --int4"
             )
         if spec is not None and self.wanted(options) and spec.encoder_dim is not None:
-            found.append("--target ort is not supported for cross-attention decoders yet: its attention rewrite knows causal self-attention only")
+            found.append(
+                "--target ort is not supported for cross-attention decoders yet: its attention rewrite knows "
+                "causal self-attention only"
+            )
         return found
 
     def write(self, given: TargetGiven) -> TargetGraphs:
@@ -85,7 +94,9 @@ class OrtTarget:
         DequantizeLinear would also run; same I/O contract)."""
         return Precision.parse(precision).weight_only
 
-    def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
+    def runner(
+        self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None
+    ) -> Callable[[], contextlib.AbstractContextManager[Runner]]:
         from kiln.exporter.runners import OrtRunner
 
         return OrtRunner.opener(paths, extra_feeds)
