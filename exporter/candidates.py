@@ -22,13 +22,13 @@ __all__ = ["candidate", "qdq_tolerance"]
 def candidate(
     open_runner: Callable[[], contextlib.AbstractContextManager[Runner]],
     graphs: tuple[GraphKind, ...],
-    precision: str,
-    quantized: str | Tolerance | None,
+    precision: Precision,
+    quantized: Precision | Tolerance | None,
     target: str | None = None,
     files: Iterable[Path] = (),
 ) -> Candidate:
-    """The graph set whose graphs are of ``precision`` (a manifest's name), judged against the
-    quantized model at ``quantized``'s tolerances (a precision's name, or a Q/DQ set's own:
+    """The graph set whose graphs are of ``precision``, judged against the
+    quantized model at ``quantized``'s tolerances (a precision's, or a Q/DQ set's own:
     ``parity.tolerances.qdq_tolerance``; None: not judged so), where no greedy token may
     differ but by a tie: the quantized model computes the graphs' own numbers, so only their
     arithmetic's rounding may reorder its tokens, and only those within the tolerance of each other
@@ -36,22 +36,21 @@ def candidate(
     mostly near-ties: the random Llama-3-8B-shaped one's ``--target ort`` matched 64-70% here,
     every mismatch a tie; and it would let a wrong token through on a model with few). ``files``:
     its graph files, sized for parity's memory rule (``parity.memory``)."""
-    plan = Precision.parse(precision)
-    judging = Precision.parse(quantized).tolerance if isinstance(quantized, str) else quantized
+    judging = quantized.tolerance if isinstance(quantized, Precision) else quantized
     against = dataclasses.replace(judging, min_token_match=1.0) if judging is not None else None
     return Candidate(
         open_runner,
         graphs,
-        plan.value,
-        plan.tolerance,
-        plan.kv_dtype,
+        precision.value,
+        precision.tolerance,
+        precision.kv_dtype,
         target=target,
         quantized=against,
         weight_bytes=set_bytes(files),
     )
 
 
-def qdq_tolerance(precision: str) -> Tolerance:
+def qdq_tolerance(precision: Precision) -> Tolerance:
     """The tolerances that judge an int8 or fp8 Q/DQ set against PyTorch with its Q/DQ numbers
     (``parity.qdq_model``): the precision's own, the bound set for the quantization's own error.
     Not its float precision's: Q/DQ is discontinuous, so a value within float rounding of a code
@@ -62,4 +61,4 @@ def qdq_tolerance(precision: str) -> Tolerance:
     in every layer (the demo's fp8 logits 0.4 off, against 0.77 from the checkpoint's model).
     What is strict is the rest: every scale bit for bit (``parity.qdq_proof``), and every greedy
     token the Q/DQ model's argmax or a tie (``candidate``)."""
-    return Precision.parse(precision).tolerance
+    return precision.tolerance

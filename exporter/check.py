@@ -179,35 +179,37 @@ def _candidates(directory: Path, manifest: Manifest, backend: str, extra: Feeds 
 
         # the graph set the engines were built from: the portable graphs, or a target's (its name)
         graph_set = read_records(directory).get("graphs", {}).get("set", PORTABLE)
-        precision = manifest.precision if graph_set == PORTABLE else (manifest.targets or {})[graph_set].precision
+        recorded = manifest.precision if graph_set == PORTABLE else (manifest.targets or {})[graph_set].precision
+        precision = Precision.parse(recorded)  # the manifest's name, parsed once
         # TensorRT computes int4 weight-only MatMuls in the engine's float precision
         return [
             candidate(
                 lambda: open_engines(directory, extra_feeds=extra),
                 (GraphKind.PREFILL, GraphKind.DECODE),
                 precision,
-                Precision.parse(precision).weight_only_float,
+                precision.weight_only_judge,
             )
         ]
     graphs = _portable_paths(directory, manifest)
+    portable = Precision.parse(manifest.precision)
     candidates = [
         candidate(
             OrtRunner.opener(graphs, extra),
             tuple(graphs),
-            manifest.precision,
-            Precision.parse(manifest.precision).weight_only_float,
+            portable,
+            portable.weight_only_judge,
             files=graphs.values(),
         )
     ]
     for name, entry in (manifest.targets or {}).items():  # each target's graphs, opened its way
         paths = _graph_paths(directory, {GraphKind(kind): graph.file for kind, graph in entry.graphs.items()})
-        chosen = target(name)
+        chosen, precision = target(name), Precision.parse(entry.precision)
         candidates.append(
             candidate(
                 chosen.runner(paths, extra),
                 tuple(paths),
-                entry.precision,
-                chosen.quantized_precision(entry.precision),
+                precision,
+                chosen.quantized_precision(precision),
                 name,
                 files=paths.values(),
             )

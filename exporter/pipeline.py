@@ -215,20 +215,20 @@ def export_loaded(
         if not parity.passed:
             raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
         report = ExportReport(
-            reference.spec,
-            options,
-            model_ref,
-            checkpoint,
-            reference.max_context,
-            folded.checks,
-            portable,
-            calibrated,
-            written,
-            parity,
-            loaded.tokenizer,
-            loaded.serving_files,
-            recorded,
-            extras,
+            spec=reference.spec,
+            options=options,
+            model_ref=model_ref,
+            checkpoint_files=checkpoint,
+            max_context=reference.max_context,
+            folding=folded.checks,
+            portable=portable,
+            calibration=calibrated,
+            targets=written,
+            parity=parity,
+            tokenizer=loaded.tokenizer,
+            serving_files=loaded.serving_files,
+            precision_record=recorded,
+            precision_extras=extras,
             checkpoint_path=str(loaded.source.absolute()) if loaded.source.exists() else None,
             adapters=adapters,
         )
@@ -347,22 +347,22 @@ def _candidates(
     feeds = (
         table_feeds(list(folded.tables), options.precision.kv_dtype) if options.ple_tables is PLETables.INPUT else None
     )
-    own = qdq_tolerance(options.precision.value) if qdq else options.precision.weight_only_float
+    own = qdq_tolerance(options.precision) if qdq else options.precision.weight_only_judge
     candidates = [
         candidate(
             OrtRunner.opener(portable.paths, feeds),
             tuple(portable.paths),
-            options.precision.value,
+            options.precision,
             own,
             files=portable.paths.values(),
         )
     ]
     for graphs in written:
         chosen = target(graphs.name)
-        quantized: str | Tolerance | None = chosen.quantized_precision(graphs.precision)
+        quantized: Precision | Tolerance | None = chosen.quantized_precision(graphs.precision)
         quantized = (
             qdq_tolerance(graphs.precision)
-            if qdq and quantized is None and graphs.precision == options.precision.value
+            if qdq and quantized is None and graphs.precision.value == options.precision.value
             else quantized
         )
         candidates.append(

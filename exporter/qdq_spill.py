@@ -39,7 +39,7 @@ def spill_qdq_numbers(
     # spilled and read back before the check: what parity is built on is what the file holds
     sets = [
         ("portable", portable.paths),
-        *((g.name, g.paths) for g in written if g.precision == precision.precision.value),
+        *((g.name, g.paths) for g in written if g.precision.value == precision.precision.value),
     ]
     with progress.stage(f"parity: {made.form} Q/DQ scales against the calibration's"):
         path = root / NUMBERS_FILE

@@ -89,11 +89,11 @@ def refuse_quality(report: ExportReport, out: Path) -> None:
         f"{out}: the {report.options.precision.value} quantization fell short (its graphs compute the quantized "
         "model: parity passed): "
         f"{quality.figures()}; top-1 agreement {quality.agreement:.3f} is below {quality.threshold:g}. Ways out: "
-        f"{_ways_out(report.options.precision.value)}, "
+        f"{_ways_out(report.options.precision)}, "
         f"--fp16; or --quality-gate lower or off. Reports kept in {kept / 'reports'}"
     )
 
 
-def _ways_out(precision: str) -> str:
+def _ways_out(precision: Precision) -> str:
     """What raises a low-bit precision's quality: its quantizing kind's own options (``PrecisionKind.ways_out``)."""
-    return Precision.parse(precision).ways_out or "other calibration data (--calib-data, --calib-method)"
+    return precision.ways_out or "other calibration data (--calib-data, --calib-method)"

@@ -20,8 +20,10 @@ if TYPE_CHECKING:
 __all__ = ["ExportReport"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExportReport:
+    """Built by keyword (``pipeline``), so each value is seen beside its field's name."""
+
     spec: DecoderSpec
     options: ExportOptions
     model_ref: str | None  # what --model named
@@ -33,12 +35,10 @@ class ExportReport:
     targets: tuple[TargetGraphs, ...]  # what each target wrote (--target NAME)
     parity: ParityResult  # every graph set's checks
     tokenizer: Path | None  # the checkpoint's tokenizer.json (copied into the export), when it has one
-    serving_files: tuple[
-        Path, ...
-    ] = ()  # the family's files for consumers (Hugging Face's config.json...), copied into onnx/
-    precision_record: dict[str, Any] = dataclasses.field(
-        default_factory=dict
-    )  # what the precision kinds record in the manifest's export section (keep_fp32, quantization)
+    # the family's files for consumers (Hugging Face's config.json...), copied into onnx/
+    serving_files: tuple[Path, ...] = ()
+    # what the precision kinds record in the manifest's export section (keep_fp32, quantization)
+    precision_record: dict[str, Any] = dataclasses.field(default_factory=dict)
     precision_extras: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the parity report shows of them
     checkpoint_path: str | None = None  # the absolute path the checkpoint was read from (None: built in memory)
     adapters: tuple[LoraAdapter, ...] = ()  # the LoRA adapters merged into it (--adapter)

@@ -54,7 +54,7 @@ def _target_entry(target: TargetGraphs, root: Path) -> TargetEntry:
     graphs = {kind.value: _target_graph(target, kind, path, root) for kind, path in target.paths.items()}
     weights = TargetWeights(_rel(target.weights.path, root), target.weights.bytes)
     return TargetEntry(
-        target.precision, target.kv_cache.value, graphs, weights, dict(target.record) if target.record else None
+        target.precision.value, target.kv_cache.value, graphs, weights, dict(target.record) if target.record else None
     )
 
 

@@ -38,6 +38,7 @@ from typing import Any
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.contract.io import GraphKind, past_names, present_names
+from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.targets import target
 from kiln.inputs import TOKENIZER_MAX_BYTES, read_input
 
@@ -104,7 +105,7 @@ def genai_graph(manifest: Manifest) -> str:
     ``model.ort.onnx`` (MatMulNBits bits=4: what is fast on ONNX Runtime; the portable int4
     graph's DequantizeLinear would also run). Same I/O contract either way."""
     for name, entry in (manifest.targets or {}).items():  # the first target that says GenAI runs its graph
-        if target(name).serves_genai(entry.precision):
+        if target(name).serves_genai(Precision.parse(entry.precision)):
             return entry.graphs[GraphKind.UNIFIED.value].file
     return manifest.graph(GraphKind.UNIFIED).file
 

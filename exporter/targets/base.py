@@ -40,6 +40,7 @@ from kiln.registry import Flag
 if TYPE_CHECKING:  # the registry is read by the CLI before anything heavy is imported
     from kiln.exporter.options import ExportOptions
     from kiln.exporter.passes.weights import SharedWeights
+    from kiln.exporter.precision.kinds.plan import Precision
     from kiln.exporter.progress import Progress
     from kiln.exporter.runners.base import Feeds, Runner
     from kiln.plugins.base import DecoderSpec
@@ -65,7 +66,7 @@ class TargetGraphs:
     """What a target wrote."""
 
     name: str
-    precision: str  # of its graphs (the manifest's targets.<name>.precision)
+    precision: Precision  # of its graphs (its value is the manifest's targets.<name>.precision)
     paths: dict[GraphKind, Path]
     weights: SharedWeights  # the one more weights file its graphs read (besides the portable weights.bin)
     passes: dict[GraphKind, dict[str, dict[str, Any]]]  # per graph, what its passes report
@@ -99,11 +100,11 @@ class Target(Protocol):
         self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None
     ) -> Callable[[], contextlib.AbstractContextManager[Runner]]: ...
 
-    def serves_genai(self, precision: str) -> bool:
+    def serves_genai(self, precision: Precision) -> bool:
         """Whether ONNX Runtime GenAI runs its unified graph (of ``precision``), not the portable one."""
         ...
 
-    def quantized_precision(self, precision: str) -> str | None:
+    def quantized_precision(self, precision: Precision) -> Precision | None:
         """The precision whose tolerances judge this target's graphs of ``precision`` against
         PyTorch on the export's int4 weights (``parity.quantized``); None: not judged so."""
         ...

@@ -24,6 +24,7 @@ from kiln.exporter.options import ExportOptions
 from kiln.exporter.passes.weights import WeightsWriter
 from kiln.exporter.pipeline import export
 from kiln.exporter.plan import plan
+from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.runners import OrtRunner
 from kiln.exporter.runners.base import Feeds, Runner
 from kiln.exporter.targets import TARGETS, names, targets
@@ -66,15 +67,15 @@ class ToyTarget:
                 ir.save(ir.load(path), paths[kind])
             weights = writer.close()
         reports: dict[GraphKind, dict[str, Any]] = {kind: {} for kind in paths}
-        return TargetGraphs(self.name, given.options.precision.value, paths, weights, reports, CacheUpdate.GROWN)
+        return TargetGraphs(self.name, given.options.precision, paths, weights, reports, CacheUpdate.GROWN)
 
     def runner(self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None) -> Callable[[], Opened]:
         return OrtRunner.opener(paths, extra_feeds)
 
-    def serves_genai(self, precision: str) -> bool:
+    def serves_genai(self, precision: Precision) -> bool:
         return False
 
-    def quantized_precision(self, precision: str) -> str | None:
+    def quantized_precision(self, precision: Precision) -> Precision | None:
         return None
 
 

@@ -20,7 +20,7 @@ from kiln.exporter.tolerance import FP32, Tolerance
 
 __all__ = ["Precision", "TOLERANCES", "names"]
 
-FP32_NAME, FP16_NAME = "fp32", "fp16"  # the name of a precision with no kind; the float precision of fp16 graphs
+FP32_NAME = "fp32"  # the name of a precision with no kind
 _ROLES = tuple(Role)  # the order kinds run in (and are named in): the MatMuls' kind, then the float type
 
 
@@ -130,7 +130,13 @@ class Precision:
         """A weight-only precision's float precision (``fp32``/``fp16``): the tolerances its graphs
         meet against PyTorch on their own quantized weights (``parity.quantized``); None for any
         other (its activations are quantized too, or nothing is)."""
-        return (FP16_NAME if self.float16 else FP32_NAME) if any(k.weight_only for k in self.kinds) else None
+        judge = self.weight_only_judge
+        return judge.value if judge is not None else None
+
+    @property
+    def weight_only_judge(self) -> Precision | None:
+        """``weight_only_float`` as the precision that judges (``candidates.candidate``'s ``quantized``)."""
+        return (Precision.FP16 if self.float16 else Precision.FP32) if self.weight_only else None
 
     @property
     def min_bytes_per_weight(self) -> float:

@@ -72,16 +72,15 @@ def onnx_passes(
     kv_dtype: str,
     last_logits_only: bool,
     log: NotFused,
-    precision: str = "fp32",
+    precision: Precision = Precision.FP32,
 ) -> list[ir.passes.PassBase]:
     """The target's passes of one graph of ``precision``, in order. An int8 or fp8 graph gets
     ONNX's shape inference first (it comes back from ONNX Runtime's quantizer without the shapes
     the attention pattern reads: its heads' static dims); an int8 graph's Q/DQ get the type-attribute
     form (``int8_form``); every low-bit graph is checked again by TensorRT's Q/DQ rules
     (``lowbit_check``) once rewritten."""
-    precision_of = Precision.parse(precision)
-    infer_shapes = precision_of.needs(Needs.RANGES)  # int8, fp8
-    low_bit = any(k.role is Role.MATMULS for k in precision_of.kinds)  # int8, fp8, int4
+    infer_shapes = precision.needs(Needs.RANGES)  # int8, fp8
+    low_bit = any(k.role is Role.MATMULS for k in precision.kinds)  # int8, fp8, int4
     rotary = functools.update_wrapper(
         functools.partial(
             onnx_rotary, base_dir=base_dir, max_context=max_context, head_dim=spec.head_dim, not_fused=log
@@ -100,13 +99,13 @@ def onnx_passes(
         ),
         *(
             [GraphRewrite(fuse_fp16_rms_norm, "rms_norm_fp16", lambda fused: {"fused": fused})]
-            if precision_of.float16
+            if precision.float16
             else []
         ),
         GraphRewrite(norm, "rms_norm", lambda fused: {"fused": fused}),
         *(
             [GraphRewrite(int8_type_attribute_form, "int8_form", lambda count: {"qdq": count})]
-            if "int8" in precision_of
+            if "int8" in precision
             else []
         ),
         *([CheckLowBit()] if low_bit else []),
@@ -122,7 +121,7 @@ def write_onnx_target(
     spec: DecoderSpec,
     *,
     max_context: int,
-    precision: str = "fp32",
+    precision: Precision = Precision.FP32,
     kv_dtype: str = "float32",
     last_logits_only: bool = False,
 ) -> TargetGraphs:

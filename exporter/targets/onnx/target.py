@@ -87,15 +87,15 @@ class OnnxTarget:
                 given.portable,
                 given.spec,
                 max_context=given.max_context,
-                precision=precision.value,
+                precision=precision,
                 kv_dtype=precision.kv_dtype,
                 last_logits_only=given.options.last_logits_only,
             )
 
-    def quantized_precision(self, precision: str) -> str | None:
-        return Precision.parse(precision).weight_only_float  # the portable graphs' int4 DQ MatMuls, unchanged
+    def quantized_precision(self, precision: Precision) -> Precision | None:
+        return precision.weight_only_judge  # the portable graphs' int4 DQ MatMuls, unchanged
 
-    def serves_genai(self, precision: str) -> bool:
+    def serves_genai(self, precision: Precision) -> bool:
         return False  # GenAI runs the portable unified graph
 
     def runner(

@@ -54,6 +54,7 @@ from kiln.exporter.passes.reports import Report, pass_reports
 from kiln.exporter.patterns.norm import fuse_rms_norm
 from kiln.exporter.patterns.rotary_tables import graph_tables
 from kiln.exporter.patterns.rules import NotFused
+from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.targets.base import TargetGraphs
 from kiln.exporter.targets.ort.decode_mask import DecodeMask, compact_decode_bias
 from kiln.exporter.targets.ort.gqa import fuse_attention
@@ -214,7 +215,7 @@ def write_ort_target(
                 {"not_fused": {fusion: list(why) for fusion, why in left.items()}} if left else {}
             )
         weights = writer.close()
-    precision = "int8" if int8 else "int4" if int4_block is not None else "fp32"
+    precision = Precision.INT8 if int8 else Precision.INT4 if int4_block is not None else Precision.FP32
     record = (
         {"int8": dict(INT8_FORMAT)} if int8 else {"int4": INT4_FORMAT(int4_block)} if int4_block is not None else None
     )

@@ -82,17 +82,17 @@ class OrtTarget:
                 given.onnx_dir, given.portable, given.spec, max_context=given.max_context, int8=int8, int4_block=int4
             )
 
-    def quantized_precision(self, precision: str) -> str | None:
+    def quantized_precision(self, precision: Precision) -> Precision | None:
         """int4: int8's tolerances. Its MatMulNBits hold the portable graphs' int4 numbers but,
         at ``accuracy_level`` 4, quantize the activations to int8 per block: the approximation
         left between it and PyTorch on those weights (--ort-int8's own weights are not the
         portable graphs': None)."""
-        return "int8" if Precision.parse(precision).weight_only else None
+        return Precision.INT8 if precision.weight_only else None
 
-    def serves_genai(self, precision: str) -> bool:
+    def serves_genai(self, precision: Precision) -> bool:
         """int4: MatMulNBits bits=4 is what is fast on ONNX Runtime (the portable graph's
         DequantizeLinear would also run; same I/O contract)."""
-        return Precision.parse(precision).weight_only
+        return precision.weight_only
 
     def runner(
         self, paths: dict[GraphKind, Path], extra_feeds: Feeds | None
