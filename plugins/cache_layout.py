@@ -25,7 +25,10 @@ conv window and SSM state, DeltaNet's) is a tensor of a third span, ``STATE``: i
 fixed integer, every step (prefill included) reads it and returns its replacement, and an empty
 past is its zero state rather than a length-0 tensor; per-layer head dims (Gemma 4) are layers
 whose tensors differ, which ``layers`` already holds (one tuple per layer), as does a hybrid whose
-attention layers carry ``key``/``value`` and whose recurrent layers carry ``conv``/``ssm``.
+attention layers carry ``key``/``value`` and whose recurrent layers carry ``conv``/``ssm``. The Hugging
+Face decoder already carries Mamba2's state that way (plugins/hf/recurrent_state.py: ``conv`` ``[batch, 1,
+conv_kernel, conv_dim]``, ``ssm`` ``[batch, heads, head_dim, state_size]``; one graph of any step length,
+tests/export/test_recurrent_state.py); the graph I/O and the pipeline do not know the span yet.
 """
 
 from __future__ import annotations

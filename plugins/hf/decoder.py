@@ -8,7 +8,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from kiln.plugins.hf.deepseek_rotary import deepseek_rewrites_for
+from kiln.plugins.hf.mamba2_scan import mamba2_rewrites_for
 from kiln.plugins.hf.real_rotary import rewrites_for
+from kiln.plugins.hf.recurrent_state import is_recurrent, seed_state, state_of
 
 __all__ = ["KV", "HFDecoder", "HFSeq2Seq"]
 
@@ -29,6 +31,27 @@ def _cache_of(out: Any) -> Any:
     return out.cache if "cache" in out else out.past_key_values
 
 
+def _cache(recurrent_config: Any, past: list[KV] | None) -> Any:
+    """The model's ``DynamicCache`` holding kiln's flat past: keys and values per layer, or a
+    recurrent layer's ``conv`` and ``ssm`` state (``recurrent_state``). A recurrent model's cache
+    is built from its config (which makes its ``LinearAttentionLayer``s); any other's without."""
+    from transformers import DynamicCache
+
+    if recurrent_config is None:
+        # no config: every layer keeps the full past (the contract's present = past + new), also a
+        # sliding-window layer, whose window the model's own mask still applies; with the config,
+        # transformers gives such a layer a cache capped at the window - 1, which breaks the
+        # contract and the unified graph's trace (a guard past_seq <= window - 1)
+        cache = DynamicCache()
+        for i, (key, value) in enumerate(past or []):
+            cache.update(key, value, i)
+        return cache
+    cache = DynamicCache(config=recurrent_config)
+    for i, (conv, ssm) in enumerate(past or []):
+        seed_state(cache.layers[i], conv, ssm)
+    return cache
+
+
 class HFDecoder(nn.Module):
     """The model's own forward pass with its own ``DynamicCache``, flattened to kiln's contract
     (traced with ``real_rotary.rewrites_for`` its code: complex rotary in real arithmetic)."""
@@ -38,6 +61,8 @@ class HFDecoder(nn.Module):
         self.model = model
         self.rewrites = rewrites_for(model)
         self.mla_rewrites = deepseek_rewrites_for(model)  # DeepSeek-V2's complex rotary (deepseek_rotary)
+        self.ssm_rewrites = mamba2_rewrites_for(model)  # Mamba2's mixer in one form at every length (mamba2_scan)
+        self.recurrent = any(type(m).__name__ == "Mamba2Mixer" for m in model.modules())
 
     def forward(
         self,
@@ -47,17 +72,9 @@ class HFDecoder(nn.Module):
         past_key_values: list[KV] | None = None,
         last_logits_only: bool = False,
     ) -> tuple[Tensor, list[KV]]:
-        from transformers import DynamicCache
-
-        # no config: every layer keeps the full past (the contract's present = past + new), also a
-        # sliding-window layer, whose window the model's own mask still applies; with the config,
-        # transformers gives such a layer a cache capped at the window - 1, which breaks the
-        # contract and the unified graph's trace (a guard past_seq <= window - 1)
-        cache = DynamicCache()
-        for i, (key, value) in enumerate(past_key_values or []):
-            cache.update(key, value, i)
+        cache = _cache(self.model.config if self.recurrent else None, past_key_values)
         cache_kwarg, takes_positions = _forward_kwargs(self.model)
-        with self.rewrites(), self.mla_rewrites():
+        with self.rewrites(), self.mla_rewrites(), self.ssm_rewrites():
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -67,7 +84,7 @@ class HFDecoder(nn.Module):
                 **({"position_ids": position_ids} if takes_positions else {}),
             )
         layers = _cache_of(out).layers
-        return out.logits, [(layer.keys, layer.values) for layer in layers]
+        return out.logits, [state_of(layer) if is_recurrent(layer) else (layer.keys, layer.values) for layer in layers]
 
 
 class HFSeq2Seq(nn.Module):
