@@ -14,13 +14,12 @@ tests/unit/test_hf_deepseek_rotary.py proves the two equal.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from kiln.plugins.hf.real_rotary import real_freqs
+from kiln.plugins.hf.trace_rewrites import Rewrite, patched_rotary, while_exporting
 
 __all__ = ["real_apply_rotary_bhsd", "real_deepseek_rotary", "deepseek_rewrites_for"]
 
@@ -40,28 +39,13 @@ def real_apply_rotary_bhsd(xq: Tensor, xk: Tensor, freqs: Tensor) -> tuple[Tenso
     return _rotate(xq, freqs), _rotate(xk, freqs)
 
 
-@contextlib.contextmanager
-def real_deepseek_rotary() -> Iterator[None]:
+def real_deepseek_rotary() -> contextlib.AbstractContextManager[None]:
     """DeepSeek-V2's complex rotary replaced by ``real_freqs`` and ``real_apply_rotary_bhsd``
     while inside (transformers' module attributes patched, restored on exit)."""
-    import importlib
-
-    module: Any = importlib.import_module(_MODULE)
-    rotary_cls, apply = module.DeepseekV2RotaryEmbedding, module.apply_rotary_emb
-    forward = rotary_cls.forward
-    rotary_cls.forward, module.apply_rotary_emb = real_freqs, real_apply_rotary_bhsd
-    try:
-        yield
-    finally:
-        rotary_cls.forward, module.apply_rotary_emb = forward, apply
+    return patched_rotary(_MODULE, "DeepseekV2RotaryEmbedding", real_freqs, real_apply_rotary_bhsd)
 
 
-def deepseek_rewrites_for(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:
+def deepseek_rewrites_for(model: nn.Module) -> Rewrite:
     """What enters ``real_deepseek_rotary`` while torch.export traces a DeepSeek-V2 model, and
     nothing otherwise (eager runs keep transformers' code)."""
-    uses = any(type(m).__name__ == "DeepseekV2RotaryEmbedding" for m in model.modules())
-
-    def enter() -> contextlib.AbstractContextManager[None]:
-        return real_deepseek_rotary() if uses and torch.compiler.is_exporting() else contextlib.nullcontext()
-
-    return enter
+    return while_exporting(model, "DeepseekV2RotaryEmbedding", real_deepseek_rotary)

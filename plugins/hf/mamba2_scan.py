@@ -22,12 +22,14 @@ proves the two equal at one token and at several, from a zero and a random state
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from kiln.plugins.hf.trace_rewrites import Rewrite, while_exporting
 
 __all__ = ["traced_mamba2", "mamba2_rewrites_for"]
 
@@ -122,12 +124,7 @@ def traced_mamba2() -> Iterator[None]:
             setattr(module, name, old)
 
 
-def mamba2_rewrites_for(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:
+def mamba2_rewrites_for(model: nn.Module) -> Rewrite:
     """What enters ``traced_mamba2`` while torch.export traces a Mamba2 model, and nothing
     otherwise (eager runs keep transformers' code)."""
-    uses = any(type(m).__name__ == "Mamba2Mixer" for m in model.modules())
-
-    def enter() -> contextlib.AbstractContextManager[None]:
-        return traced_mamba2() if uses and torch.compiler.is_exporting() else contextlib.nullcontext()
-
-    return enter
+    return while_exporting(model, "Mamba2Mixer", traced_mamba2)

@@ -14,11 +14,12 @@ the two equal.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from kiln.plugins.hf.trace_rewrites import Rewrite, patched_rotary, while_exporting
 
 __all__ = ["real_apply_rotary", "real_freqs", "real_rotary", "rewrites_for"]
 
@@ -47,28 +48,13 @@ def real_apply_rotary(xq: Tensor, xk: Tensor, freqs: Tensor) -> tuple[Tensor, Te
     return _rotate(xq, freqs), _rotate(xk, freqs)
 
 
-@contextlib.contextmanager
-def real_rotary() -> Iterator[None]:
+def real_rotary() -> contextlib.AbstractContextManager[None]:
     """Llama 4's complex rotary replaced by ``real_freqs`` and ``real_apply_rotary`` while inside
     (transformers' module attributes patched, restored on exit)."""
-    import importlib
-
-    module: Any = importlib.import_module(_MODULE)
-    rotary_cls, apply = module.Llama4TextRotaryEmbedding, module.apply_rotary_emb
-    forward = rotary_cls.forward
-    rotary_cls.forward, module.apply_rotary_emb = real_freqs, real_apply_rotary
-    try:
-        yield
-    finally:
-        rotary_cls.forward, module.apply_rotary_emb = forward, apply
+    return patched_rotary(_MODULE, "Llama4TextRotaryEmbedding", real_freqs, real_apply_rotary)
 
 
-def rewrites_for(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:
+def rewrites_for(model: nn.Module) -> Rewrite:
     """What enters the trace-time rewrites ``model`` needs (``real_rotary`` for a Llama 4 text
     model) while torch.export traces it, and nothing otherwise (eager runs keep transformers' code)."""
-    uses = any(type(m).__name__ == "Llama4TextRotaryEmbedding" for m in model.modules())
-
-    def enter() -> contextlib.AbstractContextManager[None]:
-        return real_rotary() if uses and torch.compiler.is_exporting() else contextlib.nullcontext()
-
-    return enter
+    return while_exporting(model, "Llama4TextRotaryEmbedding", real_rotary)
