@@ -16,6 +16,7 @@ import io
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -90,9 +91,12 @@ def collect_ranges(
             calibrator = create_calibrator(
                 path, ["MatMul", "Gemm"], augmented, kind, use_external_data_format=True, extra_options=extra
             )
+        amax: dict[str, float] = {}
         for sample in samples:
             if method is CalibMethod.MAX:
-                calibrator.collect_data(_Reader(sample))
+                for name, a in _sample_amax(calibrator, sample).items():
+                    if np.isfinite(a):  # inf: empty in this sample (an MoE expert none of its tokens reached)
+                        amax[name] = max(amax.get(name, 0.0), a)
                 continue
             # the histogram collectors stack one tensor's arrays from all feeds into one array,
             # which fails when prefill and decode feeds have different lengths: feed them one at
@@ -106,6 +110,8 @@ def collect_ranges(
                 for name, h in hists.items()
             }
             return {name: (-a, a) for name, a in ranges.items()}
+        if method is CalibMethod.MAX:
+            return {name: (-a, a) for name, a in amax.items()}
         data = calibrator.compute_data()
         out = {}
         for name, tensor in data.data.items():
@@ -113,3 +119,18 @@ def collect_ranges(
             a = max(abs(lo), abs(hi))
             out[name] = (-a, a)
         return out
+
+
+def _sample_amax(calibrator: Any, sample: list[Feeds]) -> dict[str, float]:
+    """One sample's largest absolute value per calibrated tensor (``MinMaxCalibrater``,
+    symmetric). ONNX Runtime merges each ``collect_data`` call's ranges into the ones before by
+    min/max, and a tensor that was empty throughout a call (an MoE expert's input that no token
+    of the sample was routed to: ReduceMin of nothing is inf) gets the range (-inf, inf), which
+    then stays whatever the other samples saw; so kiln takes each call's ranges and merges the
+    finite ones itself (the same numbers where no tensor is ever empty)."""
+    calibrator.collect_data(_Reader(sample))
+    ranges, calibrator.calibrate_tensors_range = calibrator.calibrate_tensors_range, None
+    return {
+        name: max(abs(float(np.asarray(v).ravel()[0])) for v in tensor.range_value)
+        for name, tensor in ranges.data.items()
+    }

@@ -16,8 +16,16 @@ from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import fold, table_feeds
 from kiln.exporter.load import adapter_reference, prepare_reference, read_adapters
 from kiln.exporter.lora.adapter_file import swapped_adapter
-from kiln.exporter.options import PLETables
-from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity, quantized_model
+from kiln.exporter.options import ExportOptions, PLETables
+from kiln.exporter.parity import (
+    Candidate,
+    ParityResult,
+    ParitySettings,
+    QuantizedModel,
+    check_parity,
+    quantized_model,
+)
+from kiln.exporter.parity.quality import QualityPlan
 from kiln.exporter.pipeline import release_weights
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.progress import NullProgress, Progress
@@ -46,19 +54,12 @@ def check_dir(
     adapter's slot tensors, against PEFT's model of the checkpoint and the adapter."""
     progress = progress or NullProgress()
     manifest = require_verified(directory)
-    if adapter is not None and backend != "onnxruntime":
-        raise ConfigError(
-            "--adapter: adapters are checked on ONNX Runtime only (kiln build's engines take the slot inputs, "
-            "but feeding them an adapter has not run on a GPU yet)"
-        )
-    if backend == "tensorrt":  # before loading anything: are there engines at all?
-        from kiln.exporter.engine.records import read_records
-
-        read_records(directory)
+    _refuse_backend(directory, backend, adapter)
     loaded = _checkpoint(directory, manifest, model, progress)
     # the export's graph options; every set's precision (its tolerances) is the manifest's, which
     # require_verified held to what the graphs are (their Q/DQ and dtypes: ``artifacts.claims``)
     options = graph_options(manifest)
+    precision = Precision.parse(manifest.precision)  # the portable graphs' precision, parsed once
     swapped = (
         swapped_adapter(
             directory, manifest.lora, (manifest.checkpoint.reference, manifest.checkpoint.resolved), adapter
@@ -66,49 +67,88 @@ def check_dir(
         if adapter is not None
         else None
     )
-    # with adapters, PEFT's model of the checkpoint and the recorded adapters, as the export's parity had
-    adapters = (
-        ((swapped[0],) if swapped is not None else _adapters(directory, manifest, loaded, model))
-        if swapped is not None or manifest.checkpoint.adapters
-        else None
-    )
+    adapters = _reference_adapters(directory, manifest, loaded, model, swapped)
 
     def build(loaded: LoadedModel) -> nn.Module:
         return adapter_reference(loaded, adapters) if adapters is not None else prepare_reference(loaded, options)
 
     reference = build(loaded)
-    extra: Feeds | None = dict(swapped[1]) if swapped is not None else None
-    if options.ple_tables is PLETables.INPUT:
-        extra = {
-            **(extra or {}),
-            **table_feeds(list(fold(reference, loaded.ple).tables), Precision.parse(manifest.precision).kv_dtype),
-        }
+    extra = _extra_feeds(options, reference, loaded, precision, swapped)
     assert options.max_context is not None, "an export's manifest records its context"
     settings = ParitySettings(options.max_context, options.max_batch, options.parity_tokens, options.last_logits_only)
-    # an int4 export: against PyTorch on its own int4 weights too (read from its portable graphs), its agreement gating
-    # as the export chose.
-    # An int8 or fp8 export is not: the scales its calibration made (parity.qdq_numbers) are not in the
-    # export (its calibration/*.trt-calibration.cache holds TensorRT's amax / 127, not the graphs' int8
-    # or fp8 scales), and read back from the graphs being judged they would prove nothing; so kiln check
-    # judges it against the checkpoint's model by its precision's figures, agreement gating, as before issue 40
-    gates = manifest.parity.agreement != "record"
-    weight_only = Precision.parse(manifest.precision).weight_only_float is not None
-    quantized = quantized_model(_portable_paths(directory, manifest).values(), gates) if weight_only else None
+    quantized = _quantized(directory, manifest, precision)
+    quality = _quality(loaded, manifest, options.last_logits_only, options.max_context)
+    candidates = _candidates(directory, manifest, precision, backend, extra)
     # the model is freed while the graphs run unless both fit, and loaded again to score their tokens (check_parity)
-    recorded = manifest.parity.quality
-    quality = check_quality(
-        loaded,
-        loaded.spec,
-        manifest.precision,
-        recorded.threshold if recorded is not None else None,
-        options.last_logits_only,
-        options.max_context,
-    )
     return check_parity(
-        reference, loaded.spec, _candidates(directory, manifest, backend, extra), settings, progress=progress,
-        quantized=quantized, quality=quality, release_reference=release_weights(reference),
-        reload_reference=lambda: build(load_model(loaded.source)),
+        reference, loaded.spec, candidates, settings, progress=progress, quantized=quantized, quality=quality,
+        release_reference=release_weights(reference), reload_reference=lambda: build(load_model(loaded.source)),
     )  # fmt: skip
+
+
+def _refuse_backend(directory: Path, backend: str, adapter: Path | None) -> None:
+    """Before anything is loaded: an adapter is checked on ONNX Runtime only, and TensorRT needs
+    the engines to be there."""
+    if adapter is not None and backend != "onnxruntime":
+        raise ConfigError(
+            "--adapter: adapters are checked on ONNX Runtime only (kiln build's engines take the slot inputs, "
+            "but feeding them an adapter has not run on a GPU yet)"
+        )
+    if backend == "tensorrt":
+        from kiln.exporter.engine.records import read_records
+
+        read_records(directory)
+
+
+def _reference_adapters(
+    directory: Path,
+    manifest: Manifest,
+    loaded: LoadedModel,
+    model: str | Path | None,
+    swapped: tuple[LoraAdapter, Feeds] | None,
+) -> tuple[LoraAdapter, ...] | None:
+    """With adapters, PEFT's model of the checkpoint and these is the reference, as the export's
+    parity had: the ``--adapter`` swapped in, else the adapters the manifest records; None without."""
+    if swapped is not None:
+        return (swapped[0],)
+    return _adapters(directory, manifest, loaded, model) if manifest.checkpoint.adapters else None
+
+
+def _extra_feeds(
+    options: ExportOptions,
+    reference: nn.Module,
+    loaded: LoadedModel,
+    precision: Precision,
+    swapped: tuple[LoraAdapter, Feeds] | None,
+) -> Feeds | None:
+    """What the graphs take beside the contract's inputs: the swapped adapter's slot tensors, and
+    the folded PLE tables of a ``--ple-tables input`` export (in the KV cache's dtype)."""
+    extra: Feeds | None = dict(swapped[1]) if swapped is not None else None
+    if options.ple_tables is PLETables.INPUT:
+        extra = {**(extra or {}), **table_feeds(list(fold(reference, loaded.ple).tables), precision.kv_dtype)}
+    return extra
+
+
+def _quantized(directory: Path, manifest: Manifest, precision: Precision) -> QuantizedModel | None:
+    """A weight-only int4 export: PyTorch on its own int4 weights too (read from its portable
+    graphs), its agreement gating as the export chose.
+
+    An int8 or fp8 export is not: the scales its calibration made (parity.qdq_numbers) are not in
+    the export (its calibration/*.trt-calibration.cache holds TensorRT's amax / 127, not the
+    graphs' int8 or fp8 scales), and read back from the graphs being judged they would prove
+    nothing; so kiln check judges it against the checkpoint's model by its precision's figures,
+    agreement gating, as before issue 40."""
+    if precision.weight_only_float is None:
+        return None
+    return quantized_model(_portable_paths(directory, manifest).values(), manifest.parity.agreement != "record")
+
+
+def _quality(loaded: LoadedModel, manifest: Manifest, last_logits_only: bool, max_context: int) -> QualityPlan:
+    """The quality measure of ``kiln check`` (``quality_gate.check_quality``), gated at the
+    threshold the export recorded."""
+    recorded = manifest.parity.quality
+    threshold = recorded.threshold if recorded is not None else None
+    return check_quality(loaded, loaded.spec, manifest.precision, threshold, last_logits_only, max_context)
 
 
 def _checkpoint(directory: Path, manifest: Manifest, model: str | Path | None, progress: Progress) -> LoadedModel:
@@ -169,8 +209,11 @@ def _graph_paths(directory: Path, files: dict[GraphKind, str]) -> dict[GraphKind
     return paths
 
 
-def _candidates(directory: Path, manifest: Manifest, backend: str, extra: Feeds | None) -> list[Candidate]:
-    """The engines (TensorRT), or the portable graphs and then every target's (ONNX Runtime)."""
+def _candidates(
+    directory: Path, manifest: Manifest, portable: Precision, backend: str, extra: Feeds | None
+) -> list[Candidate]:
+    """The engines (TensorRT), or the portable graphs (at ``portable``, the manifest's precision)
+    and then every target's (ONNX Runtime)."""
     if (
         backend == "tensorrt"
     ):  # the runner of the engines' contract: the portable graphs' or --target onnx's (static cache)
@@ -179,8 +222,9 @@ def _candidates(directory: Path, manifest: Manifest, backend: str, extra: Feeds 
 
         # the graph set the engines were built from: the portable graphs, or a target's (its name)
         graph_set = read_records(directory).get("graphs", {}).get("set", PORTABLE)
-        recorded = manifest.precision if graph_set == PORTABLE else (manifest.targets or {})[graph_set].precision
-        precision = Precision.parse(recorded)  # the manifest's name, parsed once
+        precision = (
+            portable if graph_set == PORTABLE else Precision.parse((manifest.targets or {})[graph_set].precision)
+        )
         # TensorRT computes int4 weight-only MatMuls in the engine's float precision
         return [
             candidate(
@@ -191,7 +235,6 @@ def _candidates(directory: Path, manifest: Manifest, backend: str, extra: Feeds 
             )
         ]
     graphs = _portable_paths(directory, manifest)
-    portable = Precision.parse(manifest.precision)
     candidates = [
         candidate(
             OrtRunner.opener(graphs, extra),

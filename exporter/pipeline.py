@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import onnx_ir as ir
 import torch
@@ -57,6 +57,8 @@ from kiln.exporter.parity.int4_proof import (
     quantizer_model,
     write_numbers,
 )
+from kiln.exporter.parity.qdq_numbers import QdqNumbers
+from kiln.exporter.parity.quality import QualityPlan
 from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.plan import plan
 from kiln.exporter.precision.context import PrecisionContext
@@ -168,73 +170,138 @@ def export_loaded(
     )  # its text read now: a bad --eval-data refused before any stage
     needs = int(sum(p.numel() for p in reference.module.parameters()) * options.precision.min_bytes_per_weight)
     with staged_output(out, options.force, inputs=inputs, note=progress.note, needs=needs) as root:
-        folded = _fold(reference, loaded, progress)
-        checkpoint = {path.name: sha256_file(path) for path in loaded.files}  # hashed once
-        calibration = _calibration(reference, options, checkpoint, progress)
-        traced = trace_unified(reference, folded, options, progress)  # its own stage
-        context = PrecisionContext(
-            reference,
-            options,
-            progress,
-            _calibrate(reference, options, calibration, progress),
-            lambda kind, kv_dtype: contract_io(reference, folded, options, kind, kv_dtype),
-            lambda kind: fp32_graph(reference, folded, options, kind, traced),
+        # the prepared precision (the int4 numbers: 3.5 GB at 8B) is gone once the graphs are
+        # written: what parity needs of it is spilled to the staging directory
+        staged = _write_graphs(reference, loaded, options, root, out, progress)
+        parity = _parity(
+            reference, options, staged, _ParityModel(loaded, adapters, release_reference), quality, out, progress
         )
-        precision = prepare_precision(context)
-        (root / ONNX_DIR).mkdir()
-        portable = write_portable_graphs(
-            reference, folded, options, traced, precision, root / ONNX_DIR, progress, lora_slots(reference, options)
-        )
-        calibrated = calibration.finish(root / CALIBRATION_DIR) if calibration is not None else None
-        given = TargetGiven(root / ONNX_DIR, portable.paths, reference.spec, options, reference.max_context, progress)
-        written = tuple(target.write(given) for target in targets() if target.wanted(options))
-        recorded, extras, numbers = (
-            precision.record(portable.reports),
-            precision.extras(portable.reports),
-            _int4_numbers(precision, root, portable, written, out, progress),
-        )
-        qdq = spill_qdq_numbers(
-            precision, root, portable, written, out, progress
-        )  # int8, fp8: their proof's numbers (parity.qdq_proof)
-        del (
-            precision,
-            context,
-        )  # the int4 numbers (3.5 GB at 8B) are in the spill file now: parity's reference reads them there
-        release = release_weights(reference.module) if release_reference else None
-        reload = (lambda: prepare_reference(load_model(loaded.source), options)) if release_reference else None
-        parity_module = reference.module
-        if adapters:
-            parity_module, release, reload = _peft_reference(loaded, adapters, release, progress)
-        gate = options.parity_agreement == "gate"
-        parity = check_parity(
-            parity_module, reference.spec, _candidates(folded, options, portable, written, qdq is not None),
-            _settings(reference, options), release_reference=release, reload_reference=reload, progress=progress,
-            quality=quality,
-            quantized=quantizer_model(numbers, gate) if numbers is not None else qdq_model(qdq, gate),
-        )  # fmt: skip
-        if not parity.passed:
-            raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
-        report = ExportReport(
-            spec=reference.spec,
-            options=options,
-            model_ref=model_ref,
-            checkpoint_files=checkpoint,
-            max_context=reference.max_context,
-            folding=folded.checks,
-            portable=portable,
-            calibration=calibrated,
-            targets=written,
-            parity=parity,
-            tokenizer=loaded.tokenizer,
-            serving_files=loaded.serving_files,
-            precision_record=recorded,
-            precision_extras=extras,
-            checkpoint_path=str(loaded.source.absolute()) if loaded.source.exists() else None,
-            adapters=adapters,
-        )
+        report = _report(reference, loaded, options, staged, parity, model_ref, adapters)
         refuse_quality(report, out)  # the graphs are right, the quantization short of its gate: reports kept beside out
         manifest = write_artifacts(root, report)
     return ExportResult(out, manifest, parity, report)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    """What the graph stages leave for parity and the report."""
+
+    folded: Folded
+    checkpoint: dict[str, str]  # the checkpoint's files, hashed once
+    portable: GraphSet
+    calibrated: dict[str, object] | None
+    written: tuple[TargetGraphs, ...]  # each wanted target's graphs
+    recorded: dict[str, Any]  # the precision kinds' record (the manifest's)
+    extras: dict[str, Any]  # and what the parity report shows of them
+    numbers: QuantizerNumbers | None  # --int4: the quantizer's numbers (parity.int4_proof)
+    qdq: QdqNumbers | None  # int8, fp8: their proof's numbers (parity.qdq_proof)
+
+
+def _write_graphs(
+    reference: Reference, loaded: LoadedModel, options: ExportOptions, root: Path, out: Path, progress: Progress
+) -> _Staged:
+    """fold -> calibration -> trace -> precision kinds prepared -> portable graphs -> target
+    graphs, in the staging directory ``root``; the low-bit proofs' numbers spilled there."""
+    folded = _fold(reference, loaded, progress)
+    checkpoint = {path.name: sha256_file(path) for path in loaded.files}  # hashed once
+    calibration = _calibration(reference, options, checkpoint, progress)
+    traced = trace_unified(reference, folded, options, progress)  # its own stage
+    context = PrecisionContext(
+        reference,
+        options,
+        progress,
+        _calibrate(reference, options, calibration, progress),
+        lambda kind, kv_dtype: contract_io(reference, folded, options, kind, kv_dtype),
+        lambda kind: fp32_graph(reference, folded, options, kind, traced),
+    )
+    precision = prepare_precision(context)
+    (root / ONNX_DIR).mkdir()
+    portable = write_portable_graphs(
+        reference, folded, options, traced, precision, root / ONNX_DIR, progress, lora_slots(reference, options)
+    )
+    calibrated = calibration.finish(root / CALIBRATION_DIR) if calibration is not None else None
+    given = TargetGiven(root / ONNX_DIR, portable.paths, reference.spec, options, reference.max_context, progress)
+    written = tuple(target.write(given) for target in targets() if target.wanted(options))
+    return _Staged(
+        folded,
+        checkpoint,
+        portable,
+        calibrated,
+        written,
+        precision.record(portable.reports),
+        precision.extras(portable.reports),
+        _int4_numbers(precision, root, portable, written, out, progress),
+        spill_qdq_numbers(precision, root, portable, written, out, progress),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParityModel:
+    """Parity's PyTorch model: the loaded checkpoint's (``loaded`` is the one ``reference`` was
+    made of), or PEFT's with ``adapters``; ``release``: it may be freed and loaded again."""
+
+    loaded: LoadedModel
+    adapters: tuple[LoraAdapter, ...]
+    release: bool
+
+
+def _parity(
+    reference: Reference,
+    options: ExportOptions,
+    staged: _Staged,
+    model: _ParityModel,
+    quality: QualityPlan | None,
+    out: Path,
+    progress: Progress,
+) -> ParityResult:
+    """Every graph set against PyTorch (and against the quantized model of a low-bit export), or
+    a ``ParityError`` naming the first failures."""
+    loaded = model.loaded
+    release = release_weights(reference.module) if model.release else None
+    reload = (lambda: prepare_reference(load_model(loaded.source), options)) if model.release else None
+    parity_module = reference.module
+    if model.adapters:
+        parity_module, release, reload = _peft_reference(loaded, model.adapters, release, progress)
+    gate = options.parity_agreement == "gate"
+    numbers, qdq = staged.numbers, staged.qdq
+    candidates = _candidates(staged.folded, options, staged.portable, staged.written, qdq is not None)
+    parity = check_parity(
+        parity_module, reference.spec, candidates, _settings(reference, options), release_reference=release,
+        reload_reference=reload, progress=progress, quality=quality,
+        quantized=quantizer_model(numbers, gate) if numbers is not None else qdq_model(qdq, gate),
+    )  # fmt: skip
+    if not parity.passed:
+        raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
+    return parity
+
+
+def _report(
+    reference: Reference,
+    loaded: LoadedModel,
+    options: ExportOptions,
+    staged: _Staged,
+    parity: ParityResult,
+    model_ref: str | None,
+    adapters: tuple[LoraAdapter, ...],
+) -> ExportReport:
+    return ExportReport(
+        spec=reference.spec,
+        options=options,
+        model_ref=model_ref,
+        checkpoint_files=staged.checkpoint,
+        max_context=reference.max_context,
+        folding=staged.folded.checks,
+        portable=staged.portable,
+        calibration=staged.calibrated,
+        targets=staged.written,
+        parity=parity,
+        tokenizer=loaded.tokenizer,
+        serving_files=loaded.serving_files,
+        precision_record=staged.recorded,
+        precision_extras=staged.extras,
+        checkpoint_path=str(loaded.source.absolute()) if loaded.source.exists() else None,
+        adapters=adapters,
+    )
 
 
 def _int4_numbers(

@@ -13,6 +13,7 @@ import numpy as np
 from torch import nn
 
 from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.parity.against import Judged, judged_against
 from kiln.exporter.parity.generation import candidate_run, judge, make_prompts
 from kiln.exporter.parity.memory import keeps_model
 from kiln.exporter.parity.qdq_check import against_qdq
@@ -21,7 +22,7 @@ from kiln.exporter.parity.quality import QualityPlan, QualityResult, graph_quali
 from kiln.exporter.parity.quantized import Int4Weight, read_int4_weights, use_int4_weights
 from kiln.exporter.parity.results import ParityResult, TensorCheck
 from kiln.exporter.parity.scoring import score
-from kiln.exporter.parity.tensors import compare_outputs, tensor_feeds, tensor_parity
+from kiln.exporter.parity.tensors import tensor_feeds, tensor_parity
 from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.runners import RecordingRunner, Runner, TorchRunner
@@ -319,6 +320,11 @@ def _against_qdq(
     checks = against_qdq(
         module, spec, numbers, ran, last_logits_only, plan.length, lambda runner: _score(runner, spec, plan, judged)
     )
+    return _judged_results(ran, checks, plan)
+
+
+def _judged_results(ran: Sequence[_Ran], checks: list[Judged | None], plan: _Plan) -> list[ParityResult | None]:
+    """Each candidate's checks against the quantized model (``parity.against``) as its result."""
     return [_result(r, *c[:3], plan, c[3]) if c is not None else None for r, c in zip(ran, checks, strict=True)]
 
 
@@ -361,21 +367,10 @@ def _against_quantized(
     last_logits_only: bool,
 ) -> list[ParityResult | None]:
     """Each candidate with a ``quantized`` precision against the module on the graphs' int4
-    weights (converted in place): its tensor outputs on the same feeds, and its runs scored again."""
+    weights (converted in place): its tensor outputs on the same feeds, and its runs scored again
+    (``parity.against``, as the Q/DQ numbers' check)."""
     use_int4_weights(module, quantized.int4())
     runner = TorchRunner(module, spec.n_layers, last_logits_only)
     judged = [r for r in ran if r.candidate.quantized is not None]
-    scored = iter(_score(module, spec, plan, judged))
-    out: list[ParityResult | None] = []
-    for r in ran:
-        tolerance = r.candidate.quantized
-        if tolerance is None:
-            out.append(None)
-            continue
-        tensors = [
-            check
-            for kind, feeds, got in r.outputs
-            for check in compare_outputs(kind, feeds, runner.run(kind, feeds), got, tolerance)
-        ]
-        out.append(_result(r, tolerance, tensors, next(scored), plan))
-    return out
+    checks = judged_against(ran, lambda kind: runner, iter(_score(module, spec, plan, judged)))
+    return _judged_results(ran, checks, plan)

@@ -6,48 +6,25 @@ that generated it (prefill's over the prompt then decode's; the unified graph's 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import numpy as np
 from torch import nn
 
 from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.parity.against import Judged, KeptRun, judged_against
 from kiln.exporter.parity.qdq_model import QdqReference
 from kiln.exporter.parity.qdq_numbers import QdqNumbers
-from kiln.exporter.parity.results import TensorCheck
-from kiln.exporter.parity.tensors import compare_outputs
-from kiln.exporter.parity.tolerances import Tolerance
-from kiln.exporter.runners.base import Feeds, Runner
+from kiln.exporter.runners.base import Runner
 from kiln.plugins.base import DecoderSpec
 
 __all__ = ["Judged", "against_qdq"]
-
-
-class _Candidate(Protocol):
-    @property
-    def quantized(self) -> Tolerance | None: ...
-
-
-class _Ran(Protocol):
-    """A candidate's kept outputs (``parity.driver``)."""
-
-    @property
-    def candidate(self) -> _Candidate: ...
-
-    @property
-    def outputs(self) -> list[tuple[GraphKind, Feeds, Feeds]]: ...
-
-
-Judged = tuple[
-    Tolerance, list[TensorCheck], list[np.ndarray], list[np.ndarray]
-]  # its tolerance, tensor checks, each path's scores
 
 
 def against_qdq(
     module: nn.Module,
     spec: DecoderSpec,
     numbers: QdqNumbers,
-    ran: Sequence[_Ran],
+    ran: Sequence[KeptRun],
     last_logits_only: bool,
     length: int,
     score: Callable[[Runner], list[list[np.ndarray]]],
@@ -59,19 +36,6 @@ def against_qdq(
     reference = QdqReference(module, numbers, spec.n_layers, last_logits_only)
     stepped = iter(score(reference.runner(GraphKind.PREFILL, length, GraphKind.DECODE)))
     unified = iter(score(reference.runner(GraphKind.UNIFIED))) if GraphKind.UNIFIED.value in numbers.graphs else None
-    out: list[Judged | None] = []
-    for r in ran:
-        tolerance = r.candidate.quantized
-        if tolerance is None:
-            out.append(None)
-            continue
-        tensors = [
-            check
-            for kind, feeds, got in r.outputs
-            for check in compare_outputs(
-                kind, feeds, reference.runner(kind, last_logits_only=last_logits_only).run(kind, feeds), got, tolerance
-            )
-        ]
-        scored = next(stepped)
-        out.append((tolerance, tensors, scored, next(unified) if unified is not None else scored))
-    return out
+    return judged_against(
+        ran, lambda kind: reference.runner(kind, last_logits_only=last_logits_only), stepped, unified
+    )  # each graph's tensors against the model with that graph's scales

@@ -1,10 +1,13 @@
-"""Pass: explicit int8 quantization (QuantizeLinear/DequantizeLinear) of MatMul/Gemm inputs in
+"""Pass: explicit int8 quantization (QuantizeLinear/DequantizeLinear) of MatMul inputs in
 the form TensorRT's explicit quantization accepts (docs/precisions.md, int8):
 
 - weights symmetric per output channel (a MatMul's B is ``[K, N]``: axis 1), activations
   symmetric per tensor;
 - int8 zero points that are all zero, strictly positive scales;
-- the LM head and the attention-score MatMuls (QK^T and PV) stay in float by default.
+- a plain Gemm (GPT-2's Conv1D) quantized as MatMul + a float bias Add, any other Gemm kept in
+  float (``int8_matmuls`` says why);
+- the LM head, the attention-score MatMuls (QK^T and PV) and fused MoE experts stay in float by
+  default.
 
 The Q/DQ insertion is ONNX Runtime's ``QDQQuantizer``, fed with ranges kiln calibrated (and
 cached) itself; ``check_qdq`` then proves the rules on the result, so a quantizer version that
@@ -22,6 +25,7 @@ import onnx
 import onnx_ir as ir
 
 from kiln.errors import ExportError
+from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
 from kiln.exporter.passes.reports import Report
 from kiln.exporter.precision.kinds.base import Prepared
 from kiln.exporter.precision.policy import KeepFloat, rule_matches
@@ -42,6 +46,7 @@ __all__ = [
     "Int8Policy",
     "DEFAULT_INT8_FLOAT",
     "int8_targets",
+    "int8_matmuls",
     "quantize_int8",
     "check_qdq",
     "MIN_INT8_OPSET",
@@ -52,6 +57,12 @@ __all__ = [
 # `transformer.h.N.attn` (GPT-2); only MatMuls of these modules themselves (QK^T, PV, the
 # head), not of their projections (`...attn.q_proj` is another module)
 DEFAULT_INT8_FLOAT: tuple[str, ...] = ("*.lm_head", "*.attn", "*.self_attn", "*.cross_attn")
+# an MoE's experts held as one fused parameter (transformers' Qwen3-MoE, Mixtral, Llama 4): each expert's
+# MatMul reads its weight through a Gather, not a constant, so int8 would quantize that weight as an
+# activation (per tensor, at run time) and calibrate on the tokens routed to the expert, which a decode
+# sample may not reach; they stay float, as under --fp8 and --int4 (constant weights only), and the
+# Q/DQ proof (``qdq_scales``) then models every quantized MatMul. --int8-all-matmuls quantizes them.
+INT8_EXPERTS_FLOAT: tuple[str, ...] = ("*.experts",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +81,29 @@ def int8_targets(graph: ir.Graph, policy: KeepFloat) -> list[str]:
     ]
 
 
+def int8_matmuls(graph: ir.Graph, policy: KeepFloat) -> list[str]:
+    """The MatMuls --int8 quantizes, in graph order: the policy's targets, each plain ``Gemm`` among
+    them first written in place as MatMul + Add (``passes.gemm``; GPT-2's Conv1D), as --fp8 and
+    --int4 do; any other Gemm (a Qwen3-MoE router's, ``transB=1``) stays float.
+
+    Why the bias stays a float Add: ONNX Runtime's quantizer would quantize a Gemm's constant bias
+    to int32 (a ``DequantizeLinear`` with scale input scale x weight scale and no zero point),
+    which ONNX allows but TensorRT cannot build: its parser's DequantizeLinear takes INT8, FP8, INT4
+    or FP4 only (onnx-tensorrt docs/operators.md; an int32 one fails "only activation types allowed
+    as input to this layer"), and TensorRT fuses a float bias Add into the int8 GEMM itself. A
+    transposed Gemm's weight would get its per-channel scale on axis 0, not the output channels of
+    ``[K, N]`` that ``check_qdq`` holds TensorRT's rule to; an MoE router picks experts by the order
+    of its logits, which a quantized router would change."""
+    names = set(int8_targets(graph, policy))
+    names |= plain_gemms_as_matmuls(graph, names)
+    return [n.name for n in graph if n.op_type == "MatMul" and n.name in names]
+
+
 def quantize_int8(
     model: ir.Model, ranges: dict[str, tuple[float, float]], policy: KeepFloat
 ) -> tuple[ir.Model, list[str]]:
-    """A new model with Q/DQ before the inputs of every MatMul/Gemm the policy does not keep in
-    float, and the names of the quantized nodes."""
+    """A new model with Q/DQ before the inputs of every MatMul the policy does not keep in float
+    (``int8_matmuls``: a plain Gemm as MatMul + Add), and the names of the quantized nodes."""
     from onnxruntime.quantization import QuantType
     from onnxruntime.quantization.calibrate import (
         CalibrationMethod,
@@ -85,7 +114,7 @@ def quantize_int8(
 
     if model.opset_imports.get("", 0) < MIN_INT8_OPSET:
         raise ExportError(f"--int8 needs --opset {MIN_INT8_OPSET} or later, found {model.opset_imports.get('', 0)}")
-    targets = int8_targets(model.graph, policy)
+    targets = int8_matmuls(model.graph, policy)
     data = {name: TensorData(lowest=np.float32(lo), highest=np.float32(hi)) for name, (lo, hi) in ranges.items()}
 
     def quantize(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -98,7 +127,7 @@ def quantize_int8(
             TensorsData(CalibrationMethod.MinMax, data),
             targets,
             [],
-            ["MatMul", "Gemm"],
+            ["MatMul"],
             {
                 "ActivationSymmetric": True,
                 "WeightSymmetric": True,
@@ -135,16 +164,17 @@ class QuantizeInt8(ir.passes.FunctionalPass):
     report_name = "int8"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        targets = int8_matmuls(model.graph, self.policy)  # before calibration: the Gemms' new MatMul outputs get ranges
         ranges = self.calibrate(model)
         if self.keep is not None:
-            self.keep(int8_numbers(model.graph, int8_targets(model.graph, self.policy), ranges))
+            self.keep(int8_numbers(model.graph, targets, ranges))
         quantized, self.quantized = quantize_int8(model, ranges, self.policy)
         self._ran = True
         return ir.passes.PassResult(quantized, modified=True)
 
     @property
     def report(self) -> Report | None:
-        """The manifest's ``passes.int8``: the quantized MatMul/Gemm nodes."""
+        """The manifest's ``passes.int8``: the quantized MatMul nodes."""
         return {"nodes": list(self.quantized)} if self._ran else None
 
 
@@ -153,7 +183,9 @@ def prepare(kind: Int8, context: PrecisionContext) -> Prepared:
     graph's calibrated ranges."""
     assert context.ranges is not None, "the pipeline calibrates every Needs.RANGES export"
     return _Int8Prepared(
-        Int8Policy(() if kind.all_matmuls else DEFAULT_INT8_FLOAT + kind.float_rules), context.ranges, QdqSink("int8")
+        Int8Policy(() if kind.all_matmuls else DEFAULT_INT8_FLOAT + INT8_EXPERTS_FLOAT + kind.float_rules),
+        context.ranges,
+        QdqSink("int8"),
     )
 
 

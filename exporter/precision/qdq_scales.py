@@ -9,9 +9,9 @@ quantized MatMul's input and output (its calibrated range), weights per output c
 of the column, with 0 in the range). fp8 (``precision.fp8``): ``fp16(amax / 448)``, 1.0 where 0,
 on a quantized MatMul's input and per weight column; its output stays float.
 
-Only MatMuls of an activation by a constant ``[K, N]`` weight are modelled; an export that
-quantizes any other (a ``Gemm``, whose bias ONNX Runtime quantizes to int32, or the attention
-MatMuls of ``--int8-all-matmuls``, two activations) gets no numbers (None), and parity judges it
+Only MatMuls of an activation by a constant ``[K, N]`` weight are modelled (a plain Gemm is one
+by then: ``int8.int8_matmuls``); an export that quantizes any other (the attention MatMuls or MoE
+experts of ``--int8-all-matmuls``, two activations) gets no numbers (None), and parity judges it
 against the checkpoint's model only, as before issue 40.
 """
 

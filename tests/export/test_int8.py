@@ -253,3 +253,39 @@ def test_int8_manifests_match_the_schema(int8_export: Path) -> None:
     Draft202012Validator(schema).validate(manifest)
     broken = {**manifest, "export": {**manifest["export"], "calibration": None}}
     assert list(Draft202012Validator(schema).iter_errors(broken))  # int8 without calibration is invalid
+
+
+@pytest.mark.parametrize("case", ["gpt2", "qwen3-moe"])
+def test_conv1d_and_moe_decoders(tmp_path: Path, case: str) -> None:
+    """Issue 40: GPT-2's Conv1D (a Gemm with a bias) is quantized as MatMul + a float bias Add, not
+    with the int32 bias DequantizeLinear ONNX Runtime's quantizer writes for a Gemm (TensorRT cannot
+    parse one); Qwen3-MoE's router (a transposed Gemm) and fused experts (weights read through a
+    Gather) stay float. Both pass parity and are proved against their Q/DQ model."""
+    pytest.importorskip("transformers")
+    from kiln.plugins.hf import tiny_model
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    tiny_model(case, seed=1).module.model.save_pretrained(ckpt, safe_serialization=True)
+    result = export(ckpt, out, _int8(tmp_path, calib_data="synthetic", parity_tokens=8))
+    assert result.parity.passed, result.parity.failures()
+    manifest = json.loads((out / "manifest.json").read_text())
+    for kind, graph in manifest["graphs"].items():
+        model = onnx.load(out / graph["file"])
+        assert check_qdq(model) > 0, kind
+        nodes = {n.name: n for n in model.graph.node}
+        quantized = graph["passes"]["int8"]["nodes"]
+        assert quantized and all(nodes[name].op_type == "MatMul" for name in quantized), (kind, quantized)
+        inits = {i.name: i.data_type for i in model.graph.initializer}
+        dq_types = {inits.get(n.input[0]) for n in model.graph.node if n.op_type == "DequantizeLinear"}
+        assert onnx.TensorProto.INT32 not in dq_types, kind
+        if case == "gpt2":
+            assert "/model.transformer.h.1.attn.c_attn/MatMul" in quantized, quantized
+            assert nodes["/model.transformer.h.1.attn.c_attn/Add"].op_type == "Add"
+        else:
+            router = nodes["/model.model.layers.1.mlp.gate/Gemm"]
+            assert router.name not in quantized and all(i in inits for i in router.input[1:]), router
+            assert "/model.model.layers.1.mlp.experts/MatMul" in nodes, kind
+            assert not any(".experts/" in name for name in quantized), quantized
+            assert "/model.model.layers.1.self_attn.q_proj/MatMul" in quantized, quantized
+    proof = json.loads((out / "reports" / "parity.json").read_text())["quantized"]
+    assert proof is not None and proof["passed"] and proof["generation"], proof

@@ -489,6 +489,20 @@ def test_collect_ranges_max() -> None:
     )  # symmetric even when all > 0
 
 
+def test_collect_ranges_max_skips_a_sample_where_the_tensor_is_empty() -> None:
+    """A tensor empty throughout one sample (an MoE expert's input that none of the sample's tokens
+    reached) takes its range from the samples that saw it: ONNX Runtime's own merge made it (-inf, inf),
+    which --int8 then refused ("scales must be finite and > 0"). Empty in every sample: no range."""
+    feeds, _ = laplace_feeds()
+    empty = {"x": np.zeros((0, 4), dtype=np.float32)}
+    for samples in ([[feeds[1]], [empty]], [[empty], [feeds[1]]]):
+        assert collect_ranges(tiny_matmul_graph(), samples, CalibMethod.MAX, 99.99) == {
+            "x": (-60.0, 60.0),
+            "y": (-60.0, 60.0),
+        }, samples
+    assert collect_ranges(tiny_matmul_graph(), [[empty]], CalibMethod.MAX, 99.99) == {}
+
+
 @pytest.mark.parametrize("percentile", [99.0, 99.9])
 def test_collect_ranges_percentile(percentile: float) -> None:
     feeds, values = laplace_feeds()
