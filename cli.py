@@ -450,8 +450,9 @@ def generate(directory: Path, prompt: str | None, ids: str | None, as_json: bool
         threads=flags["threads"],
         adapter=flags["adapter"],
     )
+    features = flags["features"]  # a speech encoder-decoder's input (runtime.features)
     if as_json:
-        click.echo(json.dumps(generate_command(directory, prompt, ids, options), indent=2))
+        click.echo(json.dumps(generate_command(directory, prompt, ids, options, features=features), indent=2))
         return
     shown = [prompt or ""]  # the prompt, echoed once the generation is under way (not before an error)
 
@@ -460,7 +461,7 @@ def generate(directory: Path, prompt: str | None, ids: str | None, as_json: bool
             shown.pop() + piece if shown else piece, nl=False
         )  # click.echo flushes: each piece shows as it comes
 
-    summary = generate_command(directory, prompt, ids, options, on_text=stream)
+    summary = generate_command(directory, prompt, ids, options, on_text=stream, features=features)
     click.echo(shown.pop() if shown else "")
     click.echo(
         f"prefill: {len(summary['prompt_ids'])} tokens at {summary['prefill_tokens_per_s']:.1f} tokens/s; "

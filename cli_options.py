@@ -501,6 +501,14 @@ GENERATE: list[Option] = [
     ),
     click.option("--ids", default=None, metavar="ID,ID,...", help="Token ids to continue, instead of --prompt."),
     click.option(
+        "--features",
+        type=click.Path(path_type=Path, dir_okay=False),
+        default=None,
+        metavar="FILE.npy",
+        help="A speech encoder-decoder's (Whisper's) log-mel input_features [n_mels, frames] (.npy, float): "
+        "transcribed from the decoder's start token, or from the prefix --ids gives (language/task tokens).",
+    ),
+    click.option(
         "--max-new-tokens",
         type=int,
         default=32,

@@ -135,6 +135,10 @@ class DecoderSpec:
     # attention_mask) -> states``) and whose decoder reads ``encoder_attention_mask``
     has_encoder: bool = False
     decoder_start_token_id: int | None = None  # the decoder's first input token (encoder-decoders)
+    # a speech encoder-decoder (Whisper): ``(n_mels, frames)`` of the log-mel ``input_features``
+    # ``[batch, n_mels, frames]`` its encoder takes instead of token ids (``module.encode_features``),
+    # the frame count fixed by the checkpoint; its decoder graphs take no ``encoder_attention_mask``
+    encoder_features: tuple[int, int] | None = None
     dtype: str = "float32"  # the checkpoint's floating-point dtype, as the module holds it (float32, bfloat16, float16)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the family's own config, for the manifest
     max_context_why: str | None = (

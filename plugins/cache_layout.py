@@ -20,22 +20,30 @@ Kinds written today:
   and values inside each step, so only ``kv_lora_rank + qk_rope_head_dim`` numbers per token and
   layer are carried.
 
-Kinds the layout is shaped for, not written yet (issue 43): a fixed-size recurrent state (Mamba2's
-conv window and SSM state, DeltaNet's) is a tensor of a third span, ``STATE``: its length is a
-fixed integer, every step (prefill included) reads it and returns its replacement, and an empty
-past is its zero state rather than a length-0 tensor; per-layer head dims (Gemma 4) are layers
-whose tensors differ, which ``layers`` already holds (one tuple per layer), as does a hybrid whose
-attention layers carry ``key``/``value`` and whose recurrent layers carry ``conv``/``ssm``. The Hugging
-Face decoder already carries Mamba2's state that way (plugins/hf/recurrent_state.py: ``conv`` ``[batch, 1,
-conv_kernel, conv_dim]``, ``ssm`` ``[batch, heads, head_dim, state_size]``; one graph of any step length,
-tests/export/test_recurrent_state.py); the graph I/O and the pipeline do not know the span yet.
+- ``state`` (a pure state-space model: Mamba2): per layer a fixed-size recurrent state of the
+  third span, ``STATE``: ``conv`` ``[batch, 1, conv_kernel, conv_dim]`` (the causal convolution's
+  window) and ``ssm`` ``[batch, heads, head_dim, state_size]`` (plugins/hf/recurrent_state.py). Its
+  length is a fixed integer (``CacheTensor.length``); decode and the unified graph read it and
+  return its replacement, prefill starts from zeros and returns it, and an empty past is its zero
+  state rather than a length-0 tensor. Nothing grows, so ``per_token`` is 0.
+
+- ``shared_kv`` (Gemma 3n): keys and values per head, but the last layers carry none: each reads,
+  inside the step, the keys and values (past and new) of the last earlier layer of its attention
+  kind (``reads``: layer -> that layer), so the graphs neither take nor return a cache for them.
+  The carrying layers are the first ones; the manifest lists their tensors and ``kv_cache.reads``.
+
+- ``hybrid`` (attention and state-space layers mixed: GraniteMoeHybrid): an attention layer carries
+  ``key``/``value`` as ``kv`` (growing), a state-space layer ``conv``/``ssm`` as ``state`` (fixed).
+
+Kinds the layout is shaped for, not written yet (issue 43): per-layer head dims (Gemma 4) are layers
+whose tensors differ, which ``layers`` already holds (one tuple per layer).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 __all__ = ["CacheLayout", "CacheTensor", "Span"]
 
@@ -45,6 +53,7 @@ class Span(str, enum.Enum):
 
     SEQUENCE = "sequence"  # past_seq in, total_seq out (prefill: seq): grows by every step's tokens
     ENCODER = "encoder"  # encoder_seq: prefill returns it once, later steps read it and never return it
+    STATE = "state"  # a fixed length (``CacheTensor.length``): every step returns its replacement; empty: zeros
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +65,21 @@ class CacheTensor:
     heads: int
     width: int
     span: Span = Span.SEQUENCE
+    length: int = 0  # a STATE tensor's fixed length (the others' length is a dim of the graphs)
+
+    def __post_init__(self) -> None:
+        if (self.span is Span.STATE) != (self.length > 0):
+            raise ValueError(f"{self.suffix}: a fixed length is for a {Span.STATE.value} span only ({self})")
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
     """Every layer's cache tensors, in the graphs' input order."""
 
-    kind: str  # "kv" or "latent" (the module docstring)
+    kind: str  # "kv", "latent", "state", "hybrid" or "shared_kv" (the module docstring)
     layers: tuple[tuple[CacheTensor, ...], ...]
+    # ``shared_kv``: (layer, the earlier layer whose keys and values it reads) for each layer that carries none
+    reads: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def kv(cls, n_layers: int, heads: int, width: int, *, cross: bool = False) -> CacheLayout:
@@ -83,6 +99,40 @@ class CacheLayout:
     def latent(cls, n_layers: int, rank: int, rope: int) -> CacheLayout:
         """Multi-head latent attention: the compressed latent (``key``) and the shared rope key (``value``)."""
         return cls("latent", ((CacheTensor("key", 1, rank), CacheTensor("value", 1, rope)),) * n_layers)
+
+    @classmethod
+    def state(cls, n_layers: int, conv: tuple[int, int], ssm: tuple[int, int, int]) -> CacheLayout:
+        """A recurrent state per layer (Mamba2): the conv window ``[1, conv_kernel, conv_dim]`` and
+        the SSM state ``[heads, head_dim, state_size]``, of fixed sizes."""
+        kernel, width = conv
+        heads, head_dim, size = ssm
+        window = CacheTensor("conv", 1, width, Span.STATE, kernel)
+        return cls("state", ((window, CacheTensor("ssm", heads, size, Span.STATE, head_dim)),) * n_layers)
+
+    @classmethod
+    def hybrid(
+        cls, recurrent: Sequence[bool], kv: tuple[int, int], conv: tuple[int, int], ssm: tuple[int, int, int]
+    ) -> CacheLayout:
+        """Attention and state-space layers mixed (GraniteMoeHybrid): ``key``/``value`` of ``kv`` (heads,
+        width) on an attention layer, ``conv``/``ssm`` of fixed sizes (``state``) where ``recurrent[i]``."""
+        keys, state = cls.kv(1, *kv).layers[0], cls.state(1, conv, ssm).layers[0]
+        return cls("hybrid", tuple(state if r else keys for r in recurrent))
+
+    @classmethod
+    def shared_kv(cls, n_layers: int, heads: int, width: int, reads: dict[int, int]) -> CacheLayout:
+        """Keys and values per head, but each layer of ``reads`` (the last ones) carries none: it
+        attends over the keys and values of the earlier layer ``reads`` names, within the step."""
+        own = (CacheTensor("key", heads, width), CacheTensor("value", heads, width))
+        if sorted(reads) != list(range(n_layers - len(reads), n_layers)) or any(
+            p >= min(reads) for p in reads.values()
+        ):
+            raise ValueError(f"only the last layers can read an earlier layer's cache ({reads})")
+        layers = tuple(() if i in reads else own for i in range(n_layers))
+        return cls("shared_kv", layers, tuple(sorted(reads.items())))
+
+    def carrying(self) -> int:
+        """The layers that carry cache tensors (the first ones: a ``shared_kv`` layout's last layers carry none)."""
+        return sum(1 for tensors in self.layers if tensors)
 
     def tensors(self) -> Iterator[tuple[int, CacheTensor]]:
         """``(layer, tensor)`` for every cache tensor, layer by layer."""

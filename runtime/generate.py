@@ -34,6 +34,7 @@ from kiln.exporter.artifacts.verify import require_verified
 from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind
 from kiln.exporter.contract.steps import Chooser, encoder_decoder_feeds, prompt_feeds, run_steps
 from kiln.inputs import TOKENIZER_MAX_BYTES, read_input
+from kiln.runtime.features import features_input, read_features, refuse_mismatch, speech_feeds
 from kiln.runtime.kv_strategies import ConcatKv, KvStrategy, SharedKv, StaticKv, kv_strategy
 from kiln.runtime.sampling import Sampler, SamplingOptions
 from kiln.runtime.text import TextStream
@@ -108,6 +109,7 @@ class Generator:
         _check_slots(self._prefill, self._decode, self._adapter, target)
         # an encoder-decoder: the prompt is the encoder's input; the decoder starts from its start token
         self._encoder = self._encoder_session(directory, manifest, threads) if manifest.model.has_encoder else None
+        self.features = features_input(manifest)  # a speech encoder's input (--features), else None
         self._kv = kv
         self.kv_cache = (
             "static-buffer" if isinstance(kv, StaticKv) else "shared-buffer" if isinstance(kv, SharedKv) else "concat"
@@ -124,10 +126,17 @@ class Generator:
         keep_logits: bool = False,
         choose: Chooser | None = None,
         on_token: Callable[[int], bool] | None = None,
+        features: np.ndarray | None = None,
     ) -> Generation:
         """Up to ``max_new_tokens`` tokens after ``prompt``, each picked by ``choose`` (default:
         greedy; ``forced`` tokens instead, for teacher-forced parity). ``on_token`` sees every new
-        token as it comes and ends the generation by returning True (a stop string)."""
+        token as it comes and ends the generation by returning True (a stop string). A speech
+        encoder-decoder's encoder reads ``features`` (``runtime.features``) and ``prompt`` is its
+        decoder's prefix."""
+        if (features is None) != (self.features is None):
+            raise GenerateError(
+                f"{self.directory}: log-mel features are {'needed' if features is None else 'not taken'} here"
+            )
         self._check(prompt, max_new_tokens)
         steps = _BoundSteps(
             self._prefill,
@@ -142,7 +151,8 @@ class Generator:
         kept: list[np.ndarray] = []
         start = time.perf_counter()
         prefill_s, reason = 0.0, "length"
-        for step in run_steps(steps, self._kv.pairs, self._first_feeds(prompt), max_new_tokens, pick):
+        first = self._first_feeds(prompt) if features is None else speech_feeds(self._encoder, features, list(prompt))
+        for step in run_steps(steps, self._kv.pairs, first, max_new_tokens, pick):
             if step.index == 0:
                 prefill_s = time.perf_counter() - start
                 start = time.perf_counter()
@@ -177,7 +187,8 @@ class Generator:
         """An encoder-decoder's decoder history begins at its start token (what a repetition
         penalty counts), not at the prompt, which is the encoder's input; None otherwise."""
         start = self.manifest.model.decoder_start_token_id
-        return [start] if self._encoder is not None and start is not None else None
+        speech = self.features is not None  # its prompt is the decoder's own prefix
+        return [start] if self._encoder is not None and start is not None and not speech else None
 
     def _first_feeds(self, prompt: Sequence[int]) -> dict[str, Any]:
         if self._encoder is None:
@@ -197,7 +208,7 @@ class Generator:
             raise GenerateError("the prompt is empty: give at least one token")
         if max_new_tokens < 1:
             raise GenerateError(f"--max-new-tokens must be at least 1, found {max_new_tokens}")
-        if self._encoder is not None:  # the encoder's input and the decoder's output have a limit each
+        if self._encoder is not None and self.features is None:  # encoder ids and decoder output: a limit each
             longest = max(len(prompt), max_new_tokens)
             if longest > self.max_context:
                 raise GenerateError(
@@ -312,22 +323,38 @@ class GenerateOptions:
             raise GenerateError("--stop is empty: give the text that ends the generation")
 
 
+def _decoder_start(manifest: Manifest, directory: Path) -> list[int]:
+    """A speech encoder-decoder's decoder prefix when ``--ids`` gives none: its start token."""
+    start = manifest.model.decoder_start_token_id
+    if start is None:
+        raise GenerateError(
+            f"{directory}: the manifest names no decoder_start_token_id; give the decoder's prefix with --ids"
+        )
+    return [start]
+
+
 def generate_command(
     directory: Path,
     prompt: str | None,
     ids: str | None,
     options: GenerateOptions,
     on_text: Callable[[str], None] | None = None,
+    features: Path | None = None,
 ) -> dict[str, Any]:
     """``kiln generate``: continue ``prompt`` (text, tokenized with the export's tokenizer) or
     ``ids`` ("1,2,3"); ``on_text`` gets the new text as it comes (token ids, space-separated,
     when the export has no tokenizer). Returns the JSON summary (``text`` decoded whenever the
-    export has a tokenizer, with --ids too)."""
-    if (prompt is None) == (ids is None):
+    export has a tokenizer, with --ids too). ``features``: a speech encoder-decoder's log-mel
+    input (``runtime.features``), its decoder's prefix ``ids`` or its start token."""
+    if features is None and (prompt is None) == (ids is None):
         raise GenerateError("give exactly one of --prompt TEXT or --ids 1,2,3")
     generator = Generator(directory, options.threads, target=options.target, adapter=options.adapter)
     tokenizer = find_tokenizer(directory, generator.manifest)
-    if prompt is not None:
+    refuse_mismatch(directory, generator.features is not None, features, prompt)
+    array = read_features(features, generator.features) if features is not None and generator.features else None
+    if array is not None:
+        prompt_ids = parse_ids(ids) if ids is not None else _decoder_start(generator.manifest, directory)
+    elif prompt is not None:
         if not prompt.strip():
             raise GenerateError("the prompt is empty: give some text")
         prompt_ids = load_tokenizer(directory, generator.manifest).encode(prompt).ids
@@ -350,7 +377,12 @@ def generate_command(
 
     sampler = Sampler(options.sampling, generator.history_start or prompt_ids)
     result = generator.run(
-        prompt_ids, options.max_new_tokens, stop_at_eos=options.stop_at_eos, choose=sampler.choose, on_token=on_token
+        prompt_ids,
+        options.max_new_tokens,
+        stop_at_eos=options.stop_at_eos,
+        choose=sampler.choose,
+        on_token=on_token,
+        features=array,
     )
     if stream is not None and on_text is not None and (rest := stream.rest()):
         on_text(rest)

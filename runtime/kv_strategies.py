@@ -21,8 +21,8 @@ __all__ = ["ConcatKv", "KvStrategy", "SharedKv", "StaticKv", "kv_strategy"]
 class KvStrategy:
     """How KV tensors move from one step's outputs to the next step's inputs."""
 
-    def __init__(self, n_layers: int, cross: bool = False) -> None:
-        self._pairs = self.pairs = kv_pairs(n_layers, cross=cross)
+    def __init__(self, n_layers: int, cross: bool = False, pairs: list[tuple[str, str]] | None = None) -> None:
+        self._pairs = self.pairs = pairs if pairs is not None else kv_pairs(n_layers, cross=cross)
         self.presents = [present for _, present in self._pairs]  # prefill's, bound after ``logits``, in this order
         self.step_presents = [
             present for past, present in self._pairs if not is_cross(past)
@@ -134,4 +134,13 @@ def kv_strategy(manifest: Manifest, target: str | None) -> KvStrategy:
         return _static_kv(manifest, target or "")
     if target is not None and shares_kv_buffer(manifest, target):
         return SharedKv(n_layers)
-    return ConcatKv(n_layers, cross=manifest.model.has_encoder)
+    return ConcatKv(n_layers, cross=manifest.model.has_encoder, pairs=_listed_pairs(manifest))
+
+
+def _listed_pairs(manifest: Manifest) -> list[tuple[str, str]] | None:
+    """The ``(past, present)`` names of a cache the manifest lists tensor by tensor (a recurrent
+    state's ``conv``/``ssm``), else None (keys and values: ``kv_pairs``)."""
+    listed = manifest.kv_cache.tensors
+    if listed is None:
+        return None
+    return [(f"past_key_values.{t.layer}.{t.name}", f"present.{t.layer}.{t.name}") for t in listed]

@@ -375,3 +375,75 @@ def hf_greedy(model: Any, prompts: list[list[int]], steps: int) -> Any:
             eos_token_id=None,
         )
     return np.asarray(out[:, ids.shape[1] :].numpy())
+
+
+def assert_int4_generation(ckpt: Path, out: Path, steps: int, **options: Any) -> Any:
+    """``ckpt`` exported ``--target ort --int4 --int4-method rtn`` (RTN: no calibration) into ``out``
+    and proved against PyTorch computing with the int4 numbers its graphs hold (``parity.quantized``):
+    an int4 model's tokens are not the float checkpoint's ``generate()``'s, so that model, not the
+    checkpoint's, is the reference. Its parity passes (against that model on both graph sets;
+    agreement with the checkpoint's model recorded, not gating) and so does ``kiln check``; the
+    portable graphs' greedy tokens through kiln's ORT runner (int4 weights dequantized in float)
+    equal that model's for batch 1 and a left-padded batch; ``kiln generate``'s tokens on both graph
+    sets (its sessions run int4 MatMuls on int8 activations: ONNX Runtime's ``accuracy_level`` 4)
+    are each that model's argmax at its prefix, or a tie within int8's tolerance, as parity judges
+    the ``--target ort`` set. ``steps`` tokens; the export's result is returned."""
+    import numpy as np
+
+    from kiln.exporter.check import check_dir
+    from kiln.exporter.contract.io import GraphKind
+    from kiln.exporter.options import ExportOptions, Precision
+    from kiln.exporter.parity import greedy, make_prompts
+    from kiln.exporter.parity.generation import judge
+    from kiln.exporter.parity.quantized import read_int4_weights, use_int4_weights
+    from kiln.exporter.pipeline import export
+    from kiln.exporter.precision.kinds.int4 import Int4, Int4Method
+    from kiln.exporter.runners import OrtRunner, TorchRunner
+    from kiln.plugins import load_model
+    from kiln.runtime.generate import Generator
+
+    rtn = Precision.of(Int4(method=Int4Method.RTN))
+    result = export(ckpt, out, ExportOptions(max_batch=4, parity_tokens=8, target="ort", precision=rtn, **options))
+    quantized = json.loads((out / "reports" / "parity.json").read_text()).get("quantized") or {}
+    assert result.parity.passed and quantized.get("passed"), result.parity.failures()
+    assert {g["target"] for g in quantized["generation"]} == {None, "ort"}, quantized["generation"]
+    assert check_dir(out).passed
+    graphs = {kind: out / "onnx" / f"{kind.value}.onnx" for kind in (GraphKind.PREFILL, GraphKind.DECODE)}
+    loaded = load_model(ckpt)
+    use_int4_weights(loaded.module, read_int4_weights(graphs.values()))
+    reference, spec = TorchRunner(loaded.module, loaded.spec.n_layers), loaded.spec
+    for lengths in ([9], [9, 5]):
+        prompts = make_prompts(spec, lengths, seed=len(lengths))
+        with OrtRunner(graphs) as runner:
+            got, _ = greedy(runner, spec, prompts, steps)
+        np.testing.assert_array_equal(got, greedy(reference, spec, prompts, steps)[0], err_msg=f"{lengths}")
+    prompt = make_prompts(spec, [9], seed=1)[0]
+    for target in (None, "ort"):
+        run = Generator(out, target=target).run(prompt, steps, stop_at_eos=False, keep_logits=True)
+        assert run.logits is not None
+        _, want = greedy(reference, spec, [prompt], steps, forced=np.array([run.tokens]))
+        judged = judge([prompt], want, run.logits[:, None, :], Precision.INT8.tolerance, unified=False, length=None)
+        assert judged.first_divergence is None, (target, judged)
+    return result
+
+
+def rtn_linears(model: Any, block: int = 128, head: tuple[str, ...] = ("lm_head", "proj_out")) -> list[str]:
+    """``model``'s ``nn.Linear`` weights, but its LM head's (``head``: kept float by --int4's default
+    policy), replaced in place by their int4 round-to-nearest values as ``--int4 --int4-method rtn``
+    computes them (``block`` along K, or the largest smaller power of two that divides it): an
+    int4 reference built from the checkpoint's own weights, never read back from a graph. The
+    modules changed."""
+    import torch
+
+    from kiln.exporter.precision.int4_numbers import dequantize, layer_block, rtn
+
+    changed = []
+    for name, sub in model.named_modules():
+        if isinstance(sub, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in head:
+            weight = sub.weight.detach().float().numpy().T  # [K, N], as the graphs' MatMuls read it
+            k_block = layer_block(weight.shape[0], block)
+            assert k_block is not None, f"{name}: K={weight.shape[0]} has no int4 block"
+            q, scale = rtn(weight, k_block, np.dtype(np.float32))
+            sub.weight.data = torch.from_numpy(np.ascontiguousarray(dequantize(q, scale).T))
+            changed.append(name)
+    return changed

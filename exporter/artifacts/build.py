@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.exporter.artifacts.cache_info import CacheTensorInfo
+from kiln.exporter.artifacts.cache_info import CacheTensorInfo, SharedKvRead
 from kiln.exporter.artifacts.layout import PARITY_REPORT, TOKENIZER
 from kiln.exporter.artifacts.manifest import (
     MANIFEST_VERSION,
@@ -77,8 +77,11 @@ def _kv_cache(spec: DecoderSpec, dtype: str) -> KvCacheInfo:
     ``n_kv_heads`` x ``head_dim`` (so a plain KV cache's manifest is what it always was)."""
     if spec.cache is None:
         return KvCacheInfo("BNSH", ("batch", "n_kv_heads", "seq", "head_dim"), dtype)
-    tensors = tuple(CacheTensorInfo(i, t.suffix, t.heads, t.width, t.span.value) for i, t in spec.cache.tensors())
-    return KvCacheInfo("BNSH", ("batch", "heads", "seq", "width"), dtype, spec.cache.kind, tensors)
+    tensors = tuple(
+        CacheTensorInfo(i, t.suffix, t.heads, t.width, t.span.value, t.length or None) for i, t in spec.cache.tensors()
+    )
+    reads = tuple(SharedKvRead(layer, source) for layer, source in spec.cache.reads) or None
+    return KvCacheInfo("BNSH", ("batch", "heads", "seq", "width"), dtype, spec.cache.kind, tensors, reads)
 
 
 def build_manifest(report: ExportReport, root: Path) -> Manifest:

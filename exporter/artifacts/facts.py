@@ -38,6 +38,8 @@ from kiln.exporter.precision.kinds.plan import Precision
 __all__ = ["GraphFacts", "SetFacts", "facts_of", "graph_facts"]
 
 _PAST_KEY = re.compile(r"^past_key_values\.\d+\.key$")
+# keys and values (a recurrent state's conv/ssm have fixed lengths too, but are no static cache's slots)
+_PAST_KV = re.compile(r"^past_key_values\.\d+\.(?:key|value)$")
 _PLE_INPUT = re.compile(r"^ple\.\d+\.(scale|shift)$")
 _POSITIONS = "position_ids"
 # the element types a quantization node's integer or fp8 side has, by the precision kind they make
@@ -110,7 +112,7 @@ def graph_facts(path: Path, name: str | None = None) -> GraphFacts:
         quantized=frozenset(_quantized(graph.node, constants)),
         kv_dtypes=frozenset(_dtype(v) for v in caches),
         layers=sum(1 for v in pasts if _PAST_KEY.match(v.name)),
-        static_slots=_static_slots(pasts),
+        static_slots=_static_slots(v for v in pasts if _PAST_KV.match(v.name)),
         fused_attention=sum(1 for n in graph.node if n.op_type == "GroupQueryAttention"),
         pasts_elsewhere=_reads_past_length(graph.node, {v.name for v in pasts}),
         positions=min(_position_rows(graph.node, constants, values), default=None),

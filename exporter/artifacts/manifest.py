@@ -21,7 +21,7 @@ from typing import Any
 
 from kiln import __version__
 from kiln.errors import ArtifactError
-from kiln.exporter.artifacts.cache_info import CacheTensorInfo
+from kiln.exporter.artifacts.cache_info import CacheTensorInfo, SharedKvRead
 from kiln.exporter.artifacts.manifest_v1 import upgrade_v1
 from kiln.exporter.artifacts.serde import OMIT_IF_NONE, from_json, to_json
 from kiln.exporter.contract.io import GraphIO, GraphKind, TensorSpec
@@ -136,6 +136,7 @@ class KvCacheInfo:
     dtype: str
     kind: str | None = _omit()  # a cache other than keys and values per KV head ("latent"), with its tensors
     tensors: tuple[CacheTensorInfo, ...] | None = _omit()
+    reads: tuple[SharedKvRead, ...] | None = _omit()  # a shared_kv cache: the layers that carry none
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,6 @@ from kiln.exporter.external_data import plain_name, tensors
 
 __all__ = ["named_paths", "structure_problems", "inside"]
 
-_PAST_KEY = re.compile(r"^past_key_values\.(\d+)\.key$")
 _PRESENT_KEY = re.compile(r"^present\.(\d+)\.key$")
 _CACHE = re.compile(r"^(?:past_key_values|present)\.(\d+)\.(\w+)$")  # any cache tensor: its layer and name
 
@@ -200,15 +199,21 @@ def _external_problem(directory: Path, manifest: Manifest, file: str, model: Any
 
 def _dim_problems(manifest: Manifest) -> list[str]:
     """The model's numbers against the ones its graphs declare."""
-    model, problems = manifest.model, []
+    model, problems = manifest.model, _reads_problems(manifest)
+    reading = {r.layer for r in manifest.kv_cache.reads or ()}  # a shared_kv cache's layers that carry none
     for kind, entry in manifest.graphs.items():
         names = [t.name for t in entry.inputs] + [t.name for t in entry.outputs]
-        layers = {m.group(1) for n in names for m in (_PAST_KEY.match(n), _PRESENT_KEY.match(n)) if m}
-        if kind != "encoder" and len(layers) != model.n_layers:
+        layers = {m.group(1) for n in names if (m := _CACHE.match(n))}
+        if kind != "encoder" and len(layers) != model.n_layers - len(reading):
             problems.append(
-                f"model.n_layers is {model.n_layers}, but graph {entry.file} carries the KV cache of "
-                f"{len(layers)} layers"
+                f"model.n_layers is {model.n_layers}"
+                + (f" ({len(reading)} of them reading another's cache, kv_cache.reads)" if reading else "")
+                + f", but graph {entry.file} carries the KV cache of {len(layers)} layers"
             )
+        problems += [
+            f"graph {entry.file} carries a cache for layer {i}, which kv_cache.reads says carries none"
+            for i in sorted(reading & {int(n) for n in layers})
+        ]
         for t in entry.outputs:
             if t.name == "logits" and t.shape and isinstance(t.shape[-1], int) and t.shape[-1] != model.vocab_size:
                 problems.append(
@@ -244,4 +249,31 @@ def _layout_problems(manifest: Manifest, file: str, tensors: list[TensorEntry]) 
                 f"kv_cache.tensors gives {t.name} {want.heads} heads of {want.width}, but graph {file} has "
                 f"{t.shape[1]} of {t.shape[3]}"
             )
+        elif (want.length is not None or isinstance(t.shape[2], int)) and t.shape[2] != want.length:
+            problems.append(
+                f"kv_cache.tensors gives {t.name} a length of {want.length or want.span}, but graph {file} has "
+                f"{t.shape[2]}"
+            )
+    return problems
+
+
+def _reads_problems(manifest: Manifest) -> list[str]:
+    """A shared_kv cache's ``kv_cache.reads``: each layer reads an earlier layer that carries its own
+    keys and values (listed in ``kv_cache.tensors``) and carries none itself."""
+    reads, listed = manifest.kv_cache.reads or (), {t.layer for t in manifest.kv_cache.tensors or ()}
+    if reads and manifest.kv_cache.kind != "shared_kv":
+        return [f"kv_cache.reads is for a shared_kv cache, not {manifest.kv_cache.kind or 'keys and values'}"]
+    problems = []
+    for r in reads:
+        why = (
+            "it is not an earlier layer"
+            if r.reads >= r.layer
+            else f"kv_cache.tensors lists no cache of layer {r.reads}"
+            if r.reads not in listed
+            else f"kv_cache.tensors lists a cache of layer {r.layer} itself"
+            if r.layer in listed
+            else None
+        )
+        if why:
+            problems.append(f"kv_cache.reads has layer {r.layer} read layer {r.reads}, but {why}")
     return problems

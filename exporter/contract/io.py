@@ -11,7 +11,15 @@ width. Every family but one caches ``key`` and ``value`` of ``n_kv_heads`` x ``h
 default layout, from those two numbers); multi-head latent attention (DeepSeek-V2/V3, layout kind
 ``latent``) caches under the same two names one head of the compressed latent
 (``kv_lora_rank`` wide, as ``key``) and one of the rotated key (``qk_rope_head_dim``, as
-``value``), and the manifest lists them (``kv_cache.kind`` and ``.tensors``).
+``value``), and the manifest lists them (``kv_cache.kind`` and ``.tensors``). A state-space model
+(Mamba2, layout kind ``state``) carries per layer a recurrent state of fixed sizes, ``conv`` ``[batch,
+1, conv_kernel, conv_dim]`` and ``ssm`` ``[batch, heads, head_dim, state_size]`` (span ``state``: every
+dim a number but batch); decode and the unified graph read it and return its replacement, prefill
+starts from zeros and returns it, and a caller's empty past is its zeros (``contract.steps.empty_past``).
+A hybrid (GraniteMoeHybrid, Bamba; layout kind ``hybrid``) carries per layer its own: ``key``/``value``
+(growing) on an attention layer, ``conv``/``ssm`` (fixed) on a Mamba2 layer.
+Gemma 3n's last layers (layout kind ``shared_kv``) carry no cache tensor: each reads, inside the step,
+an earlier layer's keys and values, so no graph takes or returns one for them (``kv_cache.reads``).
 
 Cross-attention decoders (``spec.encoder_dim`` set): prefill also takes ``encoder_hidden_states``
 ``[batch, encoder_seq, encoder_dim]`` and returns every layer's cross-attention keys and values
@@ -31,6 +39,14 @@ masks its padding in the cross-attention of every step. Pad the encoder's inputs
 transformers), so a decoder input is never left-padded: every row starts from the start token.
 (The native family's cross-attention reads states from the caller's own encoder, unmasked: it
 has neither.)
+
+A speech encoder-decoder (Whisper, ``spec.encoder_features = (n_mels, frames)``) has an encoder
+graph on log-mel features instead: ``input_features`` ``[batch, n_mels, frames]`` (float, the
+graphs' float dtype) -> ``encoder_hidden_states`` ``[batch, frames / 2, encoder_dim]``. The frame
+count is fixed by the checkpoint (``2 * max_source_positions``: 3000 frames, 30 s of audio, for
+every released Whisper), so both dims are numbers; shorter audio is padded by the feature
+extractor, as transformers' does. Its encoder reads no mask, so its decoder graphs take no
+``encoder_attention_mask``.
 """
 
 from __future__ import annotations
@@ -39,7 +55,7 @@ import dataclasses
 import enum
 
 from kiln.plugins.base import DecoderSpec
-from kiln.plugins.cache_layout import Span
+from kiln.plugins.cache_layout import CacheTensor, Span
 
 __all__ = [
     "CacheUpdate",
@@ -56,6 +72,7 @@ __all__ = [
     "kv_pairs",
     "ENCODER_STATES",
     "ENCODER_MASK",
+    "ENCODER_FEATURES",
     "graph_kinds",
     "DECODER_KINDS",
     "ENC_SEQ",
@@ -69,6 +86,7 @@ __all__ = [
 BATCH, SEQ, PAST_SEQ, TOTAL_SEQ, ENC_SEQ = "batch", "seq", "past_seq", "total_seq", "encoder_seq"
 ENCODER_STATES = "encoder_hidden_states"
 ENCODER_MASK = "encoder_attention_mask"
+ENCODER_FEATURES = "input_features"  # a speech encoder's log-mel input (spec.encoder_features)
 Dim = str | int
 
 
@@ -191,27 +209,38 @@ def graph_io(
         TensorSpec("attention_mask", "int64", (BATCH, mask_len)),
         TensorSpec("position_ids", "int64", (BATCH, seq)),
     ]
-    if spec.has_encoder:
+    if spec.has_encoder and spec.encoder_features is None:  # (a speech encoder's frames have no padding)
         inputs.append(TensorSpec(ENCODER_MASK, "int64", (BATCH, ENC_SEQ)))
     if spec.encoder_dim is not None and kind is GraphKind.PREFILL:
         inputs.append(TensorSpec(ENCODER_STATES, kv_dtype, (BATCH, ENC_SEQ, spec.encoder_dim)))
     layout = list(spec.cache_layout.tensors())
     if kind is not GraphKind.PREFILL:
         for i, t in layout:
-            length = ENC_SEQ if t.span is Span.ENCODER else PAST_SEQ
+            length = _length(t, PAST_SEQ)
             inputs.append(TensorSpec(f"past_key_values.{i}.{t.suffix}", kv_dtype, (BATCH, t.heads, length, t.width)))
     for i, shape in enumerate(ple_tables):
         for name in ple_table_names(i):
             inputs.append(TensorSpec(name, kv_dtype, shape))
     outputs = [TensorSpec("logits", logits_dtype, (BATCH, logits_len, spec.vocab_size))]
     for i, t in layout:
-        if t.span is Span.SEQUENCE or kind is GraphKind.PREFILL:  # the cross cache: prefill returns it once
-            length = ENC_SEQ if t.span is Span.ENCODER else kv_len
+        if t.span is not Span.ENCODER or kind is GraphKind.PREFILL:  # the cross cache: prefill returns it once
+            length = _length(t, kv_len)
             outputs.append(TensorSpec(f"present.{i}.{t.suffix}", kv_dtype, (BATCH, t.heads, length, t.width)))
     return GraphIO(tuple(inputs), tuple(outputs))
 
 
+def _length(tensor: CacheTensor, grown: Dim) -> Dim:
+    """A cache tensor's length dim: the encoder's, a recurrent state's fixed length, else ``grown``."""
+    if tensor.span is Span.ENCODER:
+        return ENC_SEQ
+    return tensor.length if tensor.span is Span.STATE else grown
+
+
 def _encoder_io(spec: DecoderSpec, dtype: str) -> GraphIO:
     assert spec.encoder_dim is not None and spec.has_encoder, "only an encoder-decoder has an encoder graph"
+    if spec.encoder_features is not None:  # log-mel frames, a fixed count, halved by the stride-2 stem
+        mels, frames = spec.encoder_features
+        states = TensorSpec(ENCODER_STATES, dtype, (BATCH, frames // 2, spec.encoder_dim))
+        return GraphIO((TensorSpec(ENCODER_FEATURES, dtype, (BATCH, mels, frames)),), (states,))
     ids = (TensorSpec("input_ids", "int64", (BATCH, ENC_SEQ)), TensorSpec("attention_mask", "int64", (BATCH, ENC_SEQ)))
     return GraphIO(ids, (TensorSpec(ENCODER_STATES, dtype, (BATCH, ENC_SEQ, spec.encoder_dim)),))

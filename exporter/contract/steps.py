@@ -99,11 +99,12 @@ def encoder_decoder_feeds(
 
 
 def empty_past(spec: DecoderSpec, batch: int, dtype: np.dtype) -> dict[str, Any]:
-    """A self-attention cache of length 0, for a prompt through the unified graph."""
+    """A self-attention cache of length 0, and a recurrent state of zeros (its fixed length), for a
+    prompt through the unified graph."""
     return {
-        f"past_key_values.{i}.{t.suffix}": np.zeros((batch, t.heads, 0, t.width), dtype=dtype)
+        f"past_key_values.{i}.{t.suffix}": np.zeros((batch, t.heads, t.length, t.width), dtype=dtype)
         for i, t in spec.cache_layout.tensors()
-        if t.span is Span.SEQUENCE
+        if t.span is not Span.ENCODER
     }
 
 

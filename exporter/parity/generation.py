@@ -8,7 +8,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
+from kiln.exporter.contract.io import (
+    ENCODER_FEATURES,
+    ENCODER_MASK,
+    ENCODER_STATES,
+    GraphKind,
+    carried_cache,
+    is_cross,
+)
 from kiln.exporter.contract.steps import carry, empty_past, encoder_decoder_feeds, left_pad, prompt_feeds, run_steps
 from kiln.exporter.parity.results import GenerationCheck
 from kiln.exporter.parity.tolerances import Tolerance
@@ -24,6 +31,7 @@ __all__ = [
     "left_pad",
     "encoder_states",
     "first_feeds",
+    "stand_in_features",
 ]  # left_pad: contract.steps
 
 
@@ -67,7 +75,7 @@ def greedy(
     its encoder's inputs (right-padded): the runner's own encoder graph encodes them, and the
     decoder starts from ``decoder_start_token_id``, as transformers' ``generate()`` does.
     """
-    feeds, encoder = first_feeds(runner, spec, prompts, length)
+    feeds, encoder = first_feeds(runner, spec, prompts, length, kv_dtype)
     batch = len(prompts)
     if encoder is not None:
         feeds[ENCODER_STATES] = encoder.astype(kv_dtype)  # (via float32, as every other caller rounds it)
@@ -98,15 +106,33 @@ def _unified_first(runner: Runner, spec: DecoderSpec, feeds: Feeds, cross: bool,
     return {k: v for k, v in feeds.items() if k != ENCODER_STATES} | empty_past(spec, batch, kv_dtype) | caches
 
 
+def stand_in_features(spec: DecoderSpec, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+    """A speech encoder's log-mel input for parity ``[B, n_mels, frames]`` float32: each prompt
+    stands for random features seeded by its tokens (so a row's input is the same in any batch),
+    rounded to values fp16 holds exactly (an fp16 graph and the fp32 reference read the same)."""
+    assert spec.encoder_features is not None, "only a speech encoder-decoder reads features"
+    rows = [np.random.default_rng([7, *prompt]).standard_normal(spec.encoder_features) for prompt in prompts]
+    return np.stack(rows).astype(np.float16).astype(np.float32)
+
+
 def first_feeds(
-    runner: Runner, spec: DecoderSpec, prompts: Sequence[Sequence[int]], length: int | None
+    runner: Runner,
+    spec: DecoderSpec,
+    prompts: Sequence[Sequence[int]],
+    length: int | None,
+    kv_dtype: np.dtype = np.dtype(np.float32),
 ) -> tuple[Feeds, np.ndarray | None]:
     """The prompt step's feeds and the encoder states it reads (None: no cross-attention); an
-    encoder-decoder's are the runner's own encoder's."""
+    encoder-decoder's are the runner's own encoder's (a speech encoder's on ``stand_in_features``
+    of the prompts, fed in ``kv_dtype``, the graphs' float dtype)."""
     pad = spec.pad_token_id if spec.pad_token_id is not None else 0
     if not spec.has_encoder:
         return prompt_feeds(prompts, pad, length), encoder_states(spec, len(prompts))
     assert spec.decoder_start_token_id is not None, "the family refuses an encoder-decoder without a start token"
+    if spec.encoder_features is not None:
+        features = {ENCODER_FEATURES: stand_in_features(spec, prompts).astype(kv_dtype)}
+        states = np.asarray(runner.run(GraphKind.ENCODER, features)[ENCODER_STATES], dtype=np.float32)
+        return prompt_feeds([[spec.decoder_start_token_id]] * len(prompts), pad), states
 
     def encode(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         return np.asarray(
@@ -130,7 +156,7 @@ def unified_chunks(
     as a user who feeds it whole chunks runs it: the prompt (padded as ``greedy`` pads it) from an
     empty cache, then every token but the last in one call. Returns the logits that chose each
     token ``[steps, B, vocab]`` (float32): the prompt's last position's, then each fed token's."""
-    feeds, encoder = first_feeds(runner, spec, prompts, length)
+    feeds, encoder = first_feeds(runner, spec, prompts, length, kv_dtype)
     if encoder is not None:
         feeds[ENCODER_STATES] = encoder.astype(kv_dtype)
     first = _unified_first(runner, spec, feeds, encoder is not None, kv_dtype)

@@ -175,21 +175,37 @@ def _dq_weight(node: ir.Node) -> tuple[list[str], np.ndarray, np.ndarray] | None
 
 def _split_sizes(node: ir.Node) -> list[int] | None:
     """The column sizes of the ``Split`` a packed MatMulNBits feeds (None: it feeds no Split), through
-    the ``Add`` nodes between them (a bias, or ``--lora-slots``' low-rank delta added before the split)."""
+    the ``Add`` nodes between them (a bias, or ``--lora-slots``' low-rank delta added before the split).
+    A part split again (a packed q/k/v packed once more with a parallel MLP's gate/up: Cohere2's
+    layers without rotary) gives its own parts' sizes in its place."""
+    split = _split_of(node.outputs[0])
+    sizes = _sizes(split) if split is not None else None
+    if split is None or sizes is None or len(sizes) != len(split.outputs):
+        return None
+    parts: list[int] = []
+    for size, part in zip(sizes, split.outputs, strict=True):
+        inner = _split_of(part)
+        inner_sizes = _sizes(inner) if inner is not None else None
+        parts += inner_sizes if inner_sizes is not None and sum(inner_sizes) == size else [size]
+    return parts
+
+
+def _split_of(value: ir.Value) -> ir.Node | None:
+    """The ``Split`` that ``value`` alone feeds, through up to three ``Add`` nodes (None: none)."""
     for _ in range(4):
-        users = [u.node for u in node.outputs[0].uses()]
+        users = [u.node for u in value.uses()]
         if len(users) != 1:
             return None
-        node = users[0]
-        if node.op_type == "Split":
-            break
-        if node.op_type != "Add":
+        if users[0].op_type == "Split":
+            return users[0]
+        if users[0].op_type != "Add":
             return None
-    else:
-        return None
-    if len(node.inputs) < 2 or node.inputs[1] is None:
-        return None
-    sizes = node.inputs[1].const_value
+        value = users[0].outputs[0]
+    return None
+
+
+def _sizes(split: ir.Node) -> list[int] | None:
+    sizes = split.inputs[1].const_value if len(split.inputs) > 1 and split.inputs[1] is not None else None
     return [int(v) for v in np.asarray(sizes.numpy()).reshape(-1)] if sizes is not None else None
 
 
@@ -254,9 +270,10 @@ class _Judge:
             return None
         if len(node.inputs) > 3 and node.inputs[3] is not None:
             return self.fail(where, "a zero point where the quantizer's codes are symmetric (the default zero point 8)")
-        sizes = _split_sizes(node)
-        if sizes is None:
-            return self.one(where, module_of(node), *nbits)
+        sizes, module = _split_sizes(node), module_of(node)
+        # one module's whole weight whose output the model itself splits (Mamba2's in_proj) is no packed node
+        if sizes is None or self.numbers.shapes.get(module, (0, 0))[1] == sum(sizes):
+            return self.one(where, module, *nbits)
         return self.packed(where, where.split("/")[1] if where.count("/") >= 2 else "", *nbits, sizes)
 
 

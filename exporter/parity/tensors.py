@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
+from kiln.exporter.contract.io import ENCODER_FEATURES, ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
 from kiln.exporter.parity.generation import encoder_states
 from kiln.exporter.parity.results import TensorCheck
 from kiln.exporter.parity.tolerances import Bound, Tolerance
@@ -59,8 +59,10 @@ def real_positions(name: str, attention_mask: np.ndarray, shape: tuple[int, ...]
     graphs differ there by how the runtime rounds the mask, ONNX Runtime's fused attention writes
     zeros) and nothing ever reads it, its keys being masked. Cross caches (the encoder's) are
     all real, and so is an encoder's output (its padded positions' queries still see the real
-    tokens)."""
+    tokens), and a recurrent state (its fixed length is no position; padding leaves it zero)."""
     if name == ENCODER_STATES or is_cross(name):
+        return None
+    if name != "logits" and shape[2] != attention_mask.shape[1]:  # a recurrent state (fixed length): no positions
         return None
     real = attention_mask.astype(bool)
     if name == "logits":
@@ -89,6 +91,9 @@ def tensor_feeds(
 
 def _batch_of_two(spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dtype, reference: Runner | None) -> Feeds:
     rng = np.random.default_rng(seed)
+    if kind is GraphKind.ENCODER and spec.encoder_features is not None:  # log-mel features, fp16-exact values
+        features = rng.standard_normal((2, *spec.encoder_features)).astype(np.float16)
+        return {ENCODER_FEATURES: features.astype(kv_dtype)}
     if kind is GraphKind.ENCODER:
         return {
             "input_ids": rng.integers(0, spec.vocab_size, size=(2, 6), dtype=np.int64),
@@ -106,7 +111,11 @@ def _batch_of_two(spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dt
         "position_ids": pos_all[:, past:].astype(np.int64),
     }
     encoder = encoder_states(spec, 2, seed, dtype=kv_dtype)
-    masked = {ENCODER_MASK: _encoder_mask(2, encoder.shape[1])} if spec.has_encoder and encoder is not None else {}
+    masked = (
+        {ENCODER_MASK: _encoder_mask(2, encoder.shape[1])}
+        if spec.has_encoder and spec.encoder_features is None and encoder is not None
+        else {}
+    )  # (a speech encoder's decoder reads no mask)
     feeds |= masked
     if kind is GraphKind.PREFILL and encoder is not None:
         feeds[ENCODER_STATES] = encoder
@@ -122,11 +131,11 @@ def _batch_of_two(spec: DecoderSpec, kind: GraphKind, seed: int, kv_dtype: np.dt
                 prompt |= {ENCODER_STATES: encoder, **masked}
             presents = reference.run(GraphKind.PREFILL, prompt)
         shapes = {
-            name: (t.heads, t.width)
+            name: (t.heads, t.width, t.length)  # length: a recurrent state's fixed one, else 0
             for (name, _), (_, t) in zip(carried_cache(spec), spec.cache_layout.tensors(), strict=True)
         }
         for name, present in carried_cache(spec):
-            length = encoder.shape[1] if encoder is not None and is_cross(name) else past
+            length = encoder.shape[1] if encoder is not None and is_cross(name) else shapes[name][2] or past
             value = (
                 presents[present]
                 if presents is not None
@@ -171,7 +180,8 @@ def compare_outputs(kind: GraphKind, feeds: Feeds, want: Feeds, got: Feeds, tole
     """Every output of one graph's run on ``feeds`` against the reference's (``want``)."""
     checks: list[TensorCheck] = []
     for name, value in want.items():
-        real = real_positions(name, feeds["attention_mask"], value.shape)
+        # (a speech encoder's graph has no mask: its output is all real)
+        real = real_positions(name, feeds["attention_mask"], value.shape) if "attention_mask" in feeds else None
         check = _compare(kind.value, name, value, got[name], tolerance.bound(name), tolerance.min_cosine, real)
-        checks.append(dataclasses.replace(check, batch=len(feeds["attention_mask"])))
+        checks.append(dataclasses.replace(check, batch=len(value)))  # every output's first axis is the batch
     return checks

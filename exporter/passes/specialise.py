@@ -5,7 +5,8 @@ derives the other two by fixing a dim and folding what it decides:
 
 - ``SpecialiseDecode``: seq is 1. The graph computes the same function restricted to one new
   token, so this is exact by construction; folding removes the shape arithmetic it settles.
-- ``SpecialisePrefill``: past_seq is 0 and the past inputs are gone (the contract's prefill has
+- ``SpecialisePrefill``: past_seq is 0, a recurrent state (a past of fixed sizes) is zeros of
+  its shape, and the past inputs are gone (the contract's prefill has
   none: TensorRT profiles with zero-length dims are fragile). Every ``Shape(past)`` becomes the
   shape the contract gives an empty past (``[batch, kv, 0, head_dim]``, batch read from
   ``input_ids``), each past input gets its static 0, and folding removes what reads it: a
@@ -89,10 +90,33 @@ def _empty_past_shape(graph: ir.Graph, node: ir.Node, ids: ir.Value, index: int)
     return new[-1].outputs[0]
 
 
+def _zero_states(graph: ir.Graph, ids: ir.Value) -> None:
+    """Every recurrent state input (a past of fixed length, ``Span.STATE``) read as zeros of its
+    shape, batch from ``input_ids``: prefill starts from the zero state."""
+    states = [
+        v
+        for v in graph.inputs
+        if (v.name or "").startswith(_PAST) and v.shape is not None and all(isinstance(d, int) for d in v.shape[1:])
+    ]
+    first = next(iter(graph), None)
+    for index, state in enumerate(states):
+        assert state.shape is not None and state.dtype is not None and first is not None
+        batch = ir.node("Shape", [ids], {"start": 0, "end": 1}, name=f"prefill/zero_state.{index}/batch")
+        rest = _const(graph, f"prefill.zero_state_shape.{index}", np.array(state.shape[1:], dtype=np.int64))
+        full = ir.node("Concat", [batch.outputs[0], rest], {"axis": 0}, name=f"prefill/zero_state.{index}/Concat")
+        zero = ir.tensor(np.zeros(1, dtype=state.dtype.numpy()))
+        zeros = ir.node("ConstantOfShape", [full.outputs[0]], {"value": zero}, name=f"prefill/zero_state.{index}")
+        set_dtype(zeros.outputs[0], state.dtype)
+        zeros.outputs[0].shape = ir.Shape(state.shape)
+        graph.insert_before(first, [batch, full, zeros])
+        state.replace_all_uses_with(zeros.outputs[0])
+
+
 class SpecialisePrefill(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         inputs = {v.name: v for v in graph.inputs}
+        _zero_states(graph, inputs["input_ids"])
         for index, node in enumerate(
             [
                 n

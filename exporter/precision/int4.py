@@ -61,10 +61,13 @@ __all__ = [
     "prepare",
 ]
 
-DEFAULT_INT4_FLOAT: tuple[str, ...] = ("*.lm_head",)
+# the LM head: ``lm_head``, or Whisper's ``proj_out`` (the module exactly: other models' ``proj_out`` sit in layers)
+DEFAULT_INT4_FLOAT: tuple[str, ...] = ("*.lm_head", "/model.proj_out/")
 # ops whose meaning (not only their type lists) changed between opsets 19 and 21: a graph holding
-# one is not raised to 21 silently (kiln's graphs hold none)
-_CHANGED_BY_21 = frozenset({"DFT", "GridSample", "GroupNormalization", "ReduceMax", "ReduceMin"})
+# one is not raised to 21 silently (kiln's graphs hold none). ReduceMax and ReduceMin are not among
+# them: their version 20 only adds bool inputs (onnx.defs' schemas of 18 and 20 say so), which an
+# opset-19 graph cannot hold (PhiMoE's sparsemixer routing and attention sinks reduce with them)
+_CHANGED_BY_21 = frozenset({"DFT", "GridSample", "GroupNormalization"})
 
 if TYPE_CHECKING:
     from kiln.exporter.contract.io import GraphKind
@@ -356,6 +359,8 @@ class QuantizeInt4(ir.passes.InPlacePass):
         quantizer.place(module_of(node) or node.name or "", tensor, key, hessian, block, dtype)
 
         base = f"int4/{module_of(node) or node.name}"
+        if f"{base}.weight" in graph.initializers:  # a second MatMul of the module (a Linear called twice): its own
+            base = f"int4/{node.name}"
         q = _lazy(
             f"{base}.weight",
             ir.DataType.INT4,

@@ -9,18 +9,19 @@ import torch
 from torch import nn
 
 from kiln.exporter.contract.io import (
+    ENCODER_FEATURES,
     ENCODER_MASK,
     ENCODER_STATES,
     GraphKind,
     cross_past_names,
     cross_present_names,
-    past_names,
-    present_names,
 )
 from kiln.exporter.runners.base import Feeds
-from kiln.exporter.trace.wrapper import EncoderModule, GraphModule
+from kiln.exporter.trace.wrapper import EncoderModule, FeaturesEncoderModule, GraphModule
 
 __all__ = ["TorchRunner", "computes_in_fp32", "drop_fp32_buffers", "fp32_scratch"]
+
+PAST, PRESENT = "past_key_values", "present"  # the cache inputs' and outputs' prefixes (``contract.io``)
 
 
 _SCRATCH = "_kiln_fp32_scratch"
@@ -177,6 +178,12 @@ class TorchRunner:
 
     def __init__(self, module: nn.Module, n_layers: int, last_logits_only: bool = False) -> None:
         self._module, self._n_layers, self._last = computes_in_fp32(module), n_layers, last_logits_only
+        # the cache tensors' names: one tuple for every layer (keys and values, or Mamba2's conv and ssm),
+        # or one tuple per layer (a hybrid's: key/value on its attention layers, conv/ssm on the others)
+        names = tuple(getattr(module, "cache_names", ("key", "value")))
+        self._cache: tuple[tuple[str, ...], ...] = (
+            tuple(tuple(n) for n in names) if names and not isinstance(names[0], str) else (names,) * n_layers
+        )
         self._wrappers: dict[tuple[GraphKind, bool, bool], GraphModule] = {}
 
     def graphs(self) -> tuple[GraphKind, ...]:
@@ -184,6 +191,9 @@ class TorchRunner:
 
     @torch.no_grad()
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
+        if kind is GraphKind.ENCODER and ENCODER_FEATURES in feeds:  # a speech encoder's (computes in fp32)
+            features = torch.from_numpy(feeds[ENCODER_FEATURES]).float()
+            return {ENCODER_STATES: FeaturesEncoderModule(self._module)(features).numpy()}
         if kind is GraphKind.ENCODER:
             states = EncoderModule(self._module)(
                 torch.from_numpy(feeds["input_ids"]), torch.from_numpy(feeds["attention_mask"])
@@ -204,15 +214,21 @@ class TorchRunner:
             extra = torch.from_numpy(feeds[ENCODER_STATES]).float() if cross else None
         else:
             names = [
-                n for i in range(self._n_layers) for n in (*past_names(i), *(cross_past_names(i) if cross else ()))
+                n for i in range(self._n_layers) for n in (*self._own(PAST, i), *(cross_past_names(i) if cross else ()))
             ]
-            extra = [torch.from_numpy(feeds[n]).float() for n in names]
+            # a shared_kv layout's last layers take no cache (plugins/cache_layout.py): the contract gives them no feed
+            extra = [torch.from_numpy(feeds[n]).float() for n in names if n in feeds]
         outs = (
             wrapper(ids, mask, pos, torch.from_numpy(feeds[ENCODER_MASK]), extra)
             if masked
             else wrapper(ids, mask, pos, extra)
         )
         names = ["logits"]
-        for i in range(self._n_layers):
-            names += [*present_names(i), *(cross_present_names(i) if cross and kind is GraphKind.PREFILL else ())]
+        per_layer = 4 if cross and kind is GraphKind.PREFILL else 2
+        for i in range(min(self._n_layers, (len(outs) - 1) // per_layer)):  # the layers that return a cache
+            names += [*self._own(PRESENT, i), *(cross_present_names(i) if cross and kind is GraphKind.PREFILL else ())]
         return {n: t.numpy() for n, t in zip(names, outs, strict=True)}
+
+    def _own(self, prefix: str, layer: int) -> tuple[str, ...]:
+        """Layer ``layer``'s own cache tensors' names (``past_names``/``present_names`` for keys and values)."""
+        return tuple(f"{prefix}.{layer}.{name}" for name in self._cache[layer])

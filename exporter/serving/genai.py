@@ -125,6 +125,18 @@ def genai_refusal(manifest: Manifest) -> str | None:
     if manifest.kv_cache.kind is None and shapes <= {(model.n_kv_heads, model.head_dim)}:
         return None
     kind = manifest.kv_cache.kind or "per-tensor"
+    if kind == "shared_kv":
+        return (
+            "genai: no genai_config.json for a shared_kv cache (its last layers read another layer's keys and "
+            "values, kv_cache.reads): ONNX Runtime GenAI gives every layer a cache of its own; run the portable "
+            "graphs (kiln generate)"
+        )
+    if kind in ("state", "hybrid"):
+        return (
+            f"genai: no genai_config.json for a {kind} cache (a recurrent state per layer, conv and ssm of fixed "
+            "sizes, kv_cache.tensors): ONNX Runtime GenAI's decoder carries keys and values only; run the portable "
+            "graphs (kiln generate)"
+        )
     return (
         f"genai: no genai_config.json for a {kind} cache (multi-head latent attention: a latent and a rope key "
         "per layer, of two widths):"

@@ -55,7 +55,7 @@ from kiln.exporter.artifacts.hashing import rehash_subtree
 from kiln.exporter.artifacts.manifest import Manifest, TensorEntry
 from kiln.exporter.artifacts.staging import Owner, require_replaceable, staged_output
 from kiln.exporter.artifacts.verify import require_verified, unlisted
-from kiln.exporter.contract.io import BATCH, PAST_SEQ, GraphKind, past_names, present_names
+from kiln.exporter.contract.io import BATCH, PAST_SEQ, GraphKind
 from kiln.exporter.external_data import external_files
 from kiln.exporter.options import LORA_TRITON_REASON, TRITON_NAME
 from kiln.exporter.serving.triton_readme import IDLE_MICROSECONDS, readme
@@ -176,8 +176,9 @@ def _states(
     manifest: Manifest, file: str, inputs: Mapping[str, TensorEntry], outputs: Mapping[str, TensorEntry]
 ) -> list[dict[str, Any]]:
     states = []
-    for layer in range(manifest.model.n_layers):
-        for past, present in zip(past_names(layer), present_names(layer), strict=True):
+    reading = {r.layer for r in manifest.kv_cache.reads or ()}  # a shared_kv cache's layers that carry none
+    for layer in (i for i in range(manifest.model.n_layers) if i not in reading):
+        for past, present in _layer_pairs(manifest, layer):
             if past not in inputs or present not in outputs:
                 raise ArtifactError(
                     f"triton: {file} lacks {past if past not in inputs else present}; re-export the directory "
@@ -206,6 +207,14 @@ def _states(
                 }
             )
     return states
+
+
+def _layer_pairs(manifest: Manifest, layer: int) -> list[tuple[str, str]]:
+    """A layer's ``(past, present)`` names: its listed tensors (a recurrent state's ``conv``/``ssm``,
+    whose fixed shape is the state's and whose zeros its initial value), else key and value."""
+    listed = [t.name for t in manifest.kv_cache.tensors or () if t.layer == layer and t.span != "encoder"]
+    names = listed or ["key", "value"]
+    return [(f"past_key_values.{layer}.{n}", f"present.{layer}.{n}") for n in names]
 
 
 def _ort_model(directory: Path, manifest: Manifest, name: str) -> TritonModel:

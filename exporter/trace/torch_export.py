@@ -36,6 +36,7 @@ from torch.export import Dim
 from kiln.errors import ExportError
 from kiln.exporter.contract.io import (
     ENC_SEQ,
+    ENCODER_FEATURES,
     ENCODER_MASK,
     ENCODER_STATES,
     PAST_SEQ,
@@ -43,7 +44,7 @@ from kiln.exporter.contract.io import (
     GraphKind,
     is_cross,
 )
-from kiln.exporter.trace.wrapper import EncoderModule, GraphModule
+from kiln.exporter.trace.wrapper import EncoderModule, FeaturesEncoderModule, GraphModule
 
 __all__ = ["trace_graph", "example_inputs", "root_cause"]
 
@@ -55,6 +56,8 @@ def example_inputs(io_spec: GraphIO, kind: GraphKind, vocab: int) -> tuple[objec
     """Small example inputs for tracing (sizes chosen so that no dynamic dim is 0 or 1)."""
     batch = _EXAMPLE_BATCH
     gen = torch.Generator().manual_seed(0)
+    if kind is GraphKind.ENCODER and io_spec.inputs[0].name == ENCODER_FEATURES:  # fixed [n_mels, frames]
+        return (torch.randn(batch, *(int(d) for d in io_spec.inputs[0].dims[1:]), generator=gen),)
     if kind is GraphKind.ENCODER:
         return (
             torch.randint(0, vocab, (batch, _EXAMPLE_ENC), generator=gen),
@@ -77,18 +80,24 @@ def example_inputs(io_spec: GraphIO, kind: GraphKind, vocab: int) -> tuple[objec
             return (ids, mask, pos, *enc_mask, torch.randn(batch, _EXAMPLE_ENC, int(enc[0].dims[2]), generator=gen))
         return (ids, mask, pos, *enc_mask)
     kv = [t for t in io_spec.inputs if t.name.startswith("past_key_values.")]
-    length = {PAST_SEQ: past, ENC_SEQ: _EXAMPLE_ENC}
-    cache = [torch.randn(batch, int(t.dims[1]), length[str(t.dims[2])], int(t.dims[3]), generator=gen) for t in kv]
+    length = {PAST_SEQ: past, ENC_SEQ: _EXAMPLE_ENC}  # a recurrent state's length is its own number
+    cache = [
+        torch.randn(batch, int(t.dims[1]), int(length.get(str(t.dims[2]), t.dims[2])), int(t.dims[3]), generator=gen)
+        for t in kv
+    ]
     return (ids, mask, pos, *enc_mask, cache)
 
 
-def _dynamic_shapes(kind: GraphKind, io_spec: GraphIO, max_batch: int, max_context: int) -> tuple[object, ...]:
+def _dynamic_shapes(
+    kind: GraphKind, io_spec: GraphIO, max_batch: int, max_context: int, max_encoder: int = 0
+) -> tuple[object, ...]:
     batch = Dim("batch", min=1, max=max(max_batch, _EXAMPLE_BATCH))
     seq = Dim("seq", min=1, max=max(max_context, _EXAMPLE_SEQ))
     # the encoder's length is bounded by max_context too (TensorRT profiles need a bound)
-    enc = Dim("encoder_seq", min=1, max=max(max_context, _EXAMPLE_ENC))
+    enc = Dim("encoder_seq", min=1, max=max(max_context, _EXAMPLE_ENC, max_encoder))
     if kind is GraphKind.ENCODER:
-        return ({0: batch, 1: enc}, {0: batch, 1: enc})
+        features = io_spec.inputs[0].name == ENCODER_FEATURES
+        return ({0: batch},) if features else ({0: batch, 1: enc}, {0: batch, 1: enc})
     ids = {0: batch} if kind is GraphKind.DECODE else {0: batch, 1: seq}
     enc_mask = ({0: batch, 1: enc},) if any(t.name == ENCODER_MASK for t in io_spec.inputs) else ()
     if kind is GraphKind.PREFILL:
@@ -102,8 +111,15 @@ def _dynamic_shapes(kind: GraphKind, io_spec: GraphIO, max_batch: int, max_conte
         {0: batch, 1: total},
         ids,
         *enc_mask,
-        [{0: batch, 2: enc if t.dims[2] == ENC_SEQ else past} for t in kv],
+        [_cache_dims(t.dims[2], batch, enc, past) for t in kv],
     )
+
+
+def _cache_dims(length: str | int, batch: Dim, enc: Dim, past: Dim) -> dict[int, Dim]:
+    """A cache input's dynamic dims: batch, and its length unless it is fixed (a recurrent state)."""
+    if isinstance(length, int):
+        return {0: batch}
+    return {0: batch, 2: enc if length == ENC_SEQ else past}
 
 
 def _to_meta(value: object) -> object:
@@ -162,6 +178,7 @@ def trace_graph(
     max_context: int,
     meta: bool = False,
     translations: Mapping[Any, Callable[..., Any]] | None = None,
+    max_encoder: int = 0,
     on_phase: Callable[[], None] | None = None,
 ) -> ir.Model:
     """Trace one graph to an in-memory ONNX model with the contract's I/O names (PLE table
@@ -171,11 +188,13 @@ def trace_graph(
     graph's initializers then hold no data until ``passes.bind`` binds them. The exporter's own
     optimizer is off either way (it would read every weight): ``passes.fold`` folds instead.
     ``translations``: the family's ONNX translations of its custom ops (``LoadedModel.translations``).
-    ``on_phase``: called after each of the exporter's ``PHASES`` (progress)."""
+    ``on_phase``: called after each of the exporter's ``PHASES`` (progress). ``max_encoder``: the
+    encoder's output length when it is fixed and may exceed ``max_context`` (a speech encoder's)."""
     cross = any(is_cross(t.name) for t in (*io_spec.inputs, *io_spec.outputs))
     encoder_mask = any(t.name == ENCODER_MASK for t in io_spec.inputs)
+    features = kind is GraphKind.ENCODER and io_spec.inputs[0].name == ENCODER_FEATURES
     wrapper = (
-        EncoderModule(module)
+        (FeaturesEncoderModule(module) if features else EncoderModule(module))
         if kind is GraphKind.ENCODER
         else GraphModule(module, kind, n_layers, last_logits_only, cross, encoder_mask)
     )
@@ -189,7 +208,7 @@ def trace_graph(
                 wrapper,
                 args,
                 dynamo=True,
-                dynamic_shapes=_dynamic_shapes(kind, io_spec, max_batch, max_context),
+                dynamic_shapes=_dynamic_shapes(kind, io_spec, max_batch, max_context, max_encoder),
                 input_names=[n for n in io_spec.input_names if not n.startswith("ple.")],
                 output_names=io_spec.output_names,
                 opset_version=opset,

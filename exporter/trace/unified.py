@@ -165,6 +165,8 @@ def _trace(
         meta=meta,
         translations=reference.loaded.translations,
     )
+    if spec.encoder_features is not None:  # a speech encoder's output (frames / 2) may outnumber the decoder's context
+        arguments["max_encoder"] = spec.encoder_features[1] // 2
     model = _cached_trace(module, arguments, on_phase) if meta else trace_graph(module, on_phase=on_phase, **arguments)
     passes = [NameNodes(), BindWeights(WeightSource(folded.module)), FoldWeightTransposes(transposed), FoldConstants()]
     return run_passes(model, passes, graph="traced")

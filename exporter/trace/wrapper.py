@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from kiln.exporter.contract.io import GraphKind
 
-__all__ = ["EncoderModule", "GraphModule"]
+__all__ = ["EncoderModule", "FeaturesEncoderModule", "GraphModule"]
 
 
 class GraphModule(nn.Module):
@@ -70,4 +70,18 @@ class EncoderModule(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         encode: Any = self.model.encode  # a family's module (nn.Module's attribute type is Tensor | Module)
         states: Tensor = encode(input_ids, attention_mask)
+        return states
+
+
+class FeaturesEncoderModule(nn.Module):
+    """A speech encoder-decoder's encoder graph: ``model.encode_features(input_features)``
+    (log-mel ``[batch, n_mels, frames]``; no mask), the module held as ``EncoderModule`` holds it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_features: Tensor) -> Tensor:
+        encode: Any = self.model.encode_features  # a family's module (nn.Module's attribute type is Tensor | Module)
+        states: Tensor = encode(input_features)
         return states

@@ -91,8 +91,11 @@ class HFFamily:
 
 
 _PLACEHOLDER = types.SimpleNamespace(
-    num_hidden_layers=1, kv_lora_rank=64, qk_rope_head_dim=64
-)  # the sizes a cache layout reads
+    num_hidden_layers=1, kv_lora_rank=64, qk_rope_head_dim=64,
+    expand=2, hidden_size=64, n_groups=1, state_size=16, conv_kernel=4, num_heads=8, head_dim=16,
+    layer_types=["linear_attention"], num_attention_heads=1, num_key_value_heads=1, mamba_expand=2, mamba_n_groups=1,
+    mamba_d_state=16, mamba_d_conv=4, mamba_n_heads=8, mamba_d_head=16,
+)  # the sizes a cache layout reads (multi-head latent attention's, Mamba2's, GraniteMoeHybrid's)  # fmt: skip
 
 
 def _structure(
@@ -100,7 +103,7 @@ def _structure(
     *,
     window: bool = False,
     chunked: bool = False,
-    cache: Callable[[Any], CacheLayout] | None = None,
+    cache: Callable[[Any], CacheLayout | None] | None = None,
     encoder: bool = False,
 ) -> DecoderSpec:
     """A decoder of ``arch``: its config with a sliding_window field (unset) where its class has

@@ -66,10 +66,14 @@ class Arch:
     # a multimodal wrapper: its text decoder is exported (its refusals are then read from text_config)
     text: TextDecoder | None = None
     # what each layer caches when it is not keys and values per KV head (``plugins.cache_layout``)
-    cache: Callable[[Any], CacheLayout] | None = None
+    cache: Callable[[Any], CacheLayout | None] | None = None  # None from it: keys and values per KV head
     # its config has an attention_chunk_size: its chunked_attention layers (a query sees the keys of
     # its own chunk only) are proved; --target onnx refuses them (exporter/targets/onnx/windows.py)
     chunked: bool = False
+    # the config field of its heads where it is not num_attention_heads (a state-space model's mixer heads)
+    heads: str = "num_attention_heads"
+    # the layer_types it proves beyond full and sliding attention (a state-space model's "linear_attention")
+    layer_types: tuple[str, ...] = ()
 
 
 def _falcon_kv_heads(cfg: Any) -> int:
@@ -82,11 +86,45 @@ def _falcon_kv_heads(cfg: Any) -> int:
     return 1
 
 
+def _mamba2_state(cfg: Any) -> CacheLayout:
+    """Mamba2's recurrent state per layer (plugins/hf/recurrent_state.py): the conv window over
+    x, B and C (``intermediate_size + 2 * n_groups * state_size`` wide, ``conv_kernel`` long) and the
+    SSM state (``num_heads`` x ``head_dim`` x ``state_size``)."""
+    conv_dim = int(cfg.expand * cfg.hidden_size) + 2 * int(cfg.n_groups) * int(cfg.state_size)
+    ssm = (int(cfg.num_heads), int(cfg.head_dim), int(cfg.state_size))
+    return CacheLayout.state(int(cfg.num_hidden_layers), (int(cfg.conv_kernel), conv_dim), ssm)
+
+
+def _mamba_hybrid_cache(cfg: Any) -> CacheLayout:
+    """A Mamba2 hybrid's cache (GraniteMoeHybrid, Bamba): keys and values per KV head on its
+    ``full_attention`` layers, the Mamba2 state (as ``_mamba2_state``, from its ``mamba_*`` sizes) on
+    its ``linear_attention`` ones."""
+    conv_dim = int(cfg.mamba_expand * cfg.hidden_size) + 2 * int(cfg.mamba_n_groups) * int(cfg.mamba_d_state)
+    width = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // int(cfg.num_attention_heads))
+    return CacheLayout.hybrid(
+        [kind == "linear_attention" for kind in cfg.layer_types],
+        (int(cfg.num_key_value_heads), width),
+        (int(cfg.mamba_d_conv), conv_dim),
+        (int(cfg.mamba_n_heads), int(cfg.mamba_d_head), int(cfg.mamba_d_state)),
+    )
+
+
 def _latent_cache(cfg: Any) -> CacheLayout:
     """Multi-head latent attention's cache (DeepSeek-V2/V3, transformers 5.25): per layer the
     compressed latent (``kv_lora_rank``) in the key slot and the rotated key (``qk_rope_head_dim``)
     in the value slot, one head each."""
     return CacheLayout.latent(int(cfg.num_hidden_layers), int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim))
+
+
+def _shared_kv_cache(cfg: Any) -> CacheLayout | None:
+    """Gemma 3n's cache (transformers 5.25, ``kv_sharing_modes``): keys and values per KV head, none for
+    the last ``num_kv_shared_layers`` layers, each of which reads the last earlier layer of its kind."""
+    n, shared = int(cfg.num_hidden_layers), int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
+    if not shared:
+        return None
+    kinds, first = list(cfg.layer_types), n - shared
+    reads = {i: max(j for j in range(first) if kinds[j] == kinds[i]) for i in range(first, n)}
+    return CacheLayout.shared_kv(n, int(cfg.num_key_value_heads), int(cfg.head_dim), reads)
 
 
 # multi-head latent attention: --target ort leaves it portable (GroupQueryAttention caches per-head keys and values, not
@@ -495,6 +533,42 @@ ARCHS: Mapping[str, Arch] = {
         ort="GQA (the chunk mask as its bias); dense experts (every expert runs every token)",
         chunked=True,
         text=TextDecoder(texts=("Llama4ForCausalLM",), prefix="language_model.model", head="language_model.lm_head"),
+    ),
+    # issue 43: a recurrent state instead of a KV cache (plugins/hf/tiny_recurrent.py, mamba2_scan.py)
+    "Mamba2ForCausalLM": Arch(
+        "Mamba2",
+        context=None,
+        kv_heads=lambda cfg: int(cfg.num_heads),
+        notes="state-space layers (conv window + SSM state per layer, fixed size), the scan in one form at any step",
+        ort="portable (no attention: state-space layers)",
+        cache=_mamba2_state,
+        heads="num_heads",
+        layer_types=("linear_attention",),
+    ),
+    # issue 43: attention and Mamba2 layers mixed (a hybrid cache; plugins/hf/tiny_recurrent.py)
+    "GraniteMoeHybridForCausalLM": Arch(
+        "GraniteMoeHybrid",
+        notes="Mamba2 layers (conv window + SSM state, fixed size) between attention layers (rope or NoPE), mixture "
+        "of experts (softmax over the top-k logits) or dense, shared MLP, Granite's multipliers",
+        ort=f"GQA; {_TOPK_FIRST}",
+        cache=_mamba_hybrid_cache,
+        layer_types=("linear_attention",),
+    ),
+    "BambaForCausalLM": Arch(
+        "Bamba",
+        notes="Mamba2 layers (conv window + SSM state, fixed size) between attention layers (attn_layer_indices), "
+        "partial rotary",
+        cache=_mamba_hybrid_cache,
+        layer_types=("linear_attention",),
+    ),
+    # issue 43: per-layer inputs, AltUp, Laurel, the activation-sparsity threshold (plugins/hf/tiny_gemma3n.py)
+    "Gemma3nForCausalLM": Arch(
+        "Gemma 3n (text)",
+        cache=_shared_kv_cache,
+        notes="per-layer inputs, AltUp, Laurel, activation-sparsity threshold, last layers reading an earlier "
+        "layer's cache (shared_kv), sliding/global layers, q/k/v norm, soft-capping",
+        ort="GQA (not on the layers that read another's cache)",
+        window=True,
     ),
 }
 

@@ -23,6 +23,7 @@ from kiln.plugins.hf.decoder import HFDecoder, HFSeq2Seq
 from kiln.plugins.hf.moe import translations
 from kiln.plugins.hf.multimodal import read_any_spec, refuse_wrapper, text_decoder, wrapped
 from kiln.plugins.hf.seq2seq import SEQ2SEQ, SEQ2SEQ_TINY, read_seq2seq_spec, refuse_seq2seq
+from kiln.plugins.hf.speech import SPEECH_TINY
 from kiln.plugins.hf.tiny import TINY
 from kiln.plugins.hf.weights import check_sizes, read_headers, refuse_loading_info
 from kiln.plugins.hub_cache import HF_EXTRA
@@ -143,7 +144,7 @@ def tiny_transformers(case: str, seed: int, **overrides: Any) -> nn.Module:
     wrapper, whole: what a test saves as a checkpoint)."""
     transformers = _transformers()
     torch.manual_seed(seed)
-    cases = {**TINY, **SEQ2SEQ_TINY}
+    cases = {**TINY, **SEQ2SEQ_TINY, **SPEECH_TINY}
     arch, make = cases[case] if case in cases else next(c for c in cases.values() if c[0] == case)
     config = make(transformers, **overrides)
     config.architectures = [arch]
@@ -233,7 +234,10 @@ def _meta_template(arch: str, config: Any, n_layers: int) -> nn.Module:
     transformers = _transformers()
     template = copy.deepcopy(config)
     template.num_hidden_layers = n_layers
-    if getattr(template, "layer_types", None):
+    # Mamba2's, and Bamba's (layer_types names its layers_block_type): from num_hidden_layers
+    own = dict(getattr(template, "attribute_map", {})).get("layer_types", "layer_types")
+    derived = isinstance(getattr(type(template), own, None), property)
+    if getattr(template, "layer_types", None) and not derived:
         template.layer_types = list(template.layer_types)[:n_layers]
     with torch.device("meta"):
         # _from_config is private, but transformers has no public way to build a named class (``arch``,

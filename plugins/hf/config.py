@@ -81,7 +81,8 @@ def refuse_quantized(cfg: Any, arch: str) -> None:
 
 def refuse_sizes(cfg: Any, arch: str, optional: tuple[str | None, ...] = ()) -> None:
     """Every size in ``SIZES`` (and each of ``optional`` the config sets) is a positive 32-bit integer."""
-    for name in (*SIZES, *optional):
+    own = ARCHS[arch].heads if arch in ARCHS else "num_attention_heads"  # a state-space model's heads: num_heads
+    for name in (*(own if n == "num_attention_heads" else n for n in SIZES), *optional):
         value = getattr(cfg, name, None) if name is not None else None
         if (name in SIZES or value is not None) and (problem := dim_error(str(name), value)):
             raise CheckpointError(f"{arch}: {problem} in config.json")
@@ -92,13 +93,13 @@ def _kv_heads(cfg: Any, a: Arch) -> int:
     return (
         a.kv_heads(cfg)
         if a.kv_heads is not None
-        else int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        else int(getattr(cfg, "num_key_value_heads", None) or getattr(cfg, a.heads))
     )
 
 
 def _refuse_heads(cfg: Any, arch: str) -> None:
     """The heads split the hidden size (unless the config gives ``head_dim``) and share the KV heads evenly."""
-    heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+    heads, hidden = getattr(cfg, ARCHS[arch].heads), cfg.hidden_size
     if getattr(cfg, "head_dim", None) is None and hidden % heads:
         raise CheckpointError(
             f"{arch}: num_attention_heads ({heads}) does not divide hidden_size ({hidden}), and config.json "
@@ -135,7 +136,7 @@ def refuse(cfg: Any, arch: str) -> None:
         if rope_type not in STATIC_ROPE:
             why = _ROPE_WHY.get(rope_type, f"kiln proves {', '.join(STATIC_ROPE)}")
             raise CheckpointError(f"{where}: rope_type {rope_type!r} is not supported: {why}")
-    proved = (*LAYER_TYPES, *(("chunked_attention",) if ARCHS[arch].chunked else ()))
+    proved = (*LAYER_TYPES, *(("chunked_attention",) if ARCHS[arch].chunked else ()), *ARCHS[arch].layer_types)
     kinds = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(proved))
     if kinds:
         raise CheckpointError(
@@ -182,7 +183,7 @@ def _token(cfg: Any, name: str) -> int | None:
 def read_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
     """The spec of a loaded model's config (standard fields, with ``ARCHS[arch]``'s overrides)."""
     a = ARCHS[arch]
-    heads = int(cfg.num_attention_heads)
+    heads = int(getattr(cfg, a.heads))
     hidden = int(cfg.hidden_size)
     kv = _kv_heads(cfg, a)
     context = getattr(cfg, a.context, None) if a.context is not None else getattr(cfg, "seq_length", None)

@@ -8,7 +8,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from kiln.plugins.hf.deepseek_rotary import deepseek_rewrites_for
-from kiln.plugins.hf.mamba2_scan import mamba2_rewrites_for
+from kiln.plugins.hf.gemma3n_sparsity import gemma3n_rewrites_for
+from kiln.plugins.hf.mamba2_scan import MIXERS, mamba2_rewrites_for
 from kiln.plugins.hf.real_rotary import rewrites_for
 from kiln.plugins.hf.recurrent_state import is_recurrent, seed_state, state_of
 
@@ -43,13 +44,30 @@ def _cache(recurrent_config: Any, past: list[KV] | None) -> Any:
         # transformers gives such a layer a cache capped at the window - 1, which breaks the
         # contract and the unified graph's trace (a guard past_seq <= window - 1)
         cache = DynamicCache()
-        for i, (key, value) in enumerate(past or []):
-            cache.update(key, value, i)
+        for i, kv in enumerate(past or []):
+            if kv:  # a layer that reads another's cache (Gemma 3n's last layers) carries none
+                cache.update(*kv, i)
         return cache
-    cache = DynamicCache(config=recurrent_config)
-    for i, (conv, ssm) in enumerate(past or []):
-        seed_state(cache.layers[i], conv, ssm)
+    cache = DynamicCache(config=recurrent_config)  # a hybrid's: attention layers and LinearAttentionLayers
+    for i, tensors in enumerate(past or []):
+        if is_recurrent(cache.layers[i]):
+            seed_state(cache.layers[i], *tensors)
+        else:
+            cache.update(*tensors, i)
     return cache
+
+
+def _cache_names(model: nn.Module, recurrent: bool) -> tuple[str, ...] | tuple[tuple[str, ...], ...]:
+    """The cache tensors' names: ``key``/``value`` for every layer of an attention-only model, else
+    per layer ``conv``/``ssm`` where transformers' cache for the model's config holds a recurrent
+    state and ``key``/``value`` elsewhere (a hybrid mixes them)."""
+    from transformers import DynamicCache
+
+    if not recurrent:
+        return ("key", "value")
+    config: Any = model.config  # transformers' (untyped)
+    layers = DynamicCache(config=config).layers
+    return tuple(("conv", "ssm") if is_recurrent(layer) else ("key", "value") for layer in layers)
 
 
 class HFDecoder(nn.Module):
@@ -62,7 +80,9 @@ class HFDecoder(nn.Module):
         self.rewrites = rewrites_for(model)
         self.mla_rewrites = deepseek_rewrites_for(model)  # DeepSeek-V2's complex rotary (deepseek_rotary)
         self.ssm_rewrites = mamba2_rewrites_for(model)  # Mamba2's mixer in one form at every length (mamba2_scan)
-        self.recurrent = any(type(m).__name__ == "Mamba2Mixer" for m in model.modules())
+        self.sparsity_rewrites = gemma3n_rewrites_for(model)  # Gemma 3n's icdf as a constant (gemma3n_sparsity)
+        self.recurrent = any(type(m).__name__ in MIXERS for m in model.modules())  # Mamba2, or a hybrid's layers
+        self.cache_names = _cache_names(model, self.recurrent)  # each layer's (TorchRunner)
 
     def forward(
         self,
@@ -74,7 +94,7 @@ class HFDecoder(nn.Module):
     ) -> tuple[Tensor, list[KV]]:
         cache = _cache(self.model.config if self.recurrent else None, past_key_values)
         cache_kwarg, takes_positions = _forward_kwargs(self.model)
-        with self.rewrites(), self.mla_rewrites(), self.ssm_rewrites():
+        with self.rewrites(), self.mla_rewrites(), self.ssm_rewrites(), self.sparsity_rewrites():
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -102,6 +122,12 @@ class HFSeq2Seq(nn.Module):
     def encode(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         model: Any = self.model  # transformers' (untyped)
         states: Tensor = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return states
+
+    def encode_features(self, input_features: Tensor) -> Tensor:
+        """A speech encoder's output (Whisper's: log-mel ``[batch, n_mels, frames]``, no mask)."""
+        model: Any = self.model
+        states: Tensor = model.get_encoder()(input_features=input_features).last_hidden_state
         return states
 
     def forward(

@@ -22,6 +22,7 @@ proves the two equal at one token and at several, from a zero and a random state
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +34,12 @@ from kiln.plugins.hf.trace_rewrites import Rewrite, while_exporting
 
 __all__ = ["traced_mamba2", "mamba2_rewrites_for"]
 
-_MODULE = "transformers.models.mamba2.modeling_mamba2"
+# the mixer classes of this form, and the transformers module whose functions each one calls
+MIXERS = {
+    "Mamba2Mixer": "transformers.models.mamba2.modeling_mamba2",
+    "GraniteMoeHybridMambaLayer": "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+    "BambaMixer": "transformers.models.bamba.modeling_bamba",
+}
 
 
 def _segment_sum(x: Tensor) -> Tensor:
@@ -90,7 +96,7 @@ def conv_forward(
     """``causal_conv1d_forward`` at any length: the cached window and the new columns, convolved."""
     import importlib
 
-    module: Any = importlib.import_module(_MODULE)
+    module: Any = importlib.import_module(MIXERS["Mamba2Mixer"])  # (the hybrids' causal_conv1d_fn are copies)
     seq = hidden_states.shape[-1]
     full = cache.update_conv_state(
         hidden_states, layer_idx, state_idx=state_idx, conv_kernel_size=conv1d.kernel_size[0]
@@ -107,12 +113,12 @@ def padding_mask(config: Any, inputs_embeds: Tensor, attention_mask: Tensor | No
 
 
 @contextlib.contextmanager
-def traced_mamba2() -> Iterator[None]:
-    """Mamba2's mixer in the one-form code above while inside (transformers' module attributes
-    patched, restored on exit)."""
+def traced_mamba2(module_name: str = MIXERS["Mamba2Mixer"]) -> Iterator[None]:
+    """Mamba2's mixer in the one-form code above while inside (the attributes of transformers'
+    module ``module_name`` patched, restored on exit)."""
     import importlib
 
-    module: Any = importlib.import_module(_MODULE)
+    module: Any = importlib.import_module(module_name)
     names = ("mamba2_scan_forward", "causal_conv1d_forward", "create_recurrent_attention_mask")
     saved = [getattr(module, n) for n in names]
     for name, new in zip(names, (scan_forward, conv_forward, padding_mask), strict=True):
@@ -125,6 +131,7 @@ def traced_mamba2() -> Iterator[None]:
 
 
 def mamba2_rewrites_for(model: nn.Module) -> Rewrite:
-    """What enters ``traced_mamba2`` while torch.export traces a Mamba2 model, and nothing
-    otherwise (eager runs keep transformers' code)."""
-    return while_exporting(model, "Mamba2Mixer", traced_mamba2)
+    """What enters ``traced_mamba2`` while torch.export traces a model with a Mamba2 mixer (``MIXERS``:
+    Mamba2's, GraniteMoeHybrid's, Bamba's), and nothing otherwise (eager runs keep transformers' code)."""
+    found = next((name for name in MIXERS if any(type(m).__name__ == name for m in model.modules())), "Mamba2Mixer")
+    return while_exporting(model, found, functools.partial(traced_mamba2, MIXERS[found]))

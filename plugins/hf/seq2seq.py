@@ -7,9 +7,8 @@ returns every layer's cross-attention keys and values once, ``present.{i}.cross_
 decode and the unified graph (which take the cross cache back and never grow it), all with
 ``encoder_attention_mask``. The modules are transformers' own (``decoder.HFSeq2Seq`` flattens its
 ``EncoderDecoderCache``), so parity is against Hugging Face's implementation and its
-``generate()``. Whisper is not here: its encoder reads log-mel features (a convolutional stem
-over audio frames, ``input_features``), not token ids, which the encoder graph's contract does
-not have yet.
+``generate()``. Whisper's encoder reads log-mel features instead of token ids (``features``:
+its encoder graph takes ``input_features``, ``contract.io``); its tiny model is in ``speech``.
 
 This module stays free of torch (``kiln plugins`` lists it).
 """
@@ -36,6 +35,7 @@ class Seq2SeqArch:
     context: str | None = "max_position_embeddings"  # None: relative positions, no limit of its own
     refusals: tuple[Refusal, ...] = ()
     notes: str = ""
+    features: str | None = None  # a speech encoder's mel-bin count field: its encoder takes log-mel features
 
 
 _UNSHARED_VOCAB = Refusal(
@@ -69,6 +69,15 @@ SEQ2SEQ: Mapping[str, Seq2SeqArch] = {
         context=None,
         notes="relative position buckets (no context limit of its own: --max-context), RMS norm, rescaled tied head; "
         "v1.1/Flan-T5: gated GELU, untied head",
+    ),
+    "WhisperForConditionalGeneration": Seq2SeqArch(
+        "Whisper",
+        "decoder_layers",
+        "decoder_attention_heads",
+        context="max_target_positions",
+        features="num_mel_bins",
+        notes="speech: log-mel input_features (fixed 2 x max_source_positions frames, kiln generate --features), "
+        "conv stem, learned decoder positions, tied head",
     ),
 }
 
@@ -124,6 +133,8 @@ def read_seq2seq_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
         encoder_dim=hidden,
         has_encoder=True,
         decoder_start_token_id=_start_token(cfg),
+        # Whisper's encoder: a stride-2 stem over 2 x max_source_positions frames of num_mel_bins
+        encoder_features=(int(getattr(cfg, a.features)), 2 * int(cfg.max_source_positions)) if a.features else None,
         config={
             "architecture": arch,
             **{k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))},

@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kiln.plugins.hf.tiny_gemma3n import GEMMA3N_TINY
+from kiln.plugins.hf.tiny_recurrent import RECURRENT_TINY
+
 __all__ = ["TINY", "TinyCase"]
 
 V, H, L, NH, KV, FF, CTX = 128, 64, 2, 4, 2, 128, 64
@@ -735,4 +738,6 @@ TINY: Mapping[str, TinyCase] = {
             eoi_token_index=V + 2,
         ),
     ),  # fmt: skip
+    **GEMMA3N_TINY,  # issue 43: per-layer inputs, AltUp, Laurel, shared KV (plugins/hf/tiny_gemma3n.py)
+    **RECURRENT_TINY,  # issue 43: a recurrent state instead of a KV cache (plugins/hf/tiny_recurrent.py)
 }

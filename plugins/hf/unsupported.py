@@ -64,15 +64,18 @@ _LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "layers_type"
 # a field of the config -> the mechanism it means
 _FIELDS = {
     "kv_lora_rank": "multi-head latent attention outside DeepSeek-V2/V3",  # those two are in ARCHS, never asked here
-    "num_kv_shared_layers": "key/value caches shared across layers",
-    "hidden_size_per_layer_input": "per-layer embeddings",
+    # Gemma3nForCausalLM is in ARCHS, never asked here; Gemma 4 (per-layer head dims) and Gemma 3n's wrapper are
+    "num_kv_shared_layers": "key/value caches shared across layers outside Gemma 3n's text decoder",
+    "hidden_size_per_layer_input": "per-layer embeddings outside Gemma 3n's text decoder",
     "per_layer_config": "config attributes that vary by layer",
     # Llama4ForCausalLM is in ARCHS, never asked here
     "attention_chunk_size": "chunked attention outside Llama 4's text decoder",
     "cross_attention_layers": "cross-attention to image features",
-    "state_size": "state-space (Mamba) layers",
-    "ssm_state_size": "state-space (Mamba) layers",
-    "mamba_d_state": "state-space (Mamba) layers",
+    # Mamba2ForCausalLM, GraniteMoeHybridForCausalLM and BambaForCausalLM are in ARCHS, never asked here; Mamba v1
+    # and the other hybrids are
+    "state_size": "state-space (Mamba) layers outside Mamba2, GraniteMoeHybrid and Bamba",
+    "ssm_state_size": "state-space (Mamba) layers outside Mamba2, GraniteMoeHybrid and Bamba",
+    "mamba_d_state": "state-space (Mamba) layers outside Mamba2, GraniteMoeHybrid and Bamba",
     "conv_L_cache": "short-convolution layers",
     "lru_width": "recurrent layers",
     "type_vocab_size": "a bidirectional encoder (BERT family) run as a decoder",
@@ -131,7 +134,7 @@ def _encoder_decoder(cfg: Mapping[str, Any], seq2seq: Collection[str]) -> str | 
     if not cfg.get("is_encoder_decoder"):
         return None
     if "num_mel_bins" in cfg or "feature_size" in cfg:
-        return "a speech encoder-decoder (its encoder reads audio features, not token ids)"
+        return "a speech encoder-decoder other than WhisperForConditionalGeneration (encoder and decoder together)"
     return f"an encoder-decoder other than {', '.join(sorted(seq2seq))}"
 
 

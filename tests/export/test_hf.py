@@ -46,7 +46,7 @@ def test_unsupported_architecture_says_why_in_one_line(tmp_path: Path) -> None:
         load_model(tmp_path)
     assert str(err.value) == (
         f"checkpoint: {tmp_path}: unsupported Hugging Face architecture 'Gemma4ForCausalLM': kiln does not "
-        "export per-layer embeddings"
+        "export per-layer embeddings outside Gemma 3n's text decoder"
         " (hidden_size_per_layer_input) yet (the nearest kiln exports is Gemma3ForCausalLM; `kiln plugins` lists "
         "them all)"
     )

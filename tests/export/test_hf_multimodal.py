@@ -3,9 +3,10 @@ text decoder (``plugins/hf/multimodal.py``), beyond what tests/export/test_hf_ar
 every architecture (fp32 on the portable and --target ort graphs, batch 1 and left-padded 2, kiln
 check, fp16 parity): --fp16 (--target ort takes fp32 graphs only), --target onnx at fp32 and fp16,
 each one's greedy tokens (``kiln generate``'s loop) against the wrapper's own text-only
-``generate()``, and --target ort --ort-int8 (weight-only int8) passing kiln's parity and check (the
-tiny wrapper saved whole, vision tower and all, given input_ids only); the manifest and the
-export's output saying the vision tower is not exported; and the refusals."""
+``generate()``, --target ort --ort-int8 (weight-only int8) passing kiln's parity and check, and
+--target ort --int4 against PyTorch on its int4 weights (the tiny wrapper saved whole, vision tower
+and all, given input_ids only); the manifest and the export's output saying the vision tower is not
+exported; and the refusals."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from kiln.plugins.hf import tiny_model
 from kiln.plugins.hf.build import tiny_transformers
 from kiln.plugins.hf.tiny import TINY
 from kiln.runtime.generate import Generator
+from kiln_testing import assert_int4_generation
 
 CASES = {
     "gemma3-multimodal-window": "Gemma3ForCausalLM",
@@ -141,6 +143,18 @@ def test_ort_int8_passes_parity_and_check(case: str, tmp_path: Path) -> None:
     assert result.manifest.model.text_decoder_of is not None
     assert check_dir(out).passed
     assert len(_tokens(out, "ort")) == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_int4_equals_the_quantized_text_decoder(case: str, tmp_path: Path) -> None:
+    """--target ort --int4 (RTN) of the wrapper saved whole: its text decoder's graphs proved against
+    PyTorch on the int4 weights they hold (``kiln_testing.assert_int4_generation``: an int4 model's
+    tokens are not the float wrapper's generate()'s); the vision tower is left out as at fp32."""
+    ckpt = tmp_path / "ckpt"
+    tiny_transformers(case, seed=1).save_pretrained(ckpt, safe_serialization=True)
+    result = assert_int4_generation(ckpt, tmp_path / "out", STEPS)
+    assert result.manifest.model.text_decoder_of == TextDecoderInfo(TINY[case][0], "model.language_model", LEFT_OUT)
 
 
 def test_the_text_decoder_is_the_wrappers_own_modules() -> None:

@@ -48,11 +48,11 @@ MECHANISMS = {
     "RwkvForCausalLM": "RWKV time-mixing",
     "RecurrentGemmaForCausalLM": "recurrent layers",
     "xLSTMForCausalLM": "xLSTM blocks",
-    "Gemma3nForCausalLM": "key/value caches shared across layers (num_kv_shared_layers)",
-    "Gemma4ForCausalLM": "per-layer embeddings (hidden_size_per_layer_input)",
+    "Gemma3nForConditionalGeneration": "key/value caches shared across layers outside Gemma 3n's text decoder",
+    "Gemma4ForCausalLM": "per-layer embeddings outside Gemma 3n's text decoder (hidden_size_per_layer_input)",
     "LlavaForConditionalGeneration": "a multimodal wrapper (vision tower: vision_config)",
     "Qwen2_5_VLForConditionalGeneration": "a multimodal wrapper (vision tower",
-    "WhisperForConditionalGeneration": "a speech encoder-decoder",
+    "WhisperForCausalLM": "a speech encoder-decoder other than WhisperForConditionalGeneration",  # its decoder alone
     "RobertaForCausalLM": "a bidirectional encoder (BERT family) run as a decoder",
     "PegasusForConditionalGeneration": "an encoder-decoder other than BART",
     "MiMoV2FlashForCausalLM": "values of another head size than the keys (v_head_dim 128, head_dim 192)",
@@ -143,8 +143,14 @@ def test_every_transformers_architecture_is_exported_or_refused_in_one_line(tmp_
             {"text_config": {"model_type": "llama"}, "vision_config": {}},
             "a multimodal wrapper (vision tower: vision_config)",
         ),
-        ({"ssm_state_size": 128}, "state-space (Mamba) layers (ssm_state_size)"),
-        ({"num_kv_shared_layers": 10}, "key/value caches shared across layers (num_kv_shared_layers)"),
+        (
+            {"ssm_state_size": 128},
+            "state-space (Mamba) layers outside Mamba2, GraniteMoeHybrid and Bamba (ssm_state_size)",
+        ),
+        (
+            {"num_kv_shared_layers": 10},
+            "key/value caches shared across layers outside Gemma 3n's text decoder (num_kv_shared_layers)",
+        ),
         ({"per_layer_config": {"5": {"head_dim": 512}}}, "config attributes that vary by layer (per_layer_config)"),
         (
             {"v_head_dim": 128, "head_dim": 192},

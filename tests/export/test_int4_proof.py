@@ -171,3 +171,59 @@ def _dq_graph(codes: np.ndarray, scale: np.ndarray, module: str) -> ir.Model:
     mm.outputs[0].name = "y"
     graph = ir.Graph([x], [mm.outputs[0]], nodes=[dq, mm], initializers=[q, s], opset_imports={"": 21})
     return ir.Model(graph, ir_version=10)
+
+
+def _packed_nbits_graph(parts: list[tuple[np.ndarray, np.ndarray]], outer: list[int], inner: list[int]) -> ir.Model:
+    """One MatMulNBits over the parts' codes and scales side by side, named after no module (as a
+    packed q/k/v packed again with a parallel MLP's gate/up is), its output split in ``outer`` and
+    the first of those split again in ``inner``."""
+    from kiln.exporter.precision.int4_numbers import pack_nbits
+
+    q = np.concatenate([c for c, _ in parts], axis=1)
+    scale = np.concatenate([s for _, s in parts], axis=1)
+    k, n = q.shape
+    x = ir.val("x", ir.DataType.FLOAT, [1, k])
+    b = ir.val("b", const_value=ir.tensor(pack_nbits(q, 16), name="b"))
+    s = ir.val("s", const_value=ir.tensor(np.ascontiguousarray(scale.T).reshape(-1), name="s"))
+    attrs = {"K": k, "N": n, "bits": 4, "block_size": 16, "accuracy_level": 0}
+    mm = ir.node("MatMulNBits", [x, b, s], attrs, domain="com.microsoft", name="/graph/ort/packed/MatMulNBits")
+    sizes = [ir.val(f"sizes{i}", const_value=ir.tensor(np.array(v, np.int64), name=f"sizes{i}")) for i, v in
+             enumerate((outer, inner))]  # fmt: skip
+    first = ir.node("Split", [mm.outputs[0], sizes[0]], {"axis": -1}, num_outputs=len(outer), name="/graph/Split")
+    second = ir.node("Split", [first.outputs[0], sizes[1]], {"axis": -1}, num_outputs=len(inner), name="/qkv/Split")
+    outputs = [*second.outputs, *first.outputs[1:]]
+    for i, v in enumerate(outputs):
+        v.name = f"y{i}"
+    graph = ir.Graph(
+        [x], outputs, nodes=[mm, first, second], initializers=[b, s, *sizes], opset_imports={"": 21, "com.microsoft": 1}
+    )
+    return ir.Model(graph, ir_version=10)
+
+
+def test_a_packed_part_split_again_is_checked_part_by_part(tmp_path: Path) -> None:
+    """Cohere2's layers without rotary: their q/k/v, packed for GroupQueryAttention, are packed again with
+    the parallel MLP's gate and up; each of the five parts is the quantizer's weight of its module, and
+    one code off in the inner split's k part is named there."""
+    rng = np.random.default_rng(0)
+    names = ["layers.1.attn.q_proj", "layers.1.attn.k_proj", "layers.1.attn.v_proj", "layers.1.mlp.gate_proj",
+             "layers.1.mlp.up_proj"]  # fmt: skip
+    widths = [4, 2, 2, 6, 6]
+    parts = [(rng.integers(-8, 8, (32, w)).astype(np.int8), rng.random((2, w)).astype(np.float32)) for w in widths]
+
+    def packed(c: np.ndarray) -> np.ndarray:
+        flat = c.reshape(-1).astype(np.int16) & 0xF
+        return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)
+
+    numbers = write_numbers(
+        tmp_path / NUMBERS_FILE, [(m, packed(c), sc, c.shape) for m, (c, sc) in zip(names, parts, strict=True)]
+    )
+    ir.save(_packed_nbits_graph(parts, [8, 6, 6], [4, 2, 2]), tmp_path / "g.onnx")
+    assert check_graph_weights(numbers, [("ort", [tmp_path / "g.onnx"])]) is None
+    parts[1][0][3, 1] = 7 if parts[1][0][3, 1] != 7 else 6
+    ir.save(_packed_nbits_graph(parts, [8, 6, 6], [4, 2, 2]), tmp_path / "g.onnx")
+    found = check_graph_weights(numbers, [("ort", [tmp_path / "g.onnx"])])
+    assert found is not None and found.startswith(
+        "ort g.onnx: /graph/ort/packed/MatMulNBits (part 1, columns 4-5): layers.1.attn.k_proj's int4 weight differs "
+        "from the quantizer's numbers at block 0 (rows 0-15), column 1: code "
+    ), found
+    numbers.close()

@@ -1,6 +1,7 @@
 """``QuantizeInt4`` (``precision.int4``) on tiny onnx-ir graphs run by ONNX Runtime: a plain
 ``Gemm`` (GPT-2's Conv1D as traced) becomes ``MatMul`` + ``Add`` over an int4 block-DQ weight that
-computes ``x @ dequantize(rtn(W)) + b``; a graph with nothing it may quantize is refused."""
+computes ``x @ dequantize(rtn(W)) + b``; a graph with nothing it may quantize is refused; ``raise_opset``
+takes the reductions to opset 21 and refuses an op whose meaning changed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import onnx_ir as ir
 import pytest
 
 from kiln.errors import ExportError
-from kiln.exporter.precision.int4 import Int4Quantizer, QuantizeInt4, check_int4
+from kiln.exporter.precision.int4 import Int4Quantizer, QuantizeInt4, check_int4, raise_opset
 from kiln.exporter.precision.int4_numbers import dequantize, rtn
 from kiln.exporter.precision.int8 import Int8Policy
 from kiln.exporter.precision.kinds.int4 import Int4Method
@@ -79,3 +80,33 @@ def test_a_graph_with_nothing_to_quantize_is_refused(attributes: dict[str, objec
     with pytest.raises(ExportError, match=exact(message)):
         quantize(model, keep)
     assert [n.op_type for n in model.graph] == ["Gemm"]  # left as it was
+
+
+@pytest.mark.parametrize("op", ["ReduceMax", "ReduceMin"])
+def test_a_reduction_is_raised_to_opset_21_as_it_computes(op: str) -> None:
+    """ReduceMax/ReduceMin (PhiMoE's routing, attention sinks): version 20 only adds bool inputs, so
+    an opset-19 graph raised to 21 (int4's DequantizeLinear) computes what it did."""
+    x = ir.val("x", FLOAT, [4, K])
+    reduce = ir.node(op, [x], {"keepdims": 1}, name=f"/{op}")
+    reduce.outputs[0].name, reduce.outputs[0].dtype = "y", FLOAT
+    model = ir.Model(ir.Graph([x], reduce.outputs, nodes=[reduce], opset_imports={"": 19}, name="g"), ir_version=9)
+    raise_opset(model, 21)
+    assert model.opset_imports[""] == model.graph.opset_imports[""] == 21 and model.ir_version == 10
+    data = RNG.standard_normal((4, K)).astype(np.float32)
+    (got,) = ort_session(ir.serde.serialize_model(model).SerializeToString()).run(None, {"x": data})
+    np.testing.assert_array_equal(got, getattr(np, op[6:].lower())(data, keepdims=True))
+
+
+def test_an_op_whose_meaning_changed_is_not_raised() -> None:
+    x = ir.val("x", FLOAT, [1, 4, 2])
+    norm = ir.node("GroupNormalization", [x, x, x], {"num_groups": 2}, name="/norm")
+    model = ir.Model(ir.Graph([x], norm.outputs, nodes=[norm], opset_imports={"": 19}, name="g"), ir_version=9)
+    with pytest.raises(
+        ExportError,
+        match=exact(
+            "export: the graph holds ['GroupNormalization'], whose meaning changed by opset 21; export with --opset 21 "
+            "or later"
+        ),
+    ):
+        raise_opset(model, 21)
+    assert model.opset_imports[""] == 19

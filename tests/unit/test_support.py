@@ -23,7 +23,7 @@ from kiln_testing import config_error, tiny_config, write_checkpoint
 # fp32, fp16, int8, fp8, int4: --target ort takes fp32 and int4 (and --ort-int8)
 TAKES_ALL = ["pox", "p-x", "pOx", "p-x", "pox"]
 UNPROVED_WINDOW = ["poX", "p-X", "pOX", "p-X", "poX"]  # --target onnx refuses a window no test proves
-ENCODER_DECODER = ["p--", "p--", "---", "---", "---"]  # fp32 and fp16, the portable graphs only
+ENCODER_DECODER = ["p--", "p--", "---", "---", "P--"]  # fp32, fp16 and int4 by RTN, the portable graphs only
 MARKS = {
     **dict.fromkeys(["Qwen3", "Phi-3", "SmolLM3", "Qwen3-MoE", "gpt-oss"], UNPROVED_WINDOW),
     **dict.fromkeys(
@@ -52,10 +52,12 @@ MARKS = {
     **dict.fromkeys(
         ["DeepSeek-V2", "DeepSeek-V3"], ["po-", "p--", "pO-", "p--", "po-"]
     ),  # --target onnx refuses a latent cache
+    **dict.fromkeys(["Mamba2", "GraniteMoeHybrid", "Bamba"], ["po-", "p--", "pO-", "p--", "po-"]),  # onnx: no state
+    "Gemma 3n (text)": UNPROVED_WINDOW,  # and a checkpoint with shared layers (the table's has none) on --target onnx
     # the table asks by the wrapper's name: Gemma 3's is proved windowed (test_hf_multimodal), Mistral 3's tiny case has
     # no window
     "Mistral 3 VLM": UNPROVED_WINDOW,
-    **dict.fromkeys(["BART", "mBART", "Marian", "T5"], ENCODER_DECODER),
+    **dict.fromkeys(["BART", "mBART", "Marian", "T5", "Whisper"], ENCODER_DECODER),
     "PLE decoder": TAKES_ALL,
     "cross-attention": ["p--", "p--", "---", "---", "P--"],  # no --int8/--fp8, int4 by RTN only, no target
 }
@@ -93,7 +95,8 @@ def test_the_columns_are_the_precisions_and_targets_kiln_has() -> None:
 def test_every_row_says_what_it_takes() -> None:
     """Every decoder architecture takes every precision; what a row refuses is named here."""
     marks = {name: support(spec).marks() for name, spec in _rows()}
-    assert len(marks) == 81 + 4 + 2 + 2 + 2  # + Llama 4 and its wrapper, DeepSeek-V2 and -V3 (issue 43)
+    # + Llama 4 and its wrapper, DeepSeek-V2 and -V3 (issue 43), Whisper, Mamba2 (issue 43)
+    assert len(marks) == 81 + 4 + 2 + 2 + 2 + 1 + 1 + 1 + 2  # + Gemma 3n, GraniteMoeHybrid, Bamba (issue 43)
     assert marks == {name: MARKS.get(name, TAKES_ALL) for name in marks}
 
 
@@ -186,7 +189,7 @@ def test_at_80_columns_the_marks_stay_on_the_row_and_the_rest_goes_under_it() ->
     ]
     qwen3, bart = (
         lines.index("  Qwen3             poX   p-X   pOX   p-X  poX"),
-        lines.index("  BART              p--   p--   ---   ---  ---"),
+        lines.index("  BART              p--   p--   ---   ---  P--"),
     )
     assert (lines[qwen3 + 1], lines[bart + 1]) == (
         "      class: Qwen3ForCausalLM",
@@ -200,7 +203,7 @@ def test_at_80_columns_the_marks_stay_on_the_row_and_the_rest_goes_under_it() ->
 
 def test_int8_int4_and_fp8_are_shown_for_a_decoder_and_refusals_as_refused() -> None:
     """Read back from the printed table: a Llama writes every precision's portable graphs, int4
-    for --target ort (and int8 there as --ort-int8); an encoder-decoder none of them."""
+    for --target ort (and int8 there as --ort-int8); an encoder-decoder int4 by RTN only."""
     lines = _plugins(columns=200).splitlines()
     header = next(line.split() for line in lines if line.startswith("  architecture"))
     rows = [line.split() for line in lines if line.startswith(("  Llama  ", "  BART  "))]  # not "Llama 4 (text)"
@@ -222,11 +225,12 @@ def test_json_keeps_everything() -> None:
     hf = found["hf"]
     assert hf["table"][0] == ["architecture", "fp32", "fp16", "int8", "fp8", "int4", "class", "--target ort", "notes"]
     assert (
-        len(hf["table"]) == len(hf["support"]) + 1 == 86 + 2 + 2
+        len(hf["table"]) == len(hf["support"]) + 1 == 86 + 2 + 2 + 1 + 1 + 1 + 2
+        # + Whisper, Mamba2, Gemma 3n, GraniteMoeHybrid, Bamba (issue 43)
     )  # + Llama 4 and its wrapper, DeepSeek-V2 and -V3 (issue 43)
     bart = hf["support"][hf["table"].index(next(r for r in hf["table"] if r[0] == "BART")) - 1]
     assert bart["int8"]["portable"]["taken"] is False
-    why = "int8 exports are not supported for encoder-decoders yet: calibration and GPTQ"
+    why = "int8 exports are not supported for encoder-decoders yet: calibration runs decoder-only"
     assert bart["int8"]["portable"]["refusal"].startswith(why)
     assert hf["support"][0]["int4"]["ort"] == {"taken": True, "condition": None, "refusal": None}
     assert hf["support"][0]["int8"]["ort"]["condition"] == ALTERNATIVES[0].condition
@@ -262,8 +266,10 @@ def test_an_encoder_decoder_and_a_window_are_refused_by_kiln_export_as_the_table
     tiny_model("bart", seed=1).module.model.save_pretrained(bart, safe_serialization=True)
     ((_, spec),) = [(n, s) for n, s in _rows() if n == "BART"]
     refused = [(p, t, c) for p, row in support(spec).cells.items() for t, c in row.items() if not c.taken]
-    assert len(refused) == 13  # all but fp32 and fp16's portable graphs
-    for precision, target, cell in refused:
+    assert len(refused) == 12  # all but fp32, fp16 and int4's portable graphs
+    int4 = support(spec).cells["int4"]["portable"]  # taken with --int4-method rtn; GPTQ (the default) is refused
+    assert int4.taken and int4.condition == "only with --int4-method rtn (GPTQ is refused)"
+    for precision, target, cell in [*refused, ("int4", "portable", int4)]:
         line = _kiln_export(bart, tmp_path / "out", precision, target)
         assert (cell.refusal or "").startswith(line), (precision, target, line)
     phi3 = tmp_path / "phi3"

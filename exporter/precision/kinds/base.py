@@ -217,11 +217,10 @@ def ranges_reasons(flag: str, options: Asked) -> list[str]:
 
 
 def encoder_reason(spec: DecoderSpec, options: Asked) -> str | None:
-    """A kind that reads calibration data (ranges or GPTQ's) refuses encoder-decoders."""
+    """A kind that reads activation ranges refuses encoder-decoders (int4 refuses GPTQ's alone: ``kinds.int4``)."""
     if not spec.has_encoder:
         return None
     return (
-        f"{options.precision.value} exports are not supported for encoder-decoders yet: calibration and GPTQ run "
-        "decoder-only"
-        " prompts, with no encoder inputs; export --fp16 or fp32"
+        f"{options.precision.value} exports are not supported for encoder-decoders yet: calibration runs "
+        "decoder-only prompts, with no encoder inputs; export --fp16, fp32 or --int4 --int4-method rtn"
     )

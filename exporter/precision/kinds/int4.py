@@ -10,7 +10,7 @@ import enum
 from typing import TYPE_CHECKING, ClassVar
 
 from kiln.errors import ConfigError
-from kiln.exporter.precision.kinds.base import Asked, Flag, Needs, PrecisionKind, Role, encoder_reason
+from kiln.exporter.precision.kinds.base import Asked, Flag, Needs, PrecisionKind, Role
 from kiln.exporter.tolerance import Tolerance
 
 if TYPE_CHECKING:
@@ -140,8 +140,11 @@ class Int4(PrecisionKind):
                 "--int4-method gptq (the default) needs --calib-data: a text file, .jsonl (field 'text') or "
                 ".npy/.npz token ids; or pass --int4-method rtn"
             )
-        if spec is not None and (encoder := encoder_reason(spec, options)) is not None:
-            found.append(encoder)
+        if spec is not None and self.gptq and spec.has_encoder:  # RTN reads no data: every graph is quantized alike
+            found.append(
+                "--int4-method gptq is not supported for encoder-decoders yet: its calibration runs decoder-only "
+                "prompts, with no encoder inputs; use --int4-method rtn"
+            )
         elif spec is not None and self.gptq and spec.encoder_dim is not None:
             found.append(
                 "--int4-method gptq is not supported for cross-attention decoders yet: its calibration runs "

@@ -61,6 +61,17 @@ class OnnxTarget:
                 "--target onnx is not supported for cross-attention decoders: its static cache holds "
                 "self-attention keys and values only"
             )
+        elif spec is not None and spec.cache is not None and spec.cache.reads:
+            found.append(
+                "--target onnx is not supported for a shared_kv cache (layers that read another layer's keys and "
+                "values): its static cache gives every layer a buffer of its own; the portable graphs export it"
+            )
+        elif spec is not None and spec.cache is not None and spec.cache.kind in ("state", "hybrid"):
+            found.append(
+                f"--target onnx is not supported for a {spec.cache.kind} cache (a recurrent state per layer): its "
+                "static cache "
+                "holds keys and values per KV head; the portable graphs (and --target ort) export it"
+            )
         elif spec is not None and spec.cache is not None:
             found.append(
                 f"--target onnx is not supported for a {spec.cache.kind} cache (multi-head latent attention): "
