@@ -32,7 +32,7 @@ from kiln.exporter.report import ExportReport
 from kiln.exporter.targets.base import TargetGraphs
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["build_manifest"]
+__all__ = ["build_manifest", "kv_cache_info"]
 
 
 def _rel(path: Path, root: Path) -> str:
@@ -72,7 +72,7 @@ def _text_decoder_of(spec: DecoderSpec) -> TextDecoderInfo | None:
     return TextDecoderInfo(part.architecture, part.prefix, part.not_exported) if part is not None else None
 
 
-def _kv_cache(spec: DecoderSpec, dtype: str) -> KvCacheInfo:
+def kv_cache_info(spec: DecoderSpec, dtype: str) -> KvCacheInfo:
     """The cache's layout: its tensors listed only when they are not keys and values of
     ``n_kv_heads`` x ``head_dim`` (so a plain KV cache's manifest is what it always was)."""
     if spec.cache is None:
@@ -113,7 +113,7 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
             _text_decoder_of(spec),
         ),
         precision=options.precision.value,
-        kv_cache=_kv_cache(spec, options.precision.kv_dtype),
+        kv_cache=kv_cache_info(spec, options.precision.kv_dtype),
         limits=Limits(options.max_batch, report.max_context),
         export=export_settings(
             options,

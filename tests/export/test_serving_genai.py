@@ -252,6 +252,9 @@ def test_missing_graph_or_names_are_one_clear_error(fp32_dir: Path, tmp_path: Pa
 
 def _manifest_of(loaded: LoadedModel) -> Manifest:
     """The manifest an export of ``loaded`` would write, as far as genai_config reads it (no export)."""
+    import dataclasses
+
+    from kiln.exporter.artifacts.build import kv_cache_info
     from kiln.exporter.contract.io import GraphKind, graph_io
     from kiln_testing import typed_manifest
 
@@ -275,7 +278,10 @@ def _manifest_of(loaded: LoadedModel) -> Manifest:
         "inputs": [t.to_dict() for t in io.inputs],
         "outputs": [t.to_dict() for t in io.outputs],
     }
-    return typed_manifest({"family": spec.family, "config": spec.config, "model": model, "graphs": {"model": graph}})
+    manifest = typed_manifest(
+        {"family": spec.family, "config": spec.config, "model": model, "graphs": {"model": graph}}
+    )
+    return dataclasses.replace(manifest, kv_cache=kv_cache_info(spec, "float32"))  # its cache kind, as written
 
 
 @pytest.mark.parametrize("case", sorted(__import__("kiln.plugins.hf.tiny", fromlist=["TINY"]).TINY))
@@ -291,8 +297,10 @@ def test_every_size_genai_config_states_is_the_models(case: str) -> None:
 
     loaded = tiny_model(case, seed=0)
     config = loaded.module.model.config
-    if loaded.spec.cache is not None:  # multi-head latent attention: GenAI cannot size its cache, and says so
-        with pytest.raises(ArtifactError, match="genai: no genai_config.json for a per-tensor cache .*one head_size"):
+    if (cache := loaded.spec.cache) is not None:  # latent, state, hybrid, shared_kv: GenAI cannot run it, says so
+        with pytest.raises(
+            ArtifactError, match=f"genai: no genai_config.json for a {cache.kind} cache .*kiln generate"
+        ):
             genai_config(_manifest_of(loaded))
         return
     genai = genai_config(_manifest_of(loaded))
