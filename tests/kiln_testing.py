@@ -377,6 +377,22 @@ def hf_greedy(model: Any, prompts: list[list[int]], steps: int) -> Any:
     return np.asarray(out[:, ids.shape[1] :].numpy())
 
 
+def assert_kiln_generate(ckpt: Path, out: Path, prompt: list[int], steps: int) -> None:
+    """``kiln generate`` on the export ``out`` gives transformers' greedy ``generate()`` tokens of
+    ``ckpt`` after ``prompt`` (``steps`` new tokens, no end token)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    ids = ",".join(map(str, prompt))
+    args = ["generate", str(out), "--ids", ids, "--max-new-tokens", str(steps), "--ignore-eos", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tokens"] == hf_greedy(hf_model(ckpt), [prompt], steps)[0].tolist()
+
+
 def assert_int4_generation(ckpt: Path, out: Path, steps: int, **options: Any) -> Any:
     """``ckpt`` exported ``--target ort --int4 --int4-method rtn`` (RTN: no calibration) into ``out``
     and proved against PyTorch computing with the int4 numbers its graphs hold (``parity.quantized``):

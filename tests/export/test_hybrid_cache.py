@@ -9,7 +9,6 @@ too; GenAI and ``--target onnx`` refuse the cache by name. Mamba2 alone: tests/e
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +33,7 @@ from kiln.exporter.serving.genai import genai_config
 from kiln.exporter.support import refusal
 from kiln.plugins import load_model
 from kiln.plugins.hf.build import tiny_model, tiny_transformers
+from kiln_testing import assert_kiln_generate
 
 # plugins/hf/tiny_recurrent.py's granitemoehybrid: layers 0 and 2 Mamba2 (conv window 4 x 160, ssm 8 x 16 x 16),
 # layer 1 attention (2 KV heads of 16)
@@ -107,13 +107,7 @@ def test_greedy_tokens_equal_transformers_generate(hybrid: tuple[Path, Path]) ->
 
 
 def test_kiln_generate_equals_transformers_generate(hybrid: tuple[Path, Path]) -> None:
-    ckpt, out = hybrid
-    prompt = [5, 17, 33, 9, 101, 64, 3, 88, 12]
-    args = ["generate", str(out), "--ids", ",".join(map(str, prompt)), "--max-new-tokens", str(STEPS)]
-    result = CliRunner().invoke(main, [*args, "--ignore-eos", "--json"])
-    assert result.exit_code == 0, result.output
-    want = _generate(ckpt, np.array([prompt]), np.ones((1, len(prompt)), dtype=np.int64))[0]
-    assert json.loads(result.stdout)["tokens"] == want.tolist()
+    assert_kiln_generate(*hybrid, [5, 17, 33, 9, 101, 64, 3, 88, 12], STEPS)
 
 
 def test_bamba_exports_and_its_greedy_tokens_equal_transformers_generate(tmp_path: Path) -> None:

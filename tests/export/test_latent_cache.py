@@ -35,6 +35,7 @@ from kiln.exporter.serving.genai import genai_config
 from kiln.exporter.support import refusal
 from kiln.plugins.base import DecoderSpec
 from kiln.plugins.hf.build import tiny_model, tiny_transformers
+from kiln_testing import assert_kiln_generate
 
 RANK, ROPE = 32, 8  # plugins/hf/tiny.py's _MLA: kv_lora_rank, qk_rope_head_dim
 
@@ -113,21 +114,7 @@ def test_kiln_verify_checks_the_layout_against_the_graphs(v3: tuple[Path, Path],
 
 
 def test_kiln_generate_equals_transformers_generate(v3: tuple[Path, Path]) -> None:
-    ckpt, out = v3
-    prompt = [5, 17, 33, 9, 101, 64, 3, 88, 12]
-    result = CliRunner().invoke(
-        main,
-        ["generate", str(out), "--ids", ",".join(map(str, prompt)), "--max-new-tokens", "16", "--ignore-eos", "--json"],
-    )
-    assert result.exit_code == 0, result.output
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        ckpt, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        want = hf.generate(
-            input_ids=torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None
-        )[0, len(prompt) :]
-    assert json.loads(result.stdout)["tokens"] == want.tolist()
+    assert_kiln_generate(*v3, [5, 17, 33, 9, 101, 64, 3, 88, 12], 16)
 
 
 def test_the_triton_states_have_each_tensors_width(v3: tuple[Path, Path]) -> None:

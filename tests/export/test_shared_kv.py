@@ -38,6 +38,7 @@ from kiln.exporter.support import refusal
 from kiln.plugins.cache_layout import CacheLayout
 from kiln.plugins.hf.build import tiny_model, tiny_transformers
 from kiln.plugins.hf.gemma3n_sparsity import std_multipliers
+from kiln_testing import assert_kiln_generate
 
 CASE = "gemma3n-shared-window"  # plugins/hf/tiny_gemma3n.py: 5 layers, the last 2 read layers 1 and 2
 CARRYING, READS = (0, 1, 2), ((3, 1), (4, 2))
@@ -95,21 +96,7 @@ def test_kiln_verify_checks_the_reads_against_the_graphs(shared: tuple[Path, Pat
 
 
 def test_kiln_generate_equals_transformers_generate(shared: tuple[Path, Path]) -> None:
-    ckpt, out = shared
-    prompt = [5, 17, 33, 9, 101, 64, 3, 88, 12]
-    result = CliRunner().invoke(
-        main,
-        ["generate", str(out), "--ids", ",".join(map(str, prompt)), "--max-new-tokens", "16", "--ignore-eos", "--json"],
-    )
-    assert result.exit_code == 0, result.output
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        ckpt, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        want = hf.generate(
-            input_ids=torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None
-        )[0, len(prompt) :]
-    assert json.loads(result.stdout)["tokens"] == want.tolist()
+    assert_kiln_generate(*shared, [5, 17, 33, 9, 101, 64, 3, 88, 12], 16)
 
 
 def test_the_triton_states_are_the_carrying_layers(shared: tuple[Path, Path]) -> None:

@@ -40,7 +40,7 @@ from kiln.exporter.serving.genai import genai_config
 from kiln.exporter.support import refusal
 from kiln.plugins import load_model
 from kiln.plugins.hf.build import tiny_model, tiny_transformers
-from kiln_testing import assert_int4_generation
+from kiln_testing import assert_int4_generation, assert_kiln_generate
 
 KERNEL, CONV, HEADS, HEAD_DIM, SIZE = 4, 160, 8, 16, 16  # plugins/hf/tiny_recurrent.py's mamba2
 SHAPES = {"conv": (1, KERNEL, CONV), "ssm": (HEADS, HEAD_DIM, SIZE)}
@@ -136,13 +136,7 @@ def test_greedy_tokens_equal_transformers_generate(mamba2: tuple[Path, Path]) ->
 
 
 def test_kiln_generate_equals_transformers_generate(mamba2: tuple[Path, Path]) -> None:
-    ckpt, out = mamba2
-    prompt = [5, 17, 33, 9, 101, 64, 3, 88, 12]
-    args = ["generate", str(out), "--ids", ",".join(map(str, prompt)), "--max-new-tokens", str(STEPS)]
-    result = CliRunner().invoke(main, [*args, "--ignore-eos", "--json"])
-    assert result.exit_code == 0, result.output
-    want = _generate(_hf(ckpt), np.array([prompt]), np.ones((1, len(prompt)), dtype=np.int64))[0]
-    assert json.loads(result.stdout)["tokens"] == want.tolist()
+    assert_kiln_generate(*mamba2, [5, 17, 33, 9, 101, 64, 3, 88, 12], STEPS)
 
 
 def test_the_triton_states_are_the_fixed_shapes_from_zeros(mamba2: tuple[Path, Path]) -> None:
