@@ -197,7 +197,26 @@ def _measure(
         )
     probe_seconds = seconds["decode"].pop(_PROBE) if probe is not None else []
     rows = {kind: medians_ms(s) for kind, s in seconds.items()}
-    result: dict[str, Any] = {
+    result = _header(decoders, labels, sizes, options, rows, load_before)
+    if probe is not None:
+        result.update(_roofline(probe, probe_seconds, result["directories"], rows["decode"], options, progress))
+    if options.sweep:
+        from kiln.runtime.sweep import sweep
+
+        result["sweep"] = sweep(decoders, labels, sessions, options, progress)
+    return result
+
+
+def _header(
+    decoders: list[DecoderDir],
+    labels: list[str],
+    sizes: dict[str, Sizes],
+    options: BenchOptions,
+    rows: dict[str, dict[str, float]],
+    load_before: float,
+) -> dict[str, Any]:
+    """The result's directories, sizes, settings and median times."""
+    return {
         "directories": [
             {
                 "label": lab,
@@ -212,8 +231,8 @@ def _measure(
         ],
         "baseline": labels[0],
         "batch": 1,
-        "prefill_seq": seq,
-        "decode_past": past,
+        "prefill_seq": sizes["prefill"].seq,
+        "decode_past": sizes["decode"].past,
         "threads": options.threads,
         "runs": options.runs,
         "median_ms": rows,
@@ -221,22 +240,29 @@ def _measure(
         "cores": os.cpu_count() or 1,
         "tools": manifest_mod.tool_versions(),
     }
-    if probe is not None:
-        with progress.stage("memory read bandwidth alone", total=options.runs) as stage:
-            alone = probe.alone(options.runs, options.pause_s, stage)
-        probe.close()
-        bandwidth, best = read_bandwidths(probe.nbytes, probe_seconds, alone)
-        result["read_bandwidth_gb_s"] = bandwidth / 1e9  # median, interleaved: the roofline's denominator
-        result["read_bandwidth_best_gb_s"] = best / 1e9  # fastest call, interleaved or alone: >= the median
-        result["roofline"] = {
-            e["label"]: (e["weights_bytes_per_step"] / bandwidth * 1e3) / rows["decode"][e["label"]]
-            for e in result["directories"]
-        }
-    if options.sweep:
-        from kiln.runtime.sweep import sweep
 
-        result["sweep"] = sweep(decoders, labels, sessions, options, progress)
-    return result
+
+def _roofline(
+    probe: BandwidthProbe,
+    probe_seconds: list[float],
+    directories: list[dict[str, Any]],
+    decode_ms: dict[str, float],
+    options: BenchOptions,
+    progress: Progress,
+) -> dict[str, Any]:
+    """The memory read bandwidth (interleaved with the decode steps, then alone) and each row's
+    decode step as a fraction of its weights' read time at that bandwidth."""
+    with progress.stage("memory read bandwidth alone", total=options.runs) as stage:
+        alone = probe.alone(options.runs, options.pause_s, stage)
+    probe.close()
+    bandwidth, best = read_bandwidths(probe.nbytes, probe_seconds, alone)
+    return {
+        "read_bandwidth_gb_s": bandwidth / 1e9,  # median, interleaved: the roofline's denominator
+        "read_bandwidth_best_gb_s": best / 1e9,  # fastest call, interleaved or alone: >= the median
+        "roofline": {
+            e["label"]: (e["weights_bytes_per_step"] / bandwidth * 1e3) / decode_ms[e["label"]] for e in directories
+        },
+    }
 
 
 def _unique(labels: list[str]) -> list[str]:

@@ -176,20 +176,33 @@ def check_parity(
         del held
         scored = _score(module, spec, plan, ran)
     results = [_result(r, r.candidate.tolerance, r.tensors, s, plan) for r, s in zip(ran, scored, strict=True)]
-    against: list[ParityResult | None] = [None] * len(ran)
-    if quantized is not None:
-        if quantized.qdq is not None:
-            with progress.stage("parity: PyTorch with the calibrated Q/DQ scales"):
-                against = _against_qdq(module, spec, plan, quantized.qdq(), ran, settings.last_logits_only)
-        else:
-            with progress.stage("parity: PyTorch on the int4 weights"):
-                against = _against_quantized(module, spec, plan, quantized, ran, settings.last_logits_only)
+    against = _against(module, spec, plan, quantized, ran, settings.last_logits_only, progress)
     if keep and release_reference is not None:
         release_reference()  # the model the export loaded is not read again
     del module
     merged = _merged(ran, results, against, quantized)
     merged.quality = ran[0].quality if quality is None or quality.note is None else quality.unmeasured()
     return merged
+
+
+def _against(
+    module: nn.Module,
+    spec: DecoderSpec,
+    plan: _Plan,
+    quantized: QuantizedModel | None,
+    ran: Sequence[_Ran],
+    last_logits_only: bool,
+    progress: Progress,
+) -> list[ParityResult | None]:
+    """Each quantized candidate against the model it computes (``quantized``: the Q/DQ numbers or
+    the int4 weights); None for every candidate without ``quantized``."""
+    if quantized is None:
+        return [None] * len(ran)
+    if quantized.qdq is not None:
+        with progress.stage("parity: PyTorch with the calibrated Q/DQ scales"):
+            return _against_qdq(module, spec, plan, quantized.qdq(), ran, last_logits_only)
+    with progress.stage("parity: PyTorch on the int4 weights"):
+        return _against_quantized(module, spec, plan, quantized, ran, last_logits_only)
 
 
 def _quality(
