@@ -149,6 +149,9 @@ class DecoderSpec:
     )
     # what each layer caches when it is not keys and values of n_kv_heads x head_dim (``cache_layout``)
     cache: CacheLayout | None = None
+    # --fp16: the fp32 islands the family's own computation needs beyond the default policy
+    # (``exporter.precision.policy`` rules: a Gated DeltaNet's delta rule, ``*.linear_attn``)
+    keep_fp32: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.cache is not None and len(self.cache.layers) != self.n_layers:

@@ -20,9 +20,10 @@ Kinds written today:
   and values inside each step, so only ``kv_lora_rank + qk_rope_head_dim`` numbers per token and
   layer are carried.
 
-- ``state`` (a pure state-space model: Mamba2): per layer a fixed-size recurrent state of the
-  third span, ``STATE``: ``conv`` ``[batch, 1, conv_kernel, conv_dim]`` (the causal convolution's
-  window) and ``ssm`` ``[batch, heads, head_dim, state_size]`` (plugins/hf/recurrent_state.py). Its
+- ``state`` (a pure state-space model: Mamba2, Mamba, FalconMamba): per layer a fixed-size recurrent state
+  of the third span, ``STATE``: ``conv`` ``[batch, 1, conv_kernel, conv_dim]`` (the causal convolution's
+  window) and ``ssm`` ``[batch, heads, head_dim, state_size]`` (plugins/hf/recurrent_state.py; Mamba v1's
+  is one head of ``intermediate_size`` x ``state_size``). Its
   length is a fixed integer (``CacheTensor.length``); decode and the unified graph read it and
   return its replacement, prefill starts from zeros and returns it, and an empty past is its zero
   state rather than a length-0 tensor. Nothing grows, so ``per_token`` is 0.
@@ -32,11 +33,19 @@ Kinds written today:
   kind (``reads``: layer -> that layer), so the graphs neither take nor return a cache for them.
   The carrying layers are the first ones; the manifest lists their tensors and ``kv_cache.reads``.
 
-- ``hybrid`` (attention and state-space layers mixed: GraniteMoeHybrid): an attention layer carries
-  ``key``/``value`` as ``kv`` (growing), a state-space layer ``conv``/``ssm`` as ``state`` (fixed).
+- ``hybrid`` (attention and state-space layers mixed: GraniteMoeHybrid, Jamba): an attention layer carries
+  ``key``/``value`` as ``kv`` (growing), a state-space layer ``conv``/``ssm`` as ``state`` (fixed);
+  a short-convolution layer (LFM2) its conv window ``conv`` alone (fixed), no SSM state.
+  ``CacheLayout.hybrid`` also makes the two other layers a hybrid has: one with attention and a Mamba2 mixer
+  side by side (Falcon-H1) carries ``key``, ``value``, ``conv`` and ``ssm``; one with neither (an MLP or
+  mixture-of-experts block of Nemotron-H) carries nothing, anywhere in the stack.
+  A Gated DeltaNet layer (Qwen3.5, Qwen3-Next) carries ``conv``/``ssm`` too: its conv window over q, k
+  and v and its recurrent state ``[value heads, key dim, value dim]``.
 
-Kinds the layout is shaped for, not written yet (issue 43): per-layer head dims (Gemma 4) are layers
-whose tensors differ, which ``layers`` already holds (one tuple per layer).
+- ``per_layer`` (Gemma 4): keys and values per head, of each layer's own heads and width (a sliding
+  layer's and a global layer's differ: transformers' ``per_layer_config``), growing as ``kv``. With
+  layers that read another's cache (its ``num_kv_shared_layers``) the kind is ``shared_kv``, whose
+  carrying layers then differ in the same way.
 """
 
 from __future__ import annotations
@@ -76,7 +85,7 @@ class CacheTensor:
 class CacheLayout:
     """Every layer's cache tensors, in the graphs' input order."""
 
-    kind: str  # "kv", "latent", "state", "hybrid" or "shared_kv" (the module docstring)
+    kind: str  # "kv", "latent", "state", "hybrid", "shared_kv" or "per_layer" (the module docstring)
     layers: tuple[tuple[CacheTensor, ...], ...]
     # ``shared_kv``: (layer, the earlier layer whose keys and values it reads) for each layer that carries none
     reads: tuple[tuple[int, int], ...] = ()
@@ -111,12 +120,26 @@ class CacheLayout:
 
     @classmethod
     def hybrid(
-        cls, recurrent: Sequence[bool], kv: tuple[int, int], conv: tuple[int, int], ssm: tuple[int, int, int]
+        cls,
+        kinds: Sequence[str],
+        kv: tuple[int, int],
+        conv: tuple[int, int],
+        ssm: tuple[int, int, int] | None = None,
     ) -> CacheLayout:
-        """Attention and state-space layers mixed (GraniteMoeHybrid): ``key``/``value`` of ``kv`` (heads,
-        width) on an attention layer, ``conv``/``ssm`` of fixed sizes (``state``) where ``recurrent[i]``."""
-        keys, state = cls.kv(1, *kv).layers[0], cls.state(1, conv, ssm).layers[0]
-        return cls("hybrid", tuple(state if r else keys for r in recurrent))
+        """A hybrid's layers, each of one kind: ``kv`` (attention: ``key``/``value`` of
+        ``kv`` (heads, width), growing), ``state`` (a state-space or Gated DeltaNet layer: ``conv``/``ssm``
+        of fixed sizes, as ``state``), ``conv`` (a short convolution, LFM2: the conv window alone),
+        ``kv+state`` (attention and a Mamba2 mixer side by side, Falcon-H1: all four) or ``none`` (a block
+        without attention or state, Nemotron-H's MLP: nothing). ``ssm`` None: no layer may hold an SSM state."""
+        kernel, width = conv
+        keys, window = cls.kv(1, *kv).layers[0], (CacheTensor("conv", 1, width, Span.STATE, kernel),)
+        own: dict[str, tuple[CacheTensor, ...]] = {"kv": keys, "conv": window, "none": ()}
+        if ssm is not None:
+            state = cls.state(1, conv, ssm).layers[0]
+            own |= {"state": state, "kv+state": keys + state}
+        if unknown := sorted(set(kinds) - set(own)):
+            raise ValueError(f"layer kinds {unknown} are not one of {sorted(own)}")
+        return cls("hybrid", tuple(own[k] for k in kinds))
 
     @classmethod
     def shared_kv(cls, n_layers: int, heads: int, width: int, reads: dict[int, int]) -> CacheLayout:
@@ -129,6 +152,23 @@ class CacheLayout:
             raise ValueError(f"only the last layers can read an earlier layer's cache ({reads})")
         layers = tuple(() if i in reads else own for i in range(n_layers))
         return cls("shared_kv", layers, tuple(sorted(reads.items())))
+
+    @classmethod
+    def per_layer(cls, shapes: Sequence[tuple[int, int]], reads: dict[int, int]) -> CacheLayout:
+        """Keys and values of each layer's own ``(heads, width)`` (Gemma 4's ``per_layer_config``); the
+        layers of ``reads`` carry none, as in ``shared_kv`` (the kind then), else the kind is ``per_layer``."""
+        n = len(shapes)
+        if reads:
+            shared = cls.shared_kv(n, 1, 1, reads)  # checks that only the last layers read an earlier one
+            return dataclasses.replace(shared, layers=cls._own(shapes, set(reads)))
+        return cls("per_layer", cls._own(shapes, set()))
+
+    @staticmethod
+    def _own(shapes: Sequence[tuple[int, int]], skip: set[int]) -> tuple[tuple[CacheTensor, ...], ...]:
+        return tuple(
+            () if i in skip else (CacheTensor("key", heads, width), CacheTensor("value", heads, width))
+            for i, (heads, width) in enumerate(shapes)
+        )
 
     def carrying(self) -> int:
         """The layers that carry cache tensors (the first ones: a ``shared_kv`` layout's last layers carry none)."""

@@ -201,13 +201,17 @@ def _dim_problems(manifest: Manifest) -> list[str]:
     """The model's numbers against the ones its graphs declare."""
     model, problems = manifest.model, _reads_problems(manifest)
     reading = {r.layer for r in manifest.kv_cache.reads or ()}  # a shared_kv cache's layers that carry none
+    # a hybrid's layers without attention or state (Nemotron-H's MLP blocks) carry none either: not in kv_cache.tensors
+    bare = set(range(model.n_layers)) - {t.layer for t in manifest.kv_cache.tensors or ()} - reading
+    bare = bare if manifest.kv_cache.kind == "hybrid" else set()
     for kind, entry in manifest.graphs.items():
         names = [t.name for t in entry.inputs] + [t.name for t in entry.outputs]
         layers = {m.group(1) for n in names if (m := _CACHE.match(n))}
-        if kind != "encoder" and len(layers) != model.n_layers - len(reading):
+        if kind != "encoder" and len(layers) != model.n_layers - len(reading) - len(bare):
             problems.append(
                 f"model.n_layers is {model.n_layers}"
                 + (f" ({len(reading)} of them reading another's cache, kv_cache.reads)" if reading else "")
+                + (f" ({len(bare)} of them carrying no cache, kv_cache.tensors)" if bare else "")
                 + f", but graph {entry.file} carries the KV cache of {len(layers)} layers"
             )
         problems += [

@@ -16,10 +16,14 @@ default layout, from those two numbers); multi-head latent attention (DeepSeek-V
 1, conv_kernel, conv_dim]`` and ``ssm`` ``[batch, heads, head_dim, state_size]`` (span ``state``: every
 dim a number but batch); decode and the unified graph read it and return its replacement, prefill
 starts from zeros and returns it, and a caller's empty past is its zeros (``contract.steps.empty_past``).
-A hybrid (GraniteMoeHybrid, Bamba; layout kind ``hybrid``) carries per layer its own: ``key``/``value``
-(growing) on an attention layer, ``conv``/``ssm`` (fixed) on a Mamba2 layer.
+A hybrid (GraniteMoeHybrid, Bamba, Nemotron-H, Falcon-H1; layout kind ``hybrid``) carries per layer its
+own: ``key``/``value`` (growing) on an attention layer, ``conv``/``ssm`` (fixed) on a Mamba2 layer, all
+four on a layer with both (Falcon-H1), none on a layer with neither (Nemotron-H's MLP blocks), ``conv``
+alone (fixed, no SSM state) on a short-convolution layer (LFM2).
 Gemma 3n's last layers (layout kind ``shared_kv``) carry no cache tensor: each reads, inside the step,
 an earlier layer's keys and values, so no graph takes or returns one for them (``kv_cache.reads``).
+Gemma 4 (layout kind ``per_layer``, or ``shared_kv`` with such layers) caches ``key``/``value`` of each
+layer's own heads and width (a sliding layer's and a global layer's differ), listed per tensor.
 
 Cross-attention decoders (``spec.encoder_dim`` set): prefill also takes ``encoder_hidden_states``
 ``[batch, encoder_seq, encoder_dim]`` and returns every layer's cross-attention keys and values

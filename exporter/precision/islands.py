@@ -26,8 +26,9 @@ __all__ = ["prepare"]
 
 
 def prepare(kind: Fp16, context: PrecisionContext) -> Prepared:
-    """The fp32 islands: the default policy, ``--keep-fp32`` and what ``--auto-keep-fp32`` finds."""
-    policy = Fp16Policy().widened(kind.keep_fp32)
+    """The fp32 islands: the default policy, the family's own (``DecoderSpec.keep_fp32``), ``--keep-fp32`` and
+    what ``--auto-keep-fp32`` finds."""
+    policy = Fp16Policy().widened(context.reference.spec.keep_fp32 + kind.keep_fp32)  # the family's, then asked
     if not kind.auto_keep_fp32:
         return _Fp16Prepared(policy, None, context.contract_io)
     reference = context.reference

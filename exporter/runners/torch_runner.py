@@ -224,10 +224,9 @@ class TorchRunner:
             else wrapper(ids, mask, pos, extra)
         )
         names = ["logits"]
-        per_layer = 4 if cross and kind is GraphKind.PREFILL else 2
-        for i in range(min(self._n_layers, (len(outs) - 1) // per_layer)):  # the layers that return a cache
+        for i in range(self._n_layers):  # a shared_kv layout's last layers return none: cut below
             names += [*self._own(PRESENT, i), *(cross_present_names(i) if cross and kind is GraphKind.PREFILL else ())]
-        return {n: t.numpy() for n, t in zip(names, outs, strict=True)}
+        return {n: t.numpy() for n, t in zip(names[: len(outs)], outs, strict=True)}
 
     def _own(self, prefix: str, layer: int) -> tuple[str, ...]:
         """Layer ``layer``'s own cache tensors' names (``past_names``/``present_names`` for keys and values)."""

@@ -131,6 +131,12 @@ def genai_refusal(manifest: Manifest) -> str | None:
             "values, kv_cache.reads): ONNX Runtime GenAI gives every layer a cache of its own; run the portable "
             "graphs (kiln generate)"
         )
+    if kind == "per_layer":
+        return (
+            "genai: no genai_config.json for a per_layer cache (keys and values of each layer's own heads and "
+            "width, kv_cache.tensors): ONNX Runtime GenAI sizes every cache tensor by one head_size and "
+            "num_key_value_heads; run the portable graphs (kiln generate)"
+        )
     if kind in ("state", "hybrid"):
         return (
             f"genai: no genai_config.json for a {kind} cache (a recurrent state per layer, conv and ssm of fixed "

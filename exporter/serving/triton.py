@@ -211,9 +211,10 @@ def _states(
 
 def _layer_pairs(manifest: Manifest, layer: int) -> list[tuple[str, str]]:
     """A layer's ``(past, present)`` names: its listed tensors (a recurrent state's ``conv``/``ssm``,
-    whose fixed shape is the state's and whose zeros its initial value), else key and value."""
+    whose fixed shape is the state's and whose zeros its initial value), else key and value; none
+    for a hybrid's layer that lists none (Nemotron-H's MLP blocks carry no cache)."""
     listed = [t.name for t in manifest.kv_cache.tensors or () if t.layer == layer and t.span != "encoder"]
-    names = listed or ["key", "value"]
+    names = listed or ([] if manifest.kv_cache.kind == "hybrid" else ["key", "value"])
     return [(f"past_key_values.{layer}.{n}", f"present.{layer}.{n}") for n in names]
 
 

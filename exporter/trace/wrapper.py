@@ -45,17 +45,22 @@ class GraphModule(nn.Module):
         # prefill's extra input is the encoder states (cross-attention), the others' the flat past
         encoder = extra if self.kind is GraphKind.PREFILL and isinstance(extra, Tensor) else None
         past = list(extra) if self.kind is not GraphKind.PREFILL and isinstance(extra, (list, tuple)) else None
-        per_layer = 4 if self.cross else 2
-        pkv = (
-            [tuple(past[per_layer * i : per_layer * (i + 1)]) for i in range(self.n_layers)]
-            if past is not None
-            else None
-        )
+        pkv = self._per_layer(past) if past is not None else None
         if self.cross:
             kwargs["encoder_hidden_states"] = encoder
         logits, presents = self.model(input_ids, attention_mask, position_ids, pkv, self.last_logits_only, **kwargs)
-        returned = per_layer if self.kind is GraphKind.PREFILL else 2  # the cross cache never grows
+        returned = 2 if self.cross and self.kind is not GraphKind.PREFILL else None  # the cross cache never grows
         return (logits, *[t for kv in presents for t in kv[:returned]])
+
+    def _per_layer(self, past: list[Any]) -> list[tuple[Any, ...]]:
+        """The flat past cut into layers: by the model's per-layer ``cache_names`` where it has them (a
+        hybrid's layers carry 0, 2 or 4 tensors), else 2 per layer (4 with cross-attention; the last
+        layers of a ``shared_kv`` cache get none)."""
+        names = getattr(self.model, "cache_names", ("key", "value"))
+        per_layer = 4 if self.cross else 2
+        counts = [len(n) for n in names] if names and not isinstance(names[0], str) else [per_layer] * self.n_layers
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return [tuple(past[start : start + count]) for start, count in zip(starts, counts, strict=True)]
 
 
 class EncoderModule(nn.Module):

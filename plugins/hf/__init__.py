@@ -95,7 +95,10 @@ _PLACEHOLDER = types.SimpleNamespace(
     expand=2, hidden_size=64, n_groups=1, state_size=16, conv_kernel=4, num_heads=8, head_dim=16,
     layer_types=["linear_attention"], num_attention_heads=1, num_key_value_heads=1, mamba_expand=2, mamba_n_groups=1,
     mamba_d_state=16, mamba_d_conv=4, mamba_n_heads=8, mamba_d_head=16,
-)  # the sizes a cache layout reads (multi-head latent attention's, Mamba2's, GraniteMoeHybrid's)  # fmt: skip
+    linear_num_key_heads=1, linear_key_head_dim=16, linear_num_value_heads=1, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, conv_L_cache=3, intermediate_size=128,
+    layers_block_type=["linear_attention"], mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, mamba_d_ssm=None,
+)  # the sizes a cache layout reads (MLA's, Mamba2's, Mamba's, the Mamba2 hybrids', Qwen3.5's, LFM2's)  # fmt: skip
 
 
 def _structure(

@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kiln.errors import CheckpointError
 from kiln.plugins.cache_layout import CacheLayout
 
 __all__ = ["ALIASES", "ARCHS", "Arch", "Refusal", "TextDecoder"]
@@ -74,6 +75,12 @@ class Arch:
     heads: str = "num_attention_heads"
     # the layer_types it proves beyond full and sliding attention (a state-space model's "linear_attention")
     layer_types: tuple[str, ...] = ()
+    # --fp16: what stays fp32 beyond the default policy (``DecoderSpec.keep_fp32``)
+    keep_fp32: tuple[str, ...] = ()
+    # the rope types it proves beyond config.STATIC_ROPE (Gemma 4's "proportional": fixed frequencies, zero past a part)
+    ropes: tuple[str, ...] = ()
+    # the attributes its config may vary by layer (transformers' per_layer_config), read per layer (its ``cache``)
+    per_layer: tuple[str, ...] = ()
 
 
 def _falcon_kv_heads(cfg: Any) -> int:
@@ -95,6 +102,27 @@ def _mamba2_state(cfg: Any) -> CacheLayout:
     return CacheLayout.state(int(cfg.num_hidden_layers), (int(cfg.conv_kernel), conv_dim), ssm)
 
 
+def _mamba1_state(cfg: Any) -> CacheLayout:
+    """Mamba v1's recurrent state per layer (Mamba, FalconMamba; plugins/hf/mamba1_scan.py): the conv
+    window over x (``intermediate_size`` wide, ``conv_kernel`` long) and the SSM state, one head of
+    ``intermediate_size`` x ``state_size`` (transformers' ``[batch, intermediate, state]``)."""
+    inner = int(cfg.intermediate_size)
+    return CacheLayout.state(int(cfg.num_hidden_layers), (int(cfg.conv_kernel), inner), (1, inner, int(cfg.state_size)))
+
+
+def _jamba_cache(cfg: Any) -> CacheLayout:
+    """Jamba's cache: keys and values per KV head on its ``full_attention`` layers, the Mamba v1 state
+    (as ``_mamba1_state``, from its ``mamba_*`` sizes) on its ``linear_attention`` ones."""
+    inner = int(cfg.mamba_expand * cfg.hidden_size)
+    width = int(cfg.hidden_size) // int(cfg.num_attention_heads)
+    return CacheLayout.hybrid(
+        ["state" if kind == "linear_attention" else "kv" for kind in cfg.layer_types],
+        (int(cfg.num_key_value_heads), width),
+        (int(cfg.mamba_d_conv), inner),
+        (1, inner, int(cfg.mamba_d_state)),
+    )
+
+
 def _mamba_hybrid_cache(cfg: Any) -> CacheLayout:
     """A Mamba2 hybrid's cache (GraniteMoeHybrid, Bamba): keys and values per KV head on its
     ``full_attention`` layers, the Mamba2 state (as ``_mamba2_state``, from its ``mamba_*`` sizes) on
@@ -102,10 +130,68 @@ def _mamba_hybrid_cache(cfg: Any) -> CacheLayout:
     conv_dim = int(cfg.mamba_expand * cfg.hidden_size) + 2 * int(cfg.mamba_n_groups) * int(cfg.mamba_d_state)
     width = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // int(cfg.num_attention_heads))
     return CacheLayout.hybrid(
-        [kind == "linear_attention" for kind in cfg.layer_types],
+        ["state" if kind == "linear_attention" else "kv" for kind in cfg.layer_types],
         (int(cfg.num_key_value_heads), width),
         (int(cfg.mamba_d_conv), conv_dim),
         (int(cfg.mamba_n_heads), int(cfg.mamba_d_head), int(cfg.mamba_d_state)),
+    )
+
+
+def _nemotron_h_cache(cfg: Any) -> CacheLayout:
+    """Nemotron-H's cache: each block one mixer, so ``key``/``value`` on its attention blocks, the Mamba2
+    state (``mamba_num_heads`` x ``mamba_head_dim``, ``ssm_state_size``) on its Mamba2 blocks, nothing on its
+    MLP and mixture-of-experts blocks."""
+    conv_dim = int(cfg.mamba_num_heads) * int(cfg.mamba_head_dim) + 2 * int(cfg.n_groups) * int(cfg.ssm_state_size)
+    kinds = {"full_attention": "kv", "linear_attention": "state"}
+    return CacheLayout.hybrid(
+        [kinds.get(kind, "none") for kind in cfg.layers_block_type],
+        (int(cfg.num_key_value_heads), int(cfg.head_dim)),
+        (int(cfg.conv_kernel), conv_dim),
+        (int(cfg.mamba_num_heads), int(cfg.mamba_head_dim), int(cfg.ssm_state_size)),
+    )
+
+
+def _falcon_h1_cache(cfg: Any) -> CacheLayout:
+    """Falcon-H1's cache: every layer runs attention and a Mamba2 mixer side by side, so each carries
+    ``key``/``value`` and the Mamba2 state (its width ``mamba_d_ssm``, or ``mamba_expand`` x hidden)."""
+    inner = int(cfg.mamba_d_ssm or cfg.mamba_expand * cfg.hidden_size)
+    conv_dim = inner + 2 * int(cfg.mamba_n_groups) * int(cfg.mamba_d_state)
+    return CacheLayout.hybrid(
+        ["kv+state"] * int(cfg.num_hidden_layers),
+        (int(cfg.num_key_value_heads), int(cfg.hidden_size) // int(cfg.num_attention_heads)),
+        (int(cfg.mamba_d_conv), conv_dim),
+        (int(cfg.mamba_n_heads), int(cfg.mamba_d_head), int(cfg.mamba_d_state)),
+    )
+
+
+# --fp16: a Gated DeltaNet mixer's own nodes (the delta rule, its decays and conv; not its projections) stay fp32:
+# in fp16 the tiny Qwen3.5's prompt state drifts to cosine 0.99984 of PyTorch's (parity's floor: 0.9999)
+_DELTANET_FP32 = ("*.linear_attn",)
+
+
+def _deltanet_hybrid_cache(cfg: Any) -> CacheLayout:
+    """A Gated DeltaNet hybrid's cache (Qwen3.5, Qwen3-Next; plugins/hf/gated_deltanet.py): keys and values per
+    KV head on its ``full_attention`` layers; on its ``linear_attention`` ones the conv window over q, k and v
+    (``2 * key heads * key dim + value heads * value dim`` wide, ``linear_conv_kernel_dim`` long) and the
+    recurrent state ``[value heads, key dim, value dim]`` (transformers' ``LinearAttentionLayer``)."""
+    key_dim, value_heads = int(cfg.linear_num_key_heads) * int(cfg.linear_key_head_dim), int(cfg.linear_num_value_heads)
+    return CacheLayout.hybrid(
+        ["state" if kind == "linear_attention" else "kv" for kind in cfg.layer_types],
+        (int(cfg.num_key_value_heads), int(cfg.head_dim)),
+        (int(cfg.linear_conv_kernel_dim), 2 * key_dim + value_heads * int(cfg.linear_value_head_dim)),
+        (value_heads, int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim)),
+    )
+
+
+def _short_conv_cache(cfg: Any) -> CacheLayout:
+    """LFM2's cache (Lfm2, Lfm2Moe; plugins/hf/recurrent_state.py): keys and values per KV head on its
+    ``full_attention`` layers, the conv window alone (``conv_L_cache`` long, ``hidden_size`` wide; no SSM
+    state) on its ``conv`` layers."""
+    width = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // int(cfg.num_attention_heads))
+    return CacheLayout.hybrid(
+        ["conv" if kind == "conv" else "kv" for kind in cfg.layer_types],
+        (int(cfg.num_key_value_heads), width),
+        (int(cfg.conv_L_cache), int(cfg.hidden_size)),
     )
 
 
@@ -125,6 +211,23 @@ def _shared_kv_cache(cfg: Any) -> CacheLayout | None:
     kinds, first = list(cfg.layer_types), n - shared
     reads = {i: max(j for j in range(first) if kinds[j] == kinds[i]) for i in range(first, n)}
     return CacheLayout.shared_kv(n, int(cfg.num_key_value_heads), int(cfg.head_dim), reads)
+
+
+def _gemma4_cache(cfg: Any) -> CacheLayout:
+    """Gemma 4's cache (transformers 5.25): keys and values of each layer's own KV heads and head dim
+    (``per_layer_config``: a global layer's ``global_head_dim`` and ``num_global_key_value_heads``), none
+    for the last ``num_kv_shared_layers`` layers, each of which reads the last earlier layer of its kind."""
+    n, shared = int(cfg.num_hidden_layers), int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
+    kinds, first = list(cfg.layer_types), n - shared
+    if any(kind not in kinds[:first] for kind in kinds[first:]):
+        raise CheckpointError(
+            f"Gemma4ForCausalLM: num_kv_shared_layers={shared} of {n} layers leaves a shared layer no earlier layer of "
+            "its kind to read (a Gemma 4 assistant's text config: its target model passes the keys and values in); "
+            "kiln exports a decoder that computes its own"
+        )
+    reads = {i: max(j for j in range(first) if kinds[j] == kinds[i]) for i in range(first, n)}
+    layers = [cfg.per_layer_config[i] for i in range(n)] if getattr(cfg, "is_heterogeneous", False) else [cfg] * n
+    return CacheLayout.per_layer([(int(c.num_key_value_heads), int(c.head_dim)) for c in layers], reads)
 
 
 # multi-head latent attention: --target ort leaves it portable (GroupQueryAttention caches per-head keys and values, not
@@ -545,6 +648,39 @@ ARCHS: Mapping[str, Arch] = {
         heads="num_heads",
         layer_types=("linear_attention",),
     ),
+    # issue 43: Mamba v1's state (plugins/hf/tiny_mamba.py, mamba1_scan.py); no heads of its own: the
+    # spec's one KV head of width 1 (heads = hidden_size) is unused, the cache layout gives the shapes
+    "MambaForCausalLM": Arch(
+        "Mamba",
+        context=None,
+        kv_heads=lambda cfg: 1,
+        notes="state-space layers (Mamba v1: conv window + SSM state per channel, fixed size), the selective "
+        "scan as a log-depth associative scan at any step",
+        ort="portable (no attention: state-space layers)",
+        cache=_mamba1_state,
+        heads="hidden_size",
+        layer_types=("linear_attention",),
+    ),
+    "FalconMambaForCausalLM": Arch(
+        "FalconMamba",
+        context=None,
+        kv_heads=lambda cfg: 1,
+        notes="Mamba v1 layers with RMS norms on dt, B and C (conv window + SSM state per channel, fixed size), "
+        "the selective scan as a log-depth associative scan at any step",
+        ort="portable (no attention: state-space layers)",
+        cache=_mamba1_state,
+        heads="hidden_size",
+        layer_types=("linear_attention",),
+    ),
+    # issue 43: attention and Mamba v1 layers mixed (a hybrid cache; plugins/hf/tiny_mamba.py, mamba1_scan.py)
+    "JambaForCausalLM": Arch(
+        "Jamba",
+        notes="Mamba v1 layers (conv window + SSM state per channel, fixed size; RMS norms on dt, B and C) between "
+        "attention layers without rotary, mixture of experts on every other layer",
+        ort="GQA; MoE (decode)",
+        cache=_jamba_cache,
+        layer_types=("linear_attention",),
+    ),
     # issue 43: attention and Mamba2 layers mixed (a hybrid cache; plugins/hf/tiny_recurrent.py)
     "GraniteMoeHybridForCausalLM": Arch(
         "GraniteMoeHybrid",
@@ -561,6 +697,66 @@ ARCHS: Mapping[str, Arch] = {
         cache=_mamba_hybrid_cache,
         layer_types=("linear_attention",),
     ),
+    # issue 43: the two other Mamba2 hybrid layouts (plugins/hf/tiny_mamba_hybrids.py)
+    "NemotronHForCausalLM": Arch(
+        "Nemotron-H",
+        notes="blocks of one mixer each: Mamba2 (grouped RMS-norm gate), attention without rotary, relu^2 MLP or "
+        "mixture of experts (sigmoid scores, correction bias, shared expert); MLP and expert blocks carry no cache",
+        ort="GQA; per-expert MatMuls (relu^2 experts without a gate)",
+        cache=_nemotron_h_cache,
+        layer_types=("linear_attention", "mlp", "moe"),
+        window=True,  # NemotronHConfig has a sliding_window field (None in the published configs)
+    ),
+    "FalconH1ForCausalLM": Arch(
+        "Falcon-H1",
+        notes="attention (rotary) and a Mamba2 mixer side by side in every layer (each carries key, value, conv "
+        "window and SSM state), muP multipliers (embedding, attention, SSM and its projection, MLP, LM head)",
+        cache=_falcon_h1_cache,
+        layer_types=("hybrid",),
+    ),
+    # issue 43: Gated DeltaNet and gated attention layers (hybrid cache; plugins/hf/tiny_qwen3_5.py, gated_deltanet.py)
+    "Qwen3_5ForCausalLM": Arch(
+        "Qwen3.5 (text)",
+        notes="Gated DeltaNet layers (conv window + recurrent state, fixed size; the delta rule in one form at any "
+        "step; fp32 at --fp16) between attention layers with an output gate, partial rotary, q/k norm",
+        cache=_deltanet_hybrid_cache,
+        layer_types=("linear_attention",),
+        keep_fp32=_DELTANET_FP32,
+    ),
+    "Qwen3NextForCausalLM": Arch(
+        "Qwen3-Next",
+        notes="Gated DeltaNet layers (conv window + recurrent state, fixed size; fp32 at --fp16) between attention "
+        "layers with an output gate, partial rotary, q/k norm, mixture of experts with a gated shared expert",
+        ort="GQA; MoE (decode)",
+        cache=_deltanet_hybrid_cache,
+        layer_types=("linear_attention",),
+        keep_fp32=_DELTANET_FP32,
+    ),
+    "Qwen3_5MoeForCausalLM": Arch(
+        "Qwen3.5-MoE (text)",
+        notes="Gated DeltaNet layers (conv window + recurrent state, fixed size; fp32 at --fp16) between attention "
+        "layers with an output gate, partial rotary, q/k norm, mixture of experts with a gated shared expert",
+        ort="GQA; MoE (decode)",
+        cache=_deltanet_hybrid_cache,
+        layer_types=("linear_attention",),
+        keep_fp32=_DELTANET_FP32,
+    ),
+    # issue 43: short-convolution and attention layers (a hybrid cache; plugins/hf/tiny_lfm2.py, short_conv.py)
+    "Lfm2ForCausalLM": Arch(
+        "LFM2",
+        notes="short-convolution layers (gated depthwise conv; a conv window per layer, fixed size, no SSM state) "
+        "between attention layers (rotary, q/k norm), SwiGLU with an auto-adjusted width",
+        cache=_short_conv_cache,
+        layer_types=("conv",),
+    ),
+    "Lfm2MoeForCausalLM": Arch(
+        "LFM2-MoE",
+        notes="LFM2's short-convolution and attention layers, the first num_dense_layers with a dense MLP, the "
+        "others a mixture of experts (sigmoid scores, an expert bias on the choice, normalised top-k)",
+        ort=f"GQA; {_SIGMOID}",
+        cache=_short_conv_cache,
+        layer_types=("conv",),
+    ),
     # issue 43: per-layer inputs, AltUp, Laurel, the activation-sparsity threshold (plugins/hf/tiny_gemma3n.py)
     "Gemma3nForCausalLM": Arch(
         "Gemma 3n (text)",
@@ -569,6 +765,27 @@ ARCHS: Mapping[str, Arch] = {
         "layer's cache (shared_kv), sliding/global layers, q/k/v norm, soft-capping",
         ort="GQA (not on the layers that read another's cache)",
         window=True,
+    ),
+    # issue 43: per-layer head dims and KV heads, values = keys, proportional rope, per-layer inputs, shared KV
+    # (plugins/hf/tiny_gemma4.py)
+    "Gemma4ForCausalLM": Arch(
+        "Gemma 4 (text)",
+        cache=_gemma4_cache,
+        refusals=(
+            Refusal(
+                "enable_moe_block",
+                _truthy,
+                "Gemma 4's mixture-of-experts block beside the MLP (26B-A4B) has no tiny case proving its router "
+                "and experts yet",
+            ),
+            Refusal("use_bidirectional_attention", lambda v: v == "all", "non-causal attention is not a decoder"),
+        ),
+        notes="per-layer head dims and KV heads, values = keys on global layers, proportional rope, per-layer "
+        "inputs, shared KV with a double-wide MLP, sliding/global layers, soft-capping",
+        ort="GQA (not on layers of another head dim or KV heads than the first's, nor reading another's cache)",
+        window=True,
+        ropes=("proportional",),
+        per_layer=("head_dim", "num_key_value_heads"),
     ),
 }
 

@@ -79,13 +79,23 @@ def refuse_quantized(cfg: Any, arch: str) -> None:
         )
 
 
+def _per_layer(cfg: Any, arch: str) -> list[Any]:
+    """The configs to read sizes from: each layer's (``per_layer_config``) where ``ARCHS[arch]`` reads
+    attributes per layer and the config varies them, else the config itself."""
+    if arch in ARCHS and ARCHS[arch].per_layer and getattr(cfg, "is_heterogeneous", False):
+        return [cfg.per_layer_config[i] for i in range(int(cfg.num_hidden_layers))]
+    return [cfg]
+
+
 def refuse_sizes(cfg: Any, arch: str, optional: tuple[str | None, ...] = ()) -> None:
-    """Every size in ``SIZES`` (and each of ``optional`` the config sets) is a positive 32-bit integer."""
+    """Every size in ``SIZES`` (and each of ``optional`` the config sets) is a positive 32-bit integer
+    (in every layer's config where they vary by layer)."""
     own = ARCHS[arch].heads if arch in ARCHS else "num_attention_heads"  # a state-space model's heads: num_heads
-    for name in (*(own if n == "num_attention_heads" else n for n in SIZES), *optional):
-        value = getattr(cfg, name, None) if name is not None else None
-        if (name in SIZES or value is not None) and (problem := dim_error(str(name), value)):
-            raise CheckpointError(f"{arch}: {problem} in config.json")
+    for layer in _per_layer(cfg, arch):
+        for name in (*(own if n == "num_attention_heads" else n for n in SIZES), *optional):
+            value = getattr(layer, name, None) if name is not None else None
+            if (name in SIZES or value is not None) and (problem := dim_error(str(name), value)):
+                raise CheckpointError(f"{arch}: {problem} in config.json")
 
 
 def _kv_heads(cfg: Any, a: Arch) -> int:
@@ -99,21 +109,26 @@ def _kv_heads(cfg: Any, a: Arch) -> int:
 
 def _refuse_heads(cfg: Any, arch: str) -> None:
     """The heads split the hidden size (unless the config gives ``head_dim``) and share the KV heads evenly."""
-    heads, hidden = getattr(cfg, ARCHS[arch].heads), cfg.hidden_size
-    if getattr(cfg, "head_dim", None) is None and hidden % heads:
-        raise CheckpointError(
-            f"{arch}: num_attention_heads ({heads}) does not divide hidden_size ({hidden}), and config.json "
-            "gives no head_dim"
-        )
-    kv = _kv_heads(cfg, ARCHS[arch])
-    if heads % kv:
-        raise CheckpointError(f"{arch}: num_attention_heads ({heads}) is not a multiple of the key/value heads ({kv})")
+    for layer in _per_layer(cfg, arch):
+        heads, hidden = getattr(layer, ARCHS[arch].heads), layer.hidden_size
+        if getattr(layer, "head_dim", None) is None and hidden % heads:
+            raise CheckpointError(
+                f"{arch}: num_attention_heads ({heads}) does not divide hidden_size ({hidden}), and config.json "
+                "gives no head_dim"
+            )
+        kv = _kv_heads(layer, ARCHS[arch])
+        if heads % kv:
+            raise CheckpointError(
+                f"{arch}: num_attention_heads ({heads}) is not a multiple of the key/value heads ({kv})"
+            )
 
 
 def refuse_per_layer(cfg: Any, arch: str) -> None:
     """A config whose attributes vary by layer (transformers' ``per_layer_config``: reading one
-    of them globally raises) is refused by name: kiln reads each size once, for every layer."""
+    of them globally raises) is refused by name: kiln reads each size once, for every layer, except the
+    attributes ``ARCHS[arch].per_layer`` reads per layer (Gemma 4's head dims and KV heads)."""
     varying = getattr(cfg, "per_layer_attributes", None) if getattr(cfg, "is_heterogeneous", False) else None
+    varying = set(varying or ()) - set(ARCHS[arch].per_layer if arch in ARCHS else ())
     if varying:
         raise CheckpointError(
             f"{arch}: config attributes that vary by layer (per_layer_config: {', '.join(sorted(varying))}) are "
@@ -133,7 +148,7 @@ def refuse(cfg: Any, arch: str) -> None:
             f"{where}: is_encoder_decoder is not supported: kiln exports decoder-only Hugging Face models"
         )
     for rope_type, _ in rope_types(cfg):
-        if rope_type not in STATIC_ROPE:
+        if rope_type not in (*STATIC_ROPE, *ARCHS[arch].ropes):
             why = _ROPE_WHY.get(rope_type, f"kiln proves {', '.join(STATIC_ROPE)}")
             raise CheckpointError(f"{where}: rope_type {rope_type!r} is not supported: {why}")
     proved = (*LAYER_TYPES, *(("chunked_attention",) if ARCHS[arch].chunked else ()), *ARCHS[arch].layer_types)
@@ -183,9 +198,10 @@ def _token(cfg: Any, name: str) -> int | None:
 def read_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
     """The spec of a loaded model's config (standard fields, with ``ARCHS[arch]``'s overrides)."""
     a = ARCHS[arch]
-    heads = int(getattr(cfg, a.heads))
+    first = _per_layer(cfg, arch)[0]  # the first layer's sizes where they vary by layer (its cache gives every one)
+    heads = int(getattr(first, a.heads))
     hidden = int(cfg.hidden_size)
-    kv = _kv_heads(cfg, a)
+    kv = _kv_heads(first, a)
     context = getattr(cfg, a.context, None) if a.context is not None else getattr(cfg, "seq_length", None)
     why = (
         None
@@ -206,7 +222,7 @@ def read_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
         family=family,
         n_layers=int(cfg.num_hidden_layers),
         n_kv_heads=kv,
-        head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
+        head_dim=int(getattr(first, "head_dim", None) or hidden // heads),
         vocab_size=int(cfg.vocab_size),
         max_context=int(context) if context is not None else None,
         max_context_why=why,
@@ -215,6 +231,7 @@ def read_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
         pad_token_id=_token(cfg, "pad_token_id"),
         config=_manifest_config(cfg, arch),
         cache=a.cache(cfg) if a.cache is not None else None,
+        keep_fp32=a.keep_fp32,
     )
 
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from kiln.plugins.hf.deepseek_rotary import deepseek_rewrites_for
+from kiln.plugins.hf.gated_deltanet import DELTANETS, deltanet_rewrites_for
 from kiln.plugins.hf.gemma3n_sparsity import gemma3n_rewrites_for
+from kiln.plugins.hf.mamba1_scan import flat_states, is_mamba1, mamba1_rewrites_for, step_mask, token_by_token
 from kiln.plugins.hf.mamba2_scan import MIXERS, mamba2_rewrites_for
 from kiln.plugins.hf.real_rotary import rewrites_for
-from kiln.plugins.hf.recurrent_state import is_recurrent, seed_state, state_of
+from kiln.plugins.hf.recurrent_state import layer_names, layer_tensors, seed_layer
+from kiln.plugins.hf.short_conv import SHORT_CONVS, short_conv_rewrites_for
 
 __all__ = ["KV", "HFDecoder", "HFSeq2Seq"]
 
@@ -32,7 +37,7 @@ def _cache_of(out: Any) -> Any:
     return out.cache if "cache" in out else out.past_key_values
 
 
-def _cache(recurrent_config: Any, past: list[KV] | None) -> Any:
+def _cache(recurrent_config: Any, past: list[tuple[Tensor, ...]] | None) -> Any:
     """The model's ``DynamicCache`` holding kiln's flat past: keys and values per layer, or a
     recurrent layer's ``conv`` and ``ssm`` state (``recurrent_state``). A recurrent model's cache
     is built from its config (which makes its ``LinearAttentionLayer``s); any other's without."""
@@ -46,28 +51,27 @@ def _cache(recurrent_config: Any, past: list[KV] | None) -> Any:
         cache = DynamicCache()
         for i, kv in enumerate(past or []):
             if kv:  # a layer that reads another's cache (Gemma 3n's last layers) carries none
-                cache.update(*kv, i)
+                cache.update(kv[0], kv[1], i)
         return cache
     cache = DynamicCache(config=recurrent_config)  # a hybrid's: attention layers and LinearAttentionLayers
     for i, tensors in enumerate(past or []):
-        if is_recurrent(cache.layers[i]):
-            seed_state(cache.layers[i], *tensors)
-        else:
-            cache.update(*tensors, i)
+        seed_layer(cache.layers[i], tensors, i, cache)
     return cache
 
 
 def _cache_names(model: nn.Module, recurrent: bool) -> tuple[str, ...] | tuple[tuple[str, ...], ...]:
     """The cache tensors' names: ``key``/``value`` for every layer of an attention-only model, else
     per layer ``conv``/``ssm`` where transformers' cache for the model's config holds a recurrent
-    state and ``key``/``value`` elsewhere (a hybrid mixes them)."""
+    state and ``key``/``value`` elsewhere (a hybrid mixes them; ``recurrent_state.layer_names``: all four
+    on a layer with both, none on a layer without attention or state)."""
     from transformers import DynamicCache
 
     if not recurrent:
         return ("key", "value")
     config: Any = model.config  # transformers' (untyped)
     layers = DynamicCache(config=config).layers
-    return tuple(("conv", "ssm") if is_recurrent(layer) else ("key", "value") for layer in layers)
+    kinds = list(getattr(config, "layer_types", None) or [None] * len(layers))  # LFM2's "conv": conv alone
+    return tuple(layer_names(layer, kind) for layer, kind in zip(layers, kinds, strict=True))
 
 
 class HFDecoder(nn.Module):
@@ -77,11 +81,23 @@ class HFDecoder(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        self.rewrites = rewrites_for(model)
-        self.mla_rewrites = deepseek_rewrites_for(model)  # DeepSeek-V2's complex rotary (deepseek_rotary)
-        self.ssm_rewrites = mamba2_rewrites_for(model)  # Mamba2's mixer in one form at every length (mamba2_scan)
-        self.sparsity_rewrites = gemma3n_rewrites_for(model)  # Gemma 3n's icdf as a constant (gemma3n_sparsity)
-        self.recurrent = any(type(m).__name__ in MIXERS for m in model.modules())  # Mamba2, or a hybrid's layers
+        # the trace-time rewrites (plugins/hf/trace_rewrites.py: each enters only while torch.export traces a
+        # model with the module it replaces; eager runs keep transformers' code), entered in this order
+        self.trace_rewrites = (
+            mamba1_rewrites_for(model),  # Mamba v1's scan in one form at every length (mamba1_scan)
+            rewrites_for(model),  # Llama 4's complex rotary in real arithmetic (real_rotary)
+            deepseek_rewrites_for(model),  # DeepSeek-V2's complex rotary (deepseek_rotary)
+            mamba2_rewrites_for(model),  # Mamba2's mixer in one form at every length (mamba2_scan)
+            gemma3n_rewrites_for(model),  # Gemma 3n's icdf as a constant (gemma3n_sparsity)
+            deltanet_rewrites_for(model),  # Gated DeltaNet in one form (gated_deltanet)
+            short_conv_rewrites_for(model),  # LFM2's short convolution in one form (short_conv)
+        )
+        self.mamba1 = is_mamba1(model)  # Mamba v1 mixers (Mamba, FalconMamba, Jamba): a 3-D SSM state
+        self.step_mask = step_mask(model)  # Mamba and FalconMamba: their mixers read the step's mask columns
+        # a recurrent state on some layer: Mamba2's or a hybrid's Mamba2, Gated DeltaNet, LFM2 conv or Mamba v1 layers
+        self.recurrent = self.mamba1 or any(
+            type(m).__name__ in {**MIXERS, **DELTANETS, **SHORT_CONVS} for m in model.modules()
+        )
         self.cache_names = _cache_names(model, self.recurrent)  # each layer's (TorchRunner)
 
     def forward(
@@ -89,12 +105,21 @@ class HFDecoder(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor,
         position_ids: Tensor,
-        past_key_values: list[KV] | None = None,
+        past_key_values: list[tuple[Tensor, ...]] | None = None,
         last_logits_only: bool = False,
-    ) -> tuple[Tensor, list[KV]]:
+    ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
+        if self.mamba1 and past_key_values and input_ids.shape[1] > 1 and not torch.compiler.is_exporting():
+            args = (input_ids, attention_mask, position_ids, past_key_values, last_logits_only)
+            return token_by_token(self.forward, *args)  # Mamba v1's eager reference (mamba1_scan.token_by_token)
         cache = _cache(self.model.config if self.recurrent else None, past_key_values)
         cache_kwarg, takes_positions = _forward_kwargs(self.model)
-        with self.rewrites(), self.mla_rewrites(), self.ssm_rewrites(), self.sparsity_rewrites():
+        if self.mamba1:
+            flat_states(cache)
+        if self.step_mask:
+            attention_mask = attention_mask[:, -input_ids.shape[1] :]
+        with contextlib.ExitStack() as rewrites:
+            for rewrite in self.trace_rewrites:
+                rewrites.enter_context(rewrite())
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -104,7 +129,7 @@ class HFDecoder(nn.Module):
                 **({"position_ids": position_ids} if takes_positions else {}),
             )
         layers = _cache_of(out).layers
-        return out.logits, [state_of(layer) if is_recurrent(layer) else (layer.keys, layer.values) for layer in layers]
+        return out.logits, [layer_tensors(layer) for layer in layers]
 
 
 class HFSeq2Seq(nn.Module):

@@ -39,6 +39,8 @@ MIXERS = {
     "Mamba2Mixer": "transformers.models.mamba2.modeling_mamba2",
     "GraniteMoeHybridMambaLayer": "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
     "BambaMixer": "transformers.models.bamba.modeling_bamba",
+    "NemotronHMamba2Mixer": "transformers.models.nemotron_h.modeling_nemotron_h",
+    "FalconH1Mixer": "transformers.models.falcon_h1.modeling_falcon_h1",
 }
 
 
@@ -132,6 +134,7 @@ def traced_mamba2(module_name: str = MIXERS["Mamba2Mixer"]) -> Iterator[None]:
 
 def mamba2_rewrites_for(model: nn.Module) -> Rewrite:
     """What enters ``traced_mamba2`` while torch.export traces a model with a Mamba2 mixer (``MIXERS``:
-    Mamba2's, GraniteMoeHybrid's, Bamba's), and nothing otherwise (eager runs keep transformers' code)."""
+    Mamba2's, GraniteMoeHybrid's, Bamba's, Nemotron-H's, Falcon-H1's), and nothing otherwise (eager runs keep
+    transformers' code)."""
     found = next((name for name in MIXERS if any(type(m).__name__ == name for m in model.modules())), "Mamba2Mixer")
     return while_exporting(model, found, functools.partial(traced_mamba2, MIXERS[found]))

@@ -8,6 +8,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kiln.plugins.hf.tiny_gemma3n import GEMMA3N_TINY
+from kiln.plugins.hf.tiny_gemma4 import GEMMA4_TINY
+from kiln.plugins.hf.tiny_lfm2 import LFM2_TINY
+from kiln.plugins.hf.tiny_mamba import MAMBA_TINY
+from kiln.plugins.hf.tiny_mamba_hybrids import MAMBA_HYBRID_TINY
+from kiln.plugins.hf.tiny_qwen3_5 import QWEN3_5_TINY
 from kiln.plugins.hf.tiny_recurrent import RECURRENT_TINY
 
 __all__ = ["TINY", "TinyCase"]
@@ -739,5 +744,10 @@ TINY: Mapping[str, TinyCase] = {
         ),
     ),  # fmt: skip
     **GEMMA3N_TINY,  # issue 43: per-layer inputs, AltUp, Laurel, shared KV (plugins/hf/tiny_gemma3n.py)
+    **GEMMA4_TINY,  # issue 43: per-layer head dims, values = keys, shared KV (plugins/hf/tiny_gemma4.py)
     **RECURRENT_TINY,  # issue 43: a recurrent state instead of a KV cache (plugins/hf/tiny_recurrent.py)
+    **LFM2_TINY,  # issue 43: short-convolution layers, a conv window alone (plugins/hf/tiny_lfm2.py)
+    **QWEN3_5_TINY,  # issue 43: Gated DeltaNet hybrids (plugins/hf/tiny_qwen3_5.py)
+    **MAMBA_HYBRID_TINY,  # issue 43: Nemotron-H, Falcon-H1 (plugins/hf/tiny_mamba_hybrids.py)
+    **MAMBA_TINY,  # issue 43: Mamba v1 state-space layers (plugins/hf/tiny_mamba.py)
 }

@@ -22,6 +22,12 @@ __all__ = ["FAMILIES", "NOT_PROVED", "mechanism", "nearest", "refusal"]
 
 NOT_PROVED = "no kiln test proves its generation against transformers' yet"
 
+# by model_type, asked before any trait: a model that cannot run alone (a drafter fed by its target model)
+_DRAFTERS: Mapping[str, str] = dict.fromkeys(
+    ("gemma4_assistant", "gemma4_unified_assistant"),
+    "Gemma 4's assistant (a drafter reading its target model's keys and values, shared_kv_states)",
+)
+
 # by model_type: the mechanism a family's config does not show by a trait
 FAMILIES: Mapping[str, str] = {
     "rwkv": "RWKV time-mixing (a recurrent state, not a KV cache)",
@@ -46,9 +52,10 @@ FAMILIES: Mapping[str, str] = {
 
 # what each non-attention layer kind of a layer-types list is
 _LAYER_KINDS = {
+    # the Gated DeltaNet (Qwen3.5, Qwen3-Next, Qwen3.5-MoE) and Mamba2 hybrids are in ARCHS, never asked here
     "linear_attention": "linear-attention or state-space (Mamba) layers",
     "mamba": "state-space (Mamba) layers",
-    "conv": "short-convolution layers",
+    "conv": "short-convolution layers outside LFM2",
     "recurrent": "recurrent layers",
     "hybrid": "hybrid attention + state-space layers",
     "hybrid_sliding": "hybrid attention + state-space layers",
@@ -61,22 +68,25 @@ _LAYER_KINDS = {
 }
 _ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention", "global", "local")
 _LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "layers_type")
+_MAMBA = (
+    "state-space (Mamba) layers outside Mamba, FalconMamba, Mamba2, Jamba, GraniteMoeHybrid, Bamba, Nemotron-H and "
+    "Falcon-H1"
+)
 # a field of the config -> the mechanism it means
 _FIELDS = {
     "kv_lora_rank": "multi-head latent attention outside DeepSeek-V2/V3",  # those two are in ARCHS, never asked here
-    # Gemma3nForCausalLM is in ARCHS, never asked here; Gemma 4 (per-layer head dims) and Gemma 3n's wrapper are
-    "num_kv_shared_layers": "key/value caches shared across layers outside Gemma 3n's text decoder",
-    "hidden_size_per_layer_input": "per-layer embeddings outside Gemma 3n's text decoder",
+    # Gemma3nForCausalLM and Gemma4ForCausalLM are in ARCHS, never asked here; their wrappers are
+    "num_kv_shared_layers": "key/value caches shared across layers outside the Gemma 3n and Gemma 4 text decoders",
+    "hidden_size_per_layer_input": "per-layer embeddings outside the Gemma 3n and Gemma 4 text decoders",
     "per_layer_config": "config attributes that vary by layer",
     # Llama4ForCausalLM is in ARCHS, never asked here
     "attention_chunk_size": "chunked attention outside Llama 4's text decoder",
     "cross_attention_layers": "cross-attention to image features",
-    # Mamba2ForCausalLM, GraniteMoeHybridForCausalLM and BambaForCausalLM are in ARCHS, never asked here; Mamba v1
-    # and the other hybrids are
-    "state_size": "state-space (Mamba) layers outside Mamba2, GraniteMoeHybrid and Bamba",
-    "ssm_state_size": "state-space (Mamba) layers outside Mamba2, GraniteMoeHybrid and Bamba",
-    "mamba_d_state": "state-space (Mamba) layers outside Mamba2, GraniteMoeHybrid and Bamba",
-    "conv_L_cache": "short-convolution layers",
+    # the Mamba families in ARCHS are never asked here; the other state-space hybrids are
+    "state_size": _MAMBA,
+    "ssm_state_size": _MAMBA,
+    "mamba_d_state": _MAMBA,
+    "conv_L_cache": "short-convolution layers outside LFM2",
     "lru_width": "recurrent layers",
     "type_vocab_size": "a bidirectional encoder (BERT family) run as a decoder",
 }
@@ -172,6 +182,7 @@ def mechanism(arch: str, config: Mapping[str, Any], seq2seq: Collection[str] = (
     text = _text(config)
     checks: tuple[Callable[[], str | None], ...] = (
         lambda: _head(arch, config),
+        lambda: _DRAFTERS.get(str(config.get("model_type"))),
         lambda: _encoder_decoder(config, seq2seq),
         lambda: _fields(text) or _layer_kinds(text),
         lambda: _fields(config) or _layer_kinds(config),

@@ -40,14 +40,15 @@ def test_unsupported_architecture_says_why_in_one_line(tmp_path: Path) -> None:
         " (kiln exports *ForCausalLM and *ForConditionalGeneration classes) yet (`kiln plugins` lists them all)"
     )
     (tmp_path / "config.json").write_text(
-        '{"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "hidden_size_per_layer_input": 256}'
+        '{"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", '
+        '"text_config": {"model_type": "gemma4_text", "hidden_size_per_layer_input": 256}}'
     )
     with pytest.raises(CheckpointError) as err:
         load_model(tmp_path)
     assert str(err.value) == (
-        f"checkpoint: {tmp_path}: unsupported Hugging Face architecture 'Gemma4ForCausalLM': kiln does not "
-        "export per-layer embeddings outside Gemma 3n's text decoder"
-        " (hidden_size_per_layer_input) yet (the nearest kiln exports is Gemma3ForCausalLM; `kiln plugins` lists "
+        f"checkpoint: {tmp_path}: unsupported Hugging Face architecture 'Gemma4ForConditionalGeneration': kiln does "
+        "not export per-layer embeddings outside the Gemma 3n and Gemma 4 text decoders"
+        " (hidden_size_per_layer_input) yet (the nearest kiln exports is Gemma4ForCausalLM; `kiln plugins` lists "
         "them all)"
     )
     assert sorted(SUPPORTED)[0] not in str(err.value)

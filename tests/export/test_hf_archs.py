@@ -44,12 +44,17 @@ STEPS = 24
 PORTABLE_ATTENTION = {
     "gpt2-upcast": "reorder_and_upcast_attn", "bloom": "ALiBi", "mpt": "ALiBi",
     "gpt-neox-japanese": "its own causal mask", "deepseek-v2": "multi-head latent attention",
-    "deepseek-v3": "multi-head latent attention", "mamba2": "no attention",
+    "deepseek-v3": "multi-head latent attention", "mamba2": "no attention", "mamba": "no attention",
+    "falcon-mamba": "no attention",
 }  # fmt: skip
 # the cases whose last layers read an earlier layer's cache (a shared_kv layout): --target ort fuses the attention of
-# the layers that carry one; a hybrid's (Mamba2 layers 0 and 2): its attention layer
+# the layers that carry one; a hybrid's (Mamba2 layers 0 and 2): its attention layer (Nemotron-H's: block 2); Gemma
+# 4's: its sliding layers (its global layers' cache has another head dim and KV heads than the first's: portable)
 CARRYING_LAYERS = {
-    "gemma3n-shared-window": [0, 1, 2], "granitemoehybrid": [1], "granitemoehybrid-rope-dense": [1], "bamba": [1],
+    "gemma3n-shared-window": [0, 1, 2], "gemma4-shared-window": [0, 2], "gemma4-window": [0],
+    "granitemoehybrid": [1], "granitemoehybrid-rope-dense": [1], "bamba": [1],
+    "nemotronh": [2], "qwen3_5": [1], "qwen3_next": [1], "qwen3_5_moe": [1],
+    "lfm2": [1], "lfm2-moe": [1], "jamba": [1],
 }  # fmt: skip
 # the cases with attention sinks: every GroupQueryAttention of theirs reads them as its head_sink
 ATTENTION_SINKS = {"gpt-oss-window", "flint-window", "granite-swa-window", "granitemoe-swa-window"}
@@ -59,6 +64,7 @@ ATTENTION_SINKS = {"gpt-oss-window", "flint-window", "granite-swa-window", "gran
 MOE_LAYERS = {
     "mixtral-window": [0, 1], "qwen3-moe": [1], "qwen3-moe-unnormalised": [0, 1], "gpt-oss-window": [],
     "qwen2-moe-window": [0, 1], "olmoe": [0, 1], "hunyuan-moe": [0, 1], "flex-olmo": [0, 1], "mellum-window": [0, 1],
+    "qwen3_next": [0, 1, 2], "qwen3_5_moe": [0, 1, 2], "jamba": [1],
 }  # fmt: skip
 # top-k before the softmax, sigmoid scores, a bias on the choice, sparsemixer
 _NOT_TOPK = "the routing weights do not come from a TopK of the router"
@@ -78,7 +84,8 @@ MOE_NOT_FUSED = {
     "minimax-m3-vl": dict.fromkeys([0, 1], "the gate/up activation is not silu(gate) * up"),
     "flint-window": {1: "the router does not take the top-k of a softmax over all experts"}, "ergo-window": {1: _RELU},
     "deepseek-v2": {1: _NOT_TOPK}, "deepseek-v3": {1: _NOT_TOPK},
-    "granitemoehybrid": dict.fromkeys([0, 1, 2], _NOT_TOPK),
+    "granitemoehybrid": dict.fromkeys([0, 1, 2], _NOT_TOPK), "nemotronh": {3: _RELU},
+    "lfm2-moe": dict.fromkeys([1, 2], _NOT_TOPK),
 }  # fmt: skip
 # the sliding-window cases (window 4, shorter than prompt + generation): the decode graph's layers
 # whose GroupQueryAttention applies the window itself (local_window_size 4, the family's mask
@@ -92,7 +99,7 @@ WINDOW_LAYERS = {
     "exaone-moe-window": [0], "kolibri1-window": [1], "laguna-window": [1], "mellum-window": [0],
     "modernbert-decoder-window": [1], "vaultgemma-window": [0], "afmoe-window": [0],
     "gpt-oss-window": [0], "flint-window": [1], "granite-swa-window": [0], "granitemoe-swa-window": [0],
-    "gemma3n-window": [0], "gemma3n-shared-window": [0, 2],
+    "gemma3n-window": [0], "gemma3n-shared-window": [0, 2], "gemma4-window": [0], "gemma4-shared-window": [0, 2],
 }  # fmt: skip
 # tensors transformers initialises to zeros where zeros hide what they do: the routers' correction
 # biases on the expert choice (GLM-4-MoE, MiniMax-M2, Ernie 4.5-MoE, dots.llm1...), AFMoE's expert
@@ -107,14 +114,14 @@ ORT_INT8 = {
     "granitemoe-swa-window", "helium", "hy-v3", "hyperclovax", "jais2", "kolibri1-window", "laguna-window",
     "mellum-window", "minicpm5-moe", "modernbert-decoder-window", "nanochat", "solar-open", "vaultgemma-window",
 }  # fmt: skip
-# the families issue 41's first pass added (and MPT), and those left out of ORT_INT8: each also exported --target ort
-# --int4 (RTN, its low-bit form), its tokens judged against PyTorch on the graphs' own int4 weights, not the float
-# checkpoint's, so its near-ties no longer flip against the reference
+# the families issue 41's first pass added (and MPT, and issue 43's LFM2-MoE), and those left out of ORT_INT8: each
+# also exported --target ort --int4 (RTN, its low-bit form), its tokens judged against PyTorch on the graphs' own int4
+# weights, not the float checkpoint's, so its near-ties no longer flip against the reference
 INT4 = {
     "qwen2-moe-window", "olmoe", "granitemoe", "granitemoeshared", "glm4-moe", "ernie4_5-moe", "hunyuan-moe",
     "minimax-m2", "phimoe-window", "glm", "hunyuan-dense", "seed-oss", "apertus", "arcee", "gpt-bigcode",
     "olmo3-window", "cohere2-window", "exaone4-window", "ministral-window", "ministral3-yarn", "mpt", "ergo-window",
-    "minimax-m3-vl", "nemotron", "persimmon",
+    "minimax-m3-vl", "nemotron", "persimmon", "lfm2-moe",
 }  # fmt: skip
 FIRST = {
     arch: next(case for case, (a, _) in TINY.items() if a == arch)

@@ -42,14 +42,14 @@ MECHANISMS = {
     "FalconH1ForCausalLM": "state-space (Mamba) layers",
     "GraniteMoeHybridForCausalLM": "state-space (Mamba) layers",
     "NemotronHForCausalLM": "state-space (Mamba) layers",
-    "Lfm2ForCausalLM": "short-convolution layers",
+    "Lfm2VlForConditionalGeneration": "short-convolution layers outside LFM2 (conv_L_cache)",  # its text decoder's
     "Qwen3NextForCausalLM": "linear-attention or state-space (Mamba) layers (layer_types: linear_attention)",
     "Qwen3_5ForCausalLM": "linear-attention or state-space (Mamba) layers",
     "RwkvForCausalLM": "RWKV time-mixing",
     "RecurrentGemmaForCausalLM": "recurrent layers",
     "xLSTMForCausalLM": "xLSTM blocks",
-    "Gemma3nForConditionalGeneration": "key/value caches shared across layers outside Gemma 3n's text decoder",
-    "Gemma4ForCausalLM": "per-layer embeddings outside Gemma 3n's text decoder (hidden_size_per_layer_input)",
+    "Gemma3nForConditionalGeneration": "key/value caches shared across layers outside the Gemma 3n and Gemma 4 text",
+    "Gemma4ForConditionalGeneration": "per-layer embeddings outside the Gemma 3n and Gemma 4 text decoders",
     "LlavaForConditionalGeneration": "a multimodal wrapper (vision tower: vision_config)",
     "Qwen2_5_VLForConditionalGeneration": "a multimodal wrapper (vision tower",
     "WhisperForCausalLM": "a speech encoder-decoder other than WhisperForConditionalGeneration",  # its decoder alone
@@ -145,13 +145,16 @@ def test_every_transformers_architecture_is_exported_or_refused_in_one_line(tmp_
         ),
         (
             {"ssm_state_size": 128},
-            "state-space (Mamba) layers outside Mamba2, GraniteMoeHybrid and Bamba (ssm_state_size)",
+            "state-space (Mamba) layers outside Mamba, FalconMamba, Mamba2, Jamba, GraniteMoeHybrid, Bamba, Nemotron-H "
+            "and Falcon-H1 (ssm_state_size)",
         ),
         (
             {"num_kv_shared_layers": 10},
-            "key/value caches shared across layers outside Gemma 3n's text decoder (num_kv_shared_layers)",
+            "key/value caches shared across layers outside the Gemma 3n and Gemma 4 text decoders "
+            "(num_kv_shared_layers)",
         ),
         ({"per_layer_config": {"5": {"head_dim": 512}}}, "config attributes that vary by layer (per_layer_config)"),
+        ({"conv_L_cache": 3}, "short-convolution layers outside LFM2 (conv_L_cache)"),
         (
             {"v_head_dim": 128, "head_dim": 192},
             "values of another head size than the keys (v_head_dim 128, head_dim 192)",
@@ -179,9 +182,11 @@ def test_a_plain_unknown_decoder_is_refused_as_not_proved() -> None:
 
 def test_the_nearest_supported_architecture() -> None:
     assert (
-        nearest("Gemma4ForCausalLM", {}, SUPPORTED) == "Gemma3ForCausalLM"
+        nearest("Gemma5ForCausalLM", {}, SUPPORTED) == "Gemma4ForCausalLM"
     )  # the family's latest, not a near spelling
-    assert nearest("Qwen3_5ForCausalLM", {}, SUPPORTED) == "Qwen3ForCausalLM"
+    assert nearest("Qwen3_6ForCausalLM", {}, SUPPORTED) == "Qwen3_5ForCausalLM"  # the closest of the family
+    without = [s for s in SUPPORTED if not s.startswith("Qwen3_5")]
+    assert nearest("Qwen3_5ForCausalLM", {}, without) == "Qwen3ForCausalLM"  # the family's, not a near spelling
     assert (
         nearest("LlavaForConditionalGeneration", {"text_config": {"model_type": "llama"}}, SUPPORTED)
         == "LlamaForCausalLM"

@@ -79,7 +79,7 @@ HYBRID = dataclasses.replace(
     n_layers=3,
     n_kv_heads=2,
     head_dim=8,
-    cache=CacheLayout.hybrid([True, False, True], (2, 8), (KERNEL, CONV), (HEADS, HEAD_DIM, SIZE)),
+    cache=CacheLayout.hybrid(["state", "kv", "state"], (2, 8), (KERNEL, CONV), (HEADS, HEAD_DIM, SIZE)),
 )
 
 

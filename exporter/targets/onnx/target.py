@@ -66,6 +66,12 @@ class OnnxTarget:
                 "--target onnx is not supported for a shared_kv cache (layers that read another layer's keys and "
                 "values): its static cache gives every layer a buffer of its own; the portable graphs export it"
             )
+        elif spec is not None and spec.cache is not None and spec.cache.kind == "per_layer":
+            found.append(
+                "--target onnx is not supported for a per_layer cache (keys and values of each layer's own heads and "
+                "width): its static cache is sized by one head count and head dim; the portable graphs (and "
+                "--target ort) export it"
+            )
         elif spec is not None and spec.cache is not None and spec.cache.kind in ("state", "hybrid"):
             found.append(
                 f"--target onnx is not supported for a {spec.cache.kind} cache (a recurrent state per layer): its "

@@ -63,7 +63,8 @@ def _feeds(inputs: list[onnx.ValueInfoProto], mask: np.ndarray) -> dict[str, np.
             and isinstance(dims[1], int)
             and isinstance(dims[3], int)
         ):
-            feeds[value.name] = np.zeros((batch, dims[1], total - 1, dims[3]), dtype=np.float32)
+            length = dims[2] if isinstance(dims[2], int) else total - 1  # a recurrent state's is fixed
+            feeds[value.name] = np.zeros((batch, dims[1], length, dims[3]), dtype=np.float32)
         else:
             return None
     return feeds

@@ -32,16 +32,18 @@ does not fuse the unified graph.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from onnxscript.rewriter import MatchResult
 
 from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, use_ms_domain
 from kiln.exporter.patterns.attention import AttentionCore, AttentionCoreRule
 from kiln.exporter.patterns.heads import flatten_heads
 from kiln.exporter.patterns.rotary_tables import TableFn
-from kiln.exporter.patterns.rules import NotFused, apply_rules, explain, rule_of, where
+from kiln.exporter.patterns.rules import NotFused, apply_rules, explain, fail, rule_of, where
 from kiln.exporter.targets.ort.gqa_rotary import fuse_rotary_in_gqa
 from kiln.exporter.targets.ort.graph_values import GraphValues
 from kiln.exporter.targets.ort.lora import SlotDelta, carry_deltas, slot_delta
@@ -55,10 +57,35 @@ class GroupQueryAttention(AttentionCoreRule):
     """The attention core -> GroupQueryAttention on the flattened q/k/v heads (module docstring);
     ``fused`` lists the layers it rewrote."""
 
-    def __init__(self, values: GraphValues, *, n_kv_heads: int, head_dim: int, decode: bool) -> None:
+    def __init__(
+        self,
+        values: GraphValues,
+        *,
+        n_kv_heads: int,
+        head_dim: int,
+        decode: bool,
+        other_shapes: Mapping[int, tuple[int, int]] | None = None,
+    ) -> None:
         super().__init__(head_dim, "GroupQueryAttention", sinks=True)
         self.values, self.n_kv_heads, self.decode = values, n_kv_heads, decode
+        self.other_shapes = dict(other_shapes or {})  # layer -> its cache's (KV heads, head dim) where not the spec's
         self.fused: list[int] = []
+
+    def check(self, op: Any, *args: Any, **bound: Any) -> MatchResult:
+        """The core, but not on a layer whose cache has other heads or another width than the spec's
+        (Gemma 4's global layers): that layer keeps the portable attention, exact."""
+        found = super().check(op, *args, **bound)
+        if found and self.core is not None and self.core.layer in self.fused:
+            self.core = None  # a layer reading another's cache, whose presents its owner's GQA already returns
+            return fail("its keys and values are another layer's, already fused (a layer that reads another's cache)")
+        if found and self.core is not None and self.core.layer in self.other_shapes:
+            heads, width = self.other_shapes[self.core.layer]
+            self.core = None
+            return fail(
+                f"its cache has {heads} KV heads of {width} (a per-layer shape), not the {self.n_kv_heads} of "
+                f"{self.head_dim} this rewrite is built for"
+            )
+        return found
 
     def rewrite(self, op: Any, **_: Any) -> ir.Value:
         core = self.core
@@ -201,6 +228,7 @@ def fuse_attention(
     tables: TableFn,
     decode: bool = False,
     not_fused: NotFused | None = None,
+    other_shapes: Mapping[int, tuple[int, int]] | None = None,
 ) -> list[int]:
     """Replace every matched attention core; returns the fused layers. Unmatched layers stay as
     they were (``not_fused`` gets "layer i: why", fusion ``attention``); a rotary whose tables
@@ -210,7 +238,9 @@ def fuse_attention(
     ``decode`` (the decode graph: one query per row, seq 1): GQA keeps its default ``causal=1``
     and, where it can, rotates the packed QKV itself (``gqa_rotary``)."""
     values = GraphValues(model.graph, tables)
-    attention = GroupQueryAttention(values, n_kv_heads=n_kv_heads, head_dim=head_dim, decode=decode)
+    attention = GroupQueryAttention(
+        values, n_kv_heads=n_kv_heads, head_dim=head_dim, decode=decode, other_shapes=other_shapes
+    )
     rules = [rule_of(attention)]
     apply_rules(model, rules)
     log = not_fused if not_fused is not None else NotFused()

@@ -98,6 +98,18 @@ def _logging(fusion: Callable[..., Any], log: NotFused) -> Callable[[ir.Model], 
     return functools.update_wrapper(functools.partial(fusion, not_fused=log), fusion)
 
 
+def _other_shapes(spec: DecoderSpec) -> dict[int, tuple[int, int]]:
+    """The layers whose keys are not ``n_kv_heads`` x ``head_dim`` (a ``per_layer`` cache: Gemma 4's
+    global layers): their attention stays portable."""
+    if spec.cache is None or spec.cache.kind not in ("per_layer", "shared_kv"):
+        return {}
+    return {
+        layer: (t.heads, t.width)
+        for layer, t in spec.cache.tensors()
+        if t.suffix == "key" and (t.heads, t.width) != (spec.n_kv_heads, spec.head_dim)
+    }
+
+
 def _attention(
     kind: GraphKind, spec: DecoderSpec, base_dir: Path, max_context: int, log: NotFused
 ) -> list[GraphRewrite[Any]]:
@@ -115,6 +127,7 @@ def _attention(
             tables=tables,
             decode=kind is GraphKind.DECODE,
             not_fused=log,
+            other_shapes=_other_shapes(spec),
         )
 
     attention: GraphRewrite[list[int]] = GraphRewrite(
