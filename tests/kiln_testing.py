@@ -393,6 +393,35 @@ def assert_kiln_generate(ckpt: Path, out: Path, prompt: list[int], steps: int) -
     assert json.loads(result.stdout)["tokens"] == hf_greedy(hf_model(ckpt), [prompt], steps)[0].tolist()
 
 
+def assert_greedy_equals_hf(ckpt: Path, out: Path, steps: int, ort: bool = False, unified: bool = True) -> list[Any]:
+    """kiln's ORT runner on the export ``out``'s prefill + decode graphs (``--target ort``'s too with ``ort``;
+    the unified graph alone with ``unified``), on one prompt and on a left-padded batch of two, gives
+    transformers' greedy ``generate()`` tokens of ``ckpt`` (a padded row's cache or state must stay its
+    unpadded row's); returns ``(prompts, tokens)`` of each batch."""
+    import numpy as np
+
+    from kiln.exporter.contract.io import GraphKind
+    from kiln.exporter.parity import greedy, make_prompts
+    from kiln.exporter.runners import OrtRunner
+    from kiln.plugins import load_model
+
+    onnx_dir = out / "onnx"
+    split = (GraphKind.PREFILL, GraphKind.DECODE)
+    sets = [({k: onnx_dir / f"{k.value}{s}.onnx" for k in split}, False) for s in ("", ".ort")[: 1 + ort]]
+    sets += [({GraphKind.UNIFIED: onnx_dir / "model.onnx"}, True)] if unified else []
+    spec, hf = load_model(ckpt).spec, hf_model(ckpt)
+    batches = []
+    for lengths in ([9], [9, 5]):
+        prompts = make_prompts(spec, lengths, seed=len(lengths))
+        want = hf_greedy(hf, [list(map(int, p)) for p in prompts], steps)
+        for graphs, one in sets:
+            with OrtRunner(graphs) as runner:
+                got, _ = greedy(runner, spec, prompts, steps, unified=one)
+            np.testing.assert_array_equal(got, want, err_msg=f"{lengths} {sorted(map(str, graphs.values()))}")
+        batches.append((prompts, want))
+    return batches
+
+
 def assert_int4_generation(ckpt: Path, out: Path, steps: int, **options: Any) -> Any:
     """``ckpt`` exported ``--target ort --int4 --int4-method rtn`` (RTN: no calibration) into ``out``
     and proved against PyTorch computing with the int4 numbers its graphs hold (``parity.quantized``):

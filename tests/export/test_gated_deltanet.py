@@ -26,13 +26,13 @@ from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.contract.steps import prompt_feeds
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.parity import greedy, make_prompts
+from kiln.exporter.parity import make_prompts
 from kiln.exporter.pipeline import export
 from kiln.exporter.runners import OrtRunner
 from kiln.plugins import load_model
 from kiln.plugins.hf.build import tiny_transformers
 from kiln.plugins.hf.gated_deltanet import gated_delta_rule, solve_unit_lower
-from kiln_testing import assert_int4_generation, assert_kiln_generate, hf_greedy, hf_model
+from kiln_testing import assert_greedy_equals_hf, assert_int4_generation, assert_kiln_generate, hf_model
 
 # plugins/hf/tiny_qwen3_5.py: layers 0 and 2 DeltaNet (conv window 4 x (2 * 2 * 16 + 4 * 16), state 4 x 16 x 16),
 # layer 1 attention (2 KV heads of 16)
@@ -130,17 +130,8 @@ def test_a_left_padded_rows_state_is_its_unpadded_state(qwen3_5: tuple[Path, Pat
 
 
 def _assert_padded_batch(ckpt: Path, out: Path) -> None:
-    """kiln's ORT runner on prefill + decode and on the unified graph alone, a left-padded batch of two."""
-    spec = load_model(ckpt).spec
-    manifest = manifest_mod.read(out)
-    split = {k: out / manifest.graph(k).file for k in (GraphKind.PREFILL, GraphKind.DECODE)}
-    unified = {GraphKind.UNIFIED: out / manifest.graph(GraphKind.UNIFIED).file}
-    prompts = make_prompts(spec, [9, 5], seed=2)
-    want = hf_greedy(hf_model(ckpt), prompts, STEPS)
-    for graphs, one in ((split, False), (unified, True)):
-        with OrtRunner(graphs) as runner:
-            got, _ = greedy(runner, spec, prompts, STEPS, unified=one)
-        np.testing.assert_array_equal(got, want, err_msg=f"unified={one}")
+    """kiln's ORT runner on prefill + decode and on the unified graph alone, batch 1 and a left-padded batch of two."""
+    assert_greedy_equals_hf(ckpt, out, STEPS)
 
 
 @pytest.mark.slow

@@ -25,7 +25,6 @@ transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])"
 )
 
-import numpy as np
 from click.testing import CliRunner
 from jsonschema import Draft202012Validator
 
@@ -35,18 +34,15 @@ from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.artifacts.structure import structure_problems
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.parity import greedy, make_prompts
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.kinds.int4 import Int4, Int4Method
-from kiln.exporter.runners import OrtRunner
 from kiln.exporter.serving.genai import genai_config, genai_refusal
 from kiln.exporter.support import refusal
-from kiln.plugins import load_model
 from kiln.plugins.cache_layout import CacheLayout
 from kiln.plugins.hf import SUPPORTED
 from kiln.plugins.hf.build import tiny_model, tiny_transformers
 from kiln.plugins.hf.unsupported import refusal as unsupported_refusal
-from kiln_testing import assert_kiln_generate, hf_greedy, hf_model
+from kiln_testing import assert_greedy_equals_hf, assert_kiln_generate
 
 CASE = "gemma4-shared-window"  # plugins/hf/tiny_gemma4.py: 6 layers, sliding/global alternating, 4 and 5 read 2 and 3
 SHAPES = {0: (2, 16), 1: (1, 32), 2: (2, 16), 3: (1, 32)}  # the carrying layers' (KV heads, head dim)
@@ -114,18 +110,8 @@ def test_kiln_generate_equals_transformers_generate(gemma4: tuple[Path, Path]) -
 def test_a_left_padded_batch_equals_transformers_generate(gemma4: tuple[Path, Path]) -> None:
     """kiln's ORT runner on prefill + decode and on the unified graph alone, batch 1 and a
     left-padded batch of two, against transformers' greedy ``generate()``."""
-    ckpt, out = gemma4
-    spec, manifest, hf = load_model(ckpt).spec, manifest_mod.read(out), hf_model(ckpt)
-    split = {k: out / manifest.graph(k).file for k in (GraphKind.PREFILL, GraphKind.DECODE)}
-    unified = {GraphKind.UNIFIED: out / manifest.graph(GraphKind.UNIFIED).file}
-    for lengths in ([9], [9, 5]):
-        prompts = make_prompts(spec, lengths, seed=len(lengths))
-        want = hf_greedy(hf, prompts, STEPS)
+    for _, want in assert_greedy_equals_hf(*gemma4, STEPS):
         assert len(set(want[0].tolist())) > 3, want  # the tiny model does not repeat one token
-        for graphs, one in ((split, False), (unified, True)):
-            with OrtRunner(graphs) as runner:
-                got, _ = greedy(runner, spec, prompts, STEPS, unified=one)
-            np.testing.assert_array_equal(got, want, err_msg=f"{lengths} unified={one}")
 
 
 def test_the_triton_states_have_each_layers_shape(gemma4: tuple[Path, Path]) -> None:

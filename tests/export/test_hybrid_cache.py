@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])"
 )
 
-import torch
 from click.testing import CliRunner
 
 from kiln.cli import main
@@ -26,14 +24,11 @@ from kiln.errors import ArtifactError
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.parity import greedy, left_pad, make_prompts
 from kiln.exporter.pipeline import export
-from kiln.exporter.runners import OrtRunner
 from kiln.exporter.serving.genai import genai_config
 from kiln.exporter.support import refusal
-from kiln.plugins import load_model
 from kiln.plugins.hf.build import tiny_model, tiny_transformers
-from kiln_testing import assert_kiln_generate
+from kiln_testing import assert_greedy_equals_hf, assert_kiln_generate
 
 # plugins/hf/tiny_recurrent.py's granitemoehybrid: layers 0 and 2 Mamba2 (conv window 4 x 160, ssm 8 x 16 x 16),
 # layer 1 attention (2 KV heads of 16)
@@ -53,20 +48,6 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     result = export(ckpt, root / "out", ExportOptions(max_batch=4, parity_tokens=8))
     assert result.parity.passed, result.parity.failures()
     return ckpt, root / "out"
-
-
-def _generate(ckpt: Path, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = hf.generate(
-            input_ids=torch.from_numpy(ids),
-            attention_mask=torch.from_numpy(mask),
-            max_new_tokens=STEPS,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-    return np.asarray(out[:, ids.shape[1] :].numpy())
 
 
 def _expected_cache(kind: GraphKind, prefix: str) -> dict[str, list[object]]:
@@ -126,17 +107,7 @@ def test_bamba_exports_and_its_greedy_tokens_equal_transformers_generate(tmp_pat
 def _assert_greedy_equals_generate(ckpt: Path, out: Path) -> None:
     """kiln's ORT runner on prefill + decode and on the unified graph alone, batch 1 and a
     left-padded batch of two (the padded row's state must stay the unpadded row's)."""
-    spec = load_model(ckpt).spec
-    manifest = manifest_mod.read(out)
-    split = {k: out / manifest.graph(k).file for k in (GraphKind.PREFILL, GraphKind.DECODE)}
-    unified = {GraphKind.UNIFIED: out / manifest.graph(GraphKind.UNIFIED).file}
-    for lengths in ([9], [9, 5]):
-        prompts = make_prompts(spec, lengths, seed=len(lengths))
-        want = _generate(ckpt, *left_pad(prompts, 0)[:2])
-        for graphs, one in ((split, False), (unified, True)):
-            with OrtRunner(graphs) as runner:
-                got, _ = greedy(runner, spec, prompts, STEPS, unified=one)
-            np.testing.assert_array_equal(got, want, err_msg=f"{lengths} unified={one}")
+    assert_greedy_equals_hf(ckpt, out, STEPS)
 
 
 def test_the_onnx_target_refuses_the_hybrid_cache_by_name() -> None:

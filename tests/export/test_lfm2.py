@@ -28,15 +28,12 @@ from kiln.errors import ArtifactError
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.parity import greedy, make_prompts
 from kiln.exporter.pipeline import export
-from kiln.exporter.runners import OrtRunner
 from kiln.exporter.serving.genai import genai_config
 from kiln.exporter.support import refusal
-from kiln.plugins import load_model
 from kiln.plugins.cache_layout import CacheLayout, Span
 from kiln.plugins.hf.build import tiny_model, tiny_transformers
-from kiln_testing import assert_int4_generation, assert_kiln_generate, hf_greedy, hf_model
+from kiln_testing import assert_greedy_equals_hf, assert_int4_generation, assert_kiln_generate, hf_greedy, hf_model
 
 # plugins/hf/tiny_lfm2.py's lfm2: layers 0 and 2 short convolutions (window 3 x hidden 64), layer 1 attention
 # (2 KV heads of 16)
@@ -100,23 +97,10 @@ def test_the_triton_states_are_the_fixed_windows_from_zeros(lfm2: tuple[Path, Pa
 def test_greedy_tokens_equal_transformers_generate(lfm2: tuple[Path, Path]) -> None:
     """kiln's ORT runner on prefill + decode (portable and --target ort) and on the unified graph alone,
     batch 1 and a left-padded batch of two."""
-    ckpt, out = lfm2
-    spec, hf = load_model(ckpt).spec, hf_model(ckpt)
-    onnx_dir = out / "onnx"
-    sets = [
-        ({k: onnx_dir / f"{k.value}{suffix}.onnx" for k in (GraphKind.PREFILL, GraphKind.DECODE)}, False)
-        for suffix in ("", ".ort")
-    ]
-    sets.append(({GraphKind.UNIFIED: onnx_dir / "model.onnx"}, True))
-    for lengths in ([9], [9, 5]):
-        prompts = make_prompts(spec, lengths, seed=len(lengths))
-        want = hf_greedy(hf, [list(map(int, p)) for p in prompts], STEPS)
-        for graphs, one in sets:
-            with OrtRunner(graphs) as runner:
-                got, _ = greedy(runner, spec, prompts, STEPS, unified=one)
-            np.testing.assert_array_equal(got, want, err_msg=f"{lengths} {sorted(graphs.values())}")
+    ckpt, _ = lfm2
+    prompts, want = assert_greedy_equals_hf(*lfm2, STEPS, ort=True)[1]
     # the padded row's tokens are the short prompt's alone: padding left nothing in its conv windows
-    np.testing.assert_array_equal(want[1], hf_greedy(hf, [list(map(int, prompts[1]))], STEPS)[0])
+    np.testing.assert_array_equal(want[1], hf_greedy(hf_model(ckpt), [list(map(int, prompts[1]))], STEPS)[0])
     assert len(set(want[1].tolist())) > 1, want  # a tiny model that repeats one token would prove little
 
 

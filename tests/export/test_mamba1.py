@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 transformers = pytest.importorskip(
@@ -23,13 +22,10 @@ import torch
 
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.parity import greedy, make_prompts
 from kiln.exporter.pipeline import export
-from kiln.exporter.runners import OrtRunner
-from kiln.plugins import load_model
 from kiln.plugins.hf.build import tiny_transformers
 from kiln.plugins.hf.mamba1_scan import MIXERS, selective_scan, traced_mamba1
-from kiln_testing import assert_int4_generation, assert_kiln_generate, hf_greedy, hf_model
+from kiln_testing import assert_greedy_equals_hf, assert_int4_generation, assert_kiln_generate
 
 CASES = {"mamba": "MambaMixer", "falcon-mamba": "FalconMambaMixer", "jamba": "JambaMambaMixer"}  # tiny_mamba.py
 # the layers carrying a state (Jamba's layer 1 is attention: key and value, growing)
@@ -116,15 +112,7 @@ def test_the_manifest_carries_one_ssm_head_per_layer(exported: tuple[Path, Path]
 
 def test_greedy_tokens_equal_transformers_generate(exported: tuple[Path, Path]) -> None:
     """kiln's ORT runner on the portable and --target ort graphs, batch 1 and a left-padded batch of two."""
-    ckpt, out = exported
-    spec, hf = load_model(ckpt).spec, hf_model(ckpt)
-    for suffix in ("", ".ort"):
-        graphs = {k: out / "onnx" / f"{k.value}{suffix}.onnx" for k in (GraphKind.PREFILL, GraphKind.DECODE)}
-        for lengths in ([9], [9, 5]):
-            prompts = make_prompts(spec, lengths, seed=len(lengths))
-            with OrtRunner(graphs) as runner:
-                got, _ = greedy(runner, spec, prompts, STEPS)
-            np.testing.assert_array_equal(got, hf_greedy(hf, prompts, STEPS), err_msg=f"{suffix} {lengths}")
+    assert_greedy_equals_hf(*exported, STEPS, ort=True, unified=False)
 
 
 def test_kiln_generate_equals_transformers_generate(exported: tuple[Path, Path]) -> None:

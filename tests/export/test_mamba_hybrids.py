@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 transformers = pytest.importorskip(
@@ -27,13 +26,10 @@ from kiln.cli import main
 from kiln.exporter.artifacts import manifest as manifest_mod
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.parity import greedy, make_prompts
 from kiln.exporter.pipeline import export
-from kiln.exporter.runners import OrtRunner
-from kiln.plugins import load_model
 from kiln.plugins.cache_layout import CacheLayout
 from kiln.plugins.hf.build import tiny_transformers
-from kiln_testing import assert_int4_generation, assert_kiln_generate, hf_greedy, hf_model
+from kiln_testing import assert_greedy_equals_hf, assert_int4_generation, assert_kiln_generate
 
 STEPS = 12
 STATE = [("conv", 1, 4, 160, "state"), ("ssm", 8, 16, 16, "state")]  # both: 8 Mamba2 heads of 16, state 16
@@ -92,17 +88,7 @@ def test_kiln_verify_and_triton_take_the_export(exported: tuple[str, Path, Path]
 def test_greedy_tokens_equal_transformers_generate(exported: tuple[str, Path, Path]) -> None:
     """kiln's ORT runner on prefill + decode and on the unified graph alone, batch 1 and a
     left-padded batch of two (the padded row's state must stay the unpadded row's)."""
-    case, ckpt, out = exported
-    spec, manifest, hf = load_model(ckpt).spec, manifest_mod.read(out), hf_model(ckpt)
-    split = {k: out / manifest.graph(k).file for k in (GraphKind.PREFILL, GraphKind.DECODE)}
-    unified = {GraphKind.UNIFIED: out / manifest.graph(GraphKind.UNIFIED).file}
-    for lengths in ([9], [9, 5]):
-        prompts = make_prompts(spec, lengths, seed=len(lengths))
-        want = hf_greedy(hf, prompts, STEPS)
-        for graphs, one in ((split, False), (unified, True)):
-            with OrtRunner(graphs) as runner:
-                got, _ = greedy(runner, spec, prompts, STEPS, unified=one)
-            np.testing.assert_array_equal(got, want, err_msg=f"{case} {lengths} unified={one}")
+    assert_greedy_equals_hf(*exported[1:], STEPS)
 
 
 def test_kiln_generate_equals_transformers_generate(exported: tuple[str, Path, Path]) -> None:

@@ -15,14 +15,12 @@ import json
 from importlib import resources
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face families need transformers (pip install -e .[hf])"
 )
 
-import torch
 from click.testing import CliRunner
 from jsonschema import Draft202012Validator
 
@@ -33,14 +31,11 @@ from kiln.exporter.artifacts.structure import structure_problems
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.parity import greedy, left_pad, make_prompts
 from kiln.exporter.pipeline import export
-from kiln.exporter.runners import OrtRunner
 from kiln.exporter.serving.genai import genai_config
 from kiln.exporter.support import refusal
-from kiln.plugins import load_model
 from kiln.plugins.hf.build import tiny_model, tiny_transformers
-from kiln_testing import assert_int4_generation, assert_kiln_generate
+from kiln_testing import assert_greedy_equals_hf, assert_int4_generation, assert_kiln_generate
 
 KERNEL, CONV, HEADS, HEAD_DIM, SIZE = 4, 160, 8, 16, 16  # plugins/hf/tiny_recurrent.py's mamba2
 SHAPES = {"conv": (1, KERNEL, CONV), "ssm": (HEADS, HEAD_DIM, SIZE)}
@@ -59,23 +54,6 @@ def mamba2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     result = export(ckpt, root / "out", ExportOptions(max_batch=4, parity_tokens=8, triton="mamba2"))
     assert result.parity.passed, result.parity.failures()
     return ckpt, root / "out"
-
-
-def _hf(ckpt: Path) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-
-
-def _generate(hf: torch.nn.Module, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        out = hf.generate(
-            input_ids=torch.from_numpy(ids),
-            attention_mask=torch.from_numpy(mask),
-            max_new_tokens=STEPS,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-    return np.asarray(out[:, ids.shape[1] :].numpy())
 
 
 def test_the_graphs_and_the_manifest_carry_the_state(mamba2: tuple[Path, Path]) -> None:
@@ -124,15 +102,7 @@ def test_kiln_verify_and_check_pass_and_verify_names_a_wrong_length(mamba2: tupl
 
 def test_greedy_tokens_equal_transformers_generate(mamba2: tuple[Path, Path]) -> None:
     """kiln's ORT runner on prefill + decode, batch 1 and a left-padded batch of two."""
-    ckpt, out = mamba2
-    spec, hf = load_model(ckpt).spec, _hf(ckpt)
-    graphs = {k: out / "onnx" / f"{k.value}.onnx" for k in (GraphKind.PREFILL, GraphKind.DECODE)}
-    for lengths in ([9], [9, 5]):
-        prompts = make_prompts(spec, lengths, seed=len(lengths))
-        ids, mask, _ = left_pad(prompts, 0)
-        with OrtRunner(graphs) as runner:
-            got, _ = greedy(runner, spec, prompts, STEPS)
-        np.testing.assert_array_equal(got, _generate(hf, ids, mask), err_msg=f"{lengths}")
+    assert_greedy_equals_hf(*mamba2, STEPS, unified=False)
 
 
 def test_kiln_generate_equals_transformers_generate(mamba2: tuple[Path, Path]) -> None:
