@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from kiln.exporter.artifacts.verify import require_verified
 from kiln.exporter.candidates import candidate
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import fold, table_feeds
+from kiln.exporter.int4_rerun import rerun_quantizer
 from kiln.exporter.load import adapter_reference, prepare_reference, read_adapters
 from kiln.exporter.lora.adapter_file import swapped_adapter
 from kiln.exporter.options import ExportOptions, PLETables
@@ -25,6 +27,7 @@ from kiln.exporter.parity import (
     check_parity,
     quantized_model,
 )
+from kiln.exporter.parity.int4_proof import NUMBERS_FILE, proved_numbers, quantizer_model
 from kiln.exporter.parity.quality import QualityPlan
 from kiln.exporter.pipeline import release_weights
 from kiln.exporter.precision.kinds.plan import Precision
@@ -72,18 +75,22 @@ def check_dir(
     def build(loaded: LoadedModel) -> nn.Module:
         return adapter_reference(loaded, adapters) if adapters is not None else prepare_reference(loaded, options)
 
-    reference = build(loaded)
-    extra = _extra_feeds(options, reference, loaded, precision, swapped)
-    assert options.max_context is not None, "an export's manifest records its context"
-    settings = ParitySettings(options.max_context, options.max_batch, options.parity_tokens, options.last_logits_only)
-    quantized = _quantized(directory, manifest, precision)
-    quality = _quality(loaded, manifest, options.last_logits_only, options.max_context)
-    candidates = _candidates(directory, manifest, precision, backend, extra)
-    # the model is freed while the graphs run unless both fit, and loaded again to score their tokens (check_parity)
-    return check_parity(
-        reference, loaded.spec, candidates, settings, progress=progress, quantized=quantized, quality=quality,
-        release_reference=release_weights(reference), reload_reference=lambda: build(load_model(loaded.source)),
-    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kiln-check-") as spill:  # the int4 numbers, removed once read
+        # before the reference is built: an adapter's PEFT model changes the checkpoint's modules in place
+        quantized = _quantized(directory, manifest, precision, loaded, Path(spill), progress)
+        reference = build(loaded)
+        extra = _extra_feeds(options, reference, loaded, precision, swapped)
+        assert options.max_context is not None, "an export's manifest records its context"
+        settings = ParitySettings(
+            options.max_context, options.max_batch, options.parity_tokens, options.last_logits_only
+        )
+        quality = _quality(loaded, manifest, options.last_logits_only, options.max_context)
+        candidates = _candidates(directory, manifest, precision, backend, extra)
+        # the model is freed while the graphs run unless both fit, and loaded again to score their tokens (check_parity)
+        return check_parity(
+            reference, loaded.spec, candidates, settings, progress=progress, quantized=quantized, quality=quality,
+            release_reference=release_weights(reference), reload_reference=lambda: build(load_model(loaded.source)),
+        )  # fmt: skip
 
 
 def _refuse_backend(directory: Path, backend: str, adapter: Path | None) -> None:
@@ -129,9 +136,15 @@ def _extra_feeds(
     return extra
 
 
-def _quantized(directory: Path, manifest: Manifest, precision: Precision) -> QuantizedModel | None:
-    """A weight-only int4 export: PyTorch on its own int4 weights too (read from its portable
-    graphs), its agreement gating as the export chose.
+def _quantized(
+    directory: Path, manifest: Manifest, precision: Precision, loaded: LoadedModel, spill: Path, progress: Progress
+) -> QuantizedModel | None:
+    """A weight-only int4 export: its proof made again, apart from the graphs it judges. The
+    quantizer runs again on the checkpoint with the export's recorded options (``int4_rerun``),
+    every graph set's int4 weights are checked bit for bit against its numbers (the first that
+    differs refused by name) and PyTorch computes on them (``parity.int4_proof``, as the export's
+    proof), its agreement gating as the export chose. Where the quantizer cannot run again (one
+    line says why) the numbers are read back from the portable graphs, as before issue 40.
 
     An int8 or fp8 export is not: the scales its calibration made (parity.qdq_numbers) are not in
     the export (its calibration/*.trt-calibration.cache holds TensorRT's amax / 127, not the
@@ -140,7 +153,25 @@ def _quantized(directory: Path, manifest: Manifest, precision: Precision) -> Qua
     agreement gating, as before issue 40."""
     if precision.weight_only_float is None:
         return None
-    return quantized_model(_portable_paths(directory, manifest).values(), manifest.parity.agreement != "record")
+    gate, portable = manifest.parity.agreement != "record", _portable_paths(directory, manifest)
+    rerun = rerun_quantizer(manifest, loaded, progress)
+    if rerun.quantizer is None:
+        progress.note(
+            f"int4: the quantizer cannot run again: {rerun.reason}; judged against the int4 numbers read back from "
+            "the graphs (a number changed in them is not caught)"
+        )
+        return quantized_model(portable.values(), gate)
+    sets = [("portable", list(portable.values()))]
+    for name, entry in (manifest.targets or {}).items():
+        sets.append((name, [directory / graph.file for graph in entry.graphs.values()]))
+    with progress.stage("check: int4 weights against the quantizer's numbers, run again on the checkpoint"):
+        numbers = proved_numbers(
+            spill / NUMBERS_FILE,
+            rerun.quantizer.placed_numbers(),
+            sets,
+            f"{directory}: int4 weights differ from the quantizer's numbers (run again on the checkpoint)",
+        )
+    return quantizer_model(numbers, gate)
 
 
 def _quality(loaded: LoadedModel, manifest: Manifest, last_logits_only: bool, max_context: int) -> QualityPlan:

@@ -53,9 +53,8 @@ from kiln.exporter.parity import (
 from kiln.exporter.parity.int4_proof import (
     NUMBERS_FILE,
     QuantizerNumbers,
-    check_graph_weights,
+    proved_numbers,
     quantizer_model,
-    write_numbers,
 )
 from kiln.exporter.parity.qdq_numbers import QdqNumbers
 from kiln.exporter.parity.quality import QualityPlan
@@ -321,12 +320,12 @@ def _int4_numbers(
         return None
     sets = [("portable", list(portable.paths.values())), *((g.name, list(g.paths.values())) for g in written)]
     with progress.stage("parity: int4 weights against the quantizer's numbers"):
-        numbers = write_numbers(root / NUMBERS_FILE, quantizer.placed_numbers())
-        failure = check_graph_weights(numbers, sets)
-    if failure is not None:
-        numbers.close()
-        raise ParityError(f"{out}: exported int4 weights differ from the quantizer's numbers: {failure}")
-    return numbers
+        return proved_numbers(
+            root / NUMBERS_FILE,
+            quantizer.placed_numbers(),
+            sets,
+            f"{out}: exported int4 weights differ from the quantizer's numbers",
+        )
 
 
 def release_weights(module: torch.nn.Module) -> Callable[[], None]:

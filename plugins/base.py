@@ -194,6 +194,9 @@ class LoadedModel:
     files: tuple[Path, ...] = ()  # the checkpoint files that were read (hashed for caches and the manifest)
     ple: PLEFolding | None = None  # set by families whose decoder has PLE sub-layers
     layers: LayerPlan | None = None  # set by families whose layers can be traced once and stamped
+    # set by families whose one-token step has a form of its own (a recurrent mixer's update, not its scan on
+    # one position): decode.onnx is then traced at a static length of one, not derived from the unified graph
+    decode_traced: bool = False
     # the checkpoint's own files that its usual consumers want beside the graphs (Hugging Face's
     # config.json and generation_config.json, for Optimum), copied into the export's onnx/
     serving_files: tuple[Path, ...] = ()

@@ -108,7 +108,9 @@ class Generator:
         self._decode = ort_session(directory / files[GraphKind.DECODE], threads=threads, spinning=False)
         _check_slots(self._prefill, self._decode, self._adapter, target)
         # an encoder-decoder: the prompt is the encoder's input; the decoder starts from its start token
-        self._encoder = self._encoder_session(directory, manifest, threads) if manifest.model.has_encoder else None
+        self._encoder = (
+            self._encoder_session(directory, manifest, threads, target) if manifest.model.has_encoder else None
+        )
         self.features = features_input(manifest)  # a speech encoder's input (--features), else None
         self._kv = kv
         self.kv_cache = (
@@ -171,7 +173,8 @@ class Generator:
         )
 
     @staticmethod
-    def _encoder_session(directory: Path, manifest: Manifest, threads: int) -> Any:
+    def _encoder_session(directory: Path, manifest: Manifest, threads: int, target: str | None) -> Any:
+        """The encoder graph's session: ``target``'s own encoder graph where it wrote one."""
         from kiln.exporter.runners import ort_session
 
         entry = manifest.graphs.get(GraphKind.ENCODER.value)
@@ -180,7 +183,9 @@ class Generator:
                 f"{directory}: the manifest says encoder-decoder but has no encoder graph or decoder start "
                 "token; re-export it"
             )
-        return ort_session(directory / entry.file, threads=threads, spinning=False)
+        written = (manifest.targets or {}).get(target) if target is not None else None
+        own = written.graphs.get(GraphKind.ENCODER.value) if written is not None else None
+        return ort_session(directory / (own.file if own is not None else entry.file), threads=threads, spinning=False)
 
     @property
     def history_start(self) -> list[int] | None:

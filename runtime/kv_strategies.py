@@ -81,49 +81,76 @@ class SharedKv(KvStrategy):
 
 class StaticKv(KvStrategy):
     """For static-cache graphs (``--target onnx``: ``contract.static_cache``): one zeroed
-    ``[1, n_kv, max_context, head_dim]`` buffer per cache tensor, made for each prompt and bound
+    ``[1, heads, max_context, width]`` buffer per key/value tensor, made for each prompt and bound
     as both the past input and the present output of the prompt's step and of every decode step,
     so each step's TensorScatter writes its token into it in place (never a copy); each decode
-    step writes at ``write_indices`` = the tokens before it."""
+    step writes at ``write_indices`` = the tokens before it. A recurrent state (``states``: a
+    hybrid's or a state-space model's ``conv``/``ssm``) is a plain input and output of the graphs,
+    which must not share a buffer (``targets.onnx.states``): two buffers of its fixed shape, the
+    prompt's step writing the first, each decode step reading one and writing the other."""
 
-    def __init__(self, n_layers: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
-        super().__init__(n_layers)
-        self._shape, self._dtype = shape, dtype
+    def __init__(
+        self, pairs: list[tuple[str, str]], shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]], states: set[str]
+    ) -> None:
+        super().__init__(0, pairs=pairs)
+        self._shapes, self._states = dict(shapes), set(states)  # by past name; batch 1
         self._buffers: dict[str, Any] = {}
+        self._pingpong: dict[str, tuple[Any, Any]] = {}
+        self._turn = 0  # which of a state's two buffers holds the state the next step reads
         self._bound: Any = None
 
     def bind_prompt(self, binding: Any) -> None:
         from onnxruntime import OrtValue
 
-        self._buffers = {
-            past: OrtValue.ortvalue_from_numpy(np.zeros(self._shape, self._dtype)) for past, _ in self._pairs
-        }
-        self._bound = None
-        self._bind_buffers(binding)
+        def zeros(past: str) -> Any:
+            shape, dtype = self._shapes[past]
+            return OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype))
+
+        self._buffers = {past: zeros(past) for past, _ in self._pairs if past not in self._states}
+        self._pingpong = {past: (zeros(past), zeros(past)) for past, _ in self._pairs if past in self._states}
+        self._bound, self._turn = None, 0
+        for past, present in self._pairs:  # in the pairs' order: the order the prompt's outputs are read in
+            if past in self._states:
+                binding.bind_ortvalue_output(present, self._pingpong[past][0])  # prefill takes no state
+            else:
+                binding.bind_ortvalue_input(past, self._buffers[past])
+                binding.bind_ortvalue_output(present, self._buffers[past])
 
     def bind(self, binding: Any, feeds: Mapping[str, Any]) -> None:
-        past = feeds["attention_mask"].shape[1] - feeds["input_ids"].shape[1]
-        binding.bind_cpu_input(WRITE_INDICES, np.array([past], dtype=np.int64))
-        if binding is not self._bound:
-            self._bind_buffers(binding)
-            self._bound = binding
-
-    def _bind_buffers(self, binding: Any) -> None:
+        if self._buffers:
+            past = feeds["attention_mask"].shape[1] - feeds["input_ids"].shape[1]
+            binding.bind_cpu_input(WRITE_INDICES, np.array([past], dtype=np.int64))
+        first = binding is not self._bound
         for past, present in self._pairs:
-            binding.bind_ortvalue_input(past, self._buffers[past])
-            binding.bind_ortvalue_output(present, self._buffers[past])
+            if past in self._states:  # read one buffer, write the other (rebinding keeps the output's place)
+                binding.bind_ortvalue_input(past, self._pingpong[past][self._turn])
+                binding.bind_ortvalue_output(present, self._pingpong[past][1 - self._turn])
+            elif first:
+                binding.bind_ortvalue_input(past, self._buffers[past])
+                binding.bind_ortvalue_output(present, self._buffers[past])
+        self._turn, self._bound = (1 - self._turn if self._pingpong else 0), binding
 
     @property
     def buffers(self) -> dict[str, Any]:
-        """The cache buffers by past name (tests check they are what every step wrote into)."""
+        """The key/value buffers by past name (tests check they are what every step wrote into)."""
         return dict(self._buffers)
+
+    @property
+    def states(self) -> dict[str, Any]:
+        """Each recurrent state's buffer that holds it after the last step, by past name."""
+        return {past: pair[self._turn] for past, pair in self._pingpong.items()}
 
 
 def _static_kv(manifest: Manifest, target: str) -> StaticKv:
     """The buffers of ``target``'s static-cache graphs, shaped as its decode graph declares them (batch 1)."""
     decode = (manifest.targets or {})[target].graphs[GraphKind.DECODE.value]
-    past = next(t for t in decode.inputs or () if t.name.startswith("past_key_values."))
-    return StaticKv(manifest.model.n_layers, (1, *(int(d) for d in past.shape[1:])), np.dtype(past.dtype))
+    shapes = {
+        t.name: ((1, *(int(d) for d in t.shape[1:])), np.dtype(t.dtype))
+        for t in decode.inputs or ()
+        if t.name.startswith("past_key_values.")
+    }
+    states = {f"past_key_values.{t.layer}.{t.name}" for t in manifest.kv_cache.tensors or () if t.span == "state"}
+    return StaticKv(_listed_pairs(manifest) or kv_pairs(manifest.model.n_layers), shapes, states)
 
 
 def kv_strategy(manifest: Manifest, target: str | None) -> KvStrategy:

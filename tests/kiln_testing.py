@@ -492,3 +492,41 @@ def rtn_linears(model: Any, block: int = 128, head: tuple[str, ...] = ("lm_head"
             sub.weight.data = torch.from_numpy(np.ascontiguousarray(dequantize(q, scale).T))
             changed.append(name)
     return changed
+
+
+def hf_seq2seq(ckpt: Path) -> Any:
+    """transformers' own encoder-decoder of a saved checkpoint (its config's architecture class: BART,
+    T5, Whisper...; fp32, eager attention, as kiln loads it)."""
+    import torch
+    import transformers
+
+    arch = transformers.AutoConfig.from_pretrained(ckpt).architectures[0]
+    return getattr(transformers, arch).from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def seq2seq_generate(hf: Any, ids: np.ndarray, mask: np.ndarray, steps: int) -> np.ndarray:
+    """transformers' greedy generate() of a text encoder-decoder with its own cache and none of the
+    generation config's logits processors (forced first/last tokens, banned words): the model's own
+    argmax; the tokens after the decoder's start token."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps,
+            do_sample=False, num_beams=1, eos_token_id=None, forced_eos_token_id=None, forced_bos_token_id=None,
+            bad_words_ids=None, pad_token_id=0,
+        )  # fmt: skip
+    return np.asarray(out[:, 1:].numpy())
+
+
+def whisper_generate(hf: Any, features: np.ndarray, steps: int) -> np.ndarray:
+    """transformers' greedy Whisper generate() on log-mel ``features`` (it returns the tokens after
+    the decoder's start); the end token does not stop it."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(
+            input_features=torch.from_numpy(features), max_new_tokens=steps, do_sample=False, num_beams=1,
+            eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    return np.asarray(out.numpy())

@@ -22,6 +22,11 @@ Every graph of the set (prefill, decode, model) reads and writes the cache the s
   portable graphs' own; rows at different lengths (ragged) each write at their own slot.
 - ``input_ids``, ``position_ids`` ``[batch, seq]`` and ``logits`` as the portable contract
   (``contract.io``); ``present.*`` have the buffers' shape.
+- a recurrent state (``past_key_values.{i}.conv/.ssm``, span ``state``: a state-space or hybrid
+  model's) as the portable contract has it: an input of decode and model and an output of every
+  graph, of its fixed shape, the step returning its replacement. It is not a buffer written in
+  place: the caller binds a second buffer as its output and swaps the two each step
+  (``targets.onnx.states`` says why). A model without keys (Mamba2) has no ``write_indices``.
 
 The buffers' bytes follow from the config alone (``cache_bytes``), and so does what the export
 needs for them (``refuse_oversized``, before the trace): the buffers at ``--max-batch`` (what a
@@ -56,9 +61,10 @@ from pathlib import Path
 import numpy as np
 
 from kiln.errors import ExportError
-from kiln.exporter.contract.io import BATCH, GraphIO, GraphKind, TensorSpec, graph_io, past_names, present_names
+from kiln.exporter.contract.io import BATCH, GraphIO, GraphKind, TensorSpec, graph_io
 from kiln.exporter.contract.limits import MIN_CONTEXT
 from kiln.plugins.base import DecoderSpec
+from kiln.plugins.cache_layout import Span
 
 __all__ = [
     "WRITE_INDICES", "CacheBuffers", "cache_bytes", "machine_memory", "PARITY_PEAK", "refuse_oversized", "static_io",
@@ -78,51 +84,75 @@ def static_io(
     spec: DecoderSpec, kind: GraphKind, *, max_context: int, kv_dtype: str = "float32", last_logits_only: bool = False
 ) -> GraphIO:
     """The inputs and outputs of one static-cache graph, in order: the portable contract's with
-    every cache tensor ``[batch, n_kv_heads, max_context, head_dim]`` and, after ``position_ids``,
-    ``write_indices`` (decode, model) and prefill's cache inputs."""
+    every growing cache tensor (keys, values) ``[batch, heads, max_context, width]`` and, after
+    ``position_ids``, ``write_indices`` (decode, model; none where no layer has keys) and prefill's
+    key/value buffers. A recurrent state (``conv``, ``ssm``: span ``state``) keeps the portable
+    contract's fixed shape, an input (decode, model) and an output (every graph) of its own."""
     portable = graph_io(spec, kind, last_logits_only=last_logits_only, kv_dtype=kv_dtype)
-    buffer = (BATCH, spec.n_kv_heads, max_context, spec.head_dim)
-    caches = tuple(TensorSpec(name, kv_dtype, buffer) for i in range(spec.n_layers) for name in past_names(i))
+    grown = [(i, t) for i, t in spec.cache_layout.tensors() if t.span is Span.SEQUENCE]
+    buffers = {
+        name: (BATCH, t.heads, max_context, t.width)
+        for i, t in grown
+        for name in (f"past_key_values.{i}.{t.suffix}", f"present.{i}.{t.suffix}")
+    }
     ids = portable.inputs[:3]  # input_ids, attention_mask, position_ids
-    writes = () if kind is GraphKind.PREFILL else (TensorSpec(WRITE_INDICES, "int64", (BATCH,)),)
-    presents = {name for i in range(spec.n_layers) for name in present_names(i)}
-    outputs = tuple(TensorSpec(t.name, t.dtype, buffer) if t.name in presents else t for t in portable.outputs)
-    return GraphIO((*ids, *writes, *caches), outputs)
+    writes = () if kind is GraphKind.PREFILL or not grown else (TensorSpec(WRITE_INDICES, "int64", (BATCH,)),)
+    pasts = tuple(TensorSpec(t.name, t.dtype, buffers.get(t.name, t.dims)) for t in portable.inputs[3:])
+    if kind is GraphKind.PREFILL:  # the key/value buffers, which prefill writes too
+        pasts = tuple(
+            TensorSpec(f"past_key_values.{i}.{t.suffix}", kv_dtype, buffers[f"present.{i}.{t.suffix}"])
+            for i, t in grown
+        )
+    outputs = tuple(TensorSpec(t.name, t.dtype, buffers.get(t.name, t.dims)) for t in portable.outputs)
+    return GraphIO((*ids, *writes, *pasts), outputs)
 
 
 def static_feeds(
     kind: GraphKind, feeds: Mapping[str, np.ndarray], caches: CacheBuffers
-) -> tuple[dict[str, np.ndarray], int]:
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Feeds of the portable contract (a past of ``past_seq`` slots, none for prefill) as this
-    contract's: each past copied into a zeroed buffer of its capacity, ``write_indices`` the past
-    length in every row (kiln's batches are left-padded: every row writes at one slot), prefill's
-    caches zeroed. Returns them and ``past_seq + seq``, the slots of each present that the portable
-    contract returns (``portable_outputs``). Every runner of these graphs asks through this one
+    contract's: each key/value past copied into a zeroed buffer of its capacity, ``write_indices``
+    the past length in every row (kiln's batches are left-padded: every row writes at one slot),
+    prefill's buffers zeroed; a recurrent state (a past already of its input's shape) as it is.
+    Returns them and, per present to cut, the slots of it that the portable contract returns
+    (``past_seq + seq``: ``portable_outputs``). Every runner of these graphs asks through this one
     function: ONNX Runtime's (``targets.onnx.runner``) and TensorRT's (``engine.static_runner``)."""
     batch, seq = feeds["input_ids"].shape
     pasts = {name: value for name, value in feeds.items() if name.startswith("past_key_values.")}
-    past_seq = next(iter(pasts.values())).shape[2] if pasts else 0
     static = {name: value for name, value in feeds.items() if name not in pasts}
-    if kind is GraphKind.PREFILL:  # the graph's cache inputs, zeroed
+    if kind is GraphKind.PREFILL:  # the graph's cache inputs (key/value buffers only), zeroed
         static.update({name: np.zeros((batch, *shape), dtype=dtype) for name, (shape, dtype) in caches.items()})
-        return static, seq
+        return static, {_present(name): seq for name in caches}
+    cuts, past_seq = {}, 0
     for name, past in pasts.items():
+        if name in caches and tuple(past.shape[1:]) == tuple(caches[name][0]):
+            static[name] = past  # a state, or a buffer given whole
+            continue
         buffer = np.zeros((past.shape[0], *caches[name][0]), dtype=past.dtype)
         buffer[:, :, : past.shape[2]] = past
-        static[name] = buffer
-    static[WRITE_INDICES] = np.full((batch,), past_seq, dtype=np.int64)
-    return static, past_seq + seq
+        static[name], past_seq = buffer, past.shape[2]
+        cuts[_present(name)] = past.shape[2] + seq
+    if cuts:
+        static[WRITE_INDICES] = np.full((batch,), past_seq, dtype=np.int64)
+    return static, cuts
 
 
-def portable_outputs(outputs: Mapping[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
-    """A step's outputs in the portable contract: each present cut to its first ``length`` slots."""
-    return {name: value[:, :, :length] if name.startswith("present.") else value for name, value in outputs.items()}
+def _present(past: str) -> str:
+    return past.replace("past_key_values.", "present.", 1)
+
+
+def portable_outputs(outputs: Mapping[str, np.ndarray], cuts: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """A step's outputs in the portable contract: each buffer's present cut to its first ``cuts[name]``
+    slots (``static_feeds``); the rest (logits, a recurrent state) as they are."""
+    return {name: value[:, :, : cuts[name]] if name in cuts else value for name, value in outputs.items()}
 
 
 def cache_bytes(spec: DecoderSpec, *, batch: int, max_context: int, kv_dtype: str) -> int:
-    """The bytes of the static cache's buffers at ``batch`` rows: a key and a value buffer per
-    layer, ``[batch, n_kv_heads, max_context, head_dim]`` each."""
-    return spec.n_layers * 2 * batch * spec.n_kv_heads * max_context * spec.head_dim * np.dtype(kv_dtype).itemsize
+    """The bytes of the static cache's buffers at ``batch`` rows: one ``[batch, heads, max_context,
+    width]`` buffer per growing cache tensor (a key and a value per attention layer; a recurrent
+    state's fixed size is not a buffer of ``max_context`` slots)."""
+    per_slot = sum(t.heads * t.width for _, t in spec.cache_layout.tensors() if t.span is Span.SEQUENCE)
+    return per_slot * batch * max_context * np.dtype(kv_dtype).itemsize
 
 
 def machine_memory() -> int:
@@ -144,6 +174,8 @@ def refuse_oversized(spec: DecoderSpec, *, max_batch: int, parity_rows: int, max
     buffers at ``max_batch`` rows, or parity's peak at its ``parity_rows`` rows (``PARITY_PEAK`` times
     their buffers), past half this machine's memory (module docstring). The figures are the config's."""
     limit, row = machine_memory() // 2, cache_bytes(spec, batch=1, max_context=max_context, kv_dtype=kv_dtype)
+    if not row:
+        return  # no key/value buffer: a state-space model's recurrent state is of fixed size
     fits = max(
         MIN_CONTEXT, max_context * limit // (max(max_batch, PARITY_PEAK * parity_rows) * row)
     )  # the longest that passes both

@@ -296,7 +296,9 @@ def check_in_place(trt: ModuleType, engine: trt_types.ICudaEngine, where: str) -
     graphs: every ``present.{i}.*`` output aliases its ``past_key_values.{i}.*`` input (the ONNX
     parser lowered each ``TensorScatter`` to an in-place ``IKVCacheUpdateLayer``, whose output "must
     be a network output and shares the same device memory address with the cache input": TensorRT
-    operators reference, KVCacheUpdate). Returns the aliases (output -> input)."""
+    operators reference, KVCacheUpdate). A recurrent state's present (``conv``, ``ssm``: the static
+    contract's buffers are its keys and values only) is a plain output, aliased to nothing; a graph of
+    a state-space model has no buffer at all. Returns the aliases (output -> input)."""
     aliases = compat.aliased_inputs(trt, engine)
     if aliases is None:
         raise EngineError(
@@ -305,10 +307,11 @@ def check_in_place(trt: ModuleType, engine: trt_types.ICudaEngine, where: str) -
         )
     outputs = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     presents = [name for name in outputs if name.startswith("present.")]
+    buffers = [name for name in presents if name.endswith((".key", ".value"))]
     wrong = [
         f"{name} -> {aliases.get(name)}"
         for name in presents
-        if aliases.get(name) != "past_key_values." + name.removeprefix("present.")
+        if aliases.get(name) != ("past_key_values." + name.removeprefix("present.") if name in buffers else None)
     ]
     if not presents or wrong:
         raise EngineError(

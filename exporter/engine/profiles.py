@@ -189,8 +189,9 @@ def _graph_inputs(manifest: Manifest, kind: GraphKind, graphs: GraphSet) -> tupl
             f"manifest has no targets.{ONNX_TARGET}.graphs.{kind.value} with its inputs; re-export with --target onnx"
         )
     max_context = manifest.limits.max_context
-    for spec in std.inputs:  # the contract: every cache buffer holds max_context slots, a fixed dim
-        if spec.name.startswith("past_key_values.") and (len(spec.shape) != 4 or spec.shape[2] != max_context):
+    for spec in std.inputs:  # the contract: every key/value buffer holds max_context slots (a state: its fixed size)
+        buffer = spec.name.startswith("past_key_values.") and spec.name.endswith((".key", ".value"))
+        if buffer and (len(spec.shape) != 4 or spec.shape[2] != max_context):
             raise ArtifactError(
                 f"manifest targets.{ONNX_TARGET}.graphs.{kind.value}: cache input {spec.name} is "
                 f"{list(spec.shape)}, expected [batch, n_kv_heads, {max_context}, head_dim] "

@@ -25,7 +25,9 @@ every output a buffer of its own, cannot run these engines; this runner binds th
   the one ``TrtRunner`` and ``device`` already use, so no CUDA Python package is needed.
 - the feeds come from ``contract.static_cache.static_feeds``, shared with ONNX Runtime's
   ``StaticCacheRunner``: zeroed buffers of ``max_context`` slots holding the past, ``write_indices``
-  the past length; each present returned is the buffer's first ``past + seq`` slots.
+  the past length; each present returned is the buffer's first ``past + seq`` slots. A recurrent
+  state (a hybrid's or Mamba2's ``conv``/``ssm``) is a plain input and output: its present gets a
+  buffer of its own, never its past's (``targets.onnx.states``).
 
 Written from those sources and type-checked; it has not run: kiln's development machines have no
 GPU and no TensorRT (tests/gpu/test_engines.py runs it where both exist).

@@ -5,6 +5,8 @@ The quantizer's codes and scales (``precision.int4``: RTN or GPTQ) are spilled, 
 written, to a safetensors file in the export's staging directory (``write_numbers``: the packed
 codes as ONNX INT4 bytes, half a byte a weight, and the scales, per module the MatMul belongs to;
 deleted once the reference has read them), so the quantizer's memory is freed before parity as it was.
+``kiln check`` gets the same numbers by running the quantizer again on the checkpoint with the
+export's recorded options (``exporter.int4_rerun``) and judges with the same functions.
 ``quantizer_model`` makes the second reference compute on them (``parity.quantized``), and
 ``check_graph_weights`` reads every int4 weight of every graph set, the portable
 ``DequantizeLinear`` blocks and the ``--target ort`` ``MatMulNBits`` (packed q/k/v or gate/up
@@ -25,12 +27,20 @@ from typing import Any, cast
 import numpy as np
 import onnx_ir as ir
 
+from kiln.errors import ParityError
 from kiln.exporter.parity.driver import QuantizedModel
 from kiln.exporter.parity.quantized import Int4Weight
 from kiln.exporter.passes.ir_utils import read_uncached
 from kiln.exporter.passes.names import module_of
 
-__all__ = ["NUMBERS_FILE", "QuantizerNumbers", "write_numbers", "quantizer_model", "check_graph_weights"]
+__all__ = [
+    "NUMBERS_FILE",
+    "QuantizerNumbers",
+    "write_numbers",
+    "proved_numbers",
+    "quantizer_model",
+    "check_graph_weights",
+]
 
 NUMBERS_FILE = ".kiln-int4-numbers.safetensors"  # in the staging directory, removed after parity
 _DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
@@ -98,6 +108,24 @@ class QuantizerNumbers:
     def close(self) -> None:
         self._file = None
         self.path.unlink(missing_ok=True)
+
+
+def proved_numbers(
+    path: Path,
+    numbers: Iterable[tuple[str, np.ndarray, np.ndarray, tuple[int, int]]],
+    sets: Sequence[tuple[str, Sequence[Path]]],
+    refused: str,
+) -> QuantizerNumbers:
+    """The quantizer's ``numbers`` spilled to ``path`` (``write_numbers``) once every graph set's
+    int4 weights are checked bit for bit against them (``check_graph_weights``), or a
+    ``ParityError`` of ``refused`` and the first difference (the file removed): the one path of an
+    export's proof and of ``kiln check``'s."""
+    spilled = write_numbers(path, numbers)
+    failure = check_graph_weights(spilled, sets)
+    if failure is not None:
+        spilled.close()
+        raise ParityError(f"{refused}: {failure}")
+    return spilled
 
 
 def quantizer_model(numbers: QuantizerNumbers, agreement_gates: bool = True) -> QuantizedModel:

@@ -8,8 +8,10 @@ a graph is judged against it at its float precision's tolerance, whatever the we
 docs/parity.md).
 
 An export builds it on the quantizer's own numbers (``parity.int4_proof``, which also checks
-every graph weight against them bit for bit); ``kiln check``, which has no quantizer, reads them
-back from the graph files (``read_int4_weights``). Each int4 ``DequantizeLinear`` feeds ``/<module>/MatMul``
+every graph weight against them bit for bit), and so does ``kiln check``, with the quantizer run
+again on the checkpoint (``exporter.int4_rerun``); only where that cannot run (a manifest without
+the int4 method, GPTQ's calibration data gone) does it read them back from the graph files
+(``read_int4_weights``), and says so. Each int4 ``DequantizeLinear`` feeds ``/<module>/MatMul``
 (``passes.names``); its module must be an ``nn.Linear`` (``weight [N, K]``) or a Conv1D
 (transformers' GPT-2 layers, ``weight [K, N]``), any other is refused by name. The module's own
 float weight is freed (unless another module shares it: a tied LM head), so the quantized model

@@ -4,7 +4,8 @@ kiln traces the model once, as the unified graph (``model.onnx``: seq >= 1, past
 derives the other two by fixing a dim and folding what it decides:
 
 - ``SpecialiseDecode``: seq is 1. The graph computes the same function restricted to one new
-  token, so this is exact by construction; folding removes the shape arithmetic it settles.
+  token, so this is exact by construction; folding removes the shape arithmetic it settles. (A family
+  whose one-token step has a form of its own, ``LoadedModel.decode_traced``, has decode traced instead.)
 - ``SpecialisePrefill``: past_seq is 0, a recurrent state (a past of fixed sizes) is zeros of
   its shape, and the past inputs are gone (the contract's prefill has
   none: TensorRT profiles with zero-length dims are fragile). Every ``Shape(past)`` becomes the

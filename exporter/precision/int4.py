@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,6 +57,7 @@ __all__ = [
     "DEFAULT_INT4_METHOD",
     "MIN_INT4_OPSET",
     "gptq_layerwise",
+    "gptq_over",
     "int4_quantizer",
     "prepare",
 ]
@@ -71,6 +72,7 @@ _CHANGED_BY_21 = frozenset({"DFT", "GridSample", "GroupNormalization"})
 
 if TYPE_CHECKING:
     from kiln.exporter.contract.io import GraphKind
+    from kiln.exporter.load import Reference
     from kiln.exporter.precision.context import PrecisionContext
     from kiln.exporter.precision.kinds.base import GraphReports
     from kiln.exporter.precision.kinds.int4 import Int4
@@ -235,7 +237,6 @@ def gptq_layerwise(context: PrecisionContext) -> tuple[Layerwise, dict[str, Any]
     """GPTQ over ``--calib-data`` through the PyTorch reference, layer by layer as GPTQ's reference
     does (run when the first weight is quantized), and the record of that data."""
     from kiln.calibration import WINDOW, load_calibration_data
-    from kiln.calibration.hessians import quantize_layerwise
 
     reference, options, progress = context.reference, context.options, context.progress
     assert options.calib_data is not None, "Int4.check refuses gptq without --calib-data"
@@ -246,19 +247,25 @@ def gptq_layerwise(context: PrecisionContext) -> tuple[Layerwise, dict[str, Any]
         samples=options.samples,
         window=min(WINDOW, reference.max_context),
     )
-    prefix = reference.loaded.layers.prefix if reference.loaded.layers is not None else None
-
-    def layerwise(todo: Collection[str], done: Collection[str], quantize: Quantize) -> None:
-        quantize_layerwise(
-            reference.module, prefix, reference.spec.n_layers, data.windows, todo, done, quantize, progress
-        )
-
-    return layerwise, {
+    return gptq_over(reference, data.windows, progress), {
         "source": data.source,
         "data_sha256": data.sha256,
         "windows": len(data.windows),
         "window": int(len(data.windows[0])),
     }
+
+
+def gptq_over(reference: Reference, windows: Sequence[np.ndarray], progress: Progress) -> Layerwise:
+    """GPTQ's layer-by-layer run of the reference module over the calibration ``windows``: the
+    export's (``gptq_layerwise``) and ``kiln check``'s, which runs it again (``exporter.int4_rerun``)."""
+    from kiln.calibration.hessians import quantize_layerwise
+
+    prefix = reference.loaded.layers.prefix if reference.loaded.layers is not None else None
+
+    def layerwise(todo: Collection[str], done: Collection[str], quantize: Quantize) -> None:
+        quantize_layerwise(reference.module, prefix, reference.spec.n_layers, windows, todo, done, quantize, progress)
+
+    return layerwise
 
 
 def raise_opset(model: ir.Model, opset: int) -> None:

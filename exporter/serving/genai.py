@@ -18,6 +18,14 @@ slots in the KV cache, masked out. kiln's graphs honour both inputs, so this giv
 as kiln's left-padded reference. A prompt whose *last* tokens equal ``pad_token_id`` loses them
 to the mask, and with a batch of more than one, *leading* pad ids are treated as real tokens.
 
+Recurrent caches (``kv_cache.kind`` ``state``/``hybrid``) are refused, LFM2's too: GenAI 0.18.0 has
+model types of its own for LFM2 (``lfm2``, ``lfm2_moe``: ``decoder.layer_types``, ``conv_cache_size``,
+``past_conv_names``/``present_conv_names`` templates) that carry a conv window per conv layer, but
+it takes the window's shape from the graph and refuses any input not of rank 3 ("expected conv state
+input to be rank 3 [B, H, L]"), and kiln's contract carries every cache tensor at rank 4. A batch
+would not agree either: GenAI pads it on the right, so a shorter row's trailing pads (zeroed, masked)
+would end its conv window. tests/export/test_genai_lfm2.py runs GenAI on kiln's LFM2 graph to show it.
+
 Graphs exported with ``--ple-tables input`` take the PLE tables as inputs that GenAI does not
 know; feed them once per generator with ``generator.set_model_input(name, table)``.
 
@@ -113,7 +121,8 @@ def genai_graph(manifest: Manifest) -> str:
 def genai_refusal(manifest: Manifest) -> str | None:
     """Why GenAI cannot run an export's cache (None: it can): its decoder sizes every cache
     tensor by one ``head_size`` and ``num_key_value_heads``, which a cache of per-tensor shapes
-    (multi-head latent attention's latent and rope key) does not have. Read from the manifest's
+    (multi-head latent attention's latent and rope key) does not have, and it carries no SSM state
+    and a conv window only at rank 3 (``_conv_window_refusal``). Read from the manifest's
     ``kv_cache.kind`` and from the unified graph's own cache inputs, so no config of other shapes
     than the graph's is ever written."""
     model = manifest.model
@@ -138,7 +147,7 @@ def genai_refusal(manifest: Manifest) -> str | None:
             "num_key_value_heads; run the portable graphs (kiln generate)"
         )
     if kind in ("state", "hybrid"):
-        return (
+        return _conv_window_refusal(manifest) or (
             f"genai: no genai_config.json for a {kind} cache (a recurrent state per layer, conv and ssm of fixed "
             "sizes, kv_cache.tensors): ONNX Runtime GenAI's decoder carries keys and values only; run the portable "
             "graphs (kiln generate)"
@@ -147,6 +156,27 @@ def genai_refusal(manifest: Manifest) -> str | None:
         f"genai: no genai_config.json for a {kind} cache (multi-head latent attention: a latent and a rope key "
         "per layer, of two widths):"
         f" ONNX Runtime GenAI sizes every cache tensor by one head_size; run the portable graphs (kiln generate)"
+    )
+
+
+def _conv_window_refusal(manifest: Manifest) -> str | None:
+    """The refusal of a cache whose recurrent layers carry a conv window and no SSM state (LFM2's short
+    convolutions), naming the window's shape in the unified graph; None for any other cache.
+
+    GenAI's ``lfm2`` model type (``ConvKeyValueCache``, ``src/models/kv_cache.cpp``) binds each conv
+    layer's window by ``past_conv_names``/``present_conv_names`` but shapes it from the graph input and
+    throws for any rank but 3 (``[batch, hidden, conv_L_cache - 1]``, what its builder writes); kiln's
+    contract carries every cache tensor as ``[batch, heads, length, width]``."""
+    names = {t.name for t in manifest.kv_cache.tensors or ()}
+    if "conv" not in names or "ssm" in names:
+        return None
+    shape = next(t.shape for t in manifest.graph(GraphKind.UNIFIED).inputs if t.name.endswith(".conv"))
+    return (
+        f"genai: no genai_config.json for a {manifest.kv_cache.kind} cache of short convolutions (a conv window "
+        f"alone per conv layer, kv_cache.tensors): ONNX Runtime GenAI's lfm2 model type takes that window only as "
+        f"a rank-3 [batch, hidden, conv_L_cache - 1] input, kiln's graphs carry it as "
+        f"[{', '.join(map(str, shape))}] (every cache tensor [batch, heads, length, width]); run the portable "
+        "graphs (kiln generate)"
     )
 
 

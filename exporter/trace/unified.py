@@ -4,7 +4,8 @@ The unified graph (``model.onnx``: seq >= 1, past_seq >= 0) is the only graph tr
 decode are derived from it by specialisation passes (``passes.specialise``). (A cross-attention
 decoder's prefill computes the cross cache from ``encoder_hidden_states``, which the unified
 graph takes as an input instead: its prefill is traced too; an encoder-decoder's encoder is a
-graph of its own, traced too.) When the family
+graph of its own, traced too; a family whose one-token step has a form of its own, a recurrent
+mixer's update rather than its scan, has its decode traced too, at a static seq of 1.) When the family
 gives a ``LayerPlan``, what is traced is a template: the model with only its first few layers,
 built on the meta device (no weights, no memory), and the stamp pass (``passes.stamp``) grows the
 graph to the model's depth. Either way the graph's initializers are then bound lazily to the
@@ -66,6 +67,8 @@ def _traced_kinds(reference: Reference) -> tuple[GraphKind, ...]:
     kinds: tuple[GraphKind, ...] = (
         (GraphKind.UNIFIED, GraphKind.PREFILL) if reference.spec.encoder_dim is not None else (GraphKind.UNIFIED,)
     )
+    # a one-token form of its own (a recurrent mixer's update: LoadedModel.decode_traced): decode traced at seq 1
+    kinds += (GraphKind.DECODE,) if reference.loaded.decode_traced else ()
     # the encoder last: it gathers from the tables the decoder graphs store transposed (passes.transposes)
     kinds += (GraphKind.ENCODER,) if reference.spec.has_encoder else ()
     return kinds

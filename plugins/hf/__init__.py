@@ -79,7 +79,7 @@ class HFFamily:
         """What ``kiln plugins`` prints: every architecture with what its tests prove (the precisions
         and targets each takes are asked of the export's refusals: ``specs``)."""
         rows = [[a.label, name, a.ort, a.notes] for name, a in ARCHS.items()]
-        rows += [[a.label, name, "no (encoder-decoder)", f"encoder-decoder: {a.notes}"] for name, a in SEQ2SEQ.items()]
+        rows += [[a.label, name, a.ort, f"encoder-decoder: {a.notes}"] for name, a in SEQ2SEQ.items()]
         return [["architecture", "class", "--target ort", "notes"], *rows]
 
     def specs(self) -> list[DecoderSpec]:

@@ -642,7 +642,7 @@ ARCHS: Mapping[str, Arch] = {
         "Mamba2",
         context=None,
         kv_heads=lambda cfg: int(cfg.num_heads),
-        notes="state-space layers (conv window + SSM state per layer, fixed size), the scan in one form at any step",
+        notes="state-space layers (conv window + SSM state per layer, fixed size): a chunked scan, the recurrence at decode",
         ort="portable (no attention: state-space layers)",
         cache=_mamba2_state,
         heads="num_heads",
@@ -654,8 +654,8 @@ ARCHS: Mapping[str, Arch] = {
         "Mamba",
         context=None,
         kv_heads=lambda cfg: 1,
-        notes="state-space layers (Mamba v1: conv window + SSM state per channel, fixed size), the selective "
-        "scan as a log-depth associative scan at any step",
+        notes="state-space layers (Mamba v1: conv window + SSM state per channel, fixed size): a log-depth scan, the "
+        "recurrence at decode",
         ort="portable (no attention: state-space layers)",
         cache=_mamba1_state,
         heads="hidden_size",
@@ -665,8 +665,7 @@ ARCHS: Mapping[str, Arch] = {
         "FalconMamba",
         context=None,
         kv_heads=lambda cfg: 1,
-        notes="Mamba v1 layers with RMS norms on dt, B and C (conv window + SSM state per channel, fixed size), "
-        "the selective scan as a log-depth associative scan at any step",
+        notes="Mamba v1 layers with RMS norms on dt, B and C (conv window + SSM state per channel, fixed size)",
         ort="portable (no attention: state-space layers)",
         cache=_mamba1_state,
         heads="hidden_size",
@@ -717,8 +716,8 @@ ARCHS: Mapping[str, Arch] = {
     # issue 43: Gated DeltaNet and gated attention layers (hybrid cache; plugins/hf/tiny_qwen3_5.py, gated_deltanet.py)
     "Qwen3_5ForCausalLM": Arch(
         "Qwen3.5 (text)",
-        notes="Gated DeltaNet layers (conv window + recurrent state, fixed size; the delta rule in one form at any "
-        "step; fp32 at --fp16) between attention layers with an output gate, partial rotary, q/k norm",
+        notes="Gated DeltaNet layers (conv window + recurrent state, fixed size; fp32 at --fp16) between attention "
+        "layers with an output gate, partial rotary, q/k norm",
         cache=_deltanet_hybrid_cache,
         layer_types=("linear_attention",),
         keep_fp32=_DELTANET_FP32,

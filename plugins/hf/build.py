@@ -182,8 +182,9 @@ def _loaded(
     if wrapped(arch):  # its text decoder is what is exported; the wrapper's other modules go with it
         model, arch, part = text_decoder(model, arch)
     spec = dataclasses.replace(read_spec(model.config, arch, FAMILY), dtype=dtype, text_decoder_of=part)
+    decoder = HFDecoder(model).eval()
     return LoadedModel(
-        HFDecoder(model).eval(),
+        decoder,
         spec,
         source,
         tokenizer,
@@ -191,6 +192,7 @@ def _loaded(
         layers=_layer_plan(model, arch),
         serving_files=serving,
         translations=translations(),
+        decode_traced=decoder.decode_traced,
     )
 
 

@@ -99,6 +99,9 @@ class HFDecoder(nn.Module):
             type(m).__name__ in {**MIXERS, **DELTANETS, **SHORT_CONVS} for m in model.modules()
         )
         self.cache_names = _cache_names(model, self.recurrent)  # each layer's (TorchRunner)
+        # a mixer whose one-token step is a form of its own (Mamba2, Mamba v1, Gated DeltaNet: the recurrence, not
+        # the scan on one position): the family traces decode at seq 1 (LoadedModel.decode_traced)
+        self.decode_traced = self.mamba1 or any(type(m).__name__ in {**MIXERS, **DELTANETS} for m in model.modules())
 
     def forward(
         self,

@@ -11,7 +11,10 @@ export path inverts each chunk's unit lower-triangular system row by row. While
   and the triangular system ``(I - L) X = B`` (``L`` strictly lower, so nilpotent) is solved by
   ``X = (I + L^(2^(k-1))) ... (I + L^2)(I + L) B`` with ``2^k`` at least the model's context, a
   fixed number of matmuls at any length (the step never exceeds the context);
-- the recurrent form (one cached token) is that same function, exact at one token;
+- the recurrent form (one cached token) is that same function, exact at one token; the decode graph,
+  traced on its own at a static length of one (mamba2_scan.py ``one_token``), takes the one-token delta
+  rule for both instead (``recurrent_step``: transformers' ``torch_recurrent_gated_delta_rule`` at one
+  token, ``S = g S + beta (v - (g S) k) k^T``), not the chunk and its triangular solve;
 - the convolution and the padding mask are Mamba2's one-form versions (plugins/hf/mamba2_scan.py:
   transformers' causal convolution and recurrent mask are the same code in these modules).
 
@@ -30,10 +33,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kiln.plugins.hf.mamba2_scan import conv_forward, padding_mask
+from kiln.plugins.hf.mamba2_scan import conv_forward, one_token, padding_mask
 from kiln.plugins.hf.trace_rewrites import Rewrite, while_exporting
 
-__all__ = ["DELTANETS", "deltanet_rewrites_for", "gated_delta_rule", "solve_unit_lower", "traced_deltanet"]
+__all__ = [
+    "DELTANETS",
+    "deltanet_rewrites_for",
+    "gated_delta_rule",
+    "recurrent_step",
+    "solve_unit_lower",
+    "traced_deltanet",
+    "traced_rule",
+]
 
 # the Gated DeltaNet classes, and the transformers module whose functions each one calls
 DELTANETS = {
@@ -98,12 +109,48 @@ def gated_delta_rule(
     return out.transpose(1, 2).contiguous().to(dtype), final
 
 
+def recurrent_step(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """``gated_delta_rule`` at one token (``S`` = 1) as the recurrence: the state decayed by ``exp(g)``, then
+    ``S += k (beta (v - S^T k))^T`` and the output ``S^T q`` (transformers' ``torch_recurrent_gated_delta_rule``)."""
+    dtype, heads = query.dtype, value.shape[2]
+    if key.shape[2] != heads:
+        query = query.repeat_interleave(heads // key.shape[2], dim=2)
+        key = key.repeat_interleave(heads // key.shape[2], dim=2)
+    query, key, value, beta, g = (x[:, 0].float() for x in (query, key, value, beta, g))  # [B, H, D] / [B, H]
+    if use_qk_l2norm_in_kernel:
+        query, key = _l2norm(query), _l2norm(key)
+    query = query * query.shape[-1] ** -0.5
+    zeros = query.new_zeros(value.shape[0], heads, key.shape[-1], value.shape[-1])
+    state = (zeros if initial_state is None else initial_state.float()) * g.exp()[..., None, None]
+    delta = (value - (state * key[..., None]).sum(dim=-2)) * beta[..., None]  # [B, H, Dv]
+    state = state + key[..., None] * delta[..., None, :]
+    out = (state * query[..., None]).sum(dim=-2)
+    return out[:, None].contiguous().to(dtype), state
+
+
+def traced_rule(query: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """What the trace calls for both of transformers' rules: ``recurrent_step`` at a traced length of one
+    (the decode graph), ``gated_delta_rule`` at any other."""
+    if one_token(query.shape[1]):
+        return recurrent_step(query, *args, **kwargs)
+    return gated_delta_rule(query, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def traced_deltanet(module_name: str, steps: int) -> Iterator[None]:
     """The DeltaNet functions of transformers' module ``module_name`` replaced by the one-form code
     above while inside (``steps``: the doublings the triangular solve needs at the model's context)."""
     module: Any = importlib.import_module(module_name)
-    rule = functools.partial(gated_delta_rule, steps=steps)
+    rule = functools.partial(traced_rule, steps=steps)
     new = {
         "torch_chunk_gated_delta_rule": rule,
         "torch_recurrent_gated_delta_rule": rule,

@@ -16,7 +16,10 @@ which ignores the cached state. While ``torch.compiler.is_exporting()`` every le
   Mamba2's hybrids' (``padding_mask``: always the step's columns).
 
 Each doubling step costs O(batch x intermediate x seq x state); ``SCAN_DEPTH`` steps cover 2^20
-tokens in one step, beyond any Mamba checkpoint's context (a decode step runs them all, on one position).
+tokens in one step, beyond any Mamba checkpoint's context. The decode graph, traced on its own at a static
+length of one (mamba2_scan.py ``one_token``), takes the recurrence instead (``step_state``: transformers'
+``mamba_selective_state_update``), not the doubling scan on one position; the unified graph and prefill
+keep the scan.
 Eager runs (kiln's PyTorch reference) keep transformers' own code, but for a step of several tokens from
 a non-empty state, which transformers' sequence form gets wrong (``token_by_token``); Mamba and
 FalconMamba hand every mixer the 2-D mask as it is, so kiln passes them the step's columns
@@ -36,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kiln.plugins.hf.mamba2_scan import conv_forward, padding_mask
+from kiln.plugins.hf.mamba2_scan import conv_forward, one_token, padding_mask
 from kiln.plugins.hf.trace_rewrites import Rewrite, while_exporting
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "mamba1_rewrites_for",
     "selective_scan",
     "step_mask",
+    "step_state",
     "token_by_token",
     "traced_mamba1",
 ]
@@ -80,18 +84,26 @@ def selective_scan(decay: Tensor, inputs: Tensor, state: Tensor, depth: int = SC
     return states, states[:, :, -1]
 
 
+def step_state(decay: Tensor, inputs: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """``selective_scan`` at one position (``T`` = 1) as the recurrence: ``h = exp(decay) h0 + inputs``."""
+    final = torch.exp(decay[:, :, 0]) * state + inputs[:, :, 0]
+    return final[:, :, None], final
+
+
 def scan_forward(
     module: Any, hidden_states: Tensor, time_step: Tensor, B: Tensor, C: Tensor, gate: Tensor, cache: Any, **_: Any
 ) -> Tensor:
-    """``mamba_scan_forward`` at any length, from and into the cache's state: x, time step and gate
-    ``[B, I, T]``, B and C ``[B, T, N]`` -> the gated output ``[B, I, T]`` with the D skip (float32)."""
+    """``mamba_scan_forward`` at any length (the recurrence at a traced length of one), from and into the cache's
+    state: x, time step and gate ``[B, I, T]``, B and C ``[B, T, N]`` -> the gated output ``[B, I, T]`` with the
+    D skip (float32)."""
     state = cache.get_recurrent_state(module.layer_idx, state_idx=0)
     bias = module.dt_proj.bias.float()[None, :, None] if module.dt_proj.bias is not None else 0.0
     dt = F.softplus(time_step.float() + bias)  # [B, I, T]
     x = hidden_states.float()
     decay = -torch.exp(module.A_log.float())[None, :, None, :] * dt[..., None]  # [B, I, T, N]
     inputs = dt[..., None] * B.float()[:, None, :, :] * x[..., None]
-    states, final = selective_scan(decay, inputs, state.float())
+    form = step_state if one_token(x.shape[2]) else selective_scan
+    states, final = form(decay, inputs, state.float())
     out: Tensor = torch.einsum("bitn,btn->bit", states, C.float()) + x * module.D.float()[None, :, None]
     cache.update_recurrent_state(final.to(state.dtype), module.layer_idx)
     return out * F.silu(gate.float())

@@ -15,6 +15,12 @@ while ``torch.compiler.is_exporting()`` every length takes one form:
   quadratic in the step's length like attention; exact for any chunk size), from the cached state;
 - the 2-D padding mask is always applied (a decode step's token is never padding).
 
+The decode graph is traced on its own at a static length of one (``one_token``; families with these
+mixers set ``LoadedModel.decode_traced``): there the step is the recurrence itself, as transformers'
+one-token path computes it (``state * exp(dt A) + dt x B``, ``y = C state + D x``; the convolution over the
+window shifted by one), not the scan on one position. The unified graph (a dynamic length) and prefill
+keep the one form above.
+
 Eager runs (kiln's PyTorch reference) keep transformers' own code; tests/export/test_recurrent_state.py
 proves the two equal at one token and at several, from a zero and a random state.
 """
@@ -32,7 +38,7 @@ from torch import Tensor, nn
 
 from kiln.plugins.hf.trace_rewrites import Rewrite, while_exporting
 
-__all__ = ["traced_mamba2", "mamba2_rewrites_for"]
+__all__ = ["traced_mamba2", "mamba2_rewrites_for", "one_token"]
 
 # the mixer classes of this form, and the transformers module whose functions each one calls
 MIXERS = {
@@ -42,6 +48,12 @@ MIXERS = {
     "NemotronHMamba2Mixer": "transformers.models.nemotron_h.modeling_nemotron_h",
     "FalconH1Mixer": "transformers.models.falcon_h1.modeling_falcon_h1",
 }
+
+
+def one_token(length: Any) -> bool:
+    """Whether a step's traced length is the Python int 1 (the decode graph's trace; the unified graph's
+    length is symbolic, and comparing it would add a guard)."""
+    return type(length) is int and length == 1
 
 
 def _segment_sum(x: Tensor) -> Tensor:
@@ -75,13 +87,30 @@ def _scan(module: Any, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, state: Tenso
     return within + carried + skip, final
 
 
+def _step(module: Any, x: Tensor, dt: Tensor, b: Tensor, c: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """``_scan`` at one token (``S`` = 1) as the recurrence (transformers' ``mamba2_selective_state_update``):
+    ``state * exp(dt A) + dt x B``, then ``C state + D x``, in float32."""
+    heads = x.shape[2]
+    low, high = module.time_step_limit
+    dt = torch.clamp(F.softplus(dt[:, 0] + module.dt_bias.to(dt.dtype)), min=low, max=high).float()  # [B, H]
+    x = x[:, 0].float()  # [B, H, P]
+    b = b[:, 0].float().repeat_interleave(heads // b.shape[2], dim=1, output_size=heads)  # [B, H, N]
+    c = c[:, 0].float().repeat_interleave(heads // c.shape[2], dim=1, output_size=heads)
+    decay = torch.exp(-torch.exp(module.A_log.float()) * dt)[..., None, None]  # [B, H, 1, 1]
+    final = state.float() * decay + (dt[..., None] * x)[..., None] * b[:, :, None, :]  # [B, H, P, N]
+    out = (final @ c[..., None]).squeeze(-1) + module.D[..., None] * x
+    return out[:, None], final
+
+
 def scan_forward(module: Any, hidden_states: Tensor, B: Tensor, C: Tensor, dt: Tensor, cache: Any, **_: Any) -> Tensor:
-    """``mamba2_scan_forward`` at any length, reading and replacing the cache's state."""
+    """``mamba2_scan_forward`` at any length (the recurrence at a traced length of one), reading and
+    replacing the cache's state."""
     batch, seq, _width = hidden_states.shape
     state = cache.get_recurrent_state(module.layer_idx, state_idx=0)
     x = hidden_states.view(batch, seq, module.num_heads, module.head_dim)
     groups = (batch, seq, module.n_groups, module.ssm_state_size)
-    out, final = _scan(module, x, dt, B.view(groups), C.view(groups), state)
+    form = _step if one_token(seq) else _scan
+    out, final = form(module, x, dt, B.view(groups), C.view(groups), state)
     cache.update_recurrent_state(final.to(state.dtype), module.layer_idx)
     return out.reshape(batch, seq, module.intermediate_size)
 
@@ -95,14 +124,17 @@ def conv_forward(
     state_idx: int = 0,
     **_: Any,
 ) -> Tensor:
-    """``causal_conv1d_forward`` at any length: the cached window and the new columns, convolved."""
+    """``causal_conv1d_forward`` at any length: the cached window and the new columns, convolved (at a traced
+    length of one, the window shifted by one and convolved without padding: one output column)."""
     import importlib
 
     module: Any = importlib.import_module(MIXERS["Mamba2Mixer"])  # (the hybrids' causal_conv1d_fn are copies)
-    seq = hidden_states.shape[-1]
-    full = cache.update_conv_state(
-        hidden_states, layer_idx, state_idx=state_idx, conv_kernel_size=conv1d.kernel_size[0]
-    )
+    seq, kernel = hidden_states.shape[-1], conv1d.kernel_size[0]
+    full = cache.update_conv_state(hidden_states, layer_idx, state_idx=state_idx, conv_kernel_size=kernel)
+    if one_token(seq):
+        window = full[:, :, -kernel:].to(conv1d.weight.dtype)
+        step = F.conv1d(window, conv1d.weight, conv1d.bias, groups=window.shape[1])
+        return (step if activation is None else module.ACT2FN[activation](step)).to(hidden_states.dtype)
     out: Tensor = module.causal_conv1d_fn(full, conv1d.weight.squeeze(1), conv1d.bias, activation=activation)
     return out[:, :, -seq:]
 

@@ -36,6 +36,8 @@ class Seq2SeqArch:
     refusals: tuple[Refusal, ...] = ()
     notes: str = ""
     features: str | None = None  # a speech encoder's mel-bin count field: its encoder takes log-mel features
+    # what --target ort does with it (``kiln plugins``' column; tests/export/test_seq2seq_ort.py)
+    ort: str = "GQA (self-attention; cross and encoder portable)"
 
 
 _UNSHARED_VOCAB = Refusal(
@@ -67,6 +69,7 @@ SEQ2SEQ: Mapping[str, Seq2SeqArch] = {
         "num_decoder_layers",
         "num_heads",
         context=None,
+        ort="portable (relative position bias); norms fused",
         notes="relative position buckets (no context limit of its own: --max-context), RMS norm, rescaled tied head; "
         "v1.1/Flan-T5: gated GELU, untied head",
     ),

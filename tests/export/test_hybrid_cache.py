@@ -5,7 +5,8 @@ experts) passes its own parity; its graphs and manifest carry ``conv``/``ssm`` o
 Mamba2 layers and growing ``key``/``value`` on the attention layer; ``kiln verify`` passes; greedy
 tokens through kiln's ORT runner (batch 1 and a left-padded batch of two; prefill + decode, and the
 unified graph alone) and ``kiln generate`` equal transformers' ``generate()``, and a tiny Bamba's
-too; GenAI and ``--target onnx`` refuse the cache by name. Mamba2 alone: tests/export/test_state_cache.py."""
+too; GenAI and ``--target onnx`` (GraniteMoeHybrid's routing) refuse it by name. Mamba2 alone:
+tests/export/test_state_cache.py."""
 
 from __future__ import annotations
 
@@ -113,8 +114,8 @@ def _assert_greedy_equals_generate(ckpt: Path, out: Path) -> None:
 def test_the_onnx_target_refuses_the_hybrid_cache_by_name() -> None:
     spec = tiny_model("granitemoehybrid", seed=0).spec
     assert spec.cache is not None and spec.cache.kind == "hybrid", spec.cache
-    why = refusal(spec, {"target": "onnx"})
-    assert why is not None and "--target onnx is not supported for a hybrid cache (a recurrent state" in why, why
+    why = refusal(spec, {"target": "onnx"})  # its experts' routing: tests/export/test_onnx_target_state.py
+    assert why is not None and "--target onnx does not write GraniteMoeHybridForCausalLM: its mixture-of" in why, why
     assert refusal(spec, {"target": "ort"}) is None and refusal(spec, {}) is None
 
 

@@ -173,14 +173,15 @@ def test_int4_numbers_other_than_the_graphs_fail_where_agreement_passes(
     int4's agreement with the checkpoint's model, and refused against the quantized model."""
     import dataclasses
 
-    from kiln.exporter.parity import driver
-    from kiln.exporter.parity.quantized import read_int4_weights
+    from kiln.exporter.parity.int4_proof import QuantizerNumbers
 
-    def off(paths):  # type: ignore[no-untyped-def]
-        for i, weight in enumerate(read_int4_weights(paths)):
+    weights = QuantizerNumbers.weights  # what kiln check's quantized model reads (the quantizer run again)
+
+    def off(self):  # type: ignore[no-untyped-def]
+        for i, weight in enumerate(weights(self)):
             yield dataclasses.replace(weight, scale=weight.scale * 1.02) if i == 0 else weight
 
-    monkeypatch.setattr(driver, "read_int4_weights", off)
+    monkeypatch.setattr(QuantizerNumbers, "weights", off)
     checked = check_dir(int4_ort)
     assert checked.agreed and checked.quantized is not None and not checked.quantized.passed and not checked.passed
     failures = checked.failures()

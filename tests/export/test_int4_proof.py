@@ -87,11 +87,11 @@ def test_one_block_scale_off_is_refused_by_name(tmp_path: Path, monkeypatch: pyt
 def test_the_proof_refuses_it_without_the_weight_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same fault with the weight check skipped: the quantized model, built on the quantizer's
     numbers and not the graph's, refuses the graphs (a reference read back from the graph would copy it)."""
-    from kiln.exporter import pipeline
+    from kiln.exporter.parity import int4_proof
     from kiln.exporter.precision import int4
 
     monkeypatch.setattr(int4, "_lazy", _one_block_off("layers.0.mlp.fc2", lambda s: s * np.float32(1.1)))
-    monkeypatch.setattr(pipeline, "check_graph_weights", lambda numbers, sets: None)
+    monkeypatch.setattr(int4_proof, "check_graph_weights", lambda numbers, sets: None)
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     with pytest.raises(ParityError) as err:
         export(

@@ -42,7 +42,7 @@ from kiln.plugins import load_model
 from kiln.plugins.hf import SUPPORTED, tiny_model
 from kiln.plugins.hf.seq2seq import SEQ2SEQ, SEQ2SEQ_TINY
 from kiln.plugins.hf.speech import SPEECH_TINY
-from kiln_testing import rtn_linears
+from kiln_testing import rtn_linears, seq2seq_generate
 
 STEPS = 16
 CONTEXT = {"t5": 64, "t5-gated": 64}  # T5's relative positions have no limit of their own: --max-context
@@ -51,18 +51,6 @@ CONTEXT = {"t5": 64, "t5-gated": 64}  # T5's relative positions have no limit of
 def _save(case: str, directory: Path, **overrides: Any) -> Path:
     tiny_model(case, seed=1, **overrides).module.model.save_pretrained(directory, safe_serialization=True)
     return directory
-
-
-def _generate(hf: torch.nn.Module, ids: np.ndarray, mask: np.ndarray, steps: int) -> np.ndarray:
-    """transformers' greedy generate() with its own cache and none of the generation config's
-    logits processors (forced first/last tokens, banned words): the model's own argmax."""
-    with torch.no_grad():
-        out = hf.generate(
-            input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps,
-            do_sample=False, num_beams=1, eos_token_id=None, forced_eos_token_id=None, forced_bos_token_id=None,
-            bad_words_ids=None, pad_token_id=0,
-        )  # fmt: skip
-    return np.asarray(out[:, 1:].numpy())  # after the decoder's start token
 
 
 def test_every_encoder_decoder_has_a_tiny_model_and_is_listed() -> None:
@@ -95,7 +83,7 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
     for lengths in ([9], [9, 5, 3]):  # batch 1, and a (right-)padded batch of encoder inputs
         prompts = make_prompts(spec, lengths, seed=len(lengths))
         ids, mask = right_pad(prompts, 0)
-        want = _generate(hf, ids, mask, STEPS)
+        want = seq2seq_generate(hf, ids, mask, STEPS)
         with OrtRunner(graphs) as runner:
             got, _ = greedy(runner, spec, prompts, STEPS)
             alone = {i: greedy(runner, spec, [p], STEPS)[0][0] for i, p in enumerate(prompts)}
@@ -213,7 +201,7 @@ def test_check_generate_and_bench_run_it(bart_export: Path) -> None:
         bart_export.parent / "ckpt", dtype=torch.float32, attn_implementation="eager"
     ).eval()
     ids = np.array([[5, 6, 7, 8, 9]], dtype=np.int64)
-    assert summary["tokens"] == _generate(hf, ids, np.ones_like(ids), 6)[0].tolist()
+    assert summary["tokens"] == seq2seq_generate(hf, ids, np.ones_like(ids), 6)[0].tolist()
     result = runner.invoke(
         main, ["bench", str(bart_export), "--prefill-seq", "8", "--past", "8", "--runs", "3", "--no-roofline", "--json"]
     )
@@ -279,7 +267,6 @@ def _validator() -> Draft202012Validator:
             ExportOptions(precision=Precision.of(Int8()), calib_data="synthetic"),
             "int8 exports are not supported for encoder-decoders yet: .* or --int4 --int4-method rtn",
         ),
-        (ExportOptions(target="ort"), "--target ort is not supported for cross-attention decoders yet"),
         (
             ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True))),
             "--auto-keep-fp32 is not supported for encoder-decoders yet",
@@ -328,7 +315,7 @@ def test_int4_rtn_equals_pytorch_on_the_same_int4_weights(tmp_path: Path) -> Non
         with OrtRunner(graphs) as runner:
             tokens, _ = greedy(runner, spec, prompts, STEPS)
         assert len(set(tokens.ravel().tolist())) > 2, tokens  # the tokens vary: a comparison that can fail
-        np.testing.assert_array_equal(tokens, _generate(hf, *right_pad(prompts, 0), STEPS), err_msg=f"{lengths}")
+        np.testing.assert_array_equal(tokens, seq2seq_generate(hf, *right_pad(prompts, 0), STEPS), err_msg=f"{lengths}")
 
 
 def test_engines_are_refused_by_name(bart_export: Path) -> None:

@@ -4,9 +4,9 @@ graphs and manifest carry per layer ``conv`` and ``ssm`` of fixed sizes (prefill
 returns them, decode and the unified graph read and replace them); ``kiln verify`` and ``kiln
 check`` pass and verify names a manifest whose length disagrees; greedy tokens through kiln's ORT
 runner (batch 1 and a left-padded batch) and through ``kiln generate`` equal transformers'
-``generate()``; the Triton repository carries the state at its fixed shape from zeros; GenAI and
-``--target onnx`` refuse the state by name; ``--fp16`` and int4 (RTN, on both graph sets) pass their
-parity. The traced mixer itself: tests/export/test_recurrent_state.py."""
+``generate()``; the Triton repository carries the state at its fixed shape from zeros; GenAI refuses the
+state by name (``--target onnx`` takes it: tests/export/test_onnx_target_state.py); ``--fp16`` and int4
+(RTN, on both graph sets) pass their parity. The traced mixer itself: tests/export/test_recurrent_state.py."""
 
 from __future__ import annotations
 
@@ -118,10 +118,9 @@ def test_the_triton_states_are_the_fixed_shapes_from_zeros(mamba2: tuple[Path, P
             assert state.count(dims) == 2 and "zero_data: true" in state, state
 
 
-def test_the_onnx_target_refuses_the_state_by_name() -> None:
-    spec = tiny_model("mamba2", seed=0).spec
-    why = refusal(spec, {"target": "onnx"})
-    assert why is not None and "--target onnx is not supported for a state cache (a recurrent state" in why, why
+def test_the_onnx_target_takes_the_state() -> None:
+    spec = tiny_model("mamba2", seed=0).spec  # its graphs: tests/export/test_onnx_target_state.py
+    assert refusal(spec, {"target": "onnx"}) is None
     assert refusal(spec, {"target": "ort"}) is None and refusal(spec, {}) is None
 
 

@@ -44,7 +44,7 @@ from kiln.plugins import load_model
 from kiln.plugins.hf import SUPPORTED, tiny_model
 from kiln.plugins.hf.seq2seq import SEQ2SEQ
 from kiln.plugins.hf.speech import FRAMES, MELS, SPEECH_TINY
-from kiln_testing import rtn_linears
+from kiln_testing import hf_seq2seq, rtn_linears, whisper_generate
 
 STEPS = 16
 START = 3  # the tiny config's decoder_start_token_id
@@ -53,23 +53,6 @@ START = 3  # the tiny config's decoder_start_token_id
 def _save(directory: Path, **overrides: Any) -> Path:
     tiny_model("whisper", seed=1, **overrides).module.model.save_pretrained(directory, safe_serialization=True)
     return directory
-
-
-def _hf(ckpt: Path) -> Any:
-    model = transformers.WhisperForConditionalGeneration.from_pretrained(
-        ckpt, dtype=torch.float32, attn_implementation="eager"
-    )
-    return model.eval()
-
-
-def _generate(hf: Any, features: np.ndarray, steps: int) -> np.ndarray:
-    """transformers' greedy Whisper generate() (it returns the tokens after the decoder's start)."""
-    with torch.no_grad():
-        out = hf.generate(
-            input_features=torch.from_numpy(features), max_new_tokens=steps, do_sample=False, num_beams=1,
-            eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
-    return np.asarray(out.numpy())
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +109,12 @@ def test_greedy_tokens_equal_transformers_generate(whisper: Path) -> None:
     spec = load_model(whisper / "ckpt").spec
     onnx_dir = whisper / "out" / "onnx"
     graphs = {k: onnx_dir / f"{k.value}.onnx" for k in (GraphKind.ENCODER, GraphKind.PREFILL, GraphKind.DECODE)}
-    hf = _hf(whisper / "ckpt")
+    hf = hf_seq2seq(whisper / "ckpt")
     for lengths in ([5], [5, 3]):  # batch 1 and 2: each prompt stands for its own random features
         prompts = make_prompts(spec, lengths, seed=len(lengths))
         features = stand_in_features(spec, prompts)
         assert features.shape == (len(lengths), MELS, FRAMES)
-        want = _generate(hf, features, STEPS)
+        want = whisper_generate(hf, features, STEPS)
         assert len(set(want.ravel().tolist())) > 3, want  # the tiny model's tokens vary: a comparison that can fail
         with OrtRunner(graphs) as runner:
             got, _ = greedy(runner, spec, prompts, STEPS)
@@ -146,7 +129,7 @@ def test_kiln_generate_features(whisper: Path, tmp_path: Path) -> None:
     out = str(whisper / "out")
     features = np.random.default_rng(5).standard_normal((MELS, FRAMES)).astype(np.float32)
     np.save(tmp_path / "f.npy", features)
-    want = _generate(_hf(whisper / "ckpt"), features[None], 10)[0].tolist()
+    want = whisper_generate(hf_seq2seq(whisper / "ckpt"), features[None], 10)[0].tolist()
     result = _generate_cli(out, "--features", str(tmp_path / "f.npy"), "--max-new-tokens", "10", "--json")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
@@ -216,7 +199,7 @@ def test_fp16(tmp_path: Path) -> None:
     np.save(tmp_path / "f.npy", features)
     result = _generate_cli(str(tmp_path / "out"), "--features", str(tmp_path / "f.npy"), "--max-new-tokens", "8")
     assert result.exit_code == 0, result.output
-    assert result.stdout.split() == [str(t) for t in _generate(_hf(ckpt), features[None], 8)[0]]
+    assert result.stdout.split() == [str(t) for t in whisper_generate(hf_seq2seq(ckpt), features[None], 8)[0]]
 
 
 @pytest.mark.slow
@@ -236,7 +219,7 @@ def test_int4_rtn_equals_pytorch_on_the_same_int4_weights(tmp_path: Path) -> Non
     prefill = onnx.load(graphs[GraphKind.PREFILL], load_external_data=False).graph
     (head,) = [n for n in prefill.node if n.name == "/model.proj_out/MatMul"]
     assert head.input[1] in {t.name for t in prefill.initializer}  # the head reads its float table
-    hf = _hf(ckpt)
+    hf = hf_seq2seq(ckpt)
     features = np.random.default_rng(5).standard_normal((1, MELS, FRAMES)).astype(np.float32)
     with torch.no_grad():
         floats = hf.model.encoder(torch.from_numpy(features)).last_hidden_state.numpy()
@@ -253,7 +236,7 @@ def test_int4_rtn_equals_pytorch_on_the_same_int4_weights(tmp_path: Path) -> Non
             tokens, _ = greedy(runner, spec, prompts, STEPS)
         assert len(set(tokens.ravel().tolist())) > 2, tokens  # the tokens vary: a comparison that can fail
         np.testing.assert_array_equal(
-            tokens, _generate(hf, stand_in_features(spec, prompts), STEPS), err_msg=f"batch {len(lengths)}"
+            tokens, whisper_generate(hf, stand_in_features(spec, prompts), STEPS), err_msg=f"batch {len(lengths)}"
         )
 
 
@@ -264,7 +247,6 @@ def test_int4_rtn_equals_pytorch_on_the_same_int4_weights(tmp_path: Path) -> Non
             ExportOptions(precision=Precision.of(Int4()), calib_data="synthetic"),
             "--int4-method gptq is not supported for encoder-decoders yet",
         ),
-        (ExportOptions(target="ort"), "--target ort is not supported for cross-attention decoders yet"),
     ],
 )
 def test_what_is_not_done_yet_is_refused(options: ExportOptions, message: str, whisper: Path, tmp_path: Path) -> None:

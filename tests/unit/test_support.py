@@ -23,7 +23,8 @@ from kiln_testing import config_error, tiny_config, write_checkpoint
 # fp32, fp16, int8, fp8, int4: --target ort takes fp32 and int4 (and --ort-int8)
 TAKES_ALL = ["pox", "p-x", "pOx", "p-x", "pox"]
 UNPROVED_WINDOW = ["poX", "p-X", "pOX", "p-X", "poX"]  # --target onnx refuses a window no test proves
-ENCODER_DECODER = ["p--", "p--", "---", "---", "P--"]  # fp32, fp16 and int4 by RTN, the portable graphs only
+# fp32, fp16 and int4 by RTN on the portable graphs; fp32 and int4 by RTN on --target ort's
+ENCODER_DECODER = ["po-", "p--", "---", "---", "PO-"]
 MARKS = {
     **dict.fromkeys(["Qwen3", "Phi-3", "SmolLM3", "Qwen3-MoE", "gpt-oss"], UNPROVED_WINDOW),
     **dict.fromkeys(
@@ -52,11 +53,12 @@ MARKS = {
     **dict.fromkeys(
         ["DeepSeek-V2", "DeepSeek-V3"], ["po-", "p--", "pO-", "p--", "po-"]
     ),  # --target onnx refuses a latent cache
-    **dict.fromkeys(
-        ["Mamba2", "GraniteMoeHybrid", "Bamba", "Nemotron-H", "Falcon-H1"], ["po-", "p--", "pO-", "p--", "po-"]
-    ),  # onnx: no state
+    # onnx: Mamba2's and Bamba's state at fp32 and fp16 (tests/export/test_onnx_target_state.py), the others' none
+    **dict.fromkeys(["Mamba2", "Bamba"], ["pox", "p-x", "pO-", "p--", "po-"]),
+    **dict.fromkeys(["GraniteMoeHybrid", "Nemotron-H", "Falcon-H1"], ["po-", "p--", "pO-", "p--", "po-"]),
     **dict.fromkeys(["Mamba", "FalconMamba", "Jamba"], ["po-", "p--", "pO-", "p--", "po-"]),  # onnx: no v1 state
-    **dict.fromkeys(["LFM2", "LFM2-MoE"], ["po-", "p--", "pO-", "p--", "po-"]),  # onnx: no conv window (issue 43)
+    "LFM2": ["pox", "p-x", "pO-", "p--", "po-"],  # onnx: its conv window at fp32 and fp16
+    "LFM2-MoE": ["po-", "p--", "pO-", "p--", "po-"],  # onnx: not proved
     **dict.fromkeys(
         ["Qwen3.5 (text)", "Qwen3-Next", "Qwen3.5-MoE (text)"], ["po-", "p--", "pO-", "p--", "po-"]
     ),  # onnx: no DeltaNet state (issue 43)
@@ -67,7 +69,7 @@ MARKS = {
     "Mistral 3 VLM": UNPROVED_WINDOW,
     **dict.fromkeys(["BART", "mBART", "Marian", "T5", "Whisper"], ENCODER_DECODER),
     "PLE decoder": TAKES_ALL,
-    "cross-attention": ["p--", "p--", "---", "---", "P--"],  # no --int8/--fp8, int4 by RTN only, no target
+    "cross-attention": ENCODER_DECODER,  # no --int8/--fp8, int4 by RTN only, no --target onnx
 }
 
 
@@ -142,7 +144,7 @@ def test_a_cross_attention_decoder_is_refused_by_kiln_export_as_the_table_says(t
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(cross_attention=True))
     ((_, spec),) = [(n, s) for n, s in _rows() if n == "cross-attention"]
     refused = [(p, t, c) for p, row in support(spec).cells.items() for t, c in row.items() if not c.taken]
-    assert len(refused) == 12  # 2 targets at fp32, fp16 and int4 (RTN), 3 at int8 and fp8
+    assert len(refused) == 10  # --target onnx at each precision, --target ort at fp16, int8 and fp8, portable int8, fp8
     for precision, target, cell in refused:
         line = _kiln_export(ckpt, tmp_path / "out", precision, target)
         assert (cell.refusal or "").startswith(line), (precision, target, line)
@@ -207,14 +209,14 @@ def test_at_80_columns_the_marks_stay_on_the_row_and_the_rest_goes_under_it() ->
     ]
     qwen3, bart = (
         lines.index("  Qwen3               poX   p-X   pOX   p-X  poX"),
-        lines.index("  BART                p--   p--   ---   ---  P--"),
+        lines.index("  BART                po-   p--   ---   ---  PO-"),
     )
     assert (lines[qwen3 + 1], lines[bart + 1]) == (
         "      class: Qwen3ForCausalLM",
         "      class: BartForConditionalGeneration",
     )
-    assert "  cross-attention  p--   p--   ---   ---  P--" in lines
-    assert "  P in int4: only with --int4-method rtn (GPTQ is refused)" in lines
+    assert "  cross-attention  po-   p--   ---   ---  PO-" in lines
+    assert "  P in int4, O in int4: only with --int4-method rtn (GPTQ is refused)" in lines
     window = "  X: not with a sliding window: only the windows a test proves are applied"
     assert lines.count(window) == 1  # hf's: native configs have no window
 
@@ -283,7 +285,7 @@ def test_an_encoder_decoder_and_a_window_are_refused_by_kiln_export_as_the_table
     tiny_model("bart", seed=1).module.model.save_pretrained(bart, safe_serialization=True)
     ((_, spec),) = [(n, s) for n, s in _rows() if n == "BART"]
     refused = [(p, t, c) for p, row in support(spec).cells.items() for t, c in row.items() if not c.taken]
-    assert len(refused) == 12  # all but fp32, fp16 and int4's portable graphs
+    assert len(refused) == 10  # all but fp32, fp16 and int4's portable graphs and fp32 and int4's --target ort
     int4 = support(spec).cells["int4"]["portable"]  # taken with --int4-method rtn; GPTQ (the default) is refused
     assert int4.taken and int4.condition == "only with --int4-method rtn (GPTQ is refused)"
     for precision, target, cell in [*refused, ("int4", "portable", int4)]:

@@ -13,7 +13,9 @@ cache to be a network input of static length and its output a network output (no
 and ONNX Runtime writes in place when one buffer is bound as both.
 
 What the layer must be, or the export stops naming it (its portable graphs are unaffected):
-every layer's attention found, and nothing else reading a cache input (a graph that takes a
+every attention layer's attention found (a hybrid's state-space or convolution layers keep their
+recurrent state as plain inputs and outputs: ``states``; a model without attention gets no mask and
+no ``write_indices``), and nothing else reading a cache input (a graph that takes a
 length from the past's shape would read ``max_context`` now). A soft-capped layer (Gemma 2:
 TensorRT's parser refuses ``Attention``'s ``softcap``) keeps the in-place cache and reads it with
 ``decomposed.decomposed_attention``'s plain ops; ``report`` lists those layers and why.
@@ -34,8 +36,9 @@ from kiln.exporter.patterns.attention import AttentionCore, find_attention
 from kiln.exporter.targets.onnx.decomposed import DECOMPOSED_WHY, decomposed_attention
 from kiln.exporter.targets.onnx.mask import static_masks
 from kiln.plugins.base import DecoderSpec
+from kiln.plugins.cache_layout import Span
 
-__all__ = ["StaticCache"]
+__all__ = ["StaticCache", "attention_layers"]
 
 
 class StaticCache(ir.passes.InPlacePass):
@@ -79,24 +82,28 @@ class StaticCache(ir.passes.InPlacePass):
         cores = find_attention(
             model, self.spec.head_dim, softmax_island=True
         )  # fp16: the Attention op takes the fp32 softmax island in
-        missing = sorted(set(range(self.spec.n_layers)) - {c.layer for c in cores})
+        missing = sorted(attention_layers(self.spec) - {c.layer for c in cores})
         if missing:
             raise ExportError(
                 f"the attention of layer(s) {missing} is not the pattern --target onnx rewrites (attention core "
                 "-> Attention); export without --target onnx"
             )
         graph = model.graph
-        writes = self._write_indices(graph)
-        masks = static_masks(
-            graph,
-            max_context=self.max_context,
-            prefill=self.kind is GraphKind.PREFILL,
-            windows={self.windows.get(c.layer) for c in cores},
-        )
+        writes = self._write_indices(graph) if cores else None
+        masks = (
+            static_masks(
+                graph,
+                max_context=self.max_context,
+                prefill=self.kind is GraphKind.PREFILL,
+                windows={self.windows.get(c.layer) for c in cores},
+            )
+            if cores
+            else {}
+        )  # a pure state-space model has no attention: no mask, no write_indices
         for core in cores:
             self._layer(graph, core, writes, masks[self.windows.get(core.layer)])
         RemoveUnusedNodesPass()(model)
-        self._check_cache_readers(graph)
+        self._check_cache_readers(graph, {c.layer for c in cores})
         self._order_inputs(graph)
         self.layers = [c.layer for c in cores]
         self.decomposed = [c.layer for c in cores if c.softcap is not None]
@@ -110,7 +117,7 @@ class StaticCache(ir.passes.InPlacePass):
                 f"{(self.io.input_names, self.io.output_names)}"
             )
 
-    def _write_indices(self, graph: ir.Graph) -> ir.Value | None:
+    def _write_indices(self, graph: ir.Graph) -> ir.Value | None:  # only a graph with keys takes it
         if self.kind is GraphKind.PREFILL:
             return None  # TensorScatter without write_indices writes at slot 0
         value = ir.val(WRITE_INDICES, ir.DataType.INT64, ir.Shape(["batch"]))
@@ -172,9 +179,10 @@ class StaticCache(ir.passes.InPlacePass):
         assert transpose is not None, "the attention pattern ends in Reshape(Transpose(pv))"
         transpose.replace_input_with(0, attention)
 
-    def _check_cache_readers(self, graph: ir.Graph) -> None:
+    def _check_cache_readers(self, graph: ir.Graph, layers: set[int]) -> None:
+        buffers = {f"past_key_values.{layer}.{which}" for layer in layers for which in ("key", "value")}
         for value in graph.inputs:
-            if value.name and value.name.startswith("past_key_values."):
+            if value.name in buffers:  # a recurrent state (conv, ssm) is read by the mixer's own ops
                 others = [u.node for u in value.uses() if u.node.op_type != "TensorScatter" and not _batch_only(u.node)]
                 if others:
                     raise ExportError(
@@ -190,6 +198,11 @@ class StaticCache(ir.passes.InPlacePass):
             )
         graph.inputs.clear()
         graph.inputs.extend(by_name[name] for name in self.io.input_names)
+
+
+def attention_layers(spec: DecoderSpec) -> set[int]:
+    """The layers that carry keys and values (a hybrid's attention layers; every layer of the others)."""
+    return {layer for layer, tensor in spec.cache_layout.tensors() if tensor.span is Span.SEQUENCE}
 
 
 def _batch_only(node: ir.Node) -> bool:

@@ -11,7 +11,9 @@ rewritten into ``onnx/<kind>.std.onnx`` by the passes ``onnx_passes`` lists:
 - RMSNorm -> ``RMSNormalization`` (the rule ``--target ort`` uses too, writing ONNX's op: ``patterns.norm``;
   in fp16 graphs the fp16 pass's island first, computed over fp32 casts of it: ``norm_fp16``),
 - int8 Q/DQ in the form ONNX Runtime loads at opset 24 (``precision.int8_form``: no zero point,
-  the QuantizeLinear's ``output_dtype`` INT8).
+  the QuantizeLinear's ``output_dtype`` INT8),
+- a recurrent-state model's graph checked for ops TensorRT's parser imports, its op types reported
+  (``states.standard_ops``).
 
 What a pass leaves as traced is said in each graph's ``not_fused`` report. What the graphs add
 (the rotary tables, the mask's slot numbers) goes to ``weights.std.bin``.
@@ -39,6 +41,7 @@ from kiln.exporter.targets.base import TargetGraphs
 from kiln.exporter.targets.onnx.cache import StaticCache
 from kiln.exporter.targets.onnx.norm_fp16 import fuse_fp16_rms_norm
 from kiln.exporter.targets.onnx.rotary import onnx_rotary
+from kiln.exporter.targets.onnx.states import standard_ops
 from kiln.exporter.targets.onnx.windows import layer_windows
 from kiln.plugins.base import DecoderSpec
 
@@ -110,6 +113,11 @@ def onnx_passes(
         ),
         *([CheckLowBit()] if low_bit else []),
         RemoveUnusedNodesPass(),
+        *(
+            [GraphRewrite(standard_ops, "standard_ops", lambda ops: {"op_types": ops})]
+            if spec.cache_layout.kind in ("state", "hybrid")
+            else []
+        ),  # a recurrent mixer's trace: ONNX's own ops only (``states``)
         TopologicalSortPass(),
         ExternalizeWeights(writer),
     ]

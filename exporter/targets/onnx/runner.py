@@ -3,9 +3,10 @@
 Parity asks every runner the same question in the portable contract (a past of ``past_seq``
 rows, presents of ``past_seq + seq``). ``StaticCacheRunner`` answers it through the static
 contract (``contract.static_cache.static_feeds``, which TensorRT's ``engine.static_runner`` shares):
-each past goes into a zeroed ``max_context`` buffer, ``write_indices`` is the past length in every
-row (kiln's batches are left-padded, so all rows write at one slot), and each present returned is
-the buffer's first ``past_seq + seq`` slots.
+each key/value past goes into a zeroed ``max_context`` buffer, ``write_indices`` is the past length
+in every row (kiln's batches are left-padded, so all rows write at one slot), and each such present
+returned is the buffer's first ``past_seq + seq`` slots; a recurrent state (``conv``, ``ssm``) goes in
+and comes back as it is, its fixed shape being the same in both contracts.
 That adaptation copies, which parity can afford; ``kiln generate --target onnx`` runs the
 graphs in place (one buffer bound as past and present: ``runtime.generate``).
 """
@@ -40,9 +41,7 @@ def cache_inputs(graph: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         for v in model.graph.input
         if v.name.startswith("past_key_values.")
     }
-    if not caches:
-        raise ValueError(f"{graph}: no cache input")
-    return caches
+    return caches  # empty: a prefill graph with no key/value buffer (a state-space model's)
 
 
 class StaticCacheRunner(OrtRunner):
@@ -54,12 +53,13 @@ class StaticCacheRunner(OrtRunner):
         self, paths: dict[GraphKind, Path], threads: int | None = None, extra_feeds: Feeds | None = None
     ) -> None:
         super().__init__(paths, threads, extra_feeds)
-        self._caches = cache_inputs(next(iter(paths.values())))  # every graph of the set declares the same buffers
+        # each graph's own cache inputs: prefill takes the key/value buffers only, decode and model a state too
+        self._caches = {kind: cache_inputs(path) for kind, path in paths.items()}
 
     @classmethod
     def opener(cls, paths: dict[GraphKind, Path], extra_feeds: Feeds | None = None) -> Callable[[], StaticCacheRunner]:
         return lambda: cls(paths, extra_feeds=extra_feeds)
 
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
-        static, length = static_feeds(kind, feeds, self._caches)
-        return portable_outputs(super().run(kind, static), length)
+        static, cuts = static_feeds(kind, feeds, self._caches[kind])
+        return portable_outputs(super().run(kind, static), cuts)

@@ -73,11 +73,10 @@ class OnnxTarget:
                 "--target ort) export it"
             )
         elif spec is not None and spec.cache is not None and spec.cache.kind in ("state", "hybrid"):
-            found.append(
-                f"--target onnx is not supported for a {spec.cache.kind} cache (a recurrent state per layer): its "
-                "static cache "
-                "holds keys and values per KV head; the portable graphs (and --target ort) export it"
-            )
+            from kiln.exporter.targets.onnx.states import refuse_state
+
+            why = refuse_state(spec, options.precision.value)  # keys in the static cache, states plain inputs/outputs
+            found += [why] if why else []
         elif spec is not None and spec.cache is not None:
             found.append(
                 f"--target onnx is not supported for a {spec.cache.kind} cache (multi-head latent attention): "

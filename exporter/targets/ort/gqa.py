@@ -39,6 +39,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
+from kiln.exporter.contract.io import is_cross
 from kiln.exporter.passes.ir_utils import MS_DOMAIN, constant, copy_type, producer, use_ms_domain
 from kiln.exporter.patterns.attention import AttentionCore, AttentionCoreRule
 from kiln.exporter.patterns.heads import flatten_heads
@@ -50,7 +51,7 @@ from kiln.exporter.targets.ort.lora import SlotDelta, carry_deltas, slot_delta
 from kiln.exporter.targets.ort.pack import pack_matmuls, packable_reason
 from kiln.exporter.targets.ort.rotary import RotaryEmbeddingRule, rotary_candidates, rotary_label
 
-__all__ = ["GroupQueryAttention", "fuse_attention"]
+__all__ = ["CROSS_ATTENTION", "ENCODER_ATTENTION", "GroupQueryAttention", "fuse_attention", "leave_encoder_attention"]
 
 
 class GroupQueryAttention(AttentionCoreRule):
@@ -215,9 +216,44 @@ def _attention_softmax(node: ir.Node) -> bool:
     return (shape is not None and len(shape) == 4) or any(r.op_type == "MatMul" for r in _readers(node))
 
 
+CROSS_ATTENTION = (
+    "cross-attention (keys and values from the encoder, computed once by prefill): kept as portable attention, "
+    "exact; GroupQueryAttention is the decoder's growing causal self-attention"
+)
+ENCODER_ATTENTION = (
+    "the encoder's bidirectional self-attention (no cache, no position_ids): kept as portable attention, exact"
+)
+_LAYOUT = ("Transpose", "Reshape", "Cast", "Identity", "Expand", "Unsqueeze")  # and repeat_kv
+
+
+def _cross_attention(softmax: ir.Node) -> bool:
+    """A softmax whose value MatMul reads a cross cache (``contract.io.is_cross``: the decode
+    graph's past, or what prefill returns as its present), through layout ops only."""
+    for reader in _readers(softmax):
+        value = reader.inputs[1] if reader.op_type == "MatMul" and len(reader.inputs) > 1 else None
+        while value is not None:
+            if value.name is not None and is_cross(value.name) and (value.is_graph_input() or value.is_graph_output()):
+                return True
+            node = value.producer()
+            value = node.inputs[0] if node is not None and node.op_type in _LAYOUT else None
+    return False
+
+
 def _unreached(softmax: ir.Node) -> str:
     readers = ", ".join(sorted({r.op_type for r in _readers(softmax)})) or "nothing"
+    scores = softmax.inputs[0].producer() if softmax.inputs[0] is not None else None
+    if scores is not None and scores.op_type == "Add" and any(producer(v, "Add") for v in scores.inputs):
+        return (
+            "its scores take two additive biases (a relative position bias, then the mask), where the core and "
+            "GroupQueryAttention take one: kept as portable attention, exact"
+        )
     return f"the softmax is read by {readers}, not by a value MatMul -> Transpose -> Reshape (the core's end)"
+
+
+def leave_encoder_attention(model: ir.Model, *, not_fused: NotFused) -> list[int]:
+    """The encoder graph: no layer fused; each attention softmax is reported (``ENCODER_ATTENTION``)."""
+    not_fused.add("attention", [f"{where(n)}: {ENCODER_ATTENTION}" for n in model.graph if _attention_softmax(n)])
+    return []
 
 
 def fuse_attention(
@@ -246,7 +282,11 @@ def fuse_attention(
     log = not_fused if not_fused is not None else NotFused()
     if not_fused is not None:
         left = [n for n in model.graph if _attention_softmax(n)]
-        not_fused.add("attention", explain(model, rules, left, otherwise=_unreached))
+        reasons = explain(model, rules, left, otherwise=_unreached)
+        crossed = [
+            f"{where(n)}: {CROSS_ATTENTION}" if _cross_attention(n) else r for n, r in zip(left, reasons, strict=True)
+        ]
+        not_fused.add("attention", crossed)
     if not attention.fused:
         return []
     rotary = [rule_of(RotaryEmbeddingRule(values))]

@@ -57,7 +57,7 @@ from kiln.exporter.patterns.rules import NotFused
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.targets.base import TargetGraphs
 from kiln.exporter.targets.ort.decode_mask import DecodeMask, compact_decode_bias
-from kiln.exporter.targets.ort.gqa import fuse_attention
+from kiln.exporter.targets.ort.gqa import fuse_attention, leave_encoder_attention
 from kiln.exporter.targets.ort.int4 import INT4_FORMAT, int4_matmul_nbits, unfold_int4_weights
 from kiln.exporter.targets.ort.moe import MoeRewrite, fuse_moe
 from kiln.exporter.targets.ort.nbits import (
@@ -117,6 +117,8 @@ def _attention(
     compacted (GQA's CPU kernel refuses batch > 1 with past and seq > 1: model.onnx keeps its own)."""
     if kind is GraphKind.UNIFIED:
         return []
+    if kind is GraphKind.ENCODER:  # an encoder-decoder's encoder: its attention stays portable, reported
+        return [GraphRewrite(_logging(leave_encoder_attention, log), "attention", _named("layers"))]
 
     def fuse(model: ir.Model) -> list[int]:
         tables = graph_tables(model, base_dir, max_context, spec.head_dim)
@@ -177,12 +179,17 @@ def ort_passes(
     ]
 
 
-def _cache_update(passes: dict[GraphKind, dict[str, Report]], n_layers: int, past_lengths_unread: bool) -> CacheUpdate:
+def _cache_update(
+    passes: dict[GraphKind, dict[str, Report]], spec: DecoderSpec, past_lengths_unread: bool
+) -> CacheUpdate:
     """GroupQueryAttention writes the new key/value in place when past and present are one
     buffer: only when every layer's decode attention fused (a layer left portable grows its
-    cache with Concat) and no node reads a past's length (``_past_lengths_unread``)."""
+    cache with Concat) and no node reads a past's length (``_past_lengths_unread``). An
+    encoder-decoder's cache stays grown: its cross cache is no such buffer (``runtime.kv_strategies``'
+    shared buffers are the self-attention's only)."""
     fused = passes.get(GraphKind.DECODE, {}).get("attention", {}).get("layers", [])
-    return CacheUpdate.SHARED if sorted(fused) == list(range(n_layers)) and past_lengths_unread else CacheUpdate.GROWN
+    every = sorted(fused) == list(range(spec.n_layers))
+    return CacheUpdate.SHARED if every and past_lengths_unread and spec.encoder_dim is None else CacheUpdate.GROWN
 
 
 def _past_lengths_unread(graph: ir.Graph) -> bool:
@@ -232,6 +239,4 @@ def write_ort_target(
     record = (
         {"int8": dict(INT8_FORMAT)} if int8 else {"int4": INT4_FORMAT(int4_block)} if int4_block is not None else None
     )
-    return TargetGraphs(
-        "ort", precision, paths, weights, reports, _cache_update(reports, spec.n_layers, in_place), record
-    )
+    return TargetGraphs("ort", precision, paths, weights, reports, _cache_update(reports, spec, in_place), record)
