@@ -642,7 +642,8 @@ ARCHS: Mapping[str, Arch] = {
         "Mamba2",
         context=None,
         kv_heads=lambda cfg: int(cfg.num_heads),
-        notes="state-space layers (conv window + SSM state per layer, fixed size): a chunked scan, the recurrence at decode",
+        notes="state-space layers (conv window + SSM state per layer, fixed size): a chunked scan, the recurrence "
+        "at decode",
         ort="portable (no attention: state-space layers)",
         cache=_mamba2_state,
         heads="num_heads",
