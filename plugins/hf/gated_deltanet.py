@@ -27,7 +27,7 @@ import contextlib
 import functools
 import importlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,6 +67,22 @@ def solve_unit_lower(lower: Tensor, rhs: Tensor, steps: int) -> Tensor:
     return out
 
 
+def _prepared(
+    tensors: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], l2norm: bool, layout: Callable[[Tensor], Tensor]
+) -> tuple[Tensor, ...]:
+    """Both rules' common start: query and key repeated to the value's heads, every tensor laid out by
+    ``layout`` (from ``[B, S, H, ...]``) in float32, query and key L2-normed where asked, the query scaled."""
+    query, key, value, beta, g = tensors
+    heads = value.shape[2]
+    if key.shape[2] != heads:
+        query = query.repeat_interleave(heads // key.shape[2], dim=2)
+        key = key.repeat_interleave(heads // key.shape[2], dim=2)
+    query, key, value, beta, g = (layout(x).float() for x in (query, key, value, beta, g))
+    if l2norm:
+        query, key = _l2norm(query), _l2norm(key)
+    return query * query.shape[-1] ** -0.5, key, value, beta, g
+
+
 def gated_delta_rule(
     query: Tensor,
     key: Tensor,
@@ -82,13 +98,9 @@ def gated_delta_rule(
     value ``[B, S, Hv, Dv]``, g and beta ``[B, S, Hv]``, state ``[B, Hv, Dk, Dv]`` -> (output
     ``[B, S, Hv, Dv]`` in the query's dtype, the state after the step in float32)."""
     dtype, heads = query.dtype, value.shape[2]
-    if key.shape[2] != heads:
-        query = query.repeat_interleave(heads // key.shape[2], dim=2)
-        key = key.repeat_interleave(heads // key.shape[2], dim=2)
-    query, key, value, beta, g = (x.transpose(1, 2).float() for x in (query, key, value, beta, g))
-    if use_qk_l2norm_in_kernel:
-        query, key = _l2norm(query), _l2norm(key)
-    query = query * query.shape[-1] ** -0.5
+    query, key, value, beta, g = _prepared(
+        (query, key, value, beta, g), use_qk_l2norm_in_kernel, lambda x: x.transpose(1, 2)
+    )  # [B, H, S, D] / [B, H, S]
     length = query.shape[2]
     causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
     below = causal.tril(-1)
@@ -122,13 +134,9 @@ def recurrent_step(
     """``gated_delta_rule`` at one token (``S`` = 1) as the recurrence: the state decayed by ``exp(g)``, then
     ``S += k (beta (v - S^T k))^T`` and the output ``S^T q`` (transformers' ``torch_recurrent_gated_delta_rule``)."""
     dtype, heads = query.dtype, value.shape[2]
-    if key.shape[2] != heads:
-        query = query.repeat_interleave(heads // key.shape[2], dim=2)
-        key = key.repeat_interleave(heads // key.shape[2], dim=2)
-    query, key, value, beta, g = (x[:, 0].float() for x in (query, key, value, beta, g))  # [B, H, D] / [B, H]
-    if use_qk_l2norm_in_kernel:
-        query, key = _l2norm(query), _l2norm(key)
-    query = query * query.shape[-1] ** -0.5
+    query, key, value, beta, g = _prepared(
+        (query, key, value, beta, g), use_qk_l2norm_in_kernel, lambda x: x[:, 0]
+    )  # [B, H, D] / [B, H]
     zeros = query.new_zeros(value.shape[0], heads, key.shape[-1], value.shape[-1])
     state = (zeros if initial_state is None else initial_state.float()) * g.exp()[..., None, None]
     delta = (value - (state * key[..., None]).sum(dim=-2)) * beta[..., None]  # [B, H, Dv]
