@@ -1,6 +1,6 @@
 """GPTQ's calibration size against its accuracy and time (issue 24): the study's trained Llama
 (``benchmarks/lowbit_study.py``) quantized by kiln's own GPTQ (``Int4Quantizer`` over
-``calibration.hessians.quantize_layerwise``, the code an export runs) at several sample counts and
+``int4.hessians.quantize_layerwise``, the code an export runs) at several sample counts and
 window lengths, each quantized model measured in PyTorch as ``benchmarks/accuracy.py`` measures
 an export: perplexity and top-1 agreement with the fp32 model on the last 32 windows of 256
 tokens of ``heldout.txt`` (calibration reads its first windows). An export's int4 graphs compute
@@ -35,13 +35,13 @@ import onnx_ir as ir
 import torch
 from tokenizers import Tokenizer
 
-from kiln.calibration import hessians as hessians_module
 from kiln.calibration import load_calibration_data
+from kiln.exporter.int4 import gptq as gptq_module
+from kiln.exporter.int4 import hessians as hessians_module
+from kiln.exporter.int4.numbers import dequantize, layer_block, unpack_int4
+from kiln.exporter.int4.quantize import Int4Quantizer
 from kiln.exporter.passes.bind import ModuleWeight, WeightSource
 from kiln.exporter.passes.transposes import TRANSPOSE
-from kiln.exporter.precision import gptq as gptq_module
-from kiln.exporter.precision.int4 import Int4Quantizer
-from kiln.exporter.precision.int4_numbers import dequantize, layer_block, unpack_int4
 from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.progress import NullProgress
 from kiln.plugins import load_model, resolve_checkpoint

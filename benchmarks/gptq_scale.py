@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from kiln.calibration.hessians import quantize_layerwise
+from kiln.exporter.int4.gptq import gptq_factored, inverse_factor
+from kiln.exporter.int4.hessians import quantize_layerwise
+from kiln.exporter.int4.quantize import Int4Quantizer
 from kiln.exporter.passes.bind import ModuleWeight, WeightSource
 from kiln.exporter.passes.transposes import TRANSPOSE
-from kiln.exporter.precision.gptq import gptq_factored, inverse_factor
-from kiln.exporter.precision.int4 import Int4Quantizer
 from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.plugins.native.build import random_model
 from kiln.plugins.native.config import NativeConfig, PLEConfig

@@ -1,4 +1,4 @@
-"""A decoder's layers run one at a time on calibration data (layer-by-layer GPTQ: ``hessians``).
+"""A decoder's layers run one at a time on calibration data (layer-by-layer GPTQ: ``int4.hessians``).
 
 ``capture`` runs each batch of windows through the model once with every decoder layer's
 ``forward`` replaced by a recorder: what each layer is called with (the hidden state, and the

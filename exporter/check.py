@@ -15,7 +15,8 @@ from kiln.exporter.artifacts.verify import require_verified
 from kiln.exporter.candidates import candidate
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import fold, table_feeds
-from kiln.exporter.int4_rerun import rerun_quantizer
+from kiln.exporter.int4.proof import NUMBERS_FILE, proved_numbers, quantizer_model
+from kiln.exporter.int4.rerun import rerun_quantizer
 from kiln.exporter.load import adapter_reference, prepare_reference, read_adapters
 from kiln.exporter.lora.adapter_file import swapped_adapter
 from kiln.exporter.options import ExportOptions, PLETables
@@ -27,7 +28,6 @@ from kiln.exporter.parity import (
     check_parity,
     quantized_model,
 )
-from kiln.exporter.parity.int4_proof import NUMBERS_FILE, proved_numbers, quantizer_model
 from kiln.exporter.parity.quality import QualityPlan
 from kiln.exporter.pipeline import release_weights
 from kiln.exporter.precision.kinds.plan import Precision
@@ -140,9 +140,9 @@ def _quantized(
     directory: Path, manifest: Manifest, precision: Precision, loaded: LoadedModel, spill: Path, progress: Progress
 ) -> QuantizedModel | None:
     """A weight-only int4 export: its proof made again, apart from the graphs it judges. The
-    quantizer runs again on the checkpoint with the export's recorded options (``int4_rerun``),
+    quantizer runs again on the checkpoint with the export's recorded options (``int4.rerun``),
     every graph set's int4 weights are checked bit for bit against its numbers (the first that
-    differs refused by name) and PyTorch computes on them (``parity.int4_proof``, as the export's
+    differs refused by name) and PyTorch computes on them (``int4.proof``, as the export's
     proof), its agreement gating as the export chose. Where the quantizer cannot run again (one
     line says why) the numbers are read back from the portable graphs, as before issue 40.
 

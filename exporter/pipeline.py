@@ -34,6 +34,13 @@ from kiln.exporter.graphs import (
     fp32_graph,
     write_portable_graphs,
 )
+from kiln.exporter.int4.proof import (
+    NUMBERS_FILE,
+    QuantizerNumbers,
+    proved_numbers,
+    quantizer_model,
+)
+from kiln.exporter.int4.quantize import int4_quantizer
 from kiln.exporter.load import (
     Reference,
     adapter_reference,
@@ -50,18 +57,11 @@ from kiln.exporter.parity import (
     ParitySettings,
     check_parity,
 )
-from kiln.exporter.parity.int4_proof import (
-    NUMBERS_FILE,
-    QuantizerNumbers,
-    proved_numbers,
-    quantizer_model,
-)
 from kiln.exporter.parity.qdq_numbers import QdqNumbers
 from kiln.exporter.parity.quality import QualityPlan
 from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.plan import plan
 from kiln.exporter.precision.context import PrecisionContext
-from kiln.exporter.precision.int4 import int4_quantizer
 from kiln.exporter.precision.kinds.base import Needs, Ranges
 from kiln.exporter.precision.prepare import PreparedPrecision, prepare_precision
 from kiln.exporter.progress import NullProgress, Progress
@@ -192,7 +192,7 @@ class _Staged:
     written: tuple[TargetGraphs, ...]  # each wanted target's graphs
     recorded: dict[str, Any]  # the precision kinds' record (the manifest's)
     extras: dict[str, Any]  # and what the parity report shows of them
-    numbers: QuantizerNumbers | None  # --int4: the quantizer's numbers (parity.int4_proof)
+    numbers: QuantizerNumbers | None  # --int4: the quantizer's numbers (int4.proof)
     qdq: QdqNumbers | None  # int8, fp8: their proof's numbers (parity.qdq_proof)
 
 
@@ -313,7 +313,7 @@ def _int4_numbers(
 ) -> QuantizerNumbers | None:
     """--int4: the quantizer's own numbers spilled to the staging directory (the int4 proof's
     reference is built on them, not on the graphs it judges, and deletes the file once it has read
-    them: ``parity.int4_proof``), and every graph set's int4 weights checked bit for bit against
+    them: ``int4.proof``), and every graph set's int4 weights checked bit for bit against
     them first (the first that differs refused by name)."""
     quantizer = int4_quantizer(precision.prepared)
     if quantizer is None:

@@ -480,7 +480,7 @@ def rtn_linears(model: Any, block: int = 128, head: tuple[str, ...] = ("lm_head"
     modules changed."""
     import torch
 
-    from kiln.exporter.precision.int4_numbers import dequantize, layer_block, rtn
+    from kiln.exporter.int4.numbers import dequantize, layer_block, rtn
 
     changed = []
     for name, sub in model.named_modules():

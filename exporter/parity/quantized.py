@@ -7,9 +7,9 @@ fp32 with an export's ``q`` and ``scale`` (every graph of an export holds the sa
 a graph is judged against it at its float precision's tolerance, whatever the weights (issue 24;
 docs/parity.md).
 
-An export builds it on the quantizer's own numbers (``parity.int4_proof``, which also checks
+An export builds it on the quantizer's own numbers (``int4.proof``, which also checks
 every graph weight against them bit for bit), and so does ``kiln check``, with the quantizer run
-again on the checkpoint (``exporter.int4_rerun``); only where that cannot run (a manifest without
+again on the checkpoint (``int4.rerun``); only where that cannot run (a manifest without
 the int4 method, GPTQ's calibration data gone) does it read them back from the graph files
 (``read_int4_weights``), and says so. Each int4 ``DequantizeLinear`` feeds ``/<module>/MatMul``
 (``passes.names``); its module must be an ``nn.Linear`` (``weight [N, K]``) or a Conv1D

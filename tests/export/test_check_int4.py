@@ -1,6 +1,6 @@
 """``kiln check`` on an int4 export judges it against the quantizer run again on the checkpoint
 (issue 40): a quantized weight changed in a graph, the manifest's hashes recomputed as a tamperer
-would, is refused by name (``exporter/int4_rerun.py``, ``exporter/parity/int4_proof.py``)."""
+would, is refused by name (``exporter/int4/rerun.py``, ``exporter/int4/proof.py``)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from onnx import numpy_helper
 from kiln.cli import main
 from kiln.exporter.artifacts.hashing import hash_tree
 from kiln.exporter.artifacts.verify import require_verified
+from kiln.exporter.int4.proof import NUMBERS_FILE
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.parity.int4_proof import NUMBERS_FILE
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.kinds import Int4
 from kiln.exporter.precision.kinds.int4 import Int4Method

@@ -14,11 +14,11 @@ from click.testing import CliRunner
 from kiln.cli import main
 from kiln.errors import ConfigError, ExportError
 from kiln.exporter.check import check_dir
+from kiln.exporter.int4.numbers import unpack_int4
+from kiln.exporter.int4.quantize import check_int4
 from kiln.exporter.options import ExportOptions, Precision
 from kiln.exporter.pipeline import export
 from kiln.exporter.plan import plan
-from kiln.exporter.precision.int4 import check_int4
-from kiln.exporter.precision.int4_numbers import unpack_int4
 from kiln.exporter.precision.kinds import Fp16, Int4
 from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.runners.ort_runner import ort_session
@@ -173,7 +173,7 @@ def test_int4_numbers_other_than_the_graphs_fail_where_agreement_passes(
     int4's agreement with the checkpoint's model, and refused against the quantized model."""
     import dataclasses
 
-    from kiln.exporter.parity.int4_proof import QuantizerNumbers
+    from kiln.exporter.int4.proof import QuantizerNumbers
 
     weights = QuantizerNumbers.weights  # what kiln check's quantized model reads (the quantizer run again)
 
@@ -395,7 +395,7 @@ def test_bad_combinations_are_one_line(tiny_ckpt: Path, tmp_path: Path) -> None:
 
 def test_numbers_round_trip() -> None:
     q = np.random.default_rng(0).integers(-8, 8, size=(6, 5)).astype(np.int8)
-    from kiln.exporter.precision.int4_numbers import pack_int4
+    from kiln.exporter.int4.numbers import pack_int4
 
     assert np.array_equal(unpack_int4(pack_int4(q), q.shape), q)
     assert pack_int4(np.array([-8, 7], np.int8)).tobytes() == b"\x78"  # element 0 in the low nibble

@@ -1,5 +1,5 @@
 """--int4's proof built apart from the graphs (issue 40): PyTorch on the quantizer's own numbers,
-and every graph weight checked bit for bit against them (``exporter/parity/int4_proof.py``)."""
+and every graph weight checked bit for bit against them (``exporter/int4/proof.py``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import onnx_ir as ir
 import pytest
 
 from kiln.errors import ParityError
+from kiln.exporter.int4.proof import NUMBERS_FILE, QuantizerNumbers, check_graph_weights, write_numbers
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.parity.int4_proof import NUMBERS_FILE, QuantizerNumbers, check_graph_weights, write_numbers
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.kinds import Int4
 from kiln.exporter.precision.kinds.int4 import Int4Method
@@ -39,9 +39,9 @@ def test_a_random_llama_is_proved_on_the_quantizer_numbers(tmp_path: Path) -> No
 
 
 def _one_block_off(module: str, edit: Callable[[np.ndarray], np.ndarray]) -> Callable[..., ir.Value]:
-    """``precision.int4._lazy`` with ``module``'s scale tensor written through ``edit`` (the writer's
+    """``int4.quantize._lazy`` with ``module``'s scale tensor written through ``edit`` (the writer's
     path only: the quantizer's own numbers stay as it made them)."""
-    from kiln.exporter.precision import int4
+    from kiln.exporter.int4 import quantize as int4
 
     lazy = int4._lazy
 
@@ -62,7 +62,7 @@ def _scale_block_off(scale: np.ndarray) -> np.ndarray:
 
 def test_one_block_scale_off_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A weight written with one block's scale 10% off: the weight check names the graph, weight and block."""
-    from kiln.exporter.precision import int4
+    from kiln.exporter.int4 import quantize as int4
 
     monkeypatch.setattr(int4, "_lazy", _one_block_off("layers.0.attn.o_proj", _scale_block_off))
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
@@ -87,8 +87,8 @@ def test_one_block_scale_off_is_refused_by_name(tmp_path: Path, monkeypatch: pyt
 def test_the_proof_refuses_it_without_the_weight_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same fault with the weight check skipped: the quantized model, built on the quantizer's
     numbers and not the graph's, refuses the graphs (a reference read back from the graph would copy it)."""
-    from kiln.exporter.parity import int4_proof
-    from kiln.exporter.precision import int4
+    from kiln.exporter.int4 import proof as int4_proof
+    from kiln.exporter.int4 import quantize as int4
 
     monkeypatch.setattr(int4, "_lazy", _one_block_off("layers.0.mlp.fc2", lambda s: s * np.float32(1.1)))
     monkeypatch.setattr(int4_proof, "check_graph_weights", lambda numbers, sets: None)
@@ -177,7 +177,7 @@ def _packed_nbits_graph(parts: list[tuple[np.ndarray, np.ndarray]], outer: list[
     """One MatMulNBits over the parts' codes and scales side by side, named after no module (as a
     packed q/k/v packed again with a parallel MLP's gate/up is), its output split in ``outer`` and
     the first of those split again in ``inner``."""
-    from kiln.exporter.precision.int4_numbers import pack_nbits
+    from kiln.exporter.int4.numbers import pack_nbits
 
     q = np.concatenate([c for c, _ in parts], axis=1)
     scale = np.concatenate([s for _, s in parts], axis=1)

@@ -623,7 +623,7 @@ def _rtn_int4(model, block: int) -> int:
     import torch
     from transformers.pytorch_utils import Conv1D
 
-    from kiln.exporter.precision.int4_numbers import dequantize, layer_block, rtn
+    from kiln.exporter.int4.numbers import dequantize, layer_block, rtn
 
     written = 0
     for name, module in model.named_modules():

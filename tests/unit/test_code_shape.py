@@ -238,8 +238,9 @@ def test_the_shared_patterns_import_no_target() -> None:
 # Issue 42: a target or a precision kind is asked what it is (a declared attribute, a method:
 # ``Target.lora_slots``, ``PrecisionKind.weight_block``...), never tested by name outside its folder
 # (a target's: exporter/targets/<name>/; a kind's: exporter/precision/, its declaration in kinds/
-# and its machinery beside it). Found: a name compared (==, !=, in), looked up ([NAME], .get(NAME)),
-# or bound to a constant (a target's), and an ``isinstance`` of a kind's class. Each file allowed
+# and its machinery beside it or in a package of its name, exporter/<name>/ (int4's)). Found: a name
+# compared (==, !=, in), looked up ([NAME], .get(NAME)), or bound to a constant (a target's), and an
+# ``isinstance`` of a kind's class. Each file allowed
 # below says why the name is not a test of the target or the kind there.
 NAME_ALLOWED = {
     "exporter/artifacts/layout.py": "ONNX_DIR, the export's onnx/ folder, is no target",
@@ -251,7 +252,6 @@ NAME_ALLOWED = {
     "exporter/engine/static_runner.py": "the TensorRT runner of the onnx target's static-cache graphs",
     "exporter/parity/qdq_model.py": "the Q/DQ forms parity recomputes ('int8', 'fp8': their codes' types)",
     "exporter/parity/qdq_numbers.py": "the Q/DQ forms parity recomputes ('int8', 'fp8': their codes' types)",
-    "exporter/parity/int4_proof.py": "'int4', a key of the proof file's own metadata",
     # parity's second reference named in its reports (written while this test was: Precision.weight_only would say it)
     "exporter/parity/report.py": "'int4 weights' or 'Q/DQ scales': the quantized reference's name",
     "exporter/parity/results.py": "'int4 weights' or 'Q/DQ scales': the quantized reference's name",
@@ -313,7 +313,7 @@ def test_no_target_or_kind_is_tested_by_name_outside_its_folder() -> None:
         if not own_target and where != "exporter/targets/__init__.py":
             tests = _name_tests(source, target_names, set(), constants=True)
             found += [f"{where}:{line} tests the target {n!r}" for line, n in tests]
-        if not where.startswith("exporter/precision/"):
+        if not where.startswith(("exporter/precision/", *(f"exporter/{k}/" for k in kind_names))):
             tests = _name_tests(source, kind_names, kind_classes, constants=False)
             found += [f"{where}:{line} tests the kind {n!r}" for line, n in tests]
     why = "ask the target or the kind (a declared attribute or method) instead of testing its name:\n"

@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.calibration.hessians import live_hessians, quantize_layerwise
 from kiln.calibration.layers import capture, decoder_layers, hidden_of, layer_feeds
 from kiln.errors import CalibrationError, ExportError
+from kiln.exporter.int4.gptq import gptq
+from kiln.exporter.int4.hessians import live_hessians, quantize_layerwise
+from kiln.exporter.int4.numbers import dequantize, pack_int4, rtn
+from kiln.exporter.int4.quantize import Int4Quantizer, module_layout
 from kiln.exporter.passes.bind import ModuleWeight, Transform, WeightSource
 from kiln.exporter.passes.transposes import TRANSPOSE
-from kiln.exporter.precision.gptq import gptq
-from kiln.exporter.precision.int4 import Int4Quantizer, module_layout
-from kiln.exporter.precision.int4_numbers import dequantize, pack_int4, rtn
 from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.plugins.native.build import random_model
 from kiln.plugins.native.model import PLEDecoder, causal_padding_mask
@@ -230,7 +230,7 @@ def test_quantizer_runs_gptq_once_for_every_weight_wanted_then_only_for_new_ones
     """``numbers`` starts one layer-by-layer run with every weight the graphs registered; a weight
     wanted later gets its own run, told which weights are done (their numbers are applied). The
     weights handed one Hessian (q/k) share its factorisation."""
-    import kiln.exporter.precision.int4 as int4
+    import kiln.exporter.int4.quantize as int4
 
     model = random_model(tiny_config(), 0)
     runs: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
@@ -283,8 +283,8 @@ def _textbook_gptq(weight: np.ndarray, hessian: np.ndarray, block: int) -> tuple
     """GPTQ as the paper first states it (OBQ's update, one row at a time): quantize row i, spread
     its error over the rows not yet quantized through H^-1, remove row i from H^-1; no Cholesky,
     no lazy batches. Damping, dead channels and each block's clip search as kiln's."""
-    from kiln.exporter.precision.gptq import CLIP_RATIOS, PERCDAMP
-    from kiln.exporter.precision.int4_numbers import clip_scales
+    from kiln.exporter.int4.gptq import CLIP_RATIOS, PERCDAMP
+    from kiln.exporter.int4.numbers import clip_scales
 
     w, h = weight.astype(np.float64).copy(), hessian.astype(np.float64).copy()
     dead = np.diag(h) == 0

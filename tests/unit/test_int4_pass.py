@@ -1,4 +1,4 @@
-"""``QuantizeInt4`` (``precision.int4``) on tiny onnx-ir graphs run by ONNX Runtime: a plain
+"""``QuantizeInt4`` (``int4.quantize``) on tiny onnx-ir graphs run by ONNX Runtime: a plain
 ``Gemm`` (GPT-2's Conv1D as traced) becomes ``MatMul`` + ``Add`` over an int4 block-DQ weight that
 computes ``x @ dequantize(rtn(W)) + b``; a graph with nothing it may quantize is refused; ``raise_opset``
 takes the reductions to opset 21 and refuses an op whose meaning changed."""
@@ -10,8 +10,8 @@ import onnx_ir as ir
 import pytest
 
 from kiln.errors import ExportError
-from kiln.exporter.precision.int4 import Int4Quantizer, QuantizeInt4, check_int4, raise_opset
-from kiln.exporter.precision.int4_numbers import dequantize, rtn
+from kiln.exporter.int4.numbers import dequantize, rtn
+from kiln.exporter.int4.quantize import Int4Quantizer, QuantizeInt4, check_int4, raise_opset
 from kiln.exporter.precision.int8 import Int8Policy
 from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.runners.ort_runner import ort_session

@@ -16,9 +16,9 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from kiln.errors import ExportError
+from kiln.exporter.int4.numbers import pack_int4, rtn
 from kiln.exporter.passes import GraphRewrite, run_passes
 from kiln.exporter.patterns.norm import fuse_rms_norm
-from kiln.exporter.precision.int4_numbers import pack_int4, rtn
 from kiln.exporter.targets.ort.int4 import ACCURACY_LEVEL as INT4_ACCURACY_LEVEL
 from kiln.exporter.targets.ort.int4 import BlockInt4, int4_matmul_nbits, unfold_int4_weights
 from kiln.exporter.targets.ort.nbits import ACCURACY_LEVEL, BLOCK_SIZE, pack_int8_blocks, quantize_matmul_nbits

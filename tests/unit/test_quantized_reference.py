@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from kiln.errors import ExportError
+from kiln.exporter.int4.numbers import dequantize, rtn
 from kiln.exporter.parity.quantized import Int4Weight, use_int4_weights
-from kiln.exporter.precision.int4_numbers import dequantize, rtn
 
 
 class Conv1D(nn.Module):

@@ -1,7 +1,7 @@
 """``--int4``: weight-only int4 MatMul weights, symmetric blocks along K, quantized once per
 export (GPTQ on calibration data, or round to nearest) and written as block DequantizeLinear at
 opset 21 (``--target ort`` also writes them as MatMulNBits, the same numbers); with ``--fp16`` the
-rest of the graph is fp16. Its machinery (the quantizer and the pass) is ``precision.int4``."""
+rest of the graph is fp16. Its machinery (the quantizer and the pass) is ``int4.quantize``."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class Int4(PrecisionKind):
 
     name: ClassVar[str] = "int4"
     role: ClassVar[Role] = Role.MATMULS
-    machinery: ClassVar[str] = "kiln.exporter.precision.int4"
+    machinery: ClassVar[str] = "kiln.exporter.int4.quantize"
     help: ClassVar[str] = (
         "Weight-only int4 MatMul weights (symmetric blocks along K: DequantizeLinear at opset 21; with --target "
         "ort also MatMulNBits, the same numbers); with --fp16 the rest is fp16."

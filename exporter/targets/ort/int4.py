@@ -1,7 +1,7 @@
 """Passes: the portable graphs' int4 weights as ONNX Runtime's ``MatMulNBits`` (bits=4), the same numbers.
 
 The ``--int4`` portable graphs hold ``MatMul(x, DequantizeLinear(W_int4, scale, axis=0,
-block_size=B))`` (``precision.int4``). The ORT target does not quantize again: it reads those
+block_size=B))`` (``int4.quantize``). The ORT target does not quantize again: it reads those
 ``(q, scale)`` back from ``weights.bin`` and writes them in MatMulNBits' layout, so both forms
 compute with identical weights.
 
@@ -25,8 +25,8 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.errors import ExportError
+from kiln.exporter.int4.numbers import dequantize, pack_nbits
 from kiln.exporter.passes.ir_utils import read_uncached, use_ms_domain
-from kiln.exporter.precision.int4_numbers import dequantize, pack_nbits
 from kiln.exporter.targets.ort.nbits import replace_with_nbits
 
 __all__ = ["BlockInt4", "register", "unfold_int4_weights", "int4_matmul_nbits", "ACCURACY_LEVEL", "INT4_FORMAT"]

@@ -1,12 +1,12 @@
 """int4's proof, built apart from the graphs it judges: the quantizer's own numbers, kept from the
 quantization step, PyTorch's model on them, and a check that every graph weight holds them.
 
-The quantizer's codes and scales (``precision.int4``: RTN or GPTQ) are spilled, once the graphs are
+The quantizer's codes and scales (``int4.quantize``: RTN or GPTQ) are spilled, once the graphs are
 written, to a safetensors file in the export's staging directory (``write_numbers``: the packed
 codes as ONNX INT4 bytes, half a byte a weight, and the scales, per module the MatMul belongs to;
 deleted once the reference has read them), so the quantizer's memory is freed before parity as it was.
 ``kiln check`` gets the same numbers by running the quantizer again on the checkpoint with the
-export's recorded options (``exporter.int4_rerun``) and judges with the same functions.
+export's recorded options (``int4.rerun``) and judges with the same functions.
 ``quantizer_model`` makes the second reference compute on them (``parity.quantized``), and
 ``check_graph_weights`` reads every int4 weight of every graph set, the portable
 ``DequantizeLinear`` blocks and the ``--target ort`` ``MatMulNBits`` (packed q/k/v or gate/up

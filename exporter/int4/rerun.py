@@ -1,6 +1,6 @@
 """``kiln check``'s int4 numbers: the export's quantizer run again on the checkpoint (issue 40).
 
-An int4 export's proof is built apart from its graphs (``parity.int4_proof``): the quantizer's own
+An int4 export's proof is built apart from its graphs (``int4.proof``): the quantizer's own
 codes and scales, PyTorch on them, and every graph weight checked bit for bit against them. ``kiln
 check`` has no quantizer left, so it makes one with what the manifest records (``export.quantization``:
 method and block size; each portable graph's ``passes.int4``: the MatMuls quantized and their
@@ -24,10 +24,10 @@ from torch import nn
 
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts.manifest import Manifest
+from kiln.exporter.int4.quantize import Int4Quantizer, Layerwise, gptq_over
 from kiln.exporter.load import Reference
 from kiln.exporter.passes.bind import ModuleWeight, WeightSource
 from kiln.exporter.passes.transposes import TRANSPOSE
-from kiln.exporter.precision.int4 import Int4Quantizer, Layerwise, gptq_over
 from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.progress import Progress

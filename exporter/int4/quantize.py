@@ -32,14 +32,14 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.errors import ExportError
+from kiln.exporter.int4.gptq import InverseFactor, gptq_factored, inverse_factor
+from kiln.exporter.int4.numbers import dequantize, layer_block, pack_int4, rtn, unpack_int4
 from kiln.exporter.passes.bind import ModuleWeight
 from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
 from kiln.exporter.passes.ir_utils import set_dtype
 from kiln.exporter.passes.names import module_of
 from kiln.exporter.passes.reports import Report
 from kiln.exporter.passes.transposes import TRANSPOSE
-from kiln.exporter.precision.gptq import InverseFactor, gptq_factored, inverse_factor
-from kiln.exporter.precision.int4_numbers import dequantize, layer_block, pack_int4, rtn, unpack_int4
 from kiln.exporter.precision.int8 import int8_targets
 from kiln.exporter.precision.kinds.base import Prepared
 from kiln.exporter.precision.kinds.int4 import DEFAULT_INT4_METHOD, MIN_INT4_OPSET, Int4Method
@@ -78,7 +78,7 @@ if TYPE_CHECKING:
     from kiln.exporter.precision.kinds.int4 import Int4
     from kiln.exporter.progress import Progress
 
-# GPTQ, layer by layer (``calibration.hessians.quantize_layerwise`` over the calibration data):
+# GPTQ, layer by layer (``int4.hessians.quantize_layerwise`` over the calibration data):
 # (weights to quantize, weights quantized already, quantize) -> None, calling quantize(name, H)
 # for each of the first in layer order and quantize(name, None) for each of the second
 Quantize = Callable[[str, np.ndarray | None], np.ndarray]
@@ -257,8 +257,8 @@ def gptq_layerwise(context: PrecisionContext) -> tuple[Layerwise, dict[str, Any]
 
 def gptq_over(reference: Reference, windows: Sequence[np.ndarray], progress: Progress) -> Layerwise:
     """GPTQ's layer-by-layer run of the reference module over the calibration ``windows``: the
-    export's (``gptq_layerwise``) and ``kiln check``'s, which runs it again (``exporter.int4_rerun``)."""
-    from kiln.calibration.hessians import quantize_layerwise
+    export's (``gptq_layerwise``) and ``kiln check``'s, which runs it again (``int4.rerun``)."""
+    from kiln.exporter.int4.hessians import quantize_layerwise
 
     prefix = reference.loaded.layers.prefix if reference.loaded.layers is not None else None
 

@@ -5,7 +5,7 @@ next layer's inputs computed by the layer with its quantized weights.
     capture layer 0's inputs, and every layer's other arguments (``layers.capture``)
     for each layer:
         run it on its inputs, forward pre-hooks summing X^T X of each weight's module input
-        quantize(name, H) for each of its weights (``exporter.precision.int4``: GPTQ's numbers;
+        quantize(name, H) for each of its weights (``exporter.int4.quantize``: GPTQ's numbers;
             it hands back the dequantized weight)
         run it again with those weights in place of its own (restored after): the next inputs
     weights outside the layers (the LM head with --int4-all-matmuls): one forward per batch, the

@@ -28,7 +28,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from kiln.exporter.precision.int4_numbers import clip_scales
+from kiln.exporter.int4.numbers import clip_scales
 
 __all__ = ["gptq", "gptq_factored", "inverse_factor", "InverseFactor", "CLIP_RATIOS", "PERCDAMP"]
 
