@@ -98,12 +98,12 @@ def main() -> None:
 @_reports_errors
 def export(model: str, out: Path, as_json: bool, **flags: Any) -> None:
     """Export a checkpoint to prefill/decode/unified ONNX graphs and check their parity."""
-    options = _export_options(flags)
-    _preflight(model, out, options)
+    planned = _export_plan(flags)
+    _preflight(model, out, planned.options)
     from kiln.exporter.pipeline import export as run_export  # torch and onnxruntime from here on
 
     progress = _progress(as_json)
-    result = run_export(model, out, options, progress)
+    result = run_export(model, out, planned, progress)  # planned: the options' round is not asked again
     manifest = result.manifest
     if as_json:
         parity = {**result.parity.to_dict(), **result.report.parity_extras()}
@@ -160,16 +160,17 @@ def _preflight(model: str, out: Path, options: Any) -> None:
     read_config(checkpoint)
 
 
-def _export_options(flags: dict[str, Any]) -> Any:
-    """``ExportOptions`` from ``kiln export``'s flags (named after its fields; the enums by value;
-    the precision kinds' flags by ``Precision.from_flags``), every refusal of the options alone asked
-    (``exporter.plan``)."""
+def _export_plan(flags: dict[str, Any]) -> Any:
+    """The ``ExportPlan`` of ``kiln export``'s flags (``ExportOptions`` named after its fields; the enums
+    by value; the precision kinds' flags by ``Precision.chosen``): every refusal of the options
+    alone asked (``exporter.plan``) before any heavy import; the pipeline asks the model's rounds."""
+    from kiln.errors import ConfigError
     from kiln.exporter.options import Adapter, ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
-    from kiln.exporter.plan import plan
+    from kiln.exporter.plan import SEPARATOR, plan
     from kiln.exporter.precision.kinds.base import Needs
 
     enums: dict[str, Any] = {"logits": LogitsMode, "ple_extend_mode": PLEExtendMode, "ple_tables": PLETables}
-    precision = Precision.from_flags(flags)
+    precision, stray = Precision.chosen(flags)  # a kind's flags without it: reported by the plan with the rest
     target_flags = _target_flags(flags)
     fields = {name: enums[name](value) if name in enums else value for name, value in flags.items()}
     fields["calib_cache"] = (
@@ -178,8 +179,11 @@ def _export_options(flags: dict[str, Any]) -> Any:
         else None
     )
     fields["adapters"] = tuple(Adapter(path, weight) for path, weight in fields["adapters"])
-    options = ExportOptions(precision=precision, target_flags=target_flags, **fields)
-    return plan(options).options  # refused before any heavy import (the pipeline asks again)
+    try:
+        options = ExportOptions(precision=precision, target_flags=target_flags, **fields)
+    except ConfigError as exc:  # values wrong on their own: reported with the kinds' stray flags
+        raise ConfigError(SEPARATOR.join([*stray, *exc.args])) from None
+    return plan(options, given=stray)
 
 
 def _target_flags(flags: dict[str, Any]) -> dict[str, Any]:
@@ -215,15 +219,29 @@ def plugins(as_json: bool) -> None:
 @click.argument("directory", type=click.Path(path_type=Path))
 @options(cli_options.CHECK)
 @_reports_errors
-def check(directory: Path, model: str | None, backend: str, verbose: bool, adapter: Path | None, as_json: bool) -> None:
+def check(
+    directory: Path,
+    model: str | None,
+    backend: str,
+    parity_device: str,
+    verbose: bool,
+    adapter: Path | None,
+    as_json: bool,
+) -> None:
     """Re-run tensor and generation parity of an export directory against PyTorch: a table per
     graph set and a closing verdict (--verbose: every check)."""
     from kiln.errors import ParityError
     from kiln.exporter.check import check_dir
     from kiln.exporter.parity.report import markdown, summary_table, verdict
+    from kiln.exporter.parity.summary import shown_failures
 
     result = check_dir(
-        directory, model, _progress(as_json), backend="tensorrt" if backend == "trt" else "onnxruntime", adapter=adapter
+        directory,
+        model,
+        _progress(as_json),
+        backend="tensorrt" if backend == "trt" else "onnxruntime",
+        adapter=adapter,
+        parity_device=parity_device,
     )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
@@ -242,7 +260,7 @@ def check(directory: Path, model: str | None, backend: str, verbose: bool, adapt
         )
         click.echo(verdict(result) + ("" if verbose else f" (every check: kiln check {directory} --verbose)"))
     if not result.passed:
-        raise ParityError(f"{directory}: " + "; ".join(result.failures()[:5]))
+        raise ParityError(f"{directory}: " + "; ".join(shown_failures(result.failures())))
     if result.quality is not None and not result.quality.passed:
         raise ParityError(
             f"{directory}: the quantization fell short of the export's quality gate: {result.quality.figures()} "

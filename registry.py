@@ -10,7 +10,9 @@ What an entry must load to is the registry's ``accept`` (the object, or None: no
 else is one error that names the entry point.
 
 ``Flag`` is one CLI option an entry declares (a kind's, a target's): ``cli_options`` makes it a
-click option, whose value fills the field ``field`` of whatever holds that entry's options.
+click option, whose value fills the field ``field`` of whatever holds that entry's options; an
+on/off flag that writes a precision's numbers another way says so (``Writes``: ``kiln plugins``
+asks it where that precision's own flags are refused, ``exporter.support``).
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ from typing import Any, Generic, TypeVar
 
 from kiln.errors import ConfigError, KilnError
 
-__all__ = ["Flag", "Registry"]
+__all__ = ["Flag", "Registry", "Writes"]
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Writes:
+    """An on/off flag writes ``precision``'s numbers (at the default precision) another way."""
+
+    precision: str  # the precision's value ("int8")
+    condition: str  # what kiln plugins' legend says of a cell taken only with the flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +51,7 @@ class Flag:
     default: str | None = None  # a choice's default, as typed
     metavar: str | None = None
     convert: Callable[[Any], Any] | None = None  # the typed text -> the field's value
+    writes: Writes | None = None  # an on/off flag that writes a precision's numbers another way
 
     @property
     def dest(self) -> str:

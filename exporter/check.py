@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,12 +13,12 @@ from kiln.errors import ArtifactError, CheckpointError, ConfigError
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.artifacts.manifest import Manifest, graph_options
 from kiln.exporter.artifacts.verify import require_verified
-from kiln.exporter.candidates import candidate
+from kiln.exporter.candidates import candidate, qdq_tolerance
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import fold, table_feeds
 from kiln.exporter.int4.proof import NUMBERS_FILE, proved_numbers, quantizer_model
 from kiln.exporter.int4.rerun import rerun_quantizer
-from kiln.exporter.load import adapter_reference, prepare_reference, read_adapters
+from kiln.exporter.load import Reference, adapter_reference, prepare_reference, read_adapters
 from kiln.exporter.lora.adapter_file import swapped_adapter
 from kiln.exporter.options import ExportOptions, PLETables
 from kiln.exporter.parity import (
@@ -32,8 +33,11 @@ from kiln.exporter.parity.quality import QualityPlan
 from kiln.exporter.pipeline import release_weights
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.progress import NullProgress, Progress
+from kiln.exporter.qdq_rerun import checked_qdq_numbers
+from kiln.exporter.qdq_spill import qdq_model
 from kiln.exporter.quality_gate import check_quality
 from kiln.exporter.runners import Feeds, OrtRunner
+from kiln.exporter.runners.device import ParityDevice, on, resolve
 from kiln.exporter.targets import PORTABLE, target
 from kiln.plugins import LoadedModel, load_model
 
@@ -49,13 +53,28 @@ def check_dir(
     progress: Progress | None = None,
     backend: str = "onnxruntime",
     adapter: Path | None = None,
+    parity_device: str = "cpu",
 ) -> ParityResult:
     """Re-run parity on an export directory against its checkpoint (or ``model``), on ONNX
     Runtime (the ONNX graphs) or TensorRT (``backend="tensorrt"``: the engines of ``kiln build``,
     refused when built by another TensorRT version or for another compute capability). With
     ``adapter`` (a PEFT adapter directory; an export with ``--lora-slots``): the graphs fed that
-    adapter's slot tensors, against PEFT's model of the checkpoint and the adapter."""
-    progress = progress or NullProgress()
+    adapter's slot tensors, against PEFT's model of the checkpoint and the adapter. ``parity_device``
+    (auto, cpu, cuda: ``runners.device``) is where PyTorch, ONNX Runtime and a GPTQ rerun compute."""
+    device = resolve(parity_device)  # cuda asked where it cannot run: refused before anything is read
+    with on(device):
+        return _check_dir(directory, model, progress or NullProgress(), backend, adapter, device)
+
+
+def _check_dir(
+    directory: Path,
+    model: str | Path | None,
+    progress: Progress,
+    backend: str,
+    adapter: Path | None,
+    device: ParityDevice,
+) -> ParityResult:
+    """``check_dir`` on ``device``, already set."""
     manifest = require_verified(directory)
     _refuse_backend(directory, backend, adapter)
     loaded = _checkpoint(directory, manifest, model, progress)
@@ -79,13 +98,22 @@ def check_dir(
         # before the reference is built: an adapter's PEFT model changes the checkpoint's modules in place
         quantized = _quantized(directory, manifest, precision, loaded, Path(spill), progress)
         reference = build(loaded)
+        # int8, fp8: the calibration run again on the checkpoint's module as built (its PLE tables extended once)
+        qdq = (
+            checked_qdq_numbers(
+                directory, manifest, Reference(loaded, reference, manifest.limits.max_context), Path(spill), progress
+            )
+            if backend == "onnxruntime"
+            else None
+        )
+        quantized = quantized or qdq_model(qdq, manifest.parity.agreement != "record")
         extra = _extra_feeds(options, reference, loaded, precision, swapped)
         assert options.max_context is not None, "an export's manifest records its context"
         settings = ParitySettings(
-            options.max_context, options.max_batch, options.parity_tokens, options.last_logits_only
+            options.max_context, options.max_batch, options.parity_tokens, options.last_logits_only, device=device
         )
-        quality = _quality(loaded, manifest, options.last_logits_only, options.max_context)
-        candidates = _candidates(directory, manifest, precision, backend, extra)
+        quality = _quality(loaded, manifest, backend, options.last_logits_only, options.max_context)
+        candidates = _candidates(directory, manifest, precision, backend, extra, qdq is not None)
         # the model is freed while the graphs run unless both fit, and loaded again to score their tokens (check_parity)
         return check_parity(
             reference, loaded.spec, candidates, settings, progress=progress, quantized=quantized, quality=quality,
@@ -146,11 +174,8 @@ def _quantized(
     proof), its agreement gating as the export chose. Where the quantizer cannot run again (one
     line says why) the numbers are read back from the portable graphs, as before issue 40.
 
-    An int8 or fp8 export is not: the scales its calibration made (parity.qdq_numbers) are not in
-    the export (its calibration/*.trt-calibration.cache holds TensorRT's amax / 127, not the
-    graphs' int8 or fp8 scales), and read back from the graphs being judged they would prove
-    nothing; so kiln check judges it against the checkpoint's model by its precision's figures,
-    agreement gating, as before issue 40."""
+    An int8 or fp8 export's proof is made again after the reference is built (``qdq_rerun``: its
+    calibration run again on the checkpoint)."""
     if precision.weight_only_float is None:
         return None
     gate, portable = manifest.parity.agreement != "record", _portable_paths(directory, manifest)
@@ -174,12 +199,20 @@ def _quantized(
     return quantizer_model(numbers, gate)
 
 
-def _quality(loaded: LoadedModel, manifest: Manifest, last_logits_only: bool, max_context: int) -> QualityPlan:
+def _quality(
+    loaded: LoadedModel, manifest: Manifest, backend: str, last_logits_only: bool, max_context: int
+) -> QualityPlan:
     """The quality measure of ``kiln check`` (``quality_gate.check_quality``), gated at the
-    threshold the export recorded."""
+    threshold the export recorded, on the graph set it measured (``quality.graphs``: a target's
+    where only that target's graphs are quantized, ``--ort-int8``; the engines on TensorRT)."""
     recorded = manifest.parity.quality
     threshold = recorded.threshold if recorded is not None else None
-    return check_quality(loaded, loaded.spec, manifest.precision, threshold, last_logits_only, max_context)
+    measured = recorded.graphs if recorded is not None and backend == "onnxruntime" else None
+    written = manifest.targets or {}
+    target_name = measured if measured is not None and measured != PORTABLE and measured in written else None
+    precision = written[target_name].precision if target_name is not None else manifest.precision
+    plan = check_quality(loaded, loaded.spec, precision, threshold, last_logits_only, max_context)
+    return dataclasses.replace(plan, target=target_name)
 
 
 def _checkpoint(directory: Path, manifest: Manifest, model: str | Path | None, progress: Progress) -> LoadedModel:
@@ -241,10 +274,11 @@ def _graph_paths(directory: Path, files: dict[GraphKind, str]) -> dict[GraphKind
 
 
 def _candidates(
-    directory: Path, manifest: Manifest, portable: Precision, backend: str, extra: Feeds | None
+    directory: Path, manifest: Manifest, portable: Precision, backend: str, extra: Feeds | None, qdq: bool = False
 ) -> list[Candidate]:
     """The engines (TensorRT), or the portable graphs (at ``portable``, the manifest's precision)
-    and then every target's (ONNX Runtime)."""
+    and then every target's (ONNX Runtime); with ``qdq`` (the Q/DQ numbers made again) every set
+    of the portable precision is judged against PyTorch with them too, as the export judged it."""
     if (
         backend == "tensorrt"
     ):  # the runner of the engines' contract: the portable graphs' or --target onnx's (static cache)
@@ -271,19 +305,22 @@ def _candidates(
             OrtRunner.opener(graphs, extra),
             tuple(graphs),
             portable,
-            portable.weight_only_judge,
+            qdq_tolerance(portable) if qdq else portable.weight_only_judge,
             files=graphs.values(),
         )
     ]
     for name, entry in (manifest.targets or {}).items():  # each target's graphs, opened its way
         paths = _graph_paths(directory, {GraphKind(kind): graph.file for kind, graph in entry.graphs.items()})
         chosen, precision = target(name), Precision.parse(entry.precision)
+        quantized = chosen.quantized_precision(precision)
         candidates.append(
             candidate(
                 chosen.runner(paths, extra),
                 tuple(paths),
                 precision,
-                chosen.quantized_precision(precision),
+                qdq_tolerance(precision)
+                if qdq and quantized is None and precision.value == portable.value
+                else quantized,
                 name,
                 files=paths.values(),
             )

@@ -1,6 +1,7 @@
-"""The load stage: the PyTorch side of an export. What may be exported (context limit; the refusals are the plan's,
-``exporter.plan``), the LoRA adapters merged into it (``--adapter``), and the reference module that parity is measured
-against (shared by ``export`` and ``check``): with adapters, PEFT's own model of base + adapters."""
+"""The load stage: the PyTorch side of an export. The reference module at the plan's context (the
+refusals, the context's among them, are the plan's: ``exporter.plan``), the LoRA adapters merged into it
+(``--adapter``), and the reference module that parity is measured against (shared by ``export`` and
+``check``): with adapters, PEFT's own model of base + adapters."""
 
 from __future__ import annotations
 
@@ -13,15 +14,14 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from kiln.errors import ConfigError, ExportError
-from kiln.exporter.contract.limits import MAX_CONTEXT, MIN_CONTEXT
 from kiln.exporter.options import ExportOptions
-from kiln.exporter.plan import plan
 from kiln.plugins import LoadedModel
 from kiln.plugins.base import DecoderSpec
 from kiln.plugins.hub_cache import HF_EXTRA
 
 if TYPE_CHECKING:
     from kiln.exporter.contract.lora import LoraSlots
+    from kiln.exporter.plan import ExportPlan
     from kiln.plugins.hf.adapter import LoraAdapter
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "merge_adapters",
     "prepare_reference",
     "read_adapters",
-    "resolve_limits",
 ]
 
 
@@ -49,38 +48,10 @@ class Reference:
         return self.loaded.spec
 
 
-def load_reference(loaded: LoadedModel, options: ExportOptions) -> Reference:
-    plan(options, loaded.spec)  # every refusal, the model's structure's among them, before any work is done
-    max_context = resolve_limits(loaded.spec, options)
-    return Reference(loaded, prepare_reference(loaded, options), max_context)
-
-
-def resolve_limits(spec: DecoderSpec, options: ExportOptions) -> int:
-    """The exported context length; refuses one longer than the model or its PLE table (a
-    config's spec will do: ``export`` checks it before the weights load)."""
-    table = options.ple_extend or spec.ple_positions
-    limit = spec.max_context
-    context = options.max_context or (min(limit, table) if table and limit else limit or table)
-    if context is None:
-        raise ExportError(f"{spec.max_context_why or 'the model has no context limit'}: pass --max-context N")
-    if not MIN_CONTEXT <= context <= MAX_CONTEXT:  # a config's limit (--max-context is ranged at the command line)
-        raise ExportError(
-            f"the model's max_context {context} is outside what an export can declare ({MIN_CONTEXT} to {MAX_CONTEXT})"
-            + ("; pass --max-context N" if context > MAX_CONTEXT else "")
-        )
-    if limit is not None and context > limit:
-        why = f" ({spec.max_context_why})" if spec.max_context_why else ""
-        raise ExportError(f"--max-context {context} exceeds the model's max_context {limit}{why}")
-    if spec.ple_positions is not None and context > (options.ple_extend or spec.ple_positions):
-        rows = options.ple_extend or spec.ple_positions
-        raise ExportError(
-            f"--max-context {context} is longer than the PLE table ({rows} rows): positions past it would "
-            f"gather out of bounds; pass --ple-extend {context} (with --ple-extend-mode clamp|interpolate) or a "
-            "smaller --max-context"
-        )
-    if options.ple_extend is not None and spec.ple_positions is None:
-        raise ExportError("--ple-extend was given but the model has no PLE tables")
-    return context
+def load_reference(loaded: LoadedModel, planned: ExportPlan) -> Reference:
+    """The reference of ``loaded`` at the context ``planned`` (asked with ``loaded``'s spec) was sized for."""
+    assert planned.spec is loaded.spec and planned.max_context is not None, "the plan of this model, sized"
+    return Reference(loaded, prepare_reference(loaded, planned.options), planned.max_context)
 
 
 def prepare_reference(loaded: LoadedModel, options: ExportOptions) -> nn.Module:

@@ -3,6 +3,8 @@
     load -> fold -> calibration -> trace -> precision kinds prepared -> graph passes
          -> target graphs -> parity -> artifacts (reports, serving configs, manifest) -> commit
 
+The plan (``exporter.plan``) is asked once per round, the options alone, the config's structure, the
+loaded model's, and passed down: the targets it names are the ones written, its context the one traced.
 Every stage is a function of the one before it; the export is staged in a temporary directory
 and renamed into place only when every stage has passed (``artifacts.staging``).
 """
@@ -15,17 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import onnx_ir as ir
 import torch
 
-from kiln.calibration import Calibration
 from kiln.errors import ParityError
 from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.artifacts.layout import CALIBRATION_DIR, ONNX_DIR
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.staging import refuse_held, require_replaceable, staged_output
+from kiln.exporter.calibrate import graph_ranges, prepare_calibration
 from kiln.exporter.candidates import candidate, qdq_tolerance
-from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.emit import write_artifacts
 from kiln.exporter.fold import Folded, fold, table_feeds
 from kiln.exporter.graphs import (
@@ -48,7 +48,6 @@ from kiln.exporter.load import (
     lora_slots,
     merge_adapters,
     prepare_reference,
-    resolve_limits,
 )
 from kiln.exporter.options import ExportOptions, PLETables, Precision
 from kiln.exporter.parity import (
@@ -59,19 +58,19 @@ from kiln.exporter.parity import (
 )
 from kiln.exporter.parity.qdq_numbers import QdqNumbers
 from kiln.exporter.parity.quality import QualityPlan
+from kiln.exporter.parity.summary import shown_failures
 from kiln.exporter.parity.tolerances import Tolerance
-from kiln.exporter.plan import plan
+from kiln.exporter.plan import ExportPlan, of_model, plan
 from kiln.exporter.precision.context import PrecisionContext
-from kiln.exporter.precision.kinds.base import Needs, Ranges
 from kiln.exporter.precision.prepare import PreparedPrecision, prepare_precision
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.qdq_spill import qdq_model, spill_qdq_numbers
-from kiln.exporter.quality_gate import plan_quality, refuse_quality
+from kiln.exporter.quality_gate import measured_graphs, plan_quality, refuse_quality
 from kiln.exporter.report import ExportReport
-from kiln.exporter.runners import OrtRunner, TorchRunner
+from kiln.exporter.runners import OrtRunner
+from kiln.exporter.runners.device import resolve
 from kiln.exporter.runners.torch_runner import drop_fp32_buffers
-from kiln.exporter.static_fit import refuse_static_cache
-from kiln.exporter.targets import target, targets
+from kiln.exporter.targets import target
 from kiln.exporter.targets.base import TargetGiven, TargetGraphs
 from kiln.exporter.trace import trace_unified
 from kiln.plugins import LoadedModel, config_spec, load_model, resolve_checkpoint
@@ -90,9 +89,14 @@ class ExportResult:
     report: ExportReport
 
 
-def export(model: str | Path, out: Path, options: ExportOptions, progress: Progress | None = None) -> ExportResult:
+def export(
+    model: str | Path, out: Path, options: ExportOptions | ExportPlan, progress: Progress | None = None
+) -> ExportResult:
+    """Export the checkpoint ``model`` to ``out``; ``options`` may come planned (the CLI's: the
+    options' round is not asked again)."""
     progress = progress or NullProgress()
-    plan(options)  # the options' own refusals, before anything is read
+    planned = options if isinstance(options, ExportPlan) else plan(options)  # before anything is read
+    options = planned.options
     require_replaceable(
         out.absolute(), options.force, inputs=(resolve_checkpoint(model), *options.data_inputs)
     )  # before the load (checked again)
@@ -101,20 +105,9 @@ def export(model: str | Path, out: Path, options: ExportOptions, progress: Progr
     )  # another export writing there: refused now, not after the load (its lock decides again)
     with progress.stage("load checkpoint"):
         if (spec := config_spec(model)) is not None:
-            plan(options, spec)  # every refusal of the config's structure, before any weight is read
-            refuse_static_cache(
-                spec, options, resolve_limits(spec, options)
-            )  # the config's limits, before any weight is read
+            of_model(planned, spec)  # the config's structure and sizes, before any weight is read
         loaded = load_model(model)
-    return export_loaded(loaded, out, options, progress, model_ref=str(model), release_reference=True)
-
-
-def _fitting_reference(loaded: LoadedModel, options: ExportOptions) -> Reference:
-    """``load_reference``, its static cache (``--target onnx``) sized against this machine before
-    the trace (``export`` asked the config's spec already: an export of a loaded model had no config)."""
-    reference = load_reference(loaded, options)
-    refuse_static_cache(reference.spec, options, reference.max_context)
-    return reference
+    return export_loaded(loaded, out, planned, progress, model_ref=str(model), release_reference=True)
 
 
 def _note_widening(reference: Reference, options: ExportOptions, progress: Progress) -> None:
@@ -149,18 +142,21 @@ def _fold(reference: Reference, loaded: LoadedModel, progress: Progress) -> Fold
 def export_loaded(
     loaded: LoadedModel,
     out: Path,
-    options: ExportOptions,
+    options: ExportOptions | ExportPlan,
     progress: Progress | None = None,
     model_ref: str | None = None,
     release_reference: bool = False,
 ) -> ExportResult:
-    """Export ``loaded``. With ``release_reference`` (``export`` does this: it loaded the model
-    itself) parity may free its weights before the graphs run and load it again from
-    ``loaded.source`` to score their tokens, so a big model's weights and the runtime's never sit
-    in memory together (``check_parity``); ``loaded`` is unusable afterwards."""
+    """Export ``loaded``, the plan asked with its spec (``options`` planned already: that round only).
+    With ``release_reference`` (``export`` does this: it loaded the model itself) parity may free its
+    weights before the graphs run and load it again from ``loaded.source`` to score their tokens, so a
+    big model's weights and the runtime's never sit in memory together (``check_parity``); ``loaded``
+    is unusable afterwards."""
     progress = progress or NullProgress()
+    planned = of_model(options if isinstance(options, ExportPlan) else plan(options), loaded.spec)
+    options = planned.options
     adapters = merge_adapters(loaded, options, model_ref)  # --adapter: before anything reads the weights
-    reference = _fitting_reference(loaded, options)
+    reference = load_reference(loaded, planned)
     _note_widening(reference, options, progress)
     _note_text_decoder(reference, progress)
     inputs = (loaded.source, *loaded.files, *options.data_inputs)  # never replaced by the output, whatever --force says
@@ -171,7 +167,7 @@ def export_loaded(
     with staged_output(out, options.force, inputs=inputs, note=progress.note, needs=needs) as root:
         # the prepared precision (the int4 numbers: 3.5 GB at 8B) is gone once the graphs are
         # written: what parity needs of it is spilled to the staging directory
-        staged = _write_graphs(reference, loaded, options, root, out, progress)
+        staged = _write_graphs(reference, loaded, planned, root, out, progress)
         parity = _parity(
             reference, options, staged, _ParityModel(loaded, adapters, release_reference), quality, out, progress
         )
@@ -197,19 +193,20 @@ class _Staged:
 
 
 def _write_graphs(
-    reference: Reference, loaded: LoadedModel, options: ExportOptions, root: Path, out: Path, progress: Progress
+    reference: Reference, loaded: LoadedModel, planned: ExportPlan, root: Path, out: Path, progress: Progress
 ) -> _Staged:
-    """fold -> calibration -> trace -> precision kinds prepared -> portable graphs -> target
-    graphs, in the staging directory ``root``; the low-bit proofs' numbers spilled there."""
+    """fold -> calibration -> trace -> precision kinds prepared -> portable graphs -> the plan's
+    target graphs, in the staging directory ``root``; the low-bit proofs' numbers spilled there."""
+    options = planned.options
     folded = _fold(reference, loaded, progress)
     checkpoint = {path.name: sha256_file(path) for path in loaded.files}  # hashed once
-    calibration = _calibration(reference, options, checkpoint, progress)
+    calibration = prepare_calibration(reference, options, checkpoint, progress)
     traced = trace_unified(reference, folded, options, progress)  # its own stage
     context = PrecisionContext(
         reference,
         options,
         progress,
-        _calibrate(reference, options, calibration, progress),
+        graph_ranges(reference, options, calibration, progress),
         lambda kind, kv_dtype: contract_io(reference, folded, options, kind, kv_dtype),
         lambda kind: fp32_graph(reference, folded, options, kind, traced),
     )
@@ -220,7 +217,7 @@ def _write_graphs(
     )
     calibrated = calibration.finish(root / CALIBRATION_DIR) if calibration is not None else None
     given = TargetGiven(root / ONNX_DIR, portable.paths, reference.spec, options, reference.max_context, progress)
-    written = tuple(target.write(given) for target in targets() if target.wanted(options))
+    written = tuple(each.write(given) for each in planned.targets)
     return _Staged(
         folded,
         checkpoint,
@@ -266,11 +263,14 @@ def _parity(
     candidates = _candidates(staged.folded, options, staged.portable, staged.written, qdq is not None)
     parity = check_parity(
         parity_module, reference.spec, candidates, _settings(reference, options), release_reference=release,
-        reload_reference=reload, progress=progress, quality=quality,
+        reload_reference=reload, progress=progress,
+        quality=measured_graphs(quality, options, staged.written) if quality is not None else None,
         quantized=quantizer_model(numbers, gate) if numbers is not None else qdq_model(qdq, gate),
     )  # fmt: skip
     if not parity.passed:
-        raise ParityError(f"{out}: exported graphs differ from PyTorch: " + "; ".join(parity.failures()[:5]))
+        raise ParityError(
+            f"{out}: exported graphs differ from PyTorch: " + "; ".join(shown_failures(parity.failures()))
+        )
     return parity
 
 
@@ -357,51 +357,15 @@ def _peft_reference(
     return module, release_weights(module) if release is not None else None, build if release is not None else None
 
 
-def _calibration(
-    reference: Reference, options: ExportOptions, checkpoint: dict[str, str], progress: Progress
-) -> Calibration | None:
-    """The kinds that read activation ranges (int8, fp8): the calibration data and settings (and
-    ranges, when the cache has them)."""
-    if not options.precision.needs(Needs.RANGES):
-        return None
-    assert options.calib_data is not None, "the kinds that read ranges refuse to go without --calib-data"
-    files = reference.loaded.files
-    calibration = Calibration.prepare(
-        options.calib_data,
-        spec=reference.spec,
-        tokenizer=reference.loaded.tokenizer,
-        weights_sha256=checkpoint[files[1].name] if len(files) > 1 else "",
-        samples=options.samples,
-        method=options.calib_method,
-        percentile=options.calib_percentile,
-        context=reference.max_context,
-        graph_settings={
-            "opset": options.opset,
-            "logits": options.logits.value,
-            "ple_extend": options.ple_extend,
-            "ple_extend_mode": options.ple_extend_mode.value,
-            "ple_tables": options.ple_tables.value,
-        },
-        cache_dir=options.calib_cache,
-    )
-    if calibration.cache_hit:
-        progress.note(f"calibration: reusing cached ranges {options.calib_cache}/{calibration.key}.json")
-    return calibration
-
-
-def _calibrate(
-    reference: Reference, options: ExportOptions, calibration: Calibration | None, progress: Progress
-) -> Callable[[GraphKind, ir.Model], Ranges] | None:
-    if calibration is None:
-        return None
-    runner = TorchRunner(
-        reference.module, reference.spec.n_layers, options.last_logits_only
-    )  # runs the teacher-forced decode feeds
-    return lambda kind, model: calibration.ranges_for(kind, model, reference.spec, runner, progress)
-
-
 def _settings(reference: Reference, options: ExportOptions) -> ParitySettings:
-    return ParitySettings(reference.max_context, options.max_batch, options.parity_tokens, options.last_logits_only)
+    """Parity's settings, on the device ``--parity-device`` resolves to (``runners.device``)."""
+    return ParitySettings(
+        reference.max_context,
+        options.max_batch,
+        options.parity_tokens,
+        options.last_logits_only,
+        device=resolve(options.parity_device),
+    )
 
 
 def _candidates(

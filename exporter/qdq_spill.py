@@ -5,6 +5,7 @@ graph runs; parity's Q/DQ reference is then built on the same numbers (``parity.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kiln.errors import ParityError
@@ -17,7 +18,7 @@ from kiln.exporter.precision.qdq_scales import qdq_sink
 from kiln.exporter.progress import Progress
 from kiln.exporter.targets.base import TargetGraphs
 
-__all__ = ["spill_qdq_numbers", "qdq_model"]
+__all__ = ["spill_qdq_numbers", "proved_qdq_numbers", "qdq_model"]
 
 
 def spill_qdq_numbers(
@@ -36,20 +37,28 @@ def spill_qdq_numbers(
     if made is None:
         return None
     made = made.in_float16() if precision.precision.float16 else made
-    # spilled and read back before the check: what parity is built on is what the file holds
     sets = [
         ("portable", portable.paths),
         *((g.name, g.paths) for g in written if g.precision.value == precision.precision.value),
     ]
+    labelled = [(label, {kind.value: p for kind, p in paths.items()}) for label, paths in sets]
     with progress.stage(f"parity: {made.form} Q/DQ scales against the calibration's"):
-        path = root / NUMBERS_FILE
-        numbers = write_qdq_numbers(path, made)
-        path.unlink()  # read back whole: the file is not needed again
-        failure = check_graph_qdq(
-            numbers, [(label, {kind.value: p for kind, p in paths.items()}) for label, paths in sets]
+        return proved_qdq_numbers(
+            made, root / NUMBERS_FILE, labelled, f"{out}: exported Q/DQ differ from the calibration's numbers"
         )
+
+
+def proved_qdq_numbers(
+    made: QdqNumbers, path: Path, sets: Sequence[tuple[str, Mapping[str, Path]]], refused: str
+) -> QdqNumbers:
+    """``made`` spilled to ``path`` and read back (what parity is built on is what the file held),
+    once every graph of ``sets`` (a label, its graphs' paths by graph kind) holds them bit for bit;
+    else a ``ParityError``: ``refused``, then the first difference."""
+    numbers = write_qdq_numbers(path, made)
+    path.unlink()  # read back whole: the file is not needed again
+    failure = check_graph_qdq(numbers, sets)
     if failure is not None:
-        raise ParityError(f"{out}: exported Q/DQ differ from the calibration's numbers: {failure}")
+        raise ParityError(f"{refused}: {failure}")
     return numbers
 
 

@@ -4,6 +4,7 @@ falls short of it, which keeps the refused export's parity reports beside the ou
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,15 +12,16 @@ from pathlib import Path
 from kiln.calibration.data import SYNTHETIC, load_calibration_data
 from kiln.errors import ParityError
 from kiln.exporter.options import ExportOptions
-from kiln.exporter.parity.quality import QualityPlan, measures, threshold_for
+from kiln.exporter.parity.quality import QualityPlan, measures, quantized, threshold_for
 from kiln.exporter.parity.quality_text import quality_text_of
 from kiln.exporter.parity.report import write_parity_reports
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.report import ExportReport
+from kiln.exporter.targets.base import TargetGraphs
 from kiln.plugins import DEMO, LoadedModel, resolve_checkpoint
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["QualityError", "check_quality", "plan_quality", "refuse_quality"]
+__all__ = ["QualityError", "check_quality", "measured_graphs", "plan_quality", "refuse_quality"]
 
 
 class QualityError(ParityError):
@@ -59,6 +61,21 @@ def plan_quality(loaded: LoadedModel, spec: DecoderSpec, options: ExportOptions,
     )
 
 
+def measured_graphs(quality: QualityPlan, options: ExportOptions, written: Sequence[TargetGraphs]) -> QualityPlan:
+    """``quality`` measured on the graphs that carry the export's quantization: where the portable
+    graphs are of a float precision and a target wrote graphs of a low-bit one (``--target ort
+    --ort-int8``: int8 target graphs beside fp32 portable ones), on that target's graphs, gated at
+    its precision's threshold; else (the portable graphs quantized, e.g. ``--int4 --target ort``,
+    whose target graphs hold the same int4 numbers; or nothing quantized) on the portable graphs."""
+    if quantized(options.precision.value):
+        return quality
+    low_bit = next((graphs for graphs in written if quantized(graphs.precision.value)), None)
+    if low_bit is None:
+        return quality
+    threshold = threshold_for(low_bit.precision.value, options.quality_gate)
+    return dataclasses.replace(quality, threshold=threshold, target=low_bit.name)
+
+
 def check_quality(
     loaded: LoadedModel,
     spec: DecoderSpec,
@@ -85,12 +102,17 @@ def refuse_quality(report: ExportReport, out: Path) -> None:
         return
     kept = Path(tempfile.mkdtemp(prefix=f"{out.name}.refused-", dir=out.absolute().parent))
     write_parity_reports(report.parity, kept / "reports", report.parity_extras())
+    target = next((t for t in report.targets if t.name == quality.graphs), None)  # None: the portable graphs
+    precision = target.precision if target is not None else report.options.precision
+    ways = (
+        f"the {target.name} graphs without the option that quantizes them"
+        if target is not None
+        else f"{_ways_out(precision)}, --fp16"
+    )
     raise QualityError(
-        f"{out}: the {report.options.precision.value} quantization fell short (its graphs compute the quantized "
-        "model: parity passed): "
-        f"{quality.figures()}; top-1 agreement {quality.agreement:.3f} is below {quality.threshold:g}. Ways out: "
-        f"{_ways_out(report.options.precision)}, "
-        f"--fp16; or --quality-gate lower or off. Reports kept in {kept / 'reports'}"
+        f"{out}: the {precision.value} quantization fell short (its graphs compute the quantized model: parity "
+        f"passed): {quality.figures()}; top-1 agreement {quality.agreement:.3f} is below {quality.threshold:g}. "
+        f"Ways out: {ways}; or --quality-gate lower or off. Reports kept in {kept / 'reports'}"
     )
 
 

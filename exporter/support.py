@@ -6,7 +6,8 @@ portable graphs, which every export writes, and each registered target), asked o
 (``exporter.plan``): what no model takes (``--fp16 --target ort``), then what one structure cannot
 take (``--int8`` of a cross-attention decoder); nothing is loaded or traced, and nothing heavy is
 imported. Where the defaults are refused, the other flags that write that precision for that
-target are asked (``ALTERNATIVES``); where options are taken, the config features that a refusal
+target are asked (``alternatives``: a target's flag that says it writes that precision,
+``Flag.writes``, and ``--int4-method rtn``); where options are taken, the config features that a refusal
 also reads are asked (``FEATURES``: a sliding window, chunked attention): either makes the cell conditional.
 """
 
@@ -27,8 +28,8 @@ from kiln.exporter.targets import PORTABLE, names, target
 from kiln.plugins.base import DecoderSpec
 
 __all__ = [
-    "ALTERNATIVES", "FEATURES", "Alternative", "Cell", "Feature", "Support", "legend", "letter", "precisions",
-    "refusal", "support", "target_names",
+    "FEATURES", "INT4_RTN", "Alternative", "Cell", "Feature", "Support", "alternatives", "legend", "letter",
+    "precisions", "refusal", "support", "target_names",
 ]  # fmt: skip
 
 FP32 = "fp32"
@@ -59,15 +60,9 @@ class Feature:
         return all(field in spec.config for field in self.config)
 
 
-ALTERNATIVES = (
-    Alternative(
-        "int8", "--ort-int8", "only as --ort-int8 (weight-only int8 MatMulNBits; --int8 is refused)",
-        {"precision": Precision.of(), "target_flags": {"ort_int8": True}},
-    ),
-    Alternative(
-        "int4", "--int4-method rtn", "only with --int4-method rtn (GPTQ is refused)",
-        {"precision": Precision.of(Int4(method=Int4Method.RTN))},
-    ),
+INT4_RTN = Alternative(
+    "int4", "--int4-method rtn", "only with --int4-method rtn (GPTQ is refused)",
+    {"precision": Precision.of(Int4(method=Int4Method.RTN))},
 )  # fmt: skip
 FEATURES = (
     Feature("not with a sliding window: only the windows a test proves are applied", {"sliding_window": 4}),
@@ -104,6 +99,22 @@ class Support:
         return {precision: {t: cell.to_dict() for t, cell in row.items()} for precision, row in self.cells.items()}
 
 
+def alternatives() -> tuple[Alternative, ...]:
+    """Each registered target's on/off flags that write a precision at the defaults (``Flag.writes``:
+    ``--ort-int8``), in registration order, then ``INT4_RTN``."""
+    flags = [(flag, writes) for t in names() for flag in target(t).flags if (writes := flag.writes) is not None]
+    declared = [
+        Alternative(
+            writes.precision,
+            flag.option,
+            writes.condition,
+            {"precision": Precision.of(), "target_flags": {flag.field: True}},
+        )
+        for flag, writes in flags
+    ]
+    return (*declared, INT4_RTN)
+
+
 def precisions() -> tuple[str, ...]:
     """The precisions a cell is asked of: fp32 and each registered kind, in registration order."""
     return (FP32, *(k.name for k in kinds()))
@@ -134,7 +145,7 @@ def refusal(spec: DecoderSpec, fields: Mapping[str, Any]) -> str | None:
 def _cell(spec: DecoderSpec, precision: str, target: str) -> Cell:
     """One cell: the defaults, else an alternative's flags; then, with each feature, the same flags."""
     default = {"precision": Precision.parse(precision), "target": target}
-    others = [(a.flags, a.condition, {**default, **a.fields}) for a in ALTERNATIVES if a.precision == precision]
+    others = [(a.flags, a.condition, {**default, **a.fields}) for a in alternatives() if a.precision == precision]
     tries = [("", None, default), *others]
     refused: dict[str, str] = {}  # message -> the flags it answers ("": the defaults)
     for flags, condition, fields in tries:

@@ -44,6 +44,7 @@ __all__ = [
     "PLEExtendMode",
     "PLEFolding",
     "PLETables",
+    "StaticStateProof",
     "TextDecoderOf",
     "dim_error",
     "non_finite",
@@ -115,6 +116,17 @@ class TextDecoderOf:
 
 
 @dataclasses.dataclass(frozen=True)
+class StaticStateProof:
+    """What a family declares of its recurrent state (a ``state`` or ``hybrid`` cache) in graphs of
+    ONNX's own ops whose state is a plain input and output beside a static key/value cache (the
+    ``--target onnx`` graphs, ``exporter/targets/onnx/states.py``): the precisions a test proves it
+    at there, or why its trace cannot be written so. A family that declares nothing is not proved."""
+
+    precisions: tuple[str, ...] = ()  # the precisions' values a test proves ("fp32", "fp16"); empty: none
+    unparsed: str | None = None  # why its trace holds an op TensorRT's ONNX parser is not documented to take
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderSpec:
     """The shape of a decoder as the exporter sees it."""
 
@@ -152,6 +164,8 @@ class DecoderSpec:
     # --fp16: the fp32 islands the family's own computation needs beyond the default policy
     # (``exporter.precision.policy`` rules: a Gated DeltaNet's delta rule, ``*.linear_attn``)
     keep_fp32: tuple[str, ...] = ()
+    # its recurrent state in graphs of ONNX's own ops with a static cache: proved, or why not (``StaticStateProof``)
+    static_state: StaticStateProof | None = None
 
     def __post_init__(self) -> None:
         if self.cache is not None and len(self.cache.layers) != self.n_layers:

@@ -153,4 +153,5 @@ def _quality(report: ExportReport) -> QualityInfo | None:
         q.perplexity_graphs,
         q.judged,
         q.threshold,
+        q.graphs,
     )

@@ -2,10 +2,10 @@
 
 Every field that changes how an export is run or judged is compared with the graphs' facts, and
 a disagreement is one line naming the field, the manifest's value and what the graphs say:
-``precision`` and ``targets.<name>.precision`` (the tolerances ``kiln check`` judges by),
-``kv_cache.dtype``, ``targets.<name>.kv_cache`` (the loop ``kiln generate`` and ``bench`` run, and
-the ones its target writes at all), ``limits.max_context`` (a static cache's capacity, the rows of
-the tables indexed by position), ``export.logits`` and ``export.ple.tables``. The fields no graph
+``precision`` and ``targets.<name>.precision`` (the tolerances ``kiln check`` judges by; of the set,
+then of each of its graphs), ``kv_cache.dtype``, ``targets.<name>.kv_cache`` (the loop ``kiln generate``
+and ``bench`` run, and the ones its target writes at all), ``limits.max_context`` (a static cache's
+capacity, the rows of the tables indexed by position), ``export.logits`` and ``export.ple.tables``. The fields no graph
 states are checked for what they must be: ``export.ple.extend_mode`` and ``parity.agreement`` one
 of their values, ``tokenizer`` a tokenizer's JSON that no other field names.
 
@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kiln.errors import ConfigError
-from kiln.exporter.artifacts.facts import SetFacts, facts_of
+from kiln.exporter.artifacts.facts import SetFacts, facts_of, graph_precision
 from kiln.exporter.artifacts.manifest import Manifest, TargetWeights, WeightsInfo
 from kiln.exporter.artifacts.structure import named_paths
 from kiln.exporter.contract.io import CacheUpdate
@@ -126,6 +126,8 @@ def _set_problems(manifest: Manifest, name: str, facts: SetFacts) -> list[tuple[
         problems.append((field, f"{field} is {precision!r}, not a precision this kiln knows"))
     elif _visible(precision) != _visible(facts.precision):
         problems.append(_said(field, precision, name, facts.precision, _WHY["precision"]))
+    else:
+        problems += _graph_precision_problem(field, precision, name, facts)
     if entry is None and facts.kv_dtype is not None and manifest.kv_cache.dtype != facts.kv_dtype:
         problems.append(_said("kv_cache.dtype", manifest.kv_cache.dtype, name, facts.kv_dtype, _WHY["kv_dtype"]))
     if entry is not None and facts.kv_cache is not None and entry.kv_cache != facts.kv_cache:
@@ -137,6 +139,21 @@ def _set_problems(manifest: Manifest, name: str, facts: SetFacts) -> list[tuple[
     if ple is not None and ple.tables != facts.ple_tables:
         problems.append(_said("export.ple.tables", ple.tables, name, facts.ple_tables, _WHY["ple_tables"]))
     return problems
+
+
+def _graph_precision_problem(field: str, precision: str, name: str, facts: SetFacts) -> list[tuple[str, str]]:
+    """The set's precision graph by graph, the first graph that disagrees (their union of kinds can
+    hide a graph of another precision among the right ones): a graph with a cache shows every kind
+    the claim leaves a trace of and no other; one without (an encoder: no cache to show fp16, maybe
+    no MatMul quantized) shows no other."""
+    claimed = _visible(precision)
+    for graph in facts.graphs.values():
+        shown = _visible(graph_precision(graph))
+        if shown != claimed and (graph.kv_dtypes or not shown <= claimed):
+            said = f"{graph.file}, of {_label(name)}, says {graph_precision(graph)!r}"
+            why = "its QuantizeLinear, DequantizeLinear and MatMulNBits, and its float type"
+            return [(field, f"{field} is {precision!r}, but {said} ({why})")]
+    return []
 
 
 def _known(precision: str) -> bool:

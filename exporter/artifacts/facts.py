@@ -35,7 +35,7 @@ from kiln.errors import ConfigError
 from kiln.exporter.contract.shared_buffer import reads_past_length
 from kiln.exporter.precision.kinds.plan import Precision
 
-__all__ = ["GraphFacts", "SetFacts", "facts_of", "graph_facts"]
+__all__ = ["GraphFacts", "SetFacts", "facts_of", "graph_facts", "graph_precision"]
 
 _PAST_KEY = re.compile(r"^past_key_values\.\d+\.key$")
 # keys and values (a recurrent state's conv/ssm have fixed lengths too, but are no static cache's slots)
@@ -225,6 +225,12 @@ def _set_facts(graphs: dict[str, GraphFacts]) -> SetFacts:
         logits=prompt.logits if prompt is not None else None,
         ple_tables="input" if any(_PLE_INPUT.match(name) for g in graphs.values() for name in g.inputs) else "constant",
     )
+
+
+def graph_precision(graph: GraphFacts) -> str:
+    """One graph's precision name, as ``SetFacts.precision`` names a set's (fp16 only where it has a
+    cache to show it)."""
+    return _precision(graph.quantized, graph.kv_dtypes == {"float16"})
 
 
 def _cache_kind(graph: GraphFacts) -> str:

@@ -161,7 +161,7 @@ class ExportSettings:
     calibration: dict[str, Any] | None
     logits: str
     ple: PleInfo | None
-    quantization: dict[str, Any] | None = _omit()  # int4 / fp8: format, method, block size, what stayed float
+    quantization: dict[str, Any] | None = _omit()  # int4 / int8 / fp8: format, method, block size, what stayed float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +206,10 @@ class WeightsInfo:
 
 @dataclasses.dataclass(frozen=True)
 class QualityInfo:
-    """The portable graphs against the checkpoint's model on text (``parity.quality``): what the
-    quantization costs; ``threshold`` the top-1 agreement that gated it (None: recorded only)."""
+    """The graphs that carry the quantization against the checkpoint's model on text
+    (``parity.quality``): what the quantization costs; ``threshold`` the top-1 agreement that gated
+    it (None: recorded only); ``graphs`` the graph set measured, ``portable`` or a target's name
+    (None: a manifest written before it recorded the set, the portable graphs)."""
 
     source: str
     real: bool
@@ -218,6 +220,7 @@ class QualityInfo:
     perplexity_graphs: float
     judged: str
     threshold: float | None = _omit()
+    graphs: str | None = _omit()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ Every graph of the set (prefill, decode, model) reads and writes the cache the s
   (``targets.onnx.states`` says why). A model without keys (Mamba2) has no ``write_indices``.
 
 The buffers' bytes follow from the config alone (``cache_bytes``), and so does what the export
-needs for them (``refuse_oversized``, before the trace): the buffers at ``--max-batch`` (what a
+needs for them (``oversized_reasons``, before the trace): the buffers at ``--max-batch`` (what a
 runtime serving the graphs allocates), and parity's peak, ``PARITY_PEAK`` times the buffers of the
 rows parity runs at once. Either past half this machine's memory is refused in one line, not met by
 an allocator's failure after the trace.
@@ -60,14 +60,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.errors import ExportError
 from kiln.exporter.contract.io import BATCH, GraphIO, GraphKind, TensorSpec, graph_io
 from kiln.exporter.contract.limits import MIN_CONTEXT
 from kiln.plugins.base import DecoderSpec
 from kiln.plugins.cache_layout import Span
 
 __all__ = [
-    "WRITE_INDICES", "CacheBuffers", "cache_bytes", "machine_memory", "PARITY_PEAK", "refuse_oversized", "static_io",
+    "WRITE_INDICES", "CacheBuffers", "cache_bytes", "machine_memory", "PARITY_PEAK", "oversized_reasons", "static_io",
     "static_feeds", "portable_outputs",
 ]  # fmt: skip
 
@@ -169,13 +168,15 @@ def machine_memory() -> int:
     return memory
 
 
-def refuse_oversized(spec: DecoderSpec, *, max_batch: int, parity_rows: int, max_context: int, kv_dtype: str) -> None:
-    """Refuse, before anything is traced, a static cache that does not fit this machine: its
+def oversized_reasons(
+    spec: DecoderSpec, *, max_batch: int, parity_rows: int, max_context: int, kv_dtype: str
+) -> list[str]:
+    """Why a static cache does not fit this machine (asked before anything is traced): its
     buffers at ``max_batch`` rows, or parity's peak at its ``parity_rows`` rows (``PARITY_PEAK`` times
     their buffers), past half this machine's memory (module docstring). The figures are the config's."""
     limit, row = machine_memory() // 2, cache_bytes(spec, batch=1, max_context=max_context, kv_dtype=kv_dtype)
     if not row:
-        return  # no key/value buffer: a state-space model's recurrent state is of fixed size
+        return []  # no key/value buffer: a state-space model's recurrent state is of fixed size
     fits = max(
         MIN_CONTEXT, max_context * limit // (max(max_batch, PARITY_PEAK * parity_rows) * row)
     )  # the longest that passes both
@@ -185,18 +186,19 @@ def refuse_oversized(spec: DecoderSpec, *, max_batch: int, parity_rows: int, max
         f" x {np.dtype(kv_dtype).itemsize} bytes ({kv_dtype})"
     )
     if (need := max_batch * row) > limit:
-        raise ExportError(
+        return [
             f"--max-context {max_context}: the static KV cache of --target onnx takes {max_batch} rows "
             f"(--max-batch) x {figures}"
             f" = {need} bytes ({need / 2**30:.1f} GiB), {machine}; pass --max-context {fits} or less, or a "
             "smaller --max-batch"
-        )
+        ]
     if (need := PARITY_PEAK * parity_rows * row) > limit:
-        raise ExportError(
+        return [
             f"--max-context {max_context}: the export's parity runs the static KV cache of --target onnx at "
             f"{parity_rows} row{'s' if parity_rows != 1 else ''} of"
             f" {figures} = {row} bytes each, and needs about {PARITY_PEAK}x those buffers (ONNX Runtime's copies "
             "of them and its"
             f" attention over every slot, measured) = {need} bytes ({need / 2**30:.1f} GiB), {machine}; pass "
             f"--max-context {fits} or less"
-        )
+        ]
+    return []

@@ -11,7 +11,9 @@ from 10.14; ``IKVCacheUpdateLayer``, the layer a static cache is written by, and
 ``ICudaEngine.get_aliased_input_tensor`` exist from 10.15: NVIDIA/TensorRT ``release/10.15``
 ``python/src/infer/pyGraph.cpp`` and ``pyCore.cpp``). ``--graphs auto`` takes them where the export
 has them and TensorRT is new enough, else the portable graphs, which every TensorRT kiln builds
-with parses; ``--graphs onnx`` is refused by name where either is missing.
+with parses; ``--graphs onnx`` is refused by name where either is missing. The target and the
+version are the target's declaration (``Target.engines``: ``targets.onnx.target.ENGINES``), asked of
+the registry (``targets.engine_target``).
 Pure: no TensorRT import (the version is passed in), so it is unit-tested.
 """
 
@@ -22,14 +24,13 @@ import dataclasses
 from kiln.errors import ConfigError, EngineError
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.engine.options import GraphSet
+from kiln.exporter.targets import engine_target
 
 __all__ = ["ONNX_TARGET", "ONNX_MIN_VERSION", "GraphChoice", "has_onnx_graphs", "require_onnx_graphs", "choose_graphs"]
 
-ONNX_TARGET = "onnx"  # the manifest's targets.<name> of the --target onnx graphs
-ONNX_MIN_VERSION = (10, 15)  # TensorScatter, RotaryEmbedding, RMSNormalization parsed; IKVCacheUpdateLayer
-_NEED = (
-    "TensorRT 10.15 or newer (the first whose ONNX parser imports TensorScatter, RotaryEmbedding and RMSNormalization)"
-)
+ONNX_TARGET = GraphSet.ONNX.value  # the manifest's targets.<name> of the --target onnx graphs
+ONNX_MIN_VERSION = engine_target()[1].min_tensorrt  # TensorScatter, RotaryEmbedding, RMSNormalization parsed
+_NEED = engine_target()[1].needs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,8 @@ def choose_graphs(manifest: Manifest, requested: GraphSet, version: tuple[int, .
     if not new_enough:
         return GraphChoice(
             GraphSet.PORTABLE,
-            f"TensorRT {found} is older than 10.15, the first whose ONNX parser imports the --target onnx "
-            "graphs' TensorScatter, RotaryEmbedding and RMSNormalization",
+            f"TensorRT {found} is older than {_dotted(ONNX_MIN_VERSION)}, the first whose ONNX parser imports the "
+            "--target onnx graphs' TensorScatter, RotaryEmbedding and RMSNormalization",
         )
-    return GraphChoice(GraphSet.ONNX, f"the export has --target onnx graphs and TensorRT {found} parses them (10.15+)")
+    parsed = f"the export has --target onnx graphs and TensorRT {found} parses them ({_dotted(ONNX_MIN_VERSION)}+)"
+    return GraphChoice(GraphSet.ONNX, parsed)

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from kiln.errors import ConfigError
+from kiln.exporter.targets import engine_target
 
 __all__ = ["HardwareCompat", "GraphSet", "BuildOptions", "parse_size", "MIB", "GIB", "MAX_OPT_LEVEL"]
 
@@ -30,7 +31,9 @@ class GraphSet(str, enum.Enum):
 
     AUTO = "auto"  # the --target onnx graphs where the export has them and TensorRT is 10.15+, else the portable ones
     PORTABLE = "portable"  # onnx/{prefill,decode}.onnx: any TensorRT kiln builds with (10.12+)
-    ONNX = "onnx"  # onnx/{prefill,decode}.std.onnx (manifest targets.onnx): TensorRT 10.15+
+    # onnx/{prefill,decode}.std.onnx (manifest targets.onnx): the graphs of the target that declares engines
+    # (``Target.engines``), spelt by its name (--graphs onnx); TensorRT 10.15+
+    ONNX = engine_target()[0].name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +62,7 @@ class BuildOptions:
                 f"--hardware-compat must be one of none, ampere+, same-cc, found {self.hardware_compat!r}"
             )
         if not isinstance(self.graphs, GraphSet):
-            raise ConfigError(f"--graphs must be one of auto, portable, onnx, found {self.graphs!r}")
+            raise ConfigError(f"--graphs must be one of {', '.join(g.value for g in GraphSet)}, found {self.graphs!r}")
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -47,6 +47,7 @@ from kiln.errors import EngineError
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.contract.static_cache import portable_outputs, static_feeds
 from kiln.exporter.engine.build import check_in_place, load_tensorrt
+from kiln.exporter.engine.options import GraphSet
 from kiln.exporter.engine.runner import RecordedEngines, load_engines, output_names
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ class StaticTrtRunner(RecordedEngines, contextlib.AbstractContextManager["Static
     contract (module docstring); engines, contexts and buffers exist only while active."""
 
     name = "tensorrt (static cache)"
-    graph_set = "onnx"
+    graph_set = GraphSet.ONNX.value
 
     def __init__(
         self,

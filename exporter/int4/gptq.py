@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kiln.exporter.int4.numbers import clip_scales
+from kiln.exporter.runners.device import current
 
 __all__ = ["gptq", "gptq_factored", "inverse_factor", "InverseFactor", "CLIP_RATIOS", "PERCDAMP"]
 
@@ -49,11 +50,12 @@ class InverseFactor:
 
 def inverse_factor(hessian: np.ndarray, percdamp: float = PERCDAMP) -> InverseFactor:
     """``hessian [K, K]`` (any float type) -> its ``InverseFactor``; at most two ``[K, K]`` matrices
-    of ``NUMERICS`` exist at once (1.6 GB each at K = 14336 in float64)."""
-    h = torch.from_numpy(np.array(hessian, dtype=NUMERICS))  # a copy, damped in place
+    of ``NUMERICS`` exist at once (1.6 GB each at K = 14336 in float64), on parity's device
+    (``runners.device``: the GPU with ``--parity-device cuda``, where ``u`` stays)."""
+    h = _placed(torch.from_numpy(np.array(hessian, dtype=NUMERICS)))  # a copy, damped in place
     diag = h.diagonal()
-    dead = (diag == 0).numpy()
-    diag[torch.from_numpy(dead)] = 1.0
+    dead = _host(diag == 0)
+    diag[_placed(torch.from_numpy(dead))] = 1.0
     diag += percdamp * float(diag.mean())
     lower = torch.linalg.cholesky(h)
     del h, diag
@@ -76,8 +78,8 @@ def gptq_factored(
     k, n = weight.shape
     if k % block:
         raise ValueError(f"K={k} is not a multiple of the block size {block}")
-    w = torch.from_numpy(np.array(weight, dtype=NUMERICS))  # updated in place
-    w[torch.from_numpy(factor.dead)] = 0.0
+    w = torch.from_numpy(np.array(weight, dtype=NUMERICS)).to(factor.u.device)  # updated in place, on u's device
+    w[torch.from_numpy(factor.dead).to(w.device)] = 0.0
     u = factor.u.to(w.dtype)
     q = np.zeros((k, n), np.int8)
     scale = np.zeros((k // block, n), dtype=scale_dtype)
@@ -89,12 +91,23 @@ def gptq_factored(
         for i in range(i2 - i1):
             row = i1 + i
             if row % block == 0:  # a new block: its scale from the weights as updated so far
-                scale[row // block] = clip_scales(w1[i : i + block].numpy()[None], scale_dtype, CLIP_RATIOS)[0]
-            s = torch.from_numpy(scale[row // block].astype(NUMERICS))
+                scale[row // block] = clip_scales(_host(w1[i : i + block])[None], scale_dtype, CLIP_RATIOS)[0]
+            s = torch.from_numpy(scale[row // block].astype(NUMERICS)).to(w.device)
             qi = torch.clamp(torch.round(w1[i] / s), -8, 7)
-            q[row] = qi.numpy()
+            q[row] = _host(qi)
             e = (w1[i] - qi * s) / u[row, row]
             w1[i:].addr_(u[row, row:i2], e, alpha=-1.0)  # [i2 - row, N] rank-1 update in place
             err[i] = e
         w[i2:].addmm_(u[i1:i2, i2:].T, err, alpha=-1.0)
     return q, scale
+
+
+def _placed(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on parity's device (``runners.device``; on the CPU: itself)."""
+    device = current()
+    return tensor.to(device.name) if device.cuda else tensor
+
+
+def _host(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor`` as a CPU array (on the CPU: the tensor's own memory)."""
+    return tensor.numpy() if tensor.device.type == "cpu" else tensor.cpu().numpy()

@@ -35,6 +35,7 @@ from torch import nn
 from kiln.calibration.layers import Batch, Form, Stop, capture, decoder_layers, layer_feeds, replaced_forwards
 from kiln.errors import CalibrationError
 from kiln.exporter.progress import Progress
+from kiln.exporter.runners.device import current, on, resolve
 from kiln.exporter.runners.torch_runner import computes_in_fp32
 
 __all__ = ["ACCUMULATE", "HessianSums", "Quantize", "live_hessians", "owner_of", "quantize_layerwise"]
@@ -110,9 +111,10 @@ class HessianSums:
             )
         if leader == name:
             self._seen[id(x)] = (x, name)
-            flat = x.detach().reshape(-1, x.shape[-1]).to(ACCUMULATE)  # [rows, K]
+            # [rows, K], on parity's device (runners.device: the GPU's X^T X with --parity-device cuda)
+            flat = x.detach().reshape(-1, x.shape[-1]).to(device=current().name, dtype=ACCUMULATE)
             if name not in self._sums:
-                self._sums[name] = torch.zeros(flat.shape[1], flat.shape[1], dtype=ACCUMULATE)
+                self._sums[name] = torch.zeros(flat.shape[1], flat.shape[1], dtype=ACCUMULATE, device=flat.device)
                 _track(self._sums[name])
             self._sums[name].addmm_(flat.T, flat)
             self._rows[name] = self._rows.get(name, 0) + flat.shape[0]
@@ -126,11 +128,16 @@ class HessianSums:
         missing = sorted(set(self._owners) - set(self._group))
         if missing:
             raise CalibrationError(f"GPTQ: the calibration run never called the modules of {missing[:3]}")
-        arrays = {leader: total.mul_(2.0 / self._rows[leader]).numpy() for leader, total in self._sums.items()}
+        arrays = {leader: _host(total.mul_(2.0 / self._rows[leader])) for leader, total in self._sums.items()}
         for array in arrays.values():
             _track(array)
         self._sums.clear()
         return {name: arrays[self._group[name]] for name in self._owners}
+
+
+def _host(tensor: torch.Tensor) -> np.ndarray:
+    """A sum as a CPU array (on the CPU: the tensor's own memory)."""
+    return tensor.numpy() if tensor.device.type == "cpu" else tensor.cpu().numpy()
 
 
 def _owners(module: nn.Module, names: Collection[str]) -> dict[str, nn.Module]:
@@ -251,11 +258,27 @@ def quantize_layerwise(
     done: Collection[str],
     quantize: Quantize,
     progress: Progress,
+    device: str | None = None,
 ) -> None:
     """Quantize the weights ``todo`` (graph weight names) layer by layer over ``windows``: call
     ``quantize(name, H)`` for each, in layer order, and ``quantize(name, None)`` for each of
     ``done`` (quantized earlier: the layer computes with those numbers too). ``prefix`` is the
-    family's ``LayerPlan.prefix`` (None: no plan). Progress: one step per layer."""
+    family's ``LayerPlan.prefix`` (None: no plan). Progress: one step per layer. The Hessians and
+    solves run on ``device`` (``--parity-device``: ``runners.device``; None: the device set)."""
+    with on(resolve(device) if device is not None else current()):
+        _quantize_layerwise(module, prefix, n_layers, windows, todo, done, quantize, progress)
+
+
+def _quantize_layerwise(
+    module: nn.Module,
+    prefix: str | None,
+    n_layers: int,
+    windows: Sequence[np.ndarray],
+    todo: Collection[str],
+    done: Collection[str],
+    quantize: Quantize,
+    progress: Progress,
+) -> None:
     computes_in_fp32(module)
     layers = decoder_layers(module, prefix, n_layers)
     todo_at, done_at = _by_layer(todo, prefix, n_layers), _by_layer(done, prefix, n_layers)

@@ -247,7 +247,7 @@ def gptq_layerwise(context: PrecisionContext) -> tuple[Layerwise, dict[str, Any]
         samples=options.samples,
         window=min(WINDOW, reference.max_context),
     )
-    return gptq_over(reference, data.windows, progress), {
+    return gptq_over(reference, data.windows, progress, options.parity_device), {
         "source": data.source,
         "data_sha256": data.sha256,
         "windows": len(data.windows),
@@ -255,15 +255,20 @@ def gptq_layerwise(context: PrecisionContext) -> tuple[Layerwise, dict[str, Any]
     }
 
 
-def gptq_over(reference: Reference, windows: Sequence[np.ndarray], progress: Progress) -> Layerwise:
+def gptq_over(
+    reference: Reference, windows: Sequence[np.ndarray], progress: Progress, device: str | None = None
+) -> Layerwise:
     """GPTQ's layer-by-layer run of the reference module over the calibration ``windows``: the
-    export's (``gptq_layerwise``) and ``kiln check``'s, which runs it again (``int4.rerun``)."""
+    export's (``gptq_layerwise``) and ``kiln check``'s, which runs it again (``int4.rerun``). Its
+    Hessians and solves on ``device`` (``--parity-device``; None: the one set, ``runners.device``)."""
     from kiln.exporter.int4.hessians import quantize_layerwise
 
     prefix = reference.loaded.layers.prefix if reference.loaded.layers is not None else None
 
     def layerwise(todo: Collection[str], done: Collection[str], quantize: Quantize) -> None:
-        quantize_layerwise(reference.module, prefix, reference.spec.n_layers, windows, todo, done, quantize, progress)
+        quantize_layerwise(
+            reference.module, prefix, reference.spec.n_layers, windows, todo, done, quantize, progress, device
+        )
 
     return layerwise
 

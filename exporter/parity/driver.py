@@ -22,11 +22,12 @@ from kiln.exporter.parity.quality import QualityPlan, QualityResult, graph_quali
 from kiln.exporter.parity.quantized import Int4Weight, read_int4_weights, use_int4_weights
 from kiln.exporter.parity.results import ParityResult, TensorCheck
 from kiln.exporter.parity.scoring import score
-from kiln.exporter.parity.tensors import tensor_feeds, tensor_parity
+from kiln.exporter.parity.tensors import prompt_check, tensor_feeds, tensor_parity
 from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.runners import RecordingRunner, Runner, TorchRunner
 from kiln.exporter.runners.base import Feeds
+from kiln.exporter.runners.device import CPU, ParityDevice, on
 from kiln.plugins.base import DecoderSpec
 
 __all__ = ["Candidate", "ParitySettings", "QuantizedModel", "check_parity", "quantized_model", "parity_plan"]
@@ -53,6 +54,7 @@ class ParitySettings:
     tokens: int  # greedy steps (bounded by the context)
     last_logits_only: bool
     seed: int = 0
+    device: ParityDevice = CPU  # where PyTorch and ONNX Runtime run (``runners.device``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,14 +148,37 @@ def check_parity(
     graphs' int4 weights (or an int8/fp8 export's Q/DQ numbers: ``parity.qdq_check``), and every
     candidate with a ``quantized`` precision is also judged against it, at that precision's
     tolerances (``ParityResult.quantized``). With ``quality``, PyTorch's
-    log-probabilities on its text are kept with the recording, and the first candidate's prefill
-    is measured against them while its session is open (``ParityResult.quality``)."""
+    log-probabilities on its text are kept with the recording, and the prefill of the candidate
+    ``quality.target`` names (the first, the portable graphs, by default) is measured against them
+    while its session is open (``ParityResult.quality``). Everything
+    runs on ``settings.device`` (one note names it when it is not the CPU)."""
     progress = progress or NullProgress()
+    if settings.device.cuda:
+        progress.note("parity on cuda: PyTorch's reference on the GPU, the graphs on ONNX Runtime's CUDA provider")
+    with on(settings.device):
+        return _check_parity(
+            reference, spec, candidates, settings, release_reference, reload_reference, progress, quantized, quality
+        )
+
+
+def _check_parity(
+    reference: nn.Module,
+    spec: DecoderSpec,
+    candidates: Sequence[Candidate],
+    settings: ParitySettings,
+    release_reference: Callable[[], None] | None,
+    reload_reference: Callable[[], nn.Module] | None,
+    progress: Progress,
+    quantized: QuantizedModel | None,
+    quality: QualityPlan | None,
+) -> ParityResult:
+    """``check_parity`` on the device already set."""
     plan = _Plan.of(spec, settings)
     graphs = tuple(dict.fromkeys(kind for c in candidates for kind in c.graphs))
     runner = TorchRunner(reference, spec.n_layers, settings.last_logits_only)
     recorded = _record(runner, spec, graphs, plan, np.dtype(candidates[0].kv_dtype), progress)
     measure = _quality(reference, spec, quality, progress)
+    measured = _measured(candidates, quality)
     keep = (
         release_reference is None
         or reload_reference is None
@@ -166,8 +191,10 @@ def check_parity(
         held = None
         release_reference()
     ran = [
-        _run(recorded, spec, candidate, plan, progress, quantized is not None, measure if i == 0 else None)
-        for i, candidate in enumerate(candidates)
+        _run(
+            recorded, spec, candidate, plan, progress, quantized is not None, measure if candidate is measured else None
+        )
+        for candidate in candidates
     ]
     with progress.stage(
         f"parity: PyTorch scores the graphs' tokens ({'model kept in memory' if keep else 'model loaded again'})"
@@ -181,7 +208,8 @@ def check_parity(
         release_reference()  # the model the export loaded is not read again
     del module
     merged = _merged(ran, results, against, quantized)
-    merged.quality = ran[0].quality if quality is None or quality.note is None else quality.unmeasured()
+    measured_quality = next((r.quality for r in ran if r.quality is not None), None)
+    merged.quality = measured_quality if quality is None or quality.note is None else quality.unmeasured()
     return merged
 
 
@@ -214,7 +242,16 @@ def _quality(
         return None
     with progress.stage(f"parity: PyTorch on {quality.text.tokens} tokens of {quality.text.source} (quality)"):
         kept = reference_logprobs(TorchRunner(reference, spec.n_layers), spec, quality.text)
-    return lambda runner: graph_quality(runner, spec, quality.text, kept, quality.threshold)
+    return lambda runner: graph_quality(runner, spec, quality.text, kept, quality.threshold, quality.graphs)
+
+
+def _measured(candidates: Sequence[Candidate], quality: QualityPlan | None) -> Candidate | None:
+    """The candidate quality is measured on: the one ``quality.target`` names (None: the portable graphs, the first)."""
+    if quality is None:
+        return None
+    chosen = next((c for c in candidates if c.target == quality.target), None)
+    assert chosen is not None, f"quality is measured on graphs parity checks ({quality.graphs})"
+    return chosen
 
 
 def _merged(
@@ -250,12 +287,15 @@ def _record(
     kv_dtype: np.dtype,
     progress: Progress,
 ) -> RecordingRunner:
-    """PyTorch's outputs on each graph's tensor feeds (batch 2 and batch 1), recorded, then frozen."""
+    """PyTorch's outputs on each graph's tensor feeds (batch 2 and batch 1; the unified graph's from
+    an empty cache too: ``prompt_check``), recorded, then frozen."""
     recorder = RecordingRunner(runner)
     with progress.stage("parity: PyTorch reference tensors", total=len(graphs)) as bar:
         for kind in graphs:
             for single_row in (False, True):  # tensor_parity's two cases
                 recorder.run(kind, tensor_feeds(spec, kind, plan.seed, kv_dtype, recorder, single_row=single_row))
+                if kind is GraphKind.UNIFIED:  # its prompt call: prefill's outputs (unless --logits last)
+                    prompt_check(recorder, spec, plan.seed, kv_dtype, single_row=single_row)
             bar.advance()
     recorder.freeze()
     return recorder
@@ -279,7 +319,7 @@ class _Ran:
     tensors: list[TensorCheck]
     outputs: list[tuple[GraphKind, Feeds, Feeds]]
     runs: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]
-    quality: QualityResult | None = None  # the first candidate's, on the quality text
+    quality: QualityResult | None = None  # the measured candidate's (``QualityPlan.target``), on the quality text
 
 
 def _run(

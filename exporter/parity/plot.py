@@ -184,6 +184,6 @@ def _quality(result: ParityResult, ax: Axes) -> None:
     ax.set_title(
         f"quality, apart from the proof ({q.judged})\n{q.tokens} tokens of {q.source}\n"
         f"KL {q.kl:.3g} nats, perplexity {q.perplexity_checkpoint:.4g} (checkpoint) -> {q.perplexity_graphs:.4g} "
-        "(graphs)",
+        f"({q.graphs} graphs)",
         fontsize=8,
     )

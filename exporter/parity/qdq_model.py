@@ -95,7 +95,7 @@ def _dequantized(w: torch.Tensor, scale: np.ndarray, form: str, half: bool) -> t
     """``w [K, N]`` (float32) quantized per column with ``scale [N]`` and dequantized, as the
     graph's weight; with ``half`` (a float16 graph) dequantized with the float16 scale into float16
     (int8's codes were made with the float32 scale, which the fp16 pass rounded after)."""
-    s = torch.from_numpy(scale.astype(np.float32))
+    s = torch.from_numpy(scale.astype(np.float32)).to(w.device)  # on parity's device, as the weight
     if form == "int8":
         q = torch.clamp(torch.round(w / s), -128, 127)
     else:
@@ -142,9 +142,14 @@ class QdqReference:
                 )
             first = next(iter(per_kind.values()))
             sub, weight = _linear(module, name, first)
-            inputs = {k: _scalar(numbers.held(m.input)) for k, m in per_kind.items()}
+            # the scales on the weight's device (parity on CUDA: the GPU, where TorchRunner put the module)
+            inputs = {k: _scalar(numbers.held(m.input)).to(weight.device) for k, m in per_kind.items()}
             outputs = (
-                {k: _scalar(numbers.held(m.output)) for k, m in per_kind.items() if m.output is not None}
+                {
+                    k: _scalar(numbers.held(m.output)).to(weight.device)
+                    for k, m in per_kind.items()
+                    if m.output is not None
+                }
                 if first.output is not None
                 else None
             )

@@ -1,5 +1,7 @@
-"""Quantization quality: the exported portable graphs against the checkpoint's model on text,
-teacher-forced (``parity.quality_text``: real text, or random tokens that never judge).
+"""Quantization quality: the exported graphs that carry the export's quantization (the portable
+graphs, or a target's quantized graphs beside float portable ones: ``quality_gate.measured_graphs``)
+against the checkpoint's model on text, teacher-forced (``parity.quality_text``: real text, or
+random tokens that never judge).
 
 What parity's proof does not say: how much the quantization itself costs. Each chunk runs once
 through PyTorch (its log-probabilities kept: the reference phase, while the model is in memory,
@@ -33,12 +35,18 @@ __all__ = [
     "QualityResult",
     "graph_quality",
     "measures",
+    "quantized",
     "reference_logprobs",
     "threshold_for",
 ]
 
 # top-1 agreement on real text, at least, per low-bit kind (docs/parity.md: the demo's figures behind them)
 THRESHOLDS = {"int8": 0.9, "fp8": 0.9, "int4": 0.85}
+
+
+def quantized(precision: str) -> bool:
+    """Whether graphs of ``precision`` (``int4+fp16``...) are of a low-bit kind quality gates."""
+    return any(p in THRESHOLDS for p in precision.split("+"))
 
 
 def threshold_for(precision: str, gate: str) -> float | None:
@@ -98,6 +106,7 @@ class QualityResult:
     perplexity_graphs: float
     threshold: float | None = None
     note: str | None = None
+    graphs: str = "portable"  # the graph set measured: the portable graphs, or a target's (its name)
 
     @property
     def passed(self) -> bool:
@@ -113,13 +122,14 @@ class QualityResult:
         return "recorded: no real text" if not self.real else "recorded: not gated"
 
     def figures(self) -> str:
-        """``top-1 agreement 0.912, KL 0.031, perplexity 18.7 -> 19.2 over 1024 tokens``."""
+        """``top-1 agreement 0.912, KL 0.031, perplexity 18.7 (checkpoint) -> 19.2 (portable graphs) over 1024
+        tokens of SOURCE``."""
         if self.note is not None:
             return self.note
         return (
             f"top-1 agreement {self.agreement:.3f}, KL {self.kl:.3g}, perplexity "
             f"{self.perplexity_checkpoint:.4g} (checkpoint) -> "
-            f"{self.perplexity_graphs:.4g} (graphs) over {self.tokens} tokens of {self.source}"
+            f"{self.perplexity_graphs:.4g} ({self.graphs} graphs) over {self.tokens} tokens of {self.source}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,9 +137,14 @@ class QualityResult:
 
 
 def graph_quality(
-    runner: Runner, spec: DecoderSpec, text: QualityText, reference: Sequence[np.ndarray], threshold: float | None
+    runner: Runner,
+    spec: DecoderSpec,
+    text: QualityText,
+    reference: Sequence[np.ndarray],
+    threshold: float | None,
+    graphs: str = "portable",
 ) -> QualityResult:
-    """The graphs' prefill on every chunk against PyTorch's kept log-probabilities."""
+    """The graphs' prefill on every chunk against PyTorch's kept log-probabilities (``graphs``: their set's name)."""
     agree = kl = nll_ref = nll_graph = 0.0
     positions = predicted = 0
     for chunk, ref in zip(text.chunks, reference, strict=True):
@@ -144,19 +159,26 @@ def graph_quality(
         predicted += len(following)
     return QualityResult(
         text.source, text.real, text.tokens, agree / positions, max(0.0, kl / positions), math.exp(nll_ref / predicted),
-        math.exp(nll_graph / predicted), threshold if text.real else None,
+        math.exp(nll_graph / predicted), threshold if text.real else None, graphs=graphs,
     )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class QualityPlan:
     """What ``check_parity`` measures quality on, and the agreement that gates it; ``note``: why
-    it is not measured on this export (``measures``)."""
+    it is not measured on this export (``measures``); ``target``: the graph set measured, a
+    target's name (None: the portable graphs)."""
 
     text: QualityText
     threshold: float | None
     note: str | None = None
+    target: str | None = None
+
+    @property
+    def graphs(self) -> str:
+        """The measured graph set's name in the reports: ``portable`` or the target's."""
+        return self.target or "portable"
 
     def unmeasured(self) -> QualityResult:
         assert self.note is not None, "only an export quality is not measured on"
-        return QualityResult(self.text.source, self.text.real, 0, 0.0, 0.0, 0.0, 0.0, None, self.note)
+        return QualityResult(self.text.source, self.text.real, 0, 0.0, 0.0, 0.0, 0.0, None, self.note, self.graphs)

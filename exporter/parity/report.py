@@ -143,7 +143,7 @@ def _tensor_rows(sets: list[GraphSetParity]) -> list[str]:
         for t in s.tensors:
             top1 = f"{t.top1:.4f}" if t.top1 is not None else ""
             lines.append(
-                f"| {t.graph} | {t.batch} | {t.output} | {t.max_abs:.3g} | {_cells(t)} | {t.max_rel:.3g} | "
+                f"| {t.call} | {t.batch} | {t.output} | {t.max_abs:.3g} | {_cells(t)} | {t.max_rel:.3g} | "
                 f"{t.cosine:.8f} | {s.tolerance.min_cosine:g} | {top1} | {_yes(t.passed)} |"
             )
     return lines
@@ -192,15 +192,15 @@ def markdown(result: ParityResult, extras: Mapping[str, Any] | None = None) -> s
 
 
 def _quality_section(result: ParityResult) -> list[str]:
-    """Quality apart from the proof: the portable graphs against the checkpoint's model on text
-    (``parity.quality``), its figures and how they count."""
+    """Quality apart from the proof: the graphs it measured (the portable graphs, or a target's
+    quantized ones) against the checkpoint's model on text (``parity.quality``), its figures and how they count."""
     q = result.quality
     if q is None:
         return []
     head = [
         "# Quality: what the quantization costs",
         "",
-        f"The portable graphs against the checkpoint's model, teacher-forced on {q.source}: {q.judged}.",
+        f"The {q.graphs} graphs against the checkpoint's model, teacher-forced on {q.source}: {q.judged}.",
         "",
     ]
     if q.note is not None:

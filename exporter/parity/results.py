@@ -29,11 +29,17 @@ class TensorCheck:
     passed: bool
     target: str | None = None  # the graph set: None for the portable graphs (or engines), else the target's name
     batch: int = 2  # the feeds' batch: 2 (a left-padded row and a full one), or 1 (the full row alone)
+    empty_cache: bool = False  # the unified graph's prompt call from an empty cache (its other call has a past)
+
+    @property
+    def call(self) -> str:
+        """The graph and which call of it: ``model``, ``model (empty cache)``."""
+        return f"{self.graph}{' (empty cache)' if self.empty_cache else ''}"
 
     @property
     def label(self) -> str:
-        """``prefill:logits``, ``prefill (batch 1):logits``."""
-        return f"{self.graph}{' (batch 1)' if self.batch == 1 else ''}:{self.output}"
+        """``prefill:logits``, ``prefill (batch 1):logits``, ``model (empty cache) (batch 1):logits``."""
+        return f"{self.call}{' (batch 1)' if self.batch == 1 else ''}:{self.output}"
 
     @property
     def limit(self) -> float:
@@ -137,7 +143,8 @@ class ParityResult:
     targets: dict[str, TargetParity] = dataclasses.field(default_factory=dict)
     quantized: ParityResult | None = None
     agreement_gates: bool = True
-    # the portable graphs against the checkpoint's model on text (``parity.quality``): judged apart from ``passed``
+    # the quantized graphs (``QualityResult.graphs``) against the checkpoint's model on text (``parity.quality``):
+    # judged apart from ``passed``
     quality: QualityResult | None = None
 
     @property

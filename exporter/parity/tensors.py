@@ -7,13 +7,14 @@ import dataclasses
 import numpy as np
 
 from kiln.exporter.contract.io import ENCODER_FEATURES, ENCODER_MASK, ENCODER_STATES, GraphKind, carried_cache, is_cross
+from kiln.exporter.contract.steps import empty_past
 from kiln.exporter.parity.generation import encoder_states
 from kiln.exporter.parity.results import TensorCheck
 from kiln.exporter.parity.tolerances import Bound, Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["compare_outputs", "real_positions", "tensor_feeds", "tensor_parity"]
+__all__ = ["compare_outputs", "empty_cache", "prompt_check", "real_positions", "tensor_feeds", "tensor_parity"]
 
 
 def _compare(
@@ -169,11 +170,40 @@ def tensor_parity(
     checks: list[TensorCheck] = []
     for kind in candidate.graphs():
         feeds = tensor_feeds(spec, kind, seed, kv_dtype, reference, single_row=single_row)
-        got = candidate.run(kind, feeds)
-        if keep is not None:
-            keep.append((kind, feeds, got))
-        checks += compare_outputs(kind, feeds, reference.run(kind, feeds), got, tolerance)
+        calls = [(feeds, reference.run(kind, feeds))]
+        if kind is GraphKind.UNIFIED:  # and its prompt call from an empty cache, as prefill's
+            calls.append(prompt_check(reference, spec, seed, kv_dtype, single_row=single_row))
+        for fed, want in calls:
+            got = candidate.run(kind, fed)
+            if keep is not None:
+                keep.append((kind, fed, got))
+            checks += compare_outputs(kind, fed, want, got, tolerance)
     return checks
+
+
+def prompt_check(
+    reference: Runner, spec: DecoderSpec, seed: int, kv_dtype: np.dtype, *, single_row: bool
+) -> tuple[Feeds, Feeds]:
+    """The unified graph's feeds from an empty cache (prefill's tensor feeds, with an empty past
+    and, for a cross-attention decoder, the reference's cross cache of them) and the reference's
+    outputs there: prefill's own (already recorded) where they hold every position's logits, as
+    prefill from an empty cache computes what the unified graph does; else one unified forward."""
+    prefill = tensor_feeds(spec, GraphKind.PREFILL, seed, kv_dtype, reference, single_row=single_row)
+    want = reference.run(GraphKind.PREFILL, prefill)
+    cross = {
+        past: np.asarray(want[present]).astype(kv_dtype) for past, present in carried_cache(spec) if is_cross(past)
+    }
+    batch = len(prefill["input_ids"])
+    feeds = {k: v for k, v in prefill.items() if k != ENCODER_STATES} | empty_past(spec, batch, kv_dtype) | cross
+    if want["logits"].shape[1] == prefill["input_ids"].shape[1]:  # not --logits last
+        return feeds, {name: value for name, value in want.items() if not is_cross(name)}  # (only prefill returns it)
+    return feeds, reference.run(GraphKind.UNIFIED, feeds)
+
+
+def empty_cache(kind: GraphKind, feeds: Feeds) -> bool:
+    """Whether ``feeds`` are the unified graph's prompt call (its attention mask no longer than its
+    input: no past), which its checks name apart (``TensorCheck.empty_cache``)."""
+    return kind is GraphKind.UNIFIED and feeds["attention_mask"].shape[1] == feeds["input_ids"].shape[1]
 
 
 def compare_outputs(kind: GraphKind, feeds: Feeds, want: Feeds, got: Feeds, tolerance: Tolerance) -> list[TensorCheck]:
@@ -183,5 +213,6 @@ def compare_outputs(kind: GraphKind, feeds: Feeds, want: Feeds, got: Feeds, tole
         # (a speech encoder's graph has no mask: its output is all real)
         real = real_positions(name, feeds["attention_mask"], value.shape) if "attention_mask" in feeds else None
         check = _compare(kind.value, name, value, got[name], tolerance.bound(name), tolerance.min_cosine, real)
-        checks.append(dataclasses.replace(check, batch=len(value)))  # every output's first axis is the batch
+        # every output's first axis is the batch
+        checks.append(dataclasses.replace(check, batch=len(value), empty_cache=empty_cache(kind, feeds)))
     return checks

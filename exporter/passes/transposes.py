@@ -24,7 +24,7 @@ __all__ = ["FoldWeightTransposes", "TRANSPOSE", "TRANSPOSED"]
 
 TRANSPOSED = "val_transposed."  # a made-up constant's prefix: the weights writer names it after its reader
 TRANSPOSE = Transform(
-    "T", lambda w: w.t(), lambda shape: (shape[1], shape[0])
+    "T", lambda w: w.t(), lambda shape: (shape[1], shape[0]), slices="view"
 )  # a view: made contiguous once, at the end
 
 

@@ -5,6 +5,10 @@ the same or a different initializer name, e.g. a transposed Linear weight that t
 folded into ``val_N``). Tensors are deduplicated by content (dtype, shape and bytes): each
 distinct tensor is written once and every graph's initializer points at its offset. Nothing is
 embedded in a protobuf above a small threshold, so graphs over 2 GB of weights work the same way.
+The file is streamed (``weights_stream``): a module weight is converted and
+written a chunk at a time, the write overlapping the next conversion; a module weight already
+written (same module tensor, same recipe) is not read again, and content is matched by a
+fingerprint confirmed byte for byte.
 
 Naming, by the writer's ``rename``:
 
@@ -20,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +32,7 @@ import onnx_ir as ir
 
 from kiln.errors import ExportError
 from kiln.exporter.passes.bind import ModuleWeight
+from kiln.exporter.passes.weights_stream import HASH_ALL_BYTES, ChunkFile, Fingerprint, tensor_chunks
 
 __all__ = ["WEIGHTS_FILE", "SharedWeights", "WeightsWriter", "ExternalizeWeights"]
 
@@ -60,12 +64,13 @@ class WeightsWriter(contextlib.AbstractContextManager["WeightsWriter"]):
         self.path = path
         self._rename = rename
         self._inline_limit = inline_limit
-        self._by_content: dict[bytes, _Stored] = {}
-        self._by_name: dict[str, bytes] = {}  # rename=False: the content each name was stored with
-        self._recipes: dict[str, bytes] = {}  # a lazy module weight's recipe -> its content key
+        self._by_content: dict[bytes, list[_Stored]] = {}  # fingerprint -> the contents stored under it
+        self._by_name: dict[str, _Stored] = {}  # rename=False: the content each name was stored with
+        self._computed: dict[tuple[object, ...], _Stored] = {}  # a module weight's identity -> its content
         self._taken: set[str] = set()
         self._references = 0
-        self._file = open(path, "wb")  # noqa: SIM115 (closed in close()/__exit__)
+        self._end = 0  # the file's size once the queued writes are done
+        self._file = ChunkFile(path)  # closed in close()/__exit__
 
     def pending(self, model: ir.Model) -> list[ir.Value]:
         """``model``'s initializers that ``externalize`` moves into the file."""
@@ -108,31 +113,68 @@ class WeightsWriter(contextlib.AbstractContextManager["WeightsWriter"]):
             self._references += 1
 
     def _store(self, value: ir.Value, tensor: ir.TensorProtocol) -> _Stored:
-        recipe = tensor.key if isinstance(tensor, ModuleWeight) else None
-        if recipe is not None and recipe in self._recipes:  # written before, from another graph: not read again
-            return self._known(value, self._recipes[recipe])
-        data = _payload(tensor)
-        digest = hashlib.sha256(f"{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(data)
-        key = digest.digest()
-        if recipe is not None:
-            self._recipes[recipe] = key
-        if key not in self._by_content:
-            offset = self._file.tell()
-            pad = -offset % _ALIGN
-            self._file.write(b"\0" * pad)
-            self._file.write(data)
-            self._by_content[key] = _Stored(
-                offset + pad, data.nbytes, self._canonical(_readable_name(value)) if self._rename else value.name or ""
-            )
-        return self._known(value, key)
+        identity = tensor.identity if isinstance(tensor, ModuleWeight) else None
+        if identity is not None and identity in self._computed:  # written before (another graph, a tied name)
+            return self._known(value, self._computed[identity])
+        if isinstance(tensor, ModuleWeight) and tensor.nbytes > HASH_ALL_BYTES:
+            stored = self._stream(value, tensor)
+        else:
+            stored = self._put(value, tensor)
+        if identity is not None:
+            self._computed[identity] = stored
+        return self._known(value, stored)
 
-    def _known(self, value: ir.Value, key: bytes) -> _Stored:
-        """The stored tensor of ``key``, checking that a name kept (rename=False) always holds one content."""
+    def _put(self, value: ir.Value, tensor: ir.TensorProtocol) -> _Stored:
+        """A tensor whose bytes are in memory: stored content it equals, or written now."""
+        data = _payload(tensor)
+        fingerprint = Fingerprint(tensor)
+        fingerprint.update(data)
+        key = fingerprint.key()
+        for stored in self._by_content.get(key, []):
+            if fingerprint.exact or self._file.holds(stored.offset, data):
+                return stored
+        offset = self._pad()
+        self._file.write(offset, data)
+        self._end = offset + data.nbytes
+        return self._new(key, offset, data.nbytes, value)
+
+    def _stream(self, value: ir.Value, tensor: ModuleWeight) -> _Stored:
+        """A large module weight, computed and written a chunk at a time; if its content was stored
+        before (confirmed byte for byte), the file is cut back and the earlier one is used."""
+        start = self._end
+        offset = self._pad()
+        fingerprint, end = Fingerprint(tensor), offset
+        for chunk in tensor_chunks(tensor):
+            fingerprint.update(chunk)
+            self._file.write(end, chunk)
+            end += chunk.nbytes
+        key = fingerprint.key()
+        for stored in self._by_content.get(key, []):
+            if self._file.same(stored.offset, offset, end - offset):
+                self._file.truncate(start)
+                self._end = start
+                return stored
+        self._end = end
+        return self._new(key, offset, end - offset, value)
+
+    def _pad(self) -> int:
+        """The next tensor's offset: the file's end, padded with zeros to ``_ALIGN``."""
+        pad = -self._end % _ALIGN
+        if pad:
+            self._file.write(self._end, memoryview(b"\0" * pad))
+        return self._end + pad
+
+    def _new(self, key: bytes, offset: int, length: int, value: ir.Value) -> _Stored:
+        stored = _Stored(offset, length, self._canonical(_readable_name(value)) if self._rename else value.name or "")
+        self._by_content.setdefault(key, []).append(stored)
+        return stored
+
+    def _known(self, value: ir.Value, stored: _Stored) -> _Stored:
+        """``stored``, checking that a name kept (rename=False) always holds one content."""
         name = value.name or ""
-        if not self._rename and self._by_name.setdefault(name, key) != key:
+        if not self._rename and self._by_name.setdefault(name, stored) != stored:
             raise ExportError(f"tensor {name} differs between graphs; cannot share {self.path.name}")
-        return self._by_content[key]
+        return stored
 
     def _canonical(self, first: str) -> str:
         name, k = f"weights/{first}", 1
@@ -142,13 +184,12 @@ class WeightsWriter(contextlib.AbstractContextManager["WeightsWriter"]):
         return name
 
     def close(self) -> SharedWeights:
-        size = self._file.tell()
         self._file.close()
-        return SharedWeights(self.path, len(self._by_content), size, self._references)
+        tensors = sum(len(stored) for stored in self._by_content.values())
+        return SharedWeights(self.path, tensors, self._end, self._references)
 
     def __exit__(self, *exc: object) -> None:
-        if not self._file.closed:
-            self._file.close()
+        self._file.close(check=False)
 
 
 class ExternalizeWeights(ir.passes.InPlacePass):

@@ -82,42 +82,35 @@ def _drop_cast_round_trips(graph: ir.Graph) -> int:
 def _to_fp16(values: torch.Tensor) -> torch.Tensor:
     """float -> float16 without changing sign or finiteness (ONNX Runtime's rule): magnitudes
     below fp16's smallest subnormal become it, finite magnitudes above its max become the max.
-    The plain cast into a new contiguous tensor; two reductions say whether either fix applies
-    (an underflow is common: a few in a million normal weights), and then only the positions the
-    cast made zero or infinite are looked at, a slice of rows at a time (no full-size mask)."""
+    The plain cast into a new contiguous tensor; then, a slice at a time (no full-size mask), the
+    positions the cast made ±0 or ±inf are found from the bits, and of those only the ones whose
+    source is finite and non-zero are fixed (an underflow is common: a few in a million normal
+    weights; a reduction pass to detect one costs as much as finding it)."""
+    if values.dim() == 0:
+        return _to_fp16(values.reshape(1)).reshape(())
     half = torch.empty(values.shape, dtype=torch.float16).copy_(values)
-    if half.numel() == 0:
-        return half
-    lo, hi = torch.aminmax(half)
-    overflow = not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)))  # an inf (or NaN): look closer
-    underflow = int(torch.count_nonzero(half)) != int(torch.count_nonzero(values))  # a non-zero became zero
-    if overflow or underflow:
-        shape = half.shape
-        if half.dim() == 0:
-            half, values = half.reshape(1), values.reshape(1)
-        rows = max(1, _SLICE // max(1, half[0].numel()))
-        for start in range(0, half.shape[0], rows):
-            part, source = half[start : start + rows], values[start : start + rows]
-            if underflow:
-                _replace(part, source, part == 0, FP16_TINY)
-            if overflow:
-                _replace(part, source, torch.isinf(part), FP16_MAX)
-        return half.reshape(shape)
+    bits = half.view(torch.int16).numpy().reshape(-1)
+    found = [start + _zero_or_inf(bits[start : start + _SLICE]) for start in range(0, bits.size, _SLICE)]
+    where = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+    if where.size:
+        index = tuple(torch.from_numpy(i) for i in np.unravel_index(where, tuple(half.shape)))
+        source = values[index].float()
+        fix = (source != 0) & torch.isfinite(source)
+        magnitude = torch.where(half[index] == 0, FP16_TINY, FP16_MAX)
+        half[tuple(i[fix] for i in index)] = (torch.sign(source[fix]) * magnitude[fix]).to(torch.float16)
     return half
 
 
 _SLICE = 1 << 22  # elements whose mask exists at once
 
 
-def _replace(half: torch.Tensor, values: torch.Tensor, suspects: torch.Tensor, magnitude: float) -> None:
-    """Where ``suspects`` and the source is finite and non-zero: ``±magnitude`` (in place)."""
-    where = suspects.nonzero(as_tuple=True)
-    source = values[where].float()
-    fix = (source != 0) & torch.isfinite(source)
-    half[tuple(i[fix] for i in where)] = (torch.sign(source[fix]) * magnitude).to(torch.float16)
+def _zero_or_inf(bits: np.ndarray) -> np.ndarray:
+    """Positions of ±0 and ±inf among fp16 bit patterns."""
+    magnitude = bits & 0x7FFF
+    return np.flatnonzero((magnitude == 0) | (magnitude == 0x7C00))
 
 
-FP16 = Transform("fp16", _to_fp16, dtype=ir.DataType.FLOAT16)
+FP16 = Transform("fp16", _to_fp16, dtype=ir.DataType.FLOAT16, slices="values")  # each value alone
 
 
 def _fp16_tensor(tensor: ir.TensorProtocol) -> ir.TensorProtocol:

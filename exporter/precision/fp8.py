@@ -36,7 +36,7 @@ from kiln.exporter.passes.ir_utils import set_dtype
 from kiln.exporter.passes.names import module_of
 from kiln.exporter.passes.reports import Report
 from kiln.exporter.precision.int8 import DEFAULT_INT8_FLOAT, int8_targets
-from kiln.exporter.precision.kinds.base import Prepared
+from kiln.exporter.precision.kinds.base import Prepared, kind_options
 from kiln.exporter.precision.lowbit_check import CheckLowBit
 from kiln.exporter.precision.policy import KeepFloat, rule_matches
 from kiln.exporter.precision.qdq_rules import MIN_FP8_OPSET
@@ -205,6 +205,7 @@ def prepare(kind: Fp8, context: PrecisionContext) -> Prepared:
         context.ranges,
         context.options.calib_method,
         QdqSink("fp8"),
+        kind_options(kind),
     )
 
 
@@ -215,6 +216,7 @@ class _Fp8Prepared(Prepared):
     ranges: Callable[[GraphKind, ir.Model], Ranges]
     method: str  # --calib-method
     qdq: QdqSink  # each graph's scales as kiln made them: parity's Q/DQ proof (``pipeline``)
+    options: dict[str, Any]  # the kind's own (``kind_options``): kiln check makes it again with them (``qdq_rerun``)
 
     def passes(self, kind: GraphKind) -> list[ir.passes.PassBase]:
         ranges = self.ranges
@@ -236,5 +238,6 @@ class _Fp8Prepared(Prepared):
                 "format": _FORMAT,
                 "method": self.method,
                 "kept_float": {"rules": list(self.policy.keep_float), "nodes": {}},
+                "options": self.options,
             }
         }

@@ -27,7 +27,7 @@ import onnx_ir as ir
 from kiln.errors import ExportError
 from kiln.exporter.passes.gemm import plain_gemms_as_matmuls
 from kiln.exporter.passes.reports import Report
-from kiln.exporter.precision.kinds.base import Prepared
+from kiln.exporter.precision.kinds.base import Prepared, kind_options
 from kiln.exporter.precision.policy import KeepFloat, rule_matches
 from kiln.exporter.precision.qdq_rules import MIN_INT8_OPSET, check_qdq
 from kiln.exporter.precision.qdq_scales import QdqSink, int8_numbers
@@ -178,6 +178,12 @@ class QuantizeInt8(ir.passes.FunctionalPass):
         return {"nodes": list(self.quantized)} if self._ran else None
 
 
+_FORMAT = (
+    "int8 Q/DQ (ONNX Runtime's QDQQuantizer): weights int8 per output channel (DequantizeLinear axis 1), "
+    "activations per tensor on a quantized MatMul's input and output, symmetric, float32 scales"
+)
+
+
 def prepare(kind: Int8, context: PrecisionContext) -> Prepared:
     """The int8 kind's machinery (``kinds.int8``): its policy, and each graph's pass on that
     graph's calibrated ranges."""
@@ -186,6 +192,8 @@ def prepare(kind: Int8, context: PrecisionContext) -> Prepared:
         Int8Policy(() if kind.all_matmuls else DEFAULT_INT8_FLOAT + INT8_EXPERTS_FLOAT + kind.float_rules),
         context.ranges,
         QdqSink("int8"),
+        context.options.calib_method,
+        kind_options(kind),
     )
 
 
@@ -194,6 +202,8 @@ class _Int8Prepared(Prepared):
     policy: KeepFloat
     ranges: Callable[[GraphKind, ir.Model], Ranges]
     qdq: QdqSink  # each graph's scales as kiln made them: parity's Q/DQ proof (``pipeline``)
+    method: str  # --calib-method
+    options: dict[str, Any]  # the kind's own (``kind_options``): kiln check makes it again with them (``qdq_rerun``)
 
     def passes(self, kind: GraphKind) -> list[ir.passes.PassBase]:
         ranges = self.ranges
@@ -202,6 +212,16 @@ class _Int8Prepared(Prepared):
                 lambda model: ranges(kind, model), self.policy, lambda numbers: self.qdq.keep(kind.value, numbers)
             )
         ]
+
+    def record(self, reports: GraphReports) -> dict[str, Any]:
+        return {
+            "quantization": {
+                "format": _FORMAT,
+                "method": self.method,
+                "kept_float": {"rules": list(self.policy.keep_float), "nodes": {}},
+                "options": self.options,
+            }
+        }
 
     def extras(self, reports: GraphReports) -> dict[str, Any]:
         return {"int8_nodes": {kind.value: r.get("int8", {}).get("nodes", []) for kind, r in reports.items()}}

@@ -1,4 +1,5 @@
-"""ONNX Runtime (CPU): the session factory every part of kiln uses, and the parity runner."""
+"""ONNX Runtime: the session factory every part of kiln uses (CPU; parity on CUDA: ``runners.device``), and the
+parity runner."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kiln.errors import ArtifactError
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.external_data import external_files
 from kiln.exporter.runners.base import Feeds
+from kiln.exporter.runners.device import current
 from kiln.exporter.runners.ort_memory import allocation_failure, memory_error
 
 __all__ = ["KEEP_OPEN_BYTES", "OrtRunner", "ort_session"]
@@ -27,6 +29,7 @@ def ort_session(
     fp16_weights_stay_fp16: bool = False,
     weight_only_dq: bool = False,
     qdq_as_written: bool = False,
+    providers: list[Any] | None = None,
 ) -> Any:
     """An ONNX Runtime CPU session over a graph file or serialized model: the one place kiln
     sets session options. ``threads`` pins intra-op threads (and inter-op to one);
@@ -53,7 +56,10 @@ def ort_session(
     uint8 activations, whose kernel on x86 CPUs without VNNI (AVX2) is not the graph's exact int8
     products (0.38 off a tiny model's logits, measured: it flips near-tied tokens of the demo's
     int8 export); ``session.disable_quant_qdq`` computes the Q/DQ as written, as TensorRT does.
-    Parity uses it for graphs that quantize activations (int8, fp8)."""
+    Parity uses it for graphs that quantize activations (int8, fp8).
+
+    ``providers``: ONNX Runtime's execution providers (default the CPU's alone); parity on CUDA
+    passes ``ParityDevice.providers`` (``runners.device``)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -74,10 +80,10 @@ def ort_session(
         opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
     if qdq_as_written:
         opts.add_session_config_entry("session.disable_quant_qdq", "1")
-    return _session(ort, model, opts)
+    return _session(ort, model, opts, providers or ["CPUExecutionProvider"])
 
 
-def _session(ort: Any, model: Path | bytes, opts: Any) -> Any:
+def _session(ort: Any, model: Path | bytes, opts: Any, providers: list[Any]) -> Any:
     """The session, or ONNX Runtime's refusal to load the graph in one line (a graph from a
     directory kiln verified may still be one it cannot run)."""
     from onnxruntime.capi import onnxruntime_pybind11_state as state
@@ -92,9 +98,7 @@ def _session(ort: Any, model: Path | bytes, opts: Any) -> Any:
         state.NotImplemented,
     )
     try:
-        return ort.InferenceSession(
-            str(model) if isinstance(model, Path) else model, opts, providers=["CPUExecutionProvider"]
-        )
+        return ort.InferenceSession(str(model) if isinstance(model, Path) else model, opts, providers=providers)
     except refusals as exc:
         what = model if isinstance(model, Path) else "a graph"
         if allocation_failure(exc):
@@ -113,7 +117,8 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
     int4 decode step of 4 rows: 3.3 s against 0.48 s). Graphs whose weights together fit
     ``KEEP_OPEN_BYTES`` keep their sessions open side by side instead (a small model's sessions
     cost more to reopen than to hold: the test suite's parity). Sessions exist only while the
-    runner is active."""
+    runner is active. Its sessions run on the parity device of its making (``runners.device``):
+    on CUDA, ONNX Runtime's CUDA provider (the CPU's for nodes it has no kernel of)."""
 
     name = "onnxruntime"
 
@@ -126,6 +131,7 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
         self._open: dict[GraphKind, Any] = {}  # the open graphs' polygraphy OnnxrtRunners (untyped)
         self._traits: dict[GraphKind, _GraphTraits] = {}  # read once per graph, not at every reopening
         self._active = False
+        self._device = current()
 
     @classmethod
     def opener(cls, paths: dict[GraphKind, Path], extra_feeds: Feeds | None = None) -> Callable[[], OrtRunner]:
@@ -168,9 +174,12 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
         session = ort_session(
             path,
             threads=self._threads,
-            fp16_weights_stay_fp16=traits.fp16_weights,
+            # the CPU provider's fp16 casts (``ort_session``): CUDA runs fp16 MatMuls on fp16 kernels,
+            # with the graph optimizations on
+            fp16_weights_stay_fp16=traits.fp16_weights and not self._device.cuda,
             weight_only_dq=True,
             qdq_as_written=traits.quantizes,
+            providers=self._device.providers,
         )
         runner = OnnxrtRunner(session, name=f"onnxruntime:{kind.value}")
         runner.activate()

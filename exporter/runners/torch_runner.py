@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -17,6 +18,7 @@ from kiln.exporter.contract.io import (
     cross_present_names,
 )
 from kiln.exporter.runners.base import Feeds
+from kiln.exporter.runners.device import current
 from kiln.exporter.trace.wrapper import EncoderModule, FeaturesEncoderModule, GraphModule
 
 __all__ = ["TorchRunner", "computes_in_fp32", "drop_fp32_buffers", "fp32_scratch"]
@@ -33,18 +35,20 @@ class Scratch:
     worth of fp32 weights per forward grows glibc's heap by GBs, or faults every page in again)."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self._free: dict[tuple[tuple[int, ...], torch.device], list[torch.Tensor]] = {}
 
     def lend(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.empty(tuple(tensor.shape)).copy_(tensor.detach())
+        return self.empty(tuple(tensor.shape), tensor.device).copy_(tensor.detach())
 
-    def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A buffer of ``shape`` to fill (uninitialised), given back like a lent one."""
-        free = self._free.get(shape)
-        return free.pop() if free else torch.empty(shape, dtype=torch.float32)
+    def empty(self, shape: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
+        """A buffer of ``shape`` to fill (uninitialised) on ``device`` (the CPU by default: parity
+        on CUDA lends on the GPU), given back like a lent one."""
+        device = device or torch.device("cpu")
+        free = self._free.get((shape, device))
+        return free.pop() if free else torch.empty(shape, dtype=torch.float32, device=device)
 
     def give_back(self, buffer: torch.Tensor) -> None:
-        self._free.setdefault(tuple(buffer.shape), []).append(buffer)
+        self._free.setdefault((tuple(buffer.shape), buffer.device), []).append(buffer)
 
     def clear(self) -> None:
         self._free.clear()
@@ -172,12 +176,16 @@ def _lend_during_calls(module: nn.Module, names: list[str], scratch: Scratch) ->
 
 
 class TorchRunner:
-    """The PyTorch model, called through the same flat contract the graphs were traced from."""
+    """The PyTorch model, called through the same flat contract the graphs were traced from, on
+    the parity device of its making (``runners.device.current``): on CUDA the module (in place)
+    and each run's inputs are moved to the GPU and its outputs come back as CPU numpy arrays."""
 
     name = "torch"
 
     def __init__(self, module: nn.Module, n_layers: int, last_logits_only: bool = False) -> None:
         self._module, self._n_layers, self._last = computes_in_fp32(module), n_layers, last_logits_only
+        self._cuda = current().cuda
+        self._placed()
         # the cache tensors' names: one tuple for every layer (keys and values, or Mamba2's conv and ssm),
         # or one tuple per layer (a hybrid's: key/value on its attention layers, conv/ssm on the others)
         names = tuple(getattr(module, "cache_names", ("key", "value")))
@@ -189,16 +197,28 @@ class TorchRunner:
     def graphs(self) -> tuple[GraphKind, ...]:
         return tuple(GraphKind)
 
+    def _placed(self) -> None:
+        """On CUDA, the module's parameters and buffers on the GPU (a no-op for those there already:
+        also those a parity stage attached after this runner was made, e.g. int4 codes)."""
+        if self._cuda:
+            self._module.to("cuda")
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        """A feed as a tensor on the runner's device (on the CPU: the array's own memory)."""
+        tensor = torch.from_numpy(array)
+        return tensor.to("cuda") if self._cuda else tensor
+
     @torch.no_grad()
     def run(self, kind: GraphKind, feeds: Feeds) -> Feeds:
+        self._placed()
         if kind is GraphKind.ENCODER and ENCODER_FEATURES in feeds:  # a speech encoder's (computes in fp32)
-            features = torch.from_numpy(feeds[ENCODER_FEATURES]).float()
-            return {ENCODER_STATES: FeaturesEncoderModule(self._module)(features).numpy()}
+            features = self._tensor(feeds[ENCODER_FEATURES]).float()
+            return {ENCODER_STATES: _numpy(FeaturesEncoderModule(self._module)(features))}
         if kind is GraphKind.ENCODER:
             states = EncoderModule(self._module)(
-                torch.from_numpy(feeds["input_ids"]), torch.from_numpy(feeds["attention_mask"])
+                self._tensor(feeds["input_ids"]), self._tensor(feeds["attention_mask"])
             )
-            return {ENCODER_STATES: states.numpy()}
+            return {ENCODER_STATES: _numpy(states)}
         # a cross-attention decoder shows itself by its inputs: encoder states or a cross cache
         cross = ENCODER_STATES in feeds or cross_past_names(0)[0] in feeds
         masked = ENCODER_MASK in feeds  # an encoder-decoder's
@@ -207,27 +227,32 @@ class TorchRunner:
                 self._module, kind, self._n_layers, self._last, cross, masked
             ).eval()
         wrapper = self._wrappers[kind, cross, masked]
-        ids, mask, pos = (torch.from_numpy(feeds[n]) for n in ("input_ids", "attention_mask", "position_ids"))
+        ids, mask, pos = (self._tensor(feeds[n]) for n in ("input_ids", "attention_mask", "position_ids"))
         # the reference computes in fp32 whatever the graphs' float I/O dtype
         extra: torch.Tensor | list[torch.Tensor] | None
         if kind is GraphKind.PREFILL:
-            extra = torch.from_numpy(feeds[ENCODER_STATES]).float() if cross else None
+            extra = self._tensor(feeds[ENCODER_STATES]).float() if cross else None
         else:
             names = [
                 n for i in range(self._n_layers) for n in (*self._own(PAST, i), *(cross_past_names(i) if cross else ()))
             ]
             # a shared_kv layout's last layers take no cache (plugins/cache_layout.py): the contract gives them no feed
-            extra = [torch.from_numpy(feeds[n]).float() for n in names if n in feeds]
+            extra = [self._tensor(feeds[n]).float() for n in names if n in feeds]
         outs = (
-            wrapper(ids, mask, pos, torch.from_numpy(feeds[ENCODER_MASK]), extra)
+            wrapper(ids, mask, pos, self._tensor(feeds[ENCODER_MASK]), extra)
             if masked
             else wrapper(ids, mask, pos, extra)
         )
         names = ["logits"]
         for i in range(self._n_layers):  # a shared_kv layout's last layers return none: cut below
             names += [*self._own(PRESENT, i), *(cross_present_names(i) if cross and kind is GraphKind.PREFILL else ())]
-        return {n: t.numpy() for n, t in zip(names[: len(outs)], outs, strict=True)}
+        return {n: _numpy(t) for n, t in zip(names[: len(outs)], outs, strict=True)}
 
     def _own(self, prefix: str, layer: int) -> tuple[str, ...]:
         """Layer ``layer``'s own cache tensors' names (``past_names``/``present_names`` for keys and values)."""
         return tuple(f"{prefix}.{layer}.{name}" for name in self._cache[layer])
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """An output as a CPU numpy array (on the CPU: the tensor's own memory, as before the device)."""
+    return tensor.numpy() if tensor.device.type == "cpu" else tensor.cpu().numpy()

@@ -16,9 +16,9 @@ from kiln.errors import ConfigError
 from kiln.registry import Registry
 
 if TYPE_CHECKING:
-    from kiln.exporter.targets.base import Target
+    from kiln.exporter.targets.base import EngineGraphs, Target
 
-__all__ = ["PORTABLE", "TARGETS", "names", "target", "targets"]
+__all__ = ["PORTABLE", "TARGETS", "engine_target", "names", "target", "targets"]
 
 PORTABLE = "portable"  # --target portable: the portable graphs only (every export has them)
 
@@ -56,3 +56,13 @@ def target(name: str) -> Target:
 def targets() -> list[Target]:
     """Every registered target, in registration order."""
     return TARGETS.all()
+
+
+def engine_target() -> tuple[Target, EngineGraphs]:
+    """The target whose graphs ``kiln build`` makes TensorRT engines of (the first that declares
+    ``engines``, ``targets.base``), with that declaration; none is one ``ConfigError``."""
+    for each in targets():
+        declared = getattr(each, "engines", None)
+        if declared is not None:
+            return each, declared
+    raise ConfigError("no registered target declares graphs kiln build makes TensorRT engines of (Target.engines)")

@@ -4,8 +4,7 @@ beside them (never replacing them) and says what parity, the manifest and a run 
 The pipeline iterates the registry (``exporter.targets``); a target is one folder behind this
 interface and one registration. The pipeline and parity reach a target only through the
 registry, and every other module asks a target what it is rather than testing its name
-(``tests/unit/test_code_shape.py``, whose allow-list says why the TensorRT engines, built from the
-onnx target's graphs, still name it). No target folder imports another's (the same test): what
+(``tests/unit/test_code_shape.py``). No target folder imports another's (the same test): what
 they share is ``exporter.patterns``. The interface:
 
 - ``reasons(spec, options)``: why it cannot build from the export's options (its own flags
@@ -20,7 +19,10 @@ they share is ``exporter.patterns``. The interface:
 - ``write(given)``: its graphs, from the portable ones, as ``TargetGraphs``: their paths, their
   precision, its weights file, per graph what its passes report (``passes.reports``), its own
   ``record`` and the ``CacheUpdate`` contract its decode step follows;
-- ``runner(paths, extra_feeds)``: how parity (and ``kiln check``) opens a runner over its graphs.
+- ``runner(paths, extra_feeds)``: how parity (and ``kiln check``) opens a runner over its graphs;
+- ``engines`` (optional, an ``EngineGraphs``): that ``kiln build --graphs NAME`` makes TensorRT
+  engines of its graphs (their static cache written in place) and the TensorRT that parses them;
+  the engine package asks the registry for it (``targets.engine_target``), never for a name.
 
 The manifest stores a ``TargetGraphs`` as a ``TargetEntry`` (``artifacts.manifest``), data the
 target owns; ``kiln generate`` and ``kiln bench`` read the graph files and ``kv_cache`` from it.
@@ -45,7 +47,15 @@ if TYPE_CHECKING:  # the registry is read by the CLI before anything heavy is im
     from kiln.exporter.runners.base import Feeds, Runner
     from kiln.plugins.base import DecoderSpec
 
-__all__ = ["Target", "TargetGiven", "TargetGraphs"]
+__all__ = ["EngineGraphs", "Target", "TargetGiven", "TargetGraphs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineGraphs:
+    """What ``kiln build`` needs of a target whose graphs it makes TensorRT engines of (``--graphs NAME``)."""
+
+    min_tensorrt: tuple[int, int]  # the first TensorRT whose ONNX parser imports every op they hold
+    needs: str  # that TensorRT, and why, in words (a refusal says it)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import CheckpointError
-from kiln.plugins.base import DecoderSpec, LoadedModel
+from kiln.plugins.base import DecoderSpec, LoadedModel, StaticStateProof
 from kiln.plugins.cache_layout import CacheLayout
 from kiln.plugins.files import checkpoint_dir, read_config
 from kiln.plugins.hf.archs import ALIASES, ARCHS
@@ -86,7 +86,10 @@ class HFFamily:
         """Each row of ``table``'s structure, as far as the export's refusals read it (no config
         is read: the sizes are placeholders), for ``kiln plugins`` to ask them what it takes;
         tests/unit/test_support.py checks it against the specs the tiny models' configs give."""
-        decoders = [_structure(name, window=a.window, chunked=a.chunked, cache=a.cache) for name, a in ARCHS.items()]
+        decoders = [
+            _structure(name, window=a.window, chunked=a.chunked, cache=a.cache, static_state=a.static_state)
+            for name, a in ARCHS.items()
+        ]
         return decoders + [_structure(name, encoder=True) for name in SEQ2SEQ]
 
 
@@ -108,11 +111,12 @@ def _structure(
     chunked: bool = False,
     cache: Callable[[Any], CacheLayout | None] | None = None,
     encoder: bool = False,
+    static_state: StaticStateProof | None = None,
 ) -> DecoderSpec:
     """A decoder of ``arch``: its config with a sliding_window field (unset) where its class has
     one, an attention_chunk_size field (unset) where it has chunked layers, its own cache layout
-    where it has one (of placeholder sizes), and an encoder-decoder's with cross-attention over
-    its own encoder's states."""
+    where it has one (of placeholder sizes) with what it declares of its state (``static_state``), and
+    an encoder-decoder's with cross-attention over its own encoder's states."""
     config = {
         "architecture": arch,
         **({"sliding_window": None} if window else {}),
@@ -121,7 +125,7 @@ def _structure(
     return DecoderSpec(
         family=HFFamily.name, n_layers=1, n_kv_heads=1, head_dim=64, vocab_size=1, max_context=None,
         encoder_dim=64 if encoder else None, has_encoder=encoder, config=config,
-        cache=cache(_PLACEHOLDER) if cache is not None else None,
+        cache=cache(_PLACEHOLDER) if cache is not None else None, static_state=static_state,
     )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kiln.errors import CheckpointError
+from kiln.plugins.base import StaticStateProof
 from kiln.plugins.cache_layout import CacheLayout
 
 __all__ = ["ALIASES", "ARCHS", "Arch", "Refusal", "TextDecoder"]
@@ -81,6 +82,9 @@ class Arch:
     ropes: tuple[str, ...] = ()
     # the attributes its config may vary by layer (transformers' per_layer_config), read per layer (its ``cache``)
     per_layer: tuple[str, ...] = ()
+    # its recurrent state in the --target onnx graphs: the precisions a test proves it at
+    # (tests/export/test_onnx_target_state.py), or why its trace cannot be (``DecoderSpec.static_state``)
+    static_state: StaticStateProof | None = None
 
 
 def _falcon_kv_heads(cfg: Any) -> int:
@@ -245,6 +249,15 @@ _LLAMA_PARTIAL = Refusal(
 # --target ort: the mixture-of-experts routings its MoE op does not match (their blocks keep the per-expert MatMuls)
 _TOPK_FIRST = "per-expert MatMuls (softmax over the top-k logits)"
 _SIGMOID = "per-expert MatMuls (sigmoid routing with a correction bias)"
+
+# --target onnx: a recurrent state a test proves at fp32 and fp16 (tests/export/test_onnx_target_state.py: parity,
+# and kiln generate's greedy tokens equal to transformers'); no low-bit weights on that target yet
+_STATIC_STATE = StaticStateProof(precisions=("fp32", "fp16"))
+# --target onnx: a trace whose op TensorRT's ONNX parser is not documented to take (onnx-tensorrt docs/operators.md)
+_INT32_CUMSUM = (
+    "its mixture-of-experts routing sums int32 expert counts with CumSum, and onnx-tensorrt documents CumSum for "
+    "FP32, FP16 and BF16 only"
+)
 
 ARCHS: Mapping[str, Arch] = {
     "LlamaForCausalLM": Arch(
@@ -648,6 +661,7 @@ ARCHS: Mapping[str, Arch] = {
         cache=_mamba2_state,
         heads="num_heads",
         layer_types=("linear_attention",),
+        static_state=_STATIC_STATE,
     ),
     # issue 43: Mamba v1's state (plugins/hf/tiny_mamba.py, mamba1_scan.py); no heads of its own: the
     # spec's one KV head of width 1 (heads = hidden_size) is unused, the cache layout gives the shapes
@@ -689,6 +703,7 @@ ARCHS: Mapping[str, Arch] = {
         ort=f"GQA; {_TOPK_FIRST}",
         cache=_mamba_hybrid_cache,
         layer_types=("linear_attention",),
+        static_state=StaticStateProof(unparsed=_INT32_CUMSUM),
     ),
     "BambaForCausalLM": Arch(
         "Bamba",
@@ -696,6 +711,7 @@ ARCHS: Mapping[str, Arch] = {
         "partial rotary",
         cache=_mamba_hybrid_cache,
         layer_types=("linear_attention",),
+        static_state=_STATIC_STATE,
     ),
     # issue 43: the two other Mamba2 hybrid layouts (plugins/hf/tiny_mamba_hybrids.py)
     "NemotronHForCausalLM": Arch(
@@ -748,6 +764,7 @@ ARCHS: Mapping[str, Arch] = {
         "between attention layers (rotary, q/k norm), SwiGLU with an auto-adjusted width",
         cache=_short_conv_cache,
         layer_types=("conv",),
+        static_state=_STATIC_STATE,
     ),
     "Lfm2MoeForCausalLM": Arch(
         "LFM2-MoE",

@@ -232,6 +232,7 @@ def read_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
         config=_manifest_config(cfg, arch),
         cache=a.cache(cfg) if a.cache is not None else None,
         keep_fp32=a.keep_fp32,
+        static_state=a.static_state,
     )
 
 

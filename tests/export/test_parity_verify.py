@@ -116,10 +116,12 @@ def test_pytorch_scores_every_row_in_one_forward(
     result = _parity(exported, [])
     assert result.passed, result.failures()
     # each graph's tensor feeds at batch 2 and 1 (decode's and model's past: PyTorch's prefill of other tokens, recorded
-    # once)
+    # once; model's prompt call from an empty cache is judged against prefill's recorded outputs: no call of its own)
     tensors = [("prefill", (2, 7)), ("prefill", (1, 7)), ("prefill", (2, 9)), ("decode", (2, 1)), ("decode", (1, 1))]
     tensors += [("prefill", (2, 6)), ("model", (2, 4)), ("model", (1, 4))]
     assert torch_calls == [*tensors, ("prefill", (4, LENGTH + STEPS - 1))], torch_calls
+    prompt = [(t.batch, t.output) for t in result.tensors if t.graph == "model" and t.empty_cache]
+    assert [batch for batch, output in prompt if output == "logits"] == [2, 1], prompt
     assert [g.steps for g in result.generation] == [STEPS] * 4 and all(
         g.token_match_rate == 1.0 for g in result.generation
     )

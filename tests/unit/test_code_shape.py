@@ -247,9 +247,6 @@ NAME_ALLOWED = {
     "exporter/artifacts/manifest.py": "'onnx' the Python package whose version the manifest records",
     "exporter/trace/cache.py": "'onnx' the Python package whose version keys the trace cache",
     "exporter/artifacts/manifest_v1.py": "manifest v1, a frozen format, held the ort target's graphs only",
-    "exporter/engine/graphs.py": "kiln build --graphs onnx: engines of the onnx target's graphs (TensorRT 10.15+)",
-    "exporter/engine/options.py": "GraphSet.ONNX, kiln build --graphs onnx's value: the onnx target's graphs",
-    "exporter/engine/static_runner.py": "the TensorRT runner of the onnx target's static-cache graphs",
     "exporter/parity/qdq_model.py": "the Q/DQ forms parity recomputes ('int8', 'fp8': their codes' types)",
     "exporter/parity/qdq_numbers.py": "the Q/DQ forms parity recomputes ('int8', 'fp8': their codes' types)",
     # parity's second reference named in its reports (written while this test was: Precision.weight_only would say it)

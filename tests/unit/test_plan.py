@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, ExportError
 from kiln.exporter.options import ExportOptions, Precision
-from kiln.exporter.plan import SEPARATOR, plan, reasons
+from kiln.exporter.plan import SEPARATOR, of_model, plan, reasons
 from kiln.exporter.precision.kinds import Fp16, Int8
 from kiln.exporter.targets import target
 from kiln.plugins.base import DecoderSpec, PLETables
@@ -87,3 +87,46 @@ def test_options_import_no_target_and_no_kind_but_the_precision_type() -> None:
     }
     assert not {m for m in imported if m.startswith("kiln.exporter.targets")}
     assert {m for m in imported if m.startswith("kiln.exporter.precision")} == {"kiln.exporter.precision.kinds.plan"}
+
+
+def test_a_model_s_round_reports_its_sizes_with_every_other_reason() -> None:
+    """The exported context and the static cache are refusals of the model's round (``of_model``):
+    reported with the structure's in one ``ConfigError``, alone in the export stage's error as before."""
+    options = ExportOptions(target="ort", triton="m", max_context=128)
+    with pytest.raises(ConfigError) as err:
+        of_model(plan(options), CROSS)
+    assert str(err.value).removeprefix("config: ").split(SEPARATOR) == [
+        "triton: cross-attention decoders are not supported yet (the ensemble would need encoder_hidden_states"
+        " and a cross cache that is written once); serve prefill.onnx and decode.onnx from your own host",
+        "--max-context 128 exceeds the model's max_context 64",
+    ]
+    with pytest.raises(ExportError, match=r"^export: --max-context 128 exceeds the model's max_context 64$"):
+        plan(ExportOptions(max_context=128), PLAIN, sized=True)
+    big = DecoderSpec(family="toy", n_layers=32, n_kv_heads=8, head_dim=128, vocab_size=32, max_context=2**24)
+    found = reasons(ExportOptions(target="onnx"), big, sized=True)
+    assert len(found) == 1 and found[0].startswith("--max-context 16777216: the static KV cache of --target onnx"), (
+        found
+    )
+    assert reasons(ExportOptions(), big, sized=True) == []  # the portable graphs' cache grows: nothing to size
+    assert plan(ExportOptions(max_context=128), PLAIN).max_context is None  # unsized: what the structure supports
+    planned = of_model(plan(ExportOptions(target="onnx", max_context=32)), PLAIN)
+    assert (planned.spec, planned.max_context, planned.targets) == (PLAIN, 32, (target("onnx"),))
+    assert of_model(plan(ExportOptions()), PLAIN).max_context == 64  # the model's own limit
+
+
+def test_a_kind_s_flags_without_the_kind_are_reported_with_the_options_reasons(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    flags = ["--fp16", "--int4-block", "64", "--target", "onnx", "--lora-slots", "4", "--out", str(tmp_path / "o")]
+    result = CliRunner().invoke(main, ["export", "--model", "demo", *flags])
+    assert result.exit_code == 1 and not (tmp_path / "o").exists(), result.output
+    assert result.output.strip().removeprefix("error: config: ").split(SEPARATOR) == [
+        "--int4-method and --int4-block only apply to --int4 exports",  # Precision.chosen's, given to the plan
+        "--lora-slots with --target onnx: slots are built on the portable graphs and --target ort only",
+    ], result.output
+    stray = ["--fp8-float only applies to --fp8 exports"]
+    with pytest.raises(ConfigError, match=r"^config: --fp8-float only applies to --fp8 exports \| --lora-slots with"):
+        plan(ExportOptions(target="onnx", lora_slots=4), given=stray)
+    assert plan(ExportOptions(), given=[]).options == ExportOptions()

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from kiln.cli import main
 from kiln.errors import ConfigError
 from kiln.exporter.options import ExportOptions
-from kiln.exporter.support import ALTERNATIVES, Cell, precisions, support, target_names
+from kiln.exporter.support import Cell, alternatives, precisions, support, target_names
 from kiln.listing import MIN_WIDTH, entry, fit
 from kiln.plugins import families
 from kiln.plugins.base import DecoderSpec
@@ -132,7 +132,7 @@ def _fields(precision: str, target: str, cell: Cell) -> dict[str, Any]:
 
     calib = "synthetic" if precision in ("int8", "fp8", "int4") else None
     fields: dict[str, Any] = {"precision": Precision.parse(precision), "target": target, "calib_data": calib}
-    for alternative in ALTERNATIVES:
+    for alternative in alternatives():
         if alternative.precision == precision and (cell.condition or "").startswith(alternative.condition):
             fields.update({**alternative.fields, "calib_data": None})  # --ort-int8 and --int4-method rtn read none
     return fields
@@ -252,8 +252,8 @@ def test_json_keeps_everything() -> None:
     why = "int8 exports are not supported for encoder-decoders yet: calibration runs decoder-only"
     assert bart["int8"]["portable"]["refusal"].startswith(why)
     assert hf["support"][0]["int4"]["ort"] == {"taken": True, "condition": None, "refusal": None}
-    assert hf["support"][0]["int8"]["ort"]["condition"] == ALTERNATIVES[0].condition
-    assert ALTERNATIVES[0].condition == "only as --ort-int8 (weight-only int8 MatMulNBits; --int8 is refused)"
+    assert hf["support"][0]["int8"]["ort"]["condition"] == alternatives()[0].condition
+    assert alternatives()[0].condition == "only as --ort-int8 (weight-only int8 MatMulNBits; --int8 is refused)"
     assert hf["legend"][0] == "p portable graphs, o --target ort, x --target onnx, - refused; a capital: only as below"
 
 

@@ -54,6 +54,8 @@ __all__ = [
     "RangesKind",
     "encoder_reason",
     "ranges_reasons",
+    "kind_options",
+    "with_kind_options",
 ]
 
 GraphReports = Mapping["GraphKind", Mapping[str, Any]]  # per graph, what its passes report (``passes.reports``)
@@ -224,3 +226,18 @@ def encoder_reason(spec: DecoderSpec, options: Asked) -> str | None:
         f"{options.precision.value} exports are not supported for encoder-decoders yet: calibration runs "
         "decoder-only prompts, with no encoder inputs; export --fp16, fp32 or --int4 --int4-method rtn"
     )
+
+
+def kind_options(kind: PrecisionKind) -> dict[str, Any]:
+    """A kind's own options (its fields: strings, numbers, booleans and tuples of them) as JSON
+    values: what the manifest records of a kind that ``kiln check`` makes again (``with_kind_options``)."""
+    return {f.name: list(v) if isinstance(v := getattr(kind, f.name), tuple) else v for f in dataclasses.fields(kind)}
+
+
+def with_kind_options(kind: PrecisionKind, recorded: Mapping[str, Any]) -> PrecisionKind | None:
+    """``kind`` with the options ``kind_options`` recorded (lists back to tuples); None where
+    ``recorded`` names an option it does not have (a manifest of another kiln)."""
+    fields = {f.name for f in dataclasses.fields(kind)}
+    if not set(recorded) <= fields:
+        return None
+    return dataclasses.replace(kind, **{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()})

@@ -65,12 +65,23 @@ class Precision:
 
     @classmethod
     def from_flags(cls, flags: dict[str, Any]) -> Precision:
-        """The precision ``kiln export``'s flags choose: each kind's ``--NAME`` and its own options
-        are taken out of ``flags`` (click's values by ``Flag.dest``); a kind is chosen by its flag or
-        implied by a chosen one; a kind's options given without it are refused, a group in one line."""
+        """The precision ``kiln export``'s flags choose (``chosen``); a kind's options given without it
+        are refused, a group in one line, every group's lines in one error."""
+        precision, stray = cls.chosen(flags)
+        if stray:
+            raise ConfigError(" | ".join(stray))
+        return precision
+
+    @classmethod
+    def chosen(cls, flags: dict[str, Any]) -> tuple[Precision, list[str]]:
+        """The precision ``kiln export``'s flags choose and why some of them are refused: each kind's
+        ``--NAME`` and its own options are taken out of ``flags`` (click's values by ``Flag.dest``); a
+        kind is chosen by its flag or implied by a chosen one; a kind's options given without it are
+        left out, a line each group (the plan stage reports them: ``exporter.plan``'s ``given``)."""
         chosen = {k.name for k in kinds() if flags.pop(k.name)}
         chosen |= {name for k in kinds() if k.name in chosen for name in k.implies}
-        made = []
+        made: list[PrecisionKind] = []
+        stray: list[str] = []
         for each in kinds():
             values = {flag: flags.pop(flag.dest) for group in each.flags for flag in group}
             if each.name in chosen:
@@ -88,8 +99,8 @@ class Precision:
                 if any(flag.given(values[flag]) for flag in group):
                     options = [flag.option for flag in group]
                     verb = "applies" if len(options) == 1 else "apply"
-                    raise ConfigError(f"{' and '.join(options)} only {verb} to {each.flag()} exports")
-        return cls.of(*made)
+                    stray.append(f"{' and '.join(options)} only {verb} to {each.flag()} exports")
+        return cls.of(*made), stray
 
     @property
     def value(self) -> str:

@@ -15,8 +15,11 @@ The traces of the proved families hold standard ONNX ops only, each one TensorRT
 imports (onnx-tensorrt ``docs/operators.md``): the mixers' ``Conv`` (grouped 1-D), ``CumSum`` (float,
 its axis a constant), ``Einsum``, ``Trilu``, ``Softplus``, ``Exp``, ``Clip``, ``Where`` beside the
 attention layers' ``Attention``/``TensorScatter``; ``standard_ops`` checks every written graph for a
-node outside ONNX's own domain or a control-flow op. Another family with such a state is refused
-by name until a test proves it.
+node outside ONNX's own domain or a control-flow op.
+
+Which families are proved is theirs to say (``DecoderSpec.static_state``, a ``StaticStateProof``:
+the precisions a test proves, or why the trace cannot be written so); this folder names none.
+Another family with such a state is refused by name until it declares a test's proof.
 """
 
 from __future__ import annotations
@@ -26,39 +29,44 @@ import onnx_ir as ir
 from kiln.errors import ExportError
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["PROVED", "refuse_state", "standard_ops"]
+__all__ = ["proved_architectures", "refuse_state", "standard_ops"]
 
-PROVED = ("Mamba2ForCausalLM", "BambaForCausalLM", "Lfm2ForCausalLM")
-PRECISIONS = ("fp32", "fp16")  # the precisions a test proves them at (no low-bit weights on this target yet)
-# families whose trace holds an op TensorRT's parser is not documented to take, refused with that reason
-UNPARSED = {
-    "GraniteMoeHybridForCausalLM": (
-        "its mixture-of-experts routing sums int32 expert counts with CumSum, and onnx-tensorrt documents CumSum for "
-        "FP32, FP16 and BF16 only"
-    ),
-}
 CONTROL_FLOW = ("Loop", "Scan", "If")  # a trace with these is not one TensorRT runs as the portable graph does
 CUMSUM_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)  # onnx-tensorrt docs/operators.md
+EXPORTED = "the portable graphs (and --target ort) export it"  # what a refused family's export writes instead
+
+
+def proved_architectures() -> list[str]:
+    """The architectures whose family declares their state proved here (``DecoderSpec.static_state``),
+    asked of every registered family's rows (``ModelFamily.specs``), in their order."""
+    from kiln.plugins import families
+
+    rows = [spec for family in families() if callable(specs := getattr(family, "specs", None)) for spec in specs()]
+    return [_architecture(spec) for spec in rows if spec.static_state is not None and spec.static_state.precisions]
+
+
+def _architecture(spec: DecoderSpec) -> str:
+    return str(spec.config.get("architecture") or spec.family)
 
 
 def refuse_state(spec: DecoderSpec, precision: str = "fp32") -> str | None:
     """Why ``--target onnx`` does not write this state or hybrid cache at ``precision`` (its value:
-    fp32, fp16, int4...), or None when it does."""
-    arch = spec.config.get("architecture") or spec.family
-    if arch in PROVED and precision not in PRECISIONS:
+    fp32, fp16, int4...), or None when it does: what the family declares of it (``static_state``)."""
+    arch, declared = _architecture(spec), spec.static_state
+    proved = declared.precisions if declared is not None else ()
+    if proved and precision not in proved:
         return (
-            f"--target onnx writes a recurrent state ({spec.cache_layout.kind} cache) at {' and '.join(PRECISIONS)} "
+            f"--target onnx writes a recurrent state ({spec.cache_layout.kind} cache) at {' and '.join(proved)} "
             f"only, each proved by a test; export {arch} at {precision} without --target onnx"
         )
-    if arch in PROVED:
+    if proved:
         return None
-    if arch in UNPARSED:
-        return (
-            f"--target onnx does not write {arch}: {UNPARSED[arch]}; the portable graphs (and --target ort) export it"
-        )
+    if declared is not None and declared.unparsed:
+        return f"--target onnx does not write {arch}: {declared.unparsed}; {EXPORTED}"
+    proved_here = ", ".join(proved_architectures()) or "no family yet"
     return (
-        f"--target onnx writes a recurrent state ({spec.cache_layout.kind} cache) only for {', '.join(PROVED)}, each "
-        f"proved by a test; this {arch} model is not one: the portable graphs (and --target ort) export it"
+        f"--target onnx writes a recurrent state ({spec.cache_layout.kind} cache) only for {proved_here}, each proved "
+        f"by a test; this {arch} model is not one: {EXPORTED}"
     )
 
 

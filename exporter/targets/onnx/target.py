@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from kiln.errors import ConfigError
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.precision.kinds.plan import Precision
+from kiln.exporter.targets.base import EngineGraphs
 from kiln.registry import Flag
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from kiln.exporter.targets.base import TargetGiven, TargetGraphs
     from kiln.plugins.base import DecoderSpec
 
-__all__ = ["ALL_MATMULS", "ONNX", "OnnxTarget"]
+__all__ = ["ALL_MATMULS", "ENGINES", "ONNX", "OnnxTarget"]
 
 # every precision is written (int8's Q/DQ in the form precision.int8_form gives them); the attention
 # score MatMuls stay float: each layer's attention becomes one ONNX Attention (measured with
@@ -29,6 +30,14 @@ ALL_MATMULS = (
     "--target onnx does not take --int8-all-matmuls: it writes each layer's attention as one ONNX Attention, "
     "whose score MatMuls are float; "
     "drop --int8-all-matmuls, or export without --target onnx"
+)
+
+# kiln build --graphs onnx: TensorRT 10.15 is the first whose ONNX parser imports TensorScatter, RotaryEmbedding and
+# RMSNormalization, and has IKVCacheUpdateLayer, the layer the static cache is written in place by
+# (exporter/engine/graphs.py)
+ENGINES = EngineGraphs(
+    (10, 15),
+    "TensorRT 10.15 or newer (the first whose ONNX parser imports TensorScatter, RotaryEmbedding and RMSNormalization)",
 )
 
 
@@ -44,6 +53,7 @@ class OnnxTarget:
     flags: tuple[Flag, ...] = ()
     letter = "x"
     lora_slots = False
+    engines = ENGINES  # kiln build makes TensorRT engines of its graphs (--graphs onnx)
 
     def wanted(self, options: ExportOptions) -> bool:
         return options.target == self.name

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from kiln.exporter.contract.io import CacheUpdate, GraphKind
 from kiln.exporter.precision.kinds.base import Needs
 from kiln.exporter.precision.kinds.plan import Precision
-from kiln.registry import Flag
+from kiln.registry import Flag, Writes
 
 if TYPE_CHECKING:
     from kiln.exporter.options import ExportOptions
@@ -30,6 +30,7 @@ INT8 = Flag(
         "With --target ort: the ORT-target graphs use weight-only int8 MatMulNBits (no calibration data); "
         "the portable graphs keep their precision."
     ),
+    writes=Writes("int8", "only as --ort-int8 (weight-only int8 MatMulNBits; --int8 is refused)"),
 )
 
 

@@ -1,0 +1,65 @@
+"""The calibration stage of an export whose kinds read activation ranges (int8, fp8): the data
+and settings prepared once (``calibration.Calibration``, ranges from the cache when it has
+them), and each graph's ranges computed on its fp32 graph through PyTorch's teacher-forced
+feeds. ``kiln export`` (``pipeline``) and ``kiln check``'s calibration run again
+(``qdq_rerun``) both calibrate through these two functions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import onnx_ir as ir
+
+from kiln.calibration import Calibration
+from kiln.exporter.contract.io import GraphKind
+from kiln.exporter.load import Reference
+from kiln.exporter.options import ExportOptions
+from kiln.exporter.precision.kinds.base import Needs, Ranges
+from kiln.exporter.progress import Progress
+from kiln.exporter.runners import TorchRunner
+
+__all__ = ["prepare_calibration", "graph_ranges"]
+
+
+def prepare_calibration(
+    reference: Reference, options: ExportOptions, checkpoint: dict[str, str], progress: Progress
+) -> Calibration | None:
+    """The kinds that read activation ranges (int8, fp8): the calibration data and settings (and
+    ranges, when the cache has them); ``checkpoint``: the checkpoint's files' sha256 (the cache's key)."""
+    if not options.precision.needs(Needs.RANGES):
+        return None
+    assert options.calib_data is not None, "the kinds that read ranges refuse to go without --calib-data"
+    files = reference.loaded.files
+    calibration = Calibration.prepare(
+        options.calib_data,
+        spec=reference.spec,
+        tokenizer=reference.loaded.tokenizer,
+        weights_sha256=checkpoint[files[1].name] if len(files) > 1 else "",
+        samples=options.samples,
+        method=options.calib_method,
+        percentile=options.calib_percentile,
+        context=reference.max_context,
+        graph_settings={
+            "opset": options.opset,
+            "logits": options.logits.value,
+            "ple_extend": options.ple_extend,
+            "ple_extend_mode": options.ple_extend_mode.value,
+            "ple_tables": options.ple_tables.value,
+        },
+        cache_dir=options.calib_cache,
+    )
+    if calibration.cache_hit:
+        progress.note(f"calibration: reusing cached ranges {options.calib_cache}/{calibration.key}.json")
+    return calibration
+
+
+def graph_ranges(
+    reference: Reference, options: ExportOptions, calibration: Calibration | None, progress: Progress
+) -> Callable[[GraphKind, ir.Model], Ranges] | None:
+    """A graph's ranges (its kind, its fp32 model): the precision kinds' ``context.ranges``."""
+    if calibration is None:
+        return None
+    runner = TorchRunner(
+        reference.module, reference.spec.n_layers, options.last_logits_only
+    )  # runs the teacher-forced decode feeds
+    return lambda kind, model: calibration.ranges_for(kind, model, reference.spec, runner, progress)
