@@ -1,12 +1,13 @@
 """Feeds for calibrating each graph: prompts through prefill, and teacher-forced decode steps
-whose past keys/values come from the PyTorch model itself (the contract's step loop, forced on
-the data's own next tokens), so the activation ranges cover the KV path, not only the prompt."""
+whose past cache (the layout's own tensors: keys/values or recurrent states) comes from the
+PyTorch model itself (the contract's step loop, forced on the data's own next tokens), so the
+activation ranges cover the cache path, not only the prompt."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kiln.exporter.contract.io import GraphKind, kv_pairs
+from kiln.exporter.contract.io import GraphKind, carried_cache
 from kiln.exporter.contract.steps import empty_past, prompt_feeds, run_steps
 from kiln.exporter.runners import Feeds, TorchRunner
 from kiln.plugins.base import DecoderSpec
@@ -30,5 +31,5 @@ def calibration_feeds(spec: DecoderSpec, kind: GraphKind, window: np.ndarray, re
     def choose(step: int, logits: np.ndarray) -> np.ndarray:
         return forced[step : step + 1]
 
-    run = run_steps(reference, kv_pairs(spec.n_layers), first, steps + 1, choose)
+    run = run_steps(reference, carried_cache(spec), first, steps + 1, choose)
     return out + [step.feeds for step in run if step.index > 0]

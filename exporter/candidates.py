@@ -12,9 +12,9 @@ from pathlib import Path
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.external_data import set_bytes
 from kiln.exporter.parity import Candidate
-from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.runners import Runner
+from kiln.exporter.tolerance import Tolerance
 
 __all__ = ["candidate", "qdq_tolerance"]
 
@@ -29,7 +29,7 @@ def candidate(
 ) -> Candidate:
     """The graph set whose graphs are of ``precision``, judged against the
     quantized model at ``quantized``'s tolerances (a precision's, or a Q/DQ set's own:
-    ``parity.tolerances.qdq_tolerance``; None: not judged so), where no greedy token may
+    ``qdq_tolerance`` below; None: not judged so), where no greedy token may
     differ but by a tie: the quantized model computes the graphs' own numbers, so only their
     arithmetic's rounding may reorder its tokens, and only those within the tolerance of each other
     (a token-match floor, int8's 90%, would refuse a correct graph of a model whose logits are

@@ -114,7 +114,7 @@ def _check_dir(
         )
         quality = _quality(loaded, manifest, backend, options.last_logits_only, options.max_context)
         candidates = _candidates(directory, manifest, precision, backend, extra, qdq is not None)
-        # the model is freed while the graphs run unless both fit, and loaded again to score their tokens (check_parity)
+        # the model is freed while the graphs run unless parity.memory keeps it, then loaded again (check_parity)
         return check_parity(
             reference, loaded.spec, candidates, settings, progress=progress, quantized=quantized, quality=quality,
             release_reference=release_weights(reference), reload_reference=lambda: build(load_model(loaded.source)),

@@ -59,7 +59,6 @@ from kiln.exporter.parity import (
 from kiln.exporter.parity.qdq_numbers import QdqNumbers
 from kiln.exporter.parity.quality import QualityPlan
 from kiln.exporter.parity.summary import shown_failures
-from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.plan import ExportPlan, of_model, plan
 from kiln.exporter.precision.context import PrecisionContext
 from kiln.exporter.precision.prepare import PreparedPrecision, prepare_precision
@@ -72,6 +71,7 @@ from kiln.exporter.runners.device import resolve
 from kiln.exporter.runners.torch_runner import drop_fp32_buffers
 from kiln.exporter.targets import target
 from kiln.exporter.targets.base import TargetGiven, TargetGraphs
+from kiln.exporter.tolerance import Tolerance
 from kiln.exporter.trace import trace_unified
 from kiln.plugins import LoadedModel, config_spec, load_model, resolve_checkpoint
 

@@ -41,7 +41,7 @@ from kiln.exporter.parity.results import (
 )
 from kiln.exporter.parity.scoring import generation_parity
 from kiln.exporter.parity.tensors import tensor_feeds, tensor_parity
-from kiln.exporter.parity.tolerances import RULE, Bound, Tolerance
+from kiln.exporter.tolerance import RULE, Bound, Tolerance
 
 __all__ = [
     "Bound",

@@ -13,8 +13,8 @@ import numpy as np
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.parity.results import TensorCheck
 from kiln.exporter.parity.tensors import compare_outputs
-from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
+from kiln.exporter.tolerance import Tolerance
 
 __all__ = ["Judged", "KeptRun", "judged_against"]
 

@@ -23,11 +23,11 @@ from kiln.exporter.parity.quantized import Int4Weight, read_int4_weights, use_in
 from kiln.exporter.parity.results import ParityResult, TensorCheck
 from kiln.exporter.parity.scoring import score
 from kiln.exporter.parity.tensors import prompt_check, tensor_feeds, tensor_parity
-from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.runners import RecordingRunner, Runner, TorchRunner
 from kiln.exporter.runners.base import Feeds
 from kiln.exporter.runners.device import CPU, ParityDevice, on
+from kiln.exporter.tolerance import Tolerance
 from kiln.plugins.base import DecoderSpec
 
 __all__ = ["Candidate", "ParitySettings", "QuantizedModel", "check_parity", "quantized_model", "parity_plan"]
@@ -141,7 +141,7 @@ def check_parity(
     target's under its name. PyTorch first records its outputs on every graph's tensor feeds; each
     candidate then runs (its tensors judged, its greedy sequences generated); PyTorch last scores
     those sequences teacher-forced (``parity.scoring``) and every step is judged. The model stays in
-    memory meanwhile only when it and the largest graph set fit comfortably (``keeps_model``) or
+    memory meanwhile only when it adds little beside the largest graph set and both fit (``keeps_model``) or
     cannot be loaded again (no ``release_reference`` or ``reload_reference``); else
     ``release_reference`` frees it before any runtime loads its weights, and ``reload_reference``
     loads it again to score. With ``quantized``, the module is then made to compute with the

@@ -18,8 +18,8 @@ from kiln.exporter.contract.io import (
 )
 from kiln.exporter.contract.steps import carry, empty_past, encoder_decoder_feeds, left_pad, prompt_feeds, run_steps
 from kiln.exporter.parity.results import GenerationCheck
-from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
+from kiln.exporter.tolerance import Tolerance
 from kiln.plugins.base import DecoderSpec
 
 __all__ = [

@@ -16,7 +16,7 @@ from typing import Any
 
 from kiln.exporter.parity.plot import write_plot
 from kiln.exporter.parity.results import GraphSetParity, ParityResult, TensorCheck, quantized_model_name
-from kiln.exporter.parity.tolerances import RULE
+from kiln.exporter.tolerance import RULE
 
 __all__ = ["write_parity_reports", "markdown", "summary_table", "verdict"]
 

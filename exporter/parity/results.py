@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from kiln.exporter.parity.quality import QualityResult
-from kiln.exporter.parity.tolerances import RULE, Bound, Tolerance
+from kiln.exporter.tolerance import RULE, Bound, Tolerance
 
 __all__ = ["TensorCheck", "GenerationCheck", "TargetParity", "GraphSetParity", "ParityResult", "quantized_model_name"]
 

@@ -18,8 +18,8 @@ from kiln.exporter.contract.io import ENCODER_MASK, ENCODER_STATES, GraphKind, c
 from kiln.exporter.contract.steps import carry
 from kiln.exporter.parity.generation import candidate_run, first_feeds, judge
 from kiln.exporter.parity.results import GenerationCheck
-from kiln.exporter.parity.tolerances import Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
+from kiln.exporter.tolerance import Tolerance
 from kiln.plugins.base import DecoderSpec
 
 __all__ = ["LOGITS_BYTES", "generation_parity", "score"]

@@ -10,8 +10,8 @@ from kiln.exporter.contract.io import ENCODER_FEATURES, ENCODER_MASK, ENCODER_ST
 from kiln.exporter.contract.steps import empty_past
 from kiln.exporter.parity.generation import encoder_states
 from kiln.exporter.parity.results import TensorCheck
-from kiln.exporter.parity.tolerances import Bound, Tolerance
 from kiln.exporter.runners.base import Feeds, Runner
+from kiln.exporter.tolerance import Bound, Tolerance
 from kiln.plugins.base import DecoderSpec
 
 __all__ = ["compare_outputs", "empty_cache", "prompt_check", "real_positions", "tensor_feeds", "tensor_parity"]

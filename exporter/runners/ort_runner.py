@@ -30,6 +30,7 @@ def ort_session(
     weight_only_dq: bool = False,
     qdq_as_written: bool = False,
     providers: list[Any] | None = None,
+    memory_arena: bool = True,
 ) -> Any:
     """An ONNX Runtime CPU session over a graph file or serialized model: the one place kiln
     sets session options. ``threads`` pins intra-op threads (and inter-op to one);
@@ -59,7 +60,11 @@ def ort_session(
     Parity uses it for graphs that quantize activations (int8, fp8).
 
     ``providers``: ONNX Runtime's execution providers (default the CPU's alone); parity on CUDA
-    passes ``ParityDevice.providers`` (``runners.device``)."""
+    passes ``ParityDevice.providers`` (``runners.device``).
+
+    ``memory_arena=False``: no CPU memory arena, so a run's buffers go back to the system when it
+    ends instead of staying reserved in the arena's grown chunks until the session closes (parity:
+    the 0.5B fp32 export's peak fell 0.3 GB, from 4.23 to 3.92 GB, at the same stage time)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -68,6 +73,8 @@ def ort_session(
         opts.enable_cpu_mem_arena = False
         opts.enable_mem_pattern = False
         opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    if not memory_arena:
+        opts.enable_cpu_mem_arena = False
     if threads:
         opts.intra_op_num_threads = threads
     opts.log_severity_level = (
@@ -180,6 +187,7 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
             weight_only_dq=True,
             qdq_as_written=traits.quantizes,
             providers=self._device.providers,
+            memory_arena=False,  # parity's sessions hold their weights, not every run's largest buffers
         )
         runner = OnnxrtRunner(session, name=f"onnxruntime:{kind.value}")
         runner.activate()

@@ -22,10 +22,10 @@ from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.load import prepare_reference
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity
-from kiln.exporter.parity.tolerances import FP32
 from kiln.exporter.pipeline import export
 from kiln.exporter.runners import OrtRunner, Runner
 from kiln.exporter.runners.base import Feeds
+from kiln.exporter.tolerance import FP32
 from kiln.plugins import load_model
 from kiln_testing import tiny_config, write_checkpoint
 

@@ -1,4 +1,4 @@
-"""fp32 parity at a model's own scale (tolerances: atol + rtol x max|row|, ``parity.tolerances``).
+"""fp32 parity at a model's own scale (tolerances: atol + rtol x max|row|, ``exporter.tolerance``).
 
 Four models, each saved as a user's checkpoint would be: the tiny native decoder; a native
 decoder with large activations (embedding x30 with one channel x100 more, its other matrices
@@ -45,9 +45,9 @@ from kiln.exporter.load import prepare_reference
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity, greedy, make_prompts
 from kiln.exporter.parity.report import verdict
-from kiln.exporter.parity.tolerances import FP32
 from kiln.exporter.pipeline import ExportResult, export
 from kiln.exporter.runners import OrtRunner
+from kiln.exporter.tolerance import FP32
 from kiln.plugins import load_model
 from kiln.plugins.hf import tiny_model
 from kiln.plugins.native.model import PLEDecoder

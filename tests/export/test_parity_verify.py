@@ -25,12 +25,12 @@ from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.load import prepare_reference
 from kiln.exporter.options import ExportOptions, Precision
 from kiln.exporter.parity import Candidate, ParityResult, ParitySettings, check_parity, driver, scoring
-from kiln.exporter.parity.tolerances import FP32
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.kinds import Int4
 from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.runners import OrtRunner, Runner, TorchRunner
 from kiln.exporter.runners.base import Feeds
+from kiln.exporter.tolerance import FP32
 from kiln.plugins import load_model
 from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
 

@@ -47,9 +47,8 @@ def test_a_parity_run_out_of_memory_is_one_line(tmp_path: Path) -> None:
         assert runner.run(GraphKind.DECODE, {"input_ids": np.array([4], dtype=np.int64)})["y"].tolist() == [0.0] * 4
         with pytest.raises(MemoryLimitError) as err:
             runner.run(GraphKind.DECODE, {"input_ids": np.array([HUGE], dtype=np.int64)})
-    assert str(err.value) == (
-        f"memory: {graph}: a run at batch 1: ONNX Runtime could not allocate a buffer of {4 * HUGE} bytes "
-        "(262144.0 GiB):"
+    assert str(err.value) == (  # parity's sessions have no arena (ort_runner): std::bad_alloc names no size
+        f"memory: {graph}: a run at batch 1: ONNX Runtime could not allocate a buffer:"
         f" out of memory (this machine has 16.0 GiB); {WAY_OUT}"
     )
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.exporter.parity import memory
 from kiln.exporter.parity.generation import judge
 from kiln.exporter.parity.memory import keeps_model, module_bytes
 from kiln.exporter.precision import TOLERANCES
@@ -75,6 +76,19 @@ def test_the_model_is_kept_only_when_it_and_the_graphs_fit_half_the_memory() -> 
     assert module_bytes(module) == 4040
     assert keeps_model(module, 0, memory=8080) and keeps_model(module, 960, memory=10_000)
     assert not keeps_model(module, 961, memory=10_000) and not keeps_model(module, 0, memory=8000)
+
+
+def test_a_model_that_would_raise_the_graphs_peak_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ``KEEP_ALWAYS_BYTES``, the model is kept only when it is at most ``KEEP_BESIDE`` of the
+    graph set's weights: an fp32 export's model (as large as its graphs) is freed while they run."""
+    monkeypatch.setattr(memory, "KEEP_ALWAYS_BYTES", 1000)
+    module = torch.nn.Linear(100, 10)  # 4040 bytes
+    assert keeps_model(module, 4 * 4040, memory=10**9), "a quarter of the graphs' weights is kept"
+    assert not keeps_model(module, 4 * 4040 - 4, memory=10**9), "more than a quarter is not"
+    assert not keeps_model(module, 4040, memory=10**9), "as large as the graphs (fp32) is not"
+    assert not keeps_model(module, 4 * 4040, memory=2 * (5 * 4040) - 1), "both must still fit half the memory"
+    monkeypatch.setattr(memory, "KEEP_ALWAYS_BYTES", 4040)
+    assert keeps_model(module, 0, memory=10**9), "a model this small is always kept"
 
 
 def test_a_shared_weight_is_counted_once() -> None:

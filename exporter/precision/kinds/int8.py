@@ -5,10 +5,13 @@ with ``--fp16`` the rest of the graph is fp16. Its machinery (pass and policy) i
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from kiln.exporter.precision.kinds.base import Flag, RangesKind, Role
+from kiln.exporter.precision.kinds.base import Asked, Flag, RangesKind, Role
 from kiln.exporter.tolerance import Tolerance
+
+if TYPE_CHECKING:
+    from kiln.plugins.base import DecoderSpec
 
 __all__ = ["Int8", "EIGHT_BIT"]
 
@@ -58,3 +61,21 @@ class Int8(RangesKind):
     @property
     def quantizes_scores(self) -> bool:
         return self.all_matmuls
+
+    def reasons(self, spec: DecoderSpec | None, options: Asked) -> list[str]:
+        found = super().reasons(spec, options)
+        if spec is not None and any(t.suffix == "ssm" for _, t in spec.cache_layout.tensors()):
+            found.append(state_reason(spec.cache_layout.kind))
+        return found
+
+
+def state_reason(kind: str) -> str:
+    """Why --int8 refuses a cache with a recurrent state (Mamba, Mamba2, Gated DeltaNet; an LFM2
+    conv window alone is taken): int8 quantizes every MatMul, so the mixers' state MatMuls (the
+    SSM readout, the chunked delta rule), which read two activations, get per-tensor activation
+    scales that the Q/DQ proof (``precision.qdq_scales``: constant weights only) cannot model; fp8
+    quantizes constant weights only, and passes its proof on these mixers."""
+    return (
+        f"--int8 is not proved on recurrent-state ({kind}) caches: the mixers' state MatMuls read two "
+        "activations, which int8 would quantize per tensor unproved; export it at --fp8, --int4 or --fp16"
+    )
