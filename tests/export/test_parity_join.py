@@ -86,11 +86,10 @@ def test_the_batches_run_joined_and_batch_one_is_checked_by_tensors(exported: Pa
     result = _parity(exported, calls)
     assert result.passed, result.failures()
     graphs = ["prefill", "decode", "model"]
-    assert calls[:6] == [(g, 2) for g in graphs] + [
-        (g, 1) for g in graphs
-    ]  # tensors: each graph's batch-2 feeds, then their unpadded row
+    # tensors: each graph's batch-2 feeds and model.onnx's from an empty cache, then their unpadded row
+    assert calls[:8] == [(g, 2) for g in [*graphs, "model"]] + [(g, 1) for g in [*graphs, "model"]], calls
     # one greedy run through prefill + decode, all four rows; model.onnx fed the prompt, then those tokens in one call
-    assert calls[6:] == [("prefill", 4)] + [("decode", 4)] * (STEPS - 1) + [("model", 4)] * 2
+    assert calls[8:] == [("prefill", 4)] + [("decode", 4)] * (STEPS - 1) + [("model", 4)] * 2
     assert [g.label for g in result.generation] == [
         "prefill+decode, batch 1",
         "model, batch 1",
@@ -111,7 +110,12 @@ def test_a_graph_wrong_only_at_batch_one_is_refused(exported: Path) -> None:
     result = _parity(exported, [], wrong_at_one)
     assert not result.passed
     failed = [line.split(" max abs")[0] for line in result.failures()]
-    assert failed == ["prefill (batch 1):logits", "decode (batch 1):logits", "model (batch 1):logits"]
+    assert failed == [
+        "prefill (batch 1):logits",
+        "decode (batch 1):logits",
+        "model (batch 1):logits",
+        "model (empty cache) (batch 1):logits",
+    ], failed
 
 
 def test_batches_beyond_the_max_batch_run_apart(exported: Path) -> None:
