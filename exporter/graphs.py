@@ -9,6 +9,7 @@ precision kinds' passes: ``precision.prepare``); each target composes its own in
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx_ir as ir
@@ -31,6 +32,8 @@ from kiln.exporter.passes.reports import Report, pass_reports
 from kiln.exporter.passes.specialise import specialise
 from kiln.exporter.passes.stamp import StampLayers
 from kiln.exporter.passes.weights import WEIGHTS_FILE
+from kiln.exporter.precision.context import PrecisionContext
+from kiln.exporter.precision.kinds.base import Ranges
 from kiln.exporter.precision.lowbit_check import onnx_full_check
 from kiln.exporter.precision.prepare import PreparedPrecision
 from kiln.exporter.progress import Progress
@@ -127,3 +130,25 @@ def write_portable_graphs(
             for record in records.values():
                 onnx_full_check(record.path)
     return GraphSet(records, weights, lora)
+
+
+def precision_context(
+    reference: Reference,
+    folded: Folded,
+    options: ExportOptions,
+    traced: Traced,
+    ranges: Callable[[GraphKind, ir.Model], Ranges] | None,
+    progress: Progress,
+) -> PrecisionContext:
+    """What the precision kinds are prepared from: the reference, the calibrated ``ranges`` (None: no
+    kind reads them), and this module's contract I/O and fp32 graphs of ``traced``, handed down as
+    callables (``precision`` imports nothing of the graph stage). The export's and ``kiln check``'s
+    Q/DQ rerun (``qdq_rerun``) build it the same way."""
+    return PrecisionContext(
+        reference,
+        options,
+        progress,
+        ranges,
+        lambda kind, kv_dtype: contract_io(reference, folded, options, kind, kv_dtype),
+        lambda kind: fp32_graph(reference, folded, options, kind, traced),
+    )

@@ -30,8 +30,7 @@ from kiln.exporter.emit import write_artifacts
 from kiln.exporter.fold import Folded, fold, table_feeds
 from kiln.exporter.graphs import (
     GraphSet,
-    contract_io,
-    fp32_graph,
+    precision_context,
     write_portable_graphs,
 )
 from kiln.exporter.int4.proof import (
@@ -60,7 +59,6 @@ from kiln.exporter.parity.qdq_numbers import QdqNumbers
 from kiln.exporter.parity.quality import QualityPlan
 from kiln.exporter.parity.summary import shown_failures
 from kiln.exporter.plan import ExportPlan, of_model, plan
-from kiln.exporter.precision.context import PrecisionContext
 from kiln.exporter.precision.prepare import PreparedPrecision, prepare_precision
 from kiln.exporter.progress import NullProgress, Progress
 from kiln.exporter.qdq_spill import qdq_model, spill_qdq_numbers
@@ -202,13 +200,8 @@ def _write_graphs(
     checkpoint = {path.name: sha256_file(path) for path in loaded.files}  # hashed once
     calibration = prepare_calibration(reference, options, checkpoint, progress)
     traced = trace_unified(reference, folded, options, progress)  # its own stage
-    context = PrecisionContext(
-        reference,
-        options,
-        progress,
-        graph_ranges(reference, options, calibration, progress),
-        lambda kind, kv_dtype: contract_io(reference, folded, options, kind, kv_dtype),
-        lambda kind: fp32_graph(reference, folded, options, kind, traced),
+    context = precision_context(
+        reference, folded, options, traced, graph_ranges(reference, options, calibration, progress), progress
     )
     precision = prepare_precision(context)
     (root / ONNX_DIR).mkdir()

@@ -30,12 +30,11 @@ from kiln.exporter.artifacts.manifest import Manifest, graph_options
 from kiln.exporter.calibrate import graph_ranges, prepare_calibration
 from kiln.exporter.contract.io import graph_kinds
 from kiln.exporter.fold import fold
-from kiln.exporter.graphs import contract_io, fp32_graph
+from kiln.exporter.graphs import fp32_graph, precision_context
 from kiln.exporter.load import Reference
 from kiln.exporter.options import ExportOptions
 from kiln.exporter.parity.qdq_numbers import NUMBERS_FILE, QdqNumbers
 from kiln.exporter.passes import run_passes
-from kiln.exporter.precision.context import PrecisionContext
 from kiln.exporter.precision.kinds.base import Needs, with_kind_options
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.precision.qdq_scales import qdq_sink
@@ -107,13 +106,8 @@ def rerun_calibration(manifest: Manifest, reference: Reference, progress: Progre
         return QdqRerun(None, f"this kiln calibrates with other settings ({', '.join(changed)}) than the export's")
     folded = fold(reference.module, reference.loaded.ple)
     traced = trace_unified(reference, folded, options, progress)
-    context = PrecisionContext(
-        reference,
-        options,
-        progress,
-        graph_ranges(reference, options, calibration, progress),
-        lambda kind, kv_dtype: contract_io(reference, folded, options, kind, kv_dtype),
-        lambda kind: fp32_graph(reference, folded, options, kind, traced),
+    context = precision_context(
+        reference, folded, options, traced, graph_ranges(reference, options, calibration, progress), progress
     )
     prepared = next(k for k in options.precision.kinds if k.needs() is Needs.RANGES).prepare(context)
     for kind in graph_kinds(reference.spec):  # the kind's own pass: it leaves the scales in its sink first

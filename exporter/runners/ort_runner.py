@@ -67,6 +67,20 @@ def ort_session(
     the 0.5B fp32 export's peak fell 0.3 GB, from 4.23 to 3.92 GB, at the same stage time)."""
     import onnxruntime as ort
 
+    opts = _options(ort, threads, spinning, fp16_weights_stay_fp16, weight_only_dq, qdq_as_written, memory_arena)
+    return _session(ort, model, opts, providers or ["CPUExecutionProvider"])
+
+
+def _options(
+    ort: Any,
+    threads: int | None,
+    spinning: bool,
+    fp16_weights_stay_fp16: bool,
+    weight_only_dq: bool,
+    qdq_as_written: bool,
+    memory_arena: bool,
+) -> Any:
+    """``ort_session``'s ``SessionOptions`` (each argument as ``ort_session`` says)."""
     opts = ort.SessionOptions()
     if fp16_weights_stay_fp16:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -87,7 +101,7 @@ def ort_session(
         opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
     if qdq_as_written:
         opts.add_session_config_entry("session.disable_quant_qdq", "1")
-    return _session(ort, model, opts, providers or ["CPUExecutionProvider"])
+    return opts
 
 
 def _session(ort: Any, model: Path | bytes, opts: Any, providers: list[Any]) -> Any:
