@@ -14,13 +14,14 @@ from torch import nn
 
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.parity.against import Judged, judged_against
-from kiln.exporter.parity.generation import candidate_run, judge, make_prompts
+from kiln.exporter.parity.generation import greedy, judge, make_prompts, unified_chunks
 from kiln.exporter.parity.memory import keeps_model
 from kiln.exporter.parity.qdq_check import against_qdq
 from kiln.exporter.parity.qdq_numbers import QdqNumbers
 from kiln.exporter.parity.quality import QualityPlan, QualityResult, graph_quality, reference_logprobs
 from kiln.exporter.parity.quantized import Int4Weight, read_int4_weights, use_int4_weights
 from kiln.exporter.parity.results import ParityResult, TensorCheck
+from kiln.exporter.parity.schedule import tensors_after_generation, tensors_before_generation
 from kiln.exporter.parity.scoring import score
 from kiln.exporter.parity.tensors import prompt_check, tensor_feeds, tensor_parity
 from kiln.exporter.progress import NullProgress, Progress
@@ -123,6 +124,10 @@ class _Plan:
     def groups(self) -> list[list[list[list[int]]]]:
         """The batches as they run: all in one group when joined, else one group each."""
         return [self.batches] if self.joined else [[prompts] for prompts in self.batches]
+
+    def rows(self) -> list[list[list[int]]]:
+        """Each group's prompts as one greedy run's rows."""
+        return [[p for prompts in group for p in prompts] for group in self.groups()]
 
 
 def check_parity(
@@ -332,32 +337,75 @@ def _run(
     measure: Callable[[Runner], QualityResult] | None = None,
 ) -> _Ran:
     """The candidate's tensors against the recording (batch 2 with a padded row, unless the
-    export's max batch is 1, and batch 1), then its greedy run per group of batches (``_Plan``),
-    then ``measure`` (quality) on its runner."""
+    export's max batch is 1, and batch 1), its greedy run per group of batches (``_Plan``), the
+    unified graph's chunks on its tokens and ``measure`` (quality) on its runner, each graph's work
+    together (``parity.schedule``)."""
     kv_dtype, unified = np.dtype(candidate.kv_dtype), GraphKind.UNIFIED in candidate.graphs
-    keep: list[tuple[GraphKind, Feeds, Feeds]] | None = [] if quantized and candidate.quantized is not None else None
+    kept = quantized and candidate.quantized is not None
     target = f"{candidate.target} " if candidate.target else ""
     label = f"parity: {candidate.precision} {target}graphs"  # the session's start counts in it
     with progress.stage(label, total=1 + len(plan.groups())) as bar, candidate.open() as runner:
-        tol, seed = candidate.tolerance, plan.seed
-        tensors = tensor_parity(recorded, runner, spec, tol, seed, kv_dtype, keep=keep) if plan.max_batch > 1 else []
-        tensors += tensor_parity(recorded, runner, spec, tol, seed, kv_dtype, single_row=True, keep=keep)
-        bar.advance()
-        runs = []
-        for group in plan.groups():
-            rows = [p for prompts in group for p in prompts]
-            runs.append(
-                candidate_run(runner, spec, rows, plan.steps, unified=unified, kv_dtype=kv_dtype, length=plan.length)
-            )
+        checks = _TensorChecks(recorded, runner, spec, candidate.tolerance, plan, kv_dtype, kept)
+        checks.run(tensors_before_generation(runner.graphs()))  # in the order of ``parity.schedule``
+        quality = measure(runner) if measure is not None else None
+        greedy_runs = []
+        for rows in plan.rows():
+            greedy_runs.append(greedy(runner, spec, rows, plan.steps, kv_dtype=kv_dtype, length=plan.length))
             bar.advance()
-        return _Ran(candidate, runner.name, tensors, keep or [], runs, measure(runner) if measure is not None else None)
+        checks.run(tensors_after_generation(runner.graphs()))
+        runs: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
+        for rows, (tokens, logits) in zip(plan.rows(), greedy_runs, strict=True):
+            chunked = (
+                unified_chunks(runner, spec, rows, tokens, kv_dtype=kv_dtype, length=plan.length) if unified else None
+            )
+            runs.append((tokens, logits, chunked))
+        bar.advance()
+        tensors, outputs = checks.in_report_order(runner.graphs())
+        return _Ran(candidate, runner.name, tensors, outputs, runs, quality)
+
+
+class _TensorChecks:
+    """One candidate's tensor checks, run graph by graph (``parity.schedule``: each graph's session once),
+    reported in their usual order: every graph's batch-2 checks (unless the export's max batch is 1),
+    then every graph's batch-1 checks; with ``keep``, its outputs on the tensor feeds in that order too."""
+
+    def __init__(
+        self,
+        recorded: Runner,
+        runner: Runner,
+        spec: DecoderSpec,
+        tolerance: Tolerance,
+        plan: _Plan,
+        kv_dtype: np.dtype,
+        keep: bool,
+    ) -> None:
+        self._args = (recorded, runner, spec, tolerance, plan.seed, kv_dtype)
+        self._rows = ([False] if plan.max_batch > 1 else []) + [True]  # single_row: batch 2, then batch 1
+        self._keep = keep
+        self._done: dict[tuple[bool, GraphKind], tuple[list[TensorCheck], list[tuple[GraphKind, Feeds, Feeds]]]] = {}
+
+    def run(self, kinds: Sequence[GraphKind]) -> None:
+        for kind in kinds:
+            for single_row in self._rows:
+                kept: list[tuple[GraphKind, Feeds, Feeds]] = []
+                checks = tensor_parity(
+                    *self._args, single_row=single_row, keep=kept if self._keep else None, kinds=(kind,)
+                )
+                self._done[(single_row, kind)] = (checks, kept)
+
+    def in_report_order(
+        self, graphs: Sequence[GraphKind]
+    ) -> tuple[list[TensorCheck], list[tuple[GraphKind, Feeds, Feeds]]]:
+        assert len(self._done) == len(graphs) * len(self._rows), "every graph's tensors are checked"
+        done = [self._done[(single_row, kind)] for single_row in self._rows for kind in graphs]
+        return [c for checks, _ in done for c in checks], [k for _, kept in done for k in kept]
 
 
 def _score(module: nn.Module | Runner, spec: DecoderSpec, plan: _Plan, ran: Sequence[_Ran]) -> list[list[np.ndarray]]:
     """PyTorch's logits at every step of each candidate's runs (per candidate, per group), all
     candidates' rows scored together (``parity.scoring``); ``module`` or a runner of it whose
     prefill returns every position's logits."""
-    groups = [[p for prompts in group for p in prompts] for group in plan.groups()]
+    groups = plan.rows()
     sequences = [(g, tokens) for r in ran for g, (tokens, _, _) in enumerate(r.runs)]
     runner = TorchRunner(module, spec.n_layers) if isinstance(module, nn.Module) else module
     scored = iter(score(runner, spec, groups, plan.length, sequences))  # every position's logits

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -163,12 +164,14 @@ def tensor_parity(
     *,
     single_row: bool = False,
     keep: list[tuple[GraphKind, Feeds, Feeds]] | None = None,
+    kinds: Sequence[GraphKind] | None = None,
 ) -> list[TensorCheck]:
-    """Every output of each of the candidate's graphs against the reference's on ``tensor_feeds``
-    (batch 2); with ``single_row``, on their unpadded row alone (batch 1). ``keep`` collects each
-    graph's feeds and the candidate's outputs, to judge against another reference later."""
+    """Every output of each of the candidate's graphs (``kinds``: those of them) against the
+    reference's on ``tensor_feeds`` (batch 2); with ``single_row``, on their unpadded row alone
+    (batch 1). ``keep`` collects each graph's feeds and the candidate's outputs, to judge against
+    another reference later."""
     checks: list[TensorCheck] = []
-    for kind in candidate.graphs():
+    for kind in kinds if kinds is not None else candidate.graphs():
         feeds = tensor_feeds(spec, kind, seed, kv_dtype, reference, single_row=single_row)
         calls = [(feeds, reference.run(kind, feeds))]
         if kind is GraphKind.UNIFIED:  # and its prompt call from an empty cache, as prefill's

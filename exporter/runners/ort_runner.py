@@ -130,8 +130,8 @@ def _session(ort: Any, model: Path | bytes, opts: Any, providers: list[Any]) -> 
 
 class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
     """ONNX Runtime (CPU) over ``{kind: path}``, one session at a time: a graph's session opens
-    when it is first run and closes when another graph is run (parity runs a graph's feeds
-    together: its tensors, then prefill once and decode every step), so a model's weights are in
+    when it is first run and closes when another graph is run (parity runs each graph's work
+    together, so each session opens once: ``parity.schedule``), so a model's weights are in
     memory once, whatever the number of graphs. Each session prepacks its MatMul weights as ONNX
     Runtime does by default: without prepacking its CPU kernels repack every fp32 weight and
     dequantize every int4 one on every call (measured on the Llama-3-8B shape with 2 layers, an

@@ -86,10 +86,16 @@ def test_the_batches_run_joined_and_batch_one_is_checked_by_tensors(exported: Pa
     result = _parity(exported, calls)
     assert result.passed, result.failures()
     graphs = ["prefill", "decode", "model"]
-    # tensors: each graph's batch-2 feeds and model.onnx's from an empty cache, then their unpadded row
-    assert calls[:8] == [(g, 2) for g in [*graphs, "model"]] + [(g, 1) for g in [*graphs, "model"]], calls
-    # one greedy run through prefill + decode, all four rows; model.onnx fed the prompt, then those tokens in one call
-    assert calls[8:] == [("prefill", 4)] + [("decode", 4)] * (STEPS - 1) + [("model", 4)] * 2
+    # graph by graph (parity.schedule: a runner holding one session at a time opens each once): prefill's tensors
+    # (batch 2, then its unpadded row) and the greedy run's prompt step, all four rows; the greedy run's decode steps
+    # and decode's tensors; model.onnx's tensors (and from an empty cache), then the prompt and those tokens in one call
+    assert calls == (
+        [("prefill", 2), ("prefill", 1), ("prefill", 4)]
+        + [("decode", 4)] * (STEPS - 1)
+        + [("decode", 2), ("decode", 1)]
+        + [("model", 2), ("model", 2), ("model", 1), ("model", 1), ("model", 4), ("model", 4)]
+    ), calls
+    assert [g for g, _ in calls] == sorted((g for g, _ in calls), key=graphs.index), "each graph's runs together"
     assert [g.label for g in result.generation] == [
         "prefill+decode, batch 1",
         "model, batch 1",
