@@ -226,6 +226,7 @@ def check(
     parity_device: str,
     verbose: bool,
     adapter: Path | None,
+    calib_data: Path | None,
     as_json: bool,
 ) -> None:
     """Re-run tensor and generation parity of an export directory against PyTorch: a table per
@@ -242,6 +243,7 @@ def check(
         backend="tensorrt" if backend == "trt" else "onnxruntime",
         adapter=adapter,
         parity_device=parity_device,
+        calib_data=calib_data,
     )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
@@ -260,7 +262,7 @@ def check(
         )
         click.echo(verdict(result) + ("" if verbose else f" (every check: kiln check {directory} --verbose)"))
     if not result.passed:
-        raise ParityError(f"{directory}: " + "; ".join(shown_failures(result.failures())))
+        raise ParityError(f"{directory}: " + "; ".join(shown_failures(result.failure_records())))
     if result.quality is not None and not result.quality.passed:
         raise ParityError(
             f"{directory}: the quantization fell short of the export's quality gate: {result.quality.figures()} "

@@ -346,6 +346,16 @@ CHECK: list[Option] = [
         help="An export with --lora-slots: check its graphs fed this PEFT adapter (as kiln adapter converts it) "
         "against PEFT's model of the checkpoint and the adapter.",
     ),
+    click.option(
+        "--calib-data",
+        "calib_data",
+        type=click.Path(path_type=Path, dir_okay=False),
+        default=None,
+        metavar="FILE",
+        help="The export's calibration data (int8, fp8, int4 GPTQ; never read from the manifest's path): the "
+        "calibration runs again over it, its token windows hashing as recorded, to check the Q/DQ scales or int4 "
+        "weights. Without it that is skipped, but for 'synthetic' data and the demo's bundled text.",
+    ),
     click.option("--json", "as_json", is_flag=True, help="Print the parity report as JSON."),
 ]
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kiln.errors import ArtifactError, ConfigError, ParityError
 from kiln.exporter.lora.adapter_file import SUFFIX, swapped_adapter, write_adapter_file
+from kiln.exporter.parity.summary import shown_failures
 
 if TYPE_CHECKING:
     import numpy as np
@@ -61,7 +62,7 @@ def convert_adapter(
     if parity is not None and not parity.passed:
         raise ParityError(
             f"{adapter_dir}: the export's graphs fed this adapter differ from PEFT's model: "
-            + "; ".join(parity.failures()[:5])
+            + "; ".join(shown_failures(parity.failure_records()))
         )
     _write(tensors, path)
     return AdapterResult(path, tuple(sorted(adapter.tensors)), adapter.rank, parity)

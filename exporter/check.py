@@ -14,6 +14,7 @@ from kiln.exporter.artifacts.hashing import sha256_file
 from kiln.exporter.artifacts.manifest import Manifest, graph_options
 from kiln.exporter.artifacts.verify import require_verified
 from kiln.exporter.candidates import candidate, qdq_tolerance
+from kiln.exporter.check_calibration import refuse_unread
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.fold import fold, table_feeds
 from kiln.exporter.int4.proof import NUMBERS_FILE, proved_numbers, quantizer_model
@@ -54,16 +55,19 @@ def check_dir(
     backend: str = "onnxruntime",
     adapter: Path | None = None,
     parity_device: str = "cpu",
+    calib_data: Path | None = None,
 ) -> ParityResult:
     """Re-run parity on an export directory against its checkpoint (or ``model``), on ONNX
     Runtime (the ONNX graphs) or TensorRT (``backend="tensorrt"``: the engines of ``kiln build``,
     refused when built by another TensorRT version or for another compute capability). With
     ``adapter`` (a PEFT adapter directory; an export with ``--lora-slots``): the graphs fed that
     adapter's slot tensors, against PEFT's model of the checkpoint and the adapter. ``parity_device``
-    (auto, cpu, cuda: ``runners.device``) is where PyTorch, ONNX Runtime and a GPTQ rerun compute."""
+    (auto, cpu, cuda: ``runners.device``) is where PyTorch, ONNX Runtime and a GPTQ rerun compute.
+    ``calib_data``: the export's calibration data, which an int8/fp8 export's calibration and an int4
+    GPTQ export's quantizer run again over (``check_calibration``: never read from the manifest's path)."""
     device = resolve(parity_device)  # cuda asked where it cannot run: refused before anything is read
     with on(device):
-        return _check_dir(directory, model, progress or NullProgress(), backend, adapter, device)
+        return _check_dir(directory, model, progress or NullProgress(), backend, adapter, device, calib_data)
 
 
 def _check_dir(
@@ -73,10 +77,12 @@ def _check_dir(
     backend: str,
     adapter: Path | None,
     device: ParityDevice,
+    calib_data: Path | None,
 ) -> ParityResult:
     """``check_dir`` on ``device``, already set."""
     manifest = require_verified(directory)
     _refuse_backend(directory, backend, adapter)
+    refuse_unread(directory, manifest, backend, calib_data)
     loaded = _checkpoint(directory, manifest, model, progress)
     # the export's graph options; every set's precision (its tolerances) is the manifest's, which
     # require_verified held to what the graphs are (their Q/DQ and dtypes: ``artifacts.claims``)
@@ -96,12 +102,17 @@ def _check_dir(
 
     with tempfile.TemporaryDirectory(prefix="kiln-check-") as spill:  # the int4 numbers, removed once read
         # before the reference is built: an adapter's PEFT model changes the checkpoint's modules in place
-        quantized = _quantized(directory, manifest, precision, loaded, Path(spill), progress)
+        quantized = _quantized(directory, manifest, precision, loaded, Path(spill), progress, calib_data)
         reference = build(loaded)
         # int8, fp8: the calibration run again on the checkpoint's module as built (its PLE tables extended once)
         qdq = (
             checked_qdq_numbers(
-                directory, manifest, Reference(loaded, reference, manifest.limits.max_context), Path(spill), progress
+                directory,
+                manifest,
+                Reference(loaded, reference, manifest.limits.max_context),
+                Path(spill),
+                progress,
+                calib_data,
             )
             if backend == "onnxruntime"
             else None
@@ -165,7 +176,13 @@ def _extra_feeds(
 
 
 def _quantized(
-    directory: Path, manifest: Manifest, precision: Precision, loaded: LoadedModel, spill: Path, progress: Progress
+    directory: Path,
+    manifest: Manifest,
+    precision: Precision,
+    loaded: LoadedModel,
+    spill: Path,
+    progress: Progress,
+    calib_data: Path | None,
 ) -> QuantizedModel | None:
     """A weight-only int4 export: its proof made again, apart from the graphs it judges. The
     quantizer runs again on the checkpoint with the export's recorded options (``int4.rerun``),
@@ -179,7 +196,7 @@ def _quantized(
     if precision.weight_only_float is None:
         return None
     gate, portable = manifest.parity.agreement != "record", _portable_paths(directory, manifest)
-    rerun = rerun_quantizer(manifest, loaded, progress)
+    rerun = rerun_quantizer(manifest, loaded, progress, calib_data)
     if rerun.quantizer is None:
         progress.note(
             f"int4: the quantizer cannot run again: {rerun.reason}; judged against the int4 numbers read back from "

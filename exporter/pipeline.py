@@ -262,7 +262,7 @@ def _parity(
     )  # fmt: skip
     if not parity.passed:
         raise ParityError(
-            f"{out}: exported graphs differ from PyTorch: " + "; ".join(shown_failures(parity.failures()))
+            f"{out}: exported graphs differ from PyTorch: " + "; ".join(shown_failures(parity.failure_records()))
         )
     return parity
 

@@ -11,11 +11,14 @@ export), and the kind's own pass on each, which leaves the scales in its sink be
 Every Q/DQ graph set is then checked against them bit for bit (``qdq_spill.proved_qdq_numbers``)
 and parity judges the graphs against PyTorch with them (``parity.qdq_model``), as the export did.
 
-Where it cannot run again, ``QdqRerun.reason`` says why in one line and ``kiln check`` judges the
-export against the checkpoint's model only, as before: a manifest without the record (an export of
-an earlier kiln), the calibration file gone or giving other token windows (its sha256), settings
-this kiln calibrates with otherwise, weights merged with ``--adapter``, or quantized MatMuls that the
-Q/DQ model does not model (``precision.qdq_scales``: the export had no such proof either).
+The data is read only where ``check_calibration`` allows: the file the user passes with
+``--calib-data`` (its token windows hashing as recorded), ``synthetic``, or the bundled demo text;
+never the path the manifest records. Where the calibration cannot run again, ``QdqRerun.reason`` says
+why in one line and ``kiln check`` judges the export against the checkpoint's model only, as before: a
+manifest without the record (an export of an earlier kiln), no ``--calib-data`` given (the line says
+which data to pass), settings this kiln calibrates with otherwise, weights merged with ``--adapter``,
+or quantized MatMuls that the Q/DQ model does not model (``precision.qdq_scales``: the export had no
+such proof either).
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kiln.calibration import SYNTHETIC
 from kiln.exporter.artifacts.manifest import Manifest, graph_options
 from kiln.exporter.calibrate import graph_ranges, prepare_calibration
+from kiln.exporter.check_calibration import Recorded, Skip, rerun_source
 from kiln.exporter.contract.io import graph_kinds
 from kiln.exporter.fold import fold
 from kiln.exporter.graphs import fp32_graph, precision_context
@@ -57,16 +60,21 @@ class QdqRerun:
 
 
 def checked_qdq_numbers(
-    directory: Path, manifest: Manifest, reference: Reference, spill: Path, progress: Progress
+    directory: Path,
+    manifest: Manifest,
+    reference: Reference,
+    spill: Path,
+    progress: Progress,
+    calib_data: Path | None = None,
 ) -> QdqNumbers | None:
-    """An int8 or fp8 export's numbers made again, once every Q/DQ graph set holds them bit for
-    bit (else a ``ParityError`` naming the first that differs); None for another precision, or
-    where the calibration cannot run again (one line says why)."""
+    """An int8 or fp8 export's numbers made again over ``calib_data`` (``kiln check --calib-data``),
+    once every Q/DQ graph set holds them bit for bit (else a ``ParityError`` naming the first that
+    differs); None for another precision, or where the calibration cannot run again (one line says why)."""
     precision = Precision.parse(manifest.precision)
     if not precision.needs(Needs.RANGES):
         return None
     with on(CPU):  # where the export calibrated (outside parity's device): the same ranges, bit for bit
-        rerun = rerun_calibration(manifest, reference, progress)
+        rerun = rerun_calibration(manifest, reference, progress, calib_data)
     if rerun.numbers is None:
         progress.note(
             f"{manifest.precision}: the calibration cannot run again: {rerun.reason}; judged against the "
@@ -87,13 +95,24 @@ def checked_qdq_numbers(
         )
 
 
-def rerun_calibration(manifest: Manifest, reference: Reference, progress: Progress) -> QdqRerun:
+def rerun_calibration(
+    manifest: Manifest, reference: Reference, progress: Progress, calib_data: Path | None = None
+) -> QdqRerun:
     """The export's calibration and its Q/DQ kind's pass run again on ``reference`` (the
-    checkpoint's module as check built it), or why they cannot."""
+    checkpoint's module as check built it) over ``calib_data`` (``check_calibration.rerun_source``),
+    or why they cannot."""
     found = _options(manifest)
     if isinstance(found, str):
         return QdqRerun(None, found)
     options, record = found
+    settings = record["settings"]
+    recorded = Recorded(
+        str(record["source"]), str(record["data_sha256"]), int(settings["samples"]), int(settings["window"])
+    )
+    source = rerun_source(recorded, calib_data, reference.loaded)
+    if isinstance(source, Skip):
+        return QdqRerun(None, source.reason)
+    options = dataclasses.replace(options, calib_data=source)
     calibration = prepare_calibration(reference, options, manifest.checkpoint.files, progress)
     assert calibration is not None, "a precision that needs ranges is calibrated"
     if calibration.data.sha256 != record["data_sha256"]:
@@ -122,8 +141,8 @@ def rerun_calibration(manifest: Manifest, reference: Reference, progress: Progre
 
 
 def _options(manifest: Manifest) -> tuple[ExportOptions, Mapping[str, Any]] | str:
-    """The export's options as its calibration and Q/DQ kind read them, and its calibration
-    record; or why the manifest does not give them."""
+    """The export's options as its calibration and Q/DQ kind read them (the data apart: it is not
+    read where the manifest says), and its calibration record; or why the manifest does not give them."""
     record = manifest.export.calibration or {}
     if manifest.checkpoint.adapters:
         return "its weights are of the checkpoint merged with --adapter, which kiln check does not merge"
@@ -140,14 +159,10 @@ def _options(manifest: Manifest) -> tuple[ExportOptions, Mapping[str, Any]] | st
             f"the manifest records no options of its {manifest.precision} kind (export.quantization.options), "
             "which exports of an earlier kiln do not"
         )
-    source = str(record["source"])
-    if source != SYNTHETIC and not Path(source).is_file():
-        return f"its calibration data {source} is not there"
     percentile, base = settings["percentile"], graph_options(manifest)  # a percentile: the percentile method's only
     options = dataclasses.replace(
         base,
         precision=Precision.of(*(k for k in kinds if k is not None)),
-        calib_data=source,
         calib_samples=int(settings["samples"]),
         calib_method=str(settings["method"]),
         calib_percentile=float(percentile) if percentile is not None else base.calib_percentile,

@@ -7,10 +7,12 @@ method and block size; each portable graph's ``passes.int4``: the MatMuls quanti
 blocks; the graphs' float type for the scales) and places on it each quantized module's weight
 from the checkpoint, as the export's ``QuantizeInt4`` placed the traced weight (``[K, N]``: an
 ``nn.Linear``'s weight transposed, a Conv1D's as it is). RTN is deterministic; GPTQ runs again,
-layer by layer, over the recorded calibration data when that file is still there and gives the
-same token windows (its recorded sha256). Where GPTQ's data is gone or the weights were merged with
-``--adapter``, one line says so (``Rerun.reason``) and the check judges against the numbers read back
-from the graphs; a manifest without the method and block size (which every int4 export records) is refused.
+layer by layer, over the export's calibration data as ``check_calibration`` reads it: the file
+passed with ``kiln check --calib-data`` once its token windows hash as recorded, ``synthetic``, or the
+bundled demo text, never the path the manifest records. Where no such data is given or the weights
+were merged with ``--adapter``, one line says so (``Rerun.reason``) and the check judges against the
+numbers read back from the graphs; a manifest without the method and block size (which every int4
+export records) is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts.manifest import Manifest
+from kiln.exporter.check_calibration import Recorded, Skip, rerun_source
 from kiln.exporter.int4.quantize import Int4Quantizer, Layerwise, gptq_over
 from kiln.exporter.load import Reference
 from kiln.exporter.passes.bind import ModuleWeight, WeightSource
@@ -44,9 +47,12 @@ class Rerun:
     reason: str | None = None
 
 
-def rerun_quantizer(manifest: Manifest, loaded: LoadedModel, progress: Progress) -> Rerun:
+def rerun_quantizer(
+    manifest: Manifest, loaded: LoadedModel, progress: Progress, calib_data: Path | None = None
+) -> Rerun:
     """The export's int4 quantizer on ``loaded`` (the checkpoint as loaded, before any adapter
-    reference is built over it), its modules placed as the export placed them."""
+    reference is built over it), its modules placed as the export placed them; GPTQ over
+    ``calib_data`` (``kiln check --calib-data``)."""
     record: dict[str, Any] = manifest.export.quantization or {}
     method, block = record.get("method"), record.get("block_size")
     if method not in {m.value for m in Int4Method} or not isinstance(block, int):
@@ -62,7 +68,7 @@ def rerun_quantizer(manifest: Manifest, loaded: LoadedModel, progress: Progress)
         )
     layerwise: Layerwise | None = None
     if Int4Method(method) is Int4Method.GPTQ:
-        found = _gptq(record.get("calibration"), loaded, manifest.limits.max_context, progress)
+        found = _gptq(record.get("calibration"), calib_data, loaded, manifest.limits.max_context, progress)
         if isinstance(found, str):
             return Rerun(None, found)
         layerwise = found
@@ -106,21 +112,30 @@ def _graph_weight(root: nn.Module, source: WeightSource, module: str, node: str)
     raise ArtifactError(f"{node}: its int4 weight belongs to {module} ({type(sub).__name__}), no nn.Linear or Conv1D")
 
 
-def _gptq(calibration: Any, loaded: LoadedModel, max_context: int, progress: Progress) -> Layerwise | str:
-    """GPTQ's layer-by-layer run over the calibration data the export recorded, or why not."""
-    from kiln.calibration import SYNTHETIC, load_calibration_data
+def _gptq(
+    calibration: Any, given: Path | None, loaded: LoadedModel, max_context: int, progress: Progress
+) -> Layerwise | str:
+    """GPTQ's layer-by-layer run over the export's calibration data (``given``, else what
+    ``check_calibration`` reads without it), or why not."""
+    from kiln.calibration import load_calibration_data
 
     if not isinstance(calibration, dict) or not {"source", "data_sha256", "windows", "window"} <= set(calibration):
         return "the manifest records no calibration data for its GPTQ"
-    source = str(calibration["source"])
-    if source != SYNTHETIC and not Path(source).is_file():
-        return f"its GPTQ calibration data {source} is not there"
+    recorded = Recorded(
+        str(calibration["source"]),
+        str(calibration["data_sha256"]),
+        int(calibration["windows"]),
+        int(calibration["window"]),
+    )
+    source = rerun_source(recorded, given, loaded)
+    if isinstance(source, Skip):
+        return source.reason
     data = load_calibration_data(
         source,
         tokenizer=loaded.tokenizer,
         vocab_size=loaded.spec.vocab_size,
-        samples=int(calibration["windows"]),
-        window=int(calibration["window"]),
+        samples=recorded.samples,
+        window=recorded.window,
     )
     if data.sha256 != calibration["data_sha256"]:
         return f"its GPTQ calibration data {source} gives other token windows than the export's (sha256 differs)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kiln.exporter.parity.failure import ParityFailure
 from kiln.exporter.parity.quality import QualityResult
 from kiln.exporter.tolerance import RULE, Bound, Tolerance
 
@@ -159,33 +160,26 @@ class ParityResult:
 
     def failures(self) -> list[str]:
         """One line per failed check that gates, each against its own graph set's tolerances
-        (those against the quantized model first, named so)."""
+        (those against the quantized model first, named so): ``failure_records``' text."""
+        return [failure.text for failure in self.failure_records()]
+
+    def failure_records(self) -> list[ParityFailure]:
+        """``failures`` as data: each failed check that gates, with the graph call or generation
+        path it belongs to and the reference it was judged against."""
         q = self.quantized
-        out = [f"against {quantized_model_name(q.precision)}: {line}" for line in q.failures()] if q is not None else []
+        reference = f"against {quantized_model_name(q.precision)}" if q is not None else ""
+        out = [f.against(reference) for f in q.failure_records()] if q is not None else []
         if not self.agreement_gates:
             return out
-        prefix = "agreement with the checkpoint's model: " if self.quantized is not None else ""
-        return out + [prefix + line for line in self._own_failures()]
+        own = self._own_failures()
+        agreement = [f.against("agreement with the checkpoint's model") for f in own] if q is not None else own
+        return out + agreement
 
-    def _own_failures(self) -> list[str]:
-        out: list[str] = []
+    def _own_failures(self) -> list[ParityFailure]:
+        out: list[ParityFailure] = []
         for s in self.sets():
-            out += [
-                f"{t.label} max abs {t.describe()}, cosine {t.cosine:.6f} (at least {s.tolerance.min_cosine:g})"
-                for t in s.tensors
-                if not t.passed
-            ]
-            out += [
-                f"generation via {g.label}: token match {g.token_match_rate:.3f} (at least "
-                f"{s.tolerance.min_token_match:g}), "
-                + (
-                    f"first divergence at step {g.first_divergence}"
-                    if g.first_divergence is not None
-                    else f"every mismatch a near-tie ({g.ties})"
-                )
-                for g in s.generation
-                if not g.passed
-            ]
+            out += [_tensor_failure(t, s.tolerance) for t in s.tensors if not t.passed]
+            out += [_generation_failure(g, s.tolerance) for g in s.generation if not g.passed]
         return out
 
     def merge(self, target: str, other: ParityResult) -> ParityResult:
@@ -250,3 +244,29 @@ def quantized_model_name(precision: str) -> str:
     """What the second reference of a ``precision`` export is called in messages and reports:
     PyTorch on its int4 weights (``parity.quantized``) or with its Q/DQ scales (``parity.qdq_model``)."""
     return "the int4 weights' model" if "int4" in precision else "the calibrated Q/DQ model"
+
+
+def _tensor_failure(t: TensorCheck, tolerance: Tolerance) -> ParityFailure:
+    """``decode (batch 1):logits max abs 0.00159 (tolerance ...), cosine 0.999990 (at least 0.999999)``."""
+    return ParityFailure(
+        kind="tensor",
+        subject=t.call,
+        check=t.label,
+        message=f"max abs {t.describe()}, cosine {t.cosine:.6f} (at least {tolerance.min_cosine:g})",
+    )
+
+
+def _generation_failure(g: GenerationCheck, tolerance: Tolerance) -> ParityFailure:
+    """``generation via prefill+decode, batch 2: token match 0.500 (at least 1), first divergence at step 2``
+    (``every mismatch a near-tie (3)`` where no step diverged beyond a tie)."""
+    where = (
+        f"first divergence at step {g.first_divergence}"
+        if g.first_divergence is not None
+        else f"every mismatch a near-tie ({g.ties})"
+    )
+    return ParityFailure(
+        kind="generation",
+        subject=g.path,
+        check=g.label,
+        message=f"token match {g.token_match_rate:.3f} (at least {tolerance.min_token_match:g}), {where}",
+    )

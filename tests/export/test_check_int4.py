@@ -1,6 +1,7 @@
 """``kiln check`` on an int4 export judges it against the quantizer run again on the checkpoint
 (issue 40): a quantized weight changed in a graph, the manifest's hashes recomputed as a tamperer
-would, is refused by name (``exporter/int4/rerun.py``, ``exporter/int4/proof.py``)."""
+would, is refused by name (``exporter/int4/rerun.py``, ``exporter/int4/proof.py``); GPTQ runs again
+over the data passed with ``--calib-data`` only (``exporter/check_calibration.py``)."""
 
 from __future__ import annotations
 
@@ -76,8 +77,8 @@ def _scale_off(graph: Path, name: str, at: tuple[int, ...]) -> None:
     data.tofile(weights)
 
 
-def _refused(directory: Path) -> str:
-    result = CliRunner().invoke(main, ["check", str(directory)])
+def _refused(directory: Path, *args: str) -> str:
+    result = CliRunner().invoke(main, ["check", str(directory), *args])
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 1 and lines and lines[-1].startswith("error: "), (result.exit_code, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
@@ -137,9 +138,11 @@ def test_a_manifest_without_the_method_is_refused_not_loosened(export_dir: Path)
     ), line
 
 
-def test_gptq_runs_again_on_its_calibration_data(tmp_path: Path) -> None:
-    """GPTQ: kiln check runs it again over the recorded calibration file and matches every graph
-    weight bit for bit; with the file gone it says so and judges on the numbers read back."""
+def test_gptq_runs_again_on_the_calibration_data_passed(tmp_path: Path) -> None:
+    """GPTQ: kiln check runs it again over the --calib-data file and matches every graph weight bit
+    for bit; without the option the recorded file is not read (one line says what to pass) and the
+    check judges on the numbers read back; a file of other windows is refused naming both hashes;
+    with the right file a scale changed (hashes recomputed) is refused by name."""
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     rng = np.random.default_rng(0)
     calib = tmp_path / "calib.npy"
@@ -150,11 +153,36 @@ def test_gptq_runs_again_on_its_calibration_data(tmp_path: Path) -> None:
         calib_samples=4,
         parity_tokens=4,
     )
-    export(ckpt, tmp_path / "out", options)
-    result = CliRunner().invoke(main, ["check", str(tmp_path / "out")])
+    out = tmp_path / "out"
+    export(ckpt, out, options)
+    result = CliRunner().invoke(main, ["check", str(out), "--calib-data", str(calib)])
     assert result.exit_code == 0 and "GPTQ: 14 weights, 4 windows" in result.stderr, result.output
     assert "cannot run again" not in result.stderr, result.stderr
-    calib.unlink()
-    result = CliRunner().invoke(main, ["check", str(tmp_path / "out")])
-    assert result.exit_code == 0, result.output
-    assert f"int4: the quantizer cannot run again: its GPTQ calibration data {calib} is not there" in result.stderr
+    sha256 = json.loads((out / "manifest.json").read_text())["export"]["quantization"]["calibration"]["data_sha256"]
+    result = CliRunner().invoke(main, ["check", str(out)])
+    assert result.exit_code == 0 and "GPTQ:" not in result.stderr, result.output
+    assert (
+        "int4: the quantizer cannot run again: kiln check reads no calibration data from a path the manifest "
+        f"records: pass --calib-data FILE, the export's calibration data (recorded as {calib}; its token windows' "
+        f"sha256 {sha256}), to run it again; judged against the int4 numbers read back from the graphs"
+    ) in result.stderr, result.stderr
+    other = tmp_path / "other.npy"
+    np.save(other, np.arange(2000, dtype=np.int64) % 101)
+    line = _refused(out, "--calib-data", str(other))
+    assert line.startswith(f"error: calibration: --calib-data {other}: its token windows' sha256 is "), line
+    assert f", the export's calibration data's {sha256} (recorded as {calib}): not the data" in line, line
+    for graph in ("prefill", "decode", "model"):
+        _scale_off(out / "onnx" / f"{graph}.onnx", "int4/layers.0.attn.o_proj.scale", (1, 3))
+    _rehash(out)
+    line = _refused(out, "--calib-data", str(calib))
+    assert f"{_REFUSED}portable prefill.onnx: /layers.0.attn.o_proj/MatMul/weight/DequantizeLinear: {_BLOCK}" in line
+
+
+def test_calib_data_for_a_check_that_reads_none_is_refused(rtn_export: Path, tmp_path: Path) -> None:
+    """RTN calibrates nothing: --calib-data is refused by name before anything is loaded, not ignored."""
+    line = _refused(rtn_export, "--calib-data", str(tmp_path / "calib.npy"))
+    assert line == (
+        f"error: config: --calib-data {tmp_path / 'calib.npy'}: the check of {rtn_export} (its int4 graphs) runs no "
+        "calibration again; leave --calib-data out (it is read for int8 and fp8 exports on ONNX Runtime and for "
+        "int4 GPTQ exports)"
+    ), line

@@ -23,6 +23,7 @@ from kiln.exporter import graphs
 from kiln.exporter.artifacts.hashing import hash_tree
 from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.parity.failure import ParityFailure
 from kiln.exporter.parity.summary import shown_failures
 from kiln.exporter.pipeline import export
 from kiln_testing import tiny_config, write_checkpoint
@@ -121,21 +122,40 @@ def test_a_refusal_with_many_tensor_failures_names_the_divergence_step(
     assert len(failures) == 5, failures
 
 
+def _tensor(call: str, output: str, batch: int = 2) -> ParityFailure:
+    label = f"{call}{' (batch 1)' if batch == 1 else ''}:{output}"
+    return ParityFailure(kind="tensor", subject=call, check=label, message="max abs 1")
+
+
+def _run(path: str, batch: int, step: int) -> ParityFailure:
+    message = f"token match 0.5 (at least 0.9), first divergence at step {step}"
+    return ParityFailure(kind="generation", subject=path, check=f"{path}, batch {batch}", message=message)
+
+
+def _lines(failures: list[ParityFailure]) -> list[str]:
+    return [failure.text for failure in failures]
+
+
 def test_the_cut_keeps_the_first_of_each_graph_and_generation_path() -> None:
     """The first failure stays first; each graph's and generation path's first is kept even past
     the limit; the rest fill up to it in order; a short list is kept whole."""
-    tensors = [f"decode:present.{i}.key max abs 1" for i in range(6)] + ["decode (batch 1):logits max abs 1"]
+    tensors = [_tensor("decode", f"present.{i}.key") for i in range(6)] + [_tensor("decode", "logits", batch=1)]
     later = [
-        "model (empty cache):logits max abs 1",
-        "prefill.ort:logits max abs 1",
-        "generation via prefill+decode, batch 2: token match 0.5 (at least 0.9), first divergence at step 2",
-        "generation via prefill+decode, batch 1: token match 0.5 (at least 0.9), first divergence at step 3",
-        "generation via ort:prefill+decode, batch 2: token match 0.5 (at least 0.9), first divergence at step 1",
+        _tensor("model (empty cache)", "logits", batch=1),
+        _tensor("prefill.ort", "logits"),
+        _run("prefill+decode", 2, 2),
+        _run("prefill+decode", 1, 3),
+        _run("ort:prefill+decode", 2, 1),
     ]
+    assert later[0].text == "model (empty cache) (batch 1):logits max abs 1"
+    assert later[2].text == (
+        "generation via prefill+decode, batch 2: token match 0.5 (at least 0.9), first divergence at step 2"
+    )
     shown = shown_failures(tensors + later)
-    assert shown == [tensors[0], *later[:3], later[4]], shown
-    assert shown_failures(tensors[:3] + later[2:3]) == tensors[:3] + later[2:3]
-    assert shown_failures(tensors) == tensors[:5], shown_failures(tensors)
-    quantized = [f"against the calibrated Q/DQ model: {line}" for line in tensors] + tensors[:1]
-    assert shown_failures(quantized) == [*quantized[:4], tensors[0]], shown_failures(quantized)
+    assert shown == _lines([tensors[0], *later[:3], later[4]]), shown
+    assert shown_failures(tensors[:3] + later[2:3]) == _lines(tensors[:3] + later[2:3])
+    assert shown_failures(tensors) == _lines(tensors[:5]), shown_failures(tensors)
+    quantized = [f.against("against the calibrated Q/DQ model") for f in tensors] + tensors[:1]
+    assert quantized[0].text == "against the calibrated Q/DQ model: decode:present.0.key max abs 1"
+    assert shown_failures(quantized) == _lines([*quantized[:4], tensors[0]]), shown_failures(quantized)
     assert shown_failures([]) == []
