@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import importlib.util
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kiln.errors import CheckpointError
-from kiln.plugins.base import DecoderSpec, LoadedModel, StaticStateProof
-from kiln.plugins.cache_layout import CacheLayout
+from kiln.plugins.base import DecoderSpec, LoadedModel
 from kiln.plugins.files import checkpoint_dir, read_config
-from kiln.plugins.hf.archs import ALIASES, ARCHS
+from kiln.plugins.hf.archs import ALIASES, ARCHS, Arch
 from kiln.plugins.hf.seq2seq import SEQ2SEQ
 from kiln.plugins.hf.unsupported import refusal
 from kiln.plugins.hub_cache import HF_EXTRA
@@ -86,10 +85,7 @@ class HFFamily:
         """Each row of ``table``'s structure, as far as the export's refusals read it (no config
         is read: the sizes are placeholders), for ``kiln plugins`` to ask them what it takes;
         tests/unit/test_support.py checks it against the specs the tiny models' configs give."""
-        decoders = [
-            _structure(name, window=a.window, chunked=a.chunked, cache=a.cache, static_state=a.static_state)
-            for name, a in ARCHS.items()
-        ]
+        decoders = [_structure(name, a) for name, a in ARCHS.items()]
         return decoders + [_structure(name, encoder=True) for name in SEQ2SEQ]
 
 
@@ -104,28 +100,23 @@ _PLACEHOLDER = types.SimpleNamespace(
 )  # the sizes a cache layout reads (MLA's, Mamba2's, Mamba's, the Mamba2 hybrids', Qwen3.5's, LFM2's)  # fmt: skip
 
 
-def _structure(
-    arch: str,
-    *,
-    window: bool = False,
-    chunked: bool = False,
-    cache: Callable[[Any], CacheLayout | None] | None = None,
-    encoder: bool = False,
-    static_state: StaticStateProof | None = None,
-) -> DecoderSpec:
-    """A decoder of ``arch``: its config with a sliding_window field (unset) where its class has
-    one, an attention_chunk_size field (unset) where it has chunked layers, its own cache layout
-    where it has one (of placeholder sizes) with what it declares of its state (``static_state``), and
-    an encoder-decoder's with cross-attention over its own encoder's states."""
+def _structure(arch: str, row: Arch | None = None, *, encoder: bool = False) -> DecoderSpec:
+    """A decoder of ``arch`` as its row of ``ARCHS`` declares it: its config with a sliding_window
+    field (unset) where its class has one, an attention_chunk_size field (unset) where it has chunked
+    layers, its own cache layout where it has one (of placeholder sizes), and what it declares to
+    ``--target onnx`` (its state, its window: ``static_state``, ``sliding_window_proved``); an
+    encoder-decoder's (no row) with cross-attention over its own encoder's states."""
+    a = row or Arch(arch)
     config = {
         "architecture": arch,
-        **({"sliding_window": None} if window else {}),
-        **({"attention_chunk_size": None} if chunked else {}),
+        **({"sliding_window": None} if a.window else {}),
+        **({"attention_chunk_size": None} if a.chunked else {}),
     }
     return DecoderSpec(
         family=HFFamily.name, n_layers=1, n_kv_heads=1, head_dim=64, vocab_size=1, max_context=None,
         encoder_dim=64 if encoder else None, has_encoder=encoder, config=config,
-        cache=cache(_PLACEHOLDER) if cache is not None else None, static_state=static_state,
+        cache=a.cache(_PLACEHOLDER) if a.cache is not None else None, static_state=a.static_state,
+        sliding_window_proved=a.sliding_window_proved,
     )  # fmt: skip
 
 

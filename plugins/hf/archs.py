@@ -85,6 +85,14 @@ class Arch:
     # its recurrent state in the --target onnx graphs: the precisions a test proves it at
     # (tests/export/test_onnx_target_state.py), or why its trace cannot be (``DecoderSpec.static_state``)
     static_state: StaticStateProof | None = None
+    # --target onnx applies its sliding window as its config gives it: a windowed tiny model (a window shorter than
+    # its parity run) proves it in tests/export/test_onnx_target.py (a wrapper's: test_hf_multimodal.py), which
+    # fails where this and those cases differ (``DecoderSpec.sliding_window_proved``)
+    sliding_window_proved: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sliding_window_proved and not self.window:
+            raise ValueError(f"{self.label}: its sliding window is proved, yet its config has none (window=False)")
 
 
 def _falcon_kv_heads(cfg: Any) -> int:
@@ -265,8 +273,10 @@ ARCHS: Mapping[str, Arch] = {
         refusals=(_LLAMA_PARTIAL,),
         notes="rope linear, yarn, llama3, longrope; tied and untied; bias; head_dim != hidden/heads",
     ),
-    "MistralForCausalLM": Arch("Mistral", notes="sliding window", window=True),
-    "Qwen2ForCausalLM": Arch("Qwen2", notes="sliding window on layers >= max_window_layers; tied", window=True),
+    "MistralForCausalLM": Arch("Mistral", notes="sliding window", window=True, sliding_window_proved=True),
+    "Qwen2ForCausalLM": Arch(
+        "Qwen2", notes="sliding window on layers >= max_window_layers; tied", window=True, sliding_window_proved=True
+    ),
     "Qwen3ForCausalLM": Arch("Qwen3", notes="q/k norm", window=True),
     "GemmaForCausalLM": Arch("Gemma", refusals=(_BIDIRECTIONAL,)),
     "Gemma2ForCausalLM": Arch(
@@ -274,12 +284,14 @@ ARCHS: Mapping[str, Arch] = {
         refusals=(_BIDIRECTIONAL,),
         notes="alternating sliding/global layers, attention and final logit soft-capping",
         window=True,
+        sliding_window_proved=True,
     ),
     "Gemma3ForCausalLM": Arch(
         "Gemma 3 (text)",
         refusals=(_BIDIRECTIONAL,),
         notes="sliding/global layers with their own rope, q/k norm, soft-capping",
         window=True,
+        sliding_window_proved=True,
     ),
     "PhiForCausalLM": Arch("Phi", notes="partial rotary, q/k LayerNorm, parallel attention + MLP"),
     "Phi3ForCausalLM": Arch(
@@ -291,7 +303,7 @@ ARCHS: Mapping[str, Arch] = {
     "SmolLM3ForCausalLM": Arch("SmolLM3", notes="NoPE layers", window=True),
     "GPTNeoXForCausalLM": Arch("GPT-NeoX", notes="partial rotary, parallel and serial residual"),
     "StableLmForCausalLM": Arch("StableLM", notes="per-head q/k LayerNorm, parallel residual, qkv bias"),
-    "Starcoder2ForCausalLM": Arch("Starcoder2", notes="sliding window", window=True),
+    "Starcoder2ForCausalLM": Arch("Starcoder2", notes="sliding window", window=True, sliding_window_proved=True),
     "CohereForCausalLM": Arch("Cohere", notes="interleaved rope, per-head q/k LayerNorm, logit scale"),
     "GPT2LMHeadModel": Arch(
         "GPT-2",
@@ -333,6 +345,7 @@ ARCHS: Mapping[str, Arch] = {
         notes="mixture of experts (top-k routing, renormalised), sliding window",
         ort="GQA; MoE (decode)",
         window=True,
+        sliding_window_proved=True,
     ),
     "Qwen3MoeForCausalLM": Arch(
         "Qwen3-MoE",
@@ -625,6 +638,7 @@ ARCHS: Mapping[str, Arch] = {
         ),
         notes="text decoder only (Gemma 3 text, from text_config); the vision tower is not exported",
         window=True,
+        sliding_window_proved=True,
         text=TextDecoder(texts=("Gemma3ForCausalLM",)),
     ),
     "Mistral3ForConditionalGeneration": Arch(

@@ -233,6 +233,7 @@ def read_spec(cfg: Any, arch: str, family: str) -> DecoderSpec:
         cache=a.cache(cfg) if a.cache is not None else None,
         keep_fp32=a.keep_fp32,
         static_state=a.static_state,
+        sliding_window_proved=a.sliding_window_proved,
     )
 
 

@@ -5,8 +5,9 @@ another name: its module and weights, its spec its own) and exports one end to e
 before the built-in families, its graphs pass parity, the manifest records it, and ``kiln check``
 loads the checkpoint through it again and passes, with nothing of kiln's own code changed. Without
 the registration the same checkpoint is refused by name. What ``--target onnx`` asks of a family's
-recurrent state is the family's declaration (``DecoderSpec.static_state``), never its name: a
-registered family that declares one is named among the proved ones."""
+recurrent state and of its sliding window is the family's declaration (``DecoderSpec.static_state``,
+``DecoderSpec.sliding_window_proved``), never its name: a registered family that declares one is
+named among the proved ones."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from kiln.errors import CheckpointError
+from kiln.errors import CheckpointError, ConfigError
 from kiln.exporter.check import check_dir
 from kiln.exporter.options import ExportOptions, Precision
 from kiln.exporter.pipeline import export
@@ -94,7 +95,7 @@ def test_a_new_family_is_its_folder_and_one_registration(toy_registered: None, t
 
 
 class StateFamily(ToyFamily):
-    """A family of one structure, a recurrent state whose proof it declares (for ``--target onnx``)."""
+    """A family of one structure, whose proofs (a recurrent state's, a window's) it declares for ``--target onnx``."""
 
     name = "toy-state"
 
@@ -129,3 +130,23 @@ def test_the_onnx_target_asks_the_family_what_its_state_proves() -> None:
     finally:
         FAMILIES.forget("toy-state")
     assert "only for Mamba2ForCausalLM, BambaForCausalLM, Lfm2ForCausalLM, ToyState, each proved" in why, why
+
+
+def test_the_onnx_target_asks_the_family_whether_its_window_is_proved() -> None:
+    from kiln.exporter.targets.onnx.windows import layer_windows
+
+    spec = DecoderSpec("toy-window", 2, 1, 8, 32, 64, config={"architecture": "ToyWindow", "sliding_window": 4})
+    with pytest.raises(ConfigError) as err:
+        layer_windows(spec)  # a family that declares nothing: refused, and not among the proved ones
+    assert "Gemma3ForConditionalGeneration, each proved by a test; this ToyWindow model has a 4-token" in str(err.value)
+    declared = dataclasses.replace(spec, sliding_window_proved=True)
+    assert layer_windows(declared) == {0: 4, 1: 4}
+    FAMILIES.register("toy-state", StateFamily(declared))  # one registration adds it to the proved ones
+    try:
+        with pytest.raises(ConfigError) as err:
+            layer_windows(dataclasses.replace(spec, config={"sliding_window": 8}))
+    finally:
+        FAMILIES.forget("toy-state")
+    assert "Gemma3ForConditionalGeneration, ToyWindow, each proved by a test; this toy-window model has a 8" in str(
+        err.value
+    )

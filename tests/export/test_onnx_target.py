@@ -6,6 +6,7 @@ portable graphs' and to transformers' ``generate()``, and no step copying the ca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -736,25 +737,28 @@ def test_hf_int4_near_tie_model_exports_with_agreement_recorded(tmp_path: Path) 
 
 
 def test_windows_read_from_the_config_or_refused() -> None:
+    """A window is applied where the spec declares it proved (``sliding_window_proved``), refused
+    otherwise by a message naming the architectures the families declare."""
     from kiln.exporter.targets.onnx.windows import layer_windows
     from kiln.plugins.base import DecoderSpec
 
-    def spec(**config: object) -> DecoderSpec:
-        return DecoderSpec("hf", 3, 2, 8, 32, 64, config=dict(config))
+    def spec(proved: bool, **config: object) -> DecoderSpec:
+        return DecoderSpec("hf", 3, 2, 8, 32, 64, config=dict(config), sliding_window_proved=proved)
 
-    assert layer_windows(spec(architecture="LlamaForCausalLM")) == {}
-    assert layer_windows(spec(architecture="MistralForCausalLM", sliding_window=16)) == {0: 16, 1: 16, 2: 16}
-    assert layer_windows(spec(architecture="Qwen2ForCausalLM", sliding_window=16, use_sliding_window=False)) == {}
+    assert layer_windows(spec(False, architecture="LlamaForCausalLM")) == {}
+    assert layer_windows(spec(False, architecture="Phi3ForCausalLM", sliding_window=None)) == {}  # its field, unset
+    assert layer_windows(spec(True, architecture="MistralForCausalLM", sliding_window=16)) == {0: 16, 1: 16, 2: 16}
+    assert layer_windows(spec(True, architecture="Qwen2ForCausalLM", sliding_window=16, use_sliding_window=False)) == {}
     kinds = ["full_attention", "sliding_attention", "sliding_attention"]
     assert layer_windows(
-        spec(architecture="Qwen2ForCausalLM", sliding_window=16, use_sliding_window=True, layer_types=kinds)
+        spec(True, architecture="Qwen2ForCausalLM", sliding_window=16, use_sliding_window=True, layer_types=kinds)
     ) == {1: 16, 2: 16}
     with pytest.raises(ConfigError) as err:
-        layer_windows(spec(architecture="Phi3ForCausalLM", sliding_window=2047))
+        layer_windows(spec(False, architecture="Phi3ForCausalLM", sliding_window=2047))
     assert str(err.value) == (
-        "config: --target onnx applies sliding windows only for MistralForCausalLM, MixtralForCausalLM, "
-        "Starcoder2ForCausalLM, Qwen2ForCausalLM, Gemma2ForCausalLM, "
-        "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, each proved by a test; this Phi3ForCausalLM model "
+        "config: --target onnx applies sliding windows only for MistralForCausalLM, Qwen2ForCausalLM, "
+        "Gemma2ForCausalLM, Gemma3ForCausalLM, Starcoder2ForCausalLM, MixtralForCausalLM, "
+        "Gemma3ForConditionalGeneration, each proved by a test; this Phi3ForCausalLM model "
         "has a 2047-token window: export it without --target onnx"
     )
     with pytest.raises(
@@ -762,14 +766,17 @@ def test_windows_read_from_the_config_or_refused() -> None:
     ):
         layer_windows(
             spec(
-                architecture="Gemma3ForCausalLM", sliding_window=4, layer_types=["full_attention", "chunked_attention"]
+                True,
+                architecture="Gemma3ForCausalLM",
+                sliding_window=4,
+                layer_types=["full_attention", "chunked_attention"],
             )
         )
     # Llama 4's chunked layers: refused (the static masks would attend to every earlier key); without one, nothing to
     # refuse
     chunked = ["chunked_attention", "chunked_attention", "full_attention"]
     with pytest.raises(ConfigError) as err:
-        layer_windows(spec(architecture="Llama4ForCausalLM", attention_chunk_size=8192, layer_types=chunked))
+        layer_windows(spec(False, architecture="Llama4ForCausalLM", attention_chunk_size=8192, layer_types=chunked))
     assert str(err.value) == (
         "config: --target onnx does not apply chunked attention (this Llama4ForCausalLM model attends within "
         "chunks of 8192 tokens:"
@@ -777,16 +784,49 @@ def test_windows_read_from_the_config_or_refused() -> None:
     )
     assert (
         layer_windows(
-            spec(architecture="Llama4ForCausalLM", attention_chunk_size=8192, layer_types=["full_attention"] * 3)
+            spec(False, architecture="Llama4ForCausalLM", attention_chunk_size=8192, layer_types=["full_attention"] * 3)
         )
         == {}
     )
     assert (
         layer_windows(
-            spec(architecture="Llama4ForCausalLM", attention_chunk_size=None, layer_types=["full_attention"] * 3)
+            spec(False, architecture="Llama4ForCausalLM", attention_chunk_size=None, layer_types=["full_attention"] * 3)
         )
         == {}
     )
+
+
+def test_a_window_is_applied_by_its_declaration_never_by_its_name() -> None:
+    from kiln.exporter.targets.onnx.windows import layer_windows
+    from kiln.plugins.base import DecoderSpec
+
+    mistral = DecoderSpec("hf", 2, 2, 8, 32, 64, config={"architecture": "MistralForCausalLM", "sliding_window": 4})
+    with pytest.raises(ConfigError, match=r"; this MistralForCausalLM model has a 4-token window: export it without"):
+        layer_windows(mistral)  # a proved architecture's name, but no declaration
+    assert layer_windows(dataclasses.replace(mistral, sliding_window_proved=True)) == {0: 4, 1: 4}
+
+
+def test_the_windows_declared_proved_are_those_these_tests_prove() -> None:
+    """The hf family declares a sliding window proved (``Arch.sliding_window_proved``, in the specs
+    of its table's rows and of a config read) for exactly the architectures whose windowed case
+    above exports --target onnx, and Gemma 3's wrapper (test_hf_multimodal.py exports its window);
+    a row declaring a window proved where its config has none is a family's bug."""
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face configs need transformers")
+    from kiln.plugins.hf import HF
+    from kiln.plugins.hf.archs import Arch
+    from kiln.plugins.hf.multimodal import read_any_spec
+    from kiln.plugins.hf.tiny import TINY
+
+    proved = [*WINDOWS, "gemma3-multimodal-window"]
+    declared = [spec.config["architecture"] for spec in HF.specs() if spec.sliding_window_proved]
+    assert sorted(declared) == sorted(TINY[case][0] for case in proved)
+    for case in [*proved, "phi3-partial", "smollm3", "llama"]:
+        arch, make = TINY[case]
+        assert read_any_spec(make(transformers), arch, "hf").sliding_window_proved is (case in proved), case
+    with pytest.raises(
+        ValueError, match=r"^Toy: its sliding window is proved, yet its config has none \(window=False\)$"
+    ):
+        Arch("Toy", sliding_window_proved=True)
 
 
 def test_the_plugins_table_takes_what_these_tests_export() -> None:

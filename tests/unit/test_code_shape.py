@@ -3,7 +3,8 @@ function over 45 statements, no module over 250 (tests, benchmarks and docs asid
 lines a statement starts on, which ruff's layout does not change: on the tree before ruff formatted it
 the longest were 41 and 245, as strict as its 60 and 400 physical lines were); no target folder
 (``exporter/targets/<name>/``) imports another target's folder, even for annotations (issue 42:
-what targets share lives in ``exporter/patterns/``).
+what targets share lives in ``exporter/patterns/``), and no file there names a model architecture
+(issue 42: a target asks the family's declaration, ``DecoderSpec``).
 
 Imports counted: every ``import``/``from ... import`` of a kiln module, at module level or inside a
 function (a lazy import is still a dependency); between folders, not those under
@@ -20,6 +21,7 @@ of ``kiln`` and ``kiln.exporter`` (cli, errors, options, pipeline...) a node of 
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -317,3 +319,44 @@ def test_no_target_or_kind_is_tested_by_name_outside_its_folder() -> None:
     assert found == [], why + "\n".join(found)
     stale = [where for where in NAME_ALLOWED if not (ROOT / where).is_file()]
     assert stale == [], f"allowed files that are no more: {stale}"
+
+
+# Issue 42: a target names no model family; what it asks of one is the family's declaration in the
+# spec it builds (``DecoderSpec.static_state``, ``DecoderSpec.sliding_window_proved``). Found: a
+# Hugging Face class name (``...ForCausalLM``, ``...ForConditionalGeneration``) anywhere in a file
+# under exporter/targets/ (code, comment or docstring), or an architecture a registered family's rows
+# name (``ModelFamily.specs``: ``GPT2LMHeadModel``, ``kiln-ple-decoder``).
+HF_CLASS = re.compile(r"\b\w+For(?:CausalLM|ConditionalGeneration)\b")
+
+
+def _architectures_named(text: str, registered: set[str]) -> list[str]:
+    """The architectures ``text`` names, sorted: Hugging Face class names and the ``registered`` ones."""
+    return sorted(set(HF_CLASS.findall(text)) | {name for name in registered if name in text})
+
+
+def test_the_architecture_finder_sees_class_names_in_code_and_prose() -> None:
+    text = (
+        'PROVED = ("MistralForCausalLM",)\n# Gemma3ForConditionalGeneration wraps it\n'
+        'x = \'GPT2LMHeadModel\'\n"""a causal LM, ForCausalLM alone, gpt2"""\n'
+    )
+    found = _architectures_named(text, {"GPT2LMHeadModel", "OPTForCausalLM"})
+    assert found == ["GPT2LMHeadModel", "Gemma3ForConditionalGeneration", "MistralForCausalLM"], found
+
+
+def test_no_target_names_a_model_architecture() -> None:
+    from kiln.plugins import families
+
+    specs = [spec for family in families() if callable(rows := getattr(family, "specs", None)) for spec in rows()]
+    registered = {str(spec.config["architecture"]) for spec in specs if spec.config.get("architecture")}
+    assert {"LlamaForCausalLM", "GPT2LMHeadModel", "kiln-ple-decoder"} <= registered, "the families' rows were not read"
+    files = [
+        p for p in sorted((ROOT / "exporter" / "targets").rglob("*")) if p.is_file() and "__pycache__" not in p.parts
+    ]
+    named = [
+        f"{path.relative_to(ROOT).as_posix()} names {', '.join(found)}"
+        for path in files
+        if (found := _architectures_named(path.read_text(), registered))
+    ]
+    assert len(files) > 20 and named == [], (
+        "a target asks the family's declaration (DecoderSpec), never its name:\n" + "\n".join(named)
+    )

@@ -1,17 +1,19 @@
-"""Which layers attend through a sliding window, and how wide: read from the family's config, for
-the architectures whose window a test proves (a tiny model with a window of 4 tokens, shorter
-than its parity run: tests/export/test_onnx_target.py), as transformers applies it: a query at
-slot ``i`` sees slot ``j`` only when ``j > i - window``.
+"""Which layers attend through a sliding window, and how wide, read from the config of a family
+that declares its window proved (``DecoderSpec.sliding_window_proved``: a test exports a tiny
+model whose window, 4 tokens, is shorter than its parity run), applied as transformers does: a
+query at slot ``i`` sees slot ``j`` only when ``j > i - window``.
 
-- ``config.layer_types`` names each layer's kind (``sliding_attention``, ``full_attention``):
-  Qwen2 (``use_sliding_window``, ``max_window_layers``) and Gemma 2/3 have it;
-- otherwise a ``sliding_window`` applies to every layer (Mistral, Mixtral, Starcoder2).
+- a config whose ``use_sliding_window`` is false has none;
+- ``config.layer_types`` names each layer's kind (``sliding_attention``, ``full_attention``): the
+  window is on the first;
+- otherwise a ``sliding_window`` applies to every layer.
 
-Any other architecture with a ``sliding_window`` in its config is refused by name, never
-guessed: a window applied wrongly passes a parity run shorter than the window and is wrong
-beyond it. So is chunked attention (Llama 4's ``attention_chunk_size`` on its
-``chunked_attention`` layers: a query sees only the keys of its own chunk), which the target's
-static masks do not express: exported, those layers would silently attend to every earlier key.
+A window the family does not declare proved is refused by name, never guessed: a window applied
+wrongly passes a parity run shorter than the window and is wrong beyond it. Which families are
+proved is theirs to say, and this folder names none: the refusal lists those the registered
+families declare (``proved_windows``). Chunked attention is refused too (an ``attention_chunk_size``
+on ``chunked_attention`` layers: a query sees only the keys of its own chunk): the target's static
+masks do not express it, and exported, those layers would silently attend to every earlier key.
 """
 
 from __future__ import annotations
@@ -19,17 +21,17 @@ from __future__ import annotations
 from kiln.errors import ConfigError
 from kiln.plugins.base import DecoderSpec
 
-__all__ = ["PROVED", "layer_windows"]
+__all__ = ["layer_windows", "proved_windows"]
 
-PROVED = (
-    "MistralForCausalLM",
-    "MixtralForCausalLM",
-    "Starcoder2ForCausalLM",
-    "Qwen2ForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "Gemma3ForConditionalGeneration",
-)  # Gemma 3's multimodal wrapper: its text decoder, windowed (tests/export/test_hf_multimodal.py)
+
+def proved_windows() -> list[str]:
+    """The architectures whose family declares their sliding window proved
+    (``DecoderSpec.sliding_window_proved``), asked of every registered family's rows
+    (``ModelFamily.specs``), in their order."""
+    from kiln.plugins import families
+
+    rows = [spec for family in families() if callable(specs := getattr(family, "specs", None)) for spec in specs()]
+    return [str(spec.config.get("architecture") or spec.family) for spec in rows if spec.sliding_window_proved]
 
 
 def layer_windows(spec: DecoderSpec) -> dict[int, int]:
@@ -40,11 +42,11 @@ def layer_windows(spec: DecoderSpec) -> dict[int, int]:
     window = config.get("sliding_window")
     if not isinstance(window, int) or config.get("use_sliding_window") is False:
         return {}
-    arch = config.get("architecture")
-    if arch not in PROVED:
+    if not spec.sliding_window_proved:
         raise ConfigError(
-            f"--target onnx applies sliding windows only for {', '.join(PROVED)}, each proved by a test; "
-            f"this {arch or spec.family} model has a {window}-token window: export it without --target onnx"
+            f"--target onnx applies sliding windows only for {', '.join(proved_windows())}, each proved by a test; "
+            f"this {config.get('architecture') or spec.family} model has a {window}-token window: export it "
+            "without --target onnx"
         )
     kinds = config.get("layer_types")
     if kinds is None:
