@@ -12,7 +12,14 @@ from torch import Tensor, nn
 from kiln.plugins.hf.deepseek_rotary import deepseek_rewrites_for
 from kiln.plugins.hf.gated_deltanet import DELTANETS, deltanet_rewrites_for
 from kiln.plugins.hf.gemma3n_sparsity import gemma3n_rewrites_for
-from kiln.plugins.hf.mamba1_scan import flat_states, is_mamba1, mamba1_rewrites_for, step_mask, token_by_token
+from kiln.plugins.hf.mamba1_scan import (
+    continues_a_state,
+    flat_states,
+    is_mamba1,
+    mamba1_rewrites_for,
+    step_mask,
+    token_by_token,
+)
 from kiln.plugins.hf.mamba2_scan import MIXERS, mamba2_rewrites_for
 from kiln.plugins.hf.real_rotary import rewrites_for
 from kiln.plugins.hf.recurrent_state import layer_names, layer_tensors, seed_layer
@@ -111,7 +118,13 @@ class HFDecoder(nn.Module):
         past_key_values: list[tuple[Tensor, ...]] | None = None,
         last_logits_only: bool = False,
     ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
-        if self.mamba1 and past_key_values and input_ids.shape[1] > 1 and not torch.compiler.is_exporting():
+        if (
+            self.mamba1
+            and past_key_values
+            and input_ids.shape[1] > 1
+            and not torch.compiler.is_exporting()
+            and continues_a_state(input_ids, attention_mask, past_key_values)
+        ):
             args = (input_ids, attention_mask, position_ids, past_key_values, last_logits_only)
             return token_by_token(self.forward, *args)  # Mamba v1's eager reference (mamba1_scan.token_by_token)
         cache = _cache(self.model.config if self.recurrent else None, past_key_values)

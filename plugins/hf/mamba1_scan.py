@@ -21,10 +21,11 @@ length of one (mamba2_scan.py ``one_token``), takes the recurrence instead (``st
 ``mamba_selective_state_update``), not the doubling scan on one position; the unified graph and prefill
 keep the scan.
 Eager runs (kiln's PyTorch reference) keep transformers' own code, but for a step of several tokens from
-a non-empty state, which transformers' sequence form gets wrong (``token_by_token``); Mamba and
-FalconMamba hand every mixer the 2-D mask as it is, so kiln passes them the step's columns
-(``step_mask``). tests/export/test_mamba1.py proves the traced form equal to transformers' at one token
-and at several.
+a non-empty state, which transformers' sequence form gets wrong (``token_by_token``; from an empty cache,
+the unified graph's prompt call, the sequence form is exact and alone masks the padding:
+``continues_a_state``); Mamba and FalconMamba hand every mixer the 2-D mask as it is, so kiln passes them
+the step's columns (``step_mask``). tests/export/test_mamba1.py proves the traced form equal to
+transformers' at one token and at several.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from kiln.plugins.hf.trace_rewrites import Rewrite, while_exporting
 __all__ = [
     "MIXERS",
     "SCAN_DEPTH",
+    "continues_a_state",
     "flat_states",
     "is_mamba1",
     "mamba1_rewrites_for",
@@ -159,6 +161,18 @@ def flat_states(cache: Any) -> None:
         states = getattr(layer, "recurrent_states", None)
         if states and states.get(0) is not None and states[0].ndim == 4:
             states[0] = states[0].squeeze(1)
+
+
+def continues_a_state(input_ids: Tensor, attention_mask: Tensor, past: Any) -> bool:
+    """Whether a step of several tokens continues a state (``token_by_token``'s case): a past position
+    before it (kiln's mask covers the past), or a state not zero. From an empty cache (no past position,
+    every state zero: ``contract.steps.empty_past``, the unified graph's prompt call) transformers'
+    sequence form is exact, and only it zeroes the step's padding: Jamba's one-token recurrence reads no
+    mask (``create_recurrent_attention_mask`` gives none for one token), so token by token a left-padded
+    row's padding would enter its state, where the graphs and prefill's reference leave it out."""
+    if attention_mask.shape[1] > input_ids.shape[1]:
+        return True
+    return any(bool(tensor.any()) for layer in past for tensor in layer)
 
 
 Step = Callable[[Tensor, Tensor, Tensor, Any, bool], tuple[Tensor, Any]]
