@@ -12,7 +12,7 @@ from pathlib import Path
 from kiln.calibration.data import SYNTHETIC, load_calibration_data
 from kiln.errors import ParityError
 from kiln.exporter.options import ExportOptions
-from kiln.exporter.parity.quality import QualityPlan, measures, quantized, threshold_for
+from kiln.exporter.parity.quality import UNQUANTIZED, QualityPlan, measures, quantized, threshold_for
 from kiln.exporter.parity.quality_text import quality_text_of
 from kiln.exporter.parity.report import write_parity_reports
 from kiln.exporter.precision.kinds.plan import Precision
@@ -57,7 +57,9 @@ def plan_quality(loaded: LoadedModel, spec: DecoderSpec, options: ExportOptions,
         max_context,
     )
     return QualityPlan(
-        text, threshold_for(options.precision.value, options.quality_gate), measures(spec, options.last_logits_only)
+        text,
+        threshold_for(options.precision.value, options.quality_gate),
+        measures(spec, options.last_logits_only, options.precision.value, asked=options.eval_data is not None),
     )
 
 
@@ -73,7 +75,8 @@ def measured_graphs(quality: QualityPlan, options: ExportOptions, written: Seque
     if low_bit is None:
         return quality
     threshold = threshold_for(low_bit.precision.value, options.quality_gate)
-    return dataclasses.replace(quality, threshold=threshold, target=low_bit.name)
+    note = None if quality.note == UNQUANTIZED else quality.note  # the target's graphs are quantized
+    return dataclasses.replace(quality, threshold=threshold, target=low_bit.name, note=note)
 
 
 def check_quality(
@@ -90,7 +93,7 @@ def check_quality(
     return QualityPlan(
         text,
         threshold if any(p in precision for p in ("int4", "int8", "fp8")) else None,
-        measures(spec, last_logits_only),
+        measures(spec, last_logits_only, precision),
     )
 
 

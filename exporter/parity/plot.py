@@ -93,34 +93,29 @@ def run_rules(result: ParityResult) -> list[tuple[str, float]]:
 
 
 def write_plot(result: ParityResult, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     fig = figure(result)
     fig.savefig(path, metadata={"Software": None})  # fixed metadata: the PNG's bytes depend only on the data
-    plt.close(fig)
 
 
 def figure(result: ParityResult) -> Figure:
-    """The proof's two panels, the quality's below them when measured, the legend at the bottom."""
-    import matplotlib
+    """The proof's two panels, the quality's below them when measured, the legend at the bottom.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    A bare ``Figure`` on the Agg canvas, not pyplot: no pyplot state (its figure list, a backend
+    picked for the machine) and nothing to close; the same figure and PNG as ``pyplot.subplots``
+    drew (``test_the_plot_is_pyplots_png``)."""
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     lines = plot_lines(result)
     quality = result.quality is not None and result.quality.note is None
     ratios = (3, 2, 1.4) if quality else (3, 2)
-    fig, axes = plt.subplots(
-        len(ratios),
-        1,
-        figsize=(8, 6.5 + 1.2 * quality + 0.18 * len(lines)),
-        dpi=100,
-        layout="constrained",
-        height_ratios=ratios,
-    )
+    fig = Figure(figsize=(8, 6.5 + 1.2 * quality + 0.18 * len(lines)), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)  # the figure's canvas: savefig writes PNG through Agg whatever backend pyplot would pick
+    axes = fig.subplots(len(ratios), 1, height_ratios=ratios)
     error, tokens = axes[0], axes[1]
     tokens.sharex(error)
-    _proof(result, lines, error, tokens, plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    _proof(result, lines, error, tokens, matplotlib.rcParams["axes.prop_cycle"].by_key()["color"])
     if quality:
         _quality(result, axes[2])
     handles = [h for ax in (error, tokens) for h in ax.get_legend_handles_labels()[0]]

@@ -31,6 +31,7 @@ from kiln.plugins.base import DecoderSpec
 
 __all__ = [
     "THRESHOLDS",
+    "UNQUANTIZED",
     "QualityPlan",
     "QualityResult",
     "graph_quality",
@@ -58,14 +59,21 @@ def threshold_for(precision: str, gate: str) -> float | None:
     return THRESHOLDS[low_bit] if gate == "auto" else float(gate)
 
 
-def measures(spec: DecoderSpec, last_logits_only: bool) -> str | None:
+UNQUANTIZED = "not measured: fp32 graphs compute the checkpoint's model unquantized (parity proves them)"
+
+
+def measures(spec: DecoderSpec, last_logits_only: bool, precision: str, *, asked: bool = False) -> str | None:
     """Why quality is not measured on this export (None: it is): its prefill must return every
-    position's logits of a decoder-only model."""
+    position's logits of a decoder-only model, and its measured graphs must change the model's
+    numbers (fp32 graphs are the model itself: their agreement is parity's, proved tensor by tensor,
+    and measuring it again would cost a PyTorch forward and the graphs' prefill over the whole
+    quality text; ``UNQUANTIZED``, which ``quality_gate.measured_graphs`` lifts where a target's
+    quantized graphs are measured instead), unless ``asked`` (``--eval-data`` named the text)."""
     if spec.has_encoder or spec.encoder_dim is not None:
         return "not measured: a cross-attention decoder's quality needs its encoder's inputs"
     if last_logits_only:
         return "not measured: the prefill graph returns the last position's logits only (--logits last)"
-    return None
+    return UNQUANTIZED if precision == "fp32" and not asked else None
 
 
 _ROWS = 32  # positions per slice of the float64 arithmetic: [32, vocab] is 39 MB at a 152k vocabulary

@@ -14,6 +14,7 @@ from kiln.exporter.contract.io import GraphKind
 from kiln.exporter.external_data import external_files
 from kiln.exporter.runners.base import Feeds
 from kiln.exporter.runners.device import current
+from kiln.exporter.runners.heap import return_freed_memory
 from kiln.exporter.runners.ort_memory import allocation_failure, memory_error
 
 __all__ = ["KEEP_OPEN_BYTES", "OrtRunner", "ort_session"]
@@ -31,6 +32,7 @@ def ort_session(
     qdq_as_written: bool = False,
     providers: list[Any] | None = None,
     memory_arena: bool = True,
+    prepack: bool = True,
 ) -> Any:
     """An ONNX Runtime CPU session over a graph file or serialized model: the one place kiln
     sets session options. ``threads`` pins intra-op threads (and inter-op to one);
@@ -64,10 +66,16 @@ def ort_session(
 
     ``memory_arena=False``: no CPU memory arena, so a run's buffers go back to the system when it
     ends instead of staying reserved in the arena's grown chunks until the session closes (parity:
-    the 0.5B fp32 export's peak fell 0.3 GB, from 4.23 to 3.92 GB, at the same stage time)."""
+    the 0.5B fp32 export's peak fell 0.3 GB, from 4.23 to 3.92 GB, at the same stage time).
+
+    ``prepack=False`` (``session.disable_prepacking``): the session maps its weights and packs them
+    at each call instead of copying every one into packed form when it starts: for a graph run a
+    handful of times, the start is what costs (``OrtRunner``)."""
     import onnxruntime as ort
 
     opts = _options(ort, threads, spinning, fp16_weights_stay_fp16, weight_only_dq, qdq_as_written, memory_arena)
+    if not prepack:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
     return _session(ort, model, opts, providers or ["CPUExecutionProvider"])
 
 
@@ -137,9 +145,13 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
     dequantize every int4 one on every call (measured on the Llama-3-8B shape with 2 layers, an
     int4 decode step of 4 rows: 3.3 s against 0.48 s). Graphs whose weights together fit
     ``KEEP_OPEN_BYTES`` keep their sessions open side by side instead (a small model's sessions
-    cost more to reopen than to hold: the test suite's parity). Sessions exist only while the
-    runner is active. Its sessions run on the parity device of its making (``runners.device``):
-    on CUDA, ONNX Runtime's CUDA provider (the CPU's for nodes it has no kernel of)."""
+    cost more to reopen than to hold: the test suite's parity). Prefill and the unified graph, which
+    parity runs a handful of times, do not prepack fp32 weights: their session's start would cost
+    more than packing at each run (docs/benchmarks.md); decode, run once a generated token, and
+    quantized or fp16 weights (dequantized or cast at every call without it) keep prepacking.
+    Sessions exist only while the runner is active. Its sessions run on the parity device of its
+    making (``runners.device``): on CUDA, ONNX Runtime's CUDA provider (the CPU's for nodes it has
+    no kernel of)."""
 
     name = "onnxruntime"
 
@@ -202,6 +214,7 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
             qdq_as_written=traits.quantizes,
             providers=self._device.providers,
             memory_arena=False,  # parity's sessions hold their weights, not every run's largest buffers
+            prepack=kind is GraphKind.DECODE or not traits.float_weights,
         )
         runner = OnnxrtRunner(session, name=f"onnxruntime:{kind.value}")
         runner.activate()
@@ -209,20 +222,25 @@ class OrtRunner(contextlib.AbstractContextManager["OrtRunner"]):
         return runner
 
     def _close(self) -> None:
+        if not self._open:
+            return
         while self._open:
             self._open.popitem()[1].deactivate()
+        return_freed_memory()  # the closed sessions' prepacked weights, not kept for the next (``runners.heap``)
 
 
 @dataclasses.dataclass(frozen=True)
 class _GraphTraits:
     """What a graph's session options depend on, read from the graph file alone (its weights stay
-    on disk): whether it holds fp16 weights (``fp16_weights_stay_fp16``) and whether it quantizes
-    activations (a QuantizeLinear: int8, fp8; ``qdq_as_written``); and the bytes of its weights
-    (its file and the external files it reads), what its session holds about as much of."""
+    on disk): whether it holds fp16 weights (``fp16_weights_stay_fp16``), whether it quantizes
+    activations (a QuantizeLinear: int8, fp8; ``qdq_as_written``), whether every weight it reads
+    from its external files is fp32 (``prepack``); and the bytes of its weights (its file and the
+    external files it reads), what its session holds about as much of."""
 
     fp16_weights: bool
     quantizes: bool
     weight_bytes: int
+    float_weights: bool = False
 
     @classmethod
     def of(cls, graph: Path) -> _GraphTraits:
@@ -237,4 +255,9 @@ class _GraphTraits:
             quantizes=any(node.op_type == "QuantizeLinear" for node in model.graph.node),
             weight_bytes=graph.stat().st_size
             + sum(path.stat().st_size for path in external_files(graph, model).values()),
+            float_weights=all(
+                i.data_type == onnx.TensorProto.FLOAT
+                for i in model.graph.initializer
+                if i.data_location == onnx.TensorProto.EXTERNAL
+            ),
         )

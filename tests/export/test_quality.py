@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from kiln.cli import main
 from kiln.exporter.artifacts.manifest import read
 from kiln.exporter.options import ExportOptions, Precision
+from kiln.exporter.parity.quality import UNQUANTIZED
 from kiln.exporter.pipeline import export
 from kiln.exporter.precision.kinds import Int4
 from kiln.exporter.precision.kinds.int4 import Int4Method
@@ -137,3 +138,19 @@ def test_bad_eval_data_is_refused_in_one_line(tmp_path: Path) -> None:
     assert "empty.txt: holds no text" in _refusal(tmp_path, tmp_path / "empty.txt")
     os.mkfifo(tmp_path / "fifo.txt")
     assert "fifo.txt: a FIFO, not a regular file" in _refusal(tmp_path, tmp_path / "fifo.txt")
+
+
+def test_fp32_graphs_are_measured_only_when_eval_data_names_a_text(tmp_path: Path) -> None:
+    """fp32 graphs are the checkpoint's model (parity proves them): the export's last line says why
+    quality is not measured, and the manifest has none, unless --eval-data asks for it."""
+    plain = CliRunner().invoke(
+        main, ["export", "--model", "demo", "--out", str(tmp_path / "a"), "--parity-tokens", "2"]
+    )
+    assert plain.exit_code == 0, plain.output
+    assert f"quality {UNQUANTIZED};" in plain.output, plain.output
+    assert read(tmp_path / "a").parity.quality is None  # the manifest records quality where it was measured
+    text = resolve_checkpoint("demo") / "heldout.txt"
+    asked = export("demo", tmp_path / "b", ExportOptions(parity_tokens=2, eval_data=text))
+    quality = asked.parity.quality
+    assert quality is not None and quality.note is None and quality.tokens > 0 and quality.real, quality
+    assert quality.agreement > 0.99 and quality.kl < 1e-4 and quality.threshold is None, quality

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kiln.exporter.parity import GenerationCheck, ParityResult, TensorCheck
-from kiln.exporter.parity.plot import figure, limit_labels, plot_lines, run_rules
+from kiln.exporter.parity.plot import figure, limit_labels, plot_lines, run_rules, write_plot
+from kiln.exporter.parity.quality import QualityResult
 from kiln.exporter.parity.report import markdown, summary_table, verdict, write_parity_reports
 from kiln.exporter.precision import TOLERANCES
 
@@ -201,6 +204,59 @@ def test_the_plot_has_two_panels_and_its_legend_clear_of_them() -> None:
     texts = [t.get_text() for t in legend.get_texts()]
     assert "ort:model, batch 1" in texts and "whole run: token match at least 90%, ties excepted (ort int8)" in texts
     assert "limit 1.5 + 0.05 x step's max|logit| (ort int8)" in texts
+
+
+def _pyplot_png(result: ParityResult, path: Path) -> None:
+    """The plot as ``figure`` drew it through ``pyplot.subplots`` before it took a bare Figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kiln.exporter.parity import plot
+
+    lines = plot.plot_lines(result)
+    quality = result.quality is not None and result.quality.note is None
+    ratios = (3, 2, 1.4) if quality else (3, 2)
+    size = (8, 6.5 + 1.2 * quality + 0.18 * len(lines))
+    fig, axes = plt.subplots(len(ratios), 1, figsize=size, dpi=100, layout="constrained", height_ratios=ratios)
+    axes[1].sharex(axes[0])
+    plot._proof(result, lines, axes[0], axes[1], plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    if quality:
+        plot._quality(result, axes[2])
+    handles = [h for ax in axes[:2] for h in ax.get_legend_handles_labels()[0]]
+    fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=7)
+    fig.savefig(path, metadata={"Software": None})
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("quality", [False, True])
+def test_the_plot_is_pyplots_png(tmp_path: Path, quality: bool) -> None:
+    """The bare Figure on the Agg canvas (no pyplot state) writes pyplot's PNG, byte for byte."""
+    result = _two_sets()
+    if quality:
+        result.quality = QualityResult("heldout", True, 2048, 0.891, 0.028, 9.6, 9.8, 0.85)
+    write_plot(result, tmp_path / "kiln.png")
+    _pyplot_png(result, tmp_path / "pyplot.png")
+    assert (tmp_path / "kiln.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "kiln.png").read_bytes() == (tmp_path / "pyplot.png").read_bytes()
+
+
+def test_the_plot_imports_no_pyplot(tmp_path: Path) -> None:
+    """An export's plot leaves pyplot unimported: no global figure list or backend choice (the Agg canvas
+    is the figure's own)."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from kiln.exporter.parity import ParityResult\n"
+        "from kiln.exporter.parity.plot import write_plot\n"
+        "from kiln.exporter.precision import TOLERANCES\n"
+        f"write_plot(ParityResult('onnxruntime', 'fp32', TOLERANCES['fp32']), Path({str(tmp_path / 'p.png')!r}))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('matplotlib.pyplot') or m.endswith('.backend_agg')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "['matplotlib.backends.backend_agg']"
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_verdict_names_each_set_against_its_tolerance() -> None:
