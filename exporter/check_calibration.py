@@ -29,7 +29,7 @@ from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.precision.kinds.base import Needs
 from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln.exporter.precision.kinds.plan import Precision
-from kiln.plugins import DEMO, LoadedModel, resolve_checkpoint
+from kiln.plugins import LoadedModel, demo_heldout
 
 __all__ = ["Recorded", "Skip", "rerun_source", "refuse_unread"]
 
@@ -68,7 +68,7 @@ def rerun_source(recorded: Recorded, given: Path | None, loaded: LoadedModel) ->
         return source
     if recorded.source == SYNTHETIC:
         return SYNTHETIC
-    bundled = _bundled_text(loaded)
+    bundled = demo_heldout(loaded)
     if bundled is not None and _sha256(str(bundled), recorded, loaded) == recorded.sha256:
         return str(bundled)
     return Skip(
@@ -109,10 +109,3 @@ def _sha256(source: str, recorded: Recorded, loaded: LoadedModel) -> str:
         samples=recorded.samples,
         window=recorded.window,
     ).sha256
-
-
-def _bundled_text(loaded: LoadedModel) -> Path | None:
-    """The bundled demo's held-out text, when ``loaded`` is the bundled demo checkpoint."""
-    demo = resolve_checkpoint(DEMO)
-    text = demo / "heldout.txt"
-    return text if loaded.source.resolve() == demo.resolve() and text.is_file() else None

@@ -18,7 +18,7 @@ from kiln.exporter.parity.report import write_parity_reports
 from kiln.exporter.precision.kinds.plan import Precision
 from kiln.exporter.report import ExportReport
 from kiln.exporter.targets.base import TargetGraphs
-from kiln.plugins import DEMO, LoadedModel, resolve_checkpoint
+from kiln.plugins import LoadedModel, demo_heldout
 from kiln.plugins.base import DecoderSpec
 
 __all__ = ["QualityError", "check_quality", "measured_graphs", "plan_quality", "refuse_quality"]
@@ -28,13 +28,6 @@ class QualityError(ParityError):
     """The quantized graphs compute their model, but the quantization costs more than the gate allows."""
 
     stage = "quality"
-
-
-def _demo_heldout(loaded: LoadedModel) -> Path | None:
-    """The demo's held-out text, when ``loaded`` is the bundled demo checkpoint."""
-    demo = resolve_checkpoint(DEMO)
-    heldout = demo / "heldout.txt"
-    return heldout if loaded.source.resolve() == demo.resolve() and heldout.is_file() else None
 
 
 def plan_quality(loaded: LoadedModel, spec: DecoderSpec, options: ExportOptions, max_context: int) -> QualityPlan:
@@ -50,7 +43,7 @@ def plan_quality(loaded: LoadedModel, spec: DecoderSpec, options: ExportOptions,
 
     text = quality_text_of(
         options.eval_data,
-        _demo_heldout(loaded),
+        demo_heldout(loaded),
         (calib, calibration_ids, Path(calib).suffix.lower() not in (".npy", ".npz")) if calib is not None else None,
         loaded.tokenizer,
         spec.vocab_size,
@@ -89,7 +82,7 @@ def check_quality(
 ) -> QualityPlan:
     """``kiln check``'s quality: on the demo's held-out text for the demo, else random tokens (an
     export's own real text is not recorded), gated at the ``threshold`` its manifest recorded."""
-    text = quality_text_of(None, _demo_heldout(loaded), None, loaded.tokenizer, spec.vocab_size, max_context)
+    text = quality_text_of(None, demo_heldout(loaded), None, loaded.tokenizer, spec.vocab_size, max_context)
     return QualityPlan(
         text,
         threshold if any(p in precision for p in ("int4", "int8", "fp8")) else None,

@@ -39,6 +39,7 @@ __all__ = [
     "claim_order",
     "read_config",
     "resolve_checkpoint",
+    "demo_heldout",
     "config_spec",
     "load_model",
     "DEMO",
@@ -122,6 +123,14 @@ def config_spec(model: str | Path) -> DecoderSpec | None:
     read = getattr(family, "config_spec", None)
     spec: DecoderSpec | None = read(path) if callable(read) else None
     return spec
+
+
+def demo_heldout(loaded: LoadedModel) -> Path | None:
+    """The bundled demo's held-out text, when ``loaded`` is the bundled demo checkpoint (quality's
+    text for the demo, and calibration data ``kiln check`` may read without being named)."""
+    demo = resolve_checkpoint(DEMO)
+    heldout = demo / "heldout.txt"
+    return heldout if loaded.source.resolve() == demo.resolve() and heldout.is_file() else None
 
 
 def load_model(model: str | Path) -> LoadedModel:
