@@ -161,7 +161,7 @@ def _preflight(model: str, out: Path, options: Any) -> None:
 
 
 def _export_plan(flags: dict[str, Any]) -> Any:
-    """The ``ExportPlan`` of ``kiln export``'s flags (``ExportOptions`` named after its fields; the enums
+    """The ``ExportPlan`` of ``kiln export``'s flags (``ExportOptions.from_flags``; the enums
     by value; the precision kinds' flags by ``Precision.chosen``): every refusal of the options
     alone asked (``exporter.plan``) before any heavy import; the pipeline asks the model's rounds."""
     from kiln.errors import ConfigError
@@ -180,7 +180,7 @@ def _export_plan(flags: dict[str, Any]) -> Any:
     )
     fields["adapters"] = tuple(Adapter(path, weight) for path, weight in fields["adapters"])
     try:
-        options = ExportOptions(precision=precision, target_flags=target_flags, **fields)
+        options = ExportOptions.from_flags(precision=precision, target_flags=target_flags, **fields)
     except ConfigError as exc:  # values wrong on their own: reported with the kinds' stray flags
         raise ConfigError(SEPARATOR.join([*stray, *exc.args])) from None
     return plan(options, given=stray)

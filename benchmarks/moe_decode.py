@@ -126,7 +126,7 @@ def main() -> None:
         shutil.rmtree(args.out, ignore_errors=True)
         _checkpoint(args, ckpt)
         start = time.perf_counter()
-        result = export(ckpt, out, ExportOptions(max_batch=1, parity_tokens=8, target="ort"))
+        result = export(ckpt, out, ExportOptions.from_flags(max_batch=1, parity_tokens=8, target="ort"))
         export_s = time.perf_counter() - start
         if not result.parity.passed:
             raise SystemExit(f"parity failed: {result.parity.failures()}")

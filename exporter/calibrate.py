@@ -28,28 +28,28 @@ def prepare_calibration(
     ranges, when the cache has them); ``checkpoint``: the checkpoint's files' sha256 (the cache's key)."""
     if not options.precision.needs(Needs.RANGES):
         return None
-    assert options.calib_data is not None, "the kinds that read ranges refuse to go without --calib-data"
+    assert options.calibration.data is not None, "the kinds that read ranges refuse to go without --calib-data"
     files = reference.loaded.files
     calibration = Calibration.prepare(
-        options.calib_data,
+        options.calibration.data,
         spec=reference.spec,
         tokenizer=reference.loaded.tokenizer,
         weights_sha256=checkpoint[files[1].name] if len(files) > 1 else "",
         samples=options.samples,
-        method=options.calib_method,
-        percentile=options.calib_percentile,
+        method=options.calibration.method,
+        percentile=options.calibration.percentile,
         context=reference.max_context,
         graph_settings={
-            "opset": options.opset,
-            "logits": options.logits.value,
-            "ple_extend": options.ple_extend,
-            "ple_extend_mode": options.ple_extend_mode.value,
-            "ple_tables": options.ple_tables.value,
+            "opset": options.graphs.opset,
+            "logits": options.graphs.logits.value,
+            "ple_extend": options.ple.extend,
+            "ple_extend_mode": options.ple.extend_mode.value,
+            "ple_tables": options.ple.tables.value,
         },
-        cache_dir=options.calib_cache,
+        cache_dir=options.calibration.cache,
     )
     if calibration.cache_hit:
-        progress.note(f"calibration: reusing cached ranges {options.calib_cache}/{calibration.key}.json")
+        progress.note(f"calibration: reusing cached ranges {options.calibration.cache}/{calibration.key}.json")
     return calibration
 
 
@@ -60,6 +60,6 @@ def graph_ranges(
     if calibration is None:
         return None
     runner = TorchRunner(
-        reference.module, reference.spec.n_layers, options.last_logits_only
+        reference.module, reference.spec.n_layers, options.graphs.last_logits_only
     )  # runs the teacher-forced decode feeds
     return lambda kind, model: calibration.ranges_for(kind, model, reference.spec, runner, progress)

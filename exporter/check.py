@@ -119,11 +119,15 @@ def _check_dir(
         )
         quantized = quantized or qdq_model(qdq, manifest.parity.agreement != "record")
         extra = _extra_feeds(options, reference, loaded, precision, swapped)
-        assert options.max_context is not None, "an export's manifest records its context"
+        assert options.graphs.max_context is not None, "an export's manifest records its context"
         settings = ParitySettings(
-            options.max_context, options.max_batch, options.parity_tokens, options.last_logits_only, device=device
+            options.graphs.max_context,
+            options.graphs.max_batch,
+            options.parity.tokens,
+            options.graphs.last_logits_only,
+            device=device,
         )
-        quality = _quality(loaded, manifest, backend, options.last_logits_only, options.max_context)
+        quality = _quality(loaded, manifest, backend, options.graphs.last_logits_only, options.graphs.max_context)
         candidates = _candidates(directory, manifest, precision, backend, extra, qdq is not None)
         # the model is freed while the graphs run unless parity.memory keeps it, then loaded again (check_parity)
         return check_parity(
@@ -170,7 +174,7 @@ def _extra_feeds(
     """What the graphs take beside the contract's inputs: the swapped adapter's slot tensors, and
     the folded PLE tables of a ``--ple-tables input`` export (in the KV cache's dtype)."""
     extra: Feeds | None = dict(swapped[1]) if swapped is not None else None
-    if options.ple_tables is PLETables.INPUT:
+    if options.ple.tables is PLETables.INPUT:
         extra = {**(extra or {}), **table_feeds(list(fold(reference, loaded.ple).tables), precision.kv_dtype)}
     return extra
 

@@ -17,9 +17,9 @@ __all__ = ["context_reasons", "exported_context"]
 
 def exported_context(spec: DecoderSpec, options: ExportOptions) -> int | None:
     """The exported context length (None: neither the options nor the model give one)."""
-    table = options.ple_extend or spec.ple_positions
+    table = options.ple.extend or spec.ple_positions
     limit = spec.max_context
-    return options.max_context or (min(limit, table) if table and limit else limit or table)
+    return options.graphs.max_context or (min(limit, table) if table and limit else limit or table)
 
 
 def context_reasons(spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
@@ -39,13 +39,13 @@ def context_reasons(spec: DecoderSpec | None, options: ExportOptions) -> list[st
     if limit is not None and context > limit:
         why = f" ({spec.max_context_why})" if spec.max_context_why else ""
         return [f"--max-context {context} exceeds the model's max_context {limit}{why}"]
-    rows = options.ple_extend or spec.ple_positions
+    rows = options.ple.extend or spec.ple_positions
     if spec.ple_positions is not None and rows is not None and context > rows:
         return [
             f"--max-context {context} is longer than the PLE table ({rows} rows): positions past it would "
             f"gather out of bounds; pass --ple-extend {context} (with --ple-extend-mode clamp|interpolate) or a "
             "smaller --max-context"
         ]
-    if options.ple_extend is not None and spec.ple_positions is None:
+    if options.ple.extend is not None and spec.ple_positions is None:
         return ["--ple-extend was given but the model has no PLE tables"]
     return []

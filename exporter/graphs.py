@@ -71,9 +71,9 @@ class GraphSet:
 def contract_io(
     reference: Reference, folded: Folded, options: ExportOptions, kind: GraphKind, kv_dtype: str = "float32"
 ) -> GraphIO:
-    tables = folded.table_shapes if options.ple_tables is PLETables.INPUT else ()
+    tables = folded.table_shapes if options.ple.tables is PLETables.INPUT else ()
     return graph_io(
-        reference.spec, kind, last_logits_only=options.last_logits_only, ple_tables=tables, kv_dtype=kv_dtype
+        reference.spec, kind, last_logits_only=options.graphs.last_logits_only, ple_tables=tables, kv_dtype=kv_dtype
     )
 
 
@@ -82,9 +82,9 @@ def contract_passes(
 ) -> list[ir.passes.PassBase]:
     """A traced graph -> the fp32 graph of ``kind`` in the contract (derived from the unified
     graph when ``kind`` was not traced itself)."""
-    derive = specialise(kind, options.last_logits_only) if kind not in traced.graphs else []
+    derive = specialise(kind, options.graphs.last_logits_only) if kind not in traced.graphs else []
     stamp = [StampLayers(traced.stamp)] if traced.stamp is not None else []
-    tables = [PleTablesToInputs(folded.tables)] if options.ple_tables is PLETables.INPUT else []
+    tables = [PleTablesToInputs(folded.tables)] if options.ple.tables is PLETables.INPUT else []
     return [*derive, *stamp, *tables, ApplyContract(contract_io(reference, folded, options, kind), kind)]
 
 

@@ -57,17 +57,17 @@ def load_reference(loaded: LoadedModel, planned: ExportPlan) -> Reference:
 def prepare_reference(loaded: LoadedModel, options: ExportOptions) -> nn.Module:
     """The PyTorch module parity is measured against: the checkpoint's, with its PLE tables
     extended when ``--ple-extend`` asks for it (the extended model is what is deployed)."""
-    if options.ple_extend is not None:
+    if options.ple.extend is not None:
         if loaded.ple is None:
             raise ExportError("--ple-extend was given but the model has no PLE tables")
-        loaded.ple.extend(loaded.module, options.ple_extend, options.ple_extend_mode)
+        loaded.ple.extend(loaded.module, options.ple.extend, options.ple.extend_mode)
     return loaded.module
 
 
 def lora_slots(reference: Reference, options: ExportOptions) -> LoraSlots | None:
     """``--lora-slots RANK``: the slots of a Hugging Face decoder (other families have no PEFT
     module paths to name them by, and are refused)."""
-    if options.lora_slots is None:
+    if options.lora.slots is None:
         return None
     from kiln.exporter.lora import plan_slots
     from kiln.plugins.hf.decoder import HFDecoder
@@ -77,7 +77,7 @@ def lora_slots(reference: Reference, options: ExportOptions) -> LoraSlots | None
             "--lora-slots: kiln writes LoRA slots on Hugging Face decoder checkpoints only; "
             f"{reference.loaded.source} is not one"
         )
-    return plan_slots(reference.module.model, options.lora_slots, options.precision.kv_dtype, options.lora_targets)
+    return plan_slots(reference.module.model, options.lora.slots, options.precision.kv_dtype, options.lora.targets)
 
 
 def read_adapters(
@@ -115,11 +115,11 @@ def merge_adapters(
 ) -> tuple[LoraAdapter, ...]:
     """``--adapter``: the adapters read, checked and merged into ``loaded``'s weights in place
     (what is traced and deployed); none given: nothing changes."""
-    if not options.adapters:
+    if not options.lora.adapters:
         return ()
     from kiln.plugins.hf.adapter import merge
 
-    adapters = read_adapters(loaded, [(a.path, a.weight) for a in options.adapters], model_ref)
+    adapters = read_adapters(loaded, [(a.path, a.weight) for a in options.lora.adapters], model_ref)
     hf: Any = loaded.module  # an HFDecoder (read_adapters refuses other families)
     merge(hf.model, adapters)
     return adapters

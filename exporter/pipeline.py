@@ -251,7 +251,7 @@ def _parity(
     parity_module = reference.module
     if model.adapters:
         parity_module, release, reload = _peft_reference(loaded, model.adapters, release, progress)
-    gate = options.parity_agreement == "gate"
+    gate = options.parity.agreement == "gate"
     numbers, qdq = staged.numbers, staged.qdq
     candidates = _candidates(staged.folded, options, staged.portable, staged.written, qdq is not None)
     parity = check_parity(
@@ -354,10 +354,10 @@ def _settings(reference: Reference, options: ExportOptions) -> ParitySettings:
     """Parity's settings, on the device ``--parity-device`` resolves to (``runners.device``)."""
     return ParitySettings(
         reference.max_context,
-        options.max_batch,
-        options.parity_tokens,
-        options.last_logits_only,
-        device=resolve(options.parity_device),
+        options.graphs.max_batch,
+        options.parity.tokens,
+        options.graphs.last_logits_only,
+        device=resolve(options.parity.device),
     )
 
 
@@ -368,7 +368,7 @@ def _candidates(
     with ``qdq`` (an int8 or fp8 export whose Q/DQ numbers were kept) every Q/DQ set is judged
     against PyTorch with them too (``qdq_tolerance``)."""
     feeds = (
-        table_feeds(list(folded.tables), options.precision.kv_dtype) if options.ple_tables is PLETables.INPUT else None
+        table_feeds(list(folded.tables), options.precision.kv_dtype) if options.ple.tables is PLETables.INPUT else None
     )
     own = qdq_tolerance(options.precision) if qdq else options.precision.weight_only_judge
     candidates = [

@@ -120,7 +120,11 @@ def _refusals(options: ExportOptions) -> list[Refusal]:
 
 
 def _calibration(spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
-    if options.calib_data is None or options.precision.needs(Needs.RANGES) or options.precision.needs(Needs.HESSIANS):
+    if (
+        options.calibration.data is None
+        or options.precision.needs(Needs.RANGES)
+        or options.precision.needs(Needs.HESSIANS)
+    ):
         return []
     uses = [k.calibration_use for k in kinds() if k.calibration_use is not None]
     return [f"--calib-data only applies to {', '.join(uses[:-1])} and {uses[-1]} exports"]
@@ -140,7 +144,7 @@ def _lora(spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
     """What ``--lora-slots`` is built for so far: the portable graphs of the kinds that say so
     (``lora_slots``: fp32, fp16 or an int4 base) and the targets that say so (``--target ort``'s),
     decoders without cross-attention (its flags among themselves: ``options.value_reasons``)."""
-    if options.lora_slots is None:
+    if options.lora.slots is None:
         return []
     found = []
     if not options.precision.lora_slots:
@@ -163,14 +167,14 @@ def _parity(spec: DecoderSpec | None, options: ExportOptions) -> list[str]:
     """--parity-agreement: only where the graphs are also checked against the quantized model
     (int4's weights, int8's and fp8's Q/DQ scales: ``parity.quantized``, ``parity.qdq_model``)."""
     if (
-        options.parity_agreement is None
+        options.parity.agreement is None
         or options.precision.weight_only_float is not None
         or options.precision.needs(Needs.RANGES)
     ):
         return []
     flags = [k.flag() for k in kinds() if k.weight_only or issubclass(k, RangesKind)]
     return [
-        f"--parity-agreement {options.parity_agreement} only applies to {', '.join(flags[:-1])} or {flags[-1]} "
+        f"--parity-agreement {options.parity.agreement} only applies to {', '.join(flags[:-1])} or {flags[-1]} "
         "exports, whose graphs are also checked against PyTorch on their own quantized numbers; "
         f"a {options.precision.value} export's only proof is its agreement with the checkpoint's model"
     ]
@@ -181,7 +185,7 @@ def _parity_device(spec: DecoderSpec | None, options: ExportOptions) -> list[str
     no CUDA provider (``runners.device``; auto falls back to the CPU there)."""
     from kiln.exporter.runners.device import refusal
 
-    return refusal(options.parity_device)
+    return refusal(options.parity.device)
 
 
 def _static_cache(spec: DecoderSpec | None, options: ExportOptions) -> list[str]:

@@ -35,7 +35,7 @@ from kiln.exporter.contract.io import graph_kinds
 from kiln.exporter.fold import fold
 from kiln.exporter.graphs import fp32_graph, precision_context
 from kiln.exporter.load import Reference
-from kiln.exporter.options import ExportOptions
+from kiln.exporter.options import CalibrationOptions, ExportOptions
 from kiln.exporter.parity.qdq_numbers import NUMBERS_FILE, QdqNumbers
 from kiln.exporter.passes import run_passes
 from kiln.exporter.precision.kinds.base import Needs, with_kind_options
@@ -112,13 +112,14 @@ def rerun_calibration(
     source = rerun_source(recorded, calib_data, reference.loaded)
     if isinstance(source, Skip):
         return QdqRerun(None, source.reason)
-    options = dataclasses.replace(options, calib_data=source)
+    options = dataclasses.replace(options, calibration=dataclasses.replace(options.calibration, data=source))
     calibration = prepare_calibration(reference, options, manifest.checkpoint.files, progress)
     assert calibration is not None, "a precision that needs ranges is calibrated"
     if calibration.data.sha256 != record["data_sha256"]:
         return QdqRerun(
             None,
-            f"its calibration data {options.calib_data} gives other token windows than the export's (sha256 differs)",
+            f"its calibration data {options.calibration.data} gives other token windows than the export's "
+            "(sha256 differs)",
         )
     if calibration.settings != record["settings"]:
         changed = sorted(k for k in calibration.settings if calibration.settings[k] != record["settings"].get(k))
@@ -160,11 +161,12 @@ def _options(manifest: Manifest) -> tuple[ExportOptions, Mapping[str, Any]] | st
             "which exports of an earlier kiln do not"
         )
     percentile, base = settings["percentile"], graph_options(manifest)  # a percentile: the percentile method's only
+    calibration = CalibrationOptions(
+        samples=int(settings["samples"]),
+        method=str(settings["method"]),
+        percentile=float(percentile) if percentile is not None else CalibrationOptions.percentile,
+    )
     options = dataclasses.replace(
-        base,
-        precision=Precision.of(*(k for k in kinds if k is not None)),
-        calib_samples=int(settings["samples"]),
-        calib_method=str(settings["method"]),
-        calib_percentile=float(percentile) if percentile is not None else base.calib_percentile,
+        base, precision=Precision.of(*(k for k in kinds if k is not None)), calibration=calibration
     )
     return options, record

@@ -32,7 +32,7 @@ class QualityError(ParityError):
 
 def plan_quality(loaded: LoadedModel, spec: DecoderSpec, options: ExportOptions, max_context: int) -> QualityPlan:
     """The export's quality text and gate (read now: a bad ``--eval-data`` is refused before any stage runs)."""
-    calib = options.calib_data if options.calib_data not in (None, SYNTHETIC) else None
+    calib = options.calibration.data if options.calibration.data not in (None, SYNTHETIC) else None
 
     def calibration_ids(tokens: int, chunk: int) -> Sequence[int]:
         assert calib is not None
@@ -42,7 +42,7 @@ def plan_quality(loaded: LoadedModel, spec: DecoderSpec, options: ExportOptions,
         return [int(t) for w in windows for t in w]
 
     text = quality_text_of(
-        options.eval_data,
+        options.parity.eval_data,
         demo_heldout(loaded),
         (calib, calibration_ids, Path(calib).suffix.lower() not in (".npy", ".npz")) if calib is not None else None,
         loaded.tokenizer,
@@ -51,8 +51,10 @@ def plan_quality(loaded: LoadedModel, spec: DecoderSpec, options: ExportOptions,
     )
     return QualityPlan(
         text,
-        threshold_for(options.precision.value, options.quality_gate),
-        measures(spec, options.last_logits_only, options.precision.value, asked=options.eval_data is not None),
+        threshold_for(options.precision.value, options.parity.quality_gate),
+        measures(
+            spec, options.graphs.last_logits_only, options.precision.value, asked=options.parity.eval_data is not None
+        ),
     )
 
 
@@ -67,7 +69,7 @@ def measured_graphs(quality: QualityPlan, options: ExportOptions, written: Seque
     low_bit = next((graphs for graphs in written if quantized(graphs.precision.value)), None)
     if low_bit is None:
         return quality
-    threshold = threshold_for(low_bit.precision.value, options.quality_gate)
+    threshold = threshold_for(low_bit.precision.value, options.parity.quality_gate)
     note = None if quality.note == UNQUANTIZED else quality.note  # the target's graphs are quantized
     return dataclasses.replace(quality, threshold=threshold, target=low_bit.name, note=note)
 

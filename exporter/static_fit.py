@@ -31,8 +31,8 @@ def static_cache_reasons(spec: DecoderSpec | None, options: ExportOptions) -> li
     assert context is not None, "context_reasons refuses an export without a context"
     return oversized_reasons(
         spec,
-        max_batch=options.max_batch,
-        parity_rows=parity_rows(spec, options.max_batch, context, options.parity_tokens),
+        max_batch=options.graphs.max_batch,
+        parity_rows=parity_rows(spec, options.graphs.max_batch, context, options.parity.tokens),
         max_context=context,
         kv_dtype=options.precision.kv_dtype,
     )

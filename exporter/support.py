@@ -131,12 +131,12 @@ def letter(name: str) -> str:
 
 
 def refusal(spec: DecoderSpec, fields: Mapping[str, Any]) -> str | None:
-    """Why an export of ``spec`` with these ``ExportOptions`` fields is refused (None: taken);
+    """Why an export of ``spec`` with these flags (``ExportOptions.from_flags``) is refused (None: taken);
     calibration data is synthetic where the precision reads some (its own refusals aside)."""
     precision = fields.get("precision", Precision.of())
     calib = "synthetic" if precision.needs(Needs.RANGES) or precision.needs(Needs.HESSIANS) else None
     try:
-        plan(ExportOptions(**{"calib_data": calib, **fields}), spec)
+        plan(ExportOptions.from_flags(**{"calib_data": calib, **fields}), spec)
     except ConfigError as exc:
         return str(exc).removeprefix(f"{exc.stage}: ")
     return None

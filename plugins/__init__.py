@@ -36,6 +36,7 @@ __all__ = [
     "FAMILIES",
     "register",
     "families",
+    "family_rows",
     "claim_order",
     "read_config",
     "resolve_checkpoint",
@@ -78,6 +79,24 @@ def register(family: ModelFamily) -> ModelFamily:
 def families() -> list[ModelFamily]:
     """Every registered family (built in and from entry points), in name order: what ``kiln plugins`` lists."""
     return sorted(FAMILIES.all(), key=lambda family: family.name)
+
+
+# the rows of the last families ``family_rows`` walked, with those families (held: ids stay theirs)
+_ROWS: tuple[list[ModelFamily], tuple[DecoderSpec, ...]] = ([], ())
+
+
+def family_rows() -> tuple[DecoderSpec, ...]:
+    """Every registered family's rows (``ModelFamily.specs``; a family without it has none), in
+    ``families``' order: what the onnx target's refusals name as proved. Walked once per set of
+    registered families (building every row is most of ``kiln plugins --json``'s time otherwise:
+    each refused cell named the proved ones again)."""
+    global _ROWS
+    found = families()
+    walked, rows = _ROWS
+    if len(walked) != len(found) or any(a is not b for a, b in zip(walked, found, strict=True)):
+        rows = tuple(spec for family in found if callable(specs := getattr(family, "specs", None)) for spec in specs())
+        _ROWS = (found, rows)
+    return rows
 
 
 def claim_order() -> list[ModelFamily]:

@@ -448,7 +448,9 @@ def assert_int4_generation(ckpt: Path, out: Path, steps: int, **options: Any) ->
     from kiln.runtime.generate import Generator
 
     rtn = Precision.of(Int4(method=Int4Method.RTN))
-    result = export(ckpt, out, ExportOptions(max_batch=4, parity_tokens=8, target="ort", precision=rtn, **options))
+    result = export(
+        ckpt, out, ExportOptions.from_flags(max_batch=4, parity_tokens=8, target="ort", precision=rtn, **options)
+    )
     quantized = json.loads((out / "reports" / "parity.json").read_text()).get("quantized") or {}
     assert result.parity.passed and quantized.get("passed"), result.parity.failures()
     assert {g["target"] for g in quantized["generation"]} == {None, "ort"}, quantized["generation"]

@@ -114,7 +114,7 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
         ),
         precision=options.precision.value,
         kv_cache=kv_cache_info(spec, options.precision.kv_dtype),
-        limits=Limits(options.max_batch, report.max_context),
+        limits=Limits(options.graphs.max_batch, report.max_context),
         export=export_settings(
             options,
             trained_rows=spec.ple_positions,
@@ -128,7 +128,7 @@ def build_manifest(report: ExportReport, root: Path) -> Manifest:
         parity=ParityInfo(
             report.parity.passed,
             PARITY_REPORT,
-            options.parity_agreement or "record" if report.parity.quantized is not None else None,
+            options.parity.agreement or "record" if report.parity.quantized is not None else None,
             _quality(report),
         ),
         tools=tool_versions(),

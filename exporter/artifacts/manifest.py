@@ -28,8 +28,10 @@ from kiln.exporter.contract.io import GraphIO, GraphKind, TensorSpec
 from kiln.exporter.contract.lora import LoraSlots
 from kiln.exporter.options import (
     ExportOptions,
+    GraphOptions,
     LogitsMode,
     PLEExtendMode,
+    PLEOptions,
     PLETables,
     Precision,
 )
@@ -335,13 +337,13 @@ def export_settings(
     """What the manifest records of the options that shaped the graphs (``graph_options`` reads it back)."""
     ple = None
     if trained_rows is not None:
-        extend = options.ple_extend_mode.value if options.ple_extend else None
-        ple = PleInfo(True, trained_rows, options.ple_extend or trained_rows, extend, options.ple_tables.value)
+        extend = options.ple.extend_mode.value if options.ple.extend else None
+        ple = PleInfo(True, trained_rows, options.ple.extend or trained_rows, extend, options.ple.tables.value)
     return ExportSettings(
         options.graph_opset,
         keep_fp32 if options.precision.float16 else (),
         calibration,
-        options.logits.value,
+        options.graphs.logits.value,
         ple,
         quantization,
     )
@@ -352,13 +354,17 @@ def graph_options(manifest: Manifest) -> ExportOptions:
     with them); the graphs' precision is the manifest's own, as they already carry it."""
     ple = manifest.export.ple
     return ExportOptions(
-        max_batch=manifest.limits.max_batch,
-        max_context=manifest.limits.max_context,
-        logits=LogitsMode(manifest.export.logits),
-        opset=manifest.export.opset,
-        ple_extend=ple.rows if ple is not None and ple.extend_mode else None,
-        ple_extend_mode=PLEExtendMode(ple.extend_mode if ple is not None and ple.extend_mode else "clamp"),
-        ple_tables=PLETables(ple.tables if ple is not None else "constant"),
+        graphs=GraphOptions(
+            manifest.limits.max_batch,
+            manifest.limits.max_context,
+            LogitsMode(manifest.export.logits),
+            manifest.export.opset,
+        ),
+        ple=PLEOptions(
+            ple.rows if ple is not None and ple.extend_mode else None,
+            PLEExtendMode(ple.extend_mode if ple is not None and ple.extend_mode else "clamp"),
+            PLETables(ple.tables if ple is not None else "constant"),
+        ),
     )
 
 

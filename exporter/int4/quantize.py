@@ -239,15 +239,15 @@ def gptq_layerwise(context: PrecisionContext) -> tuple[Layerwise, dict[str, Any]
     from kiln.calibration import WINDOW, load_calibration_data
 
     reference, options, progress = context.reference, context.options, context.progress
-    assert options.calib_data is not None, "Int4.check refuses gptq without --calib-data"
+    assert options.calibration.data is not None, "Int4.check refuses gptq without --calib-data"
     data = load_calibration_data(
-        options.calib_data,
+        options.calibration.data,
         tokenizer=reference.loaded.tokenizer,
         vocab_size=reference.spec.vocab_size,
         samples=options.samples,
         window=min(WINDOW, reference.max_context),
     )
-    return gptq_over(reference, data.windows, progress, options.parity_device), {
+    return gptq_over(reference, data.windows, progress, options.parity.device), {
         "source": data.source,
         "data_sha256": data.sha256,
         "windows": len(data.windows),

@@ -203,7 +203,7 @@ def prepare(kind: Fp8, context: PrecisionContext) -> Prepared:
         KeepFloat(DEFAULT_INT8_FLOAT + kind.float_rules),
         kind.float_rules,
         context.ranges,
-        context.options.calib_method,
+        context.options.calibration.method,
         QdqSink("fp8"),
         kind_options(kind),
     )

@@ -192,7 +192,7 @@ def prepare(kind: Int8, context: PrecisionContext) -> Prepared:
         Int8Policy(() if kind.all_matmuls else DEFAULT_INT8_FLOAT + INT8_EXPERTS_FLOAT + kind.float_rules),
         context.ranges,
         QdqSink("int8"),
-        context.options.calib_method,
+        context.options.calibration.method,
         kind_options(kind),
     )
 

@@ -158,12 +158,12 @@ def _trace(
     )
     arguments: dict[str, Any] = dict(
         kind=kind,
-        io_spec=graph_io(spec, kind, last_logits_only=options.last_logits_only),
+        io_spec=graph_io(spec, kind, last_logits_only=options.graphs.last_logits_only),
         n_layers=layers,
         vocab=spec.vocab_size,
-        opset=options.opset,
-        last_logits_only=options.last_logits_only and kind is GraphKind.PREFILL,
-        max_batch=options.max_batch,
+        opset=options.graphs.opset,
+        last_logits_only=options.graphs.last_logits_only and kind is GraphKind.PREFILL,
+        max_batch=options.graphs.max_batch,
         max_context=reference.max_context,
         meta=meta,
         translations=reference.loaded.translations,

@@ -645,6 +645,7 @@ ARCHS: Mapping[str, Arch] = {
         "Mistral 3 VLM",
         notes="text decoder only (Mistral, from text_config); the vision tower is not exported",
         window=True,
+        sliding_window_proved=True,  # test_hf_multimodal.py exports its 4-token window --target onnx
         text=TextDecoder(texts=("MistralForCausalLM",)),
     ),
     # issue 43

@@ -714,13 +714,13 @@ TINY: Mapping[str, TinyCase] = {
             eoi_token_index=V + 2,
         ),
     ),
-    "mistral3-multimodal": (
+    "mistral3-multimodal-window": (
         "Mistral3ForConditionalGeneration",
         _wrapper(
             "Mistral3Config",
             "MistralConfig",
             "PixtralVisionConfig",
-            {"head_dim": 16, "sliding_window": None},
+            {"head_dim": 16, "sliding_window": 4},
             image_token_index=V,
             spatial_merge_size=2,
         ),

@@ -29,7 +29,7 @@ from kiln_testing import exact, hf_model, make_adapter, save_base
 
 def _refused(ckpt: Path, adapter: Path, out: Path, message: str, weight: float = 1.0) -> None:
     with pytest.raises(ConfigError, match=exact(f"config: --adapter {adapter}: {message}")):
-        export(ckpt, out, ExportOptions(max_batch=2, parity_tokens=4, adapters=(Adapter(adapter, weight),)))
+        export(ckpt, out, ExportOptions.from_flags(max_batch=2, parity_tokens=4, adapters=(Adapter(adapter, weight),)))
     assert not out.exists()
 
 
@@ -172,7 +172,11 @@ def test_other_families_and_weights_are_refused(tiny_ckpt: Path, ckpt: Path, tmp
             f"{tiny_ckpt} is a native checkpoint"
         ),
     ):
-        export(tiny_ckpt, tmp_path / "out", ExportOptions(max_batch=2, parity_tokens=4, adapters=(Adapter(adapter),)))
+        export(
+            tiny_ckpt,
+            tmp_path / "out",
+            ExportOptions.from_flags(max_batch=2, parity_tokens=4, adapters=(Adapter(adapter),)),
+        )
     assert not (tmp_path / "out").exists()
     run = CliRunner().invoke(
         main, ["export", "--model", str(ckpt), "--adapter", f"{adapter}:nan", "--out", str(tmp_path / "out")]

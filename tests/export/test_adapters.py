@@ -38,7 +38,7 @@ from kiln.cli import main
 from kiln.errors import CheckpointError, ParityError
 from kiln.exporter.check import check_dir
 from kiln.exporter.contract.io import GraphKind
-from kiln.exporter.options import Adapter, ExportOptions, Precision
+from kiln.exporter.options import Adapter, ExportOptions, LoraOptions, Precision
 from kiln.exporter.parity import greedy, left_pad, make_prompts
 from kiln.exporter.pipeline import export
 from kiln.exporter.runners import OrtRunner
@@ -114,7 +114,9 @@ def assert_tokens(
 def test_merged_export_generates_as_peft(case: str, tmp_path: Path) -> None:
     ckpt = save_base(case, tmp_path / "ckpt")
     adapter = make_adapter(ckpt, tmp_path / "adapter", CASES[case], seed=2)
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, adapters=(Adapter(adapter),)))
+    result = export(
+        ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, adapters=(Adapter(adapter),))
+    )
     assert result.parity.passed, result.parity.failures()
     (entry,) = result.manifest.checkpoint.adapters or ()
     assert (entry.path, entry.weight, entry.rank, entry.alpha, entry.use_rslora) == (str(adapter), 1.0, 4, 8.0, False)
@@ -197,7 +199,11 @@ def test_parity_is_against_peft_not_the_merge(tmp_path: Path, monkeypatch: pytes
     adapter = make_adapter(ckpt, tmp_path / "adapter", ["q_proj", "v_proj"], seed=2)
     monkeypatch.setattr(adapter_module, "merge", lambda model, adapters: None)
     with pytest.raises(ParityError, match="exported graphs differ from PyTorch"):
-        export(ckpt, tmp_path / "out", ExportOptions(max_batch=2, parity_tokens=4, adapters=(Adapter(adapter, 0.5),)))
+        export(
+            ckpt,
+            tmp_path / "out",
+            ExportOptions.from_flags(max_batch=2, parity_tokens=4, adapters=(Adapter(adapter, 0.5),)),
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -205,8 +211,8 @@ def test_parity_is_against_peft_not_the_merge(tmp_path: Path, monkeypatch: pytes
 @pytest.mark.parametrize(
     "options",
     [
-        ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16),
-        ExportOptions(max_batch=4, parity_tokens=8, target="ort"),
+        ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=Precision.FP16),
+        ExportOptions.from_flags(max_batch=4, parity_tokens=8, target="ort"),
     ],
     ids=["fp16", "ort"],
 )
@@ -215,7 +221,9 @@ def test_precisions_and_targets_export_the_merged_model(options: ExportOptions, 
     model."""
     ckpt = save_base("llama", tmp_path / "ckpt")
     adapter = make_adapter(ckpt, tmp_path / "adapter", [*_ATTN, *_MLP], seed=2)
-    result = export(ckpt, tmp_path / "out", dataclasses.replace(options, adapters=(Adapter(adapter, 0.5),)))
+    result = export(
+        ckpt, tmp_path / "out", dataclasses.replace(options, lora=LoraOptions(adapters=(Adapter(adapter, 0.5),)))
+    )
     assert result.parity.passed, result.parity.failures()
     assert [a.weight for a in result.manifest.checkpoint.adapters or ()] == [0.5]
 
@@ -258,7 +266,9 @@ def test_a_bf16_checkpoint_keeps_its_merged_weights_in_fp32(tmp_path: Path) -> N
     hf_model(save_base("llama", tmp_path / "fp32")).to(torch.bfloat16).save_pretrained(tmp_path / "ckpt")
     ckpt = tmp_path / "ckpt"
     adapter = make_adapter(ckpt, tmp_path / "adapter", ["q_proj", "v_proj", "down_proj"], seed=2)
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, adapters=(Adapter(adapter),)))
+    result = export(
+        ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, adapters=(Adapter(adapter),))
+    )
     assert result.parity.passed, result.parity.failures()
     assert result.manifest.checkpoint.dtype == "bfloat16"
     assert_tokens(tmp_path / "out", ckpt, [(adapter, 1.0)], [])

@@ -37,7 +37,7 @@ N_KV, HD, VOCAB = 2, 4, 7
 def kiln_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("bench")
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
-    export(ckpt, root / "kiln", ExportOptions(max_batch=1, parity_tokens=2))
+    export(ckpt, root / "kiln", ExportOptions.from_flags(max_batch=1, parity_tokens=2))
     return root / "kiln"
 
 

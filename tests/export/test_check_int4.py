@@ -37,7 +37,7 @@ def rtn_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("check_int4")
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
     rtn = Int4(method=Int4Method.RTN, block=16)
-    export(ckpt, root / "out", ExportOptions(precision=Precision.of(rtn), target="ort", parity_tokens=4))
+    export(ckpt, root / "out", ExportOptions.from_flags(precision=Precision.of(rtn), target="ort", parity_tokens=4))
     return root / "out"
 
 
@@ -147,7 +147,7 @@ def test_gptq_runs_again_on_the_calibration_data_passed(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     calib = tmp_path / "calib.npy"
     np.save(calib, (np.cumsum(rng.integers(1, 4, size=2000)) % 101).astype(np.int64))
-    options = ExportOptions(
+    options = ExportOptions.from_flags(
         precision=Precision.of(Int4(method=Int4Method.GPTQ, block=16)),
         calib_data=str(calib),
         calib_samples=4,

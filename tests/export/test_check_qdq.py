@@ -40,7 +40,7 @@ _FC2 = "/layers.0.mlp.fc2/MatMul"
 
 def _export(root: Path, precision: Precision, calib_data: str) -> Path:
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
-    options = ExportOptions(precision=precision, calib_data=calib_data, calib_samples=2, parity_tokens=4)
+    options = ExportOptions.from_flags(precision=precision, calib_data=calib_data, calib_samples=2, parity_tokens=4)
     export(ckpt, root / "out", options)
     return root / "out"
 

@@ -53,7 +53,9 @@ def test_a_half_precision_native_checkpoint_loads_as_it_is(dtype: torch.dtype, t
 def test_bf16_native_checkpoint_to_fp32_and_fp16_graphs(precision: Precision, tmp_path: Path) -> None:
     ckpt = _native(tmp_path / "ckpt", torch.bfloat16)
     lines = io.StringIO()
-    result = export(ckpt, tmp_path / "out", ExportOptions(precision=precision, parity_tokens=8), LineProgress(lines))
+    result = export(
+        ckpt, tmp_path / "out", ExportOptions.from_flags(precision=precision, parity_tokens=8), LineProgress(lines)
+    )
     assert result.parity.passed, result.parity.failures()
     widening = (
         "the checkpoint's weights are bfloat16: the fp32 graphs hold each in 4 bytes, twice the checkpoint's size "
@@ -89,7 +91,7 @@ def test_bf16_hugging_face_checkpoint_to_fp16_graphs(tmp_path: Path) -> None:
     assert loaded.spec.dtype == "bfloat16" and {p.dtype for p in loaded.module.parameters()} == {torch.bfloat16}
     lines = io.StringIO()
     result = export(
-        ckpt, tmp_path / "out", ExportOptions(precision=Precision.FP16, parity_tokens=8), LineProgress(lines)
+        ckpt, tmp_path / "out", ExportOptions.from_flags(precision=Precision.FP16, parity_tokens=8), LineProgress(lines)
     )
     assert result.parity.passed, result.parity.failures()
     assert result.manifest.checkpoint.dtype == "bfloat16" and result.manifest.kv_cache.dtype == "float16"

@@ -30,7 +30,7 @@ CROSS = tiny_config(cross_attention=True)
 def cross_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("cross")
     ckpt = write_checkpoint(root / "ckpt", CROSS, seed=3)
-    result = export(ckpt, root / "out", ExportOptions(max_batch=4))
+    result = export(ckpt, root / "out", ExportOptions.from_flags(max_batch=4))
     assert result.parity.passed, result.parity.failures()
     return root / "out"
 
@@ -208,7 +208,7 @@ def test_fp16_post_norm_cross_attention(tmp_path: Path) -> None:
         }
     )
     ckpt = write_checkpoint(tmp_path / "ckpt", cfg, seed=5)
-    result = export(ckpt, tmp_path / "out", ExportOptions(precision=Precision.FP16, parity_tokens=16))
+    result = export(ckpt, tmp_path / "out", ExportOptions.from_flags(precision=Precision.FP16, parity_tokens=16))
     assert result.parity.passed, result.parity.failures()
     prefill = onnx.load(tmp_path / "out" / "onnx" / "prefill.onnx", load_external_data=False).graph
     types = {v.name: v.type.tensor_type.elem_type for v in [*prefill.input, *prefill.output]}
@@ -223,7 +223,7 @@ def test_int8_and_triton_are_refused_with_the_reason(cross_export: Path, tmp_pat
         export(
             cross_export.parent / "ckpt",
             tmp_path / "int8",
-            ExportOptions(precision=Precision.INT8, calib_data="synthetic"),
+            ExportOptions.from_flags(precision=Precision.INT8, calib_data="synthetic"),
         )
     assert not (tmp_path / "int8").exists()
     result = CliRunner().invoke(main, ["triton", str(cross_export), "--name", "cross"])

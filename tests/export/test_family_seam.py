@@ -86,7 +86,7 @@ def test_a_new_family_is_its_folder_and_one_registration(toy_registered: None, t
     assert isinstance(TOY, ModelFamily) and TOY in families() and claim_order()[0] is TOY, claim_order()
     ckpt = _toy_checkpoint(tmp_path / "ckpt")
     assert load_model(ckpt).spec.family == "toy"
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8))
+    result = export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8))
     assert result.parity.passed and result.parity.generation, result.parity.failures()
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["family"] == "toy" and result.manifest.family == "toy", manifest["family"]

@@ -20,7 +20,7 @@ from kiln.exporter.precision.kinds import Fp16
 from kiln.exporter.progress import LineProgress
 from kiln_testing import config_error, tiny_config, write_checkpoint
 
-FP16 = ExportOptions(precision=Precision.FP16, parity_tokens=16)
+FP16 = ExportOptions.from_flags(precision=Precision.FP16, parity_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_parity_and_check(fp16_export: Path) -> None:
 
 def test_keep_fp32_by_name_and_module(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    options = ExportOptions(
+    options = ExportOptions.from_flags(
         precision=Precision.of(Fp16(keep_fp32=("/layers.1.attn.o_proj/MatMul", "/layers.0.mlp.fc2/", "Gather"))),
         parity_tokens=4,
     )
@@ -111,7 +111,7 @@ def test_auto_keep_finds_the_overflowing_module(tmp_path: Path) -> None:
     result = export(
         ckpt,
         tmp_path / "auto",
-        ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True)), parity_tokens=8),
+        ExportOptions.from_flags(precision=Precision.of(Fp16(auto_keep_fp32=True)), parity_tokens=8),
         LineProgress(lines),
     )
     assert result.parity.passed

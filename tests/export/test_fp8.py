@@ -25,7 +25,7 @@ def fp8_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
     rng = np.random.default_rng(0)
     np.save(root / "calib.npy", (np.cumsum(rng.integers(1, 4, size=4000)) % 101).astype(np.int64))
-    options = ExportOptions(
+    options = ExportOptions.from_flags(
         precision=Precision.FP8,
         calib_data=str(root / "calib.npy"),
         calib_samples=8,
@@ -172,7 +172,7 @@ def test_fp8_float_refuses_a_rule_that_names_nothing_and_other_precisions(tmp_pa
     from kiln.errors import ConfigError
 
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    options = ExportOptions(
+    options = ExportOptions.from_flags(
         precision=Precision.of(Fp8(float_rules=("/layers.0.mlp.fc3/",))),
         calib_data=str(_calib(tmp_path)),
         calib_samples=2,
@@ -198,7 +198,7 @@ def test_gpt2_conv1d_gemms_get_fp8_weights(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     model = tiny_model("gpt2", seed=1).module.model
     model.save_pretrained(ckpt, safe_serialization=True)
-    options = ExportOptions(
+    options = ExportOptions.from_flags(
         max_batch=4,
         precision=Precision.FP8,
         calib_data=str(_calib(tmp_path)),

@@ -220,7 +220,7 @@ def test_hf_configs_and_headers(tmp_path: Path, data: st.DataObject) -> None:
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("fuzz")
     out = root / "export"
-    export(write_checkpoint(root / "ckpt", tiny_config()), out, ExportOptions(max_batch=2, parity_tokens=2))
+    export(write_checkpoint(root / "ckpt", tiny_config()), out, ExportOptions.from_flags(max_batch=2, parity_tokens=2))
     return out
 
 
@@ -535,7 +535,7 @@ def slots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("fuzz-adapter")
     ckpt = save_base("llama", root / "ckpt")
-    export(ckpt, root / "slots", ExportOptions(max_batch=1, parity_tokens=2, lora_slots=4))
+    export(ckpt, root / "slots", ExportOptions.from_flags(max_batch=1, parity_tokens=2, lora_slots=4))
     return make_adapter(ckpt, root / "peft", ["q_proj", "v_proj"], seed=2), root / "slots"
 
 

@@ -71,7 +71,7 @@ SETTINGS = settings(
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("fuzz-signals")
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
-    export(ckpt, root / "out", ExportOptions(max_batch=1, parity_tokens=2))
+    export(ckpt, root / "out", ExportOptions.from_flags(max_batch=1, parity_tokens=2))
     return ckpt, root / "out"
 
 
@@ -85,7 +85,7 @@ def slots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, bytes]:
     root = tmp_path_factory.mktemp("fuzz-adapter")
     ckpt = save_base("llama", root / "ckpt")
     adapter = make_adapter(ckpt, root / "peft", ["q_proj", "v_proj"], seed=2)
-    export(ckpt, root / "slots", ExportOptions(max_batch=2, parity_tokens=2, lora_slots=4))
+    export(ckpt, root / "slots", ExportOptions.from_flags(max_batch=2, parity_tokens=2, lora_slots=4))
     args = _args("adapter", {"ADAPTER": adapter, "SLOTS": root / "slots", "NEWFILE": root / "a.onnx_adapter"})
     done = subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

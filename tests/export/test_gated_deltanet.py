@@ -50,7 +50,7 @@ def _save(case: str, directory: Path) -> Path:
 def qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("qwen3_5")
     ckpt = _save("qwen3_5", root / "ckpt")
-    result = export(ckpt, root / "out", ExportOptions(max_batch=4, parity_tokens=8))
+    result = export(ckpt, root / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8))
     assert result.parity.passed, result.parity.failures()
     return ckpt, root / "out"
 
@@ -137,11 +137,13 @@ def _assert_padded_batch(ckpt: Path, out: Path) -> None:
 @pytest.mark.slow
 def test_fp16_int4_and_the_ort_target_pass_their_parity(qwen3_5: tuple[Path, Path], tmp_path: Path) -> None:
     ckpt = qwen3_5[0]
-    fp16 = export(ckpt, tmp_path / "out16", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16))
+    fp16 = export(
+        ckpt, tmp_path / "out16", ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=Precision.FP16)
+    )
     assert fp16.parity.passed, fp16.parity.failures()
     inputs = fp16.manifest.graph(GraphKind.DECODE).inputs
     assert {t.dtype for t in inputs if t.name.startswith("past_key_values.")} == {"float16"}
-    ort = export(ckpt, tmp_path / "out-ort", ExportOptions(max_batch=4, parity_tokens=8, target="ort"))
+    ort = export(ckpt, tmp_path / "out-ort", ExportOptions.from_flags(max_batch=4, parity_tokens=8, target="ort"))
     assert ort.parity.passed, ort.parity.failures()
     assert ort.manifest.kv_cache.kind == "hybrid"
     assert_int4_generation(ckpt, tmp_path / "out4", STEPS)

@@ -54,7 +54,7 @@ STEPS = 16
 def gemma4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("gemma4")
     tiny_transformers(CASE, seed=1).save_pretrained(root / "ckpt", safe_serialization=True)
-    result = export(root / "ckpt", root / "out", ExportOptions(max_batch=4, parity_tokens=8, triton="g4"))
+    result = export(root / "ckpt", root / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, triton="g4"))
     assert result.parity.passed, result.parity.failures()
     return root / "ckpt", root / "out"
 
@@ -175,7 +175,9 @@ def test_fp16_and_int4_pass_their_parity(precision: str, tmp_path: Path) -> None
     and teacher-forced tokens, batch 1 and a left-padded batch."""
     tiny_transformers(CASE, seed=1).save_pretrained(tmp_path / "ckpt", safe_serialization=True)
     chosen = Precision.FP16 if precision == "fp16" else Precision.of(Int4(method=Int4Method.RTN))
-    result = export(tmp_path / "ckpt", tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, precision=chosen))
+    result = export(
+        tmp_path / "ckpt", tmp_path / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=chosen)
+    )
     assert result.parity.passed, result.parity.failures()
     assert [(t.layer, t.heads, t.width) for t in result.manifest.kv_cache.tensors or () if t.name == "key"] == [
         (i, *SHAPES[i]) for i in SHAPES

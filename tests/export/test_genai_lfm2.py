@@ -49,7 +49,7 @@ SHORT_CONV = "cache of short convolutions .*rank-3 \\[batch, hidden, conv_L_cach
 def lfm2_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("genai-lfm2")
     tiny_transformers("lfm2", seed=1).save_pretrained(root / "ckpt", safe_serialization=True)
-    result = export(root / "ckpt", root / "out", ExportOptions(parity_tokens=8))
+    result = export(root / "ckpt", root / "out", ExportOptions.from_flags(parity_tokens=8))
     assert result.parity.passed, result.parity.failures()
     return root / "out"
 

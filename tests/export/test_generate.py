@@ -29,14 +29,18 @@ STEPS = 24
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gen") / "demo"
-    export("demo", out, ExportOptions(max_batch=1, parity_tokens=2))
+    export("demo", out, ExportOptions.from_flags(max_batch=1, parity_tokens=2))
     return out
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("gen-tiny")
-    export(write_checkpoint(root / "ckpt", tiny_config()), root / "out", ExportOptions(max_batch=1, parity_tokens=2))
+    export(
+        write_checkpoint(root / "ckpt", tiny_config()),
+        root / "out",
+        ExportOptions.from_flags(max_batch=1, parity_tokens=2),
+    )
     return root / "out"
 
 

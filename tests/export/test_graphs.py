@@ -21,7 +21,7 @@ from kiln_testing import tiny_config, write_checkpoint
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("graphs")
     ckpt = write_checkpoint(root / "ckpt", tiny_config(ple={"bounded": True, "projection": True}))
-    export(ckpt, root / "out", ExportOptions(max_batch=4, parity_tokens=8))
+    export(ckpt, root / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8))
     return root / "out"
 
 
@@ -130,7 +130,7 @@ def test_check_passes_and_refuses_changed_checkpoint(exported: Path) -> None:
 
 def test_logits_last(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    result = export(ckpt, tmp_path / "out", ExportOptions(logits=LogitsMode.LAST, parity_tokens=8))
+    result = export(ckpt, tmp_path / "out", ExportOptions.from_flags(logits=LogitsMode.LAST, parity_tokens=8))
     assert result.parity.passed
     prefill = onnx.load(tmp_path / "out" / "onnx" / "prefill.onnx", load_external_data=False)
     assert _dims(prefill.graph.output[0]) == ["batch", 1, 101]
@@ -139,7 +139,7 @@ def test_logits_last(tmp_path: Path) -> None:
 
 def test_ple_tables_as_inputs(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    result = export(ckpt, tmp_path / "out", ExportOptions(ple_tables=PLETables.INPUT, parity_tokens=8))
+    result = export(ckpt, tmp_path / "out", ExportOptions.from_flags(ple_tables=PLETables.INPUT, parity_tokens=8))
     assert result.parity.passed
     decode = onnx.load(tmp_path / "out" / "onnx" / "decode.onnx", load_external_data=False)
     names = [i.name for i in decode.graph.input]
@@ -154,13 +154,15 @@ def test_context_longer_than_ple_table(tmp_path: Path) -> None:
     with pytest.raises(
         ExportError, match=r"--max-context 80 is longer than the PLE table \(48 rows\).*pass --ple-extend 80"
     ):
-        export(ckpt, tmp_path / "out", ExportOptions(max_context=80))
+        export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_context=80))
     assert not (tmp_path / "out").exists()
     with pytest.raises(ExportError, match="--max-context 96 exceeds the model's max_context 80"):
-        export(ckpt, tmp_path / "out", ExportOptions(max_context=96, ple_extend=96))
+        export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_context=96, ple_extend=96))
     for mode in PLEExtendMode:
         out = tmp_path / f"out-{mode.value}"
-        result = export(ckpt, out, ExportOptions(max_context=80, ple_extend=80, ple_extend_mode=mode, parity_tokens=70))
+        result = export(
+            ckpt, out, ExportOptions.from_flags(max_context=80, ple_extend=80, ple_extend_mode=mode, parity_tokens=70)
+        )
         assert result.parity.passed
         assert result.manifest.limits.max_context == 80
         assert (
@@ -173,8 +175,8 @@ def test_context_longer_than_ple_table(tmp_path: Path) -> None:
 
 def test_exports_are_byte_identical(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    a = export(ckpt, tmp_path / "a", ExportOptions(parity_tokens=4)).manifest.files
-    b = export(ckpt, tmp_path / "b", ExportOptions(parity_tokens=4)).manifest.files
+    a = export(ckpt, tmp_path / "a", ExportOptions.from_flags(parity_tokens=4)).manifest.files
+    b = export(ckpt, tmp_path / "b", ExportOptions.from_flags(parity_tokens=4)).manifest.files
     for rel in ("onnx/prefill.onnx", "onnx/decode.onnx", "onnx/model.onnx", "onnx/weights.bin"):
         assert a[rel] == b[rel], rel
 
@@ -244,6 +246,6 @@ def test_bench_runs_and_reports_every_row(exported: Path, tmp_path: Path) -> Non
         assert set(data["median_ms"][graph]) == {"pytorch eager", f"kiln fp32 ({exported.name})"}
         assert all(v > 0 for v in data["median_ms"][graph].values())
     other = write_checkpoint(tmp_path / "other", tiny_config(), seed=5)
-    export(other, tmp_path / "other-out", ExportOptions(parity_tokens=2))
+    export(other, tmp_path / "other-out", ExportOptions.from_flags(parity_tokens=2))
     bad = CliRunner().invoke(main, ["bench", str(exported), str(tmp_path / "other-out"), "--runs", "3"])
     assert bad.exit_code == 1 and "exported from another checkpoint than" in bad.stderr

@@ -24,7 +24,7 @@ def test_every_registered_family_has_a_tiny_model(tmp_path: Path) -> None:
 
     for family in families():
         loaded = family.tiny(0)
-        result = export_loaded(loaded, tmp_path / family.name, ExportOptions(parity_tokens=4))
+        result = export_loaded(loaded, tmp_path / family.name, ExportOptions.from_flags(parity_tokens=4))
         assert result.parity.passed, family.name
 
 
@@ -71,7 +71,7 @@ def test_int8_keeps_the_head_and_attention_scores_float(tmp_path: Path) -> None:
         ),
         ("GPT2LMHeadModel", ["h.0.attn.c_attn/Gemm", "h.1.mlp.c_proj/Gemm"], ["h.0.attn/MatMul", "h.0.attn/MatMul_1"]),
     ):
-        export_loaded(tiny_model(arch, seed=1), tmp_path / arch, ExportOptions(parity_tokens=4))
+        export_loaded(tiny_model(arch, seed=1), tmp_path / arch, ExportOptions.from_flags(parity_tokens=4))
         graph = ir.load(tmp_path / arch / "onnx" / "decode.onnx").graph
         targets = int8_targets(graph, Int8Policy())
         matmuls = [n.name for n in graph if n.op_type in ("MatMul", "Gemm")]
@@ -203,13 +203,13 @@ def test_bloom_without_a_context_length_needs_max_context(tmp_path: Path) -> Non
     ckpt = _edited("bloom", tmp_path / "ckpt", seq_length=None)
     assert load_model(ckpt).spec.max_context is None
     with pytest.raises(ExportError) as err:
-        export(ckpt, tmp_path / "out", ExportOptions(parity_tokens=4))
+        export(ckpt, tmp_path / "out", ExportOptions.from_flags(parity_tokens=4))
     assert (
         str(err.value)
         == "export: BloomForCausalLM has no context length of its own (its config has no seq_length): pass "
         "--max-context N"
     )
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_context=32, max_batch=2, parity_tokens=4))
+    result = export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_context=32, max_batch=2, parity_tokens=4))
     assert result.parity.passed and result.manifest.limits.max_context == 32
 
 
@@ -219,7 +219,7 @@ def test_phi3_longrope_is_exported_up_to_its_original_context(tmp_path: Path) ->
     ckpt = _edited("phi3-longrope", tmp_path / "ckpt")
     assert load_model(ckpt).spec.max_context == 16
     with pytest.raises(ExportError) as err:
-        export(ckpt, tmp_path / "out", ExportOptions(max_context=64, parity_tokens=4))
+        export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_context=64, parity_tokens=4))
     assert str(err.value) == (
         "export: --max-context 64 exceeds the model's max_context 16 (Phi-3's generate() recomputes the whole "
         "sequence with longrope's long factors"
@@ -246,7 +246,7 @@ def test_deeper_models_are_stamped_from_their_distinct_layers(case: str, traced:
 
     loaded = tiny_model(case, seed=1, num_hidden_layers=4)
     assert loaded.layers is not None and StampPlan.of(loaded.layers).traced == traced
-    result = export_loaded(loaded, tmp_path / "out", ExportOptions(max_batch=2, parity_tokens=8), Notes())
+    result = export_loaded(loaded, tmp_path / "out", ExportOptions.from_flags(max_batch=2, parity_tokens=8), Notes())
     assert result.parity.passed and not notes, notes
 
 
@@ -424,7 +424,7 @@ def test_what_transformers_would_invent_or_drop_is_one_line(
 def test_max_context_past_the_config_is_refused_before_the_weights_load(tmp_path: Path) -> None:
     ckpt = _garbled(_edited("llama", tmp_path / "ckpt"))
     with pytest.raises(ExportError) as err:
-        export(ckpt, tmp_path / "out", ExportOptions(max_context=8192))
+        export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_context=8192))
     assert str(err.value) == "export: --max-context 8192 exceeds the model's max_context 64"
     assert not (tmp_path / "out").exists()
 

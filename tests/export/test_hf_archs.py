@@ -95,7 +95,8 @@ WINDOW_LAYERS = {
     "mistral-window": [0, 1], "qwen2-window": [1], "gemma2-window": [0], "gemma3-window": [0],
     "starcoder2-window": [0, 1], "mixtral-window": [0, 1], "qwen2-moe-window": [0], "phimoe-window": [0, 1],
     "olmo3-window": [0], "cohere2-window": [0], "exaone4-window": [0], "ministral-window": [0, 1],
-    "gemma3-multimodal-window": [0], "cohere2-moe-window": [0], "cwm-window": [1], "ergo-window": [1],
+    "gemma3-multimodal-window": [0], "mistral3-multimodal-window": [0, 1], "cohere2-moe-window": [0],
+    "cwm-window": [1], "ergo-window": [1],
     "exaone-moe-window": [0], "kolibri1-window": [1], "laguna-window": [1], "mellum-window": [0],
     "modernbert-decoder-window": [1], "vaultgemma-window": [0], "afmoe-window": [0],
     "gpt-oss-window": [0], "flint-window": [1], "granite-swa-window": [0], "granitemoe-swa-window": [0],
@@ -186,7 +187,7 @@ def test_the_plugins_table_takes_what_this_file_exports() -> None:
 @pytest.mark.parametrize("case", sorted(TINY))
 def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> None:
     ckpt = _save(case, tmp_path / "ckpt")
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, target="ort"))
+    result = export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, target="ort"))
     assert result.parity.passed, result.parity.failures()
     arch = TINY[case][0]
     text = ARCHS[arch].text  # a multimodal wrapper: its text decoder is exported, as its own class
@@ -275,10 +276,12 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
             np.testing.assert_array_equal(got, want, err_msg=f"{case}{suffix} {lengths}")
     if FIRST[arch] == case:
         assert check_dir(tmp_path / "out").passed
-        fp16 = export(ckpt, tmp_path / "out16", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16))
+        fp16 = export(
+            ckpt, tmp_path / "out16", ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=Precision.FP16)
+        )
         assert fp16.parity.passed, fp16.parity.failures()
     if case in ORT_INT8:  # a low-bit form: weight-only int8 on ONNX Runtime's graphs, kiln's own parity
-        ort_int8 = ExportOptions(max_batch=4, parity_tokens=8, target="ort", target_flags={"ort_int8": True})
+        ort_int8 = ExportOptions.from_flags(max_batch=4, parity_tokens=8, target="ort", target_flags={"ort_int8": True})
         int8 = export(ckpt, tmp_path / "out8", ort_int8)
         assert int8.parity.passed, int8.parity.failures()
         assert (
@@ -319,7 +322,7 @@ def test_llama4_chunked_attention_at_int4_and_never_as_full_attention_on_the_onn
     from kiln.runtime.generate import Generator
 
     ckpt = _save("llama4-chunked", tmp_path / "ckpt")
-    fp32 = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, target="ort"))
+    fp32 = export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, target="ort"))
     # its decode graph's mask and NoPE temperature read the past's length: no shared in-place buffer (it would read the
     # capacity)
     assert fp32.manifest.targets is not None and fp32.manifest.targets["ort"].kv_cache == "grown", (
@@ -337,7 +340,9 @@ def test_llama4_chunked_attention_at_int4_and_never_as_full_attention_on_the_onn
     int4 = export(
         ckpt,
         tmp_path / "out4",
-        ExportOptions(max_batch=4, parity_tokens=8, target="ort", precision=Precision.of(Int4(method=Int4Method.RTN))),
+        ExportOptions.from_flags(
+            max_batch=4, parity_tokens=8, target="ort", precision=Precision.of(Int4(method=Int4Method.RTN))
+        ),
     )
     assert int4.parity.passed, int4.parity.failures()
     with pytest.raises(
@@ -345,5 +350,5 @@ def test_llama4_chunked_attention_at_int4_and_never_as_full_attention_on_the_onn
         match=r"^.*--target onnx does not apply chunked attention \(this Llama4ForCausalLM model attends within chunks "
         r"of 8 tokens",
     ) as refused:
-        export(ckpt, tmp_path / "outx", ExportOptions(max_batch=4, parity_tokens=8, target="onnx"))
+        export(ckpt, tmp_path / "outx", ExportOptions.from_flags(max_batch=4, parity_tokens=8, target="onnx"))
     assert "\n" not in str(refused.value) and not (tmp_path / "outx" / "onnx").exists(), str(refused.value)

@@ -43,7 +43,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     assert (
         json.loads((root / "ckpt" / "generation_config.json").read_text())["eos_token_id"] == 2
     )  # transformers wrote one
-    export(root / "ckpt", root / "out", ExportOptions(max_batch=1, parity_tokens=8))
+    export(root / "ckpt", root / "out", ExportOptions.from_flags(max_batch=1, parity_tokens=8))
     return root / "ckpt", root / "out"
 
 

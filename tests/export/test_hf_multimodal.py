@@ -40,7 +40,7 @@ from kiln_testing import assert_int4_generation
 
 CASES = {
     "gemma3-multimodal-window": "Gemma3ForCausalLM",
-    "mistral3-multimodal": "MistralForCausalLM",
+    "mistral3-multimodal-window": "MistralForCausalLM",
 }  # case -> its text decoder's class
 # every wrapper whose text decoder kiln exports: also Llama 4's (its generation is proved in test_hf_archs.py;
 # --target onnx refuses its chunked layers, so it is not in CASES)
@@ -58,7 +58,7 @@ def _export(case: str, tmp_path: Path, **options: object) -> tuple[torch.nn.Modu
     tiny_transformers(case, seed=1).save_pretrained(ckpt, safe_serialization=True)
     notes = io.StringIO()
     result = export(
-        ckpt, out, ExportOptions(max_batch=4, parity_tokens=8, **options), LineProgress(notes, stages=False)
+        ckpt, out, ExportOptions.from_flags(max_batch=4, parity_tokens=8, **options), LineProgress(notes, stages=False)
     )  # type: ignore[arg-type]
     wrapper = (
         getattr(transformers, TINY[case][0])
@@ -196,7 +196,7 @@ def test_refused_by_name() -> None:
 def test_a_text_decoder_no_test_proves_inside_the_wrapper_is_refused(tmp_path: Path) -> None:
     """A Mistral 3 checkpoint whose text_config is another model type: refused before any weight is read."""
     ckpt = tmp_path / "ckpt"
-    tiny_transformers("mistral3-multimodal", seed=0).save_pretrained(ckpt, safe_serialization=True)
+    tiny_transformers("mistral3-multimodal-window", seed=0).save_pretrained(ckpt, safe_serialization=True)
     config = json.loads((ckpt / "config.json").read_text())
     config["text_config"]["model_type"] = "llama"
     (ckpt / "config.json").write_text(json.dumps(config))

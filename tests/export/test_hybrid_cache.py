@@ -46,7 +46,7 @@ def _save(case: str, directory: Path) -> Path:
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("hybrid")
     ckpt = _save("granitemoehybrid", root / "ckpt")
-    result = export(ckpt, root / "out", ExportOptions(max_batch=4, parity_tokens=8))
+    result = export(ckpt, root / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8))
     assert result.parity.passed, result.parity.failures()
     return ckpt, root / "out"
 
@@ -95,7 +95,7 @@ def test_kiln_generate_equals_transformers_generate(hybrid: tuple[Path, Path]) -
 def test_bamba_exports_and_its_greedy_tokens_equal_transformers_generate(tmp_path: Path) -> None:
     """Bamba: the same Mamba2 and attention layers (partial rotary attention, a dense MLP)."""
     ckpt = _save("bamba", tmp_path / "ckpt")
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8))
+    result = export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8))
     assert result.parity.passed, result.parity.failures()
     spans = [(t.layer, t.name, t.span) for t in result.manifest.kv_cache.tensors or ()]
     assert result.manifest.kv_cache.kind == "hybrid" and spans[2:4] == [
@@ -123,11 +123,13 @@ def test_the_onnx_target_refuses_the_hybrid_cache_by_name() -> None:
 def test_rotary_dense_and_fp16_pass_their_parity(tmp_path: Path) -> None:
     """The rotary, dense case (``granitemoehybrid-rope-dense``) at fp32, and the NoPE MoE case at --fp16."""
     dense = _save("granitemoehybrid-rope-dense", tmp_path / "dense")
-    result = export(dense, tmp_path / "out-dense", ExportOptions(max_batch=4, parity_tokens=8))
+    result = export(dense, tmp_path / "out-dense", ExportOptions.from_flags(max_batch=4, parity_tokens=8))
     assert result.parity.passed, result.parity.failures()
     assert result.manifest.kv_cache.kind == "hybrid"
     ckpt = _save("granitemoehybrid", tmp_path / "ckpt")
-    fp16 = export(ckpt, tmp_path / "out16", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16))
+    fp16 = export(
+        ckpt, tmp_path / "out16", ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=Precision.FP16)
+    )
     assert fp16.parity.passed, fp16.parity.failures()
     inputs = fp16.manifest.graph(GraphKind.DECODE).inputs
     assert {t.dtype for t in inputs if t.name.startswith("past_key_values.")} == {"float16"}

@@ -40,7 +40,7 @@ def int4_ort(tmp_path_factory: pytest.TempPathFactory) -> Path:
     export(
         ckpt,
         root / "out",
-        ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN)), target="ort", parity_tokens=16),
+        ExportOptions.from_flags(precision=Precision.of(Int4(method=Int4Method.RTN)), target="ort", parity_tokens=16),
     )
     return root / "out"
 
@@ -192,13 +192,15 @@ def test_int4_numbers_other_than_the_graphs_fail_where_agreement_passes(
 def test_agreement_can_be_recorded_only_for_quantized_exports(tiny_ckpt: Path, tmp_path: Path) -> None:
     """int4, int8 and fp8 graphs are also checked against the quantized model (issue 40); fp16's are not."""
     with pytest.raises(ConfigError) as err:
-        plan(ExportOptions(precision=Precision.FP16, parity_agreement="record"))
+        plan(ExportOptions.from_flags(precision=Precision.FP16, parity_agreement="record"))
     assert str(err.value) == (
         "config: --parity-agreement record only applies to --int8, --fp8 or --int4 exports, whose graphs are "
         "also checked against PyTorch on their own quantized numbers; "
         "a fp16 export's only proof is its agreement with the checkpoint's model"
     )
-    plan(ExportOptions(precision=Precision.INT8, calib_data="synthetic", parity_agreement="gate"))  # accepted
+    plan(
+        ExportOptions.from_flags(precision=Precision.INT8, calib_data="synthetic", parity_agreement="gate")
+    )  # accepted
     base = ["export", "--model", str(tiny_ckpt), "--out", str(tmp_path / "out")]
     assert config_error(*base, "--parity-agreement", "record").startswith(
         "--parity-agreement record only applies to --int8, --fp8 or --int4 exports"
@@ -224,7 +226,7 @@ def test_manifest_matches_the_schema(int4_ort: Path) -> None:
 
 def test_gptq_with_fp16(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    options = ExportOptions(
+    options = ExportOptions.from_flags(
         precision=Precision.of(Int4(block=32), Fp16()),
         calib_data=str(_ids(tmp_path / "calib.npy")),
         calib_samples=16,
@@ -268,7 +270,7 @@ def test_gptq_hf_layer_by_layer_leaves_the_reference_as_it_was(tmp_path: Path, m
         return check_parity(module, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "check_parity", recording)
-    options = ExportOptions(
+    options = ExportOptions.from_flags(
         precision=Precision.of(Int4(block=16)),
         calib_data=str(_ids(tmp_path / "calib.npy", vocab=128)),
         calib_samples=8,

@@ -19,7 +19,7 @@ from kiln.exporter.precision.kinds import Int4
 from kiln.exporter.precision.kinds.int4 import Int4Method
 from kiln_testing import save_base, tiny_config, write_checkpoint
 
-_RTN = ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN)), target="ort", parity_tokens=16)
+_RTN = ExportOptions.from_flags(precision=Precision.of(Int4(method=Int4Method.RTN)), target="ort", parity_tokens=16)
 
 
 def test_a_random_llama_is_proved_on_the_quantizer_numbers(tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_one_block_scale_off_is_refused_by_name(tmp_path: Path, monkeypatch: pyt
         export(
             ckpt,
             tmp_path / "out",
-            ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN, block=16)), parity_tokens=4),
+            ExportOptions.from_flags(precision=Precision.of(Int4(method=Int4Method.RTN, block=16)), parity_tokens=4),
         )
     message = str(err.value)
     assert (
@@ -97,7 +97,7 @@ def test_the_proof_refuses_it_without_the_weight_check(tmp_path: Path, monkeypat
         export(
             ckpt,
             tmp_path / "out",
-            ExportOptions(
+            ExportOptions.from_flags(
                 precision=Precision.of(Int4(method=Int4Method.RTN)), parity_tokens=4, parity_agreement="record"
             ),
         )

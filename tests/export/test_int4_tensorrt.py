@@ -38,7 +38,9 @@ def _export(root: Path, block: int) -> tuple[Path, RecordedProgress]:
     if not ckpt.exists():
         write_checkpoint(ckpt, tiny_config(d_model=64, d_ff=128))
     progress = RecordedProgress()
-    options = ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN, block=block)), parity_tokens=16)
+    options = ExportOptions.from_flags(
+        precision=Precision.of(Int4(method=Int4Method.RTN, block=block)), parity_tokens=16
+    )
     export(ckpt, root / f"block{block}", options, progress)
     return root / f"block{block}", progress
 

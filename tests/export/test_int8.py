@@ -43,7 +43,7 @@ def _int8(tmp: Path, **changes: object) -> ExportOptions:
         parity_tokens=16,
     )
     fields.update(changes)
-    return ExportOptions(**fields)  # type: ignore[arg-type]
+    return ExportOptions.from_flags(**fields)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -221,9 +221,9 @@ def test_bad_calibration_inputs(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     with pytest.raises(ConfigError, match="--calib-method must be one of max, percentile, entropy, mse, found 'kl'"):
-        plan(ExportOptions(precision=Precision.INT8, calib_data="synthetic", calib_method="kl"))
+        plan(ExportOptions.from_flags(precision=Precision.INT8, calib_data="synthetic", calib_method="kl"))
     with pytest.raises(ConfigError, match="--calib-data only applies to --int8, --fp8 and --int4"):
-        plan(ExportOptions(calib_data="synthetic"))
+        plan(ExportOptions.from_flags(calib_data="synthetic"))
 
 
 def test_tokenizer_that_does_not_match(tmp_path: Path) -> None:

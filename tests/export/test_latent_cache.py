@@ -54,7 +54,7 @@ def _save(case: str, directory: Path) -> Path:
 def v3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("latent")
     ckpt = _save("deepseek-v3", root / "ckpt")
-    result = export(ckpt, root / "out", ExportOptions(max_batch=4, parity_tokens=8, triton="mla"))
+    result = export(ckpt, root / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, triton="mla"))
     assert result.parity.passed, result.parity.failures()
     return ckpt, root / "out"
 
@@ -162,7 +162,7 @@ def test_int4_passes_its_parity(case: str, method: Int4Method, tmp_path: Path) -
     result = export(
         ckpt,
         tmp_path / "out",
-        ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.of(Int4(method=method)), **calib),
+        ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=Precision.of(Int4(method=method)), **calib),
     )
     assert result.parity.passed, result.parity.failures()
     assert (

@@ -51,7 +51,7 @@ def _save(directory: Path) -> Path:
 def lfm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("lfm2")
     ckpt = _save(root / "ckpt")
-    options = ExportOptions(max_batch=4, parity_tokens=8, target="ort", triton="lfm2")
+    options = ExportOptions.from_flags(max_batch=4, parity_tokens=8, target="ort", triton="lfm2")
     result = export(ckpt, root / "out", options)
     assert result.parity.passed, result.parity.failures()
     return ckpt, root / "out"
@@ -132,7 +132,9 @@ def test_fp16_and_int4_pass_their_parity(tmp_path: Path) -> None:
     """--fp16 (its own parity), and int4 RTN on the portable graphs and --target ort, against PyTorch on
     the same int4 weights (``assert_int4_generation``)."""
     ckpt = _save(tmp_path / "ckpt")
-    fp16 = export(ckpt, tmp_path / "out16", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16))
+    fp16 = export(
+        ckpt, tmp_path / "out16", ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=Precision.FP16)
+    )
     assert fp16.parity.passed, fp16.parity.failures()
     inputs = fp16.manifest.graph(GraphKind.DECODE).inputs
     assert [t.dtype for t in inputs if t.name.endswith(".conv")] == ["float16"] * 2, inputs

@@ -58,7 +58,7 @@ def slots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         "out": root / "out",
     }
-    result = export(ckpt, paths["out"], ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8))
+    result = export(ckpt, paths["out"], ExportOptions.from_flags(max_batch=4, parity_tokens=8, lora_slots=8))
     assert result.parity.passed, result.parity.failures()
     for name in ("wide", "narrow"):
         run = CliRunner().invoke(main, ["adapter", str(paths[name]), "--export", str(paths["out"]), "--json"])
@@ -151,7 +151,7 @@ def test_architectures_swap_adapters(case: str, tmp_path: Path) -> None:
     targets, precision = CASES[case]
     ckpt = save_base(case, tmp_path / "ckpt")
     adapter = make_adapter(ckpt, tmp_path / "adapter", targets, seed=2)
-    options = ExportOptions(max_batch=4, parity_tokens=8, lora_slots=4, precision=Precision.parse(precision))
+    options = ExportOptions.from_flags(max_batch=4, parity_tokens=8, lora_slots=4, precision=Precision.parse(precision))
     assert export(ckpt, tmp_path / "out", options).parity.passed
     run = CliRunner().invoke(
         main, ["adapter", str(adapter), "--export", str(tmp_path / "out"), "--out", str(tmp_path / "a.onnx_adapter")]
@@ -384,7 +384,9 @@ def test_lora_targets_slot_those_modules_only(slots: dict[str, Path], tmp_path: 
     converts and generates PEFT's tokens, the wide one is refused by its first unslotted module."""
     out = tmp_path / "qv"
     assert export(
-        slots["ckpt"], out, ExportOptions(max_batch=4, parity_tokens=4, lora_slots=4, lora_targets=("q_proj", "v_proj"))
+        slots["ckpt"],
+        out,
+        ExportOptions.from_flags(max_batch=4, parity_tokens=4, lora_slots=4, lora_targets=("q_proj", "v_proj")),
     ).parity.passed
     written = read(out).lora.slots  # type: ignore[union-attr]
     assert [s.module.rsplit(".", 2)[-1] for s in written] == ["q_proj", "v_proj"] * 2
@@ -403,7 +405,7 @@ def test_an_export_without_slots_is_refused(tmp_path: Path) -> None:
 
     ckpt = save_base("llama", tmp_path / "ckpt")
     adapter = make_adapter(ckpt, tmp_path / "adapter", ["q_proj"], seed=2)
-    export(ckpt, tmp_path / "plain", ExportOptions(max_batch=2, parity_tokens=4))
+    export(ckpt, tmp_path / "plain", ExportOptions.from_flags(max_batch=2, parity_tokens=4))
     assert read_manifest(tmp_path / "plain").lora is None
     assert config_error("adapter", str(adapter), "--export", str(tmp_path / "plain")).startswith(
         f"--adapter {adapter}: {tmp_path / 'plain'} has no LoRA slots"
@@ -442,7 +444,7 @@ def test_bench_times_an_adapter_beside_rank_0(slots: dict[str, Path], tmp_path: 
         result["median_ms"][k][lab] > 0 for k in ("prefill", "decode") for lab in labels
     )
     plain = tmp_path / "plain"
-    export(slots["ckpt"], plain, ExportOptions(max_batch=2, parity_tokens=4))
+    export(slots["ckpt"], plain, ExportOptions.from_flags(max_batch=2, parity_tokens=4))
     run = CliRunner().invoke(main, ["bench", str(plain), "--adapter", file, "--runs", "3", "--no-torch"])
     assert (
         run.exit_code == 1
@@ -465,7 +467,7 @@ def test_an_int4_base_with_float_adapters(slots: dict[str, Path], tmp_path: Path
 
     ckpt, out = slots["ckpt"], tmp_path / "out"
     int4 = Precision.of(Int4(method=Int4Method.RTN, block=16))
-    options = ExportOptions(
+    options = ExportOptions.from_flags(
         max_batch=4, parity_tokens=8, lora_slots=8, precision=int4, parity_agreement="record", target="ort"
     )  # MatMulNBits there
     assert export(ckpt, out, options).parity.passed

@@ -52,7 +52,9 @@ def _exported(case: str, root: Path, **options: Any) -> dict[str, Path]:
     ckpt = save_base(case, root / "ckpt")
     paths = {"ckpt": ckpt, "adapter": make_adapter(ckpt, root / "adapter", ALL, seed=2), "out": root / "out"}
     result = export(
-        ckpt, paths["out"], ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8, target="ort", **options)
+        ckpt,
+        paths["out"],
+        ExportOptions.from_flags(max_batch=4, parity_tokens=8, lora_slots=8, target="ort", **options),
     )
     assert result.parity.passed, result.parity.failures()
     run = CliRunner().invoke(main, ["adapter", str(paths["adapter"]), "--export", str(paths["out"]), "--json"])

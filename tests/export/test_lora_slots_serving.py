@@ -28,14 +28,14 @@ def slotted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("slots_serving")
     ckpt = save_base("llama", root / "ckpt")
     out = root / "out"
-    result = export(ckpt, out, ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8))
+    result = export(ckpt, out, ExportOptions.from_flags(max_batch=4, parity_tokens=8, lora_slots=8))
     assert result.parity.passed, result.parity.failures()
     return out
 
 
 def test_export_with_triton_is_refused_with_the_reason(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as refused:
-        ExportOptions(max_batch=4, parity_tokens=8, lora_slots=8, triton="m")
+        ExportOptions.from_flags(max_batch=4, parity_tokens=8, lora_slots=8, triton="m")
     assert str(refused.value) == f"config: --lora-slots with --triton: {LORA_TRITON_REASON}"
     ckpt = save_base("llama", tmp_path / "ckpt")
     line = config_error(

@@ -46,7 +46,7 @@ def _save(case: str, directory: Path) -> Path:
 def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp(request.param)  # (a numbered folder of the case's name)
     ckpt = _save(request.param, root / "ckpt")
-    result = export(ckpt, root / "out", ExportOptions(max_batch=4, parity_tokens=8, target="ort"))
+    result = export(ckpt, root / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, target="ort"))
     assert result.parity.passed, result.parity.failures()
     return ckpt, root / "out"
 
@@ -185,7 +185,9 @@ def test_fp16_and_int4_pass_their_parity(case: str, tmp_path: Path) -> None:
     """--fp16 (its own parity, the state carried in float16), and int4 RTN on both graph sets against
     PyTorch on the same int4 weights (``assert_int4_generation``)."""
     ckpt = _save(case, tmp_path / "ckpt")
-    fp16 = export(ckpt, tmp_path / "out16", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16))
+    fp16 = export(
+        ckpt, tmp_path / "out16", ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=Precision.FP16)
+    )
     assert fp16.parity.passed, fp16.parity.failures()
     ssm = [t.dtype for t in fp16.manifest.graph(GraphKind.DECODE).inputs if t.name.endswith(".ssm")]
     assert ssm == ["float16"] * len(STATE_LAYERS[case]), ssm

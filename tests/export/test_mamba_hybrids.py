@@ -56,7 +56,7 @@ def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     case: str = request.param
     root = tmp_path_factory.mktemp(case)
     tiny_transformers(case, seed=1).save_pretrained(root / "ckpt", safe_serialization=True)
-    result = export(root / "ckpt", root / "out", ExportOptions(max_batch=4, parity_tokens=8))
+    result = export(root / "ckpt", root / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8))
     assert result.parity.passed, (case, result.parity.failures())
     return case, root / "ckpt", root / "out"
 
@@ -99,11 +99,13 @@ def test_kiln_generate_equals_transformers_generate(exported: tuple[str, Path, P
 @pytest.mark.slow
 def test_fp16_and_the_ort_target_pass_their_parity(exported: tuple[str, Path, Path], tmp_path: Path) -> None:
     case, ckpt, _ = exported
-    fp16 = export(ckpt, tmp_path / "fp16", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16))
+    fp16 = export(
+        ckpt, tmp_path / "fp16", ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=Precision.FP16)
+    )
     assert fp16.parity.passed, (case, fp16.parity.failures())
     inputs = fp16.manifest.graph(GraphKind.DECODE).inputs
     assert {t.dtype for t in inputs if t.name.startswith("past_key_values.")} == {"float16"}
-    ort = export(ckpt, tmp_path / "ort", ExportOptions(max_batch=4, parity_tokens=8, target="ort"))
+    ort = export(ckpt, tmp_path / "ort", ExportOptions.from_flags(max_batch=4, parity_tokens=8, target="ort"))
     assert ort.parity.passed, (case, ort.parity.failures())
     assert ort.manifest.targets is not None
     fused = ort.manifest.targets["ort"].graphs[GraphKind.DECODE.value].report("attention")["layers"]

@@ -36,7 +36,7 @@ def validator() -> Draft202012Validator:
 @pytest.fixture(scope="module")
 def demo_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("schema32") / "out"
-    export("demo", out, ExportOptions(parity_tokens=4))
+    export("demo", out, ExportOptions.from_flags(parity_tokens=4))
     return out
 
 
@@ -44,7 +44,7 @@ def demo_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_fp16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("schema16")
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
-    options = ExportOptions(
+    options = ExportOptions.from_flags(
         precision=Precision.FP16, logits=LogitsMode.LAST, ple_tables=PLETables.INPUT, parity_tokens=4
     )
     export(ckpt, root / "out", options)

@@ -41,7 +41,7 @@ def _config(changes: dict[str, Any]) -> Any:
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_export_parity(name: str, tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", _config(MATRIX[name]), seed=len(name))
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4))
+    result = export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=4))
     parity = result.parity
     assert parity.passed, parity.failures()
     assert {t.graph for t in parity.tensors} == {"prefill", "decode", "model"}

@@ -130,7 +130,7 @@ def native(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ExportResult
     root = tmp_path_factory.mktemp("native_onnx")
     ckpt = write_checkpoint(root / "ckpt", tiny_config())
     out = root / "out"
-    return out, export(ckpt, out, ExportOptions(max_batch=4, target="onnx", parity_tokens=PARITY_TOKENS))
+    return out, export(ckpt, out, ExportOptions.from_flags(max_batch=4, target="onnx", parity_tokens=PARITY_TOKENS))
 
 
 def test_native_exports_checks_and_reruns(native: tuple[Path, ExportResult]) -> None:
@@ -277,7 +277,9 @@ def test_native_fp16(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     out = tmp_path / "out"
     result = export(
-        ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=Precision.FP16, parity_tokens=PARITY_TOKENS)
+        ckpt,
+        out,
+        ExportOptions.from_flags(max_batch=4, target="onnx", precision=Precision.FP16, parity_tokens=PARITY_TOKENS),
     )
     _assert_checked(result, "fp16")
     manifest = _assert_graphs(
@@ -324,7 +326,9 @@ def test_native_int4(fp16: bool, tmp_path: Path) -> None:
     rtn = Int4(method=Int4Method.RTN)
     precision = Precision.of(rtn, Fp16()) if fp16 else Precision.of(rtn)
     result = export(
-        ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=precision, parity_tokens=PARITY_TOKENS)
+        ckpt,
+        out,
+        ExportOptions.from_flags(max_batch=4, target="onnx", precision=precision, parity_tokens=PARITY_TOKENS),
     )
     assert result.parity.passed, result.parity.failures()
     assert result.parity.targets["onnx"].precision == precision.value
@@ -375,7 +379,7 @@ def _calibrated_export(tmp_path: Path, out: Path, precision: Precision) -> Expor
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     rng = np.random.default_rng(0)
     np.save(tmp_path / "calib.npy", (np.cumsum(rng.integers(1, 4, size=4000)) % 101).astype(np.int64))
-    options = ExportOptions(
+    options = ExportOptions.from_flags(
         max_batch=4,
         target="onnx",
         precision=precision,
@@ -505,14 +509,18 @@ def test_int8_all_matmuls_refused_by_name() -> None:
     layer's Attention: measured, the export then stopped with "the attention of layer(s) [0, 1] is
     not the pattern --target onnx rewrites"; now the options are refused before any work."""
     with pytest.raises(ConfigError) as err:
-        plan(ExportOptions(target="onnx", precision=Precision.of(Int8(all_matmuls=True)), calib_data="synthetic"))
+        plan(
+            ExportOptions.from_flags(
+                target="onnx", precision=Precision.of(Int8(all_matmuls=True)), calib_data="synthetic"
+            )
+        )
     assert str(err.value) == (
         "config: --target onnx does not take --int8-all-matmuls: it writes each layer's attention as one ONNX "
         "Attention, whose score MatMuls are float; "
         "drop --int8-all-matmuls, or export without --target onnx"
     )
     plan(
-        ExportOptions(
+        ExportOptions.from_flags(
             target="onnx", precision=Precision.of(Int8(float_rules=("*.fc2",)), Fp16()), calib_data="synthetic"
         )
     )  # --int8-float is taken
@@ -549,7 +557,11 @@ def _hf_export(case: str, tmp_path: Path, **options) -> tuple[object, Path, Expo
     model = tiny_model(case, seed=1).module.model
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     model.save_pretrained(ckpt, safe_serialization=True)
-    return model, out, export(ckpt, out, ExportOptions(max_batch=4, target="onnx", parity_tokens=8, **options))
+    return (
+        model,
+        out,
+        export(ckpt, out, ExportOptions.from_flags(max_batch=4, target="onnx", parity_tokens=8, **options)),
+    )
 
 
 def _decomposed(result: ExportResult) -> int:
@@ -809,7 +821,7 @@ def test_a_window_is_applied_by_its_declaration_never_by_its_name() -> None:
 def test_the_windows_declared_proved_are_those_these_tests_prove() -> None:
     """The hf family declares a sliding window proved (``Arch.sliding_window_proved``, in the specs
     of its table's rows and of a config read) for exactly the architectures whose windowed case
-    above exports --target onnx, and Gemma 3's wrapper (test_hf_multimodal.py exports its window);
+    above exports --target onnx, and Gemma 3's and Mistral 3's wrappers (test_hf_multimodal.py exports their windows);
     a row declaring a window proved where its config has none is a family's bug."""
     transformers = pytest.importorskip("transformers", reason="the Hugging Face configs need transformers")
     from kiln.plugins.hf import HF
@@ -817,7 +829,7 @@ def test_the_windows_declared_proved_are_those_these_tests_prove() -> None:
     from kiln.plugins.hf.multimodal import read_any_spec
     from kiln.plugins.hf.tiny import TINY
 
-    proved = [*WINDOWS, "gemma3-multimodal-window"]
+    proved = [*WINDOWS, "gemma3-multimodal-window", "mistral3-multimodal-window"]
     declared = [spec.config["architecture"] for spec in HF.specs() if spec.sliding_window_proved]
     assert sorted(declared) == sorted(TINY[case][0] for case in proved)
     for case in [*proved, "phi3-partial", "smollm3", "llama"]:

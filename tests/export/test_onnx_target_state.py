@@ -52,7 +52,11 @@ PARSED = {
 def _export(case: str, root: Path, precision: Precision = Precision.FP32) -> tuple[Path, Path, ExportResult]:
     ckpt, out = root / "ckpt", root / f"out_{precision.value}"
     tiny_transformers(case, seed=1).save_pretrained(ckpt, safe_serialization=True)
-    return ckpt, out, export(ckpt, out, ExportOptions(max_batch=4, target="onnx", precision=precision, parity_tokens=8))
+    return (
+        ckpt,
+        out,
+        export(ckpt, out, ExportOptions.from_flags(max_batch=4, target="onnx", precision=precision, parity_tokens=8)),
+    )
 
 
 @pytest.fixture(scope="module", params=["mamba2", "bamba", "lfm2"])

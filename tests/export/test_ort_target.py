@@ -113,7 +113,7 @@ def _assert_manifest(out: Path, precision: str) -> dict:
 
 def test_native_ort_target_fp32(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    result = export(tiny_ckpt, out, ExportOptions(max_batch=4, target="ort", parity_tokens=PARITY_TOKENS))
+    result = export(tiny_ckpt, out, ExportOptions.from_flags(max_batch=4, target="ort", parity_tokens=PARITY_TOKENS))
     _assert_ort_checked(result, "fp32")
     # fp32 tolerances, as for the portable graphs
     assert all((t.atol, t.rtol) == (1e-5, 1e-4) for t in result.parity.tensors if t.graph.endswith(".ort"))
@@ -190,7 +190,7 @@ def test_native_rotary_inside_gqa_at_decode(tmp_path: Path) -> None:
     caller's (left-padded) position_ids; still exact to fp32 tolerances."""
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(d_model=64))
     out = tmp_path / "out"
-    result = export(ckpt, out, ExportOptions(max_batch=4, target="ort", parity_tokens=PARITY_TOKENS))
+    result = export(ckpt, out, ExportOptions.from_flags(max_batch=4, target="ort", parity_tokens=PARITY_TOKENS))
     _assert_ort_checked(result, "fp32")
     _assert_rewritten(out, n_layers=2, n_norms=7, rotary_in_gqa=True)
 
@@ -202,7 +202,7 @@ def test_hf_llama_ort_target_fp32(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     tiny_model("LlamaForCausalLM", seed=1).module.model.save_pretrained(ckpt, safe_serialization=True)
     out = tmp_path / "out"
-    result = export(ckpt, out, ExportOptions(max_batch=4, target="ort", parity_tokens=PARITY_TOKENS))
+    result = export(ckpt, out, ExportOptions.from_flags(max_batch=4, target="ort", parity_tokens=PARITY_TOKENS))
     _assert_ort_checked(result, "fp32")
     _assert_rewritten(out, n_layers=2, n_norms=5, rotary_in_gqa=True)  # the tiny Llama's head_dim is 16
     assert _assert_manifest(out, "fp32")["targets"]["ort"]["graphs"]["decode"]["passes"]["decode_mask"]["compact"]
@@ -221,7 +221,9 @@ def test_other_hf_families(arch: str, int8: bool, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     tiny_model(arch, seed=1).module.model.save_pretrained(ckpt, safe_serialization=True)
     out = tmp_path / "out"
-    options = ExportOptions(max_batch=4, target="ort", target_flags={"ort_int8": int8}, parity_tokens=PARITY_TOKENS)
+    options = ExportOptions.from_flags(
+        max_batch=4, target="ort", target_flags={"ort_int8": int8}, parity_tokens=PARITY_TOKENS
+    )
     result = export(ckpt, out, options)
     _assert_ort_checked(result, "int8" if int8 else "fp32")
     graphs = _assert_manifest(out, "int8" if int8 else "fp32")["targets"]["ort"]["graphs"]
@@ -359,7 +361,7 @@ def test_int8_blocks_round_trip() -> None:
 )
 def test_bad_combinations_refused(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=None) as info:
-        plan(ExportOptions(**options))
+        plan(ExportOptions.from_flags(**options))
     assert message in str(info.value)
 
 
@@ -377,7 +379,7 @@ def tiny_portable(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny native export (portable graphs only): head_dim 16, rope theta 500."""
     root = tmp_path_factory.mktemp("ort_portable")
     ckpt = write_checkpoint(root / "ckpt", tiny_config(d_model=64, rope_theta=500.0))
-    export(ckpt, root / "out", ExportOptions(max_batch=2, parity_tokens=2))
+    export(ckpt, root / "out", ExportOptions.from_flags(max_batch=2, parity_tokens=2))
     return root / "out" / "onnx"
 
 

@@ -39,14 +39,16 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("faults")
     ckpt = write_checkpoint(root / "ckpt", tiny_config(), seed=3)
     for name, precision in (("fp32", Precision.FP32), ("fp16", Precision.FP16)):
-        export(ckpt, root / name, ExportOptions(precision=precision, parity_tokens=STEPS))
+        export(ckpt, root / name, ExportOptions.from_flags(precision=precision, parity_tokens=STEPS))
     return root
 
 
 @pytest.fixture(scope="module")
 def int8_export(pristine: Path) -> Path:
     """``--int8`` of the same checkpoint (its graphs' I/O are fp32's: only their Q/DQ differ)."""
-    options = ExportOptions(precision=Precision.INT8, calib_data="synthetic", calib_samples=2, parity_tokens=STEPS)
+    options = ExportOptions.from_flags(
+        precision=Precision.INT8, calib_data="synthetic", calib_samples=2, parity_tokens=STEPS
+    )
     export(pristine / "ckpt", pristine / "int8", options)
     return pristine / "int8"
 
@@ -128,7 +130,7 @@ def _refused_export(
 
     monkeypatch.setattr(graphs, "fp32_graph", faulted)
     with pytest.raises(ParityError) as err:
-        export(root / "ckpt", out, ExportOptions(parity_tokens=STEPS))
+        export(root / "ckpt", out, ExportOptions.from_flags(parity_tokens=STEPS))
     assert not out.exists(), "a refused export leaves nothing"
     message = str(err.value)
     assert message.startswith(f"parity: {out}: {_DIFFER}"), message

@@ -55,7 +55,11 @@ class _Watched:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("join")
-    export(write_checkpoint(root / "ckpt", tiny_config(), seed=3), root / "out", ExportOptions(parity_tokens=STEPS))
+    export(
+        write_checkpoint(root / "ckpt", tiny_config(), seed=3),
+        root / "out",
+        ExportOptions.from_flags(parity_tokens=STEPS),
+    )
     return root
 
 
@@ -74,8 +78,8 @@ def _parity(
             yield _Watched(runner, calls, change)
 
     loaded = load_model(root / "ckpt")
-    assert options.max_context is not None
-    settings = ParitySettings(options.max_context, max_batch, STEPS, options.last_logits_only)
+    assert options.graphs.max_context is not None
+    settings = ParitySettings(options.graphs.max_context, max_batch, STEPS, options.graphs.last_logits_only)
     return check_parity(
         prepare_reference(loaded, options), loaded.spec, [Candidate(opened, tuple(paths), "fp32", FP32)], settings
     )

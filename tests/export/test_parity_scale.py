@@ -114,7 +114,7 @@ def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     root = tmp_path_factory.mktemp(case)
     ckpt = _save(case, root / "ckpt")
     context = HF[case][3] if case in HF else None
-    options = ExportOptions(**OPTIONS, max_context=context)  # type: ignore[arg-type]
+    options = ExportOptions.from_flags(**OPTIONS, max_context=context)  # type: ignore[arg-type]
     return Exported(case, ckpt, root / "out", export(ckpt, root / "out", options))
 
 
@@ -205,8 +205,8 @@ def parity_of(exported: Exported, graphs: Path, max_batch: int = 4) -> ParityRes
     options = graph_options(manifest)
     loaded = load_model(exported.ckpt)
     paths = {GraphKind(kind): graphs / Path(entry.file).name for kind, entry in manifest.graphs.items()}
-    assert options.max_context is not None
-    settings = ParitySettings(options.max_context, max_batch, STEPS, options.last_logits_only)
+    assert options.graphs.max_context is not None
+    settings = ParitySettings(options.graphs.max_context, max_batch, STEPS, options.graphs.last_logits_only)
     return check_parity(
         prepare_reference(loaded, options),
         loaded.spec,
@@ -285,7 +285,7 @@ def test_padding_is_tested_at_batch_one(tmp_path: Path) -> None:
     """At --max-batch 1 the padded run is the shorter prompt left-padded to the longest, at batch 1:
     it is said so, and a graph that attends to a padding position shows there, not in the unpadded run."""
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(**LLAMA_LIKE), seed=0)
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=1, parity_tokens=STEPS))
+    result = export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=1, parity_tokens=STEPS))
     assert result.parity.passed, result.parity.failures()
     labels = [
         "prefill+decode, batch 1",

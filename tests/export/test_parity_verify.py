@@ -57,7 +57,11 @@ class _Changed:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("verify")
-    export(write_checkpoint(root / "ckpt", tiny_config(), seed=3), root / "out", ExportOptions(parity_tokens=STEPS))
+    export(
+        write_checkpoint(root / "ckpt", tiny_config(), seed=3),
+        root / "out",
+        ExportOptions.from_flags(parity_tokens=STEPS),
+    )
     return root
 
 
@@ -99,8 +103,8 @@ def _parity(
         return prepare_reference(load_model(root / "ckpt"), options)
 
     loaded = load_model(root / "ckpt")
-    assert options.max_context is not None
-    settings = ParitySettings(options.max_context, 8, STEPS, options.last_logits_only)
+    assert options.graphs.max_context is not None
+    settings = ParitySettings(options.graphs.max_context, 8, STEPS, options.graphs.last_logits_only)
     hooks = {"release_reference": lambda: events.append("release"), "reload_reference": reloaded} if reload else {}
     candidates = [Candidate(opened, tuple(paths), "fp32", FP32)]
     return check_parity(
@@ -210,7 +214,7 @@ def test_an_export_and_its_check_load_the_model_again_when_it_does_not_fit(
     )
     progress = RecordedProgress()
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(), seed=3)
-    options = ExportOptions(parity_tokens=STEPS, **precision)  # type: ignore[arg-type]
+    options = ExportOptions.from_flags(parity_tokens=STEPS, **precision)  # type: ignore[arg-type]
     result = export(ckpt, tmp_path / "out", options, progress)
     assert result.parity.passed, result.parity.failures()
     assert "parity: PyTorch scores the graphs' tokens (model loaded again)" in progress.stages, progress.stages

@@ -47,7 +47,7 @@ class Toy(PrecisionKind):
     bytes_per_weight: ClassVar[float] = 4.0
 
     def reasons(self, spec: DecoderSpec | None, options: Asked) -> list[str]:
-        return ["--toy-strict needs --max-batch 4 or less"] if self.strict and options.max_batch > 4 else []
+        return ["--toy-strict needs --max-batch 4 or less"] if self.strict and options.graphs.max_batch > 4 else []
 
 
 class CountMatMuls(ir.passes.InPlacePass):
@@ -110,7 +110,9 @@ def test_a_new_kind_is_its_file_and_one_registration(toy_registered: None, tmp_p
         plan(ExportOptions(precision=Precision.of(Toy(strict=True))))
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     result = export(
-        ckpt, tmp_path / "out", ExportOptions(precision=Precision.of(Toy(strict=True)), max_batch=4, parity_tokens=8)
+        ckpt,
+        tmp_path / "out",
+        ExportOptions.from_flags(precision=Precision.of(Toy(strict=True)), max_batch=4, parity_tokens=8),
     )
     assert result.parity.passed and result.parity.precision == "toy" and result.parity.tolerance == TOY_TOLERANCE
     manifest = result.manifest.to_json()

@@ -62,7 +62,7 @@ def valid_configs(draw: st.DrawFn) -> NativeConfig:
 def test_random_valid_configs_export_with_parity(cfg: NativeConfig, seed: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", cfg, seed)
-        result = export(ckpt, Path(tmp) / "out", ExportOptions(max_batch=3, parity_tokens=12))
+        result = export(ckpt, Path(tmp) / "out", ExportOptions.from_flags(max_batch=3, parity_tokens=12))
         assert result.parity.passed, result.parity.failures()
         assert all(g.first_divergence is None for g in result.parity.generation)
 

@@ -27,7 +27,7 @@ _FC2 = "/layers.0.mlp.fc2/MatMul"
 
 
 def _options(precision: Precision) -> ExportOptions:
-    return ExportOptions(precision=precision, calib_data="synthetic", calib_samples=2, parity_tokens=8)
+    return ExportOptions.from_flags(precision=precision, calib_data="synthetic", calib_samples=2, parity_tokens=8)
 
 
 @pytest.mark.parametrize("precision", [Precision.INT8, Precision.FP8], ids=["int8", "fp8"])

@@ -69,7 +69,7 @@ def test_kiln_check_measures_quality_again(demo_int4: Path) -> None:
 def test_an_impossible_gate_refuses_the_quantization_and_keeps_the_reports(tmp_path: Path) -> None:
     out = tmp_path / "int4"
     with pytest.raises(QualityError) as refused:
-        export(resolve_checkpoint("demo"), out, ExportOptions(precision=RTN, quality_gate="0.999"))
+        export(resolve_checkpoint("demo"), out, ExportOptions.from_flags(precision=RTN, quality_gate="0.999"))
     message = str(refused.value)
     assert message.startswith(
         f"quality: {out}: the int4 quantization fell short (its graphs compute the quantized model: parity "
@@ -92,7 +92,7 @@ def test_random_tokens_record_quality_and_never_judge(tmp_path: Path) -> None:
     result = export(
         ckpt,
         tmp_path / "out",
-        ExportOptions(precision=RTN, parity_tokens=2, parity_agreement="record", quality_gate="1"),
+        ExportOptions.from_flags(precision=RTN, parity_tokens=2, parity_agreement="record", quality_gate="1"),
     )
     quality = result.parity.quality
     assert quality is not None and not quality.real and quality.threshold is None and quality.passed
@@ -150,7 +150,7 @@ def test_fp32_graphs_are_measured_only_when_eval_data_names_a_text(tmp_path: Pat
     assert f"quality {UNQUANTIZED};" in plain.output, plain.output
     assert read(tmp_path / "a").parity.quality is None  # the manifest records quality where it was measured
     text = resolve_checkpoint("demo") / "heldout.txt"
-    asked = export("demo", tmp_path / "b", ExportOptions(parity_tokens=2, eval_data=text))
+    asked = export("demo", tmp_path / "b", ExportOptions.from_flags(parity_tokens=2, eval_data=text))
     quality = asked.parity.quality
     assert quality is not None and quality.note is None and quality.tokens > 0 and quality.real, quality
     assert quality.agreement > 0.99 and quality.kl < 1e-4 and quality.threshold is None, quality

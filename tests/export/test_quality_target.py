@@ -77,11 +77,11 @@ def test_the_measured_set_and_its_gate_follow_the_quantized_graphs() -> None:
     """fp32 portable + int8 target: the target, at int8's 0.9 (or the gate given, or none when off);
     int4 portable + int4 target: the portable graphs, the plan unchanged; nothing quantized: unchanged."""
     plan = _plan()
-    int8 = measured_graphs(plan, ExportOptions(**ORT_INT8), [_written(Precision.INT8)])  # type: ignore[arg-type]
+    int8 = measured_graphs(plan, ExportOptions.from_flags(**ORT_INT8), [_written(Precision.INT8)])  # type: ignore[arg-type]
     assert (int8.target, int8.graphs, int8.threshold) == ("ort", "ort", 0.9), int8
-    given = ExportOptions(quality_gate="0.95", **ORT_INT8)  # type: ignore[arg-type]
+    given = ExportOptions.from_flags(quality_gate="0.95", **ORT_INT8)  # type: ignore[arg-type]
     assert measured_graphs(plan, given, [_written(Precision.INT8)]).threshold == 0.95
-    off = ExportOptions(quality_gate="off", **ORT_INT8)  # type: ignore[arg-type]
+    off = ExportOptions.from_flags(quality_gate="off", **ORT_INT8)  # type: ignore[arg-type]
     assert measured_graphs(plan, off, [_written(Precision.INT8)]).threshold is None
     int4 = Precision.of(Int4())
     both = measured_graphs(plan, ExportOptions(precision=int4, target="ort"), [_written(int4)])

@@ -139,7 +139,7 @@ def _mixer_ops(path: Path, scope: str) -> collections.Counter[str]:
 def decode_export(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     root = tmp_path_factory.mktemp(request.param)
     tiny_transformers(request.param, seed=1).save_pretrained(root / "ckpt", safe_serialization=True)
-    result = export(root / "ckpt", root / "out", ExportOptions(max_batch=4, parity_tokens=8))
+    result = export(root / "ckpt", root / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8))
     assert result.parity.passed, result.parity.failures()
     return request.param, root / "out" / "onnx"
 

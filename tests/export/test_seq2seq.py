@@ -64,7 +64,9 @@ def test_every_encoder_decoder_has_a_tiny_model_and_is_listed() -> None:
 @pytest.mark.parametrize("case", sorted(SEQ2SEQ_TINY))
 def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> None:
     ckpt = _save(case, tmp_path / "ckpt")
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, max_context=CONTEXT.get(case)))
+    result = export(
+        ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, max_context=CONTEXT.get(case))
+    )
     assert result.parity.passed, result.parity.failures()
     assert {c.graph for c in result.parity.tensors} == {"prefill", "decode", "model", "encoder"}
     manifest = result.manifest
@@ -95,7 +97,7 @@ def test_generation_equals_transformers_generate(case: str, tmp_path: Path) -> N
 @pytest.fixture(scope="module")
 def bart_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("bart")
-    result = export(_save("bart", root / "ckpt"), root / "out", ExportOptions(max_batch=4, parity_tokens=8))
+    result = export(_save("bart", root / "ckpt"), root / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8))
     assert result.parity.passed, result.parity.failures()
     return root / "out"
 
@@ -242,7 +244,7 @@ def test_fp16(case: str, tmp_path: Path) -> None:
     result = export(
         ckpt,
         tmp_path / "out",
-        ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16, max_context=CONTEXT.get(case)),
+        ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=Precision.FP16, max_context=CONTEXT.get(case)),
     )
     assert result.parity.passed, result.parity.failures()
     assert result.manifest.precision == "fp16"
@@ -260,11 +262,11 @@ def _validator() -> Draft202012Validator:
     ("options", "message"),
     [
         (
-            ExportOptions(precision=Precision.of(Int4()), calib_data="synthetic"),
+            ExportOptions.from_flags(precision=Precision.of(Int4()), calib_data="synthetic"),
             "--int4-method gptq is not supported for encoder-decoders yet: its calibration runs decoder-only prompts",
         ),
         (
-            ExportOptions(precision=Precision.of(Int8()), calib_data="synthetic"),
+            ExportOptions.from_flags(precision=Precision.of(Int8()), calib_data="synthetic"),
             "int8 exports are not supported for encoder-decoders yet: .* or --int4 --int4-method rtn",
         ),
         (
@@ -289,7 +291,7 @@ def test_int4_rtn_equals_pytorch_on_the_same_int4_weights(tmp_path: Path) -> Non
     checkpoint's own weights rounded to int4 here (``rtn_linears``), batch 1 and a padded batch."""
     ckpt = _save("bart", tmp_path / "ckpt")
     rtn = Precision.of(Int4(method=Int4Method.RTN))
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, precision=rtn))
+    result = export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=rtn))
     quantized = result.parity.quantized
     assert result.parity.passed and quantized is not None and quantized.passed, result.parity.failures()
     assert {c.graph for c in quantized.tensors} == {"prefill", "decode", "model", "encoder"}

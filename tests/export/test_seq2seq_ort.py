@@ -60,7 +60,9 @@ RTN = Precision.of(Int4(method=Int4Method.RTN))
 def _export(case: str, root: Path, precision: Precision = Precision.FP32, **options: Any) -> Path:
     ckpt = save_base(case, root / "ckpt")
     result = export(
-        ckpt, root / "out", ExportOptions(max_batch=4, parity_tokens=8, target="ort", precision=precision, **options)
+        ckpt,
+        root / "out",
+        ExportOptions.from_flags(max_batch=4, parity_tokens=8, target="ort", precision=precision, **options),
     )
     assert result.parity.passed, result.parity.failures()
     checked = {c.graph for c in result.parity.tensors}
@@ -187,7 +189,7 @@ def test_a_native_cross_attention_decoder_fuses_its_self_attention(tmp_path: Pat
     """The native decoder with cross-attention (no encoder graph; prefill takes encoder_hidden_states):
     its self-attention fuses in prefill and decode, its cross-attention (behind repeat_kv) is named."""
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config(cross_attention=True), seed=3)
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, target="ort"))
+    result = export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=4, target="ort"))
     assert result.parity.passed, result.parity.failures()
     entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["targets"]["ort"]
     assert set(entry["graphs"]) == {"prefill", "decode", "model"} and entry["kv_cache"] == "grown"

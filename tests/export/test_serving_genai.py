@@ -56,12 +56,14 @@ def _export(root: Path, options: ExportOptions) -> Path:
 
 @pytest.fixture(scope="module")
 def fp32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _export(tmp_path_factory.mktemp("genai32"), ExportOptions(parity_tokens=8))
+    return _export(tmp_path_factory.mktemp("genai32"), ExportOptions.from_flags(parity_tokens=8))
 
 
 @pytest.fixture(scope="module")
 def fp16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _export(tmp_path_factory.mktemp("genai16"), ExportOptions(precision=Precision.FP16, parity_tokens=8))
+    return _export(
+        tmp_path_factory.mktemp("genai16"), ExportOptions.from_flags(precision=Precision.FP16, parity_tokens=8)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +216,9 @@ def test_fp16_agrees_up_to_near_ties(fp16_dir: Path, demo: tuple[LoadedModel, To
 
 @pytest.fixture(scope="module")
 def int4_ort_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    options = ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN)), target="ort", parity_tokens=8)
+    options = ExportOptions.from_flags(
+        precision=Precision.of(Int4(method=Int4Method.RTN)), target="ort", parity_tokens=8
+    )
     return _export(tmp_path_factory.mktemp("genai-int4"), options)
 
 

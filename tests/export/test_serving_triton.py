@@ -53,7 +53,7 @@ ONNX_TO_TRITON = {
 def fp32_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo model exported with --triton demo (kiln triton then replaces that repository)."""
     out = tmp_path_factory.mktemp("triton32") / "out"
-    export("demo", out, ExportOptions(parity_tokens=8, triton="demo"))
+    export("demo", out, ExportOptions.from_flags(parity_tokens=8, triton="demo"))
     return out
 
 
@@ -65,7 +65,7 @@ def fp16_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     export(
         ckpt,
         root / "out",
-        ExportOptions(precision=Precision.FP16, logits=LogitsMode.LAST, max_batch=4, parity_tokens=4),
+        ExportOptions.from_flags(precision=Precision.FP16, logits=LogitsMode.LAST, max_batch=4, parity_tokens=4),
     )
     return root / "out"
 

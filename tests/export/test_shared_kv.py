@@ -48,7 +48,7 @@ CARRYING, READS = (0, 1, 2), ((3, 1), (4, 2))
 def shared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("shared_kv")
     tiny_transformers(CASE, seed=1).save_pretrained(root / "ckpt", safe_serialization=True)
-    result = export(root / "ckpt", root / "out", ExportOptions(max_batch=4, parity_tokens=8, triton="g3n"))
+    result = export(root / "ckpt", root / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, triton="g3n"))
     assert result.parity.passed, result.parity.failures()
     return root / "ckpt", root / "out"
 
@@ -139,6 +139,8 @@ def test_fp16_and_int4_pass_their_parity(precision: str, tmp_path: Path) -> None
     tokens, batch 1 and a left-padded batch."""
     tiny_transformers(CASE, seed=1).save_pretrained(tmp_path / "ckpt", safe_serialization=True)
     chosen = Precision.FP16 if precision == "fp16" else Precision.of(Int4(method=Int4Method.RTN))
-    result = export(tmp_path / "ckpt", tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, precision=chosen))
+    result = export(
+        tmp_path / "ckpt", tmp_path / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=chosen)
+    )
     assert result.parity.passed, result.parity.failures()
     assert [(r.layer, r.reads) for r in result.manifest.kv_cache.reads or ()] == list(READS)

@@ -49,7 +49,11 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny export holding a Triton repository (so that kiln triton replaces one)."""
     root = tmp_path_factory.mktemp("signals")
     out = root / "out"
-    export(write_checkpoint(root / "ckpt", tiny_config()), out, ExportOptions(max_batch=1, parity_tokens=2, triton="m"))
+    export(
+        write_checkpoint(root / "ckpt", tiny_config()),
+        out,
+        ExportOptions.from_flags(max_batch=1, parity_tokens=2, triton="m"),
+    )
     return out
 
 

@@ -51,7 +51,7 @@ def _save(directory: Path) -> Path:
 def mamba2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("state")
     ckpt = _save(root / "ckpt")
-    result = export(ckpt, root / "out", ExportOptions(max_batch=4, parity_tokens=8, triton="mamba2"))
+    result = export(ckpt, root / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, triton="mamba2"))
     assert result.parity.passed, result.parity.failures()
     return ckpt, root / "out"
 
@@ -129,7 +129,9 @@ def test_fp16_and_int4_pass_their_parity(tmp_path: Path) -> None:
     """--fp16 (its own parity), and int4 RTN on the portable graphs and --target ort, against
     PyTorch on the same int4 weights (``assert_int4_generation``)."""
     ckpt = _save(tmp_path / "ckpt")
-    fp16 = export(ckpt, tmp_path / "out16", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16))
+    fp16 = export(
+        ckpt, tmp_path / "out16", ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=Precision.FP16)
+    )
     assert fp16.parity.passed, fp16.parity.failures()
     assert [t.dtype for t in fp16.manifest.graph(GraphKind.DECODE).inputs if t.name.endswith(".ssm")] == ["float16"] * 2
     int4 = assert_int4_generation(ckpt, tmp_path / "out4", STEPS)

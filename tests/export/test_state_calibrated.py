@@ -31,7 +31,7 @@ def _export(root: Path, case: str, precision: Precision) -> Path:
     tiny_transformers(case, seed=1).save_pretrained(root / "ckpt", safe_serialization=True)
     rng = np.random.default_rng(0)
     np.save(root / "calib.npy", (np.cumsum(rng.integers(1, 4, size=2000)) % 100).astype(np.int64))
-    options = ExportOptions(
+    options = ExportOptions.from_flags(
         precision=precision,
         calib_data=str(root / "calib.npy"),
         calib_samples=8,

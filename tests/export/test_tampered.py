@@ -25,7 +25,7 @@ from kiln.exporter.pipeline import export
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tampered") / "demo"
-    export("demo", out, ExportOptions(max_batch=2, parity_tokens=2))
+    export("demo", out, ExportOptions.from_flags(max_batch=2, parity_tokens=2))
     return out
 
 
@@ -249,7 +249,7 @@ def test_a_version_1_export_still_runs(pristine: Path, tmp_path: Path) -> None:
 def std_pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo exported with --target onnx: portable graphs and static-cache graphs (256 slots)."""
     out = tmp_path_factory.mktemp("tampered-std") / "demo"
-    export("demo", out, ExportOptions(max_batch=2, parity_tokens=2, target="onnx"))
+    export("demo", out, ExportOptions.from_flags(max_batch=2, parity_tokens=2, target="onnx"))
     return out
 
 

@@ -113,7 +113,7 @@ def test_a_new_target_is_its_folder_and_one_registration(toy_registered: None, t
     with pytest.raises(ConfigError, match="^config: --toy-strict: the model has 6 layers, more than 4$"):
         plan(ExportOptions(target="toy", target_flags={"toy_strict": True}), spec)
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    options = ExportOptions(target="toy", target_flags={"toy_strict": True}, max_batch=4, parity_tokens=8)
+    options = ExportOptions.from_flags(target="toy", target_flags={"toy_strict": True}, max_batch=4, parity_tokens=8)
     result = export(ckpt, tmp_path / "out", options)
     assert result.parity.passed and set(result.parity.targets) == {"toy"}, result.parity.failures()
     entry = (result.manifest.targets or {})["toy"]

@@ -16,7 +16,7 @@ from kiln.exporter.pipeline import export
 from kiln.exporter.trace.cache import UNBOUND
 from kiln_testing import RecordedProgress, tiny_config, write_checkpoint
 
-OPTIONS = ExportOptions(parity_tokens=4)
+OPTIONS = ExportOptions.from_flags(parity_tokens=4)
 
 
 def _graphs(out: Path) -> dict[str, str]:
@@ -60,7 +60,7 @@ def test_what_the_trace_reads_changes_the_key(tmp_path: Path, monkeypatch: pytes
         len(_entries(tmp_path / "cache")) == 2
         and _graphs(tmp_path / "a")["decode.onnx"] != _graphs(tmp_path / "b")["decode.onnx"]
     )
-    export(base, tmp_path / "c", ExportOptions(parity_tokens=4, max_batch=4))
+    export(base, tmp_path / "c", ExportOptions.from_flags(parity_tokens=4, max_batch=4))
     assert len(_entries(tmp_path / "cache")) == 3
 
 

@@ -37,8 +37,10 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One checkpoint and its fp32 and int8 exports (the same graph I/O: only their Q/DQ differ)."""
     root = tmp_path_factory.mktemp("per_graph")
     ckpt = write_checkpoint(root / "ckpt", tiny_config(), seed=3)
-    export(ckpt, root / "fp32", ExportOptions(parity_tokens=STEPS))
-    int8 = ExportOptions(precision=Precision.INT8, calib_data="synthetic", calib_samples=2, parity_tokens=STEPS)
+    export(ckpt, root / "fp32", ExportOptions.from_flags(parity_tokens=STEPS))
+    int8 = ExportOptions.from_flags(
+        precision=Precision.INT8, calib_data="synthetic", calib_samples=2, parity_tokens=STEPS
+    )
     export(ckpt, root / "int8", int8)
     return root
 
@@ -114,7 +116,7 @@ def test_a_refusal_with_many_tensor_failures_names_the_divergence_step(
 
     monkeypatch.setattr(graphs, "fp32_graph", faulted)
     with pytest.raises(ParityError) as err:
-        export(exports / "ckpt", tmp_path / "out", ExportOptions(parity_tokens=STEPS))
+        export(exports / "ckpt", tmp_path / "out", ExportOptions.from_flags(parity_tokens=STEPS))
     failures = str(err.value).split(_DIFFER, 1)[1].split("; ")
     assert failures[0].startswith("decode:"), failures
     diverged = [f for f in failures if f.startswith("generation via prefill+decode, batch ")]

@@ -58,7 +58,7 @@ def _save(directory: Path, **overrides: Any) -> Path:
 @pytest.fixture(scope="module")
 def whisper(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("whisper")
-    result = export(_save(root / "ckpt"), root / "out", ExportOptions(max_batch=4, parity_tokens=8))
+    result = export(_save(root / "ckpt"), root / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8))
     assert result.parity.passed, result.parity.failures()
     assert {c.graph for c in result.parity.tensors} == {"prefill", "decode", "model", "encoder"}
     return root
@@ -190,7 +190,9 @@ def test_check_and_verify_pass(whisper: Path) -> None:
 def test_fp16(tmp_path: Path) -> None:
     """fp16 graphs pass their own parity; the encoder takes fp16 features, which kiln generate casts to."""
     ckpt = _save(tmp_path / "ckpt", init_std=0.1)
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, precision=Precision.FP16))
+    result = export(
+        ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=Precision.FP16)
+    )
     assert result.parity.passed, result.parity.failures()
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["precision"] == "fp16" and not [e.message for e in _validator().iter_errors(manifest)]
@@ -210,7 +212,7 @@ def test_int4_rtn_equals_pytorch_on_the_same_int4_weights(tmp_path: Path) -> Non
     transformers' generate() on the checkpoint's own weights rounded to int4 here (``rtn_linears``)."""
     ckpt = _save(tmp_path / "ckpt")
     rtn = Precision.of(Int4(method=Int4Method.RTN))
-    result = export(ckpt, tmp_path / "out", ExportOptions(max_batch=4, parity_tokens=8, precision=rtn))
+    result = export(ckpt, tmp_path / "out", ExportOptions.from_flags(max_batch=4, parity_tokens=8, precision=rtn))
     quantized = result.parity.quantized
     assert result.parity.passed and quantized is not None and quantized.passed, result.parity.failures()
     assert {c.graph for c in quantized.tensors} == {"prefill", "decode", "model", "encoder"}
@@ -244,7 +246,7 @@ def test_int4_rtn_equals_pytorch_on_the_same_int4_weights(tmp_path: Path) -> Non
     ("options", "message"),
     [
         (
-            ExportOptions(precision=Precision.of(Int4()), calib_data="synthetic"),
+            ExportOptions.from_flags(precision=Precision.of(Int4()), calib_data="synthetic"),
             "--int4-method gptq is not supported for encoder-decoders yet",
         ),
     ],

@@ -64,7 +64,7 @@ TOKENS = 8
 def _export_options(precision: str) -> ExportOptions:
     """fp32, or the precision variant where the exporter has one (and a parity tolerance for it)."""
     if precision == "fp32":
-        return ExportOptions(parity_tokens=TOKENS, max_batch=MAX_BATCH)
+        return ExportOptions.from_flags(parity_tokens=TOKENS, max_batch=MAX_BATCH)
     if precision not in TOLERANCES:
         pytest.skip(f"kiln writes no {precision} graphs")
     value = Precision.parse(precision)
@@ -86,7 +86,7 @@ def _export_options(precision: str) -> ExportOptions:
                 f"{precision} engines need compute capability {need[0]}.{need[1]}; this {runtime.gpu} is "
                 f"{runtime.compute_capability}"
             )
-    return ExportOptions(parity_tokens=TOKENS, max_batch=MAX_BATCH, **variant)
+    return ExportOptions.from_flags(parity_tokens=TOKENS, max_batch=MAX_BATCH, **variant)
 
 
 @pytest.fixture(scope="module", params=PRECISIONS)

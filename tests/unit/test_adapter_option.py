@@ -33,7 +33,7 @@ def test_a_weight_must_be_finite(weight: float) -> None:
 
 
 def test_adapter_directories_are_inputs_the_output_never_replaces() -> None:
-    options = ExportOptions(adapters=(Adapter(Path("first")), Adapter(Path("second"), 0.5)))
+    options = ExportOptions.from_flags(adapters=(Adapter(Path("first")), Adapter(Path("second"), 0.5)))
     assert options.data_inputs[-2:] == (Path("first"), Path("second"))
 
 

@@ -33,7 +33,7 @@ from kiln.exporter.artifacts.manifest import (
     graph_options,
 )
 from kiln.exporter.contract.io import DECODER_KINDS, GraphKind, graph_io
-from kiln.exporter.options import ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
+from kiln.exporter.options import FLAGS, ExportOptions, LogitsMode, PLEExtendMode, PLETables, Precision
 from kiln.exporter.precision.kinds import Fp16
 from kiln.plugins.native import spec_of
 from kiln_testing import tiny_config, typed_manifest
@@ -51,12 +51,16 @@ def manifest_for(
 ) -> Manifest:
     """The manifest an export with ``options`` writes (as ``artifacts.build`` fills it)."""
     precision = options.precision
-    tables = ((options.ple_extend or TRAINED_ROWS, 32),) * 2 if options.ple_tables is PLETables.INPUT else ()
+    tables = ((options.ple.extend or TRAINED_ROWS, 32),) * 2 if options.ple.tables is PLETables.INPUT else ()
     graphs = {
         kind.value: GraphEntry.of(
             f"onnx/{kind.value}.onnx",
             graph_io(
-                SPEC, kind, last_logits_only=options.last_logits_only, kv_dtype=precision.kv_dtype, ple_tables=tables
+                SPEC,
+                kind,
+                last_logits_only=options.graphs.last_logits_only,
+                kv_dtype=precision.kv_dtype,
+                ple_tables=tables,
             ),
             {
                 **(
@@ -77,7 +81,7 @@ def manifest_for(
         model=ModelInfo(SPEC.n_layers, SPEC.n_kv_heads, SPEC.head_dim, SPEC.vocab_size, 1, 2, None, None),
         precision=precision.value,
         kv_cache=KvCacheInfo("BNSH", ("batch", "n_kv_heads", "seq", "head_dim"), precision.kv_dtype),
-        limits=Limits(options.max_batch, options.max_context or max_context),
+        limits=Limits(options.graphs.max_batch, options.graphs.max_context or max_context),
         export=export_settings(
             options,
             trained_rows=trained_rows,
@@ -103,20 +107,23 @@ GRAPH_FIELDS = ("max_batch", "max_context", "logits", "opset", "ple_extend", "pl
 
 
 def graph_fields(options: ExportOptions) -> dict[str, Any]:
-    return {f: getattr(options, f) for f in GRAPH_FIELDS}
+    """The graph-shaping options by flag, each read from its group (``option_groups.FLAGS``)."""
+    return {f: getattr(getattr(options, FLAGS[f][0]), FLAGS[f][1]) for f in GRAPH_FIELDS}
 
 
 OPTIONS = [
-    ExportOptions(max_context=48),
-    ExportOptions(max_batch=1, max_context=2),
-    ExportOptions(max_batch=4, max_context=40, logits=LogitsMode.LAST),
-    ExportOptions(max_context=96, ple_extend=96, ple_extend_mode=PLEExtendMode.INTERPOLATE),
-    ExportOptions(max_context=64, ple_extend=64, ple_extend_mode=PLEExtendMode.CLAMP, ple_tables=PLETables.INPUT),
-    ExportOptions(max_context=48, ple_tables=PLETables.INPUT, opset=23),
-    ExportOptions(
+    ExportOptions.from_flags(max_context=48),
+    ExportOptions.from_flags(max_batch=1, max_context=2),
+    ExportOptions.from_flags(max_batch=4, max_context=40, logits=LogitsMode.LAST),
+    ExportOptions.from_flags(max_context=96, ple_extend=96, ple_extend_mode=PLEExtendMode.INTERPOLATE),
+    ExportOptions.from_flags(
+        max_context=64, ple_extend=64, ple_extend_mode=PLEExtendMode.CLAMP, ple_tables=PLETables.INPUT
+    ),
+    ExportOptions.from_flags(max_context=48, ple_tables=PLETables.INPUT, opset=23),
+    ExportOptions.from_flags(
         max_context=48, opset=18, logits=LogitsMode.LAST, precision=Precision.of(Fp16(keep_fp32=("/layers.0.mlp/",)))
     ),
-    ExportOptions(max_context=48, precision=Precision.INT8_FP16, calib_data="synthetic", opset=21),
+    ExportOptions.from_flags(max_context=48, precision=Precision.INT8_FP16, calib_data="synthetic", opset=21),
 ]
 
 
@@ -138,23 +145,28 @@ def test_round_trip_resolves_the_default_context() -> None:
     """``--max-context`` left out: the manifest records the limit the export used."""
     options = ExportOptions()
     back = graph_options(through_json(manifest_for(options, max_context=48)))
-    assert back.max_context == 48 and graph_fields(back) == {**graph_fields(options), "max_context": 48}
+    assert back.graphs.max_context == 48 and graph_fields(back) == {**graph_fields(options), "max_context": 48}
 
 
 def test_ple_extend_mode_only_with_an_extension() -> None:
     """Without --ple-extend the mode shaped nothing: the manifest records none and reads back the default."""
     settings = export_settings(
-        ExportOptions(ple_extend_mode=PLEExtendMode.INTERPOLATE), trained_rows=48, keep_fp32=(), calibration=None
+        ExportOptions.from_flags(ple_extend_mode=PLEExtendMode.INTERPOLATE),
+        trained_rows=48,
+        keep_fp32=(),
+        calibration=None,
     )
     assert settings.ple == PleInfo(folded=True, trained_rows=48, rows=48, extend_mode=None, tables="constant")
     assert (
         graph_options(
-            through_json(manifest_for(ExportOptions(max_context=48, ple_extend_mode=PLEExtendMode.INTERPOLATE)))
-        ).ple_extend_mode
+            through_json(
+                manifest_for(ExportOptions.from_flags(max_context=48, ple_extend_mode=PLEExtendMode.INTERPOLATE))
+            )
+        ).ple.extend_mode
         is PLEExtendMode.CLAMP
     )
     extended = export_settings(
-        ExportOptions(ple_extend=96, ple_extend_mode=PLEExtendMode.INTERPOLATE, ple_tables=PLETables.INPUT),
+        ExportOptions.from_flags(ple_extend=96, ple_extend_mode=PLEExtendMode.INTERPOLATE, ple_tables=PLETables.INPUT),
         trained_rows=48,
         keep_fp32=(),
         calibration=None,
@@ -164,8 +176,8 @@ def test_ple_extend_mode_only_with_an_extension() -> None:
         export_settings(ExportOptions(), trained_rows=None, keep_fp32=(), calibration=None).ple is None
     )  # a family without PLE
     assert graph_fields(
-        graph_options(through_json(manifest_for(ExportOptions(max_context=48), trained_rows=None)))
-    ) == graph_fields(ExportOptions(max_context=48))
+        graph_options(through_json(manifest_for(ExportOptions.from_flags(max_context=48), trained_rows=None)))
+    ) == graph_fields(ExportOptions.from_flags(max_context=48))
 
 
 def test_keep_fp32_recorded_only_for_fp16() -> None:
@@ -186,7 +198,7 @@ def test_keep_fp32_recorded_only_for_fp16() -> None:
 
 
 def test_to_json_omits_the_keys_only_some_exports_have() -> None:
-    data = manifest_for(ExportOptions(max_context=48)).to_json()
+    data = manifest_for(ExportOptions.from_flags(max_context=48)).to_json()
     assert "targets" not in data and "engines" not in data and "lora" not in data
     assert "text_decoder_of" not in data["model"]  # a multimodal checkpoint's text decoder only
     for graph in data["graphs"].values():
@@ -222,7 +234,7 @@ def test_to_json_writes_the_optional_keys_when_set() -> None:
         "engines/record.json", "10.13.0", None, "NVIDIA H200", "9.0", {"engines/decode.plan": "2" * 64}
     )
     manifest = manifest_for(
-        ExportOptions(max_context=48, precision=Precision.INT8_FP16, calib_data="synthetic"),
+        ExportOptions.from_flags(max_context=48, precision=Precision.INT8_FP16, calib_data="synthetic"),
         targets={"ort": ort},
         engines=engines,
     )
@@ -259,7 +271,7 @@ def test_typed_manifest_helper_round_trips() -> None:
 
 
 def base_json() -> dict[str, Any]:
-    return manifest_for(ExportOptions(max_context=48, precision=Precision.FP16)).to_json()
+    return manifest_for(ExportOptions.from_flags(max_context=48, precision=Precision.FP16)).to_json()
 
 
 def edited(path: str, value: Any = ..., *, delete: bool = False) -> dict[str, Any]:
@@ -338,7 +350,7 @@ def test_from_json_where_names_the_file() -> None:
 
 
 def test_write_and_read(tmp_path: Path) -> None:
-    manifest = manifest_for(ExportOptions(max_context=48, logits=LogitsMode.LAST))
+    manifest = manifest_for(ExportOptions.from_flags(max_context=48, logits=LogitsMode.LAST))
     path = manifest_module.write(tmp_path, manifest)
     assert path == tmp_path / MANIFEST and path.read_text().endswith("}\n")
     assert manifest_module.read(tmp_path) == manifest
@@ -371,4 +383,4 @@ def test_write_and_read(tmp_path: Path) -> None:
 def test_options_that_cannot_be_recorded_are_refused_first() -> None:
     """The round trip starts from valid options only: invalid ones never reach a manifest."""
     with pytest.raises(ConfigError, match=exact("config: --opset must be between 18 and 23, found 17")):
-        ExportOptions(opset=17)
+        ExportOptions.from_flags(opset=17)

@@ -83,7 +83,7 @@ def test_unknown_choice_refused() -> None:
     with pytest.raises(ConfigError, match="--parity-device must be one of auto, cpu, cuda, found 'gpu'"):
         resolve("gpu")
     with pytest.raises(ConfigError, match="--parity-device must be auto, cpu or cuda, found 'gpu'"):
-        ExportOptions(parity_device="gpu")
+        ExportOptions.from_flags(parity_device="gpu")
 
 
 def test_auto_follows_this_machine() -> None:
@@ -95,7 +95,7 @@ def test_auto_follows_this_machine() -> None:
 def test_the_default_is_the_cpu_until_the_cuda_path_has_run() -> None:
     """The CUDA path was written from documentation and has not run on a GPU: a GPU machine's export
     must not take it unasked (docs/parity.md), so the default is cpu for the API and both commands."""
-    assert ExportOptions().parity_device == "cpu"
+    assert ExportOptions().parity.device == "cpu"
     for command in ("export", "check"):
         params = {p.name: p for p in main.commands[command].params}
         assert params["parity_device"].default == "cpu", (command, params["parity_device"].default)
@@ -145,7 +145,7 @@ def test_export_cuda_refused_before_anything_is_written(tiny_ckpt: Path, tmp_pat
     assert "--parity-device cpu" in lines[0] and "Traceback" not in result.stderr, result.stderr
     assert not out.exists(), "nothing is written"
     with pytest.raises(ConfigError, match="--parity-device cuda"):
-        plan(ExportOptions(parity_device="cuda"))
+        plan(ExportOptions.from_flags(parity_device="cuda"))
 
 
 @pytest.mark.skipif(HERE_CUDA, reason="this machine can run parity on CUDA: nothing to refuse")

@@ -22,7 +22,7 @@ PLAIN = DecoderSpec(family="toy", n_layers=2, n_kv_heads=2, head_dim=8, vocab_si
 
 
 def test_every_reason_of_the_options_is_one_error_in_the_loops_order() -> None:
-    options = ExportOptions(
+    options = ExportOptions.from_flags(
         precision=Precision.of(Fp16(auto_keep_fp32=True)),
         ple_tables=PLETables.INPUT,
         target="onnx",
@@ -75,7 +75,7 @@ def test_options_refuse_only_what_is_wrong_on_its_own() -> None:
         ConfigError,
         match=r"^config: --max-batch must be at least 1, found 0 \| --opset must be between 18 and 23, found 99$",
     ):
-        ExportOptions(max_batch=0, opset=99)
+        ExportOptions.from_flags(max_batch=0, opset=99)
     with pytest.raises(ConfigError, match=r"^config: --target 'tpu' is not a target; choose portable, ort, onnx$"):
         plan(ExportOptions(target="tpu"))
 
@@ -92,7 +92,7 @@ def test_options_import_no_target_and_no_kind_but_the_precision_type() -> None:
 def test_a_model_s_round_reports_its_sizes_with_every_other_reason() -> None:
     """The exported context and the static cache are refusals of the model's round (``of_model``):
     reported with the structure's in one ``ConfigError``, alone in the export stage's error as before."""
-    options = ExportOptions(target="ort", triton="m", max_context=128)
+    options = ExportOptions.from_flags(target="ort", triton="m", max_context=128)
     with pytest.raises(ConfigError) as err:
         of_model(plan(options), CROSS)
     assert str(err.value).removeprefix("config: ").split(SEPARATOR) == [
@@ -101,15 +101,17 @@ def test_a_model_s_round_reports_its_sizes_with_every_other_reason() -> None:
         "--max-context 128 exceeds the model's max_context 64",
     ]
     with pytest.raises(ExportError, match=r"^export: --max-context 128 exceeds the model's max_context 64$"):
-        plan(ExportOptions(max_context=128), PLAIN, sized=True)
+        plan(ExportOptions.from_flags(max_context=128), PLAIN, sized=True)
     big = DecoderSpec(family="toy", n_layers=32, n_kv_heads=8, head_dim=128, vocab_size=32, max_context=2**24)
     found = reasons(ExportOptions(target="onnx"), big, sized=True)
     assert len(found) == 1 and found[0].startswith("--max-context 16777216: the static KV cache of --target onnx"), (
         found
     )
     assert reasons(ExportOptions(), big, sized=True) == []  # the portable graphs' cache grows: nothing to size
-    assert plan(ExportOptions(max_context=128), PLAIN).max_context is None  # unsized: what the structure supports
-    planned = of_model(plan(ExportOptions(target="onnx", max_context=32)), PLAIN)
+    assert (
+        plan(ExportOptions.from_flags(max_context=128), PLAIN).max_context is None
+    )  # unsized: what the structure supports
+    planned = of_model(plan(ExportOptions.from_flags(target="onnx", max_context=32)), PLAIN)
     assert (planned.spec, planned.max_context, planned.targets) == (PLAIN, 32, (target("onnx"),))
     assert of_model(plan(ExportOptions()), PLAIN).max_context == 64  # the model's own limit
 
@@ -128,5 +130,24 @@ def test_a_kind_s_flags_without_the_kind_are_reported_with_the_options_reasons(t
     ], result.output
     stray = ["--fp8-float only applies to --fp8 exports"]
     with pytest.raises(ConfigError, match=r"^config: --fp8-float only applies to --fp8 exports \| --lora-slots with"):
-        plan(ExportOptions(target="onnx", lora_slots=4), given=stray)
+        plan(ExportOptions.from_flags(target="onnx", lora_slots=4), given=stray)
     assert plan(ExportOptions(), given=[]).options == ExportOptions()
+
+
+def test_two_kinds_of_one_role_are_reported_with_the_other_reasons(tmp_path: Path) -> None:
+    """``--int8 --fp8``: the clash is one reason among the options' (it was raised alone, hiding the rest)."""
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    flags = ["--int8", "--fp8", "--triton", "bad name", "--quality-gate", "7", "--out", str(tmp_path / "o")]
+    result = CliRunner().invoke(main, ["export", "--model", "demo", *flags])
+    assert result.exit_code == 1 and not (tmp_path / "o").exists(), result.output
+    assert result.output.strip().removeprefix("error: config: ").split(SEPARATOR) == [
+        "--int8 and --fp8 are different precisions of the same MatMuls; choose one",
+        "triton: model name 'bad name' must start with a letter or digit and hold only letters, digits, '_', '.' "
+        "and '-'",
+        "--quality-gate must be auto, off or a top-1 agreement in (0, 1], found '7'",
+    ], result.output
+    with pytest.raises(ConfigError, match=r"^config: --int8 and --fp8 are different precisions"):
+        Precision.of(Precision.INT8.kinds[0], Precision.FP8.kinds[0])  # the API's own composition still refuses

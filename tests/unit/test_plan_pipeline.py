@@ -81,7 +81,7 @@ def planned_only() -> Iterator[PlannedOnly]:
 
 def test_the_pipeline_writes_the_plan_s_targets_once(planned_only: PlannedOnly, tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
-    options = ExportOptions(max_batch=2, parity_tokens=4)
+    options = ExportOptions.from_flags(max_batch=2, parity_tokens=4)
     assert plan(options).targets == (), "the options alone ask for no target"
     planned = dataclasses.replace(plan(options), targets=(planned_only,))
     result = export(ckpt, tmp_path / "out", planned)
@@ -97,5 +97,5 @@ def test_the_pipeline_writes_the_plan_s_targets_once(planned_only: PlannedOnly, 
 def test_a_plan_given_without_the_model_is_sized_against_it(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
     with pytest.raises(ExportError, match=r"^export: --max-context 100000 exceeds the model's max_context \d+$"):
-        export(ckpt, tmp_path / "out", plan(ExportOptions(max_context=100_000)))
+        export(ckpt, tmp_path / "out", plan(ExportOptions.from_flags(max_context=100_000)))
     assert not (tmp_path / "out").exists()

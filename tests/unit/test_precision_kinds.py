@@ -93,8 +93,8 @@ def test_what_follows_from_the_kinds() -> None:
     assert TOLERANCES["fp16"] == Fp16.tolerance and TOLERANCES["fp32"] == FP32
     assert Precision.INT8.needs(Needs.RANGES) and not Precision.INT4.needs(Needs.RANGES)
     assert Precision.INT4.needs(Needs.HESSIANS) and Precision.of(Int4(method=Int4Method.RTN)).needs(Needs.NOTHING)
-    assert ExportOptions(precision=Precision.INT8, calib_data="synthetic").samples == 32
-    assert ExportOptions(precision=Precision.INT4, calib_data="synthetic").samples == 256
+    assert ExportOptions.from_flags(precision=Precision.INT8, calib_data="synthetic").samples == 32
+    assert ExportOptions.from_flags(precision=Precision.INT4, calib_data="synthetic").samples == 256
 
 
 def test_refusals_are_one_line() -> None:
@@ -113,13 +113,13 @@ def test_refusals_are_one_line() -> None:
     with pytest.raises(ConfigError, match="^config: --int4-block must be one of 16, 32, 64, 128, 256, found 100$"):
         Int4(block=100)
     with pytest.raises(ConfigError, match="^config: --fp8 needs --opset 19 or later \\(fp16 Q/DQ scales\\), found 18$"):
-        plan(ExportOptions(precision=Precision.FP8, calib_data="synthetic", opset=18))
+        plan(ExportOptions.from_flags(precision=Precision.FP8, calib_data="synthetic", opset=18))
     with pytest.raises(
         ConfigError, match="^config: --calib-data only applies to --int8, --fp8 and --int4 \\(method gptq\\) exports$"
     ):
-        plan(ExportOptions(precision=Precision.of(Int4(method=Int4Method.RTN)), calib_data="synthetic"))
+        plan(ExportOptions.from_flags(precision=Precision.of(Int4(method=Int4Method.RTN)), calib_data="synthetic"))
     with pytest.raises(ConfigError, match="^config: --auto-keep-fp32 cannot be combined with --ple-tables input$"):
-        plan(ExportOptions(precision=Precision.of(Fp16(auto_keep_fp32=True)), ple_tables=PLETables.INPUT))
+        plan(ExportOptions.from_flags(precision=Precision.of(Fp16(auto_keep_fp32=True)), ple_tables=PLETables.INPUT))
 
 
 def test_flags_choose_the_kinds_and_fill_their_options() -> None:

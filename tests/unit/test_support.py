@@ -65,9 +65,7 @@ MARKS = {
     ),  # onnx: no DeltaNet state (issue 43)
     "Gemma 4 (text)": ["po-", "p--", "pO-", "p--", "po-"],
     "Gemma 3n (text)": UNPROVED_WINDOW,  # and a checkpoint with shared layers (the table's has none) on --target onnx
-    # the table asks by the wrapper's name: Gemma 3's is proved windowed (test_hf_multimodal), Mistral 3's tiny case has
-    # no window
-    "Mistral 3 VLM": UNPROVED_WINDOW,
+    # the table asks by the wrapper's name: Gemma 3's and Mistral 3's are proved windowed (test_hf_multimodal)
     **dict.fromkeys(["BART", "mBART", "Marian", "T5", "Whisper"], ENCODER_DECODER),
     "PLE decoder": TAKES_ALL,
     "cross-attention": ENCODER_DECODER,  # no --int8/--fp8, int4 by RTN only, no --target onnx
@@ -92,7 +90,7 @@ def _refused_by_the_export(spec: DecoderSpec, fields: dict[str, Any]) -> str | N
     from kiln.exporter.plan import plan
 
     try:
-        plan(ExportOptions(**fields), spec)
+        plan(ExportOptions.from_flags(**fields), spec)
     except ConfigError as exc:
         return str(exc).removeprefix("config: ")
     return None

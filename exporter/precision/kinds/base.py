@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     import onnx_ir as ir
 
     from kiln.exporter.contract.io import GraphKind
-    from kiln.plugins.base import DecoderSpec, PLETables
+    from kiln.exporter.option_groups import CalibrationOptions, GraphOptions, PLEOptions
+    from kiln.plugins.base import DecoderSpec
 
 __all__ = [
     "Role",
@@ -84,23 +85,17 @@ class Named(Protocol):
 
 class Asked(Protocol):
     """What a kind's ``reasons`` read of the export's options (``exporter.options.ExportOptions``
-    is one): a protocol, so that the kinds, which the options hold, do not import them back. A
-    kind that reads another field names it here."""
+    is one): a protocol of its groups (``exporter.option_groups``), so that the kinds, which the
+    options hold, do not import the options back. A kind that reads another group names it here."""
 
     @property
     def precision(self) -> Named: ...  # its name (``value``), as messages write it
     @property
-    def max_batch(self) -> int: ...
+    def graphs(self) -> GraphOptions: ...
     @property
-    def opset(self) -> int: ...
+    def calibration(self) -> CalibrationOptions: ...
     @property
-    def calib_data(self) -> str | None: ...
-    @property
-    def calib_method(self) -> str: ...
-    @property
-    def calib_percentile(self) -> float: ...
-    @property
-    def ple_tables(self) -> PLETables: ...
+    def ple(self) -> PLEOptions: ...
 
 
 class Prepared(abc.ABC):
@@ -205,16 +200,18 @@ class RangesKind(PrecisionKind):
 def ranges_reasons(flag: str, options: Asked) -> list[str]:
     """What is wrong with the calibration options of a kind that reads activation ranges (``Needs.RANGES``)."""
     found = []
-    if options.calib_data is None:
+    if options.calibration.data is None:
         found.append(
             f"{flag} needs --calib-data: a text file, .jsonl (field 'text'), .npy/.npz token ids, or 'synthetic'"
         )
-    if options.opset < _MIN_RANGES_OPSET:
-        found.append(f"{flag} needs --opset {_MIN_RANGES_OPSET} or later (fp16 Q/DQ scales), found {options.opset}")
-    if options.calib_method not in _CALIB_METHODS:
-        found.append(f"--calib-method must be one of {', '.join(_CALIB_METHODS)}, found {options.calib_method!r}")
-    if not 0.0 < options.calib_percentile <= 100.0:
-        found.append(f"--calib-percentile must be in (0, 100], found {options.calib_percentile}")
+    if options.graphs.opset < _MIN_RANGES_OPSET:
+        found.append(
+            f"{flag} needs --opset {_MIN_RANGES_OPSET} or later (fp16 Q/DQ scales), found {options.graphs.opset}"
+        )
+    if options.calibration.method not in _CALIB_METHODS:
+        found.append(f"--calib-method must be one of {', '.join(_CALIB_METHODS)}, found {options.calibration.method!r}")
+    if not 0.0 < options.calibration.percentile <= 100.0:
+        found.append(f"--calib-percentile must be in (0, 100], found {options.calibration.percentile}")
     return found
 
 

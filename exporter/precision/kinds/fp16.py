@@ -59,7 +59,7 @@ class Fp16(PrecisionKind):
 
     def reasons(self, spec: DecoderSpec | None, options: Asked) -> list[str]:
         found = []
-        if self.auto_keep_fp32 and options.ple_tables is PLETables.INPUT:
+        if self.auto_keep_fp32 and options.ple.tables is PLETables.INPUT:
             found.append("--auto-keep-fp32 cannot be combined with --ple-tables input")
         if spec is not None and spec.has_encoder and self.auto_keep_fp32:
             found.append(

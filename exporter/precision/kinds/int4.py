@@ -135,7 +135,7 @@ class Int4(PrecisionKind):
 
     def reasons(self, spec: DecoderSpec | None, options: Asked) -> list[str]:
         found = []
-        if self.gptq and options.calib_data is None:
+        if self.gptq and options.calibration.data is None:
             found.append(
                 "--int4-method gptq (the default) needs --calib-data: a text file, .jsonl (field 'text') or "
                 ".npy/.npz token ids; or pass --int4-method rtn"

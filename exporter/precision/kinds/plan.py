@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from kiln.errors import ConfigError
@@ -41,12 +42,8 @@ class Precision:
     @classmethod
     def of(cls, *chosen: PrecisionKind) -> Precision:
         """The precision of ``chosen`` kinds and those they imply (at their defaults)."""
-        for role in _ROLES:
-            same = sorted((c for c in chosen if c.role is role), key=_registered_order)
-            if len(same) > 1:
-                raise ConfigError(
-                    f"{' and '.join(c.flag() for c in same)} are different precisions of the same MatMuls; choose one"
-                )
+        if clashes := _clashes(chosen):
+            raise ConfigError(" | ".join(clashes))
         present = {k.name for k in chosen}
         implied = tuple(kind(name)() for k in chosen for name in k.implies if name not in present)
         return _interned(tuple(sorted((*chosen, *implied), key=lambda k: _ROLES.index(k.role))))
@@ -100,6 +97,9 @@ class Precision:
                     options = [flag.option for flag in group]
                     verb = "applies" if len(options) == 1 else "apply"
                     stray.append(f"{' and '.join(options)} only {verb} to {each.flag()} exports")
+        if clashes := _clashes(made):  # reported with the rest by the plan; the first of each role goes on
+            stray = [*clashes, *stray]
+            made = [k for k in made if min((c for c in made if c.role is k.role), key=_registered_order) is k]
         return cls.of(*made), stray
 
     @property
@@ -192,6 +192,19 @@ class Precision:
     def graph_opset(self, opset: int) -> int:
         """The opset the graphs are written at: ``opset``, raised to what a kind needs."""
         return max((opset, *(k.min_opset for k in self.kinds)))
+
+
+def _clashes(chosen: Sequence[PrecisionKind]) -> list[str]:
+    """A line for each role that more than one of ``chosen`` takes (``--int8 --fp8``: both quantize the
+    MatMuls)."""
+    found = []
+    for role in _ROLES:
+        same = sorted((c for c in chosen if c.role is role), key=_registered_order)
+        if len(same) > 1:
+            found.append(
+                f"{' and '.join(c.flag() for c in same)} are different precisions of the same MatMuls; choose one"
+            )
+    return found
 
 
 def _registered_order(chosen: PrecisionKind) -> int:

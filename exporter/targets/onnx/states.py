@@ -38,11 +38,12 @@ EXPORTED = "the portable graphs (and --target ort) export it"  # what a refused 
 
 def proved_architectures() -> list[str]:
     """The architectures whose family declares their state proved here (``DecoderSpec.static_state``),
-    asked of every registered family's rows (``ModelFamily.specs``), in their order."""
-    from kiln.plugins import families
+    asked of every registered family's rows (``plugins.family_rows``), in their order."""
+    from kiln.plugins import family_rows
 
-    rows = [spec for family in families() if callable(specs := getattr(family, "specs", None)) for spec in specs()]
-    return [_architecture(spec) for spec in rows if spec.static_state is not None and spec.static_state.precisions]
+    return [
+        _architecture(spec) for spec in family_rows() if spec.static_state is not None and spec.static_state.precisions
+    ]
 
 
 def _architecture(spec: DecoderSpec) -> str:

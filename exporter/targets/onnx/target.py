@@ -64,7 +64,7 @@ class OnnxTarget:
         found = []
         if options.precision.quantizes_scores:
             found.append(ALL_MATMULS)
-        if options.ple_tables.value == "input":
+        if options.ple.tables.value == "input":
             found.append("--target onnx takes the PLE tables as constants; drop --ple-tables input")
         if spec is not None and spec.encoder_dim is not None:
             found.append(
@@ -115,7 +115,7 @@ class OnnxTarget:
                 max_context=given.max_context,
                 precision=precision,
                 kv_dtype=precision.kv_dtype,
-                last_logits_only=given.options.last_logits_only,
+                last_logits_only=given.options.graphs.last_logits_only,
             )
 
     def quantized_precision(self, precision: Precision) -> Precision | None:

@@ -27,11 +27,10 @@ __all__ = ["layer_windows", "proved_windows"]
 def proved_windows() -> list[str]:
     """The architectures whose family declares their sliding window proved
     (``DecoderSpec.sliding_window_proved``), asked of every registered family's rows
-    (``ModelFamily.specs``), in their order."""
-    from kiln.plugins import families
+    (``plugins.family_rows``), in their order."""
+    from kiln.plugins import family_rows
 
-    rows = [spec for family in families() if callable(specs := getattr(family, "specs", None)) for spec in specs()]
-    return [str(spec.config.get("architecture") or spec.family) for spec in rows if spec.sliding_window_proved]
+    return [str(spec.config.get("architecture") or spec.family) for spec in family_rows() if spec.sliding_window_proved]
 
 
 def layer_windows(spec: DecoderSpec) -> dict[int, int]:
