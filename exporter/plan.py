@@ -1,10 +1,11 @@
 """The plan stage: every refusal of an export, asked in one loop through one signature, and what
 the export then writes.
 
-    options ──► ExportOptions(...)          value_reasons: ranges, names, flags among themselves
-                     │
+    flags ──► Precision.chosen(flags)         given: a kind's flags without it, two kinds of one role
+          ──► ExportOptions.from_flags(...)  groups (graphs, ple, calibration, parity, lora); value_reasons:
+                     │                       ranges, names, flags among themselves
                      ▼
-    plan(options) ──► ExportPlan(options, None, targets, None)          the options alone
+    plan(options, given) ──► ExportPlan(options, None, targets, None)   the options alone, with ``given``
     of_model(planned, spec) ──► ExportPlan(options, spec, targets, max_context)   once the model is known
           │  each refusal's reasons(spec, options) -> list[str], in this order:
           │    each precision kind of the export   (precision.kinds.*: check and model refusals)
