@@ -138,7 +138,10 @@ def test_the_onnx_target_asks_the_family_whether_its_window_is_proved() -> None:
     spec = DecoderSpec("toy-window", 2, 1, 8, 32, 64, config={"architecture": "ToyWindow", "sliding_window": 4})
     with pytest.raises(ConfigError) as err:
         layer_windows(spec)  # a family that declares nothing: refused, and not among the proved ones
-    assert "Gemma3ForConditionalGeneration, each proved by a test; this ToyWindow model has a 4-token" in str(err.value)
+    assert (
+        "Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, each proved by a test; this ToyWindow model "
+        "has a 4-token" in str(err.value)
+    )
     declared = dataclasses.replace(spec, sliding_window_proved=True)
     assert layer_windows(declared) == {0: 4, 1: 4}
     FAMILIES.register("toy-state", StateFamily(declared))  # one registration adds it to the proved ones
@@ -147,6 +150,6 @@ def test_the_onnx_target_asks_the_family_whether_its_window_is_proved() -> None:
             layer_windows(dataclasses.replace(spec, config={"sliding_window": 8}))
     finally:
         FAMILIES.forget("toy-state")
-    assert "Gemma3ForConditionalGeneration, ToyWindow, each proved by a test; this toy-window model has a 8" in str(
+    assert "Mistral3ForConditionalGeneration, ToyWindow, each proved by a test; this toy-window model has a 8" in str(
         err.value
     )

@@ -770,7 +770,8 @@ def test_windows_read_from_the_config_or_refused() -> None:
     assert str(err.value) == (
         "config: --target onnx applies sliding windows only for MistralForCausalLM, Qwen2ForCausalLM, "
         "Gemma2ForCausalLM, Gemma3ForCausalLM, Starcoder2ForCausalLM, MixtralForCausalLM, "
-        "Gemma3ForConditionalGeneration, each proved by a test; this Phi3ForCausalLM model "
+        "Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, each proved by a test; this Phi3ForCausalLM "
+        "model "
         "has a 2047-token window: export it without --target onnx"
     )
     with pytest.raises(
