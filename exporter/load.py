@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from kiln.errors import ConfigError, ExportError
+from kiln.exporter.file_pages import release_module_pages
 from kiln.exporter.options import ExportOptions
 from kiln.plugins import LoadedModel
 from kiln.plugins.base import DecoderSpec
@@ -61,6 +62,7 @@ def prepare_reference(loaded: LoadedModel, options: ExportOptions) -> nn.Module:
         if loaded.ple is None:
             raise ExportError("--ple-extend was given but the model has no PLE tables")
         loaded.ple.extend(loaded.module, options.ple.extend, options.ple.extend_mode)
+    release_module_pages(loaded.module)  # the load's checks read every weight: each stage maps what it reads again
     return loaded.module
 
 

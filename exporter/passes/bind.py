@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from kiln.errors import ExportError
+from kiln.exporter.file_pages import release_file_pages
 
 __all__ = ["Transform", "ModuleWeight", "WeightSource", "BindWeights"]
 
@@ -105,15 +106,21 @@ class ModuleWeight(ir.LazyTensor):
         A float tensor goes through the transforms in its own dtype (a bf16 weight is transposed
         and rounded to fp16 directly: the same values as through fp32, without an fp32 copy of
         it) and is converted to the final dtype in the one copy that also makes it contiguous."""
-        tensor = self.source.tensor(self.module_name).detach()
+        source = self.source.tensor(self.module_name).detach()
+        tensor = source
         if not (tensor.is_floating_point() and self.transforms):
             tensor = tensor.to(_TORCH_DTYPES[self.base_dtype])
         for transform in self.transforms:
             tensor = transform.func(tensor)
         final = _TORCH_DTYPES[self.dtype]
         if tensor.dtype == final and tensor.is_contiguous():
-            return tensor.numpy()
-        return torch.empty(tensor.shape, dtype=final).copy_(tensor).numpy()
+            if tensor.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+                return tensor.numpy()  # the module tensor's own memory, read by the caller
+            values = tensor.numpy()
+        else:
+            values = torch.empty(tensor.shape, dtype=final).copy_(tensor).numpy()
+        self._read()
+        return values
 
     def chunks(self, limit: int) -> Iterator[np.ndarray]:
         """``array()``'s values, contiguous, a slice of rows of at most ``limit`` bytes at a time (one row
@@ -139,6 +146,13 @@ class ModuleWeight(ir.LazyTensor):
                 part = transform.func(part)
             same = part.dtype == final and part.is_contiguous()
             yield (part if same else torch.empty(part.shape, dtype=final).copy_(part)).numpy()
+        self._read()
+
+    def _read(self) -> None:
+        """The module tensor's values are read (into new memory, or written out chunk by chunk): its
+        checkpoint file's pages go back to the page cache (``file_pages``; a bf16 8B model's would
+        otherwise stay in the process until it ends)."""
+        release_file_pages([self.source.tensor(self.module_name)])
 
     @property
     def identity(self) -> tuple[object, ...]:

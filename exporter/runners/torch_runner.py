@@ -17,6 +17,7 @@ from kiln.exporter.contract.io import (
     cross_past_names,
     cross_present_names,
 )
+from kiln.exporter.file_pages import release_file_pages
 from kiln.exporter.runners.base import Feeds
 from kiln.exporter.runners.device import current
 from kiln.exporter.trace.wrapper import EncoderModule, FeaturesEncoderModule, GraphModule
@@ -38,7 +39,11 @@ class Scratch:
         self._free: dict[tuple[tuple[int, ...], torch.device], list[torch.Tensor]] = {}
 
     def lend(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.empty(tuple(tensor.shape), tensor.device).copy_(tensor.detach())
+        """An fp32 copy of ``tensor``, whose checkpoint file pages go back to the page cache
+        (``file_pages``: a module-at-a-time forward maps one module's at a time)."""
+        lent = self.empty(tuple(tensor.shape), tensor.device).copy_(tensor.detach())
+        release_file_pages([tensor])
+        return lent
 
     def empty(self, shape: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
         """A buffer of ``shape`` to fill (uninitialised) on ``device`` (the CPU by default: parity
@@ -106,7 +111,9 @@ def _converted_in_place(module: nn.Module, budget: int | None) -> bool:
         return False
     for tensor in itertools.chain(weights, module.buffers()):
         if tensor.is_floating_point() and tensor.dtype != torch.float32:
-            tensor.data = tensor.data.float()
+            low = tensor.data
+            tensor.data = low.float()
+            release_file_pages([low])  # a checkpoint file kept mapped (its other tensors) keeps none of these pages
     return True
 
 
