@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from kiln.errors import ConfigError, ExportError
-from kiln.exporter.file_pages import release_module_pages
 from kiln.exporter.options import ExportOptions
+from kiln.file_pages import release_module_pages
 from kiln.plugins import LoadedModel
 from kiln.plugins.base import DecoderSpec
 from kiln.plugins.hub_cache import HF_EXTRA

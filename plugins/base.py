@@ -262,11 +262,15 @@ def non_finite(tensor: Tensor, slice_elements: int = 1 << 24) -> int:
     which only a slice that fails it pays."""
     import torch
 
+    from kiln.file_pages import release_file_pages
+
     flat = tensor.detach().reshape(-1)
-    return sum(
+    count = sum(
         0 if _finite_range(part) else int((~torch.isfinite(_countable(part))).sum())
         for part in (flat[i : i + slice_elements] for i in range(0, flat.numel(), slice_elements))
     )
+    release_file_pages([tensor])  # read: its file's pages go back to the page cache (``kiln.file_pages``)
+    return count
 
 
 def _countable(part: Tensor) -> Tensor:

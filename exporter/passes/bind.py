@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kiln.errors import ExportError
-from kiln.exporter.file_pages import release_file_pages
+from kiln.file_pages import release_file_pages
 
 __all__ = ["Transform", "ModuleWeight", "WeightSource", "BindWeights"]
 

@@ -17,10 +17,10 @@ from kiln.exporter.contract.io import (
     cross_past_names,
     cross_present_names,
 )
-from kiln.exporter.file_pages import release_file_pages
 from kiln.exporter.runners.base import Feeds
 from kiln.exporter.runners.device import current
 from kiln.exporter.trace.wrapper import EncoderModule, FeaturesEncoderModule, GraphModule
+from kiln.file_pages import release_file_pages
 
 __all__ = ["TorchRunner", "computes_in_fp32", "drop_fp32_buffers", "fp32_scratch"]
 

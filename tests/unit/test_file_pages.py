@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.exporter.file_pages import release_file_pages, release_module_pages
+from kiln.file_pages import release_file_pages, release_module_pages
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the pagemap and madvise are Linux's")
 
@@ -64,8 +64,8 @@ def test_memory_of_the_process_is_never_released() -> None:
 
 
 def test_a_loaded_checkpoint_keeps_none_of_its_pages_once_the_reference_is_ready(tmp_path: Path) -> None:
-    """A bf16 checkpoint's weights are its file's pages (transformers maps them): the load's checks
-    read every one, and the reference leaves them to the page cache; what is read next maps again."""
+    """A bf16 checkpoint's weights are its file's pages (transformers maps them): whatever read them
+    before, the reference leaves them to the page cache; what is read next maps again."""
     from kiln.exporter.load import prepare_reference
     from kiln.exporter.options import ExportOptions
     from kiln.plugins import load_model
@@ -74,8 +74,8 @@ def test_a_loaded_checkpoint_keeps_none_of_its_pages_once_the_reference_is_ready
     tiny_model("llama", seed=1, vocab_size=8192).module.model.to(torch.bfloat16).save_pretrained(tmp_path)
     loaded = load_model(tmp_path)
     embedding = loaded.module.model.get_input_embeddings().weight
-    assert embedding.dtype == torch.bfloat16 and _resident(embedding) > 0  # read by the load's checks
-    before = embedding.float().sum().item()
+    before = embedding.float().sum().item()  # read: mapped
+    assert embedding.dtype == torch.bfloat16 and _resident(embedding) == embedding.nbytes // mmap.PAGESIZE
     module = prepare_reference(loaded, ExportOptions.from_flags())
     assert sum(_resident(p) for p in module.parameters()) == 0
     assert embedding.float().sum().item() == before
@@ -103,3 +103,12 @@ def test_a_weight_read_for_the_graphs_or_the_reference_leaves_its_pages(tmp_path
         values = Scratch().lend(module.weight).numpy()
     assert _resident(module.weight) == 0
     assert np.array_equal(values.reshape(expected.shape), expected.numpy())
+
+
+def test_the_loads_check_of_each_weight_leaves_its_pages(tmp_path: Path) -> None:
+    """The load reads every weight once for NaN and Inf (``non_finite``): each one's pages go back after."""
+    from kiln.plugins.base import non_finite
+
+    tensor = _mapped(tmp_path / "w.bin")
+    assert non_finite(tensor, slice_elements=1000) == 0
+    assert _resident(tensor) == 0
