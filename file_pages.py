@@ -21,7 +21,6 @@ weight after the load's adapters are merged)."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import itertools
 import mmap
@@ -41,8 +40,10 @@ _SPAN = 1 << 18  # pagemap entries read at a time (2 MiB of them: 1 GiB of memor
 
 
 def release_file_pages(tensors: Iterable[torch.Tensor]) -> int:
-    """Unmap the pages of ``tensors``' CPU memory that still hold their file's bytes (``pages``);
-    returns the bytes released (0 where the system cannot say which pages those are)."""
+    """Unmap the pages of ``tensors``' CPU memory that still hold their file's bytes; returns the
+    bytes released (0 where the system cannot say which pages those are). No other thread may write
+    that memory meanwhile: a page it made its own between the pagemap's read and the ``madvise``
+    would be dropped with its write (reads, such as the weights writer's thread, are safe)."""
     madvise = _madvise()
     if madvise is None:
         return 0
@@ -67,7 +68,7 @@ def _page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     neighbour is included: releasing a file's page is safe whoever reads it next."""
     ranges: set[tuple[int, int]] = set()
     for tensor in tensors:
-        if tensor.device.type != "cpu" or tensor.numel() == 0:
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.numel() == 0:
             continue
         pointer = tensor.data_ptr()
         span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
@@ -100,14 +101,11 @@ def _release(pagemap: BinaryIO, madvise: Callable[[int, int, int], int], start: 
 @functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
     """libc's ``madvise``, where ``/proc/self/pagemap`` says which pages are a file's (Linux)."""
-    name = ctypes.util.find_library("c")
     try:
         with open("/proc/self/pagemap", "rb"):
             pass
-        function = ctypes.CDLL(name, use_errno=True).madvise if name else None
+        function = ctypes.CDLL(None, use_errno=True).madvise  # the process's own symbols: the C library's
     except (OSError, AttributeError):
-        return None
-    if function is None:
         return None
     function.argtypes, function.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     advise: Callable[[int, int, int], int] = function
