@@ -113,14 +113,11 @@ class ModuleWeight(ir.LazyTensor):
         for transform in self.transforms:
             tensor = transform.func(tensor)
         final = _TORCH_DTYPES[self.dtype]
-        if tensor.dtype == final and tensor.is_contiguous():
-            if tensor.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
-                return tensor.numpy()  # the module tensor's own memory, read by the caller
-            values = tensor.numpy()
-        else:
-            values = torch.empty(tensor.shape, dtype=final).copy_(tensor).numpy()
-        self._read()
-        return values
+        if tensor.dtype != final or not tensor.is_contiguous():
+            tensor = torch.empty(tensor.shape, dtype=final).copy_(tensor)
+        if tensor.untyped_storage().data_ptr() != source.untyped_storage().data_ptr():
+            self._read()  # else the values are the module tensor's own memory, which the caller reads
+        return tensor.numpy()
 
     def chunks(self, limit: int) -> Iterator[np.ndarray]:
         """``array()``'s values, contiguous, a slice of rows of at most ``limit`` bytes at a time (one row
