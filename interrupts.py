@@ -40,6 +40,7 @@ __all__ = [
     "finish",
     "hold",
     "hold_if_program",
+    "is_program",
     "install",
     "message",
     "raise_if_interrupted",
@@ -122,6 +123,11 @@ def hold() -> None:
     _state.program = True
     for sig in _SIGNALS:
         signal.signal(sig, _handle)
+
+
+def is_program() -> bool:
+    """Whether this process runs the CLI as its program (``hold`` was called), not a test or a library."""
+    return _state.program
 
 
 def hold_if_program(module: str) -> None:
