@@ -6,7 +6,7 @@ feeds. ``kiln export`` (``pipeline``) and ``kiln check``'s calibration run again
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import onnx_ir as ir
 
@@ -22,10 +22,11 @@ __all__ = ["prepare_calibration", "graph_ranges"]
 
 
 def prepare_calibration(
-    reference: Reference, options: ExportOptions, checkpoint: dict[str, str], progress: Progress
+    reference: Reference, options: ExportOptions, checkpoint: Callable[[], Mapping[str, str]], progress: Progress
 ) -> Calibration | None:
     """The kinds that read activation ranges (int8, fp8): the calibration data and settings (and
-    ranges, when the cache has them); ``checkpoint``: the checkpoint's files' sha256 (the cache's key)."""
+    ranges, when the cache has them); ``checkpoint``: the checkpoint's files' sha256 (the cache's key),
+    asked for only here (the export hashes them ahead, beside its stages: ``HashAhead``)."""
     if not options.precision.needs(Needs.RANGES):
         return None
     assert options.calibration.data is not None, "the kinds that read ranges refuse to go without --calib-data"
@@ -34,7 +35,7 @@ def prepare_calibration(
         options.calibration.data,
         spec=reference.spec,
         tokenizer=reference.loaded.tokenizer,
-        weights_sha256=checkpoint[files[1].name] if len(files) > 1 else "",
+        weights_sha256=checkpoint()[files[1].name] if len(files) > 1 else "",
         samples=options.samples,
         method=options.calibration.method,
         percentile=options.calibration.percentile,

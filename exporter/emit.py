@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from kiln.errors import ArtifactError
 from kiln.exporter.artifacts.build import build_manifest
-from kiln.exporter.artifacts.hashing import hash_tree
+from kiln.exporter.artifacts.hashing import hash_tree, sha256_file
 from kiln.exporter.artifacts.layout import ONNX_DIR, REPORTS_DIR, TOKENIZER
 from kiln.exporter.artifacts.manifest import MANIFEST, Manifest, write
 from kiln.exporter.parity.report import write_parity_reports
@@ -24,8 +25,9 @@ from kiln.exporter.serving.triton import write_triton_models
 __all__ = ["write_artifacts"]
 
 
-def write_artifacts(root: Path, report: ExportReport) -> Manifest:
-    """Write the reports, serving configs and manifest of the export staged in ``root``."""
+def write_artifacts(root: Path, report: ExportReport, digest: Callable[[Path], str] = sha256_file) -> Manifest:
+    """Write the reports, serving configs and manifest of the export staged in ``root``; ``digest``:
+    a file's sha256 (the export's ``HashAhead.digest``: the graphs hashed beside parity)."""
     write_parity_reports(report.parity, root / REPORTS_DIR, report.parity_extras())
     if report.tokenizer is not None:
         shutil.copyfile(report.tokenizer, root / TOKENIZER)
@@ -42,6 +44,6 @@ def write_artifacts(root: Path, report: ExportReport) -> Manifest:
         write_genai_config(root / ONNX_DIR, manifest)  # beside model.onnx
     if report.options.triton is not None:
         write_triton_models(root, manifest, report.options.triton)
-    manifest = dataclasses.replace(manifest, files=hash_tree(root, exclude=(MANIFEST,)))
+    manifest = dataclasses.replace(manifest, files=hash_tree(root, exclude=(MANIFEST,), digest=digest))
     write(root, manifest)
     return manifest

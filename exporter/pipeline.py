@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kiln.errors import ParityError
-from kiln.exporter.artifacts.hashing import sha256_file
+from kiln.exporter.artifacts.hashing import HashAhead
 from kiln.exporter.artifacts.layout import CALIBRATION_DIR, ONNX_DIR
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.staging import refuse_held, require_replaceable, staged_output
@@ -162,16 +162,20 @@ def export_loaded(
         loaded, reference.spec, options, reference.max_context
     )  # its text read now: a bad --eval-data refused before any stage
     needs = int(sum(p.numel() for p in reference.module.parameters()) * options.precision.min_bytes_per_weight)
-    with staged_output(out, options.force, inputs=inputs, note=progress.note, needs=needs) as root:
+    with (
+        staged_output(out, options.force, inputs=inputs, note=progress.note, needs=needs) as root,
+        HashAhead() as hashes,
+    ):
         # the prepared precision (the int4 numbers: 3.5 GB at 8B) is gone once the graphs are
         # written: what parity needs of it is spilled to the staging directory
-        staged = _write_graphs(reference, loaded, planned, root, out, progress)
+        staged = _write_graphs(reference, loaded, planned, root, out, progress, hashes)
+        hashes.queue(staged.files())  # the graphs and weights, hashed beside parity
         parity = _parity(
             reference, options, staged, _ParityModel(loaded, adapters, release_reference), quality, out, progress
         )
         report = _report(reference, loaded, options, staged, parity, model_ref, adapters)
         refuse_quality(report, out)  # the graphs are right, the quantization short of its gate: reports kept beside out
-        manifest = write_artifacts(root, report)
+        manifest = write_artifacts(root, report, hashes.digest)
     return ExportResult(out, manifest, parity, report)
 
 
@@ -189,16 +193,27 @@ class _Staged:
     numbers: QuantizerNumbers | None  # --int4: the quantizer's numbers (int4.proof)
     qdq: QdqNumbers | None  # int8, fp8: their proof's numbers (parity.qdq_proof)
 
+    def files(self) -> list[Path]:
+        """Every graph and weights file written (the spilled numbers, which parity deletes, are not among them)."""
+        sets = [(self.portable.paths, self.portable.weights), *((t.paths, t.weights) for t in self.written)]
+        return [path for paths, weights in sets for path in (*paths.values(), weights.path)]
+
 
 def _write_graphs(
-    reference: Reference, loaded: LoadedModel, planned: ExportPlan, root: Path, out: Path, progress: Progress
+    reference: Reference,
+    loaded: LoadedModel,
+    planned: ExportPlan,
+    root: Path,
+    out: Path,
+    progress: Progress,
+    hashes: HashAhead,
 ) -> _Staged:
     """fold -> calibration -> trace -> precision kinds prepared -> portable graphs -> the plan's
     target graphs, in the staging directory ``root``; the low-bit proofs' numbers spilled there."""
     options = planned.options
+    hashes.queue(loaded.files)  # hashed once, beside the trace and the graphs
     folded = _fold(reference, loaded, progress)
-    checkpoint = {path.name: sha256_file(path) for path in loaded.files}  # hashed once
-    calibration = prepare_calibration(reference, options, checkpoint, progress)
+    calibration = prepare_calibration(reference, options, lambda: hashes.digests(loaded.files), progress)
     traced = trace_unified(reference, folded, options, progress)  # its own stage
     context = precision_context(
         reference, folded, options, traced, graph_ranges(reference, options, calibration, progress), progress
@@ -213,7 +228,7 @@ def _write_graphs(
     written = tuple(each.write(given) for each in planned.targets)
     return _Staged(
         folded,
-        checkpoint,
+        hashes.digests(loaded.files),
         portable,
         calibrated,
         written,

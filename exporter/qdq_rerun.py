@@ -113,7 +113,7 @@ def rerun_calibration(
     if isinstance(source, Skip):
         return QdqRerun(None, source.reason)
     options = dataclasses.replace(options, calibration=dataclasses.replace(options.calibration, data=source))
-    calibration = prepare_calibration(reference, options, manifest.checkpoint.files, progress)
+    calibration = prepare_calibration(reference, options, lambda: manifest.checkpoint.files, progress)
     assert calibration is not None, "a precision that needs ranges is calibrated"
     if calibration.data.sha256 != record["data_sha256"]:
         return QdqRerun(
