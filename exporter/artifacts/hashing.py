@@ -34,9 +34,10 @@ class _Stopped(Exception):
 
 
 def _identity(path: Path) -> tuple[int, ...]:
-    """What changes when a file is replaced or written: device, inode, size, modification time."""
+    """What changes when a file is replaced or written: device, inode, size, modification time and
+    status-change time (which a write moves, and which ``os.utime`` setting the old mtime back moves too)."""
     st = path.stat()
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _identity_or_none(path: Path) -> tuple[int, ...] | None:
@@ -78,8 +79,10 @@ class HashAhead(contextlib.AbstractContextManager["HashAhead"]):
         """``path``'s sha256: the background's when it hashed this very file, else computed now."""
         queued = self._queued.get(path.absolute())
         if queued is not None and not self._stop.is_set() and queued[0] == _identity_or_none(path):
-            return queued[1].result()
-        return sha256_file(path)  # and its refusal of a file gone or unreadable
+            future = queued[1]
+            if future.exception() is None:  # waits for it
+                return future.result()
+        return sha256_file(path)  # read again: a failure in the background may not happen twice (or is raised here)
 
     def digests(self, paths: Iterable[Path]) -> dict[str, str]:
         """Each path's ``digest`` by file name (a checkpoint's ``files``)."""
@@ -90,7 +93,7 @@ class HashAhead(contextlib.AbstractContextManager["HashAhead"]):
             path, future = item
             try:
                 future.set_result(sha256_file(path, stop=self._stop))
-            except BaseException as exc:  # the caller hashes again and meets the error itself
+            except BaseException as exc:  # ``digest`` reads the file again and meets the error itself, if any
                 future.set_exception(exc)
 
     def __exit__(self, *exc: object) -> None:

@@ -10,6 +10,7 @@ import hashlib
 import os
 import threading
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -46,6 +47,36 @@ def test_a_file_rewritten_after_it_was_queued_is_hashed_as_it_is_now(tmp_path: P
         assert hashes.digest(path) == _sha(b"b" * (1 << 20) + b"!")
         os.replace(_written(tmp_path / "other", b"c"), path)  # another inode
         assert hashes.digest(path) == _sha(b"c")
+
+
+def test_a_file_rewritten_at_its_size_with_its_old_time_set_back_is_hashed_again(tmp_path: Path) -> None:
+    """``cp -p``, ``touch -r``, ``rsync -t --inplace``: same inode, size and mtime; the status-change time moved."""
+    path = _written(tmp_path / "model.safetensors", b"a" * 4096)
+    with HashAhead() as hashes:
+        hashes.queue([path])
+        assert hashes.digest(path) == _sha(b"a" * 4096)
+        before = path.stat()
+        with path.open("r+b") as f:
+            f.write(b"b" * 4096)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+        assert hashes.digest(path) == _sha(b"b" * 4096)
+
+
+def test_a_failure_in_the_background_is_read_again_in_the_caller(tmp_path: Path) -> None:
+    """A read that failed once (EIO, EMFILE, a permission since fixed) is not the export's failure."""
+    path = _written(tmp_path / "weights.bin", b"w" * 1024)
+    with HashAhead() as hashes:
+        with mock.patch(
+            "kiln.exporter.artifacts.hashing.open_input", side_effect=OSError(5, "Input/output error")
+        ) as failing:
+            hashes.queue([path])
+            thread = _hash_thread()
+            assert thread is not None
+            while not hashes._queued[path.absolute()][1].done():
+                thread.join(timeout=0.01)
+        assert failing.called
+        assert hashes.digest(path) == _sha(b"w" * 1024)
 
 
 def _written(path: Path, data: bytes) -> Path:
