@@ -105,10 +105,10 @@ class ChunkFile:
             raise self._error
 
     def holds(self, offset: int, data: memoryview) -> bool:
-        """Whether the file holds ``data`` at ``offset``."""
+        """Whether the file holds ``data`` (bytes: format ``B``) at ``offset``."""
         self.flush()
         return all(
-            os.pread(self._fd, min(CHUNK_BYTES, len(data) - i), offset + i) == data[i : i + CHUNK_BYTES]
+            _equal(os.pread(self._fd, min(CHUNK_BYTES, len(data) - i), offset + i), data[i : i + CHUNK_BYTES])
             for i in range(0, len(data), CHUNK_BYTES)
         )
 
@@ -116,8 +116,10 @@ class ChunkFile:
         """Whether the file's ``length`` bytes at ``first`` and at ``second`` are equal."""
         self.flush()
         return all(
-            os.pread(self._fd, min(CHUNK_BYTES, length - i), first + i)
-            == os.pread(self._fd, min(CHUNK_BYTES, length - i), second + i)
+            _equal(
+                os.pread(self._fd, min(CHUNK_BYTES, length - i), first + i),
+                os.pread(self._fd, min(CHUNK_BYTES, length - i), second + i),
+            )
             for i in range(0, length, CHUNK_BYTES)
         )
 
@@ -138,6 +140,13 @@ class ChunkFile:
                 self._raise()
         finally:
             os.close(self._fd)
+
+
+def _equal(a: bytes, b: bytes | memoryview) -> bool:
+    """Byte for byte equality at memory speed: ``bytes == memoryview`` compares one item at a time (16 MiB
+    in 51 ms measured here, against 8 ms for numpy's; the ``--target ort`` graphs' weights confirmed
+    their duplicates this way, 1.7 s of the stage's 8.5 s at the 0.5B shape, int4)."""
+    return len(a) == len(b) and bool(np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)))
 
 
 def _write_all(fd: int, offset: int, data: memoryview) -> None:
