@@ -6,7 +6,9 @@ feeds. ``kiln export`` (``pipeline``) and ``kiln check``'s calibration run again
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
 
 import onnx_ir as ir
 
@@ -18,24 +20,36 @@ from kiln.exporter.precision.kinds.base import Needs, Ranges
 from kiln.exporter.progress import Progress
 from kiln.exporter.runners import TorchRunner
 
-__all__ = ["prepare_calibration", "graph_ranges"]
+__all__ = ["prepare_calibration", "graph_ranges", "weights_identity"]
+
+
+def weights_identity(checkpoint: Mapping[str, str], adapters: Sequence[tuple[Mapping[str, str], float]] = ()) -> str:
+    """The calibration cache's key for the weights calibrated: a sha256 over every checkpoint file's sha256 (by
+    name: each shard of a sharded checkpoint, its config) and every merged adapter's (its files' sha256 and its
+    weight in the sum, in ``--adapter`` order). It was one file's hash (a sharded checkpoint's first shard): an
+    export of a checkpoint that differed in another shard, in its config or by a merged adapter reused ranges
+    calibrated on other weights."""
+    record = {
+        "checkpoint": dict(sorted(checkpoint.items())),
+        "adapters": [[dict(sorted(files.items())), weight] for files, weight in adapters],
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
 def prepare_calibration(
-    reference: Reference, options: ExportOptions, checkpoint: Callable[[], Mapping[str, str]], progress: Progress
+    reference: Reference, options: ExportOptions, weights: Callable[[], str], progress: Progress
 ) -> Calibration | None:
     """The kinds that read activation ranges (int8, fp8): the calibration data and settings (and
-    ranges, when the cache has them); ``checkpoint``: the checkpoint's files' sha256 (the cache's key),
-    asked for only here (the export hashes them ahead, beside its stages: ``HashAhead``)."""
+    ranges, when the cache has them); ``weights``: the weights' ``weights_identity`` (the cache's key),
+    asked for only here (the export hashes its checkpoint ahead, beside its stages: ``HashAhead``)."""
     if not options.precision.needs(Needs.RANGES):
         return None
     assert options.calibration.data is not None, "the kinds that read ranges refuse to go without --calib-data"
-    files = reference.loaded.files
     calibration = Calibration.prepare(
         options.calibration.data,
         spec=reference.spec,
         tokenizer=reference.loaded.tokenizer,
-        weights_sha256=checkpoint()[files[1].name] if len(files) > 1 else "",
+        weights_sha256=weights(),
         samples=options.samples,
         method=options.calibration.method,
         percentile=options.calibration.percentile,

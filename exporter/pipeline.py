@@ -24,7 +24,7 @@ from kiln.exporter.artifacts.hashing import HashAhead
 from kiln.exporter.artifacts.layout import CALIBRATION_DIR, ONNX_DIR
 from kiln.exporter.artifacts.manifest import Manifest
 from kiln.exporter.artifacts.staging import refuse_held, require_replaceable, staged_output
-from kiln.exporter.calibrate import graph_ranges, prepare_calibration
+from kiln.exporter.calibrate import graph_ranges, prepare_calibration, weights_identity
 from kiln.exporter.candidates import candidate, qdq_tolerance
 from kiln.exporter.emit import write_artifacts
 from kiln.exporter.fold import Folded, fold, table_feeds
@@ -168,7 +168,7 @@ def export_loaded(
     ):
         # the prepared precision (the int4 numbers: 3.5 GB at 8B) is gone once the graphs are
         # written: what parity needs of it is spilled to the staging directory
-        staged = _write_graphs(reference, loaded, planned, root, out, progress, hashes)
+        staged = _write_graphs(reference, loaded, planned, root, out, progress, hashes, adapters)
         hashes.queue(staged.files())  # the graphs and weights, hashed beside parity
         parity = _parity(
             reference, options, staged, _ParityModel(loaded, adapters, release_reference), quality, out, progress
@@ -207,13 +207,18 @@ def _write_graphs(
     out: Path,
     progress: Progress,
     hashes: HashAhead,
+    adapters: tuple[LoraAdapter, ...],
 ) -> _Staged:
     """fold -> calibration -> trace -> precision kinds prepared -> portable graphs -> the plan's
     target graphs, in the staging directory ``root``; the low-bit proofs' numbers spilled there."""
     options = planned.options
     hashes.queue(loaded.files)  # hashed once, beside the trace and the graphs
     folded = _fold(reference, loaded, progress)
-    calibration = prepare_calibration(reference, options, lambda: hashes.digests(loaded.files), progress)
+
+    def weights() -> str:  # the calibration cache's key: only the kinds that calibrate wait for the hashes
+        return weights_identity(hashes.digests(loaded.files), [(a.sha256, a.weight) for a in adapters])
+
+    calibration = prepare_calibration(reference, options, weights, progress)
     traced = trace_unified(reference, folded, options, progress)  # its own stage
     context = precision_context(
         reference, folded, options, traced, graph_ranges(reference, options, calibration, progress), progress

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.exporter.artifacts.manifest import Manifest, graph_options
-from kiln.exporter.calibrate import graph_ranges, prepare_calibration
+from kiln.exporter.calibrate import graph_ranges, prepare_calibration, weights_identity
 from kiln.exporter.check_calibration import Recorded, Skip, rerun_source
 from kiln.exporter.contract.io import graph_kinds
 from kiln.exporter.fold import fold
@@ -113,7 +113,14 @@ def rerun_calibration(
     if isinstance(source, Skip):
         return QdqRerun(None, source.reason)
     options = dataclasses.replace(options, calibration=dataclasses.replace(options.calibration, data=source))
-    calibration = prepare_calibration(reference, options, lambda: manifest.checkpoint.files, progress)
+    calibration = prepare_calibration(
+        reference,
+        options,
+        lambda: weights_identity(
+            manifest.checkpoint.files, [(a.files, a.weight) for a in manifest.checkpoint.adapters or ()]
+        ),
+        progress,
+    )
     assert calibration is not None, "a precision that needs ranges is calibrated"
     if calibration.data.sha256 != record["data_sha256"]:
         return QdqRerun(

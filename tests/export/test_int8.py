@@ -23,7 +23,7 @@ from kiln.exporter.pipeline import export
 from kiln.exporter.plan import plan
 from kiln.exporter.precision.int8 import check_qdq
 from kiln.exporter.precision.kinds import Int8
-from kiln_testing import tiny_config, write_checkpoint
+from kiln_testing import edit_config, tiny_config, write_checkpoint
 
 
 def _ids(path: Path, n: int = 4000, vocab: int = 101, seed: int = 0) -> Path:
@@ -148,6 +148,21 @@ def test_cache_reused_and_invalidated(tmp_path: Path) -> None:
     ).manifest.export.calibration
     assert data["cache"] == "written" and data["key"] not in (first["key"], other["key"])
     assert len(list((tmp_path / "cache").glob("*.json"))) == 3
+
+
+def test_a_checkpoint_whose_config_changed_is_calibrated_again(tmp_path: Path) -> None:
+    """Same weights file, another config (another model): the cache's weights key covers every checkpoint file
+    (it was the weights file's hash alone; a sharded checkpoint's first shard), so nothing calibrated on the
+    other model is reused."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", tiny_config())
+    first = export(ckpt, tmp_path / "a", _int8(tmp_path, parity_tokens=4)).manifest.export.calibration
+    edit_config(ckpt, rope_theta=500.0)
+    progress = _Recorded()
+    again = export(ckpt, tmp_path / "b", _int8(tmp_path, parity_tokens=4), progress).manifest.export.calibration
+    assert again["cache"] == "written" and again["key"] != first["key"]
+    assert [d for d in progress.stages if d.startswith("calibrate")] == [
+        f"calibrate {g}.onnx (max)" for g in ("prefill", "decode", "model")
+    ]
 
 
 @pytest.mark.parametrize("method", ["entropy", "mse"])

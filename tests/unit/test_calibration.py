@@ -529,3 +529,32 @@ def test_collect_ranges_entropy_and_mse() -> None:
     hist, edges = np.histogram(values, bins=2048, range=(0.0, 60.0))
     want = mse_threshold(hist.astype(np.float64), edges)
     assert abs(mse["x"][1] - want) <= 2 * 60.0 / 2048
+
+
+def test_the_weights_identity_covers_every_checkpoint_file_and_every_merged_adapter() -> None:
+    """The cache's weights key: a checkpoint that differs in any shard or in its config, or a merged adapter's
+    files, weight or order, is other weights (it was one file's hash: a sharded checkpoint's first shard)."""
+    from kiln.exporter.calibrate import weights_identity
+
+    shards = {
+        "config.json": "c" * 64,
+        "model-00001-of-00002.safetensors": "1" * 64,
+        "model-00002-of-00002.safetensors": "2" * 64,
+    }
+    lora = {"adapter_config.json": "a" * 64, "adapter_model.safetensors": "b" * 64}
+    other = {"adapter_config.json": "a" * 64, "adapter_model.safetensors": "e" * 64}
+    base = weights_identity(shards)
+    assert re.fullmatch("[0-9a-f]{64}", base)
+    assert weights_identity(dict(reversed(list(shards.items())))) == base  # the files' order does not matter
+    assert weights_identity(shards, ()) == base
+    variants = [
+        weights_identity({**shards, "model-00002-of-00002.safetensors": "3" * 64}),  # the second shard
+        weights_identity({**shards, "config.json": "d" * 64}),  # the config
+        weights_identity({k: v for k, v in shards.items() if k != "config.json"}),  # a file fewer
+        weights_identity(shards, [(lora, 1.0)]),  # an adapter merged
+        weights_identity(shards, [(lora, 0.5)]),  # at another weight
+        weights_identity(shards, [(other, 1.0)]),  # another adapter
+        weights_identity(shards, [(lora, 1.0), (other, 1.0)]),
+        weights_identity(shards, [(other, 1.0), (lora, 1.0)]),  # the sum's order, as --adapter gave it
+    ]
+    assert len({base, *variants}) == 1 + len(variants)
