@@ -33,18 +33,15 @@ class _Stopped(Exception):
     """A hash ``HashAhead`` no longer needs, cut short."""
 
 
-def _identity(path: Path) -> tuple[int, ...]:
+def _identity(path: Path) -> tuple[int, ...] | None:
     """What changes when a file is replaced or written: device, inode, size, modification time and
-    status-change time (which a write moves, and which ``os.utime`` setting the old mtime back moves too)."""
-    st = path.stat()
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _identity_or_none(path: Path) -> tuple[int, ...] | None:
+    status-change time (which a write moves, and which ``os.utime`` setting the old mtime back moves too);
+    None where the file cannot be stat'ed."""
     try:
-        return _identity(path)
+        st = path.stat()
     except OSError:
         return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class HashAhead(contextlib.AbstractContextManager["HashAhead"]):
@@ -52,7 +49,7 @@ class HashAhead(contextlib.AbstractContextManager["HashAhead"]):
     releases the GIL while it hashes, so a queued file is read and hashed on another core beside a
     stage's Python (the checkpoint beside the trace and the graphs, the written graphs beside parity).
     ``digest`` returns a queued file's hash once it is done, or hashes the file itself when the file
-    is not the one queued any more (its device, inode, size or modification time changed since), so
+    is not the one queued any more (``_identity``: replaced or written since), so
     a digest is always of the file as it is when asked. Leaving the block stops what is still queued
     (the thread is a daemon: an interrupted export never waits on it)."""
 
@@ -65,7 +62,7 @@ class HashAhead(contextlib.AbstractContextManager["HashAhead"]):
     def queue(self, paths: Iterable[Path]) -> None:
         """Hash each of ``paths`` (regular files, finished) in the background, in order."""
         for path in paths:
-            key, identity = path.absolute(), _identity_or_none(path)
+            key, identity = path.absolute(), _identity(path)
             if key in self._queued or identity is None or self._stop.is_set():
                 continue  # a file that cannot be read is hashed (and refused) when its digest is asked for
             future: Future[str] = Future()
@@ -78,7 +75,7 @@ class HashAhead(contextlib.AbstractContextManager["HashAhead"]):
     def digest(self, path: Path) -> str:
         """``path``'s sha256: the background's when it hashed this very file, else computed now."""
         queued = self._queued.get(path.absolute())
-        if queued is not None and not self._stop.is_set() and queued[0] == _identity_or_none(path):
+        if queued is not None and not self._stop.is_set() and queued[0] == _identity(path):
             future = queued[1]
             if future.exception() is None:  # waits for it
                 return future.result()
